@@ -1,0 +1,19 @@
+//! vk-cocoon: a virtual kubelet that turns Kubernetes pods into cocoon MicroVMs.
+//! The module map follows ../shared/design.md; `daemon` is where the rooms meet.
+
+pub mod config;
+pub mod daemon;
+pub mod guest;
+pub mod kube;
+pub mod kubelet;
+pub mod logging;
+pub mod metrics;
+pub mod network;
+pub mod node;
+pub mod probes;
+pub mod provider;
+pub mod reactor;
+pub mod sandbox;
+pub mod snapshots;
+pub mod version;
+pub mod vm;

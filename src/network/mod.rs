@@ -1,0 +1,2 @@
+//! Guest networking: the cocoon-net lease file, lease release, and the ICMPv4 pinger.
+//! Parsers and sockets only; probe scheduling lives in probes.

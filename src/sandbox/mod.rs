@@ -1,0 +1,2 @@
+//! The embedded sandbox: a fake Kubernetes API server and a fake cocoon for tests and demos.
+//! Test infrastructure that follows the specs; the daemon itself never depends on it.
