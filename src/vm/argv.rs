@@ -1,0 +1,328 @@
+//! One argv builder per cocoon command vk-cocoon runs (cocoon-cli.md sections 2-3, generation N).
+//! Each returns the arguments after the binary; the caller prefixes the binary path. No shell, ever.
+
+use super::resources::CpuPolicy;
+
+/// The hypervisor backend a VM runs on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Backend {
+    #[default]
+    CloudHypervisor,
+    Firecracker,
+}
+
+impl Backend {
+    /// The JSON `hypervisor` value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::CloudHypervisor => "cloud-hypervisor",
+            Backend::Firecracker => "firecracker",
+        }
+    }
+
+    /// From a JSON `hypervisor` value; anything but `firecracker` is cloud-hypervisor.
+    pub fn from_hypervisor(text: &str) -> Backend {
+        if text == "firecracker" {
+            Backend::Firecracker
+        } else {
+            Backend::CloudHypervisor
+        }
+    }
+}
+
+/// `--restore-mode` of N clones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RestoreMode {
+    Copy,
+    OnDemand,
+    Mmap,
+}
+
+impl RestoreMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RestoreMode::Copy => "copy",
+            RestoreMode::OnDemand => "ondemand",
+            RestoreMode::Mmap => "mmap",
+        }
+    }
+}
+
+/// Where a clone restores from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CloneSource {
+    /// A snapshot ref (ID, name or ID prefix): the positional FROM.
+    Snapshot(String),
+    /// An unpacked snapshot directory: `--from-dir DIR` (implies `--pull`).
+    FromDir(String),
+}
+
+/// Options of `vm clone` (N, 3.1).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CloneOptions {
+    pub source: CloneSource,
+    /// Empty = let cocoon choose (`cocoon-clone-<id8>`).
+    pub name: String,
+    /// CNI conflist name; empty = omitted.
+    pub network: String,
+    pub no_direct_io: bool,
+    /// Requested when the snapshot records a base image.
+    pub pull: bool,
+    /// Omitted for firecracker.
+    pub restore_mode: Option<RestoreMode>,
+    /// `Some(0)` is emitted as `--nics 0`; omitted for firecracker.
+    pub nics: Option<u32>,
+    pub cpu: CpuPolicy,
+    pub backend: Backend,
+}
+
+impl CloneOptions {
+    /// A clone from a snapshot ref with every optional flag off.
+    pub fn from_snapshot(snapshot: &str) -> CloneOptions {
+        CloneOptions {
+            source: CloneSource::Snapshot(snapshot.to_string()),
+            name: String::new(),
+            network: String::new(),
+            no_direct_io: false,
+            pull: false,
+            restore_mode: None,
+            nics: None,
+            cpu: CpuPolicy::default(),
+            backend: Backend::CloudHypervisor,
+        }
+    }
+}
+
+/// Options of `vm run` (N, 3.2).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RunOptions {
+    pub image: String,
+    pub name: String,
+    /// vCPUs; 0 = omitted.
+    pub cpu: u64,
+    pub cpu_policy: CpuPolicy,
+    /// Byte count (or verbatim unparsable quantity); empty = omitted.
+    pub memory: String,
+    /// Byte count (or verbatim unparsable quantity); empty = omitted.
+    pub storage: String,
+    pub network: String,
+    pub windows: bool,
+    pub backend: Backend,
+    pub no_direct_io: bool,
+}
+
+/// Options of `vm exec` (N, 3.16).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ExecOptions {
+    pub vm: String,
+    /// Forward the caller's stdin (`-i`).
+    pub interactive: bool,
+    /// Environment; emitted as `-e K=V` sorted by key.
+    pub env: Vec<(String, String)>,
+    pub command: Vec<String>,
+}
+
+fn strs(parts: &[&str]) -> Vec<String> {
+    parts.iter().map(|s| s.to_string()).collect()
+}
+
+fn push_cpu_policy(argv: &mut Vec<String>, cpu: &CpuPolicy) {
+    for (flag, v) in [
+        ("--cpu-weight", cpu.weight),
+        ("--cpu-quota-us", cpu.quota_us),
+        ("--cpu-period-us", cpu.period_us),
+    ] {
+        if v > 0 {
+            argv.push(flag.to_string());
+            argv.push(v.to_string());
+        }
+    }
+}
+
+/// `vm clone --output json [--name] [--network] [--no-direct-io] [--pull] [--restore-mode]
+/// [--nics] [--cpu-weight] [--cpu-quota-us] [--cpu-period-us] (FROM | --from-dir DIR)`.
+pub fn vm_clone(o: &CloneOptions) -> Vec<String> {
+    let mut a = strs(&["vm", "clone", "--output", "json"]);
+    if !o.name.is_empty() {
+        a.extend(["--name".into(), o.name.clone()]);
+    }
+    if !o.network.is_empty() {
+        a.extend(["--network".into(), o.network.clone()]);
+    }
+    if o.no_direct_io {
+        a.push("--no-direct-io".into());
+    }
+    let from_dir = matches!(o.source, CloneSource::FromDir(_));
+    if o.pull || from_dir {
+        a.push("--pull".into());
+    }
+    let fc = o.backend == Backend::Firecracker;
+    if let (Some(mode), false) = (o.restore_mode, fc) {
+        a.extend(["--restore-mode".into(), mode.as_str().into()]);
+    }
+    if let (Some(n), false) = (o.nics, fc) {
+        a.extend(["--nics".into(), n.to_string()]);
+    }
+    push_cpu_policy(&mut a, &o.cpu);
+    match &o.source {
+        CloneSource::Snapshot(from) => a.push(from.clone()),
+        CloneSource::FromDir(dir) => a.extend(["--from-dir".into(), dir.clone()]),
+    }
+    a
+}
+
+/// `vm run --output json [--name] [--cpu] [--cpu-weight] [--cpu-quota-us] [--cpu-period-us]
+/// [--memory] [--storage] [--network] [--windows] [--fc] [--no-direct-io] IMAGE`.
+pub fn vm_run(o: &RunOptions) -> Vec<String> {
+    let mut a = strs(&["vm", "run", "--output", "json"]);
+    if !o.name.is_empty() {
+        a.extend(["--name".into(), o.name.clone()]);
+    }
+    if o.cpu > 0 {
+        a.extend(["--cpu".into(), o.cpu.to_string()]);
+    }
+    push_cpu_policy(&mut a, &o.cpu_policy);
+    if !o.memory.is_empty() {
+        a.extend(["--memory".into(), o.memory.clone()]);
+    }
+    if !o.storage.is_empty() {
+        a.extend(["--storage".into(), o.storage.clone()]);
+    }
+    if !o.network.is_empty() {
+        a.extend(["--network".into(), o.network.clone()]);
+    }
+    if o.windows {
+        a.push("--windows".into());
+    }
+    if o.backend == Backend::Firecracker {
+        a.push("--fc".into());
+    }
+    if o.no_direct_io {
+        a.push("--no-direct-io".into());
+    }
+    a.push(o.image.clone());
+    a
+}
+
+/// `vm inspect REF`.
+pub fn vm_inspect(vm_ref: &str) -> Vec<String> {
+    strs(&["vm", "inspect", vm_ref])
+}
+
+/// `vm list -o json`.
+pub fn vm_list() -> Vec<String> {
+    strs(&["vm", "list", "-o", "json"])
+}
+
+/// `vm rm --force VMID`.
+pub fn vm_rm(vm_id: &str) -> Vec<String> {
+    strs(&["vm", "rm", "--force", vm_id])
+}
+
+/// `vm start VMID`.
+pub fn vm_start(vm_id: &str) -> Vec<String> {
+    strs(&["vm", "start", vm_id])
+}
+
+/// `vm exec [-i] [-e K=V]... VMID -- ARGV...` with env sorted by key.
+pub fn vm_exec(o: &ExecOptions) -> Vec<String> {
+    let mut a = strs(&["vm", "exec"]);
+    if o.interactive {
+        a.push("-i".into());
+    }
+    let mut env = o.env.clone();
+    env.sort();
+    for (k, v) in env {
+        a.push("-e".into());
+        a.push(format!("{k}={v}"));
+    }
+    a.push(o.vm.clone());
+    a.push("--".into());
+    a.extend(o.command.iter().cloned());
+    a
+}
+
+/// `vm logs [--tail N] VMID` (`--tail` only when N > 0; never `-f`).
+pub fn vm_logs(vm_id: &str, tail: u64) -> Vec<String> {
+    let mut a = strs(&["vm", "logs"]);
+    if tail > 0 {
+        a.extend(["--tail".into(), tail.to_string()]);
+    }
+    a.push(vm_id.into());
+    a
+}
+
+/// `vm net --nics N VMID` (cloud-hypervisor only).
+pub fn vm_net(vm_id: &str, nics: u32) -> Vec<String> {
+    vec![
+        "vm".into(),
+        "net".into(),
+        "--nics".into(),
+        nics.to_string(),
+        vm_id.into(),
+    ]
+}
+
+/// `vm reconcile-stale-create VMID -o json`.
+pub fn vm_reconcile_stale_create(vm_id: &str) -> Vec<String> {
+    strs(&["vm", "reconcile-stale-create", vm_id, "-o", "json"])
+}
+
+/// `vm status --event --format json` (the long-lived event stream).
+pub fn vm_status_events() -> Vec<String> {
+    strs(&["vm", "status", "--event", "--format", "json"])
+}
+
+/// `snapshot save --name NAME VMREF`.
+pub fn snapshot_save(name: &str, vm_ref: &str) -> Vec<String> {
+    strs(&["snapshot", "save", "--name", name, vm_ref])
+}
+
+/// `snapshot inspect REF`.
+pub fn snapshot_inspect(snapshot_ref: &str) -> Vec<String> {
+    strs(&["snapshot", "inspect", snapshot_ref])
+}
+
+/// `snapshot rm REF`.
+pub fn snapshot_rm(snapshot_ref: &str) -> Vec<String> {
+    strs(&["snapshot", "rm", snapshot_ref])
+}
+
+/// `snapshot import --name NAME [--description D]`; the archive goes to stdin.
+pub fn snapshot_import(name: &str, description: Option<&str>) -> Vec<String> {
+    let mut a = strs(&["snapshot", "import", "--name", name]);
+    if let Some(d) = description.filter(|d| !d.is_empty()) {
+        a.extend(["--description".into(), d.into()]);
+    }
+    a
+}
+
+/// `snapshot export NAME -o -`; the tar stream comes on stdout.
+pub fn snapshot_export(name: &str) -> Vec<String> {
+    strs(&["snapshot", "export", name, "-o", "-"])
+}
+
+/// `snapshot list -o json` (listed in behaviour 19; the JSON form mirrors `vm list`).
+pub fn snapshot_list() -> Vec<String> {
+    strs(&["snapshot", "list", "-o", "json"])
+}
+
+/// `image pull [--force] IMAGE`.
+pub fn image_pull(image: &str, force: bool) -> Vec<String> {
+    let mut a = strs(&["image", "pull"]);
+    if force {
+        a.push("--force".into());
+    }
+    a.push(image.into());
+    a
+}
+
+/// `image inspect REF`.
+pub fn image_inspect(image: &str) -> Vec<String> {
+    strs(&["image", "inspect", image])
+}
+
+/// `image import NAME`; the payload goes to stdin.
+pub fn image_import(name: &str) -> Vec<String> {
+    strs(&["image", "import", name])
+}
