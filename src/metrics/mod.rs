@@ -2,4 +2,10 @@
 //! Collectors read /proc and sysfs through procfs; nothing here forks.
 
 pub mod collectors;
+pub mod families;
 pub mod stats;
+
+pub use families::{Metrics, PREFIX};
+
+/// Content type of the text exposition format.
+pub const TEXT_CONTENT_TYPE: &str = prometheus::TEXT_FORMAT;
