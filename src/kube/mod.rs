@@ -1,2 +1,13 @@
 //! The Kubernetes API client: credentials, blocking calls on ureq, the non-blocking pod watch, Events.
 //! It knows the wire rules, not what vk-cocoon decides.
+
+pub mod auth;
+pub mod client;
+pub mod error;
+pub mod kubeconfig;
+pub mod ratelimit;
+pub mod tls;
+
+pub use client::{Client, PodList, ServerTarget, WatchSession};
+pub use error::{ApiStatus, KubeError};
+pub use kubeconfig::{ClusterConfig, KubeConfigError, KubeOptions};

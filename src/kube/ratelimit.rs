@@ -1,0 +1,79 @@
+//! Client-side token bucket shared by every request of one Client (QPS / burst, like client-go's).
+//! Pure arithmetic on caller-supplied instants; the blocking wait lives in the client.
+
+use std::time::{Duration, Instant};
+
+/// A token bucket: `qps` tokens per second, at most `burst` stored. qps <= 0 disables limiting.
+#[derive(Clone, Debug)]
+pub struct TokenBucket {
+    qps: f64,
+    burst: f64,
+    tokens: f64,
+    last: Instant,
+}
+
+impl TokenBucket {
+    pub fn new(qps: f64, burst: u32, now: Instant) -> TokenBucket {
+        let burst = f64::from(burst.max(1));
+        TokenBucket {
+            qps,
+            burst,
+            tokens: burst,
+            last: now,
+        }
+    }
+
+    pub fn disabled(&self) -> bool {
+        self.qps <= 0.0 || !self.qps.is_finite()
+    }
+
+    /// Take one token. Returns how long the caller must wait before sending (zero = go now).
+    /// The token is reserved either way, so concurrent callers queue fairly.
+    pub fn reserve(&mut self, now: Instant) -> Duration {
+        if self.disabled() {
+            return Duration::ZERO;
+        }
+        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+        self.last = now.max(self.last);
+        self.tokens = (self.tokens + elapsed * self.qps).min(self.burst);
+        self.tokens -= 1.0;
+        if self.tokens >= 0.0 {
+            Duration::ZERO
+        } else {
+            Duration::from_secs_f64(-self.tokens / self.qps)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn burst_then_paced_at_qps() {
+        let t0 = Instant::now();
+        let mut b = TokenBucket::new(10.0, 3, t0);
+        for _ in 0..3 {
+            assert_eq!(b.reserve(t0), Duration::ZERO);
+        }
+        let w = b.reserve(t0);
+        assert!((w.as_secs_f64() - 0.1).abs() < 1e-6, "{w:?}");
+        let w = b.reserve(t0);
+        assert!((w.as_secs_f64() - 0.2).abs() < 1e-6, "{w:?}");
+        // After a second the bucket refills to burst only.
+        let t1 = t0 + Duration::from_secs(10);
+        for _ in 0..3 {
+            assert_eq!(b.reserve(t1), Duration::ZERO);
+        }
+        assert!(b.reserve(t1) > Duration::ZERO);
+    }
+
+    #[test]
+    fn zero_qps_disables() {
+        let t0 = Instant::now();
+        let mut b = TokenBucket::new(0.0, 1, t0);
+        for _ in 0..1000 {
+            assert_eq!(b.reserve(t0), Duration::ZERO);
+        }
+    }
+}
