@@ -1,2 +1,799 @@
-//! Per-pod readiness probe schedules and their bookkeeping.
+//! Per-pod readiness probe schedules and their bookkeeping (spec §10).
 //! Decides when to probe and what a result means; the pinger and sockets live in network.
+//!
+//! Two layers:
+//! * [`ProbeManager`] is pure: the caller feeds it starts, forgets, fired timers and probe
+//!   results together with the current time, and it answers with [`ProbeAction`]s (arm or
+//!   cancel a timer, start or abort a ping / TCP connect, hand a readiness change or an IP
+//!   change to the provider). It reads no clock and owns no socket; the only I/O it does is
+//!   the lease-file `stat` of §10.2 step 2, which is a single syscall per probe.
+//! * [`ProbeEngine`] performs those actions against the loop through the small [`ProbeHost`]
+//!   interface (registry, tokens, timers), owns the shared pinger and the TCP connects, and
+//!   gives the daemon back only what the provider must see. The daemon routes events to it.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::network::icmp::{PingId, PingStart, Pinger, PingerMode};
+use crate::network::leases::LeaseFile;
+use crate::network::tcp::TcpProbes;
+
+/// `vk_cocoon_probe_duration_seconds` buckets (spec §22.2).
+pub const PROBE_DURATION_BUCKETS: [f64; 8] = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0];
+
+/// The histogram the probe manager observes, unregistered; the metrics room registers it.
+pub fn probe_duration_histogram() -> prometheus::HistogramVec {
+    let opts = prometheus::HistogramOpts::new(
+        "vk_cocoon_probe_duration_seconds",
+        "Duration of one readiness probe (lease lookup plus ICMP echo or TCP connect).",
+    )
+    .buckets(PROBE_DURATION_BUCKETS.to_vec());
+    // The options are constants that are valid by construction.
+    #[allow(clippy::expect_used)]
+    prometheus::HistogramVec::new(opts, &["namespace"]).expect("valid histogram options")
+}
+
+/// The schedule's numbers. `Default` is exactly spec §10.1 / §27; tests of real sockets
+/// may scale them down so that a failure sequence does not take half a minute.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProbeConfig {
+    /// Each probe's timeout (3 s).
+    pub timeout: Duration,
+    /// First sleep while not ready (100 ms).
+    pub first_retry: Duration,
+    /// Growth of the not-ready sleep per probe (×1.5).
+    pub retry_growth: f64,
+    /// Cap of the not-ready sleep (1 s).
+    pub max_retry: Duration,
+    /// Sleep between probes once ready (5 s).
+    pub ready_interval: Duration,
+    /// Consecutive failures that flip a ready pod back to not ready (3).
+    pub failures_to_unready: u32,
+}
+
+impl Default for ProbeConfig {
+    fn default() -> ProbeConfig {
+        ProbeConfig {
+            timeout: Duration::from_secs(3),
+            first_retry: Duration::from_millis(100),
+            retry_growth: 1.5,
+            max_retry: Duration::from_secs(1),
+            ready_interval: Duration::from_secs(5),
+            failures_to_unready: 3,
+        }
+    }
+}
+
+/// What the provider knows about a pod's VM, as far as probing needs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbeTarget {
+    pub namespace: String,
+    /// The VM the probe is for; echoed in [`ProbeAction::IpChanged`] so the provider can drop
+    /// the update if the pod tracks another VM by then.
+    pub vm_id: String,
+    /// The tracked IP (from `cocoon vm inspect`, a static NIC, or an earlier lease).
+    pub ip: Option<Ipv4Addr>,
+    /// The primary (first NIC's) MAC, used to look the lease up.
+    pub mac: Option<String>,
+    /// The first NIC has a static IP: the lease file is not consulted.
+    pub static_ip: bool,
+    /// The `vm.cocoonstack.io/probe-port` annotation, verbatim (validated here).
+    pub probe_port: Option<String>,
+}
+
+/// The stored result of the latest probe (what GetPodStatus reports).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbeResult {
+    pub ready: bool,
+    pub message: String,
+    pub at: Instant,
+}
+
+/// Which network probe to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeKind {
+    Ping(Ipv4Addr),
+    Tcp(SocketAddrV4),
+}
+
+/// Identifies one probe attempt; results carry it back. Never reused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ProbeId(pub u64);
+
+/// Identifies one armed timer; never reused, so a late fire of a cancelled timer is ignored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TimerKey(pub u64);
+
+/// What the manager asks of its caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProbeAction {
+    /// Call [`ProbeManager::on_timer`] with this key at `at`.
+    ArmTimer { key: TimerKey, at: Instant },
+    /// The timer is no longer wanted.
+    CancelTimer { key: TimerKey },
+    /// Start a probe; report its end with [`ProbeManager::on_result`].
+    StartProbe { id: ProbeId, kind: ProbeKind },
+    /// The probe timed out or its pod went away: drop it, its result is no longer wanted.
+    AbortProbe { id: ProbeId },
+    /// The lease file gave the VM a different IP (spec §10.2 step 2): update the tracked VM,
+    /// unless it no longer has this `vm_id`.
+    IpChanged {
+        pod: String,
+        vm_id: String,
+        ip: Option<Ipv4Addr>,
+    },
+    /// Readiness for the provider. `first` marks the first result after `start`, which the
+    /// Go daemon never notifies (its caller publishes the status itself right after starting):
+    /// the provider publishes it as part of the status it pushes for the start. `first ==
+    /// false` is the onUpdate of §10.1: recompute and push the pod status.
+    Readiness {
+        pod: String,
+        ready: bool,
+        first: bool,
+    },
+}
+
+#[derive(Debug)]
+struct InFlight {
+    id: ProbeId,
+    kind: ProbeKind,
+    started: Instant,
+}
+
+#[derive(Debug)]
+struct Agent {
+    target: Option<ProbeTarget>,
+    /// Last known readiness: drives the schedule and notifications.
+    ready: bool,
+    /// The first result has been produced.
+    started: bool,
+    failures: u32,
+    /// The next not-ready sleep.
+    retry: Duration,
+    result: Option<ProbeResult>,
+    timer: Option<TimerKey>,
+    probe: Option<InFlight>,
+    /// The last bad probe-port value logged, so it is logged once per change.
+    logged_bad_port: Option<String>,
+}
+
+/// Per-pod probe agents. Pure apart from lease-file stats; see the module comment.
+#[derive(Debug)]
+pub struct ProbeManager {
+    config: ProbeConfig,
+    agents: HashMap<String, Agent>,
+    timers: HashMap<TimerKey, String>,
+    probes: HashMap<ProbeId, String>,
+    next_key: u64,
+    leases: Option<LeaseFile>,
+    duration: Option<prometheus::HistogramVec>,
+}
+
+impl ProbeManager {
+    /// `leases: None` means "no lease parser" (§10.2: the tracked IP is used as is).
+    pub fn new(config: ProbeConfig, leases: Option<LeaseFile>) -> ProbeManager {
+        ProbeManager {
+            config,
+            agents: HashMap::new(),
+            timers: HashMap::new(),
+            probes: HashMap::new(),
+            next_key: 1,
+            leases,
+            duration: None,
+        }
+    }
+
+    /// Observe every probe's duration into this histogram (label: namespace).
+    pub fn set_duration_histogram(&mut self, histogram: prometheus::HistogramVec) {
+        self.duration = Some(histogram);
+    }
+
+    pub fn config(&self) -> &ProbeConfig {
+        &self.config
+    }
+
+    /// The lease file, for the provider's post-clone / wake IP wait (§14.3).
+    pub fn leases_mut(&mut self) -> Option<&mut LeaseFile> {
+        self.leases.as_mut()
+    }
+
+    /// The latest stored result for GetPodStatus; `None` before the first probe finished
+    /// or when no agent runs.
+    pub fn result(&self, pod: &str) -> Option<&ProbeResult> {
+        self.agents.get(pod)?.result.as_ref()
+    }
+
+    /// Last known readiness (the schedule's notion, changed only on notifications).
+    pub fn is_ready(&self, pod: &str) -> Option<bool> {
+        self.agents.get(pod).map(|a| a.ready)
+    }
+
+    pub fn is_probing(&self, pod: &str) -> bool {
+        self.agents.contains_key(pod)
+    }
+
+    pub fn agents(&self) -> usize {
+        self.agents.len()
+    }
+
+    /// Timers this manager expects to fire (for leak checks).
+    pub fn armed_timers(&self) -> usize {
+        self.timers.len()
+    }
+
+    /// Probes started and not yet finished or aborted.
+    pub fn probes_in_flight(&self) -> usize {
+        self.probes.len()
+    }
+
+    /// `Start(key)`: replace any agent for `pod` and run the first probe now. `target: None`
+    /// is a pod without a tracked VM. The caller must not start probes for pods that carry a
+    /// deletionTimestamp.
+    pub fn start(
+        &mut self,
+        pod: &str,
+        target: Option<ProbeTarget>,
+        now: Instant,
+        wall: SystemTime,
+    ) -> Vec<ProbeAction> {
+        let mut out = self.forget(pod);
+        let agent = Agent {
+            target,
+            ready: false,
+            started: false,
+            failures: 0,
+            retry: self.config.first_retry,
+            result: None,
+            timer: None,
+            probe: None,
+            logged_bad_port: None,
+        };
+        self.agents.insert(pod.to_string(), agent);
+        self.run_probe(pod, now, wall, &mut out);
+        out
+    }
+
+    /// `Forget(key)`: cancel the agent's timer and in-flight probe and drop its result.
+    pub fn forget(&mut self, pod: &str) -> Vec<ProbeAction> {
+        let mut out = Vec::new();
+        if let Some(agent) = self.agents.remove(pod) {
+            if let Some(key) = agent.timer {
+                self.timers.remove(&key);
+                out.push(ProbeAction::CancelTimer { key });
+            }
+            if let Some(probe) = agent.probe {
+                self.probes.remove(&probe.id);
+                out.push(ProbeAction::AbortProbe { id: probe.id });
+            }
+        }
+        out
+    }
+
+    /// The provider's view of the VM changed (new IP, MAC, annotation, VM gone). Takes effect
+    /// at the next probe; the schedule is unchanged.
+    pub fn update_target(&mut self, pod: &str, target: Option<ProbeTarget>) {
+        if let Some(agent) = self.agents.get_mut(pod) {
+            agent.target = target;
+        }
+    }
+
+    /// A timer armed by this manager fired. Stale keys are ignored.
+    pub fn on_timer(&mut self, key: TimerKey, now: Instant, wall: SystemTime) -> Vec<ProbeAction> {
+        let mut out = Vec::new();
+        let Some(pod) = self.timers.remove(&key) else {
+            return out;
+        };
+        let Some(agent) = self.agents.get_mut(&pod) else {
+            return out;
+        };
+        if agent.timer != Some(key) {
+            return out;
+        }
+        agent.timer = None;
+        match agent.probe.take() {
+            // The probe's timeout.
+            Some(probe) => {
+                self.probes.remove(&probe.id);
+                out.push(ProbeAction::AbortProbe { id: probe.id });
+                let err = format!("timeout after {:?}", self.config.timeout);
+                self.finish(&pod, probe, Err(err), now, &mut out);
+            }
+            // The sleep between probes ended.
+            None => self.run_probe(&pod, now, wall, &mut out),
+        }
+        out
+    }
+
+    /// A probe started through [`ProbeAction::StartProbe`] ended: `Ok` reachable, `Err` with
+    /// the reason. Results of aborted or unknown probes are ignored.
+    pub fn on_result(
+        &mut self,
+        id: ProbeId,
+        outcome: Result<(), String>,
+        now: Instant,
+    ) -> Vec<ProbeAction> {
+        let mut out = Vec::new();
+        let Some(pod) = self.probes.remove(&id) else {
+            return out;
+        };
+        let Some(agent) = self.agents.get_mut(&pod) else {
+            return out;
+        };
+        let Some(probe) = agent.probe.take_if(|p| p.id == id) else {
+            return out;
+        };
+        if let Some(key) = agent.timer.take() {
+            self.timers.remove(&key);
+            out.push(ProbeAction::CancelTimer { key });
+        }
+        self.finish(&pod, probe, outcome, now, &mut out);
+        out
+    }
+
+    /// §10.2: resolve the IP, then either settle the result at once or start a network probe.
+    fn run_probe(&mut self, pod: &str, now: Instant, wall: SystemTime, out: &mut Vec<ProbeAction>) {
+        let Some(agent) = self.agents.get_mut(pod) else {
+            return;
+        };
+        let Some(target) = agent.target.as_mut() else {
+            self.settle(pod, false, "vm gone".to_string(), now, now, out);
+            return;
+        };
+        let (ip, lease_note) = resolve_ip(target, self.leases.as_mut(), wall);
+        if ip != target.ip {
+            target.ip = ip;
+            out.push(ProbeAction::IpChanged {
+                pod: pod.to_string(),
+                vm_id: target.vm_id.clone(),
+                ip,
+            });
+        }
+        let Some(ip) = ip else {
+            let message = match lease_note {
+                Some(note) => format!("waiting for dhcp lease ({note})"),
+                None => "waiting for dhcp lease".to_string(),
+            };
+            self.settle(pod, false, message, now, now, out);
+            return;
+        };
+        let kind = match target.probe_port.as_deref() {
+            None => ProbeKind::Ping(ip),
+            Some(raw) => match parse_probe_port(raw) {
+                Some(port) => ProbeKind::Tcp(SocketAddrV4::new(ip, port)),
+                None => {
+                    if agent.logged_bad_port.as_deref() != Some(raw) {
+                        log::warn!("pod {pod}: probe-port {raw:?} is not a port (1-65535)");
+                        agent.logged_bad_port = Some(raw.to_string());
+                    }
+                    let message = format!("invalid probe-port {raw:?}");
+                    self.settle(pod, false, message, now, now, out);
+                    return;
+                }
+            },
+        };
+        let id = ProbeId(self.next_key);
+        let key = TimerKey(self.next_key + 1);
+        self.next_key += 2;
+        agent.probe = Some(InFlight {
+            id,
+            kind,
+            started: now,
+        });
+        agent.timer = Some(key);
+        self.probes.insert(id, pod.to_string());
+        self.timers.insert(key, pod.to_string());
+        out.push(ProbeAction::StartProbe { id, kind });
+        out.push(ProbeAction::ArmTimer {
+            key,
+            at: now + self.config.timeout,
+        });
+    }
+
+    fn finish(
+        &mut self,
+        pod: &str,
+        probe: InFlight,
+        outcome: Result<(), String>,
+        now: Instant,
+        out: &mut Vec<ProbeAction>,
+    ) {
+        let (ready, message) = match (probe.kind, outcome) {
+            (ProbeKind::Ping(_), Ok(())) => (true, "ping ok".to_string()),
+            (ProbeKind::Ping(_), Err(e)) => (false, format!("ping failed: {e}")),
+            (ProbeKind::Tcp(_), Ok(())) => (true, "tcp ok".to_string()),
+            (ProbeKind::Tcp(addr), Err(e)) => (false, format!("tcp probe {}: {e}", addr.port())),
+        };
+        self.settle(pod, ready, message, probe.started, now, out);
+    }
+
+    /// Store a probe's result, apply §10.1's transitions and arm the next probe's timer.
+    fn settle(
+        &mut self,
+        pod: &str,
+        ready: bool,
+        message: String,
+        started: Instant,
+        now: Instant,
+        out: &mut Vec<ProbeAction>,
+    ) {
+        let config = &self.config;
+        let Some(agent) = self.agents.get_mut(pod) else {
+            return;
+        };
+        if let (Some(h), Some(t)) = (&self.duration, &agent.target) {
+            let secs = now.saturating_duration_since(started).as_secs_f64();
+            h.with_label_values(&[t.namespace.as_str()]).observe(secs);
+        }
+        agent.result = Some(ProbeResult {
+            ready,
+            message,
+            at: now,
+        });
+        if !agent.started {
+            agent.started = true;
+            agent.ready = ready;
+            out.push(ProbeAction::Readiness {
+                pod: pod.to_string(),
+                ready,
+                first: true,
+            });
+        } else if !agent.ready && ready {
+            agent.ready = true;
+            agent.failures = 0;
+            out.push(ProbeAction::Readiness {
+                pod: pod.to_string(),
+                ready: true,
+                first: false,
+            });
+        } else if agent.ready && !ready {
+            agent.failures += 1;
+            if agent.failures >= config.failures_to_unready {
+                agent.ready = false;
+                agent.failures = 0;
+                agent.retry = config.first_retry;
+                out.push(ProbeAction::Readiness {
+                    pod: pod.to_string(),
+                    ready: false,
+                    first: false,
+                });
+            }
+        } else if ready {
+            agent.failures = 0;
+        }
+        let sleep = if agent.ready {
+            config.ready_interval
+        } else {
+            let sleep = agent.retry;
+            agent.retry = sleep.mul_f64(config.retry_growth).min(config.max_retry);
+            sleep
+        };
+        let key = TimerKey(self.next_key);
+        self.next_key += 1;
+        agent.timer = Some(key);
+        self.timers.insert(key, pod.to_string());
+        out.push(ProbeAction::ArmTimer {
+            key,
+            at: now + sleep,
+        });
+    }
+}
+
+/// §10.2 step 2. Returns the IP to probe and, when the lease file could not answer, a short
+/// note for the not-ready message. Lease-file errors are logged once per file version.
+pub fn resolve_ip(
+    target: &ProbeTarget,
+    leases: Option<&mut LeaseFile>,
+    wall: SystemTime,
+) -> (Option<Ipv4Addr>, Option<String>) {
+    if target.static_ip {
+        return (target.ip, None);
+    }
+    let (Some(mac), Some(leases)) = (target.mac.as_deref(), leases) else {
+        return (target.ip, None);
+    };
+    if mac.trim().is_empty() {
+        return (target.ip, None);
+    }
+    match leases.lookup(mac, wall) {
+        Ok(Some(lease)) => (Some(lease.ip), None),
+        Ok(None) => (None, None),
+        // The Go daemon keeps the tracked IP when the file cannot be read: a guest that
+        // answers on it is still up. Without a tracked IP the pod stays not ready.
+        Err(e) => {
+            if leases.should_log(&e) {
+                log::warn!("{e}");
+            }
+            (target.ip, Some(e.to_string()))
+        }
+    }
+}
+
+/// The probe-port annotation: a decimal port 1..=65535 (surrounding spaces tolerated).
+pub fn parse_probe_port(raw: &str) -> Option<u16> {
+    let raw = raw.trim();
+    if raw.is_empty() || !raw.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    raw.parse::<u16>().ok().filter(|p| *p != 0)
+}
+
+/// What the engine needs from the event loop. The daemon implements it over the reactor in a
+/// few lines (`registry()`, `token()`, `timer_at()`, `cancel_timer()`), with its own timer-key
+/// tagging so that fired timers can be routed back to [`ProbeEngine::on_timer`].
+pub trait ProbeHost {
+    type TimerId: Copy;
+    fn registry(&self) -> &mio::Registry;
+    fn new_token(&mut self) -> mio::Token;
+    fn timer_at(&mut self, at: Instant, key: TimerKey) -> Self::TimerId;
+    fn cancel_timer(&mut self, id: Self::TimerId);
+}
+
+/// What the provider must hear about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProbeEvent {
+    /// See [`ProbeAction::IpChanged`].
+    IpChanged {
+        pod: String,
+        vm_id: String,
+        ip: Option<Ipv4Addr>,
+    },
+    /// See [`ProbeAction::Readiness`].
+    Readiness {
+        pod: String,
+        ready: bool,
+        first: bool,
+    },
+}
+
+#[derive(Debug)]
+enum Running {
+    Ping(PingId),
+    Tcp(mio::Token),
+}
+
+impl fmt::Display for ProbeEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ProbeEvent::IpChanged { pod, ip, .. } => write!(f, "{pod}: ip {ip:?}"),
+            ProbeEvent::Readiness { pod, ready, first } => {
+                write!(f, "{pod}: ready={ready} first={first}")
+            }
+        }
+    }
+}
+
+/// The manager plus the sockets: performs [`ProbeAction`]s on the loop. Each call does at
+/// most a few non-blocking sends / connects and lease-file stats; nothing waits.
+pub struct ProbeEngine<T: Copy> {
+    manager: ProbeManager,
+    pinger: Pinger,
+    pinger_token: mio::Token,
+    tcp: TcpProbes,
+    running: HashMap<ProbeId, Running>,
+    by_ping: HashMap<PingId, ProbeId>,
+    by_token: HashMap<mio::Token, ProbeId>,
+    timer_ids: HashMap<TimerKey, T>,
+    /// Tokens of finished TCP probes, reused so that a steady probe load needs a fixed set.
+    spare_tokens: Vec<mio::Token>,
+}
+
+impl<T: Copy> ProbeEngine<T> {
+    /// Register the pinger's socket with the host and take ownership of both.
+    pub fn new<H: ProbeHost<TimerId = T>>(
+        manager: ProbeManager,
+        pinger: Pinger,
+        host: &mut H,
+    ) -> std::io::Result<ProbeEngine<T>> {
+        let pinger_token = host.new_token();
+        pinger.register(host.registry(), pinger_token)?;
+        if pinger.mode() == PingerMode::AssumeReachable {
+            log::warn!(
+                "no raw or datagram ICMP socket available (need CAP_NET_RAW or \
+                 net.ipv4.ping_group_range): a resolved IP counts as reachable"
+            );
+        }
+        Ok(ProbeEngine {
+            manager,
+            pinger,
+            pinger_token,
+            tcp: TcpProbes::new(),
+            running: HashMap::new(),
+            by_ping: HashMap::new(),
+            by_token: HashMap::new(),
+            timer_ids: HashMap::new(),
+            spare_tokens: Vec::new(),
+        })
+    }
+
+    pub fn manager(&self) -> &ProbeManager {
+        &self.manager
+    }
+
+    pub fn manager_mut(&mut self) -> &mut ProbeManager {
+        &mut self.manager
+    }
+
+    pub fn pinger_mode(&self) -> PingerMode {
+        self.pinger.mode()
+    }
+
+    /// Timers armed on the host and not yet fired or cancelled.
+    pub fn host_timers(&self) -> usize {
+        self.timer_ids.len()
+    }
+
+    /// Pings and TCP connects in flight.
+    pub fn sockets_in_flight(&self) -> usize {
+        self.pinger.in_flight() + self.tcp.in_flight()
+    }
+
+    /// Whether an Io event with this token belongs to the engine.
+    pub fn owns_token(&self, token: mio::Token) -> bool {
+        token == self.pinger_token || self.by_token.contains_key(&token)
+    }
+
+    pub fn start<H: ProbeHost<TimerId = T>>(
+        &mut self,
+        host: &mut H,
+        pod: &str,
+        target: Option<ProbeTarget>,
+        now: Instant,
+        wall: SystemTime,
+    ) -> Vec<ProbeEvent> {
+        let actions = self.manager.start(pod, target, now, wall);
+        self.perform(host, actions, now)
+    }
+
+    pub fn forget<H: ProbeHost<TimerId = T>>(&mut self, host: &mut H, pod: &str) {
+        let actions = self.manager.forget(pod);
+        // Forgetting yields only cancellations, never provider events.
+        let _ = self.perform(host, actions, Instant::now());
+    }
+
+    pub fn update_target(&mut self, pod: &str, target: Option<ProbeTarget>) {
+        self.manager.update_target(pod, target);
+    }
+
+    /// Route an `Event::Timer` whose key the daemon tagged as a probe timer.
+    pub fn on_timer<H: ProbeHost<TimerId = T>>(
+        &mut self,
+        host: &mut H,
+        key: TimerKey,
+        now: Instant,
+        wall: SystemTime,
+    ) -> Vec<ProbeEvent> {
+        self.timer_ids.remove(&key);
+        let actions = self.manager.on_timer(key, now, wall);
+        self.perform(host, actions, now)
+    }
+
+    /// Route an `Event::Io` for a token where [`ProbeEngine::owns_token`] is true.
+    pub fn on_io<H: ProbeHost<TimerId = T>>(
+        &mut self,
+        host: &mut H,
+        token: mio::Token,
+        now: Instant,
+    ) -> Vec<ProbeEvent> {
+        let mut actions = Vec::new();
+        if token == self.pinger_token {
+            for (ping, _reply) in self.pinger.on_readable(now) {
+                if let Some(id) = self.by_ping.remove(&ping) {
+                    self.running.remove(&id);
+                    actions.extend(self.manager.on_result(id, Ok(()), now));
+                }
+            }
+        } else if let Some(&id) = self.by_token.get(&token) {
+            if let Some(result) = self.tcp.on_event(token, host.registry()) {
+                self.by_token.remove(&token);
+                self.running.remove(&id);
+                self.spare_tokens.push(token);
+                actions.extend(
+                    self.manager
+                        .on_result(id, result.map_err(|e| e.to_string()), now),
+                );
+            }
+        }
+        self.perform(host, actions, now)
+    }
+
+    fn perform<H: ProbeHost<TimerId = T>>(
+        &mut self,
+        host: &mut H,
+        actions: Vec<ProbeAction>,
+        now: Instant,
+    ) -> Vec<ProbeEvent> {
+        let mut events = Vec::new();
+        let mut queue = std::collections::VecDeque::from(actions);
+        while let Some(action) = queue.pop_front() {
+            match action {
+                ProbeAction::ArmTimer { key, at } => {
+                    let id = host.timer_at(at, key);
+                    self.timer_ids.insert(key, id);
+                }
+                ProbeAction::CancelTimer { key } => {
+                    if let Some(id) = self.timer_ids.remove(&key) {
+                        host.cancel_timer(id);
+                    }
+                }
+                ProbeAction::StartProbe { id, kind } => {
+                    // A probe that cannot even start ends now; its result feeds back in.
+                    if let Err(e) = self.start_probe(host, id, kind, now) {
+                        queue.extend(self.manager.on_result(id, e, now));
+                    }
+                }
+                ProbeAction::AbortProbe { id } => match self.running.remove(&id) {
+                    Some(Running::Ping(ping)) => {
+                        self.by_ping.remove(&ping);
+                        self.pinger.expire(ping);
+                    }
+                    Some(Running::Tcp(token)) => {
+                        self.by_token.remove(&token);
+                        self.tcp.cancel(token, host.registry());
+                        self.spare_tokens.push(token);
+                    }
+                    None => {}
+                },
+                ProbeAction::IpChanged { pod, vm_id, ip } => {
+                    events.push(ProbeEvent::IpChanged { pod, vm_id, ip })
+                }
+                ProbeAction::Readiness { pod, ready, first } => {
+                    events.push(ProbeEvent::Readiness { pod, ready, first })
+                }
+            }
+        }
+        events
+    }
+
+    /// Start one network probe. `Ok(())` when it is in flight; `Err(outcome)` when it already
+    /// has its outcome: `Err(Ok(()))` for the fallback pinger, `Err(Err(reason))` for a send
+    /// or connect that failed on the spot.
+    fn start_probe<H: ProbeHost<TimerId = T>>(
+        &mut self,
+        host: &mut H,
+        id: ProbeId,
+        kind: ProbeKind,
+        now: Instant,
+    ) -> Result<(), Result<(), String>> {
+        match kind {
+            ProbeKind::Ping(ip) => match self.pinger.send(ip, now) {
+                Ok(PingStart::Pending(ping)) => {
+                    self.by_ping.insert(ping, id);
+                    self.running.insert(id, Running::Ping(ping));
+                    Ok(())
+                }
+                Ok(PingStart::AssumedReachable) => Err(Ok(())),
+                Err(e) => Err(Err(e.to_string())),
+            },
+            ProbeKind::Tcp(addr) => {
+                let token = self.spare_tokens.pop().unwrap_or_else(|| host.new_token());
+                match self.tcp.start(token, SocketAddr::V4(addr), host.registry()) {
+                    Ok(()) => {
+                        self.by_token.insert(token, id);
+                        self.running.insert(id, Running::Tcp(token));
+                        Ok(())
+                    }
+                    Err(e) => {
+                        self.spare_tokens.push(token);
+                        Err(Err(e.to_string()))
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probe_port_parsing() {
+        assert_eq!(parse_probe_port("22"), Some(22));
+        assert_eq!(parse_probe_port(" 65535 "), Some(65535));
+        for bad in ["", "0", "65536", "-1", "+22", "22a", "ssh", "2 2"] {
+            assert_eq!(parse_probe_port(bad), None, "{bad:?}");
+        }
+    }
+}
