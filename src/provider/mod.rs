@@ -1,2 +1,417 @@
 //! The pure lifecycle core: pod events, cocoon results, VM events and timers in; effects out.
 //! It never reads a clock, a file or a socket; the daemon performs its effects.
+//!
+//! # Protocol (what the daemon must do)
+//!
+//! Build one [`Provider`] with [`ProviderConfig`]. Every input goes through
+//! [`Provider::handle`]`(input, now, wall)` which returns the effects to perform, in order.
+//! `now` is the loop's monotonic clock; `wall` the wall clock (used only for status
+//! timestamps). After every call, re-arm one reactor timer at [`Provider::poll_timeout`] and
+//! feed [`Input::Tick`] when it fires: the core keeps all its own timers (backoffs, drift
+//! republish, lifecycle re-flush, IP waits, deferred rechecks, restart cooldowns).
+//!
+//! Inputs, who sends them:
+//! * [`Input::StartupListed`] once, after listing pods (`spec.nodeName=<node>`) and
+//!   `cocoon vm list -o json` (parsed with [`cocoon::parse_vm_list`]). Pod events that arrive
+//!   before it are buffered. A provider restart = a new `Provider` fed a fresh `StartupListed`.
+//! * [`Input::PodUpserted`] / [`Input::PodDeleted`] from the watch (ADDED/MODIFIED, DELETED).
+//!   After a watch re-list send [`Input::PodsRelisted`] with the whole list: pods that vanished
+//!   meanwhile are handled as deleted (kubelet-duties §6 fix 2).
+//! * [`Input::VmEvent`] for each parsed line of `cocoon vm status --event --format json`.
+//! * [`Input::Readiness`] from the probe module (key, uid, ready, message, resolved ip).
+//!
+//! Effects and the result each one owes back (same `op` id):
+//! * [`Effect::Cocoon`] `{op, cmd}`: run `cocoon` with `cmd.argv()` (deadline `cmd.deadline()`),
+//!   answer [`Input::CocoonDone`] `{op, result}` with the raw exit (success, stdout, stderr,
+//!   timed_out). The core parses and classifies it.
+//! * [`Effect::LookupLease`] `{op, mac}`: look the MAC up in the cocoon-net lease file, answer
+//!   [`Input::LeaseLooked`].
+//! * [`Effect::PatchPodStatus`], [`Effect::PatchPodAnnotations`], [`Effect::DeletePod`]: kube
+//!   calls (status: JSON merge patch on pods/status with `{"metadata":{"uid":..},"status":..}`;
+//!   annotations: merge patch of `metadata.annotations` (None = null = delete) carrying
+//!   `metadata.uid` when `uid` is Some; delete: with `preconditions.uid` and the grace given).
+//!   Answer [`Input::KubeDone`] `{op, result}` mapping 404/409/422 to [`KubeError`] variants.
+//!   The daemon performs no retries itself; the core retries.
+//! * [`Effect::PullSnapshot`], [`Effect::PushSnapshot`], [`Effect::MaterialiseImage`]: worker
+//!   pool jobs (snapshots room); answer [`Input::TransferDone`].
+//! * Fire-and-forget (no answer): [`Effect::Event`], [`Effect::StartProbe`],
+//!   [`Effect::StopProbe`], [`Effect::ReleaseLeases`], [`Effect::Metric`].
+
+pub mod cocoon;
+pub mod core;
+pub mod lifecycle;
+pub mod spec;
+pub mod status;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Pod, PodStatus};
+
+pub use self::cocoon::{CocoonCmd, CocoonResult, VmInfo};
+pub use self::core::Provider;
+
+/// `namespace/name`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PodKey {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl PodKey {
+    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        PodKey {
+            namespace: namespace.into(),
+            name: name.into(),
+        }
+    }
+
+    /// Key of a pod object (empty strings when metadata is missing).
+    pub fn of(pod: &Pod) -> Self {
+        PodKey::new(
+            pod.metadata.namespace.clone().unwrap_or_default(),
+            pod.metadata.name.clone().unwrap_or_default(),
+        )
+    }
+}
+
+impl std::fmt::Display for PodKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// Correlates an effect with the input that answers it. Unique for the provider's lifetime.
+pub type OpId = u64;
+
+/// What the orphan policy (VK_ORPHAN_POLICY) does with a VM no pod claims at startup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OrphanPolicy {
+    Destroy,
+    Alert,
+    Keep,
+}
+
+impl OrphanPolicy {
+    /// Trimmed, case-insensitive; anything else is an error (startup fails).
+    pub fn parse(raw: &str) -> Result<Self, String> {
+        match raw.trim().to_ascii_lowercase().as_str() {
+            "" | "destroy" => Ok(OrphanPolicy::Destroy),
+            "alert" => Ok(OrphanPolicy::Alert),
+            "keep" => Ok(OrphanPolicy::Keep),
+            other => Err(format!(
+                "VK_ORPHAN_POLICY must be destroy, alert or keep, got {other:?}"
+            )),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ProviderConfig {
+    pub node_name: String,
+    /// VK_SNAPSHOT_CPU_CLASS; None when unset.
+    pub cpu_class: Option<String>,
+    /// Whether an OCI registry is configured (snapshot pull/push, image materialisation).
+    pub registry: bool,
+    pub orphan_policy: OrphanPolicy,
+    /// VK_RESTORE_MODE (`mmap` default); passed as `--restore-mode` on CH clones.
+    pub restore_mode: String,
+    /// Whether lease release is enabled (VK_COCOON_NET_CONTROL_SOCKET not set-but-empty).
+    pub lease_release: bool,
+}
+
+impl Default for ProviderConfig {
+    fn default() -> Self {
+        ProviderConfig {
+            node_name: "cocoon-pool".into(),
+            cpu_class: None,
+            registry: false,
+            orphan_policy: OrphanPolicy::Destroy,
+            restore_mode: "mmap".into(),
+            lease_release: true,
+        }
+    }
+}
+
+/// Kubernetes API failure classes the core distinguishes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KubeError {
+    /// 404.
+    NotFound,
+    /// 409 (includes a failed uid precondition).
+    Conflict,
+    /// 422.
+    Invalid,
+    /// Anything else (429, 5xx, transport); retried by the core.
+    Other(String),
+}
+
+impl KubeError {
+    /// NotFound / Conflict / Invalid mean "the object is gone or another incarnation": never retried.
+    pub fn superseded(&self) -> bool {
+        !matches!(self, KubeError::Other(_))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventType {
+    Normal,
+    Warning,
+}
+
+impl EventType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventType::Normal => "Normal",
+            EventType::Warning => "Warning",
+        }
+    }
+}
+
+/// One event line of `cocoon vm status --event --format json`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VmEventKind {
+    Added,
+    Modified,
+    Deleted,
+}
+
+/// Metric movements; the daemon applies them to the metrics registry (prefix per §22.2).
+#[derive(Debug, Clone, PartialEq)]
+pub enum MetricUpdate {
+    /// `pod_lifecycle_total{op,result,reason}`.
+    PodLifecycle {
+        op: &'static str,
+        result: &'static str,
+        reason: &'static str,
+    },
+    /// `vm_boot_duration_seconds{namespace,mode,backend}`.
+    VmBootDuration {
+        namespace: String,
+        mode: String,
+        backend: String,
+        seconds: f64,
+    },
+    /// `orphan_vm_total`.
+    OrphanVm,
+    /// `vm_inspect_transient_fail_total`.
+    VmInspectTransientFail,
+    /// `pod_evict_failure_total`.
+    PodEvictFailure,
+    /// `reconcile_adopt_by_name_total`.
+    ReconcileAdoptByName,
+    /// `stale_create_reconcile_total{outcome}`.
+    StaleCreateReconcile { outcome: String },
+    /// `startup_resume_total{op}`.
+    StartupResume { op: &'static str },
+    /// `snapshot_pull_total{result}`.
+    SnapshotPull { result: &'static str },
+    /// `snapshot_save_total{result}`.
+    SnapshotSave { result: &'static str },
+    /// `snapshot_push_total{result}`.
+    SnapshotPush { result: &'static str },
+    /// `clone_from_dir_total{result}`.
+    CloneFromDir { result: &'static str },
+    /// `lease_release_total{result}` is counted by whoever performs ReleaseLeases.
+    /// `wake_ip_wait_total{namespace,result}`.
+    WakeIpWait {
+        namespace: String,
+        result: &'static str,
+    },
+}
+
+/// Why a pod was evicted (§8.3); also the terminated container's reason.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EvictReason {
+    VmGone,
+    RestartCooldown,
+    RestartFailed,
+    VmInspectTimeout,
+}
+
+impl EvictReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EvictReason::VmGone => "VMGone",
+            EvictReason::RestartCooldown => "RestartCooldown",
+            EvictReason::RestartFailed => "RestartFailed",
+            EvictReason::VmInspectTimeout => "VMInspectTimeout",
+        }
+    }
+}
+
+/// Everything that happens to the provider.
+#[derive(Debug, Clone)]
+pub enum Input {
+    /// Startup reconcile material (§2.6): all pods bound to this node and `cocoon vm list`.
+    StartupListed {
+        pods: Vec<Pod>,
+        vms: Vec<VmInfo>,
+    },
+    /// Watch ADDED / MODIFIED.
+    PodUpserted(Box<Pod>),
+    /// Watch DELETED.
+    PodDeleted(Box<Pod>),
+    /// Full list after a watch re-list; tracked pods missing from it are treated as deleted.
+    PodsRelisted(Vec<Pod>),
+    CocoonDone {
+        op: OpId,
+        result: CocoonResult,
+    },
+    LeaseLooked {
+        op: OpId,
+        /// Ok(None) = no (unexpired) lease; Err = the lease file could not be read.
+        result: Result<Option<String>, String>,
+    },
+    KubeDone {
+        op: OpId,
+        result: Result<(), KubeError>,
+    },
+    TransferDone {
+        op: OpId,
+        /// For MaterialiseImage: Ok(boot reference to pass to `vm run`). Others: Ok(String::new()).
+        result: Result<String, String>,
+    },
+    VmEvent {
+        kind: VmEventKind,
+        vm: VmInfo,
+    },
+    /// A probe result change from the probe module.
+    Readiness {
+        key: PodKey,
+        uid: String,
+        ready: bool,
+        message: String,
+        /// The IP the probe resolved (lease may move); None = unchanged / unknown.
+        ip: Option<String>,
+    },
+    /// The timer armed at `poll_timeout()` fired.
+    Tick,
+}
+
+/// Everything the provider asks the daemon to do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Effect {
+    Cocoon {
+        op: OpId,
+        cmd: CocoonCmd,
+    },
+    LookupLease {
+        op: OpId,
+        mac: String,
+    },
+    /// JSON merge patch on pods/status: `{"metadata":{"uid":uid},"status":status}`.
+    PatchPodStatus {
+        op: OpId,
+        key: PodKey,
+        uid: String,
+        status: Box<PodStatus>,
+    },
+    /// Merge patch of `metadata.annotations` (None ⇒ null ⇒ delete the key); the body also
+    /// carries `metadata.uid` when `uid` is Some.
+    PatchPodAnnotations {
+        op: OpId,
+        key: PodKey,
+        uid: Option<String>,
+        annotations: BTreeMap<String, Option<String>>,
+    },
+    /// DELETE the pod object with `preconditions.uid`; `grace` = gracePeriodSeconds (None = omit).
+    DeletePod {
+        op: OpId,
+        key: PodKey,
+        uid: String,
+        grace: Option<i64>,
+    },
+    /// A core/v1 Event on the pod (message already ≤512 bytes).
+    Event {
+        key: PodKey,
+        uid: String,
+        type_: EventType,
+        reason: &'static str,
+        message: String,
+    },
+    /// Start (or replace) the readiness probe agent of a pod.
+    StartProbe {
+        key: PodKey,
+        uid: String,
+        vm_id: String,
+        ip: String,
+        mac: String,
+        /// TCP port from `vm.cocoonstack.io/probe-port`; None = ICMP.
+        probe_port: Option<u16>,
+    },
+    StopProbe {
+        key: PodKey,
+    },
+    /// Release these DHCP leases with cocoon-net (best effort; count lease_release_total).
+    ReleaseLeases {
+        macs: Vec<String>,
+    },
+    /// Pull `repo:tag` from the registry and import it as local snapshot `local_name`.
+    PullSnapshot {
+        op: OpId,
+        repo: String,
+        tag: String,
+        local_name: String,
+    },
+    /// Push local snapshot `local_name` as `repo:tag` (annotations on the manifest).
+    PushSnapshot {
+        op: OpId,
+        local_name: String,
+        repo: String,
+        tag: String,
+        base_image: String,
+    },
+    /// Make `image` available to `cocoon vm run` (§5.2 with a registry); answer with the
+    /// boot reference.
+    MaterialiseImage {
+        op: OpId,
+        image: String,
+        force: bool,
+    },
+    Metric(MetricUpdate),
+}
+
+/// Truncate to at most `max` bytes on a char boundary.
+pub fn truncate_bytes(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_string()
+}
+
+/// Per-pod retry backoff of failed create/update (§4): 5 ms × 2^failures, capped at 1000 s.
+pub fn pod_backoff(failures: u32) -> Duration {
+    let ms = 5u64.saturating_mul(1u64 << failures.min(30));
+    Duration::from_millis(ms.min(1_000_000))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_from_5ms_and_caps_at_1000s() {
+        assert_eq!(pod_backoff(0), Duration::from_millis(5));
+        assert_eq!(pod_backoff(1), Duration::from_millis(10));
+        assert_eq!(pod_backoff(10), Duration::from_millis(5120));
+        assert_eq!(pod_backoff(40), Duration::from_secs(1000));
+    }
+
+    #[test]
+    fn orphan_policy_parses_trimmed_case_insensitive() {
+        assert_eq!(OrphanPolicy::parse(" Alert ").unwrap(), OrphanPolicy::Alert);
+        assert_eq!(OrphanPolicy::parse("").unwrap(), OrphanPolicy::Destroy);
+        assert!(OrphanPolicy::parse("nuke").is_err());
+    }
+
+    #[test]
+    fn truncate_respects_char_boundaries() {
+        assert_eq!(truncate_bytes("héllo", 2), "h");
+        assert_eq!(truncate_bytes("abc", 10), "abc");
+    }
+}

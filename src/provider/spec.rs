@@ -1,0 +1,722 @@
+//! Pod → VMSpec: the annotation contract (behaviour spec §1.1, cocoon-common Part A), its
+//! validation, roles, local snapshot names and the resource maths of §5.3. Pure functions only.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::Pod;
+use sha2::{Digest, Sha256};
+
+pub const ANN_VM_NAME: &str = "vm.cocoonstack.io/name";
+pub const ANN_IMAGE: &str = "cocoonset.cocoonstack.io/image";
+pub const ANN_MODE: &str = "cocoonset.cocoonstack.io/mode";
+pub const ANN_OS: &str = "cocoonset.cocoonstack.io/os";
+pub const ANN_STORAGE: &str = "cocoonset.cocoonstack.io/storage";
+pub const ANN_NETWORK: &str = "cocoonset.cocoonstack.io/network";
+pub const ANN_SNAPSHOT_POLICY: &str = "cocoonset.cocoonstack.io/snapshot-policy";
+pub const ANN_MANAGED: &str = "cocoonset.cocoonstack.io/managed";
+pub const ANN_FORCE_PULL: &str = "cocoonset.cocoonstack.io/force-pull";
+pub const ANN_GENERATION: &str = "cocoonset.cocoonstack.io/generation";
+pub const ANN_BACKEND: &str = "vm.cocoonstack.io/backend";
+pub const ANN_NO_DIRECT_IO: &str = "vm.cocoonstack.io/no-direct-io";
+pub const ANN_PROBE_PORT: &str = "vm.cocoonstack.io/probe-port";
+pub const ANN_FORK_FROM: &str = "vm.cocoonstack.io/fork-from";
+pub const ANN_CLONE_FROM_DIR: &str = "vm.cocoonstack.io/clone-from-dir";
+pub const ANN_HIBERNATE: &str = "vm.cocoonstack.io/hibernate";
+pub const ANN_RESTORE: &str = "vm.cocoonstack.io/restore-from-hibernate";
+pub const ANN_KEEP_SNAPSHOT: &str = "vm.cocoonstack.io/keep-snapshot-on-delete";
+pub const ANN_VM_ID: &str = "vm.cocoonstack.io/id";
+pub const ANN_VM_IP: &str = "vm.cocoonstack.io/ip";
+pub const ANN_POST_CLONE_STATE: &str = "vm.cocoonstack.io/post-clone-state";
+pub const ANN_LIFECYCLE_STATE: &str = "vm.cocoonstack.io/lifecycle-state";
+pub const ANN_LIFECYCLE_GEN: &str = "vm.cocoonstack.io/lifecycle-observed-generation";
+pub const ANN_LIFECYCLE_MSG: &str = "vm.cocoonstack.io/lifecycle-state-message";
+pub const SELECTOR_CPU_CLASS: &str = "cocoonstack.io/snapshot-cpu-class";
+
+pub const BACKEND_CH: &str = "cloud-hypervisor";
+pub const BACKEND_FC: &str = "firecracker";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Clone,
+    Run,
+    Static,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Clone => "clone",
+            Mode::Run => "run",
+            Mode::Static => "static",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Os {
+    Linux,
+    Windows,
+    Android,
+    Macos,
+}
+
+/// What the provider needs to know about a pod, parsed and validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VmSpec {
+    pub vm_name: String,
+    pub image: String,
+    pub mode: Mode,
+    /// Raw mode annotation (metric label).
+    pub mode_raw: String,
+    pub os: Os,
+    /// Storage size in bytes (run only).
+    pub storage_bytes: Option<u64>,
+    pub network: String,
+    pub snapshot_policy: String,
+    pub managed: bool,
+    pub force_pull: bool,
+    pub generation: i64,
+    /// Verbatim backend annotation (may be empty = cloud-hypervisor).
+    pub backend: String,
+    pub no_direct_io: bool,
+    pub probe_port: Option<u16>,
+    pub fork_from: String,
+    pub clone_from_dir: Option<String>,
+    pub hibernate: bool,
+    pub restore_from_hibernate: bool,
+    pub keep_snapshot_on_delete: bool,
+    /// Pre-assigned / previously written `vm.cocoonstack.io/id` and `ip`.
+    pub vm_id: String,
+    pub vm_ip: String,
+    /// nodeSelector `cocoonstack.io/snapshot-cpu-class`.
+    pub cpu_class: String,
+    pub owner_cocoonset: String,
+    pub resources: Resources,
+}
+
+impl VmSpec {
+    pub fn firecracker(&self) -> bool {
+        self.backend == BACKEND_FC
+    }
+}
+
+/// First container's resources, parsed (§5.3).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Resources {
+    pub cpu_limit_milli: Option<u64>,
+    pub cpu_request_milli: Option<u64>,
+    pub mem_request_bytes: Option<u64>,
+    pub mem_limit_bytes: Option<u64>,
+}
+
+impl Resources {
+    /// `--cpu` for run: ceil(milli(limit else request)/1000); 0 ⇒ omitted.
+    pub fn vcpus(&self) -> u64 {
+        self.cpu_limit_milli
+            .or(self.cpu_request_milli)
+            .map(|m| m.div_ceil(1000))
+            .unwrap_or(0)
+    }
+
+    /// `--memory` for run: request, else limit.
+    pub fn memory_bytes(&self) -> Option<u64> {
+        self.mem_request_bytes.or(self.mem_limit_bytes)
+    }
+
+    /// CPU policy for every clone and run path.
+    pub fn cpu_policy(&self) -> crate::provider::cocoon::CpuPolicy {
+        let (quota_us, period_us) = match self.cpu_limit_milli {
+            Some(l) => ((l * 100).max(1000), 100_000),
+            None => (0, 0),
+        };
+        let milli = self.cpu_request_milli.or(self.cpu_limit_milli).unwrap_or(0);
+        let shares = (milli.saturating_mul(1024) / 1000).clamp(2, 262_144);
+        let weight = 1 + (shares - 2) * 9999 / 262_142;
+        crate::provider::cocoon::CpuPolicy {
+            weight,
+            quota_us,
+            period_us,
+        }
+    }
+}
+
+/// Why a pod cannot become a VM (bad input); carries a metric reason and the message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpecError {
+    /// `pod_lifecycle_total` reason label.
+    pub reason: &'static str,
+    pub message: String,
+}
+
+impl SpecError {
+    fn new(reason: &'static str, message: String) -> Self {
+        SpecError { reason, message }
+    }
+}
+
+impl std::fmt::Display for SpecError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+fn annotations(pod: &Pod) -> BTreeMap<String, String> {
+    pod.metadata.annotations.clone().unwrap_or_default()
+}
+
+fn is_true(a: &BTreeMap<String, String>, k: &str) -> bool {
+    a.get(k).map(|v| v == "true").unwrap_or(false)
+}
+
+/// Parse and validate a pod's VM spec (issue 5 "Bad input"; cocoon-common §2.4).
+pub fn parse(pod: &Pod) -> Result<VmSpec, SpecError> {
+    let a = annotations(pod);
+    let get = |k: &str| a.get(k).cloned().unwrap_or_default();
+    let key = format!(
+        "{}/{}",
+        pod.metadata.namespace.as_deref().unwrap_or(""),
+        pod.metadata.name.as_deref().unwrap_or("")
+    );
+    let vm_name = get(ANN_VM_NAME);
+    if vm_name.is_empty() {
+        return Err(SpecError::new(
+            "missing_vmname",
+            format!("pod {key} missing {ANN_VM_NAME} annotation"),
+        ));
+    }
+    let mode_raw = get(ANN_MODE);
+    let mode = match mode_raw.to_ascii_lowercase().as_str() {
+        "" | "clone" => Mode::Clone,
+        "run" => Mode::Run,
+        "static" => Mode::Static,
+        other => {
+            return Err(SpecError::new(
+                "bad_mode",
+                format!("pod {key}: unknown {ANN_MODE} {other:?} (want clone, run or static)"),
+            ))
+        }
+    };
+    let os = match get(ANN_OS).to_ascii_lowercase().as_str() {
+        "" | "linux" => Os::Linux,
+        "windows" => Os::Windows,
+        "android" => Os::Android,
+        "macos" => Os::Macos,
+        other => {
+            return Err(SpecError::new(
+                "bad_os",
+                format!("pod {key}: unknown {ANN_OS} {other:?}"),
+            ))
+        }
+    };
+    let backend = get(ANN_BACKEND);
+    if !(backend.is_empty() || backend == BACKEND_CH || backend == BACKEND_FC) {
+        return Err(SpecError::new(
+            "bad_backend",
+            format!(
+                "pod {key}: unknown {ANN_BACKEND} {backend:?} (want {BACKEND_CH} or {BACKEND_FC})"
+            ),
+        ));
+    }
+    let storage_raw = get(ANN_STORAGE);
+    let storage_bytes = if storage_raw.is_empty() {
+        None
+    } else {
+        Some(quantity_bytes(&storage_raw).map_err(|e| {
+            SpecError::new(
+                "bad_quantity",
+                format!("pod {key}: {ANN_STORAGE} {storage_raw:?}: {e}"),
+            )
+        })?)
+    };
+    let probe_raw = get(ANN_PROBE_PORT);
+    let probe_port = if probe_raw.is_empty() {
+        None
+    } else {
+        match probe_raw.parse::<u16>() {
+            Ok(p) if p > 0 => Some(p),
+            _ => {
+                return Err(SpecError::new(
+                    "bad_probe_port",
+                    format!("pod {key}: {ANN_PROBE_PORT} {probe_raw:?} is not a port 1..65535"),
+                ))
+            }
+        }
+    };
+    let fork_from = get(ANN_FORK_FROM);
+    let clone_from_dir = match a.get(ANN_CLONE_FROM_DIR).map(|d| d.trim().to_string()) {
+        None => None,
+        Some(d) if d.is_empty() => None,
+        Some(d) => {
+            validate_clone_dir(&d).map_err(|e| {
+                SpecError::new(
+                    "bad_clone_from_dir",
+                    format!("pod {key}: {ANN_CLONE_FROM_DIR} {d:?} {e}"),
+                )
+            })?;
+            if mode == Mode::Run {
+                return Err(SpecError::new(
+                    "conflicting_annotations",
+                    format!("pod {key}: {ANN_CLONE_FROM_DIR} is incompatible with mode=run"),
+                ));
+            }
+            if !fork_from.is_empty() {
+                return Err(SpecError::new(
+                    "conflicting_annotations",
+                    format!("pod {key}: {ANN_CLONE_FROM_DIR} is incompatible with fork-from"),
+                ));
+            }
+            Some(d)
+        }
+    };
+    let resources = parse_resources(pod)
+        .map_err(|e| SpecError::new("bad_quantity", format!("pod {key}: {e}")))?;
+    let owner_cocoonset = pod
+        .metadata
+        .owner_references
+        .as_ref()
+        .and_then(|o| o.iter().find(|r| r.kind == "CocoonSet"))
+        .map(|r| r.name.clone())
+        .unwrap_or_default();
+    let cpu_class = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_selector.as_ref())
+        .and_then(|s| s.get(SELECTOR_CPU_CLASS).cloned())
+        .unwrap_or_default();
+    Ok(VmSpec {
+        vm_name,
+        image: get(ANN_IMAGE),
+        mode,
+        mode_raw,
+        os,
+        storage_bytes,
+        network: get(ANN_NETWORK),
+        snapshot_policy: get(ANN_SNAPSHOT_POLICY),
+        managed: is_true(&a, ANN_MANAGED),
+        force_pull: is_true(&a, ANN_FORCE_PULL),
+        generation: generation(pod),
+        backend,
+        no_direct_io: is_true(&a, ANN_NO_DIRECT_IO),
+        probe_port,
+        fork_from,
+        clone_from_dir,
+        hibernate: is_true(&a, ANN_HIBERNATE),
+        restore_from_hibernate: is_true(&a, ANN_RESTORE),
+        keep_snapshot_on_delete: is_true(&a, ANN_KEEP_SNAPSHOT),
+        vm_id: get(ANN_VM_ID),
+        vm_ip: get(ANN_VM_IP),
+        cpu_class,
+        owner_cocoonset,
+        resources,
+    })
+}
+
+/// `cocoonset.cocoonstack.io/generation` (missing/garbage ⇒ 0).
+pub fn generation(pod: &Pod) -> i64 {
+    pod.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(ANN_GENERATION))
+        .and_then(|g| g.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Absolute and already canonical: starts with `/`, no `.`/`..` components, no `//`, no
+/// trailing `/` (the root `/` itself is canonical). Checked purely on the string.
+pub fn validate_clone_dir(dir: &str) -> Result<(), String> {
+    if !dir.starts_with('/') {
+        return Err("must be an absolute path".into());
+    }
+    if dir == "/" {
+        return Ok(());
+    }
+    if dir.ends_with('/') || dir.contains("//") {
+        return Err("must be canonical (no trailing or doubled /)".into());
+    }
+    if dir[1..].split('/').any(|c| c == "." || c == "..") {
+        return Err("must be canonical (no . or .. components)".into());
+    }
+    Ok(())
+}
+
+/// CPU-class gate (§17): a non-empty selector requires the node's class to be equal.
+pub fn cpu_class_ok(spec: &VmSpec, node_class: Option<&str>) -> bool {
+    spec.cpu_class.is_empty() || node_class == Some(spec.cpu_class.as_str())
+}
+
+/// Role for the snapshot policy: `main`, `sub-agent` or `toolbox` (CC-B naming rules).
+pub fn role(namespace: &str, cocoonset: &str, vm_name: &str) -> &'static str {
+    let prefix = format!("vk-{namespace}-{cocoonset}-");
+    let Some(rest) = vm_name.strip_prefix(&prefix) else {
+        return "toolbox";
+    };
+    if rest.contains('-') {
+        return "toolbox";
+    }
+    // Go's Atoi: optional sign, decimal digits, leading zeros allowed.
+    let digits = rest.strip_prefix('+').unwrap_or(rest);
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return "toolbox";
+    }
+    if digits.bytes().all(|b| b == b'0') {
+        "main"
+    } else {
+        "sub-agent"
+    }
+}
+
+/// Snapshot-before-delete wanted (§1.1 / cocoon-common §6.1).
+pub fn should_snapshot(policy: &str, role: &str) -> bool {
+    match policy {
+        "never" => false,
+        "main-only" => role == "main",
+        _ => true,
+    }
+}
+
+/// Split `repo[:tag]` at the first `:` (no `:` ⇒ `latest`).
+pub fn split_image(image: &str) -> (String, String) {
+    match image.split_once(':') {
+        Some((r, t)) => (r.to_string(), t.to_string()),
+        None => (image.to_string(), "latest".to_string()),
+    }
+}
+
+/// Tag-aware local snapshot name (§5 clone): repo when the tag is empty or `latest`, else
+/// `repo:tag`; longer than 63 chars ⇒ first 50 chars + `-` + 12 hex of SHA-256(full name).
+pub fn local_snapshot_name(image: &str) -> String {
+    let (repo, tag) = split_image(image);
+    let full = if tag.is_empty() || tag == "latest" {
+        repo
+    } else {
+        format!("{repo}:{tag}")
+    };
+    if full.len() <= 63 {
+        return full;
+    }
+    let digest = Sha256::digest(full.as_bytes());
+    let hex: String = digest.iter().take(6).map(|b| format!("{b:02x}")).collect();
+    let mut cut = 50;
+    while !full.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}-{}", &full[..cut], hex)
+}
+
+pub fn is_http_url(image: &str) -> bool {
+    image.starts_with("http://") || image.starts_with("https://")
+}
+
+fn parse_resources(pod: &Pod) -> Result<Resources, String> {
+    let Some(c) = pod.spec.as_ref().and_then(|s| s.containers.first()) else {
+        return Ok(Resources::default());
+    };
+    let Some(r) = c.resources.as_ref() else {
+        return Ok(Resources::default());
+    };
+    let get =
+        |m: &Option<BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>,
+         k: &str| m.as_ref().and_then(|m| m.get(k)).map(|q| q.0.clone());
+    let milli = |v: Option<String>, what: &str| -> Result<Option<u64>, String> {
+        v.map(|s| quantity_milli(&s).map_err(|e| format!("{what} {s:?}: {e}")))
+            .transpose()
+    };
+    let bytes = |v: Option<String>, what: &str| -> Result<Option<u64>, String> {
+        v.map(|s| quantity_bytes(&s).map_err(|e| format!("{what} {s:?}: {e}")))
+            .transpose()
+    };
+    Ok(Resources {
+        cpu_limit_milli: milli(get(&r.limits, "cpu"), "cpu limit")?,
+        cpu_request_milli: milli(get(&r.requests, "cpu"), "cpu request")?,
+        mem_request_bytes: bytes(get(&r.requests, "memory"), "memory request")?,
+        mem_limit_bytes: bytes(get(&r.limits, "memory"), "memory limit")?,
+    })
+}
+
+/// A Kubernetes quantity as a rational value: (numerator, denominator) avoided; we compute in
+/// milli-units with u128 to keep exactness for the suffixes used in practice.
+fn quantity_milli_u128(q: &str) -> Result<u128, String> {
+    let q = q.trim();
+    if q.is_empty() {
+        return Err("empty quantity".into());
+    }
+    let num_end = q
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '+' || c == '-'))
+        .unwrap_or(q.len());
+    let (num, suffix) = q.split_at(num_end);
+    let num = num.strip_prefix('+').unwrap_or(num);
+    if num.starts_with('-') {
+        return Err("negative quantity".into());
+    }
+    let (int_part, frac_part) = match num.split_once('.') {
+        Some((i, f)) => (i, f),
+        None => (num, ""),
+    };
+    if (int_part.is_empty() && frac_part.is_empty())
+        || !int_part.bytes().all(|b| b.is_ascii_digit())
+        || !frac_part.bytes().all(|b| b.is_ascii_digit())
+        || int_part.len() + frac_part.len() > 30
+    {
+        return Err("malformed quantity".into());
+    }
+    // value = digits / 10^frac_len, scaled to milli.
+    let digits: u128 = format!("{int_part}{frac_part}")
+        .parse::<u128>()
+        .map_err(|_| "malformed quantity".to_string())?;
+    let frac_len = frac_part.len() as u32;
+    // multiplier in milli-units as (mul, div)
+    let (mul, div): (u128, u128) = match suffix {
+        "" => (1000, 1),
+        "m" => (1, 1),
+        "u" => (1, 1000),
+        "n" => (1, 1_000_000),
+        "k" => (1000 * 1000, 1),
+        "M" => (1000 * 1_000_000, 1),
+        "G" => (1000 * 1_000_000_000, 1),
+        "T" => (1000 * 1_000_000_000_000, 1),
+        "P" => (1000 * 1_000_000_000_000_000, 1),
+        "E" => (1000 * 1_000_000_000_000_000_000, 1),
+        "Ki" => (1000 << 10, 1),
+        "Mi" => (1000 << 20, 1),
+        "Gi" => (1000 << 30, 1),
+        "Ti" => (1000 << 40, 1),
+        "Pi" => (1000 << 50, 1),
+        "Ei" => (1000 << 60, 1),
+        s if s.starts_with(['e', 'E']) => {
+            let exp: i32 = s[1..]
+                .parse()
+                .map_err(|_| "malformed quantity exponent".to_string())?;
+            if !(-9..=18).contains(&exp) {
+                return Err("quantity exponent out of range".into());
+            }
+            if exp >= 0 {
+                (1000 * 10u128.pow(exp as u32), 1)
+            } else {
+                (1000, 10u128.pow((-exp) as u32))
+            }
+        }
+        other => return Err(format!("unknown quantity suffix {other:?}")),
+    };
+    let scaled = digits
+        .checked_mul(mul)
+        .ok_or_else(|| "quantity too large".to_string())?;
+    let denom = div * 10u128.pow(frac_len);
+    // Kubernetes rounds up to the next representable unit.
+    Ok(scaled.div_ceil(denom))
+}
+
+/// Quantity in milli-units (CPU), rounded up.
+pub fn quantity_milli(q: &str) -> Result<u64, String> {
+    u64::try_from(quantity_milli_u128(q)?).map_err(|_| "quantity too large".into())
+}
+
+/// Quantity as a whole count (bytes), rounded up.
+pub fn quantity_bytes(q: &str) -> Result<u64, String> {
+    u64::try_from(quantity_milli_u128(q)?.div_ceil(1000)).map_err(|_| "quantity too large".into())
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{Container, PodSpec, ResourceRequirements};
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+
+    pub fn pod_with(ann: &[(&str, &str)]) -> Pod {
+        Pod {
+            metadata: ObjectMeta {
+                namespace: Some("ns".into()),
+                name: Some("p".into()),
+                uid: Some("u1".into()),
+                annotations: Some(
+                    ann.iter()
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .collect(),
+                ),
+                ..Default::default()
+            },
+            spec: Some(PodSpec {
+                containers: vec![Container {
+                    name: "agent".into(),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn defaults_and_verbatim_fields() {
+        let s = parse(&pod_with(&[
+            (ANN_VM_NAME, "vk-ns-a-0"),
+            (ANN_MODE, "CLONE"),
+        ]))
+        .unwrap();
+        assert_eq!(s.mode, Mode::Clone);
+        assert_eq!(s.os, Os::Linux);
+        assert_eq!(s.backend, "");
+        assert!(!s.managed);
+        assert_eq!(s.generation, 0);
+    }
+
+    #[test]
+    fn bad_inputs_are_typed_errors() {
+        let cases: &[(&[(&str, &str)], &str)] = &[
+            (&[], "missing_vmname"),
+            (&[(ANN_VM_NAME, "v"), (ANN_MODE, "boot")], "bad_mode"),
+            (&[(ANN_VM_NAME, "v"), (ANN_BACKEND, "qemu")], "bad_backend"),
+            (&[(ANN_VM_NAME, "v"), (ANN_STORAGE, "20Gx")], "bad_quantity"),
+            (
+                &[(ANN_VM_NAME, "v"), (ANN_CLONE_FROM_DIR, "snap/dir")],
+                "bad_clone_from_dir",
+            ),
+            (
+                &[(ANN_VM_NAME, "v"), (ANN_CLONE_FROM_DIR, "/a/../b")],
+                "bad_clone_from_dir",
+            ),
+            (
+                &[
+                    (ANN_VM_NAME, "v"),
+                    (ANN_CLONE_FROM_DIR, "/a/b"),
+                    (ANN_MODE, "run"),
+                ],
+                "conflicting_annotations",
+            ),
+            (
+                &[
+                    (ANN_VM_NAME, "v"),
+                    (ANN_CLONE_FROM_DIR, "/a/b"),
+                    (ANN_FORK_FROM, "x"),
+                ],
+                "conflicting_annotations",
+            ),
+            (
+                &[(ANN_VM_NAME, "v"), (ANN_PROBE_PORT, "0")],
+                "bad_probe_port",
+            ),
+        ];
+        for (ann, reason) in cases {
+            let e = parse(&pod_with(ann)).unwrap_err();
+            assert_eq!(e.reason, *reason, "{ann:?}: {e}");
+        }
+        let e = parse(&pod_with(&[])).unwrap_err();
+        assert_eq!(
+            e.message,
+            "pod ns/p missing vm.cocoonstack.io/name annotation"
+        );
+    }
+
+    #[test]
+    fn clone_dir_canonical_rules() {
+        assert!(validate_clone_dir("/srv/snap").is_ok());
+        assert!(validate_clone_dir("/").is_ok());
+        for bad in ["srv", "/srv/", "/srv//x", "/srv/./x", "/srv/..", ""] {
+            assert!(validate_clone_dir(bad).is_err(), "{bad}");
+        }
+        let s = parse(&pod_with(&[
+            (ANN_VM_NAME, "v"),
+            (ANN_CLONE_FROM_DIR, " /a/b "),
+        ]))
+        .unwrap();
+        assert_eq!(s.clone_from_dir.as_deref(), Some("/a/b"));
+    }
+
+    #[test]
+    fn quantities() {
+        assert_eq!(quantity_bytes("20Gi").unwrap(), 20 << 30);
+        assert_eq!(quantity_bytes("100G").unwrap(), 100_000_000_000);
+        assert_eq!(quantity_bytes("1.5Ki").unwrap(), 1536);
+        assert_eq!(quantity_bytes("1e3").unwrap(), 1000);
+        assert_eq!(quantity_milli("500m").unwrap(), 500);
+        assert_eq!(quantity_milli("2").unwrap(), 2000);
+        assert_eq!(quantity_milli("0.1").unwrap(), 100);
+        for bad in ["", "abc", "1.2.3", "-1", "5X", "Gi"] {
+            assert!(quantity_bytes(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn cpu_weight_examples_from_the_spec() {
+        let r = |req: Option<u64>, lim: Option<u64>| Resources {
+            cpu_request_milli: req,
+            cpu_limit_milli: lim,
+            ..Default::default()
+        };
+        assert_eq!(r(Some(2000), None).cpu_policy().weight, 79);
+        assert_eq!(r(Some(500), None).cpu_policy().weight, 20);
+        assert_eq!(r(None, None).cpu_policy().weight, 1);
+        let p = r(None, Some(1500)).cpu_policy();
+        assert_eq!((p.quota_us, p.period_us), (150_000, 100_000));
+        assert_eq!(r(None, Some(5)).cpu_policy().quota_us, 1000);
+        assert_eq!(r(Some(500), Some(1500)).vcpus(), 2);
+    }
+
+    #[test]
+    fn container_resources_are_parsed_and_validated() {
+        let mut pod = pod_with(&[(ANN_VM_NAME, "v")]);
+        let c = &mut pod.spec.as_mut().unwrap().containers[0];
+        c.resources = Some(ResourceRequirements {
+            limits: Some([("cpu".to_string(), Quantity("2".into()))].into()),
+            requests: Some([("memory".to_string(), Quantity("4Gi".into()))].into()),
+            ..Default::default()
+        });
+        let s = parse(&pod).unwrap();
+        assert_eq!(s.resources.vcpus(), 2);
+        assert_eq!(s.resources.memory_bytes(), Some(4 << 30));
+        let c = &mut pod.spec.as_mut().unwrap().containers[0];
+        c.resources.as_mut().unwrap().limits =
+            Some([("cpu".to_string(), Quantity("two".into()))].into());
+        assert_eq!(parse(&pod).unwrap_err().reason, "bad_quantity");
+    }
+
+    #[test]
+    fn roles_follow_slot_rules() {
+        assert_eq!(role("prod", "demo", "vk-prod-demo-0"), "main");
+        assert_eq!(role("prod", "demo", "vk-prod-demo-00"), "main");
+        assert_eq!(role("prod", "demo", "vk-prod-demo-3"), "sub-agent");
+        assert_eq!(role("prod", "demo", "vk-prod-demo-+1"), "sub-agent");
+        assert_eq!(role("prod", "demo", "vk-prod-demo-db-2"), "toolbox");
+        assert_eq!(role("prod", "demo", "vk-prod-other-0"), "toolbox");
+        assert_eq!(role("prod", "", "vk-prod-demo-0"), "toolbox");
+        assert!(should_snapshot("", "toolbox"));
+        assert!(should_snapshot("weird", "toolbox"));
+        assert!(!should_snapshot("never", "main"));
+        assert!(should_snapshot("main-only", "main"));
+        assert!(!should_snapshot("main-only", "sub-agent"));
+        let mut pod = pod_with(&[(ANN_VM_NAME, "vk-ns-demo-0")]);
+        pod.metadata.owner_references = Some(vec![OwnerReference {
+            kind: "CocoonSet".into(),
+            name: "demo".into(),
+            ..Default::default()
+        }]);
+        assert_eq!(parse(&pod).unwrap().owner_cocoonset, "demo");
+    }
+
+    #[test]
+    fn local_snapshot_names_are_tag_aware_and_bounded() {
+        assert_eq!(local_snapshot_name("team/agent"), "team/agent");
+        assert_eq!(local_snapshot_name("team/agent:latest"), "team/agent");
+        assert_eq!(local_snapshot_name("team/agent:v3"), "team/agent:v3");
+        let long = format!("{}:v1", "r".repeat(70));
+        let n = local_snapshot_name(&long);
+        assert_eq!(n.len(), 63);
+        assert!(n.starts_with(&"r".repeat(50)));
+        let hex: String = Sha256::digest(long.as_bytes())
+            .iter()
+            .take(6)
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(&n[51..], hex);
+    }
+
+    #[test]
+    fn cpu_class_gate() {
+        let mut s = parse(&pod_with(&[(ANN_VM_NAME, "v")])).unwrap();
+        assert!(cpu_class_ok(&s, None));
+        s.cpu_class = "x86-v3".into();
+        assert!(!cpu_class_ok(&s, None));
+        assert!(!cpu_class_ok(&s, Some("x86-v4")));
+        assert!(cpu_class_ok(&s, Some("x86-v3")));
+    }
+}
