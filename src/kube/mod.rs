@@ -7,7 +7,9 @@ pub mod error;
 pub mod kubeconfig;
 pub mod ratelimit;
 pub mod tls;
+pub mod watch;
 
 pub use client::{Client, PodList, ServerTarget, WatchSession};
+pub use watch::{PodWatch, WatchConfig, WatchOutput};
 pub use error::{ApiStatus, KubeError};
 pub use kubeconfig::{ClusterConfig, KubeConfigError, KubeOptions};
