@@ -27,6 +27,7 @@ const PAYLOAD_TAG: &[u8] = b"vk-cocoon";
 const ECHO_REQUEST: u8 = 8;
 const ECHO_REPLY: u8 = 0;
 const ICMP_HEADER: usize = 8;
+const RECV_BUFFER_BYTES: usize = 4 << 20;
 const PACKET_LEN: usize = ICMP_HEADER + PAYLOAD_TAG.len() + 8;
 
 /// Distinguishes pinger instances in one process (tests run several), so that raw sockets,
@@ -139,6 +140,9 @@ impl Pinger {
         let socket = Socket::new(Domain::IPV4, ty, Some(Protocol::ICMPV4))?;
         socket.set_nonblocking(true)?;
         socket.set_cloexec(true)?;
+        // Thousands of replies can arrive between two loop turns; the default buffer holds a
+        // few hundred. Best effort: the kernel caps it at net.core.rmem_max.
+        let _ = socket.set_recv_buffer_size(RECV_BUFFER_BYTES);
         let socket = UdpSocket::from(OwnedFd::from(socket));
         Ok(Pinger::new(Some(socket), mode))
     }
