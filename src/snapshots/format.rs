@@ -1,0 +1,623 @@
+//! Snapshot and cloud-image artifact formats (spec Part B §13–14): media types, config blob,
+//! `snapshot.json` envelope, classification and manifest building. Pure data, no I/O.
+
+use std::collections::{BTreeMap, HashMap};
+
+use oci_spec::image::{
+    Descriptor, Digest, ImageIndex, ImageManifest, ImageManifestBuilder, MediaType,
+};
+use serde::{Deserialize, Serialize};
+
+use super::TransferError;
+
+pub const MANIFEST_MEDIA_TYPE: &str = "application/vnd.oci.image.manifest.v1+json";
+pub const INDEX_MEDIA_TYPE: &str = "application/vnd.oci.image.index.v1+json";
+pub const DOCKER_LIST_MEDIA_TYPE: &str =
+    "application/vnd.docker.distribution.manifest.list.v2+json";
+pub const SNAPSHOT_V1: &str = "application/vnd.cocoonstack.snapshot.v1+json";
+pub const SNAPSHOT_V2: &str = "application/vnd.cocoonstack.snapshot.v2+json";
+pub const SNAPSHOT_CONFIG: &str = "application/vnd.cocoonstack.snapshot.config.v1+json";
+pub const OS_IMAGE: &str = "application/vnd.cocoonstack.os-image.v1+json";
+pub const WINDOWS_IMAGE: &str = "application/vnd.cocoonstack.windows-image.v1+json";
+pub const TITLE: &str = "org.opencontainers.image.title";
+pub const CREATED: &str = "org.opencontainers.image.created";
+pub const BASEIMAGE: &str = "cocoonstack.snapshot.baseimage";
+pub const FROM_NODE: &str = "cocoonstack.snapshot.from-node";
+pub const CHUNK_INDEX: &str = "cocoonstack.chunk.index";
+pub const CHUNK_COUNT: &str = "cocoonstack.chunk.count";
+pub const SPARSE_MAP: &str = "COCOON.sparse.map";
+pub const SPARSE_SIZE: &str = "COCOON.sparse.size";
+/// Readers cap the config blob at 64 MiB.
+pub const CONFIG_LIMIT: u64 = 64 << 20;
+
+/// The seven base layer types a snapshot reader accepts (each also with `+zstd`).
+pub const SNAPSHOT_LAYER_TYPES: [&str; 7] = [
+    "application/vnd.cocoonstack.vm.config+json",
+    "application/vnd.cocoonstack.vm.state+json",
+    "application/vnd.cocoonstack.vm.memory",
+    "application/vnd.cocoonstack.vm.cidata",
+    "application/vnd.cocoonstack.disk.qcow2",
+    "application/vnd.cocoonstack.disk.raw",
+    "application/octet-stream",
+];
+
+/// Cloud-image disk layer types (§14); other layers are ignored.
+pub const DISK_LAYER_TYPES: [&str; 8] = [
+    "application/vnd.cocoonstack.disk.qcow2",
+    "application/vnd.cocoonstack.disk.qcow2.part",
+    "application/vnd.cocoonstack.disk.raw",
+    "application/vnd.cocoonstack.disk.raw.part",
+    "application/vnd.cocoonstack.windows.disk.qcow2",
+    "application/vnd.cocoonstack.windows.disk.qcow2.part",
+    "application/vnd.cocoonstack.windows.disk.raw",
+    "application/vnd.cocoonstack.windows.disk.raw.part",
+];
+
+/// Base media type for an export file name (§13.4).
+pub fn media_type_for(name: &str) -> &'static str {
+    let base = name.rsplit('/').next().unwrap_or(name);
+    match base {
+        "config.json" => SNAPSHOT_LAYER_TYPES[0],
+        "state.json" => SNAPSHOT_LAYER_TYPES[1],
+        "memory-ranges" => SNAPSHOT_LAYER_TYPES[2],
+        "cidata.img" => SNAPSHOT_LAYER_TYPES[3],
+        n if n.ends_with(".qcow2") => SNAPSHOT_LAYER_TYPES[4],
+        n if n.ends_with(".raw") => SNAPSHOT_LAYER_TYPES[5],
+        _ => SNAPSHOT_LAYER_TYPES[6],
+    }
+}
+
+/// What a manifest is (§13.1 classification, first match wins).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ArtifactKind {
+    CloudImage,
+    SnapshotV1,
+    SnapshotV2,
+    ContainerImage,
+    ImageIndex,
+    Unknown,
+}
+
+impl ArtifactKind {
+    pub fn is_snapshot(self) -> bool {
+        matches!(self, ArtifactKind::SnapshotV1 | ArtifactKind::SnapshotV2)
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            ArtifactKind::CloudImage => "a cloud image",
+            ArtifactKind::SnapshotV1 | ArtifactKind::SnapshotV2 => "a snapshot",
+            ArtifactKind::ContainerImage => "a container image",
+            ArtifactKind::ImageIndex => "an image index",
+            ArtifactKind::Unknown => "of unknown kind",
+        }
+    }
+}
+
+/// Classifies a raw manifest document.
+pub fn classify(doc: &serde_json::Value) -> ArtifactKind {
+    let s = |v: Option<&serde_json::Value>| v.and_then(|x| x.as_str()).unwrap_or("").to_string();
+    let artifact = s(doc.get("artifactType"));
+    match artifact.as_str() {
+        OS_IMAGE | WINDOWS_IMAGE => return ArtifactKind::CloudImage,
+        SNAPSHOT_V1 => return ArtifactKind::SnapshotV1,
+        SNAPSHOT_V2 => return ArtifactKind::SnapshotV2,
+        _ => {}
+    }
+    let config_type = s(doc.get("config").and_then(|c| c.get("mediaType")));
+    if config_type == "application/vnd.oci.image.config.v1+json"
+        || config_type == "application/vnd.docker.container.image.v1+json"
+    {
+        return ArtifactKind::ContainerImage;
+    }
+    let top = s(doc.get("mediaType"));
+    if top == INDEX_MEDIA_TYPE
+        || top == DOCKER_LIST_MEDIA_TYPE
+        || (top.is_empty() && doc.get("manifests").is_some())
+    {
+        return ArtifactKind::ImageIndex;
+    }
+    ArtifactKind::Unknown
+}
+
+/// Summary of a tag's manifest for the daemon (hibernate evidence, wake verification, run mode).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ManifestInfo {
+    pub kind: ArtifactKind,
+    /// sha256 of the manifest bytes as served.
+    pub digest: String,
+    pub annotations: BTreeMap<String, String>,
+    /// `snapshotId` from the config blob (snapshots only).
+    pub snapshot_id: Option<String>,
+    /// The parsed config blob (snapshots only).
+    pub config: Option<SnapshotConfig>,
+}
+
+impl ManifestInfo {
+    pub fn base_image(&self) -> Option<&str> {
+        self.annotations
+            .get(BASEIMAGE)
+            .map(String::as_str)
+            .filter(|s| !s.is_empty())
+    }
+    pub fn from_node(&self) -> Option<&str> {
+        self.annotations
+            .get(FROM_NODE)
+            .map(String::as_str)
+            .filter(|s| !s.is_empty())
+    }
+}
+
+fn is_zero_i64(v: &i64) -> bool {
+    *v == 0
+}
+fn is_false(v: &bool) -> bool {
+    !*v
+}
+
+/// Config blob (§13.3), compact JSON in this field order.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct SnapshotConfig {
+    pub schema_version: String,
+    pub snapshot_id: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub description: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub image: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub image_digest: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub image_type: String,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub image_blob_ids: BTreeMap<String, serde_json::Value>,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub hypervisor: String,
+    #[serde(skip_serializing_if = "is_zero_i64")]
+    pub cpu: i64,
+    #[serde(skip_serializing_if = "is_zero_i64")]
+    pub memory: i64,
+    #[serde(skip_serializing_if = "is_zero_i64")]
+    pub storage: i64,
+    #[serde(skip_serializing_if = "is_zero_i64")]
+    pub nics: i64,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub network: String,
+    #[serde(skip_serializing_if = "is_false")]
+    pub windows: bool,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub files: BTreeMap<String, SnapshotFile>,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub created_at: String,
+}
+
+/// Per-file metadata in the config (§13.3); all keys omitted when zero.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct SnapshotFile {
+    #[serde(skip_serializing_if = "is_zero_i64")]
+    pub mode: i64,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub sparse_map: String,
+    #[serde(skip_serializing_if = "is_zero_i64")]
+    pub sparse_size: i64,
+    #[serde(skip_serializing_if = "is_zero_i64")]
+    pub size: i64,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub chunks: Vec<String>,
+}
+
+/// Fills the config's cocoon fields from an export `snapshot.json` body (§13.6 export side).
+pub fn config_from_envelope(body: &[u8]) -> Result<SnapshotConfig, TransferError> {
+    let mut de = serde_json::Deserializer::from_slice(body).into_iter::<serde_json::Value>();
+    let v = match de.next() {
+        Some(Ok(v)) => v,
+        Some(Err(e)) => return Err(TransferError::Format(format!("snapshot.json: {e}"))),
+        None => return Err(TransferError::Format("snapshot.json is empty".into())),
+    };
+    let c = v.get("config").filter(|c| c.is_object()).ok_or_else(|| {
+        TransferError::Format("snapshot.json: config must be a JSON object".into())
+    })?;
+    let s = |k: &str| c.get(k).and_then(|x| x.as_str()).unwrap_or("").to_string();
+    let n = |k: &str| c.get(k).and_then(|x| x.as_i64()).unwrap_or(0);
+    let blob_ids = c
+        .get("image_blob_ids")
+        .and_then(|x| x.as_object())
+        .map(|m| {
+            m.keys()
+                .map(|k| (k.clone(), serde_json::json!({})))
+                .collect()
+        })
+        .unwrap_or_default();
+    Ok(SnapshotConfig {
+        snapshot_id: s("id"),
+        description: s("description"),
+        image: s("image"),
+        image_digest: s("image_digest"),
+        image_type: s("image_type"),
+        image_blob_ids: blob_ids,
+        hypervisor: s("hypervisor"),
+        cpu: n("cpu"),
+        memory: n("memory"),
+        storage: n("storage"),
+        nics: n("nics"),
+        network: s("network"),
+        windows: c.get("windows").and_then(|x| x.as_bool()).unwrap_or(false),
+        ..Default::default()
+    })
+}
+
+/// The import-side `snapshot.json` (§13.6): version 1, keys in order, empties omitted except
+/// `name`, 2-space indentation and a trailing newline.
+pub fn envelope_for_import(cfg: &SnapshotConfig, local_name: &str) -> Vec<u8> {
+    let mut m = serde_json::Map::new();
+    let put_s = |m: &mut serde_json::Map<String, serde_json::Value>, k: &str, v: &str| {
+        if !v.is_empty() {
+            m.insert(k.into(), v.into());
+        }
+    };
+    put_s(&mut m, "id", &cfg.snapshot_id);
+    m.insert("name".into(), local_name.into());
+    put_s(&mut m, "description", &cfg.description);
+    put_s(&mut m, "image", &cfg.image);
+    put_s(&mut m, "image_digest", &cfg.image_digest);
+    put_s(&mut m, "image_type", &cfg.image_type);
+    if !cfg.image_blob_ids.is_empty() {
+        m.insert(
+            "image_blob_ids".into(),
+            serde_json::to_value(&cfg.image_blob_ids).unwrap_or_default(),
+        );
+    }
+    put_s(&mut m, "hypervisor", &cfg.hypervisor);
+    for (k, v) in [
+        ("cpu", cfg.cpu),
+        ("memory", cfg.memory),
+        ("storage", cfg.storage),
+        ("nics", cfg.nics),
+    ] {
+        if v != 0 {
+            m.insert(k.into(), v.into());
+        }
+    }
+    put_s(&mut m, "network", &cfg.network);
+    if cfg.windows {
+        m.insert("windows".into(), true.into());
+    }
+    // serde_json's map keeps insertion order only with preserve_order; emit by hand instead.
+    let mut out = String::from("{\n  \"version\": 1,\n  \"config\": {");
+    let ordered = [
+        "id",
+        "name",
+        "description",
+        "image",
+        "image_digest",
+        "image_type",
+        "image_blob_ids",
+        "hypervisor",
+        "cpu",
+        "memory",
+        "storage",
+        "nics",
+        "network",
+        "windows",
+    ];
+    let mut first = true;
+    for k in ordered {
+        if let Some(v) = m.get(k) {
+            out.push_str(if first { "\n" } else { ",\n" });
+            first = false;
+            let val = serde_json::to_string_pretty(v)
+                .unwrap_or_default()
+                .replace('\n', "\n    ");
+            out.push_str(&format!("    \"{k}\": {val}"));
+        }
+    }
+    out.push_str("\n  }\n}\n");
+    out.into_bytes()
+}
+
+/// One layer descriptor to publish.
+#[derive(Debug, Clone)]
+pub struct LayerDesc {
+    pub media_type: String,
+    pub digest: String,
+    pub size: u64,
+    pub annotations: BTreeMap<String, String>,
+}
+
+fn descriptor(
+    media_type: &str,
+    digest: &str,
+    size: u64,
+    ann: &BTreeMap<String, String>,
+) -> Result<Descriptor, TransferError> {
+    let d: Digest = digest
+        .parse()
+        .map_err(|e| TransferError::Format(format!("bad digest {digest}: {e}")))?;
+    let mut desc = Descriptor::new(MediaType::from(media_type), size, d);
+    if !ann.is_empty() {
+        desc.set_annotations(Some(
+            ann.iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect::<HashMap<_, _>>(),
+        ));
+    }
+    Ok(desc)
+}
+
+/// Builds the snapshot manifest (§13.1/13.2) as 2-space-indented JSON bytes.
+pub fn build_manifest(
+    v2: bool,
+    config_digest: &str,
+    config_size: u64,
+    layers: &[LayerDesc],
+    annotations: &BTreeMap<String, String>,
+) -> Result<Vec<u8>, TransferError> {
+    let cfg = descriptor(
+        SNAPSHOT_CONFIG,
+        config_digest,
+        config_size,
+        &BTreeMap::new(),
+    )?;
+    let layers = layers
+        .iter()
+        .map(|l| descriptor(&l.media_type, &l.digest, l.size, &l.annotations))
+        .collect::<Result<Vec<_>, _>>()?;
+    let manifest = ImageManifestBuilder::default()
+        .schema_version(2u32)
+        .media_type(MediaType::ImageManifest)
+        .artifact_type(MediaType::from(if v2 { SNAPSHOT_V2 } else { SNAPSHOT_V1 }))
+        .config(cfg)
+        .layers(layers)
+        .annotations(
+            annotations
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect::<HashMap<_, _>>(),
+        )
+        .build()
+        .map_err(|e| TransferError::Format(format!("build manifest: {e}")))?;
+    // Re-serialise through a Value so map keys come out sorted like the Go writer's.
+    let value =
+        serde_json::to_value(&manifest).map_err(|e| TransferError::Format(e.to_string()))?;
+    let ordered = order_manifest_keys(value);
+    serde_json::to_vec_pretty(&ordered).map_err(|e| TransferError::Format(e.to_string()))
+}
+
+/// serde_json's Value map sorts keys; restore the struct order of the top level by emitting
+/// a wrapper with the keys in the Go writer's order.
+fn order_manifest_keys(v: serde_json::Value) -> OrderedManifest {
+    let get = |k: &str| v.get(k).cloned();
+    OrderedManifest {
+        schema_version: get("schemaVersion"),
+        media_type: get("mediaType"),
+        artifact_type: get("artifactType"),
+        config: get("config"),
+        layers: get("layers"),
+        annotations: get("annotations"),
+    }
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct OrderedManifest {
+    schema_version: Option<serde_json::Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    media_type: Option<serde_json::Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    artifact_type: Option<serde_json::Value>,
+    config: Option<serde_json::Value>,
+    layers: Option<serde_json::Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    annotations: Option<serde_json::Value>,
+}
+
+/// Parses a single-image manifest.
+pub fn parse_manifest(body: &[u8], what: &str) -> Result<ImageManifest, TransferError> {
+    serde_json::from_slice(body)
+        .map_err(|e| TransferError::Format(format!("{what}: bad manifest: {e}")))
+}
+
+/// Parses an index and picks the child (§15.1 step 2): first linux/amd64, else the first
+/// platform whose architecture is not `unknown`.
+pub fn pick_index_child(body: &[u8], what: &str) -> Result<String, TransferError> {
+    let idx: ImageIndex = serde_json::from_slice(body)
+        .map_err(|e| TransferError::Format(format!("{what}: bad index: {e}")))?;
+    let ms = idx.manifests();
+    let amd64 = ms.iter().find(|m| {
+        m.platform().as_ref().is_some_and(|p| {
+            p.os().to_string() == "linux" && p.architecture().to_string() == "amd64"
+        })
+    });
+    let chosen = amd64.or_else(|| {
+        let c = ms.iter().find(|m| {
+            m.platform()
+                .as_ref()
+                .is_some_and(|p| p.architecture().to_string() != "unknown")
+        });
+        if c.is_some() {
+            log::info!(
+                "{what}: no linux/amd64 entry in the index, taking the first usable platform"
+            );
+        }
+        c
+    });
+    chosen.map(|m| m.digest().to_string()).ok_or_else(|| {
+        TransferError::Format(format!("{what}: image index has no usable platform entry"))
+    })
+}
+
+/// RFC 3339 UTC with seconds precision, e.g. `2026-08-11T07:12:33Z`.
+pub fn rfc3339_seconds(t: std::time::SystemTime) -> String {
+    let secs = t
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    format_utc(secs, None)
+}
+
+/// RFC 3339 UTC with nanoseconds trimmed of trailing zeros.
+pub fn rfc3339_nanos(t: std::time::SystemTime) -> String {
+    let d = t.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    format_utc(d.as_secs(), Some(d.subsec_nanos()))
+}
+
+fn format_utc(secs: u64, nanos: Option<u32>) -> String {
+    let days = (secs / 86400) as i64;
+    let rem = secs % 86400;
+    let (h, m, s) = (rem / 3600, (rem % 3600) / 60, rem % 60);
+    // Civil-from-days (Howard Hinnant's algorithm).
+    let z = days + 719468;
+    let era = z.div_euclid(146097);
+    let doe = z - era * 146097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + if month <= 2 { 1 } else { 0 };
+    let frac = match nanos {
+        Some(n) if n > 0 => {
+            let f = format!("{n:09}");
+            format!(".{}", f.trim_end_matches('0'))
+        }
+        _ => String::new(),
+    };
+    format!("{year:04}-{month:02}-{day:02}T{h:02}:{m:02}:{s:02}{frac}Z")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, UNIX_EPOCH};
+
+    #[test]
+    fn media_types_by_name() {
+        assert_eq!(
+            media_type_for("config.json"),
+            "application/vnd.cocoonstack.vm.config+json"
+        );
+        assert_eq!(
+            media_type_for("memory-ranges"),
+            "application/vnd.cocoonstack.vm.memory"
+        );
+        assert_eq!(
+            media_type_for("overlay.qcow2"),
+            "application/vnd.cocoonstack.disk.qcow2"
+        );
+        assert_eq!(
+            media_type_for("data-x.raw"),
+            "application/vnd.cocoonstack.disk.raw"
+        );
+        assert_eq!(media_type_for("cocoon.json"), "application/octet-stream");
+    }
+
+    #[test]
+    fn classification() {
+        let j = |s: &str| serde_json::from_str::<serde_json::Value>(s).unwrap();
+        assert_eq!(
+            classify(&j(&format!(r#"{{"artifactType":"{OS_IMAGE}"}}"#))),
+            ArtifactKind::CloudImage
+        );
+        assert_eq!(
+            classify(&j(&format!(r#"{{"artifactType":"{SNAPSHOT_V2}"}}"#))),
+            ArtifactKind::SnapshotV2
+        );
+        assert_eq!(
+            classify(&j(
+                r#"{"config":{"mediaType":"application/vnd.oci.image.config.v1+json"}}"#
+            )),
+            ArtifactKind::ContainerImage
+        );
+        assert_eq!(
+            classify(&j(&format!(
+                r#"{{"mediaType":"{INDEX_MEDIA_TYPE}","manifests":[]}}"#
+            ))),
+            ArtifactKind::ImageIndex
+        );
+        assert_eq!(
+            classify(&j(r#"{"artifactType":"application/x"}"#)),
+            ArtifactKind::Unknown
+        );
+    }
+
+    #[test]
+    fn config_json_shape() {
+        let mut c = SnapshotConfig {
+            schema_version: "v1".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            serde_json::to_string(&c).unwrap(),
+            r#"{"schemaVersion":"v1","snapshotId":""}"#
+        );
+        c.files.insert(
+            "mem".into(),
+            SnapshotFile {
+                mode: 384,
+                sparse_map: "[]".into(),
+                sparse_size: 5,
+                size: 3,
+                chunks: vec![],
+            },
+        );
+        c.cpu = 2;
+        assert_eq!(
+            serde_json::to_string(&c).unwrap(),
+            r#"{"schemaVersion":"v1","snapshotId":"","cpu":2,"files":{"mem":{"mode":384,"sparseMap":"[]","sparseSize":5,"size":3}}}"#
+        );
+        let back: SnapshotConfig =
+            serde_json::from_str(r#"{"schemaVersion":"v2","snapshotId":"x","unknown":1}"#).unwrap();
+        assert_eq!(back.snapshot_id, "x");
+    }
+
+    #[test]
+    fn envelope_round_trip() {
+        let body = br#"{"version":1,"config":{"id":"S1","name":"vm","image":"img","cpu":2,"memory":4,"image_blob_ids":{"ab":{}},"queue_size":9}} trailing"#;
+        let cfg = config_from_envelope(body).unwrap();
+        assert_eq!(
+            (cfg.snapshot_id.as_str(), cfg.cpu, cfg.memory),
+            ("S1", 2, 4)
+        );
+        let out = envelope_for_import(&cfg, "local");
+        let text = String::from_utf8(out).unwrap();
+        assert!(text.ends_with("}\n"));
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["version"], 1);
+        assert_eq!(v["config"]["name"], "local");
+        assert_eq!(v["config"]["id"], "S1");
+        assert!(text.find("\"id\"").unwrap() < text.find("\"name\"").unwrap());
+        assert!(config_from_envelope(br#"{"version":1,"config":null}"#).is_err());
+    }
+
+    #[test]
+    fn times() {
+        let t = UNIX_EPOCH + Duration::from_secs(1_786_432_353);
+        assert_eq!(rfc3339_seconds(t), "2026-08-11T07:12:33Z");
+        assert_eq!(
+            rfc3339_nanos(t + Duration::from_nanos(481_516_920)),
+            "2026-08-11T07:12:33.48151692Z"
+        );
+    }
+
+    #[test]
+    fn manifest_builds_and_parses() {
+        let d = format!("sha256:{}", "1".repeat(64));
+        let mut ann = BTreeMap::new();
+        ann.insert(TITLE.to_string(), "config.json".to_string());
+        let layers = vec![LayerDesc {
+            media_type: media_type_for("config.json").into(),
+            digest: d.clone(),
+            size: 10,
+            annotations: ann,
+        }];
+        let mut top = BTreeMap::new();
+        top.insert(FROM_NODE.to_string(), "node-a".to_string());
+        let bytes = build_manifest(false, &d, 5, &layers, &top).unwrap();
+        let text = String::from_utf8(bytes.clone()).unwrap();
+        assert!(text.starts_with("{\n  \"schemaVersion\": 2,\n  \"mediaType\""));
+        let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(classify(&v), ArtifactKind::SnapshotV1);
+        let m = parse_manifest(&bytes, "t").unwrap();
+        assert_eq!(m.layers().len(), 1);
+    }
+}

@@ -1,0 +1,881 @@
+//! Snapshot and cloud-image pull (spec §15, §14): manifest, classification, verified blobs,
+//! reassembled import tar streamed into cocoon. Any failure imports nothing.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{self, BufWriter, Read, Write};
+use std::path::PathBuf;
+use std::sync::{mpsc, Condvar, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use oci_spec::image::{Descriptor, ImageManifest};
+
+use super::client::{BlobReader, RegistryClient};
+use super::cocoon_child::{remove_snapshot, CocoonChild};
+use super::format::{self, ArtifactKind, ManifestInfo, SnapshotConfig};
+use super::reference::Reference;
+use super::tarstream::TarWriter;
+use super::TransferError;
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+const COPY_BUF: usize = 1 << 20;
+/// The import tar goes out through a 256 KiB buffer (§13.7).
+const TAR_BUF: usize = 256 << 10;
+
+/// What to pull.
+#[derive(Debug, Clone)]
+pub struct PullRequest {
+    /// Repository name under OCI_REGISTRY (VM name or image repo).
+    pub repo: String,
+    /// Tag or `sha256:` digest; empty = `latest`.
+    pub tag: String,
+    /// Local snapshot name passed to `cocoon snapshot import --name`.
+    pub local_name: String,
+    pub cocoon_bin: PathBuf,
+    /// `SNAPSHOT_TRANSFER_CONCURRENCY` (default 8).
+    pub concurrency: usize,
+    /// `SNAPSHOT_PULL_BUDGET_MIB` in bytes (VK-N default 2048 MiB).
+    pub budget: u64,
+}
+
+impl PullRequest {
+    /// A request with the VK-N defaults (concurrency 8, budget 2048 MiB) or the env values.
+    pub fn new(repo: &str, tag: &str, local_name: &str, cocoon_bin: PathBuf) -> Self {
+        let env = |k: &str| {
+            std::env::var(k)
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .filter(|v| *v > 0)
+        };
+        PullRequest {
+            repo: repo.to_string(),
+            tag: tag.to_string(),
+            local_name: local_name.to_string(),
+            cocoon_bin,
+            concurrency: env("SNAPSHOT_TRANSFER_CONCURRENCY")
+                .map(|v| v as usize)
+                .unwrap_or(8),
+            budget: env("SNAPSHOT_PULL_BUDGET_MIB")
+                .map(|v| v * MIB)
+                .unwrap_or(2048 * MIB),
+        }
+    }
+}
+
+/// Outcome of a pull.
+#[derive(Debug, Clone)]
+pub struct PullReport {
+    pub manifest_digest: String,
+    pub kind: ArtifactKind,
+    pub snapshot_id: String,
+    /// Bytes written into cocoon's stdin.
+    pub bytes: u64,
+    /// For `snapshot_pull_duration_seconds`.
+    pub duration: Duration,
+}
+
+/// A cloud-image pull: `<OCI_REGISTRY>/<repo>:<tag>` into `cocoon image import <local_name>`.
+#[derive(Debug, Clone)]
+pub struct CloudImageRequest {
+    pub repo: String,
+    pub tag: String,
+    pub local_name: String,
+    pub cocoon_bin: PathBuf,
+}
+
+/// A resolved single-image manifest.
+struct Resolved {
+    reference: Reference,
+    doc: serde_json::Value,
+    body: Vec<u8>,
+    kind: ArtifactKind,
+    was_index: bool,
+}
+
+/// GET the manifest; an image index is resolved to its linux/amd64 (or first usable) child.
+fn resolve_manifest(
+    client: &RegistryClient,
+    repo: &str,
+    tag: &str,
+) -> Result<Resolved, TransferError> {
+    let reference = client.reference(repo, tag)?;
+    let (body, _ctype) = client.get_manifest(&reference)?;
+    let what = reference.to_string();
+    let doc: serde_json::Value = serde_json::from_slice(&body)
+        .map_err(|e| TransferError::Format(format!("{what}: manifest is not JSON: {e}")))?;
+    let kind = format::classify(&doc);
+    if kind != ArtifactKind::ImageIndex {
+        return Ok(Resolved {
+            reference,
+            doc,
+            body,
+            kind,
+            was_index: false,
+        });
+    }
+    let child = format::pick_index_child(&body, &what)?;
+    let child_ref = reference.with_digest(&child);
+    let (body, _) = client.get_manifest(&child_ref)?;
+    let doc: serde_json::Value = serde_json::from_slice(&body)
+        .map_err(|e| TransferError::Format(format!("{child_ref}: manifest is not JSON: {e}")))?;
+    let kind = format::classify(&doc);
+    Ok(Resolved {
+        reference: child_ref,
+        doc,
+        body,
+        kind,
+        was_index: true,
+    })
+}
+
+/// Reads a whole (small) blob into memory, verified.
+fn fetch_small_blob(
+    client: &RegistryClient,
+    repository: &str,
+    desc: &Descriptor,
+    limit: u64,
+    what: &str,
+) -> Result<Vec<u8>, TransferError> {
+    if desc.size() > limit {
+        return Err(TransferError::Format(format!(
+            "{what}: blob {} is {} bytes, limit {limit}",
+            desc.digest(),
+            desc.size()
+        )));
+    }
+    let mut r = client.get_blob(repository, desc.digest().as_ref(), desc.size())?;
+    let mut buf = Vec::with_capacity(desc.size() as usize);
+    r.read_to_end(&mut buf).map_err(|e| blob_err(e, what))?;
+    Ok(buf)
+}
+
+fn blob_err(e: io::Error, what: &str) -> TransferError {
+    if e.kind() == io::ErrorKind::InvalidData {
+        TransferError::Integrity(format!("{what}: {e}"))
+    } else {
+        TransferError::Transient(format!("{what}: {e}"))
+    }
+}
+
+fn fetch_config(
+    client: &RegistryClient,
+    r: &Resolved,
+    m: &ImageManifest,
+) -> Result<SnapshotConfig, TransferError> {
+    let what = format!("{} config", r.reference);
+    let cd = m.config();
+    if cd.media_type().to_string() != format::SNAPSHOT_CONFIG {
+        return Err(TransferError::Format(format!(
+            "{what}: config media type {} is not {}",
+            cd.media_type(),
+            format::SNAPSHOT_CONFIG
+        )));
+    }
+    let bytes = fetch_small_blob(
+        client,
+        &r.reference.repository,
+        cd,
+        format::CONFIG_LIMIT,
+        &what,
+    )?;
+    serde_json::from_slice(&bytes).map_err(|e| TransferError::Format(format!("{what}: {e}")))
+}
+
+/// Manifest facts for a tag: `Ok(None)` when the tag does not exist (404).
+pub fn manifest_info(
+    client: &RegistryClient,
+    repo: &str,
+    tag: &str,
+) -> Result<Option<ManifestInfo>, TransferError> {
+    let r = match resolve_manifest(client, repo, tag) {
+        Ok(r) => r,
+        Err(e) if e.is_not_found() => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let annotations: BTreeMap<String, String> = r
+        .doc
+        .get("annotations")
+        .and_then(|a| a.as_object())
+        .map(|a| {
+            a.iter()
+                .filter_map(|(k, v)| v.as_str().map(|s| (k.clone(), s.to_string())))
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut info = ManifestInfo {
+        kind: r.kind,
+        digest: super::client::sha256_digest(&r.body),
+        annotations,
+        snapshot_id: None,
+        config: None,
+    };
+    if r.kind.is_snapshot() {
+        let m = format::parse_manifest(&r.body, &r.reference.to_string())?;
+        let cfg = fetch_config(client, &r, &m)?;
+        info.snapshot_id = Some(cfg.snapshot_id.clone());
+        info.config = Some(cfg);
+    }
+    Ok(Some(info))
+}
+
+/// One import-tar entry planned from the layers (§15.2).
+enum PlanEntry {
+    Raw {
+        title: String,
+        desc: Box<Descriptor>,
+    },
+    Encoded {
+        title: String,
+        chunks: Vec<Descriptor>,
+        compressed: bool,
+        size: u64,
+    },
+}
+
+fn title_of(d: &Descriptor) -> Option<String> {
+    d.annotations()
+        .as_ref()
+        .and_then(|a| a.get(format::TITLE))
+        .filter(|t| !t.is_empty())
+        .cloned()
+}
+
+/// Validation (§15.1 step 5) and planning (§15.2).
+fn plan(
+    m: &ImageManifest,
+    cfg: &SnapshotConfig,
+    v2: bool,
+    what: &str,
+) -> Result<Vec<PlanEntry>, TransferError> {
+    if (cfg.schema_version == "v2") != v2 {
+        return Err(TransferError::Format(format!(
+            "{what}: config schemaVersion {:?} disagrees with the artifactType",
+            cfg.schema_version
+        )));
+    }
+    for d in m.layers() {
+        let mt = d.media_type().to_string();
+        let base = mt.strip_suffix("+zstd").unwrap_or(&mt);
+        if !format::SNAPSHOT_LAYER_TYPES.contains(&base) {
+            return Err(TransferError::Format(format!(
+                "{what}: layer {} has media type {mt}: snapshot needs a newer reader",
+                d.digest()
+            )));
+        }
+        if mt.ends_with("+zstd") && !v2 {
+            return Err(TransferError::Format(format!(
+                "{what}: layer {} is zstd-encoded in a v1 snapshot",
+                d.digest()
+            )));
+        }
+        let title = title_of(d).ok_or_else(|| {
+            TransferError::Format(format!("{what}: layer {} has no title", d.digest()))
+        })?;
+        if title.contains("..") || title.starts_with('/') || title == "snapshot.json" {
+            return Err(TransferError::Format(format!(
+                "{what}: layer {} has an unsafe title {title:?}",
+                d.digest()
+            )));
+        }
+    }
+    if !v2 && cfg.files.values().any(|f| !f.chunks.is_empty()) {
+        return Err(TransferError::Format(format!(
+            "{what}: files[].chunks in a v1 snapshot"
+        )));
+    }
+    let by_digest: HashMap<String, &Descriptor> = m
+        .layers()
+        .iter()
+        .map(|d| (d.digest().to_string(), d))
+        .collect();
+    let mut out = Vec::new();
+    let mut seen_encoded: Vec<String> = Vec::new();
+    for d in m.layers() {
+        let title = title_of(d).unwrap_or_default();
+        let file = cfg.files.get(&title).cloned().unwrap_or_default();
+        let zstd = d.media_type().to_string().ends_with("+zstd");
+        if file.chunks.is_empty() && !zstd {
+            out.push(PlanEntry::Raw {
+                title,
+                desc: Box::new(d.clone()),
+            });
+            continue;
+        }
+        if seen_encoded.contains(&title) {
+            continue;
+        }
+        seen_encoded.push(title.clone());
+        if file.size <= 0 {
+            return Err(TransferError::Format(format!(
+                "{what}: encoded layer missing files[].size for {title}"
+            )));
+        }
+        let chunks = if file.chunks.is_empty() {
+            vec![d.clone()]
+        } else {
+            file.chunks
+                .iter()
+                .map(|c| {
+                    by_digest.get(c).map(|d| (*d).clone()).ok_or_else(|| {
+                        TransferError::Format(format!(
+                            "{what}: chunk {c} of {title} missing from manifest layers"
+                        ))
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?
+        };
+        out.push(PlanEntry::Encoded {
+            title,
+            chunks,
+            compressed: zstd,
+            size: file.size as u64,
+        });
+    }
+    Ok(out)
+}
+
+fn stride(size: u64, n: u64) -> u64 {
+    if n <= 1 {
+        size
+    } else {
+        (size - 1) / (n - 1) + 1
+    }
+}
+
+/// Prefetch window and per-chunk output cap (§15.4); window < 2 means sequential.
+fn window(entries: &[PlanEntry], concurrency: usize, budget: u64) -> (usize, u64) {
+    let (mut out_cap, mut in_cap) = (0u64, 0u64);
+    for e in entries {
+        if let PlanEntry::Encoded {
+            chunks,
+            compressed,
+            size,
+            ..
+        } = e
+        {
+            let largest = chunks.iter().map(|c| c.size()).max().unwrap_or(0);
+            let o = if *compressed {
+                stride(*size, chunks.len() as u64)
+            } else {
+                largest
+            };
+            let i = if *compressed { largest } else { 0 };
+            out_cap = out_cap.max(o);
+            in_cap = in_cap.max(i);
+        }
+    }
+    if out_cap == 0 || out_cap > GIB || in_cap > GIB || budget <= out_cap {
+        return (0, out_cap);
+    }
+    let w = ((budget - out_cap) / (in_cap + out_cap)).min(concurrency as u64) as usize;
+    (w, out_cap)
+}
+
+/// Pulls `<OCI_REGISTRY>/<repo>:<tag>` and imports it as `local_name`. Blocking; run it on a
+/// worker thread. On any failure the import child is killed and the local name removed.
+pub fn pull_snapshot(
+    client: &RegistryClient,
+    req: &PullRequest,
+) -> Result<PullReport, TransferError> {
+    let started = Instant::now();
+    let r = resolve_manifest(client, &req.repo, &req.tag)?;
+    let what = r.reference.to_string();
+    if !r.kind.is_snapshot() {
+        let msg = format!("{what}: manifest is {}, not a snapshot", r.kind.name());
+        return Err(if r.kind == ArtifactKind::CloudImage {
+            TransferError::WrongArtifact(msg)
+        } else {
+            TransferError::Format(msg)
+        });
+    }
+    if r.was_index {
+        log::info!("{what}: resolved from an image index");
+    }
+    let m = format::parse_manifest(&r.body, &what)?;
+    let cfg = fetch_config(client, &r, &m)?;
+    let entries = plan(&m, &cfg, r.kind == ArtifactKind::SnapshotV2, &what)?;
+    let (win, out_cap) = window(&entries, req.concurrency, req.budget);
+    if req.local_name.is_empty() {
+        return Err(TransferError::Invalid("pull: local name required".into()));
+    }
+    remove_snapshot(&req.cocoon_bin, &req.local_name)?;
+    let mut child = CocoonChild::spawn(
+        &req.cocoon_bin,
+        &["snapshot", "import", "--name", &req.local_name],
+        true,
+        false,
+    )?;
+    let Some(stdin) = child.take_stdin() else {
+        child.kill();
+        return Err(TransferError::Cocoon("import: no stdin pipe".into()));
+    };
+    let mtime = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let mut tar = TarWriter::new(CountingWriter {
+        inner: BufWriter::with_capacity(TAR_BUF, stdin),
+        count: 0,
+    });
+    let stream = write_import_tar(
+        client,
+        &r.reference.repository,
+        &what,
+        &cfg,
+        &entries,
+        &req.local_name,
+        mtime,
+        &mut tar,
+        win,
+        out_cap,
+    );
+    if let Err(e) = stream {
+        // Kill before the pipe closes so cocoon never sees an end-of-file it could commit.
+        let stderr = child.kill();
+        drop(tar);
+        cleanup(&req.cocoon_bin, &req.local_name);
+        return Err(match e {
+            TransferError::Cocoon(m) if !stderr.is_empty() => {
+                TransferError::Cocoon(format!("{m} (stderr: {stderr})"))
+            }
+            other => other,
+        });
+    }
+    let bytes = match tar.finish() {
+        Ok(w) => w.count,
+        Err(e) => {
+            let stderr = child.kill();
+            cleanup(&req.cocoon_bin, &req.local_name);
+            return Err(TransferError::Cocoon(format!(
+                "import {}: writing stdin: {e} (stderr: {stderr})",
+                req.local_name
+            )));
+        }
+    };
+    // finish() flushed and dropped the writer, closing stdin so cocoon sees the archive end.
+    if let Err(e) = child.wait() {
+        cleanup(&req.cocoon_bin, &req.local_name);
+        return Err(e);
+    }
+    log::info!(
+        "pulled {what} into {} ({bytes} bytes, {:?})",
+        req.local_name,
+        started.elapsed()
+    );
+    Ok(PullReport {
+        manifest_digest: super::client::sha256_digest(&r.body),
+        kind: r.kind,
+        snapshot_id: cfg.snapshot_id,
+        bytes,
+        duration: started.elapsed(),
+    })
+}
+
+fn cleanup(bin: &std::path::Path, name: &str) {
+    if let Err(e) = remove_snapshot(bin, name) {
+        log::warn!("removing partially imported snapshot {name}: {e}");
+    }
+}
+
+struct CountingWriter<W: Write> {
+    inner: W,
+    count: u64,
+}
+
+impl<W: Write> Write for CountingWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.count += n as u64;
+        Ok(n)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+fn pipe_err(local: &str, e: io::Error) -> TransferError {
+    TransferError::Cocoon(format!("import {local}: writing stdin: {e}"))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn write_import_tar<W: Write>(
+    client: &RegistryClient,
+    repository: &str,
+    what: &str,
+    cfg: &SnapshotConfig,
+    entries: &[PlanEntry],
+    local: &str,
+    mtime: u64,
+    tar: &mut TarWriter<W>,
+    win: usize,
+    out_cap: u64,
+) -> Result<(), TransferError> {
+    let env = format::envelope_for_import(cfg, local);
+    tar.begin_entry("snapshot.json", env.len() as u64, 0o644, mtime, &[])
+        .map_err(|e| pipe_err(local, e))?;
+    tar.write_body(&env).map_err(|e| pipe_err(local, e))?;
+    tar.end_entry().map_err(|e| pipe_err(local, e))?;
+    let mut buf = vec![0u8; COPY_BUF];
+    for e in entries {
+        let (title, size) = match e {
+            PlanEntry::Raw { title, desc } => (title, desc.size()),
+            PlanEntry::Encoded { title, size, .. } => (title, *size),
+        };
+        let file = cfg.files.get(title).cloned().unwrap_or_default();
+        let mode = if file.mode == 0 {
+            0o640
+        } else {
+            file.mode as u32
+        };
+        let mut pax = Vec::new();
+        if !file.sparse_map.is_empty() {
+            if file.sparse_size <= 0 {
+                return Err(TransferError::Format(format!(
+                    "{what}: {title} has a sparse map without a sparse size"
+                )));
+            }
+            pax.push((format::SPARSE_MAP.to_string(), file.sparse_map.clone()));
+            pax.push((
+                format::SPARSE_SIZE.to_string(),
+                file.sparse_size.to_string(),
+            ));
+        }
+        tar.begin_entry(title, size, mode, mtime, &pax)
+            .map_err(|e| pipe_err(local, e))?;
+        match e {
+            PlanEntry::Raw { desc, .. } => {
+                let blob_what = format!("{what}: {title} blob {}", desc.digest());
+                let mut r = client.get_blob(repository, desc.digest().as_ref(), desc.size())?;
+                copy_into(&mut r, tar, &mut buf, &blob_what, local)?;
+            }
+            PlanEntry::Encoded {
+                chunks, compressed, ..
+            } if win >= 2 && chunks.len() >= 2 => {
+                parallel_chunks(
+                    client,
+                    repository,
+                    what,
+                    title,
+                    chunks,
+                    *compressed,
+                    win.min(chunks.len()),
+                    out_cap,
+                    tar,
+                    local,
+                )?;
+            }
+            PlanEntry::Encoded {
+                chunks, compressed, ..
+            } => {
+                let chain = ChunkChain {
+                    client,
+                    repository,
+                    chunks,
+                    next: 0,
+                    current: None,
+                    what: format!("{what}: {title}"),
+                };
+                if *compressed {
+                    let mut dec = zstd::stream::read::Decoder::new(chain)
+                        .map_err(|e| TransferError::Io(format!("zstd: {e}")))?;
+                    copy_into(&mut dec, tar, &mut buf, &format!("{what}: {title}"), local)?;
+                } else {
+                    let mut chain = chain;
+                    copy_into(
+                        &mut chain,
+                        tar,
+                        &mut buf,
+                        &format!("{what}: {title}"),
+                        local,
+                    )?;
+                }
+            }
+        }
+        tar.end_entry()
+            .map_err(|e| TransferError::Integrity(format!("{what}: {title}: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Copies a verified source into the current tar member; source errors are integrity or
+/// network errors, sink errors are the import child's.
+fn copy_into<R: Read, W: Write>(
+    src: &mut R,
+    tar: &mut TarWriter<W>,
+    buf: &mut [u8],
+    what: &str,
+    local: &str,
+) -> Result<(), TransferError> {
+    loop {
+        let n = match src.read(buf) {
+            Ok(0) => return Ok(()),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(blob_err(e, what)),
+        };
+        tar.write_body(&buf[..n]).map_err(|e| {
+            if e.kind() == io::ErrorKind::InvalidData {
+                TransferError::Integrity(format!("{what}: decoded data longer than files[].size"))
+            } else {
+                pipe_err(local, e)
+            }
+        })?;
+    }
+}
+
+/// Sequential reader over a file's chunk blobs; opens one blob at a time.
+struct ChunkChain<'a> {
+    client: &'a RegistryClient,
+    repository: &'a str,
+    chunks: &'a [Descriptor],
+    next: usize,
+    current: Option<BlobReader>,
+    what: String,
+}
+
+impl Read for ChunkChain<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            if self.current.is_none() {
+                let Some(d) = self.chunks.get(self.next) else {
+                    return Ok(0);
+                };
+                self.next += 1;
+                let r = self
+                    .client
+                    .get_blob(self.repository, d.digest().as_ref(), d.size())
+                    .map_err(|e| io::Error::other(format!("{}: {e}", self.what)))?;
+                self.current = Some(r);
+            }
+            if let Some(r) = self.current.as_mut() {
+                let n = r.read(buf)?;
+                if n > 0 {
+                    return Ok(n);
+                }
+                self.current = None;
+            }
+        }
+    }
+}
+
+/// Parallel mode (§15.3): up to `win` chunks fetched and decoded ahead, written in order.
+#[allow(clippy::too_many_arguments)]
+fn parallel_chunks<W: Write>(
+    client: &RegistryClient,
+    repository: &str,
+    what: &str,
+    title: &str,
+    chunks: &[Descriptor],
+    compressed: bool,
+    win: usize,
+    out_cap: u64,
+    tar: &mut TarWriter<W>,
+    local: &str,
+) -> Result<(), TransferError> {
+    struct Shared {
+        next: usize,
+        written: usize,
+        stop: bool,
+    }
+    let shared = Mutex::new(Shared {
+        next: 0,
+        written: 0,
+        stop: false,
+    });
+    let cv = Condvar::new();
+    let (tx, rx) = mpsc::channel::<(usize, Result<Vec<u8>, TransferError>)>();
+    std::thread::scope(|scope| {
+        for _ in 0..win {
+            let tx = tx.clone();
+            let (shared, cv) = (&shared, &cv);
+            scope.spawn(move || loop {
+                let idx = {
+                    let mut s = lock_shared(shared);
+                    while !s.stop && s.next < chunks.len() && s.next >= s.written + win {
+                        s = cv.wait(s).unwrap_or_else(|p| p.into_inner());
+                    }
+                    if s.stop || s.next >= chunks.len() {
+                        return;
+                    }
+                    s.next += 1;
+                    s.next - 1
+                };
+                let d = &chunks[idx];
+                let cwhat = format!("{what}: {title} chunk {idx} ({})", d.digest());
+                let res = fetch_small_blob(client, repository, d, GIB, &cwhat).and_then(|raw| {
+                    if compressed {
+                        zstd::bulk::decompress(&raw, out_cap as usize).map_err(|e| {
+                            TransferError::Integrity(format!("{cwhat}: zstd decode: {e}"))
+                        })
+                    } else {
+                        Ok(raw)
+                    }
+                });
+                let failed = res.is_err();
+                if tx.send((idx, res)).is_err() || failed {
+                    return;
+                }
+            });
+        }
+        drop(tx);
+        let mut pending: BTreeMap<usize, Vec<u8>> = BTreeMap::new();
+        let mut want = 0usize;
+        let result = (|| -> Result<(), TransferError> {
+            while want < chunks.len() {
+                let Ok((idx, res)) = rx.recv() else {
+                    return Err(TransferError::Transient(format!(
+                        "{what}: {title}: chunk fetchers stopped early"
+                    )));
+                };
+                pending.insert(idx, res?);
+                while let Some(data) = pending.remove(&want) {
+                    tar.write_body(&data).map_err(|e| {
+                        if e.kind() == io::ErrorKind::InvalidData {
+                            TransferError::Integrity(format!(
+                                "{what}: {title}: decoded data longer than files[].size"
+                            ))
+                        } else {
+                            pipe_err(local, e)
+                        }
+                    })?;
+                    want += 1;
+                    lock_shared(&shared).written = want;
+                    cv.notify_all();
+                }
+            }
+            Ok(())
+        })();
+        lock_shared(&shared).stop = true;
+        cv.notify_all();
+        // Drain so blocked senders finish; the scope joins the fetchers.
+        while rx.recv().is_ok() {}
+        result
+    })
+}
+
+fn lock_shared<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Pulls an os-image artifact and streams its disk layers (sorted by title, concatenated
+/// verbatim) into `cocoon image import <local_name>`. A snapshot artifact is refused with
+/// "is a snapshot artifact; use mode=clone instead of mode=run".
+pub fn pull_cloud_image(
+    client: &RegistryClient,
+    req: &CloudImageRequest,
+) -> Result<PullReport, TransferError> {
+    let started = Instant::now();
+    let r = resolve_manifest(client, &req.repo, &req.tag)?;
+    let what = r.reference.to_string();
+    if r.kind.is_snapshot() {
+        return Err(TransferError::WrongArtifact(format!(
+            "{what} is a snapshot artifact; use mode=clone instead of mode=run"
+        )));
+    }
+    if r.kind != ArtifactKind::CloudImage {
+        return Err(TransferError::WrongArtifact(format!(
+            "{what}: manifest is {}, not a cloud image",
+            r.kind.name()
+        )));
+    }
+    let m = format::parse_manifest(&r.body, &what)?;
+    let mut disks: Vec<(String, Descriptor)> = m
+        .layers()
+        .iter()
+        .filter(|d| format::DISK_LAYER_TYPES.contains(&d.media_type().to_string().as_str()))
+        .map(|d| (title_of(d).unwrap_or_default(), d.clone()))
+        .collect();
+    if disks.is_empty() {
+        return Err(TransferError::Format(format!(
+            "{what}: cloud image has no disk layer"
+        )));
+    }
+    disks.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+    let mut child = CocoonChild::spawn(
+        &req.cocoon_bin,
+        &["image", "import", &req.local_name],
+        true,
+        false,
+    )?;
+    let Some(stdin) = child.take_stdin() else {
+        child.kill();
+        return Err(TransferError::Cocoon("image import: no stdin pipe".into()));
+    };
+    let mut out = CountingWriter {
+        inner: BufWriter::with_capacity(TAR_BUF, stdin),
+        count: 0,
+    };
+    let result = (|| -> Result<(), TransferError> {
+        let mut buf = vec![0u8; COPY_BUF];
+        for (title, d) in &disks {
+            let bwhat = format!("{what}: {title} blob {}", d.digest());
+            let mut rd = client.get_blob(&r.reference.repository, d.digest().as_ref(), d.size())?;
+            loop {
+                let n = match rd.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => n,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(blob_err(e, &bwhat)),
+                };
+                out.write_all(&buf[..n]).map_err(|e| {
+                    TransferError::Cocoon(format!(
+                        "image import {}: writing stdin: {e}",
+                        req.local_name
+                    ))
+                })?;
+            }
+        }
+        out.flush().map_err(|e| {
+            TransferError::Cocoon(format!(
+                "image import {}: writing stdin: {e}",
+                req.local_name
+            ))
+        })
+    })();
+    let bytes = out.count;
+    if let Err(e) = result {
+        // Kill before the pipe closes: a truncated image must never be imported.
+        child.kill();
+        drop(out);
+        return Err(e);
+    }
+    drop(out);
+    child.wait()?;
+    Ok(PullReport {
+        manifest_digest: super::client::sha256_digest(&r.body),
+        kind: r.kind,
+        snapshot_id: String::new(),
+        bytes,
+        duration: started.elapsed(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stride_and_window() {
+        assert_eq!(stride(10, 1), 10);
+        assert_eq!(stride(10, 3), 5);
+        assert_eq!(stride(9, 3), 5);
+        let d = |size: u64| {
+            Descriptor::new(
+                oci_spec::image::MediaType::from("application/vnd.cocoonstack.vm.memory+zstd"),
+                size,
+                format!("sha256:{}", "a".repeat(64))
+                    .parse::<oci_spec::image::Digest>()
+                    .unwrap(),
+            )
+        };
+        let e = vec![PlanEntry::Encoded {
+            title: "m".into(),
+            chunks: vec![d(10 * MIB), d(10 * MIB), d(5 * MIB)],
+            compressed: true,
+            size: 150 * MIB,
+        }];
+        // out cap = stride(150 MiB, 3) = 75 MiB, in cap = 10 MiB: (2048-75)/85 = 23 → min(8).
+        assert_eq!(window(&e, 8, 2048 * MIB).0, 8);
+        assert_eq!(window(&e, 8, 200 * MIB).0, 1);
+    }
+}

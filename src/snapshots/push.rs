@@ -1,0 +1,688 @@
+//! Snapshot push (spec §16.1, §13.4): stream `cocoon snapshot export NAME -o -`, turn tar
+//! entries into blobs (v1 raw, v2 chunked / zstd), then config and manifest. Memory bounded.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{self, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use sha2::{Digest as _, Sha256};
+
+use super::client::{sha256_digest, Body, RegistryClient};
+use super::cocoon_child::CocoonChild;
+use super::format::{self, LayerDesc, SnapshotConfig, SnapshotFile};
+use super::reference::hex_lower;
+use super::tarstream::TarReader;
+use super::TransferError;
+
+const MIB: u64 = 1 << 20;
+const READ_BUF: usize = 1 << 20;
+/// Files at least this big are compressed when zstd is on (§13.4).
+const COMPRESS_MIN: u64 = MIB;
+const MAX_CHUNKS: u64 = 1 << 20;
+const PROGRESS_STEP: u64 = 1 << 30;
+
+/// The SNAPSHOT_* knobs (§16.1). All-zero zstd and chunk = the exact v1 writer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PushKnobs {
+    /// `SNAPSHOT_ZSTD_LEVEL`; 0 = no compression.
+    pub zstd_level: i32,
+    /// `SNAPSHOT_CHUNK_SIZE_MIB` in bytes; 0 = no chunking.
+    pub chunk_size: u64,
+    /// `SNAPSHOT_TRANSFER_CONCURRENCY` (default 8).
+    pub concurrency: usize,
+    /// `SNAPSHOT_MEMORY_BUDGET_MIB` in bytes (default 9216 MiB).
+    pub memory_budget: u64,
+}
+
+impl Default for PushKnobs {
+    fn default() -> Self {
+        PushKnobs {
+            zstd_level: 0,
+            chunk_size: 0,
+            concurrency: 8,
+            memory_budget: 9216 * MIB,
+        }
+    }
+}
+
+fn env_nonneg(name: &str) -> Option<u64> {
+    // Invalid or negative → 0 (§16.1).
+    std::env::var(name)
+        .ok()
+        .map(|v| v.trim().parse::<i64>().ok().filter(|n| *n > 0).unwrap_or(0) as u64)
+}
+
+impl PushKnobs {
+    /// Reads the knobs from the environment.
+    pub fn from_env() -> Self {
+        let d = PushKnobs::default();
+        PushKnobs {
+            zstd_level: env_nonneg("SNAPSHOT_ZSTD_LEVEL")
+                .map(|v| v.min(22) as i32)
+                .unwrap_or(0),
+            chunk_size: env_nonneg("SNAPSHOT_CHUNK_SIZE_MIB")
+                .map(|v| v.min(4096) * MIB)
+                .unwrap_or(0),
+            concurrency: env_nonneg("SNAPSHOT_TRANSFER_CONCURRENCY")
+                .filter(|v| *v > 0)
+                .map(|v| v as usize)
+                .unwrap_or(d.concurrency),
+            memory_budget: env_nonneg("SNAPSHOT_MEMORY_BUDGET_MIB")
+                .filter(|v| *v > 0)
+                .map(|v| v * MIB)
+                .unwrap_or(d.memory_budget),
+        }
+    }
+
+    /// True when the v2-capable writer is active (the node-wide push gate applies).
+    pub fn pipelined(&self) -> bool {
+        self.zstd_level > 0 || self.chunk_size > 0
+    }
+
+    /// Chunk workers: min(concurrency, floor(budget / (2 × chunk)) − 1), at least 1.
+    pub fn workers(&self) -> usize {
+        if self.chunk_size == 0 {
+            return 1;
+        }
+        let by_budget = (self.memory_budget / (2 * self.chunk_size)).saturating_sub(1) as usize;
+        self.concurrency.min(by_budget).max(1)
+    }
+
+    fn validate(&self) -> Result<(), TransferError> {
+        if self.chunk_size > 4096 * MIB {
+            return Err(TransferError::Invalid(format!(
+                "chunk size {} MiB exceeds 4096 MiB",
+                self.chunk_size / MIB
+            )));
+        }
+        if self.chunk_size > 0 && 4 * self.chunk_size > self.memory_budget {
+            return Err(TransferError::Invalid(format!(
+                "chunk size {} MiB needs a memory budget of at least {} MiB (have {} MiB)",
+                self.chunk_size / MIB,
+                4 * self.chunk_size / MIB,
+                self.memory_budget / MIB
+            )));
+        }
+        Ok(())
+    }
+
+    /// zstd level the Go library's four speed classes correspond to.
+    fn zstd_native_level(&self) -> i32 {
+        match self.zstd_level {
+            l if l < 3 => 1,
+            3..=5 => 3,
+            6..=9 => 7,
+            _ => 11,
+        }
+    }
+}
+
+/// What to push.
+#[derive(Debug, Clone)]
+pub struct PushRequest {
+    /// Local snapshot name = repository under OCI_REGISTRY (the VM name).
+    pub name: String,
+    /// Tag (`latest`, `hibernate`); empty = `latest`.
+    pub tag: String,
+    /// The cocoon binary (VK_COCOON_BIN).
+    pub cocoon_bin: PathBuf,
+    /// `cocoonstack.snapshot.baseimage` when known.
+    pub base_image: Option<String>,
+    /// `cocoonstack.snapshot.from-node` (this node's name).
+    pub from_node: Option<String>,
+    /// Caller annotations, merged after the generated ones.
+    pub annotations: BTreeMap<String, String>,
+    pub knobs: PushKnobs,
+    /// Spool directory (default: the system temp dir).
+    pub temp_dir: Option<PathBuf>,
+}
+
+/// Outcome of a push.
+#[derive(Debug, Clone)]
+pub struct PushReport {
+    /// `sha256:` of the exact manifest bytes published.
+    pub manifest_digest: String,
+    /// Sum of layer sizes plus the config size.
+    pub total_size: u64,
+    pub layers: usize,
+    pub v2: bool,
+    /// For `snapshot_push_duration_seconds`.
+    pub duration: Duration,
+}
+
+/// Pushes local snapshot `req.name` to `<OCI_REGISTRY>/<name>:<tag>`. Blocking; run it on a
+/// worker thread. The manifest is published only after every blob succeeded.
+pub fn push_snapshot(
+    client: &RegistryClient,
+    req: &PushRequest,
+) -> Result<PushReport, TransferError> {
+    let started = Instant::now();
+    if req.name.is_empty() {
+        return Err(TransferError::Invalid(
+            "push: snapshot name required".into(),
+        ));
+    }
+    req.knobs.validate()?;
+    let reference = client.reference(&req.name, &req.tag)?;
+    let mut child = CocoonChild::spawn(
+        &req.cocoon_bin,
+        &["snapshot", "export", &req.name, "-o", "-"],
+        false,
+        true,
+    )?;
+    let Some(stdout) = child.take_stdout() else {
+        child.kill();
+        return Err(TransferError::Cocoon("export: no stdout pipe".into()));
+    };
+    let mut tar = TarReader::new(BufReader::with_capacity(READ_BUF, stdout));
+    let mut state = PushState {
+        client,
+        repository: reference.repository.clone(),
+        req,
+        layers: Vec::new(),
+        files: BTreeMap::new(),
+        v2: false,
+        pushed: AtomicU64::new(0),
+        next_progress: AtomicU64::new(PROGRESS_STEP),
+    };
+    let mut envelope: Option<SnapshotConfig> = None;
+    let read_result = (|| -> Result<(), TransferError> {
+        while let Some(entry) = tar.next_entry().map_err(|e| export_err(&req.name, e))? {
+            if entry.name == "snapshot.json" {
+                let mut body = Vec::new();
+                tar.body()
+                    .take(format::CONFIG_LIMIT + 1)
+                    .read_to_end(&mut body)
+                    .map_err(|e| export_err(&req.name, e))?;
+                if body.len() as u64 > format::CONFIG_LIMIT {
+                    return Err(TransferError::Format(format!(
+                        "export {}: snapshot.json larger than 64 MiB",
+                        req.name
+                    )));
+                }
+                envelope = Some(format::config_from_envelope(&body)?);
+                continue;
+            }
+            if !entry.is_regular() {
+                continue;
+            }
+            state.push_file(&entry, &mut tar)?;
+        }
+        Ok(())
+    })();
+    drop(tar);
+    // A read error wins over the subprocess error (§16.1 step 4).
+    if let Err(e) = read_result {
+        let stderr = child.kill();
+        return Err(match e {
+            TransferError::Format(m) if !stderr.is_empty() => {
+                TransferError::Format(format!("{m} (cocoon stderr: {stderr})"))
+            }
+            other => other,
+        });
+    }
+    child.wait()?;
+    let mut config = envelope.ok_or_else(|| {
+        TransferError::Format(format!(
+            "export {}: no snapshot.json in the stream",
+            req.name
+        ))
+    })?;
+    config.schema_version = if state.v2 { "v2" } else { "v1" }.to_string();
+    config.files = std::mem::take(&mut state.files);
+    config.created_at = format::rfc3339_nanos(SystemTime::now());
+    let config_bytes =
+        serde_json::to_vec(&config).map_err(|e| TransferError::Format(e.to_string()))?;
+    let config_digest = sha256_digest(&config_bytes);
+    client.put_blob(
+        &reference.repository,
+        &config_digest,
+        Body::Bytes(&config_bytes),
+    )?;
+    let mut ann = BTreeMap::new();
+    ann.insert(
+        format::CREATED.to_string(),
+        format::rfc3339_seconds(SystemTime::now()),
+    );
+    if let Some(b) = req.base_image.as_ref().filter(|b| !b.is_empty()) {
+        ann.insert(format::BASEIMAGE.to_string(), b.clone());
+    }
+    for (k, v) in &req.annotations {
+        ann.insert(k.clone(), v.clone());
+    }
+    if let Some(n) = req.from_node.as_ref().filter(|n| !n.is_empty()) {
+        ann.insert(format::FROM_NODE.to_string(), n.clone());
+    }
+    let manifest = format::build_manifest(
+        state.v2,
+        &config_digest,
+        config_bytes.len() as u64,
+        &state.layers,
+        &ann,
+    )?;
+    client.put_manifest(&reference, &manifest, format::MANIFEST_MEDIA_TYPE)?;
+    let total = state.layers.iter().map(|l| l.size).sum::<u64>() + config_bytes.len() as u64;
+    log::info!(
+        "pushed {reference}: {} layers, {total} bytes, {:?}",
+        state.layers.len(),
+        started.elapsed()
+    );
+    Ok(PushReport {
+        manifest_digest: sha256_digest(&manifest),
+        total_size: total,
+        layers: state.layers.len(),
+        v2: state.v2,
+        duration: started.elapsed(),
+    })
+}
+
+fn export_err(name: &str, e: io::Error) -> TransferError {
+    TransferError::Format(format!("export {name}: reading tar stream: {e}"))
+}
+
+struct PushState<'a> {
+    client: &'a RegistryClient,
+    repository: String,
+    req: &'a PushRequest,
+    layers: Vec<LayerDesc>,
+    files: BTreeMap<String, SnapshotFile>,
+    v2: bool,
+    pushed: AtomicU64,
+    next_progress: AtomicU64,
+}
+
+impl PushState<'_> {
+    fn progress(&self, n: u64) {
+        let total = self.pushed.fetch_add(n, Ordering::Relaxed) + n;
+        let next = self.next_progress.load(Ordering::Relaxed);
+        if total >= next
+            && self
+                .next_progress
+                .compare_exchange(
+                    next,
+                    next + PROGRESS_STEP,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+        {
+            log::info!("push {}: {} MiB uploaded", self.req.name, total / MIB);
+        }
+    }
+
+    fn push_file<R: Read>(
+        &mut self,
+        entry: &super::tarstream::TarEntry,
+        tar: &mut TarReader<R>,
+    ) -> Result<(), TransferError> {
+        let knobs = &self.req.knobs;
+        let name = entry.name.clone();
+        let mut file = SnapshotFile {
+            mode: (entry.mode & 0o7777) as i64,
+            ..Default::default()
+        };
+        if let Some(map) = entry.pax.get(format::SPARSE_MAP) {
+            let size = entry
+                .pax
+                .get(format::SPARSE_SIZE)
+                .and_then(|s| s.parse::<i64>().ok());
+            let Some(size) = size else {
+                return Err(TransferError::Format(format!(
+                    "export {}: {name} has a sparse map without a valid sparse size",
+                    self.req.name
+                )));
+            };
+            file.sparse_map = map.clone();
+            file.sparse_size = size;
+        }
+        let size = entry.size;
+        if knobs.pipelined() {
+            file.size = size as i64;
+        }
+        let base_type = format::media_type_for(&name);
+        let compress = knobs.zstd_level > 0 && size >= COMPRESS_MIN;
+        let c = knobs.chunk_size;
+        if c > 0 && (compress || size > c) {
+            let count = size.div_ceil(c).max(1);
+            if count > MAX_CHUNKS {
+                return Err(TransferError::Invalid(format!(
+                    "{name}: {count} chunks exceed the limit of {MAX_CHUNKS}"
+                )));
+            }
+            let media = if compress {
+                format!("{base_type}+zstd")
+            } else {
+                base_type.to_string()
+            };
+            let descs = self.push_chunked(&name, tar, size, count, &media, compress)?;
+            if count > 1 {
+                file.chunks = descs.iter().map(|d| d.digest.clone()).collect();
+            }
+            self.layers.extend(descs);
+            self.v2 = true;
+        } else {
+            let spool = Spool::create(self.req.temp_dir.as_deref())?;
+            let (digest, blob_size) = if compress {
+                self.v2 = true;
+                spool.write_compressed(tar, size, self.req.knobs.zstd_native_level(), &name)?
+            } else {
+                spool.write_raw(tar, size, &name)?
+            };
+            let media = if compress {
+                format!("{base_type}+zstd")
+            } else {
+                base_type.to_string()
+            };
+            self.client.put_blob(
+                &self.repository,
+                &digest,
+                Body::File {
+                    file: &spool.file,
+                    len: blob_size,
+                },
+            )?;
+            self.progress(blob_size);
+            let mut ann = BTreeMap::new();
+            ann.insert(format::TITLE.to_string(), name.clone());
+            self.layers.push(LayerDesc {
+                media_type: media,
+                digest,
+                size: blob_size,
+                annotations: ann,
+            });
+        }
+        self.files.insert(name, file);
+        Ok(())
+    }
+
+    /// Chunked path: this thread cuts the body into chunk buffers, a bounded pool compresses,
+    /// hashes and uploads them; descriptors keep their index order.
+    fn push_chunked<R: Read>(
+        &self,
+        name: &str,
+        tar: &mut TarReader<R>,
+        size: u64,
+        count: u64,
+        media: &str,
+        compress: bool,
+    ) -> Result<Vec<LayerDesc>, TransferError> {
+        let c = self.req.knobs.chunk_size;
+        let workers = self.req.knobs.workers().min(count as usize).max(1);
+        let level = self.req.knobs.zstd_native_level();
+        let results: Mutex<Vec<Option<LayerDesc>>> = Mutex::new(vec![None; count as usize]);
+        let failure: Mutex<Option<TransferError>> = Mutex::new(None);
+        let (tx, rx) = mpsc::sync_channel::<(usize, Vec<u8>)>(0);
+        let rx = Mutex::new(rx);
+        std::thread::scope(|scope| {
+            for _ in 0..workers {
+                scope.spawn(|| loop {
+                    let job = { lock(&rx).recv() };
+                    let Ok((idx, raw)) = job else { return };
+                    if lock(&failure).is_some() {
+                        continue;
+                    }
+                    match self.upload_chunk(idx, raw, count, media, name, compress, level) {
+                        Ok(d) => lock(&results)[idx] = Some(d),
+                        Err(e) => {
+                            let mut f = lock(&failure);
+                            if f.is_none() {
+                                *f = Some(e);
+                            }
+                        }
+                    }
+                });
+            }
+            let mut remaining = size;
+            for idx in 0..count as usize {
+                if lock(&failure).is_some() {
+                    break;
+                }
+                let len = remaining.min(c) as usize;
+                let mut buf = vec![0u8; len];
+                match tar.read_body_full(&mut buf) {
+                    Ok(n) if n == len => {}
+                    Ok(n) => {
+                        *lock(&failure) = Some(TransferError::Format(format!(
+                            "export {}: {name}: body ended after {} of {size} bytes",
+                            self.req.name,
+                            size - remaining + n as u64
+                        )));
+                        break;
+                    }
+                    Err(e) => {
+                        *lock(&failure) = Some(export_err(&self.req.name, e));
+                        break;
+                    }
+                }
+                remaining -= len as u64;
+                if tx.send((idx, buf)).is_err() {
+                    break;
+                }
+            }
+            drop(tx);
+        });
+        if let Some(e) = failure.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            return Err(e);
+        }
+        let results = results.into_inner().unwrap_or_else(|p| p.into_inner());
+        results
+            .into_iter()
+            .enumerate()
+            .map(|(i, d)| {
+                d.ok_or_else(|| {
+                    TransferError::Format(format!("{name}: chunk {i} missing after upload"))
+                })
+            })
+            .collect()
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn upload_chunk(
+        &self,
+        idx: usize,
+        raw: Vec<u8>,
+        count: u64,
+        media: &str,
+        name: &str,
+        compress: bool,
+        level: i32,
+    ) -> Result<LayerDesc, TransferError> {
+        let blob = if compress {
+            // One complete frame per chunk; the content size is pledged so the window never
+            // exceeds the chunk (§13.4).
+            let mut enc = zstd::bulk::Compressor::new(level)
+                .map_err(|e| TransferError::Io(format!("zstd: {e}")))?;
+            let _ = enc.include_contentsize(true);
+            enc.compress(&raw)
+                .map_err(|e| TransferError::Io(format!("zstd compress {name} chunk {idx}: {e}")))?
+        } else {
+            raw
+        };
+        let digest = sha256_digest(&blob);
+        self.client
+            .put_blob(&self.repository, &digest, Body::Bytes(&blob))?;
+        self.progress(blob.len() as u64);
+        let mut ann = BTreeMap::new();
+        ann.insert(format::TITLE.to_string(), name.to_string());
+        if count > 1 {
+            ann.insert(format::CHUNK_INDEX.to_string(), idx.to_string());
+            ann.insert(format::CHUNK_COUNT.to_string(), count.to_string());
+        }
+        Ok(LayerDesc {
+            media_type: media.to_string(),
+            digest,
+            size: blob.len() as u64,
+            annotations: ann,
+        })
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// An unlinked temporary file (prefix `cocoon-snapshot-`): removed from the directory right
+/// after creation, so nothing is left behind whatever happens to the push.
+struct Spool {
+    file: File,
+}
+
+static SPOOL_SEQ: AtomicU64 = AtomicU64::new(0);
+
+impl Spool {
+    fn create(dir: Option<&Path>) -> Result<Self, TransferError> {
+        let dir = dir
+            .map(Path::to_path_buf)
+            .unwrap_or_else(std::env::temp_dir);
+        let nanos = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let path = dir.join(format!(
+            "cocoon-snapshot-{}-{}-{nanos}",
+            std::process::id(),
+            SPOOL_SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(|e| TransferError::Io(format!("create spool file {}: {e}", path.display())))?;
+        std::fs::remove_file(&path)
+            .map_err(|e| TransferError::Io(format!("unlink spool file {}: {e}", path.display())))?;
+        Ok(Spool { file })
+    }
+
+    /// Copies the body verbatim while hashing; returns (digest, size).
+    fn write_raw<R: Read>(
+        &self,
+        tar: &mut TarReader<R>,
+        size: u64,
+        name: &str,
+    ) -> Result<(String, u64), TransferError> {
+        let mut w = HashingWriter {
+            inner: io::BufWriter::with_capacity(READ_BUF, &self.file),
+            hasher: Sha256::new(),
+            written: 0,
+        };
+        let copied = copy_body(tar, &mut w, name)?;
+        if copied != size {
+            return Err(TransferError::Format(format!(
+                "{name}: body ended after {copied} of {size} bytes"
+            )));
+        }
+        w.inner
+            .flush()
+            .map_err(|e| TransferError::Io(format!("spool {name}: {e}")))?;
+        Ok((
+            format!("sha256:{}", hex_lower(&w.hasher.finalize())),
+            w.written,
+        ))
+    }
+
+    /// Streams the body through one zstd encoder (pledged size) while hashing the output.
+    fn write_compressed<R: Read>(
+        &self,
+        tar: &mut TarReader<R>,
+        size: u64,
+        level: i32,
+        name: &str,
+    ) -> Result<(String, u64), TransferError> {
+        let w = HashingWriter {
+            inner: io::BufWriter::with_capacity(READ_BUF, &self.file),
+            hasher: Sha256::new(),
+            written: 0,
+        };
+        let zerr = |e: io::Error| TransferError::Io(format!("zstd {name}: {e}"));
+        let mut enc = zstd::stream::write::Encoder::new(w, level).map_err(zerr)?;
+        enc.set_pledged_src_size(Some(size)).map_err(zerr)?;
+        enc.include_contentsize(true).map_err(zerr)?;
+        let copied = copy_body(tar, &mut enc, name)?;
+        if copied != size {
+            return Err(TransferError::Format(format!(
+                "{name}: body ended after {copied} of {size} bytes"
+            )));
+        }
+        let mut w = enc.finish().map_err(zerr)?;
+        w.inner
+            .flush()
+            .map_err(|e| TransferError::Io(format!("spool {name}: {e}")))?;
+        Ok((
+            format!("sha256:{}", hex_lower(&w.hasher.finalize())),
+            w.written,
+        ))
+    }
+}
+
+fn copy_body<R: Read, W: Write>(
+    tar: &mut TarReader<R>,
+    w: &mut W,
+    name: &str,
+) -> Result<u64, TransferError> {
+    let mut buf = vec![0u8; READ_BUF];
+    let mut total = 0u64;
+    loop {
+        let n = tar
+            .read_body(&mut buf)
+            .map_err(|e| TransferError::Format(format!("{name}: reading export stream: {e}")))?;
+        if n == 0 {
+            return Ok(total);
+        }
+        w.write_all(&buf[..n])
+            .map_err(|e| TransferError::Io(format!("spool {name}: {e}")))?;
+        total += n as u64;
+    }
+}
+
+struct HashingWriter<W: Write> {
+    inner: W,
+    hasher: Sha256,
+    written: u64,
+}
+
+impl<W: Write> Write for HashingWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        self.written += n as u64;
+        Ok(n)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn knob_arithmetic() {
+        let k = PushKnobs {
+            zstd_level: 3,
+            chunk_size: 64 * MIB,
+            concurrency: 8,
+            memory_budget: 9216 * MIB,
+        };
+        assert_eq!(k.workers(), 8);
+        let k = PushKnobs {
+            chunk_size: 64 * MIB,
+            memory_budget: 512 * MIB,
+            ..k
+        };
+        assert_eq!(k.workers(), 3);
+        assert!(k.validate().is_ok());
+        let k = PushKnobs {
+            chunk_size: 256 * MIB,
+            memory_budget: 512 * MIB,
+            ..k
+        };
+        assert!(k.validate().is_err());
+        assert!(!PushKnobs::default().pipelined());
+    }
+}
