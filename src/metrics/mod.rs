@@ -3,6 +3,7 @@
 
 pub mod collectors;
 pub mod families;
+pub mod http;
 pub mod stats;
 
 pub use families::{Metrics, PREFIX};

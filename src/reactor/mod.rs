@@ -40,6 +40,7 @@
 
 mod child;
 mod pool;
+pub mod sd_notify;
 mod timers;
 
 pub use child::{

@@ -3,3 +3,11 @@
 
 pub mod apiserver;
 pub mod fake_cocoon;
+
+/// Entry point of `vk-cocoon sandbox ...` (filled in by the lead): `args` are the
+/// arguments after `sandbox`. Returns the process exit code.
+pub fn run_sandbox(args: Vec<String>) -> i32 {
+    let _ = args;
+    eprintln!("vk-cocoon sandbox: not implemented yet");
+    1
+}

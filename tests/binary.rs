@@ -1,0 +1,311 @@
+//! The vk-cocoon binary as a process: command line, exit codes, /metrics, signals.
+//! Network traffic goes only to 127.0.0.1; the daemon gets an unreachable API server on purpose.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_vk-cocoon");
+
+struct Daemon {
+    child: Child,
+    metrics: SocketAddr,
+    _dir: tempfile::TempDir,
+    stderr_lines: mpsc::Receiver<String>,
+    /// stderr lines up to and including the "metrics listening" line.
+    startup_lines: Vec<String>,
+}
+
+/// Harmless configuration: everything under a temp dir, listeners on 127.0.0.1 port 0,
+/// a kubeconfig whose API server (127.0.0.1:1) refuses connections.
+fn base_command(dir: &std::path::Path) -> Command {
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: https://127.0.0.1:1\n    insecure-skip-tls-verify: true\nusers:\n- name: u\n  user:\n    token: t\ncontexts:\n- name: x\n  context:\n    cluster: c\n    user: u\ncurrent-context: x\n",
+    )
+    .unwrap();
+    let d = |p: &str| dir.join(p).to_string_lossy().into_owned();
+    let mut cmd = Command::new(BIN);
+    cmd.env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("HOME", d(""))
+        .env("OCI_REGISTRY", "127.0.0.1:1/vk-cocoon-test")
+        .env("KUBECONFIG", kubeconfig.to_string_lossy().as_ref())
+        .env("VK_NODE_NAME", "vk-binary-test")
+        .env("VK_NODE_IP", "127.0.0.1")
+        .env("VK_METRICS_ADDR", "127.0.0.1:0")
+        .env("VK_PEER_ADDR", "127.0.0.1:0")
+        .env("VK_KUBELET_PORT", "1")
+        .env("VK_LOG_LEVEL", "debug")
+        .env("VK_TLS_CERT", d("tls.crt"))
+        .env("VK_TLS_KEY", d("tls.key"))
+        .env("COCOON_ROOT_DIR", d("root"))
+        .env("VK_STAGING_DIR", d("staging"))
+        .env("VK_COCOON_SNAPSHOT_DIR", d("snapshots"))
+        .env("VK_LEASES_PATH", d("leases.json"))
+        .env("VK_COCOON_NET_CONTROL_SOCKET", "")
+        .env("VK_COCOON_BIN", "/nonexistent/cocoon")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+fn start_with(extra: &[(&str, &str)]) -> Daemon {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = base_command(dir.path());
+    for (k, v) in extra {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            eprintln!("daemon: {line}");
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    // The daemon logs the bound address: "metrics listening on http://ADDR/metrics".
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut startup_lines = Vec::new();
+    let metrics = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = rx.recv_timeout(left).unwrap_or_else(|_| {
+            panic!(
+                "no 'metrics listening' log line; status {:?}",
+                child.try_wait()
+            )
+        });
+        let addr = line
+            .split("metrics listening on http://")
+            .nth(1)
+            .map(|rest| {
+                rest.trim_end_matches("/metrics")
+                    .parse::<SocketAddr>()
+                    .unwrap()
+            });
+        startup_lines.push(line);
+        if let Some(addr) = addr {
+            break addr;
+        }
+    };
+    Daemon {
+        child,
+        metrics,
+        _dir: dir,
+        stderr_lines: rx,
+        startup_lines,
+    }
+}
+
+fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    let code = text.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (code, text)
+}
+
+fn signal(child: &Child, sig: i32) {
+    let pid = libc::pid_t::try_from(child.id()).unwrap();
+    // SAFETY: kill(2) has no memory-safety preconditions; the pid is our unreaped child.
+    assert_eq!(unsafe { libc::kill(pid, sig) }, 0);
+}
+
+fn wait_within(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn stop_and_check(d: &mut Daemon) {
+    let start = Instant::now();
+    signal(&d.child, libc::SIGTERM);
+    let status = wait_within(&mut d.child, Duration::from_secs(2))
+        .unwrap_or_else(|| panic!("still running {:?} after SIGTERM", start.elapsed()));
+    assert_eq!(status.code(), Some(0), "{status:?}");
+}
+
+#[test]
+fn sigterm_stops_with_exit_0_within_2s_and_metrics_answer_while_running() {
+    let mut d = start_with(&[]);
+    let (code, text) = get(d.metrics, "/metrics");
+    assert_eq!(code, 200, "{text}");
+    assert!(text.contains("Content-Type: text/plain; version=0.0.4"));
+    assert!(
+        text.contains("# TYPE vk_cocoon_orphan_vm_total counter"),
+        "{text}"
+    );
+    assert!(text.contains("vk_cocoon_orphan_vm_total 0"));
+    let (code, _) = get(d.metrics, "/debug/nothing");
+    assert_eq!(code, 404);
+    stop_and_check(&mut d);
+}
+
+#[test]
+fn sigint_also_stops_cleanly_and_sighup_is_ignored() {
+    let mut d = start_with(&[]);
+    signal(&d.child, libc::SIGHUP);
+    // The daemon logs that it ignored SIGHUP and keeps serving.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let line = d
+            .stderr_lines
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .expect("SIGHUP log line");
+        if line.contains("SIGHUP ignored") {
+            break;
+        }
+    }
+    assert_eq!(get(d.metrics, "/metrics").0, 200);
+    assert!(d.child.try_wait().unwrap().is_none());
+    let start = Instant::now();
+    signal(&d.child, libc::SIGINT);
+    let status = wait_within(&mut d.child, Duration::from_secs(2)).expect("stopped");
+    assert_eq!(status.code(), Some(0));
+    assert!(start.elapsed() < Duration::from_secs(2));
+}
+
+#[test]
+fn huge_and_unfinished_requests_do_not_stop_metrics_for_others() {
+    let mut d = start_with(&[]);
+    let addr = d.metrics;
+
+    // Clients that never finish their request head.
+    let mut stalled = Vec::new();
+    for _ in 0..20 {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: slow\r\n")
+            .unwrap();
+        stalled.push(s);
+    }
+    // A client pushing a 10 MiB request head as fast as the server lets it.
+    let big = std::thread::spawn(move || {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_write_timeout(Some(Duration::from_secs(20))).unwrap();
+        let _ = s.write_all(b"GET /metrics HTTP/1.1\r\nX-Fill: ");
+        let chunk = vec![b'a'; 64 * 1024];
+        let mut sent = 0usize;
+        while sent < 10 << 20 {
+            match s.write(&chunk) {
+                Ok(n) => sent += n,
+                Err(_) => break, // the server gave up on us: good
+            }
+        }
+        let mut reply = Vec::new();
+        let _ = s.read_to_end(&mut reply);
+        sent
+    });
+
+    for _ in 0..10 {
+        let start = Instant::now();
+        let (code, text) = get(addr, "/metrics");
+        assert_eq!(code, 200, "{text}");
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "slow answer: {:?}",
+            start.elapsed()
+        );
+    }
+    let sent = big.join().unwrap();
+    assert!(
+        sent < 10 << 20,
+        "server read the whole 10 MiB head ({sent} bytes) instead of refusing it"
+    );
+    // Still answering, stalled clients still connected.
+    assert_eq!(get(addr, "/metrics").0, 200);
+    assert_eq!(stalled.len(), 20);
+    stop_and_check(&mut d);
+}
+
+#[test]
+fn invalid_configuration_exits_2_with_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = base_command(dir.path())
+        .env("VK_ORPHAN_POLICY", "nuke")
+        .env("VK_LOG_LEVEL", "off")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        stderr,
+        "vk-cocoon: configuration error: VK_ORPHAN_POLICY=\"nuke\" is invalid: allowed destroy, alert or keep\n"
+    );
+
+    let out = base_command(dir.path())
+        .env_remove("OCI_REGISTRY")
+        .env("VK_LOG_LEVEL", "off")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("OCI_REGISTRY must be set"));
+}
+
+#[test]
+fn invalid_log_level_exits_1_with_log_setup() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = base_command(dir.path())
+        .env("VK_LOG_LEVEL", "chatty")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).starts_with("log setup: "));
+}
+
+#[test]
+fn unknown_vk_variable_is_warned_about() {
+    let mut d = start_with(&[("VK_NODE_NMAE", "typo")]);
+    let seen = d
+        .startup_lines
+        .iter()
+        .any(|line| line.contains("WARN") && line.contains("VK_NODE_NMAE"));
+    assert!(
+        seen,
+        "no warning about VK_NODE_NMAE before the listener came up"
+    );
+    stop_and_check(&mut d);
+}
+
+#[test]
+fn version_and_help() {
+    let out = Command::new(BIN).arg("--version").output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.starts_with(&format!("vk-cocoon {} (rev ", env!("CARGO_PKG_VERSION"))),
+        "{text}"
+    );
+    assert!(text.contains(", built 20"), "{text}");
+
+    let out = Command::new(BIN).arg("--help").output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    for word in ["run", "sandbox", "fake-cocoon", "README.md"] {
+        assert!(text.contains(word), "help lacks {word}: {text}");
+    }
+    let out = Command::new(BIN).arg("frobnicate").output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}
