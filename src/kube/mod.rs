@@ -10,6 +10,6 @@ pub mod tls;
 pub mod watch;
 
 pub use client::{Client, PodList, ServerTarget, WatchSession};
-pub use watch::{PodWatch, WatchConfig, WatchOutput};
 pub use error::{ApiStatus, KubeError};
 pub use kubeconfig::{ClusterConfig, KubeConfigError, KubeOptions};
+pub use watch::{PodWatch, WatchConfig, WatchOutput};

@@ -3,4 +3,5 @@
 
 pub mod icmp;
 pub mod leases;
+pub mod release;
 pub mod tcp;
