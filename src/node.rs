@@ -1,2 +1,916 @@
 //! The virtual Node object: labels, taints, capacity and allocatable, Lease heartbeat, node status.
 //! Builds objects and schedules; the API calls go through kube.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::api::core::v1::{
+    DaemonEndpoint, Node, NodeAddress, NodeCondition, NodeDaemonEndpoints, NodeSpec, NodeStatus,
+    NodeSystemInfo, Taint,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference, Time};
+use k8s_openapi::chrono::{DateTime, Utc};
+
+use crate::kube::{Client, KubeError};
+
+pub const LEASE_NAMESPACE: &str = "kube-node-lease";
+pub const LEASE_DURATION_SECONDS: i32 = 40;
+pub const LEASE_RENEW: Duration = Duration::from_secs(10);
+pub const STATUS_INTERVAL: Duration = Duration::from_secs(60);
+pub const TAINT_KEY: &str = "virtual-kubelet.io/provider";
+pub const POOL_LABEL: &str = "cocoonstack.io/pool";
+pub const CPU_CLASS_LABEL: &str = "cocoonstack.io/snapshot-cpu-class";
+pub const ROLE_LABEL: &str = "node-role.kubernetes.io/cocoon-vm";
+
+/// Node settings, already parsed and validated by config.
+#[derive(Clone, Debug)]
+pub struct NodeOptions {
+    pub name: String,
+    /// VK_NODE_IP, or `detect_node_ip()` when it is `auto`.
+    pub ip: IpAddr,
+    pub pool: String,
+    pub snapshot_cpu_class: Option<String>,
+    pub provider_id: Option<String>,
+    pub kubelet_port: u16,
+    /// nodeInfo.kubeletVersion (build version, `dev` when not injected).
+    pub version: String,
+    pub root_dir: PathBuf,
+    pub reserve_percent: u8,
+    /// VK_NODE_* overrides as Kubernetes quantity strings.
+    pub cpu: Option<String>,
+    pub mem: Option<String>,
+    pub storage: Option<String>,
+    pub hugepages: Option<String>,
+    pub pods: String,
+}
+
+// ------------------------------------------------------------------------------------------
+// Quantities and capacity.
+// ------------------------------------------------------------------------------------------
+
+/// Parse a Kubernetes quantity ("16", "500m", "64Gi", "1e3") into its numeric value.
+pub fn parse_quantity(s: &str) -> Result<f64, String> {
+    let t = s.trim();
+    let bad = || format!("{s:?} is not a Kubernetes quantity");
+    let end = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '+' || c == '-'))
+        .unwrap_or(t.len());
+    let (num, suffix) = t.split_at(end);
+    let n: f64 = num.parse().map_err(|_| bad())?;
+    let mult = match suffix {
+        "" => 1.0,
+        "Ki" => 1024f64,
+        "Mi" => 1024f64.powi(2),
+        "Gi" => 1024f64.powi(3),
+        "Ti" => 1024f64.powi(4),
+        "Pi" => 1024f64.powi(5),
+        "Ei" => 1024f64.powi(6),
+        "n" => 1e-9,
+        "u" => 1e-6,
+        "m" => 1e-3,
+        "k" => 1e3,
+        "M" => 1e6,
+        "G" => 1e9,
+        "T" => 1e12,
+        "P" => 1e15,
+        "E" => 1e18,
+        e if e.starts_with(['e', 'E']) => {
+            let x: i32 = e[1..].parse().map_err(|_| bad())?;
+            10f64.powi(x)
+        }
+        _ => return Err(bad()),
+    };
+    let v = n * mult;
+    if !v.is_finite() || v < 0.0 {
+        return Err(bad());
+    }
+    Ok(v)
+}
+
+/// A byte count as the shortest exact binary quantity ("2Mi", "1Gi", else plain bytes).
+pub fn binary_quantity(bytes: u64) -> String {
+    for (suffix, shift) in [
+        ("Ei", 60),
+        ("Pi", 50),
+        ("Ti", 40),
+        ("Gi", 30),
+        ("Mi", 20),
+        ("Ki", 10),
+    ] {
+        if bytes != 0 && bytes % (1u64 << shift) == 0 {
+            return format!("{}{suffix}", bytes >> shift);
+        }
+    }
+    bytes.to_string()
+}
+
+/// What the host offers, read once at startup.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostFacts {
+    pub cpus: u64,
+    pub mem_total_bytes: u64,
+    /// HugePages_Total (count) and Hugepagesize (bytes); 0 when absent.
+    pub hugepages_total: u64,
+    pub hugepage_size_bytes: u64,
+    pub fs_total_bytes: u64,
+    pub fs_avail_bytes: u64,
+}
+
+impl HostFacts {
+    /// Read CPU count, /proc/meminfo and statvfs(root_dir).
+    pub fn read(root_dir: &Path) -> Result<HostFacts, String> {
+        use procfs::Current;
+        let cpus = std::thread::available_parallelism()
+            .map(|n| n.get() as u64)
+            .unwrap_or(1);
+        let mem = procfs::Meminfo::current().map_err(|e| format!("/proc/meminfo: {e}"))?;
+        let fs = rustix::fs::statvfs(root_dir)
+            .map_err(|e| format!("statfs {}: {e}", root_dir.display()))?;
+        Ok(HostFacts {
+            cpus,
+            mem_total_bytes: mem.mem_total,
+            hugepages_total: mem.hugepages_total.unwrap_or(0),
+            hugepage_size_bytes: mem.hugepagesize.unwrap_or(0),
+            fs_total_bytes: fs.f_blocks.saturating_mul(fs.f_bsize),
+            fs_avail_bytes: fs.f_bavail.saturating_mul(fs.f_bsize),
+        })
+    }
+}
+
+/// Capacity and allocatable, as the Node carries them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Resources {
+    pub capacity: BTreeMap<String, Quantity>,
+    pub allocatable: BTreeMap<String, Quantity>,
+}
+
+fn reduce(v: f64, reserve: u8) -> u64 {
+    let keep = u128::from(100 - reserve.min(100));
+    if v.fract() == 0.0 && (0.0..9.0e18).contains(&v) {
+        // Whole numbers (bytes, cores) in exact integer arithmetic.
+        return (v as u128 * keep / 100) as u64;
+    }
+    (v * keep as f64 / 100.0 + 1e-9).floor().max(0.0) as u64
+}
+
+fn fmt_num(v: f64) -> String {
+    if v.fract() == 0.0 && v < 1e18 {
+        format!("{}", v as u64)
+    } else {
+        format!("{}m", (v * 1000.0).round() as u64)
+    }
+}
+
+/// Compute capacity/allocatable per vk-cocoon-behaviour.md 2.5: overrides win, allocatable is
+/// reduced by the reserve percentage (rounded down), pods are copied unreduced.
+pub fn compute_resources(o: &NodeOptions, h: &HostFacts) -> Result<Resources, String> {
+    let q = |s: String| Quantity(s);
+    let mut r = Resources::default();
+    let reserve = o.reserve_percent.min(100);
+    let named = |what: &str, v: &str| parse_quantity(v).map_err(|e| format!("{what}: {e}"));
+    // cpu
+    let (cpu_cap, cpu_val) = match &o.cpu {
+        Some(s) => (s.trim().to_string(), named("VK_NODE_CPU", s)?),
+        None => (h.cpus.to_string(), h.cpus as f64),
+    };
+    r.capacity.insert("cpu".into(), q(cpu_cap));
+    r.allocatable
+        .insert("cpu".into(), q(reduce(cpu_val, reserve).to_string()));
+    // memory
+    let (mem_cap, mem_val) = match &o.mem {
+        Some(s) => (s.trim().to_string(), named("VK_NODE_MEM", s)?),
+        None => (h.mem_total_bytes.to_string(), h.mem_total_bytes as f64),
+    };
+    r.capacity.insert("memory".into(), q(mem_cap));
+    r.allocatable
+        .insert("memory".into(), q(reduce(mem_val, reserve).to_string()));
+    // ephemeral-storage: allocatable from the available bytes, not the total
+    let (st_cap, st_avail) = match &o.storage {
+        Some(s) => (s.trim().to_string(), named("VK_NODE_STORAGE", s)?),
+        None => (h.fs_total_bytes.to_string(), h.fs_avail_bytes as f64),
+    };
+    r.capacity.insert("ephemeral-storage".into(), q(st_cap));
+    r.allocatable.insert(
+        "ephemeral-storage".into(),
+        q(reduce(st_avail, reserve).to_string()),
+    );
+    // hugepages
+    let huge = match &o.hugepages {
+        Some(s) => {
+            let size = if h.hugepage_size_bytes > 0 {
+                h.hugepage_size_bytes
+            } else {
+                2 << 20
+            };
+            Some((size, s.trim().to_string(), named("VK_NODE_HUGEPAGES", s)?))
+        }
+        None if h.hugepages_total > 0 && h.hugepage_size_bytes > 0 => {
+            let total = h.hugepages_total.saturating_mul(h.hugepage_size_bytes);
+            Some((h.hugepage_size_bytes, total.to_string(), total as f64))
+        }
+        None => None,
+    };
+    if let Some((size, cap, val)) = huge {
+        let name = format!("hugepages-{}", binary_quantity(size));
+        r.capacity.insert(name.clone(), q(cap));
+        r.allocatable
+            .insert(name, q(reduce(val, reserve).to_string()));
+    }
+    // pods
+    let pods = named("VK_NODE_PODS", &o.pods)?;
+    r.capacity.insert("pods".into(), q(fmt_num(pods)));
+    r.allocatable.insert("pods".into(), q(fmt_num(pods)));
+    Ok(r)
+}
+
+/// First non-loopback IPv4 address of any interface (VK_NODE_IP=auto).
+pub fn detect_node_ip() -> Option<IpAddr> {
+    let mut found = None;
+    let mut ifap: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `ifap` with a list we only read and free with freeifaddrs;
+    // no safe crate API in the dependency set lists interface addresses.
+    unsafe {
+        if libc::getifaddrs(&mut ifap) != 0 {
+            return None;
+        }
+        let mut cur = ifap;
+        while !cur.is_null() {
+            let addr = (*cur).ifa_addr;
+            if !addr.is_null() && i32::from((*addr).sa_family) == libc::AF_INET {
+                let sin = &*(addr as *const libc::sockaddr_in);
+                let ip = std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
+                if !ip.is_loopback() && !ip.is_unspecified() {
+                    found = Some(IpAddr::V4(ip));
+                    break;
+                }
+            }
+            cur = (*cur).ifa_next;
+        }
+        libc::freeifaddrs(ifap);
+    }
+    found
+}
+
+// ------------------------------------------------------------------------------------------
+// The Node object.
+// ------------------------------------------------------------------------------------------
+
+fn to_time(t: SystemTime) -> DateTime<Utc> {
+    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+    DateTime::from_timestamp(d.as_secs() as i64, d.subsec_nanos()).unwrap_or_default()
+}
+
+/// Seconds-precision API time.
+pub fn api_time(t: SystemTime) -> Time {
+    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+    Time(DateTime::from_timestamp(d.as_secs() as i64, 0).unwrap_or_default())
+}
+
+/// Microsecond-precision API time (Lease renewTime, Event eventTime).
+pub fn api_micro_time(t: SystemTime) -> MicroTime {
+    let d = to_time(t);
+    let micros = d.timestamp_subsec_micros();
+    MicroTime(DateTime::from_timestamp(d.timestamp(), micros * 1000).unwrap_or_default())
+}
+
+/// The labels vk-cocoon asserts (framework defaults plus its own).
+pub fn node_labels(o: &NodeOptions) -> BTreeMap<String, String> {
+    let mut l = BTreeMap::new();
+    l.insert("type".into(), "virtual-kubelet".into());
+    l.insert("kubernetes.io/role".into(), "agent".into());
+    l.insert("kubernetes.io/hostname".into(), o.name.clone());
+    l.insert(POOL_LABEL.into(), o.pool.clone());
+    l.insert(ROLE_LABEL.into(), String::new());
+    if let Some(c) = o.snapshot_cpu_class.as_ref().filter(|c| !c.is_empty()) {
+        l.insert(CPU_CLASS_LABEL.into(), c.clone());
+    }
+    l
+}
+
+fn condition(kind: &str, status: &str, reason: &str, message: &str, now: &Time) -> NodeCondition {
+    NodeCondition {
+        type_: kind.into(),
+        status: status.into(),
+        reason: Some(reason.into()),
+        message: Some(message.into()),
+        last_heartbeat_time: Some(now.clone()),
+        last_transition_time: Some(now.clone()),
+    }
+}
+
+/// The fixed condition set of vk-cocoon-behaviour.md 2.4.
+pub fn node_conditions(now: &Time) -> Vec<NodeCondition> {
+    vec![
+        condition("Ready", "True", "KubeletReady", "vk-cocoon is ready", now),
+        condition(
+            "DiskPressure",
+            "False",
+            "KubeletHasNoDiskPressure",
+            "vk-cocoon has no disk pressure",
+            now,
+        ),
+        condition(
+            "MemoryPressure",
+            "False",
+            "KubeletHasSufficientMemory",
+            "vk-cocoon has sufficient memory",
+            now,
+        ),
+        condition(
+            "PIDPressure",
+            "False",
+            "KubeletHasSufficientPID",
+            "vk-cocoon has sufficient PID available",
+            now,
+        ),
+        condition(
+            "NetworkUnavailable",
+            "False",
+            "RouteCreated",
+            "NodeController create implicit route",
+            now,
+        ),
+    ]
+}
+
+/// The node status vk-cocoon publishes.
+pub fn node_status(o: &NodeOptions, r: &Resources, now: &Time) -> NodeStatus {
+    NodeStatus {
+        addresses: Some(vec![
+            NodeAddress {
+                type_: "InternalIP".into(),
+                address: o.ip.to_string(),
+            },
+            NodeAddress {
+                type_: "Hostname".into(),
+                address: o.name.clone(),
+            },
+        ]),
+        allocatable: Some(r.allocatable.clone()),
+        capacity: Some(r.capacity.clone()),
+        conditions: Some(node_conditions(now)),
+        daemon_endpoints: Some(NodeDaemonEndpoints {
+            kubelet_endpoint: Some(DaemonEndpoint {
+                port: i32::from(o.kubelet_port),
+            }),
+        }),
+        node_info: Some(NodeSystemInfo {
+            kubelet_version: o.version.clone(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The full Node for registration.
+pub fn build_node(o: &NodeOptions, r: &Resources, now: &Time) -> Node {
+    Node {
+        metadata: ObjectMeta {
+            name: Some(o.name.clone()),
+            labels: Some(node_labels(o)),
+            ..Default::default()
+        },
+        spec: Some(NodeSpec {
+            provider_id: o.provider_id.clone().filter(|p| !p.is_empty()),
+            taints: Some(vec![Taint {
+                key: TAINT_KEY.into(),
+                value: Some("cocoon".into()),
+                effect: "NoSchedule".into(),
+                time_added: None,
+            }]),
+            ..Default::default()
+        }),
+        status: Some(node_status(o, r, now)),
+    }
+}
+
+/// Apply vk-cocoon's labels to an existing node: ours upserted, the CPU-class label removed
+/// when not configured, other actors' labels kept. Returns true when something changed.
+pub fn reassert_labels(node: &mut Node, o: &NodeOptions) -> bool {
+    let labels = node.metadata.labels.get_or_insert_with(BTreeMap::new);
+    let before = labels.clone();
+    labels.extend(node_labels(o));
+    if o.snapshot_cpu_class.as_deref().is_none_or(str::is_empty) {
+        labels.remove(CPU_CLASS_LABEL);
+    }
+    *labels != before
+}
+
+/// The strategic-merge patch for nodes/<name>/status: the whole desired status (conditions and
+/// addresses merge by type on the server).
+pub fn status_patch(o: &NodeOptions, r: &Resources, now: &Time) -> serde_json::Value {
+    serde_json::json!({ "status": node_status(o, r, now) })
+}
+
+/// The Lease object (kubelet-duties.md 5.7).
+pub fn build_lease(node: &str, node_uid: &str, now: SystemTime) -> Lease {
+    Lease {
+        metadata: ObjectMeta {
+            name: Some(node.into()),
+            namespace: Some(LEASE_NAMESPACE.into()),
+            owner_references: Some(vec![owner_ref(node, node_uid)]),
+            ..Default::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some(node.into()),
+            lease_duration_seconds: Some(LEASE_DURATION_SECONDS),
+            renew_time: Some(api_micro_time(now)),
+            ..Default::default()
+        }),
+    }
+}
+
+fn owner_ref(node: &str, uid: &str) -> OwnerReference {
+    OwnerReference {
+        api_version: "v1".into(),
+        kind: "Node".into(),
+        name: node.into(),
+        uid: uid.into(),
+        ..Default::default()
+    }
+}
+
+/// Renew a lease read from the server: new renewTime, our holder and duration, owner re-added.
+pub fn renew_lease(mut l: Lease, node: &str, node_uid: &str, now: SystemTime) -> Lease {
+    let spec = l.spec.get_or_insert_with(Default::default);
+    spec.holder_identity = Some(node.into());
+    spec.lease_duration_seconds = Some(LEASE_DURATION_SECONDS);
+    spec.renew_time = Some(api_micro_time(now));
+    let owners = l.metadata.owner_references.get_or_insert_with(Vec::new);
+    if !owners.iter().any(|r| r.kind == "Node" && r.uid == node_uid) {
+        owners.retain(|r| r.kind != "Node");
+        owners.push(owner_ref(node, node_uid));
+    }
+    l
+}
+
+// ------------------------------------------------------------------------------------------
+// The agent: registration, lease renewals and status refreshes on a pure schedule.
+// ------------------------------------------------------------------------------------------
+
+/// Exponential backoff with a cap.
+#[derive(Clone, Debug)]
+struct Backoff {
+    initial: Duration,
+    max: Duration,
+    failures: u32,
+}
+
+impl Backoff {
+    fn new(initial: Duration, max: Duration) -> Backoff {
+        Backoff {
+            initial,
+            max,
+            failures: 0,
+        }
+    }
+    fn fail(&mut self) -> Duration {
+        let d = self
+            .initial
+            .saturating_mul(1u32 << self.failures.min(16))
+            .min(self.max);
+        self.failures = self.failures.saturating_add(1);
+        d
+    }
+    fn reset(&mut self) {
+        self.failures = 0;
+    }
+}
+
+/// What `tick` did, for logs, metrics and tests.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeAgentStats {
+    pub registrations: u64,
+    pub lease_renewals: u64,
+    pub status_updates: u64,
+    pub failures: u64,
+}
+
+/// Node registration, Lease heartbeat and status refresh. `tick` performs the due blocking calls
+/// (each bounded by the client's timeout); failures back off and never stop the schedule.
+pub struct NodeAgent {
+    opts: NodeOptions,
+    resources: Resources,
+    node_uid: Option<String>,
+    lease: Option<Lease>,
+    next_register: Instant,
+    next_lease: Instant,
+    next_status: Instant,
+    register_backoff: Backoff,
+    lease_backoff: Backoff,
+    status_backoff: Backoff,
+    pub stats: NodeAgentStats,
+}
+
+impl NodeAgent {
+    pub fn new(opts: NodeOptions, resources: Resources, now: Instant) -> NodeAgent {
+        NodeAgent {
+            opts,
+            resources,
+            node_uid: None,
+            lease: None,
+            next_register: now,
+            next_lease: now,
+            next_status: now + STATUS_INTERVAL,
+            register_backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(30)),
+            lease_backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(7)),
+            status_backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(30)),
+            stats: NodeAgentStats::default(),
+        }
+    }
+
+    pub fn options(&self) -> &NodeOptions {
+        &self.opts
+    }
+
+    pub fn resources(&self) -> &Resources {
+        &self.resources
+    }
+
+    /// The server node's UID once registered.
+    pub fn node_uid(&self) -> Option<&str> {
+        self.node_uid.as_deref()
+    }
+
+    pub fn registered(&self) -> bool {
+        self.node_uid.is_some()
+    }
+
+    /// Replace capacity/allocatable (e.g. storage recomputed) and push status at the next tick.
+    pub fn set_resources(&mut self, r: Resources, now: Instant) {
+        if r != self.resources {
+            self.resources = r;
+            self.next_status = self.next_status.min(now);
+        }
+    }
+
+    /// Ask for a status write at the next tick.
+    pub fn push_status(&mut self, now: Instant) {
+        self.next_status = self.next_status.min(now);
+    }
+
+    /// When `tick` must next run.
+    pub fn next_due(&self) -> Instant {
+        if self.node_uid.is_none() {
+            self.next_register
+        } else {
+            self.next_lease.min(self.next_status)
+        }
+    }
+
+    /// Do whatever is due at `now`: register, renew the lease, refresh status.
+    pub fn tick(&mut self, client: &Client, now: Instant) {
+        let wall = SystemTime::now();
+        if self.node_uid.is_none() {
+            if now < self.next_register {
+                return;
+            }
+            match self.register(client, wall) {
+                Ok(uid) => {
+                    log::info!("node {} registered (uid {uid})", self.opts.name);
+                    self.node_uid = Some(uid);
+                    self.stats.registrations += 1;
+                    self.register_backoff.reset();
+                    self.next_lease = now;
+                    self.next_status = now + STATUS_INTERVAL;
+                }
+                Err(e) => {
+                    self.stats.failures += 1;
+                    let d = self.register_backoff.fail();
+                    log::warn!(
+                        "node {}: registration failed: {e}; retrying in {d:?}",
+                        self.opts.name
+                    );
+                    self.next_register = now + d;
+                    return;
+                }
+            }
+        }
+        if now >= self.next_lease {
+            match self.renew(client, wall) {
+                Ok(()) => {
+                    self.stats.lease_renewals += 1;
+                    self.lease_backoff.reset();
+                    self.next_lease = now + LEASE_RENEW;
+                }
+                Err(e) => {
+                    self.stats.failures += 1;
+                    self.lease = None;
+                    let d = self.lease_backoff.fail();
+                    log::warn!(
+                        "node {}: lease renewal failed: {e}; retrying in {d:?}",
+                        self.opts.name
+                    );
+                    self.next_lease = now + d;
+                }
+            }
+        }
+        if now >= self.next_status && self.node_uid.is_some() {
+            let patch = status_patch(&self.opts, &self.resources, &api_time(wall));
+            match client.patch_node_status(&self.opts.name, &patch) {
+                Ok(_) => {
+                    self.stats.status_updates += 1;
+                    self.status_backoff.reset();
+                    self.next_status = now + STATUS_INTERVAL;
+                }
+                Err(e) => {
+                    self.stats.failures += 1;
+                    let d = self.status_backoff.fail();
+                    log::warn!(
+                        "node {}: status update failed: {e}; retrying in {d:?}",
+                        self.opts.name
+                    );
+                    self.next_status = now + d;
+                    if e.is_not_found() {
+                        // Deleted under us: register again (create) rather than log forever.
+                        self.node_uid = None;
+                        self.lease = None;
+                        self.next_register = now;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Create the node, or update an existing one (labels re-asserted, then status).
+    fn register(&mut self, client: &Client, wall: SystemTime) -> Result<String, KubeError> {
+        let now = api_time(wall);
+        for _ in 0..5 {
+            match client.get_node(&self.opts.name) {
+                Err(e) if e.is_not_found() => {
+                    let node = build_node(&self.opts, &self.resources, &now);
+                    match client.create_node(&node) {
+                        Ok(n) => return uid_of(&n),
+                        Err(e) if e.is_already_exists() => continue,
+                        Err(e) => return Err(e),
+                    }
+                }
+                Err(e) => return Err(e),
+                Ok(mut existing) => {
+                    if reassert_labels(&mut existing, &self.opts) {
+                        match client.update_node(&existing) {
+                            Ok(n) => existing = n,
+                            Err(e) if e.is_conflict() => continue,
+                            Err(e) => return Err(e),
+                        }
+                    }
+                    let n = client.patch_node_status(
+                        &self.opts.name,
+                        &status_patch(&self.opts, &self.resources, &now),
+                    )?;
+                    return uid_of(&n).or_else(|_| uid_of(&existing));
+                }
+            }
+        }
+        Err(KubeError::Transport(
+            "node registration kept conflicting".into(),
+        ))
+    }
+
+    /// One lease renewal: optimistic PUT of the cached lease, else GET / create, then PUT.
+    fn renew(&mut self, client: &Client, wall: SystemTime) -> Result<(), KubeError> {
+        let uid = self.node_uid.clone().unwrap_or_default();
+        let name = self.opts.name.clone();
+        if let Some(cached) = self.lease.take() {
+            if let Ok(l) = client.update_lease(&renew_lease(cached, &name, &uid, wall)) {
+                self.lease = Some(l);
+                return Ok(());
+            }
+        }
+        for _ in 0..5 {
+            match client.get_lease(LEASE_NAMESPACE, &name) {
+                Err(e) if e.is_not_found() => {
+                    match client.create_lease(&build_lease(&name, &uid, wall)) {
+                        Ok(l) => {
+                            self.lease = Some(l);
+                            return Ok(());
+                        }
+                        Err(e) if e.is_already_exists() => continue,
+                        Err(e) => return Err(e),
+                    }
+                }
+                Err(e) => return Err(e),
+                Ok(l) => match client.update_lease(&renew_lease(l, &name, &uid, wall)) {
+                    Ok(l) => {
+                        self.lease = Some(l);
+                        return Ok(());
+                    }
+                    Err(e) if e.is_conflict() => continue,
+                    Err(e) => return Err(e),
+                },
+            }
+        }
+        Err(KubeError::Transport("lease update kept conflicting".into()))
+    }
+}
+
+fn uid_of(n: &Node) -> Result<String, KubeError> {
+    n.metadata
+        .uid
+        .clone()
+        .filter(|u| !u.is_empty())
+        .ok_or_else(|| KubeError::Decode("node has no metadata.uid".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts() -> NodeOptions {
+        NodeOptions {
+            name: "cocoon-pool".into(),
+            ip: "10.0.0.5".parse().unwrap(),
+            pool: "gpu".into(),
+            snapshot_cpu_class: Some("icelake".into()),
+            provider_id: Some("cocoon://h1".into()),
+            kubelet_port: 10250,
+            version: "dev".into(),
+            root_dir: PathBuf::from("/"),
+            reserve_percent: 20,
+            cpu: None,
+            mem: None,
+            storage: None,
+            hugepages: None,
+            pods: "256".into(),
+        }
+    }
+
+    fn host() -> HostFacts {
+        HostFacts {
+            cpus: 16,
+            mem_total_bytes: 64 << 30,
+            hugepages_total: 512,
+            hugepage_size_bytes: 2 << 20,
+            fs_total_bytes: 1000,
+            fs_avail_bytes: 500,
+        }
+    }
+
+    fn get(m: &BTreeMap<String, Quantity>, k: &str) -> String {
+        m.get(k).map(|q| q.0.clone()).unwrap_or_default()
+    }
+
+    #[test]
+    fn quantities() {
+        assert_eq!(parse_quantity("3100m").unwrap(), 3.1);
+        assert_eq!(parse_quantity("64Gi").unwrap(), 68719476736.0);
+        assert_eq!(parse_quantity("1e3").unwrap(), 1000.0);
+        assert_eq!(parse_quantity("2k").unwrap(), 2000.0);
+        assert!(parse_quantity("12 cores").is_err());
+        assert!(parse_quantity("").is_err());
+        assert_eq!(binary_quantity(2 << 20), "2Mi");
+        assert_eq!(binary_quantity(1 << 30), "1Gi");
+        assert_eq!(binary_quantity(1000), "1000");
+    }
+
+    #[test]
+    fn capacity_and_allocatable_from_host() {
+        let r = compute_resources(&opts(), &host()).unwrap();
+        assert_eq!(get(&r.capacity, "cpu"), "16");
+        assert_eq!(get(&r.allocatable, "cpu"), "12");
+        assert_eq!(get(&r.capacity, "memory"), (64u64 << 30).to_string());
+        assert_eq!(
+            get(&r.allocatable, "memory"),
+            ((64u64 << 30) * 80 / 100).to_string()
+        );
+        assert_eq!(get(&r.capacity, "ephemeral-storage"), "1000");
+        assert_eq!(get(&r.allocatable, "ephemeral-storage"), "400");
+        assert_eq!(
+            get(&r.capacity, "hugepages-2Mi"),
+            (512u64 << 21).to_string()
+        );
+        assert_eq!(
+            get(&r.allocatable, "hugepages-2Mi"),
+            ((512u64 << 21) * 8 / 10).to_string()
+        );
+        assert_eq!(get(&r.capacity, "pods"), "256");
+        assert_eq!(get(&r.allocatable, "pods"), "256");
+    }
+
+    #[test]
+    fn overrides_win_and_round_down() {
+        let mut o = opts();
+        o.cpu = Some("3100m".into());
+        o.mem = Some("10Gi".into());
+        o.storage = Some("100".into());
+        o.hugepages = Some("1Gi".into());
+        o.reserve_percent = 20;
+        let mut h = host();
+        h.hugepages_total = 0;
+        h.hugepage_size_bytes = 0;
+        let r = compute_resources(&o, &h).unwrap();
+        assert_eq!(get(&r.capacity, "cpu"), "3100m");
+        assert_eq!(get(&r.allocatable, "cpu"), "2");
+        assert_eq!(get(&r.capacity, "memory"), "10Gi");
+        assert_eq!(
+            get(&r.allocatable, "memory"),
+            (8u64 * 1024 * 1024 * 1024).to_string()
+        );
+        assert_eq!(get(&r.allocatable, "ephemeral-storage"), "80");
+        assert_eq!(get(&r.capacity, "hugepages-2Mi"), "1Gi");
+        o.mem = Some("lots".into());
+        assert!(compute_resources(&o, &h)
+            .unwrap_err()
+            .contains("VK_NODE_MEM"));
+        // No hugepages on the host and no override: no hugepages resource.
+        o.mem = None;
+        o.hugepages = None;
+        let r = compute_resources(&o, &h).unwrap();
+        assert!(!r.capacity.keys().any(|k| k.starts_with("hugepages-")));
+    }
+
+    #[test]
+    fn node_object_has_every_field() {
+        let r = compute_resources(&opts(), &host()).unwrap();
+        let now = api_time(SystemTime::now());
+        let n = build_node(&opts(), &r, &now);
+        let v = serde_json::to_value(&n).unwrap();
+        assert_eq!(v["metadata"]["labels"]["cocoonstack.io/pool"], "gpu");
+        assert_eq!(
+            v["metadata"]["labels"]["node-role.kubernetes.io/cocoon-vm"],
+            ""
+        );
+        assert_eq!(
+            v["metadata"]["labels"]["cocoonstack.io/snapshot-cpu-class"],
+            "icelake"
+        );
+        assert_eq!(v["metadata"]["labels"]["type"], "virtual-kubelet");
+        assert_eq!(
+            v["metadata"]["labels"]["kubernetes.io/hostname"],
+            "cocoon-pool"
+        );
+        assert_eq!(v["spec"]["taints"][0]["key"], TAINT_KEY);
+        assert_eq!(v["spec"]["taints"][0]["value"], "cocoon");
+        assert_eq!(v["spec"]["taints"][0]["effect"], "NoSchedule");
+        assert_eq!(v["spec"]["providerID"], "cocoon://h1");
+        assert_eq!(
+            v["status"]["addresses"][0],
+            serde_json::json!({"type":"InternalIP","address":"10.0.0.5"})
+        );
+        assert_eq!(
+            v["status"]["addresses"][1],
+            serde_json::json!({"type":"Hostname","address":"cocoon-pool"})
+        );
+        assert_eq!(
+            v["status"]["daemonEndpoints"]["kubeletEndpoint"]["Port"],
+            10250
+        );
+        assert_eq!(v["status"]["nodeInfo"]["kubeletVersion"], "dev");
+        let conds = v["status"]["conditions"].as_array().unwrap();
+        assert_eq!(conds.len(), 5);
+        assert_eq!(conds[0]["type"], "Ready");
+        assert_eq!(conds[0]["status"], "True");
+        assert_eq!(conds[0]["reason"], "KubeletReady");
+        assert_eq!(conds[0]["message"], "vk-cocoon is ready");
+        assert!(conds[1..].iter().all(|c| c["status"] == "False"));
+    }
+
+    #[test]
+    fn labels_reasserted_and_cpu_class_removed() {
+        let mut o = opts();
+        o.snapshot_cpu_class = None;
+        let mut n = Node::default();
+        n.metadata.labels = Some(BTreeMap::from([
+            (CPU_CLASS_LABEL.to_string(), "old".to_string()),
+            ("other".to_string(), "kept".to_string()),
+            (POOL_LABEL.to_string(), "stale".to_string()),
+        ]));
+        assert!(reassert_labels(&mut n, &o));
+        let l = n.metadata.labels.as_ref().unwrap();
+        assert_eq!(l.get(POOL_LABEL).map(String::as_str), Some("gpu"));
+        assert_eq!(l.get("other").map(String::as_str), Some("kept"));
+        assert!(!l.contains_key(CPU_CLASS_LABEL));
+        assert!(!reassert_labels(&mut n, &o));
+    }
+
+    #[test]
+    fn lease_shape_and_renewal() {
+        let t = SystemTime::UNIX_EPOCH + Duration::from_micros(1_767_225_600_123_456);
+        let l = build_lease("n1", "uid-1", t);
+        let v = serde_json::to_value(&l).unwrap();
+        assert_eq!(v["metadata"]["namespace"], "kube-node-lease");
+        assert_eq!(v["spec"]["holderIdentity"], "n1");
+        assert_eq!(v["spec"]["leaseDurationSeconds"], 40);
+        assert_eq!(v["spec"]["renewTime"], "2026-01-01T00:00:00.123456Z");
+        assert_eq!(
+            v["metadata"]["ownerReferences"][0],
+            serde_json::json!({"apiVersion":"v1","kind":"Node","name":"n1","uid":"uid-1"})
+        );
+        let mut stripped = l.clone();
+        stripped.metadata.owner_references = None;
+        let r = renew_lease(stripped, "n1", "uid-2", t + Duration::from_secs(10));
+        let v = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["metadata"]["ownerReferences"][0]["uid"], "uid-2");
+        assert_eq!(v["spec"]["renewTime"], "2026-01-01T00:00:10.123456Z");
+    }
+
+    #[test]
+    fn host_facts_are_read() {
+        let h = HostFacts::read(Path::new("/")).unwrap();
+        assert!(h.cpus >= 1 && h.mem_total_bytes > 0 && h.fs_total_bytes > 0);
+    }
+}
