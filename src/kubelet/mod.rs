@@ -1,4 +1,94 @@
 //! The kubelet HTTPS API on 10250: authentication, logs, exec and attach, stats.
 //! Serves from the event loop; the VM facts it needs come from the daemon.
+//!
+//! Wiring (what the daemon does):
+//! * build `KubeletServer::new(config, TlsState::new(settings)?, stats_hub)` and `listen(&mut reactor, addr)`;
+//! * give it the pod/VM facts with `set_view` whenever they change (this also feeds the stats hub);
+//! * route `Event::Io` whose token `owns_token`, `Event::Timer` whose id `owns_timer`,
+//!   `Event::ChildOutput` / `Event::ChildExit` whose child `owns_child` to the matching `on_*`;
+//! * after each call, drain `take_auth_requests()`: run TokenReview / SubjectAccessReview (blocking
+//!   API calls, on the worker pool) and feed the verdict back with `on_auth_answer`.
 
+pub mod auth;
+pub mod exec;
+pub mod logs;
+pub mod routes;
+pub mod server;
 pub mod stats;
+pub mod tls;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use auth::{AuthAnswer, AuthRequest, ResourceAttributes, UserInfo};
+pub use server::{AuthId, KubeletServer};
+
+/// Settings of the kubelet API server.
+#[derive(Clone, Debug)]
+pub struct KubeletConfig {
+    pub node_name: String,
+    /// argv prefix that runs cocoon: normally `[VK_COCOON_BIN]`; the sandbox uses
+    /// `[<vk-cocoon>, "fake-cocoon"]`.
+    pub cocoon: Vec<String>,
+    /// Authentication and authorisation (default on; VK_KUBELET_AUTH=off turns it off).
+    pub auth_enabled: bool,
+    /// Time to receive a complete request head (and the TLS handshake), and keep-alive idle time.
+    pub head_timeout: Duration,
+    /// Time for the daemon to answer an authorisation request.
+    pub auth_timeout: Duration,
+    /// Time for a SPDY client to create its streams.
+    pub stream_setup_timeout: Duration,
+    /// An exec or attach session with no traffic in either direction for this long is closed.
+    pub stream_idle_timeout: Duration,
+    /// Connections beyond this are accepted and closed at once.
+    pub max_connections: usize,
+    /// Output queued for a slow client beyond this ends the request (the child is killed).
+    pub max_buffered_output: usize,
+}
+
+impl KubeletConfig {
+    pub fn new(node_name: &str, cocoon_bin: &str) -> Self {
+        KubeletConfig {
+            node_name: node_name.to_string(),
+            cocoon: vec![cocoon_bin.to_string()],
+            auth_enabled: true,
+            head_timeout: Duration::from_secs(30),
+            auth_timeout: Duration::from_secs(30),
+            stream_setup_timeout: Duration::from_secs(30),
+            stream_idle_timeout: Duration::from_secs(4 * 3600),
+            max_connections: 1024,
+            max_buffered_output: 8 * 1024 * 1024,
+        }
+    }
+}
+
+/// The VM behind a pod.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VmInfo {
+    pub id: String,
+    pub name: String,
+    /// Hypervisor PID (0 = not running).
+    pub pid: u32,
+    pub tap: Option<String>,
+    /// cocoon `hypervisor` value.
+    pub backend: String,
+}
+
+/// One pod as the kubelet API sees it.
+#[derive(Clone, Debug)]
+pub struct PodInfo {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    /// None when the pod has no live VM (hibernated, not yet created, failed).
+    pub vm: Option<VmInfo>,
+    /// The pod object as JSON (served by /pods and /runningpods/).
+    pub pod: Arc<serde_json::Value>,
+}
+
+/// The facts the daemon gives the server.
+#[derive(Clone, Debug, Default)]
+pub struct KubeletView {
+    /// Every pod bound to this node.
+    pub pods: Vec<PodInfo>,
+}

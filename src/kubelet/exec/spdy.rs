@@ -1,0 +1,613 @@
+//! Server side of the SPDY/3.1 remote-command transport (duties §3.4 A): frame parsing, zlib header
+//! blocks with the SPDY/3 dictionary, client-created streams typed by `streamType`, raw payloads.
+//!
+//! Pure bytes in, bytes and events out. Like the Go peer (spdystream) it enforces no flow-control
+//! windows and sends no WINDOW_UPDATE; PING is echoed, SETTINGS ignored, GOAWAY ends the session.
+
+use std::collections::HashMap;
+
+use flate2::{Compress, Compression, Decompress, FlushCompress, FlushDecompress, Status};
+
+use super::SessionEvent;
+
+/// Largest frame payload accepted from a client.
+pub const MAX_FRAME: usize = 1024 * 1024;
+/// Largest decompressed header block accepted.
+pub const MAX_HEADER_BLOCK: usize = 64 * 1024;
+/// Outgoing data is split into frames of at most this size.
+const OUT_FRAME: usize = 32 * 1024;
+
+const SYN_STREAM: u16 = 1;
+const SYN_REPLY: u16 = 2;
+const RST_STREAM: u16 = 3;
+const PING: u16 = 6;
+const GOAWAY: u16 = 7;
+const HEADERS: u16 = 8;
+const FLAG_FIN: u8 = 0x01;
+
+/// The SPDY/3 header-compression dictionary (1423 bytes): length-prefixed common header names
+/// and values, then a raw tail of status lines, dates and media types.
+pub fn dictionary() -> Vec<u8> {
+    const WORDS: [&str; 65] = [
+        "options",
+        "head",
+        "post",
+        "put",
+        "delete",
+        "trace",
+        "accept",
+        "accept-charset",
+        "accept-encoding",
+        "accept-language",
+        "accept-ranges",
+        "age",
+        "allow",
+        "authorization",
+        "cache-control",
+        "connection",
+        "content-base",
+        "content-encoding",
+        "content-language",
+        "content-length",
+        "content-location",
+        "content-md5",
+        "content-range",
+        "content-type",
+        "date",
+        "etag",
+        "expect",
+        "expires",
+        "from",
+        "host",
+        "if-match",
+        "if-modified-since",
+        "if-none-match",
+        "if-range",
+        "if-unmodified-since",
+        "last-modified",
+        "location",
+        "max-forwards",
+        "pragma",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "range",
+        "referer",
+        "retry-after",
+        "server",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "user-agent",
+        "vary",
+        "via",
+        "warning",
+        "www-authenticate",
+        "method",
+        "get",
+        "status",
+        "200 OK",
+        "version",
+        "HTTP/1.1",
+        "url",
+        "public",
+        "set-cookie",
+        "keep-alive",
+        "origin",
+    ];
+    const TAIL: [&str; 4] = [
+        "100101201202205206300302303304305306307402405406407408409410411412413414415416417502504505\
+         203 Non-Authoritative Information204 No Content301 Moved Permanently400 Bad Request401 Unauthorized\
+         403 Forbidden404 Not Found500 Internal Server Error501 Not Implemented503 Service Unavailable",
+        "Jan Feb Mar Apr May Jun Jul Aug Sept Oct Nov Dec 00:00:00",
+        " Mon, Tue, Wed, Thu, Fri, Sat, Sun, GMT",
+        "chunked,text/html,image/png,image/jpg,image/gif,application/xml,application/xhtml+xml,text/plain,\
+         text/javascript,publicprivatemax-age=gzip,deflate,sdchcharset=utf-8charset=iso-8859-1,utf-,*,enq=0.",
+    ];
+    let mut d = Vec::with_capacity(1423);
+    for w in WORDS {
+        d.extend_from_slice(&(w.len() as u32).to_be_bytes());
+        d.extend_from_slice(w.as_bytes());
+    }
+    for t in TAIL {
+        d.extend_from_slice(t.as_bytes());
+    }
+    d
+}
+
+/// Appends a control frame.
+fn control(kind: u16, flags: u8, payload: &[u8], out: &mut Vec<u8>) {
+    out.extend_from_slice(&[0x80, 0x03]);
+    out.extend_from_slice(&kind.to_be_bytes());
+    out.push(flags);
+    out.extend_from_slice(&(payload.len() as u32).to_be_bytes()[1..]);
+    out.extend_from_slice(payload);
+}
+
+/// Appends a data frame.
+fn data_frame(stream: u32, flags: u8, payload: &[u8], out: &mut Vec<u8>) {
+    out.extend_from_slice(&(stream & 0x7fff_ffff).to_be_bytes());
+    out.push(flags);
+    out.extend_from_slice(&(payload.len() as u32).to_be_bytes()[1..]);
+    out.extend_from_slice(payload);
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Error,
+    Stdin,
+    Stdout,
+    Stderr,
+    Resize,
+}
+
+/// Which streams the request needs before the command can start.
+#[derive(Clone, Copy, Debug)]
+pub struct Expected {
+    pub stdin: bool,
+    pub stdout: bool,
+    pub stderr: bool,
+    pub resize: bool,
+}
+
+pub struct SpdySession {
+    version: String,
+    buf: Vec<u8>,
+    inflate: Decompress,
+    deflate: Compress,
+    dict: Vec<u8>,
+    deflate_primed: bool,
+    expected: Expected,
+    streams: HashMap<u32, Kind>,
+    ids: HashMap<&'static str, u32>,
+    ready: bool,
+    /// Events held back until all streams exist.
+    held: Vec<SessionEvent>,
+    stdin_open: bool,
+    closed: bool,
+    last_client_stream: u32,
+}
+
+impl SpdySession {
+    pub fn new(version: &str, expected: Expected) -> Self {
+        SpdySession {
+            version: version.to_string(),
+            buf: Vec::new(),
+            inflate: Decompress::new(true),
+            deflate: Compress::new(Compression::default(), true),
+            dict: dictionary(),
+            deflate_primed: false,
+            expected,
+            streams: HashMap::new(),
+            ids: HashMap::new(),
+            ready: false,
+            held: Vec::new(),
+            stdin_open: expected.stdin,
+            closed: false,
+            last_client_stream: 0,
+        }
+    }
+
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+
+    /// The 101 response for a SPDY upgrade.
+    pub fn handshake_response(version: &str) -> Vec<u8> {
+        format!("HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: SPDY/3.1\r\nX-Stream-Protocol-Version: {version}\r\n\r\n")
+            .into_bytes()
+    }
+
+    fn inflate_block(&mut self, block: &[u8]) -> Result<Vec<u8>, String> {
+        let mut out = Vec::new();
+        let mut chunk = [0u8; 4096];
+        let mut input = block;
+        loop {
+            let before_in = self.inflate.total_in();
+            let before_out = self.inflate.total_out();
+            let r = self
+                .inflate
+                .decompress(input, &mut chunk, FlushDecompress::Sync);
+            let used = (self.inflate.total_in() - before_in) as usize;
+            let made = (self.inflate.total_out() - before_out) as usize;
+            input = &input[used.min(input.len())..];
+            out.extend_from_slice(&chunk[..made]);
+            if out.len() > MAX_HEADER_BLOCK {
+                return Err("header block too large".into());
+            }
+            match r {
+                Ok(Status::StreamEnd) => return Err("header stream ended".into()),
+                Ok(_) => {
+                    if input.is_empty() && made < chunk.len() {
+                        return Ok(out);
+                    }
+                    if used == 0 && made == 0 {
+                        return Err("header block does not decompress".into());
+                    }
+                }
+                Err(e) if e.needs_dictionary().is_some() => {
+                    self.inflate
+                        .set_dictionary(&self.dict)
+                        .map_err(|e| format!("header dictionary: {e}"))?;
+                }
+                Err(e) => return Err(format!("header block: {e}")),
+            }
+        }
+    }
+
+    fn deflate_block(&mut self, raw: &[u8]) -> Vec<u8> {
+        if !self.deflate_primed {
+            // Compression state is only ever used with this dictionary; a failure here would be
+            // a zlib bug, and the reply would then simply be undecodable for the peer.
+            let _ = self.deflate.set_dictionary(&self.dict);
+            self.deflate_primed = true;
+        }
+        let mut out = Vec::with_capacity(raw.len() + 64);
+        let mut input = raw;
+        loop {
+            out.reserve(256);
+            let before = self.deflate.total_in();
+            if self
+                .deflate
+                .compress_vec(input, &mut out, FlushCompress::Sync)
+                .is_err()
+            {
+                return out;
+            }
+            let used = (self.deflate.total_in() - before) as usize;
+            input = &input[used.min(input.len())..];
+            if input.is_empty() && out.len() < out.capacity() {
+                return out;
+            }
+        }
+    }
+
+    fn parse_headers(block: &[u8]) -> Option<Vec<(String, String)>> {
+        let rd = |b: &[u8], at: usize| -> Option<u32> {
+            Some(u32::from_be_bytes(b.get(at..at + 4)?.try_into().ok()?))
+        };
+        let n = rd(block, 0)? as usize;
+        let mut at = 4;
+        let mut out = Vec::with_capacity(n.min(64));
+        for _ in 0..n {
+            let kl = rd(block, at)? as usize;
+            let k = block.get(at + 4..at + 4 + kl)?;
+            at += 4 + kl;
+            let vl = rd(block, at)? as usize;
+            let v = block.get(at + 4..at + 4 + vl)?;
+            at += 4 + vl;
+            out.push((
+                String::from_utf8_lossy(k).to_ascii_lowercase(),
+                String::from_utf8_lossy(v).into_owned(),
+            ));
+        }
+        Some(out)
+    }
+
+    fn fail(&mut self, why: String, out: &mut Vec<u8>, ev: &mut Vec<SessionEvent>) {
+        if !self.closed {
+            let mut p = self.last_client_stream.to_be_bytes().to_vec();
+            p.extend_from_slice(&1u32.to_be_bytes()); // PROTOCOL_ERROR
+            control(GOAWAY, 0, &p, out);
+            self.closed = true;
+        }
+        ev.push(SessionEvent::ProtocolError(why));
+    }
+
+    fn emit(&mut self, e: SessionEvent, ev: &mut Vec<SessionEvent>) {
+        if self.ready {
+            ev.push(e);
+        } else {
+            self.held.push(e);
+        }
+    }
+
+    pub fn feed(&mut self, data: &[u8], out: &mut Vec<u8>, ev: &mut Vec<SessionEvent>) {
+        self.buf.extend_from_slice(data);
+        while !self.closed {
+            if self.buf.len() < 8 {
+                return;
+            }
+            let len = u32::from_be_bytes([0, self.buf[5], self.buf[6], self.buf[7]]) as usize;
+            if len > MAX_FRAME {
+                return self.fail(format!("frame of {len} bytes is too large"), out, ev);
+            }
+            if self.buf.len() < 8 + len {
+                return;
+            }
+            let frame: Vec<u8> = self.buf.drain(..8 + len).collect();
+            let flags = frame[4];
+            let payload = &frame[8..];
+            if frame[0] & 0x80 != 0 {
+                let version = u16::from_be_bytes([frame[0] & 0x7f, frame[1]]);
+                let kind = u16::from_be_bytes([frame[2], frame[3]]);
+                if version != 3 {
+                    return self.fail(format!("unsupported SPDY version {version}"), out, ev);
+                }
+                self.control_in(kind, flags, payload, out, ev);
+            } else {
+                let id = u32::from_be_bytes([frame[0], frame[1], frame[2], frame[3]]);
+                match self.streams.get(&id) {
+                    Some(Kind::Stdin) if self.stdin_open => {
+                        if !payload.is_empty() {
+                            self.emit(SessionEvent::Stdin(payload.to_vec()), ev);
+                        }
+                        if flags & FLAG_FIN != 0 {
+                            self.stdin_open = false;
+                            self.emit(SessionEvent::StdinEof, ev);
+                        }
+                    }
+                    // Resize requests are accepted and ignored (no terminal in a VM exec);
+                    // data on other client streams carries nothing for us.
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    fn control_in(
+        &mut self,
+        kind: u16,
+        flags: u8,
+        p: &[u8],
+        out: &mut Vec<u8>,
+        ev: &mut Vec<SessionEvent>,
+    ) {
+        match kind {
+            SYN_STREAM => {
+                if p.len() < 10 {
+                    return self.fail("short SYN_STREAM".into(), out, ev);
+                }
+                let id = u32::from_be_bytes([p[0], p[1], p[2], p[3]]) & 0x7fff_ffff;
+                let block = match self.inflate_block(&p[10..]) {
+                    Ok(b) => b,
+                    Err(e) => return self.fail(e, out, ev),
+                };
+                let Some(headers) = Self::parse_headers(&block) else {
+                    return self.fail("malformed header block".into(), out, ev);
+                };
+                if id == 0 || id % 2 == 0 || id <= self.last_client_stream {
+                    return self.fail(format!("bad client stream id {id}"), out, ev);
+                }
+                self.last_client_stream = id;
+                let st = headers
+                    .iter()
+                    .find(|(k, _)| k == "streamtype")
+                    .map(|(_, v)| v.as_str())
+                    .unwrap_or("");
+                let kind = match st {
+                    "error" => Some((Kind::Error, "error")),
+                    "stdin" if self.expected.stdin => Some((Kind::Stdin, "stdin")),
+                    "stdout" if self.expected.stdout => Some((Kind::Stdout, "stdout")),
+                    "stderr" if self.expected.stderr => Some((Kind::Stderr, "stderr")),
+                    "resize" => Some((Kind::Resize, "resize")),
+                    _ => None,
+                };
+                let Some((kind, name)) = kind.filter(|(_, n)| !self.ids.contains_key(n)) else {
+                    // Unknown, unrequested or duplicate stream: refuse it alone.
+                    let mut r = id.to_be_bytes().to_vec();
+                    r.extend_from_slice(&1u32.to_be_bytes());
+                    control(RST_STREAM, 0, &r, out);
+                    return;
+                };
+                self.streams.insert(id, kind);
+                self.ids.insert(name, id);
+                let mut reply = id.to_be_bytes().to_vec();
+                let block = self.deflate_block(&0u32.to_be_bytes());
+                reply.extend_from_slice(&block);
+                control(SYN_REPLY, 0, &reply, out);
+                if kind == Kind::Stdin && flags & FLAG_FIN != 0 {
+                    self.stdin_open = false;
+                    self.emit(SessionEvent::StdinEof, ev);
+                }
+                let e = self.expected;
+                let have = |n: &str| self.ids.contains_key(n);
+                if !self.ready
+                    && have("error")
+                    && (!e.stdin || have("stdin"))
+                    && (!e.stdout || have("stdout"))
+                    && (!e.stderr || have("stderr"))
+                    && (!e.resize || have("resize"))
+                {
+                    self.ready = true;
+                    ev.push(SessionEvent::Ready);
+                    ev.append(&mut self.held);
+                }
+            }
+            RST_STREAM if p.len() >= 4 => {
+                let id = u32::from_be_bytes([p[0], p[1], p[2], p[3]]) & 0x7fff_ffff;
+                if self.streams.get(&id) == Some(&Kind::Stdin) && self.stdin_open {
+                    self.stdin_open = false;
+                    self.emit(SessionEvent::StdinEof, ev);
+                }
+            }
+            PING => control(PING, 0, p, out),
+            GOAWAY => {
+                self.closed = true;
+                ev.push(SessionEvent::Closed);
+            }
+            // Keep the shared decompression context in step even though HEADERS are ignored.
+            HEADERS if p.len() >= 4 => {
+                if let Err(e) = self.inflate_block(&p[4..]) {
+                    self.fail(e, out, ev);
+                }
+            }
+            // SETTINGS, WINDOW_UPDATE, NOOP and unknown types carry nothing we act on.
+            _ => {}
+        }
+    }
+
+    fn send_on(&mut self, name: &str, data: &[u8], out: &mut Vec<u8>) {
+        if self.closed {
+            return;
+        }
+        if let Some(&id) = self.ids.get(name) {
+            for piece in data.chunks(OUT_FRAME) {
+                data_frame(id, 0, piece, out);
+            }
+        }
+    }
+
+    pub fn send_stdout(&mut self, data: &[u8], out: &mut Vec<u8>) {
+        self.send_on("stdout", data, out);
+    }
+
+    pub fn send_stderr(&mut self, data: &[u8], out: &mut Vec<u8>) {
+        self.send_on("stderr", data, out);
+    }
+
+    /// Status on the error stream, FIN on every server-written stream, then GOAWAY.
+    pub fn finish(&mut self, status: Option<&str>, out: &mut Vec<u8>) {
+        if self.closed {
+            return;
+        }
+        if let Some(s) = status {
+            self.send_on("error", s.as_bytes(), out);
+        }
+        for name in ["error", "stdout", "stderr"] {
+            if let Some(&id) = self.ids.get(name) {
+                data_frame(id, FLAG_FIN, &[], out);
+            }
+        }
+        let mut p = self.last_client_stream.to_be_bytes().to_vec();
+        p.extend_from_slice(&0u32.to_be_bytes());
+        control(GOAWAY, 0, &p, out);
+        self.closed = true;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dictionary_is_the_spdy3_one() {
+        let d = dictionary();
+        assert_eq!(d.len(), 1423);
+        assert!(d.starts_with(b"\0\0\0\x07options\0\0\0\x04head"));
+        assert!(d.ends_with(b"utf-,*,enq=0."));
+    }
+
+    /// A client-side header block compressed with the dictionary, as a peer would send it.
+    fn client_block(c: &mut Compress, headers: &[(&str, &str)]) -> Vec<u8> {
+        let mut raw = (headers.len() as u32).to_be_bytes().to_vec();
+        for (k, v) in headers {
+            raw.extend_from_slice(&(k.len() as u32).to_be_bytes());
+            raw.extend_from_slice(k.as_bytes());
+            raw.extend_from_slice(&(v.len() as u32).to_be_bytes());
+            raw.extend_from_slice(v.as_bytes());
+        }
+        let mut out = Vec::with_capacity(1024);
+        c.compress_vec(&raw, &mut out, FlushCompress::Sync).unwrap();
+        out
+    }
+
+    fn syn(c: &mut Compress, id: u32, st: &str, flags: u8) -> Vec<u8> {
+        let mut p = id.to_be_bytes().to_vec();
+        p.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
+        p.extend(client_block(c, &[("streamtype", st)]));
+        let mut f = Vec::new();
+        control(SYN_STREAM, flags, &p, &mut f);
+        f
+    }
+
+    #[test]
+    fn streams_ready_stdin_and_finish() {
+        let mut c = Compress::new(Compression::default(), true);
+        c.set_dictionary(&dictionary()).unwrap();
+        let mut s = SpdySession::new(
+            "v4.channel.k8s.io",
+            Expected {
+                stdin: true,
+                stdout: true,
+                stderr: false,
+                resize: false,
+            },
+        );
+        let mut out = Vec::new();
+        let mut ev = Vec::new();
+        let mut bytes = syn(&mut c, 1, "error", 0);
+        bytes.extend(syn(&mut c, 3, "stdin", 0));
+        data_frame(3, 0, b"early", &mut bytes);
+        bytes.extend(syn(&mut c, 5, "stdout", 0));
+        data_frame(3, FLAG_FIN, b"!", &mut bytes);
+        control(PING, 0, &7u32.to_be_bytes(), &mut bytes);
+        for b in bytes.chunks(3) {
+            s.feed(b, &mut out, &mut ev);
+        }
+        assert_eq!(
+            ev,
+            vec![
+                SessionEvent::Ready,
+                SessionEvent::Stdin(b"early".to_vec()),
+                SessionEvent::Stdin(b"!".to_vec()),
+                SessionEvent::StdinEof
+            ]
+        );
+        // Three SYN_REPLYs then the PING echo.
+        let mut at = 0;
+        let mut kinds = Vec::new();
+        while at < out.len() {
+            let len = u32::from_be_bytes([0, out[at + 5], out[at + 6], out[at + 7]]) as usize;
+            kinds.push(u16::from_be_bytes([out[at + 2], out[at + 3]]));
+            at += 8 + len;
+        }
+        assert_eq!(kinds, vec![SYN_REPLY, SYN_REPLY, SYN_REPLY, PING]);
+        out.clear();
+        s.send_stdout(b"hello", &mut out);
+        assert_eq!(&out[..4], &5u32.to_be_bytes());
+        assert_eq!(&out[8..], b"hello");
+        out.clear();
+        s.finish(Some("{}"), &mut out);
+        assert_eq!(&out[..4], &1u32.to_be_bytes());
+        assert_eq!(&out[8..10], b"{}");
+    }
+
+    #[test]
+    fn garbage_is_a_protocol_error() {
+        let mut s = SpdySession::new(
+            "v4.channel.k8s.io",
+            Expected {
+                stdin: false,
+                stdout: true,
+                stderr: false,
+                resize: false,
+            },
+        );
+        let mut out = Vec::new();
+        let mut ev = Vec::new();
+        s.feed(&[0x80, 0x02, 0, 1, 0, 0, 0, 0], &mut out, &mut ev);
+        assert!(matches!(ev[0], SessionEvent::ProtocolError(_)));
+        let mut s = SpdySession::new(
+            "v4.channel.k8s.io",
+            Expected {
+                stdin: false,
+                stdout: true,
+                stderr: false,
+                resize: false,
+            },
+        );
+        let mut ev = Vec::new();
+        let mut f = Vec::new();
+        control(
+            SYN_STREAM,
+            0,
+            &[0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0xde, 0xad, 0xbe, 0xef],
+            &mut f,
+        );
+        s.feed(&f, &mut out, &mut ev);
+        assert!(matches!(ev[0], SessionEvent::ProtocolError(_)));
+        let mut ev = Vec::new();
+        let mut s = SpdySession::new(
+            "v4.channel.k8s.io",
+            Expected {
+                stdin: false,
+                stdout: true,
+                stderr: false,
+                resize: false,
+            },
+        );
+        s.feed(&[0x80, 0x03, 0, 1, 0, 0xff, 0xff, 0xff], &mut out, &mut ev);
+        assert!(matches!(ev[0], SessionEvent::ProtocolError(_)));
+    }
+}
