@@ -4,6 +4,7 @@
 pub mod auth;
 pub mod client;
 pub mod error;
+pub mod events;
 pub mod kubeconfig;
 pub mod ratelimit;
 pub mod tls;
@@ -11,5 +12,6 @@ pub mod watch;
 
 pub use client::{Client, PodList, ServerTarget, WatchSession};
 pub use error::{ApiStatus, KubeError};
+pub use events::{EventRecorder, EventType};
 pub use kubeconfig::{ClusterConfig, KubeConfigError, KubeOptions};
 pub use watch::{PodWatch, WatchConfig, WatchOutput};

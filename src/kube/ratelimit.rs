@@ -27,6 +27,22 @@ impl TokenBucket {
         self.qps <= 0.0 || !self.qps.is_finite()
     }
 
+    /// Take one token only if one is available now (no debt): for drop-when-over-rate filters.
+    pub fn try_take(&mut self, now: Instant) -> bool {
+        if self.disabled() {
+            return true;
+        }
+        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+        self.last = now.max(self.last);
+        self.tokens = (self.tokens + elapsed * self.qps).min(self.burst);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+
     /// Take one token. Returns how long the caller must wait before sending (zero = go now).
     /// The token is reserved either way, so concurrent callers queue fairly.
     pub fn reserve(&mut self, now: Instant) -> Duration {
@@ -66,6 +82,17 @@ mod tests {
             assert_eq!(b.reserve(t1), Duration::ZERO);
         }
         assert!(b.reserve(t1) > Duration::ZERO);
+    }
+
+    #[test]
+    fn try_take_never_goes_into_debt() {
+        let t0 = Instant::now();
+        let mut b = TokenBucket::new(1.0, 2, t0);
+        assert!(b.try_take(t0) && b.try_take(t0));
+        for _ in 0..100 {
+            assert!(!b.try_take(t0));
+        }
+        assert!(b.try_take(t0 + Duration::from_millis(1001)));
     }
 
     #[test]

@@ -1,0 +1,382 @@
+//! Kubernetes Events on pods: build core/v1 Events, aggregate identical ones (count, lastTimestamp),
+//! rate-limit per pod, and queue them for the daemon to flush with short blocking calls.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant, SystemTime};
+
+use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use k8s_openapi::chrono::DateTime;
+
+use super::client::Client;
+use super::error::KubeError;
+use super::ratelimit::TokenBucket;
+
+pub const SOURCE_COMPONENT: &str = "vk-cocoon";
+/// Event messages are cut to this many bytes.
+pub const MAX_MESSAGE: usize = 512;
+/// An identical event within this window is aggregated into the earlier one.
+const AGGREGATE_WINDOW: Duration = Duration::from_secs(10 * 60);
+/// Per-pod spam filter, as client-go's: burst 25, then one event per 5 minutes.
+const PER_POD_BURST: u32 = 25;
+const PER_POD_QPS: f64 = 1.0 / 300.0;
+/// Bound on remembered aggregation keys and per-pod buckets.
+const MAX_TRACKED: usize = 4096;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EventType {
+    Normal,
+    Warning,
+}
+
+impl EventType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventType::Normal => "Normal",
+            EventType::Warning => "Warning",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct AggKey {
+    namespace: String,
+    uid: String,
+    reason: String,
+    kind: EventType,
+    message: String,
+}
+
+#[derive(Clone, Debug)]
+struct Pending {
+    key: AggKey,
+    event: Event,
+    /// Server event name when this is an aggregation PATCH of an already-created event.
+    existing: Option<String>,
+}
+
+#[derive(Clone, Debug)]
+struct Sent {
+    name: String,
+    count: i32,
+    first: Time,
+    at: Instant,
+}
+
+/// Counters for metrics and tests.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EventStats {
+    pub created: u64,
+    pub patched: u64,
+    pub rate_limited: u64,
+    pub dropped: u64,
+    pub failed: u64,
+}
+
+/// The recorder. `record` is cheap and never does I/O; `flush` performs the API calls.
+pub struct EventRecorder {
+    node: String,
+    capacity: usize,
+    queue: VecDeque<Pending>,
+    sent: HashMap<AggKey, Sent>,
+    buckets: HashMap<String, TokenBucket>,
+    seq: u64,
+    pub stats: EventStats,
+}
+
+/// Cut a message to at most `MAX_MESSAGE` bytes on a character boundary.
+pub fn truncate_message(m: &str) -> String {
+    if m.len() <= MAX_MESSAGE {
+        return m.to_string();
+    }
+    let mut end = MAX_MESSAGE;
+    while !m.is_char_boundary(end) {
+        end -= 1;
+    }
+    m[..end].to_string()
+}
+
+fn time(t: SystemTime) -> Time {
+    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+    Time(DateTime::from_timestamp(d.as_secs() as i64, 0).unwrap_or_default())
+}
+
+impl EventRecorder {
+    /// `capacity` bounds the queue; when full the oldest pending event is dropped.
+    pub fn new(node: &str, capacity: usize) -> EventRecorder {
+        EventRecorder {
+            node: node.to_string(),
+            capacity: capacity.max(1),
+            queue: VecDeque::new(),
+            sent: HashMap::new(),
+            buckets: HashMap::new(),
+            seq: 0,
+            stats: EventStats::default(),
+        }
+    }
+
+    /// Events waiting to be written.
+    pub fn pending(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Queue an event on `pod`. Identical events aggregate; a pod over its rate is dropped.
+    pub fn record(
+        &mut self,
+        pod: &Pod,
+        kind: EventType,
+        reason: &str,
+        message: &str,
+        now: Instant,
+        wall: SystemTime,
+    ) {
+        let namespace = pod
+            .metadata
+            .namespace
+            .clone()
+            .unwrap_or_else(|| "default".into());
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        let message = truncate_message(message);
+        let key = AggKey {
+            namespace: namespace.clone(),
+            uid: uid.clone(),
+            reason: reason.to_string(),
+            kind,
+            message: message.clone(),
+        };
+        let ts = time(wall);
+        // Same event still queued: bump it in place, no extra API call.
+        if let Some(p) = self.queue.iter_mut().find(|p| p.key == key) {
+            p.event.count = Some(p.event.count.unwrap_or(1) + 1);
+            p.event.last_timestamp = Some(ts);
+            return;
+        }
+        if self.buckets.len() >= MAX_TRACKED {
+            self.buckets.clear();
+        }
+        let bucket = self
+            .buckets
+            .entry(uid.clone())
+            .or_insert_with(|| TokenBucket::new(PER_POD_QPS, PER_POD_BURST, now));
+        if !bucket.try_take(now) {
+            self.stats.rate_limited += 1;
+            log::debug!("event {reason} on {namespace}/{name} rate limited");
+            return;
+        }
+        self.sent
+            .retain(|_, s| now.saturating_duration_since(s.at) < AGGREGATE_WINDOW);
+        let (existing, count, first) = match self.sent.get(&key) {
+            Some(s) => (Some(s.name.clone()), s.count + 1, s.first.clone()),
+            None => (None, 1, ts.clone()),
+        };
+        self.seq += 1;
+        let nanos = wall
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0)
+            + u128::from(self.seq);
+        let event = Event {
+            metadata: ObjectMeta {
+                name: Some(
+                    existing
+                        .clone()
+                        .unwrap_or_else(|| format!("{name}.{nanos:x}")),
+                ),
+                namespace: Some(namespace.clone()),
+                ..Default::default()
+            },
+            involved_object: ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Pod".into()),
+                name: Some(name),
+                namespace: Some(namespace),
+                uid: Some(uid),
+                resource_version: pod.metadata.resource_version.clone(),
+                ..Default::default()
+            },
+            reason: Some(reason.to_string()),
+            message: Some(message),
+            type_: Some(kind.as_str().to_string()),
+            source: Some(EventSource {
+                component: Some(SOURCE_COMPONENT.into()),
+                host: Some(self.node.clone()),
+            }),
+            reporting_component: Some(SOURCE_COMPONENT.into()),
+            reporting_instance: Some(self.node.clone()),
+            first_timestamp: Some(first),
+            last_timestamp: Some(ts),
+            count: Some(count),
+            ..Default::default()
+        };
+        if self.queue.len() >= self.capacity {
+            if let Some(old) = self.queue.pop_front() {
+                self.stats.dropped += 1;
+                log::warn!(
+                    "event queue full: dropping {} on {}",
+                    old.key.reason,
+                    old.event.involved_object.name.unwrap_or_default()
+                );
+            }
+        }
+        self.queue.push_back(Pending {
+            key,
+            event,
+            existing,
+        });
+    }
+
+    /// Write up to `max` queued events (blocking calls bounded by the client's timeout).
+    /// Stops at the first transient failure, keeping that event queued. Returns how many were written.
+    pub fn flush(&mut self, client: &Client, max: usize, now: Instant) -> usize {
+        let mut written = 0;
+        while written < max {
+            let Some(p) = self.queue.pop_front() else {
+                break;
+            };
+            let ns = p.key.namespace.clone();
+            let result = match &p.existing {
+                Some(name) => {
+                    let patch = serde_json::json!({
+                        "count": p.event.count,
+                        "lastTimestamp": p.event.last_timestamp,
+                    });
+                    match client.patch_event(&ns, name, &patch) {
+                        Err(KubeError::NotFound(_)) => {
+                            // Expired on the server: create it afresh.
+                            let mut fresh = p.event.clone();
+                            self.seq += 1;
+                            fresh.metadata.name = Some(format!(
+                                "{}.{:x}",
+                                fresh.involved_object.name.clone().unwrap_or_default(),
+                                self.seq
+                            ));
+                            client.create_event(&fresh)
+                        }
+                        other => other,
+                    }
+                }
+                None => client.create_event(&p.event),
+            };
+            match result {
+                Ok(ev) => {
+                    if p.existing.is_some() {
+                        self.stats.patched += 1;
+                    } else {
+                        self.stats.created += 1;
+                    }
+                    written += 1;
+                    if self.sent.len() >= MAX_TRACKED {
+                        self.sent.clear();
+                    }
+                    self.sent.insert(
+                        p.key.clone(),
+                        Sent {
+                            name: ev.metadata.name.unwrap_or_default(),
+                            count: p.event.count.unwrap_or(1),
+                            first: p
+                                .event
+                                .first_timestamp
+                                .clone()
+                                .unwrap_or_else(|| time(SystemTime::now())),
+                            at: now,
+                        },
+                    );
+                }
+                Err(e) if e.is_transient() => {
+                    log::warn!("event {} on {ns}: {e}; will retry", p.key.reason);
+                    self.queue.push_front(p);
+                    break;
+                }
+                Err(e) => {
+                    self.stats.failed += 1;
+                    log::warn!("event {} on {ns} dropped: {e}", p.key.reason);
+                }
+            }
+        }
+        written
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(name: &str, uid: &str) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "namespace": "ns", "uid": uid, "resourceVersion": "7"}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn builds_the_event_and_aggregates_queued_duplicates() {
+        let mut r = EventRecorder::new("node-1", 10);
+        let t = Instant::now();
+        let w = SystemTime::UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+        let p = pod("p", "u1");
+        r.record(
+            &p,
+            EventType::Warning,
+            "WakePullFailed",
+            &"x".repeat(600),
+            t,
+            w,
+        );
+        r.record(
+            &p,
+            EventType::Warning,
+            "WakePullFailed",
+            &"x".repeat(700),
+            t,
+            w + Duration::from_secs(5),
+        );
+        r.record(&p, EventType::Normal, "Woken", "ok", t, w);
+        assert_eq!(r.pending(), 2);
+        let e = serde_json::to_value(&r.queue[0].event).unwrap();
+        assert_eq!(e["count"], 2);
+        assert_eq!(e["message"].as_str().unwrap().len(), 512);
+        assert_eq!(e["type"], "Warning");
+        assert_eq!(e["reason"], "WakePullFailed");
+        assert_eq!(
+            e["source"],
+            serde_json::json!({"component":"vk-cocoon","host":"node-1"})
+        );
+        assert_eq!(e["involvedObject"]["uid"], "u1");
+        assert_eq!(e["involvedObject"]["kind"], "Pod");
+        assert_eq!(e["metadata"]["namespace"], "ns");
+        assert_eq!(e["firstTimestamp"], "2026-01-01T00:00:00Z");
+        assert_eq!(e["lastTimestamp"], "2026-01-01T00:00:05Z");
+    }
+
+    #[test]
+    fn per_pod_rate_limit_and_bounded_queue() {
+        let mut r = EventRecorder::new("n", 5);
+        let t = Instant::now();
+        let w = SystemTime::now();
+        for i in 0..40 {
+            r.record(
+                &pod("p", "u1"),
+                EventType::Normal,
+                "R",
+                &format!("m{i}"),
+                t,
+                w,
+            );
+        }
+        assert_eq!(r.stats.rate_limited, 15);
+        assert_eq!(r.pending(), 5);
+        assert_eq!(r.stats.dropped, 20);
+        // Another pod has its own budget.
+        r.record(&pod("q", "u2"), EventType::Normal, "R", "m", t, w);
+        assert_eq!(r.stats.rate_limited, 15);
+    }
+
+    #[test]
+    fn truncation_respects_char_boundaries() {
+        let m = "é".repeat(300);
+        let t = truncate_message(&m);
+        assert!(t.len() <= 512 && t.len() >= 511);
+        assert!(m.starts_with(&t));
+    }
+}
