@@ -309,3 +309,51 @@ fn version_and_help() {
     let out = Command::new(BIN).arg("frobnicate").output().unwrap();
     assert_eq!(out.status.code(), Some(2));
 }
+
+fn proc_field(pid: u32, file: &str, field: &str) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/{file}")).unwrap_or_default();
+    text.lines()
+        .find(|l| l.starts_with(field))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Context switches of every thread of `pid` (each blocking wake-up counts one).
+fn switches(pid: u32) -> u64 {
+    let mut total = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+    {
+        let tid = task.file_name().to_string_lossy().into_owned();
+        for f in ["voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"] {
+            total += proc_field(pid, &format!("task/{tid}/status"), f);
+        }
+    }
+    total
+}
+
+/// Benchmark (run: `cargo test --release --test binary -- --ignored --nocapture bench_`):
+/// resident memory and wake-ups per second of an idle daemon over 10 s.
+#[test]
+#[ignore]
+fn bench_idle_daemon_rss_and_wakeups() {
+    let mut d = start_with(&[("VK_LOG_LEVEL", "info")]);
+    assert_eq!(get(d.metrics, "/metrics").0, 200);
+    let pid = d.child.id();
+    // Let start-up settle, then count.
+    std::thread::sleep(Duration::from_secs(1));
+    let before = switches(pid);
+    let window = Duration::from_secs(10);
+    std::thread::sleep(window);
+    let after = switches(pid);
+    let rss_kib = proc_field(pid, "status", "VmRSS:");
+    let threads = proc_field(pid, "status", "Threads:");
+    println!(
+        "BENCH idle daemon: RSS {:.1} MiB, {threads} threads, {:.2} wake-ups/s over {window:?}",
+        rss_kib as f64 / 1024.0,
+        (after - before) as f64 / window.as_secs_f64()
+    );
+    stop_and_check(&mut d);
+}

@@ -478,3 +478,48 @@ fn user_sources_report_readiness_under_their_token() {
         other => panic!("{other:?}"),
     }
 }
+
+/// Benchmark (run: `cargo test --release --test reactor -- --ignored --nocapture bench_`):
+/// spawn, capture and reap 1,000 `/bin/true` concurrently through the reactor, against a
+/// shell running the same loop sequentially and in the background.
+#[test]
+#[ignore]
+fn bench_spawn_capture_reap_1000_true() {
+    raise_fd_limit();
+    const N: usize = 1000;
+    let mut r = reactor();
+    let start = Instant::now();
+    for _ in 0..N {
+        r.spawn(ChildSpec::new(["/bin/true"])).unwrap();
+    }
+    let spawned = start.elapsed();
+    let mut done = 0;
+    pump(&mut r, Duration::from_secs(120), |ev| {
+        if let Event::ChildExit(e) = ev {
+            assert!(e.success());
+            done += 1;
+        }
+        done == N
+    });
+    let reactor_time = start.elapsed();
+    let shell = |script: &str| {
+        let t = Instant::now();
+        let status = std::process::Command::new("sh")
+            .args(["-c", script])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        t.elapsed()
+    };
+    let seq = shell("i=0; while [ $i -lt 1000 ]; do /bin/true; i=$((i+1)); done");
+    let bg = shell("i=0; while [ $i -lt 1000 ]; do /bin/true & i=$((i+1)); done; wait");
+    let t = Instant::now();
+    for _ in 0..N {
+        std::process::Command::new("/bin/true").output().unwrap();
+    }
+    let std_seq = t.elapsed();
+    println!(
+        "BENCH 1000 x /bin/true: reactor concurrent {reactor_time:?} (spawn loop {spawned:?}); \
+         sh sequential {seq:?}; sh background+wait {bg:?}; std Command::output sequential {std_seq:?}"
+    );
+}
