@@ -1,9 +1,281 @@
 //! A fake `cocoon` CLI that keeps VMs, snapshots and images as files under a state directory.
 //! Run when the binary is invoked as `cocoon` (argv[0]) or as `vk-cocoon fake-cocoon ...`.
+//!
+//! It follows cocoon-cli.md section 10: the command lines of both generations (union of B and N
+//! flags), JSON on stdout only, `Error: <msg>` on stderr with exit 1, the states of section 5,
+//! IDs/MACs/TAP names of section 6, and a `vm status --event --format json` stream fed by a
+//! journal of changes. Many copies may run at once: every read-modify-write holds an `flock` on
+//! `<state>/lock`, and records are replaced by atomic renames so readers need no lock.
+//!
+//! # Environment
+//! - `FAKE_COCOON_STATE`: the state directory (required unless `COCOON_ROOT_DIR`/`--root-dir` is
+//!   set, in which case `<root>/fake-cocoon` is used).
+//! - `COCOON_ROOT_DIR` / `--root-dir`: where run dirs go (`<root>/run/<cloudhypervisor|firecracker>/<ID>/`
+//!   with `cow.raw` or `overlay.qcow2`); default `<state>/root`.
+//! - `COCOON_LOG_DIR` / `--log-dir`: console logs (`<log>/<backend dir>/<ID>/cloud-hypervisor.log`);
+//!   default `<state>/log`.
+//! - `FAKE_COCOON_GENERATION=B`: B quirks (`No VMs found.` for an empty `vm list -o json`, B's
+//!   `VM not found` text, no `vm reconcile-stale-create`). Default is N.
+//! - `FAKE_COCOON_NO_PROCESS=1`: do not back running VMs with a process (pid 0, always "alive");
+//!   the fastest mode, for benchmarks. By default each running VM is a sleeping re-exec of this
+//!   binary (`fake-cocoon __vm-process <record>`), detached in its own process group, so /proc
+//!   stats are real; it exits by itself once its record is gone, and `vm rm`/`vm stop` kill it.
+//! - `FAKE_COCOON_SNAPSHOT_BYTES`: size of the memory file of a saved snapshot (default 256 KiB).
+//!
+//! # State directory
+//! `vms/<ID>.json`, `snapshots/<ID>.json` + `snapshots/<ID>/` (data files), `images/<hex>.json`,
+//! `journal` (one line per change: `<time> <ADDED|MODIFIED|DELETED> <ID>`), `exec.log` (one JSON
+//! line per `vm exec`: `{"vm","argv","env","stdin"}`), `faults.json`, `lock`, `next_ip`.
+//!
+//! # Fault injection: `<state>/faults.json`
+//! A JSON object from verb (`"vm clone"`, `"vm inspect"`, `"vm status"`, `"snapshot save"`, ...)
+//! to a fault object (all fields optional; see [`VerbFault`]):
+//! ```json
+//! {"vm clone":   {"fail_count": 2, "fail_message": "clone: boom", "fail_exit": 1},
+//!  "vm inspect": {"hang": true},
+//!  "vm list":    {"garbage_count": 1, "garbage": "{not json"},
+//!  "vm run":     {"slow_ms": 500, "print_created": true},
+//!  "vm status":  {"garbage_count": 1, "garbage": "junk line", "exit_after_ms": 300, "exit_code": 0}}
+//! ```
+//! `fail_count`/`garbage_count` are decremented per call (under the lock); `hang` sleeps forever;
+//! `slow_ms` delays the work (clone/run: after the `creating` placeholder is written, so a
+//! concurrent `vm reconcile-stale-create` reports `busy`); `placeholder_only` leaves a
+//! `creating` record and exits 1 like a crashed create (reconcile then reports `collected`).
+//! For `vm status` the garbage is printed as one line at start and `exit_after_ms` ends the stream.
+//!
+//! # Test-only verbs (`cocoon fake ...`) and library helpers
+//! `fake stop-vm REF [--stale]` (kill the backing process; N: state `stopped` with reason
+//! `unexpected-exit`; `--stale`: keep the stored `running`, so readers see `stopped (stale)`),
+//! `fake vanish REF` (the record disappears: `DELETED`), `fake set-state REF STATE`.
+//! The same operations are [`stop_vm`], [`vanish_vm`], [`set_state`], and [`write_faults`].
+//!
+//! # `vm exec`
+//! Runs nothing real and never a shell. The command (after `--`, one further leading `--`
+//! stripped) is interpreted: `cat` copies stdin to stdout (stdin is empty without `-i`);
+//! `echo ARGS` prints them; `true`/`false`; `exit N`; `sh|bash|/bin/sh -c SCRIPT` interprets
+//! SCRIPT's words the same way (so `sh -c 'exit 3'` exits 3); `env` prints the `-e` variables;
+//! `hostname` prints the VM name; `sleep SECS`; `stderr TEXT` prints TEXT to stderr; anything
+//! else prints `fake-cocoon exec: <argv>` and exits 0. The VM must be running.
+
+pub mod cli;
+mod data_cmds;
+pub mod store;
+mod stream;
+pub mod tar;
+mod vm_cmds;
+
+pub use store::{FaultFile, StoredVm, VerbFault};
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use store::Store;
+
+/// Result of a command: an exit status, or an error message printed as `Error: <msg>` (exit 1).
+pub(crate) type CmdResult = Result<i32, String>;
+
+const VM_HELP: &str = "Manage virtual machines\n\nUsage:\n  cocoon vm [command]\n\nAvailable Commands:\n  clone, create, exec, inspect, list, logs, net, reconcile-stale-create, rm, run, start, status, stop\n";
+const SNAPSHOT_HELP: &str = "Manage snapshots\n\nUsage:\n  cocoon snapshot [command]\n\nAvailable Commands:\n  export, import, inspect, list, rm, save\n";
+const IMAGE_HELP: &str = "Manage images\n\nUsage:\n  cocoon image [command]\n\nAvailable Commands:\n  import, inspect, list, pull, rm\n";
 
 /// Entry point of the fake: `args` are the arguments after the program name. Returns the exit code.
 pub fn main(args: Vec<String>) -> i32 {
-    let _ = args;
-    eprintln!("Error: fake cocoon not implemented yet");
-    1
+    let mut args = args;
+    if args.first().map(String::as_str) == Some("fake-cocoon") {
+        args.remove(0);
+    }
+    if args.first().map(String::as_str) == Some("__vm-process") {
+        return vm_process(args.get(1).map(PathBuf::from));
+    }
+    match run(&args) {
+        Ok(code) => code,
+        Err(msg) => {
+            eprintln!("Error: {msg}");
+            1
+        }
+    }
+}
+
+/// A running VM's stand-in process: sleeps until its record file is gone.
+fn vm_process(record: Option<PathBuf>) -> i32 {
+    let Some(record) = record else { return 2 };
+    while record.exists() {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    0
+}
+
+/// The first value of a global flag anywhere before `--`.
+fn global_value(args: &[String], long: &str) -> Option<String> {
+    let eq = format!("--{long}=");
+    let plain = format!("--{long}");
+    let mut it = args.iter().take_while(|a| *a != "--");
+    while let Some(a) = it.next() {
+        if let Some(v) = a.strip_prefix(&eq) {
+            return Some(v.to_string());
+        }
+        if *a == plain {
+            return it.next().cloned();
+        }
+    }
+    None
+}
+
+fn env_nonempty(key: &str) -> Option<String> {
+    std::env::var(key).ok().filter(|v| !v.is_empty())
+}
+
+fn store_from_env(args: &[String]) -> Result<Store, String> {
+    let root_flag = global_value(args, "root-dir").or_else(|| env_nonempty("COCOON_ROOT_DIR"));
+    let state =
+        match env_nonempty("FAKE_COCOON_STATE") {
+            Some(s) => PathBuf::from(s),
+            None => match &root_flag {
+                Some(r) => Path::new(r).join("fake-cocoon"),
+                None => return Err(
+                    "fake cocoon: set FAKE_COCOON_STATE (or COCOON_ROOT_DIR) to a state directory"
+                        .into(),
+                ),
+            },
+        };
+    let root = root_flag
+        .map(PathBuf::from)
+        .unwrap_or_else(|| state.join("root"));
+    let log_dir = global_value(args, "log-dir")
+        .or_else(|| env_nonempty("COCOON_LOG_DIR"))
+        .map(PathBuf::from)
+        .unwrap_or_else(|| state.join("log"));
+    let store = Store {
+        state,
+        root,
+        log_dir,
+        gen_b: env_nonempty("FAKE_COCOON_GENERATION").as_deref() == Some("B"),
+        spawn_process: env_nonempty("FAKE_COCOON_NO_PROCESS").as_deref() != Some("1"),
+    };
+    store
+        .init()
+        .map_err(|e| format!("init state dir {}: {e}", store.state.display()))?;
+    Ok(store)
+}
+
+/// A store for library callers (tests) that only touch records and faults.
+fn store_at(state_dir: &Path) -> Store {
+    Store {
+        state: state_dir.to_path_buf(),
+        root: state_dir.join("root"),
+        log_dir: state_dir.join("log"),
+        gen_b: false,
+        spawn_process: false,
+    }
+}
+
+fn run(args: &[String]) -> CmdResult {
+    let (_, words) = cli::split_leading_globals(args);
+    let Some(group) = words.first().cloned() else {
+        println!("cocoon: MicroVM manager (fake)\n\nUsage:\n  cocoon [command]\n\nAvailable Commands:\n  vm, snapshot, image, version");
+        return Ok(0);
+    };
+    let known_groups = ["vm", "snapshot", "image", "fake", "version", "gc"];
+    if group.starts_with('-') || !known_groups.contains(&group.as_str()) {
+        if group.starts_with('-') {
+            cli::parse(&words, &[], false)?;
+        }
+        eprintln!("Error: unknown command \"{group}\" for \"cocoon\"");
+        eprintln!("Run 'cocoon --help' for usage.");
+        return Ok(1);
+    }
+    if group == "version" {
+        println!("cocoon fake (vk-cocoon {})", env!("CARGO_PKG_VERSION"));
+        return Ok(0);
+    }
+    let verb = words.get(1).cloned().unwrap_or_default();
+    let rest: Vec<String> = words.iter().skip(2).cloned().collect();
+    let store = store_from_env(args)?;
+    let key = format!("{group} {verb}");
+
+    let known = match group.as_str() {
+        "vm" => vm_cmds::VERBS.contains(&verb.as_str()),
+        "snapshot" => data_cmds::SNAPSHOT_VERBS.contains(&verb.as_str()),
+        "image" => data_cmds::IMAGE_VERBS.contains(&verb.as_str()),
+        "fake" => ["stop-vm", "vanish", "set-state"].contains(&verb.as_str()),
+        _ => verb.is_empty(),
+    };
+    let gen_b_missing = store.gen_b
+        && group == "vm"
+        && ["reconcile-stale-create", "exec", "logs", "net"].contains(&verb.as_str());
+    if !known || gen_b_missing {
+        // The framework: undefined flags fail first; otherwise the group help, exit 0.
+        cli::parse(&rest, &[], false)?;
+        let help = match group.as_str() {
+            "vm" => VM_HELP,
+            "snapshot" => SNAPSHOT_HELP,
+            _ => IMAGE_HELP,
+        };
+        print!("{help}");
+        return Ok(0);
+    }
+
+    let fault = store.take_fault(&key);
+    if fault.hang {
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    }
+    if fault.fail_count > 0 {
+        let msg = if fault.fail_message.is_empty() {
+            format!("{key}: injected failure")
+        } else {
+            fault.fail_message.clone()
+        };
+        eprintln!("Error: {msg}");
+        return Ok(if fault.fail_exit == 0 {
+            1
+        } else {
+            fault.fail_exit
+        });
+    }
+    if fault.garbage_count > 0 && key != "vm status" {
+        println!("{}", fault.garbage);
+        return Ok(0);
+    }
+    let delay_inside = matches!(key.as_str(), "vm clone" | "vm run" | "vm create");
+    if fault.slow_ms > 0 && !delay_inside {
+        std::thread::sleep(Duration::from_millis(fault.slow_ms));
+    }
+    match group.as_str() {
+        "vm" => vm_cmds::dispatch(&store, &verb, &rest, &fault),
+        "snapshot" => data_cmds::snapshot(&store, &verb, &rest),
+        "image" => data_cmds::image(&store, &verb, &rest),
+        "fake" => vm_cmds::fake(&store, &verb, &rest),
+        _ => Ok(0),
+    }
+}
+
+/// Writes `<state>/faults.json` (replacing it) under the state lock.
+pub fn write_faults(state_dir: &Path, faults: &FaultFile) -> std::io::Result<()> {
+    let store = store_at(state_dir);
+    store.init()?;
+    let _guard = store.lock()?;
+    let bytes = serde_json::to_vec_pretty(faults).map_err(std::io::Error::other)?;
+    store::write_atomic(&store.faults_path(), &bytes)
+}
+
+/// Makes a VM stop on its own (kills its process). `stale`: keep stored `running` (B behaviour,
+/// readers see `stopped (stale)`); otherwise stored `stopped` with reason `unexpected-exit` (N).
+pub fn stop_vm(state_dir: &Path, vm_ref: &str, stale: bool) -> Result<(), String> {
+    vm_cmds::stop_on_its_own(&store_at(state_dir), vm_ref, stale)
+}
+
+/// Makes a VM record disappear without `vm rm` (the stream emits `DELETED`).
+pub fn vanish_vm(state_dir: &Path, vm_ref: &str) -> Result<(), String> {
+    vm_cmds::vanish(&store_at(state_dir), vm_ref)
+}
+
+/// Overwrites a VM's stored state (e.g. `error`), emitting `MODIFIED`.
+pub fn set_state(state_dir: &Path, vm_ref: &str, state: &str) -> Result<(), String> {
+    vm_cmds::set_state(&store_at(state_dir), vm_ref, state)
+}
+
+/// All stored VM records (stored states, not reconciled).
+pub fn stored_vms(state_dir: &Path) -> Vec<StoredVm> {
+    store_at(state_dir).load_vms()
 }

@@ -1,0 +1,579 @@
+//! The fake's `snapshot` and `image` verbs: save/inspect/rm/list/import/export, pull/inspect/import.
+//! Archives use the 4.6 layout (`snapshot.json` envelope first); data streams are never buffered whole.
+
+use super::cli::{self, flag, flag_s, val, val_s};
+use super::store::{display_state, new_id, now_rfc3339, pid_alive, write_atomic, RefError, Store};
+use super::{tar, CmdResult};
+use crate::vm::types::{Image, Snapshot, SnapshotEnvelope};
+use sha2::{Digest, Sha256};
+use std::fs;
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+
+pub const SNAPSHOT_VERBS: &[&str] = &["save", "inspect", "rm", "list", "ls", "import", "export"];
+pub const IMAGE_VERBS: &[&str] = &["pull", "inspect", "import", "list", "ls", "rm"];
+
+fn io_err(what: &str) -> impl Fn(io::Error) -> String + '_ {
+    move |e| format!("{what}: {e}")
+}
+
+fn print_json<T: serde::Serialize>(v: &T) -> CmdResult {
+    let text = serde_json::to_string_pretty(v).map_err(|e| e.to_string())?;
+    println!("{text}");
+    Ok(0)
+}
+
+pub fn snapshot(store: &Store, verb: &str, args: &[String]) -> CmdResult {
+    match verb {
+        "save" => save(store, args),
+        "inspect" => snap_inspect(store, args),
+        "rm" => snap_rm(store, args),
+        "list" | "ls" => snap_list(store, args),
+        "import" => snap_import(store, args),
+        "export" => snap_export(store, args),
+        _ => Ok(0),
+    }
+}
+
+pub fn image(store: &Store, verb: &str, args: &[String]) -> CmdResult {
+    match verb {
+        "pull" => pull(store, args),
+        "inspect" => image_inspect(store, args),
+        "import" => image_import(store, args),
+        "list" | "ls" => image_list(store, args),
+        "rm" => image_rm(store, args),
+        _ => Ok(0),
+    }
+}
+
+fn memory_file_size() -> usize {
+    std::env::var("FAKE_COCOON_SNAPSHOT_BYTES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256 << 10)
+}
+
+/// A name must be a plain file name inside an archive or snapshot directory.
+fn safe_member(name: &str) -> bool {
+    !name.is_empty() && name != "." && name != ".." && !name.contains('/') && !name.contains('\0')
+}
+
+fn save(store: &Store, args: &[String]) -> CmdResult {
+    let p = cli::parse(args, &[val("name"), val("description")], false)?;
+    let [vm_ref] = p.positionals.as_slice() else {
+        return Err(format!(
+            "accepts 1 arg(s), received {}",
+            p.positionals.len()
+        ));
+    };
+    let mut sv = store.resolve_vm(vm_ref).map_err(|e| match e {
+        RefError::NotFound => format!("save: vm {vm_ref}: VM not found"),
+        RefError::Ambiguous => format!("ambiguous ref \"{vm_ref}\": multiple matches"),
+    })?;
+    if display_state(&sv.vm) != "running" {
+        return Err(format!("save: vm {} is not running", sv.vm.id));
+    }
+    let id = new_id();
+    let name = p.get("name").unwrap_or(&id).to_string();
+    {
+        let _guard = store.lock().map_err(io_err("lock"))?;
+        if let Some(other) = store.load_snapshots().into_iter().find(|s| s.name == name) {
+            let _ = other;
+            return Err(format!("snapshot name \"{name}\" already exists"));
+        }
+        // Reserve the name with a pending marker so concurrent saves collide.
+        let pending = store
+            .snaps_dir()
+            .join(format!(".pending-{}", hex_name(&name)));
+        if pending.exists() {
+            return Err(format!("snapshot name \"{name}\" already exists"));
+        }
+        fs::write(&pending, &id).map_err(io_err("reserve name"))?;
+    }
+    let data = store.snap_data_dir(&id);
+    let result = (|| -> Result<(), String> {
+        fs::create_dir_all(&data).map_err(io_err("create snapshot dir"))?;
+        let mem = vec![0xa5u8; memory_file_size()];
+        let files: Vec<(&str, Vec<u8>)> = if sv.vm.is_firecracker() {
+            vec![
+                ("vmstate", b"fake firecracker vmstate\n".to_vec()),
+                ("mem", mem),
+                ("cow.raw", vec![0x5a; 64 << 10]),
+                ("cocoon.json", b"{\"storage\":[]}\n".to_vec()),
+            ]
+        } else {
+            let disk = if sv.vm.config.image_type == "cloudimg" {
+                "overlay.qcow2"
+            } else {
+                "cow.raw"
+            };
+            vec![
+                (
+                    "config.json",
+                    serde_json::to_vec_pretty(&sv.vm.config).unwrap_or_default(),
+                ),
+                ("state.json", b"{\"fake\":true}\n".to_vec()),
+                ("memory-ranges", mem),
+                ("cocoon.json", b"{\"storage\":[]}\n".to_vec()),
+                (disk, vec![0x5a; 64 << 10]),
+            ]
+        };
+        for (f, bytes) in files {
+            fs::write(data.join(f), bytes).map_err(io_err("write snapshot data"))?;
+        }
+        Ok(())
+    })();
+    let pending = store
+        .snaps_dir()
+        .join(format!(".pending-{}", hex_name(&name)));
+    if let Err(e) = result {
+        let _ = fs::remove_dir_all(&data);
+        let _ = fs::remove_file(&pending);
+        return Err(e);
+    }
+    let c = &sv.vm.config;
+    let mut blobs = std::collections::BTreeMap::new();
+    if let Some(hex) = c.image_digest.strip_prefix("sha256:") {
+        blobs.insert(hex.to_string(), serde_json::json!({}));
+    }
+    let snap = Snapshot {
+        cpu: c.cpu,
+        memory: c.memory,
+        storage: c.storage,
+        image: c.image.clone(),
+        image_digest: c.image_digest.clone(),
+        image_type: c.image_type.clone(),
+        network: c.network.clone(),
+        no_direct_io: c.no_direct_io,
+        windows: c.windows,
+        id: id.clone(),
+        name: name.clone(),
+        description: p.get("description").unwrap_or("").to_string(),
+        image_blob_ids: blobs,
+        hypervisor: sv.vm.hypervisor.clone(),
+        nics: sv.vm.network_configs.len() as u64,
+        created_at: Some(now_rfc3339()),
+        ..Default::default()
+    };
+    {
+        let _guard = store.lock().map_err(io_err("lock"))?;
+        store
+            .save_snapshot(&snap)
+            .map_err(io_err("save snapshot"))?;
+        let _ = fs::remove_file(&pending);
+        if store.vm_path(&sv.vm.id).exists() {
+            if let Ok(fresh) = store.resolve_vm(&sv.vm.id) {
+                sv = fresh;
+            }
+            sv.vm.snapshot_ids.insert(id.clone(), serde_json::json!({}));
+            let _ = store.save_vm(&sv);
+        }
+    }
+    eprintln!("snapshot {id} saved as {name:?}");
+    Ok(0)
+}
+
+fn hex_name(name: &str) -> String {
+    name.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+fn snap_inspect(store: &Store, args: &[String]) -> CmdResult {
+    let p = cli::parse(args, &[val_s("output", 'o')], false)?;
+    let [r] = p.positionals.as_slice() else {
+        return Err(format!(
+            "accepts 1 arg(s), received {}",
+            p.positionals.len()
+        ));
+    };
+    let s = store.resolve_snapshot(r).map_err(|e| match e {
+        RefError::NotFound => "inspect: snapshot not found".to_string(),
+        RefError::Ambiguous => format!("inspect: ambiguous ref \"{r}\": multiple matches"),
+    })?;
+    print_json(&s)
+}
+
+fn leases_dir(store: &Store) -> PathBuf {
+    store.state.join("leases")
+}
+
+/// A read lease on a snapshot held while this process exports it.
+struct Lease(PathBuf);
+
+impl Lease {
+    fn take(store: &Store, id: &str) -> Lease {
+        let dir = leases_dir(store);
+        let _ = fs::create_dir_all(&dir);
+        let path = dir.join(format!("{id}.{}", std::process::id()));
+        let _ = fs::write(&path, b"export");
+        Lease(path)
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.0);
+    }
+}
+
+fn lease_held(store: &Store, id: &str) -> bool {
+    let Ok(entries) = fs::read_dir(leases_dir(store)) else {
+        return false;
+    };
+    entries.flatten().any(|e| {
+        let name = e.file_name().to_string_lossy().into_owned();
+        match name.rsplit_once('.') {
+            Some((sid, pid)) if sid == id => pid.parse::<i64>().map(pid_alive).unwrap_or(false),
+            _ => false,
+        }
+    })
+}
+
+fn snap_rm(store: &Store, args: &[String]) -> CmdResult {
+    let p = cli::parse(args, &[flag_s("force", 'f')], false)?;
+    if p.positionals.is_empty() {
+        return Err("requires at least 1 arg(s), only received 0".into());
+    }
+    let _guard = store.lock().map_err(io_err("lock"))?;
+    let mut targets = Vec::new();
+    for r in &p.positionals {
+        let s = store.resolve_snapshot(r).map_err(|e| match e {
+            RefError::NotFound => format!("rm: resolve \"{r}\": snapshot not found"),
+            RefError::Ambiguous => format!("rm: ambiguous ref \"{r}\": multiple matches"),
+        })?;
+        if lease_held(store, &s.id) {
+            return Err(format!(
+                "rm: snapshot {} is in use by an active clone/restore/export",
+                s.id
+            ));
+        }
+        targets.push(s);
+    }
+    for s in targets {
+        let _ = fs::remove_file(store.snap_path(&s.id));
+        let _ = fs::remove_dir_all(store.snap_data_dir(&s.id));
+        eprintln!("removed snapshot {}", s.id);
+    }
+    Ok(0)
+}
+
+fn snap_list(store: &Store, args: &[String]) -> CmdResult {
+    let p = cli::parse(args, &[val_s("output", 'o'), val("format")], false)?;
+    let snaps = store.load_snapshots();
+    if p.get("output") == Some("json") || p.get("format") == Some("json") {
+        return print_json(&snaps);
+    }
+    if snaps.is_empty() {
+        println!("No snapshots found.");
+        return Ok(0);
+    }
+    for s in snaps {
+        println!("{:<28} {}", s.id, s.name);
+    }
+    Ok(0)
+}
+
+/// Opens the import input: a file or stdin, transparently gunzipped (magic `1f 8b`).
+fn open_input(file: Option<&str>) -> Result<Box<dyn Read>, String> {
+    let raw: Box<dyn Read> = match file {
+        Some(f) if f != "-" => Box::new(fs::File::open(f).map_err(|e| format!("open {f}: {e}"))?),
+        _ => Box::new(io::stdin().lock()),
+    };
+    let mut buffered = BufReader::with_capacity(64 << 10, raw);
+    let head = buffered.fill_buf().map_err(io_err("read input"))?;
+    if head.len() >= 2 && head[0] == 0x1f && head[1] == 0x8b {
+        Ok(Box::new(flate2::read::MultiGzDecoder::new(buffered)))
+    } else {
+        Ok(Box::new(buffered))
+    }
+}
+
+fn drain(input: &mut dyn Read) {
+    let _ = io::copy(input, &mut io::sink());
+}
+
+fn snap_import(store: &Store, args: &[String]) -> CmdResult {
+    let p = cli::parse(args, &[val("name"), val("description")], false)?;
+    let mut input = open_input(p.positionals.first().map(String::as_str))?;
+    let result = import_archive(store, &mut *input, p.get("name"), p.get("description"));
+    // cocoon reads its input to EOF even when the archive is bad.
+    drain(&mut *input);
+    result
+}
+
+fn import_archive(
+    store: &Store,
+    input: &mut dyn Read,
+    name: Option<&str>,
+    description: Option<&str>,
+) -> CmdResult {
+    let first = tar::next_entry(input)
+        .map_err(|e| format!("import: {e}"))?
+        .ok_or("import: empty archive")?;
+    if first.name.trim_start_matches("./") != "snapshot.json" {
+        return Err(format!(
+            "import: first member is {:?}, want snapshot.json",
+            first.name
+        ));
+    }
+    if first.size > 1 << 20 {
+        return Err("import: snapshot.json too large".into());
+    }
+    let mut env_bytes = Vec::new();
+    tar::copy_body(input, first.size, &mut env_bytes).map_err(|e| format!("import: {e}"))?;
+    let env: SnapshotEnvelope = serde_json::from_slice(&env_bytes)
+        .map_err(|e| format!("import: parse snapshot.json: {e}"))?;
+    if env.version != 1 {
+        return Err(format!(
+            "import: unsupported envelope version {}",
+            env.version
+        ));
+    }
+    let mut snap = env.config;
+    if let Some(n) = name {
+        snap.name = n.to_string();
+    }
+    if let Some(d) = description {
+        snap.description = d.to_string();
+    }
+    let id = new_id();
+    snap.id = id.clone();
+    snap.created_at = Some(now_rfc3339());
+    let staging = store.snaps_dir().join(format!(".import-{id}"));
+    fs::create_dir_all(&staging).map_err(io_err("create staging dir"))?;
+    let copied = (|| -> Result<(), String> {
+        while let Some(entry) = tar::next_entry(input).map_err(|e| format!("import: {e}"))? {
+            let member = entry.name.trim_start_matches("./").to_string();
+            let regular = entry.kind == b'0' || entry.kind == 0;
+            if !regular || !safe_member(&member) {
+                tar::copy_body(input, entry.size, &mut io::sink())
+                    .map_err(|e| format!("import: {e}"))?;
+                continue;
+            }
+            let mut f = fs::File::create(staging.join(&member)).map_err(io_err("write member"))?;
+            tar::copy_body(input, entry.size, &mut f).map_err(|e| format!("import: {e}"))?;
+        }
+        Ok(())
+    })();
+    if let Err(e) = copied {
+        let _ = fs::remove_dir_all(&staging);
+        return Err(e);
+    }
+    let _guard = store.lock().map_err(io_err("lock"))?;
+    if let Some(other) = store
+        .load_snapshots()
+        .into_iter()
+        .find(|s| s.name == snap.name)
+    {
+        let _ = fs::remove_dir_all(&staging);
+        return Err(format!(
+            "snapshot name \"{}\" already in use by {}",
+            snap.name, other.id
+        ));
+    }
+    fs::rename(&staging, store.snap_data_dir(&id)).map_err(io_err("commit import"))?;
+    store
+        .save_snapshot(&snap)
+        .map_err(io_err("save snapshot"))?;
+    eprintln!("imported snapshot {id} as {:?}", snap.name);
+    Ok(0)
+}
+
+fn snap_export(store: &Store, args: &[String]) -> CmdResult {
+    let p = cli::parse(args, &[val_s("output", 'o'), val("to-dir")], false)?;
+    let [r] = p.positionals.as_slice() else {
+        return Err(format!(
+            "accepts 1 arg(s), received {}",
+            p.positionals.len()
+        ));
+    };
+    let snap = store.resolve_snapshot(r).map_err(|e| match e {
+        RefError::NotFound => format!("export: snapshot \"{r}\": snapshot not found"),
+        RefError::Ambiguous => format!("export: ambiguous ref \"{r}\": multiple matches"),
+    })?;
+    let _lease = Lease::take(store, &snap.id);
+    let mut config = snap.clone();
+    config.created_at = None;
+    let envelope = SnapshotEnvelope { config, version: 1 };
+    let mut env_bytes = serde_json::to_vec_pretty(&envelope).map_err(|e| e.to_string())?;
+    env_bytes.push(b'\n');
+    let data = store.snap_data_dir(&snap.id);
+    let mut names: Vec<String> = fs::read_dir(&data)
+        .map_err(io_err("read snapshot dir"))?
+        .flatten()
+        .filter(|e| e.file_type().map(|t| t.is_file()).unwrap_or(false))
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    if let Some(dir) = p.get("to-dir") {
+        let dir = Path::new(dir);
+        fs::create_dir_all(dir).map_err(io_err("create dir"))?;
+        write_atomic(&dir.join("snapshot.json"), &env_bytes).map_err(io_err("write envelope"))?;
+        for n in &names {
+            fs::copy(data.join(n), dir.join(n)).map_err(io_err("copy member"))?;
+        }
+        return Ok(0);
+    }
+    let target = p.get("output").ok_or("export: --output is required")?;
+    let mut out: Box<dyn Write> = if target == "-" {
+        Box::new(io::BufWriter::with_capacity(256 << 10, io::stdout().lock()))
+    } else {
+        Box::new(io::BufWriter::new(
+            fs::File::create(target).map_err(|e| format!("create {target}: {e}"))?,
+        ))
+    };
+    let write = (|| -> io::Result<()> {
+        tar::write_member(&mut out, "snapshot.json", &env_bytes, 0o644)?;
+        for n in &names {
+            let mut f = fs::File::open(data.join(n))?;
+            let size = f.metadata()?.len();
+            tar::write_member_from(&mut out, n, size, &mut f)?;
+        }
+        tar::finish(&mut out)?;
+        out.flush()
+    })();
+    write.map_err(io_err("export"))?;
+    Ok(0)
+}
+
+fn image_id_for(bytes: &[u8]) -> String {
+    let digest = Sha256::digest(bytes);
+    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    format!("sha256:{hex}")
+}
+
+fn pull(store: &Store, args: &[String]) -> CmdResult {
+    let p = cli::parse(args, &[flag("force"), val_s("output", 'o')], false)?;
+    let [r] = p.positionals.as_slice() else {
+        return Err(format!(
+            "accepts 1 arg(s), received {}",
+            p.positionals.len()
+        ));
+    };
+    let cloud = r.starts_with("http://") || r.starts_with("https://");
+    if store.resolve_image(r).is_some() && !p.has("force") {
+        println!("{r}: up to date");
+        return Ok(0);
+    }
+    if cloud {
+        print!("\rDownloading {r}:  50%");
+        print!("\rDownloading {r}: 100%\n");
+    }
+    let img = Image {
+        id: image_id_for(r.as_bytes()),
+        name: r.clone(),
+        kind: if cloud { "cloudimg" } else { "oci" }.into(),
+        size: 64 << 20,
+        created_at: Some(now_rfc3339()),
+    };
+    let _guard = store.lock().map_err(io_err("lock"))?;
+    store.save_image(&img).map_err(io_err("save image"))?;
+    Ok(0)
+}
+
+fn image_inspect(store: &Store, args: &[String]) -> CmdResult {
+    let p = cli::parse(args, &[val_s("output", 'o')], false)?;
+    let [r] = p.positionals.as_slice() else {
+        return Err(format!(
+            "accepts 1 arg(s), received {}",
+            p.positionals.len()
+        ));
+    };
+    let img = store
+        .resolve_image(r)
+        .ok_or_else(|| format!("image \"{r}\": not found in any backend"))?;
+    print_json(&img)
+}
+
+fn image_import(store: &Store, args: &[String]) -> CmdResult {
+    let p = cli::parse(args, &[val("type")], false)?;
+    let Some(name) = p.positionals.first().cloned() else {
+        return Err("requires at least 1 arg(s), only received 0".into());
+    };
+    let mut input = open_input(p.positionals.get(1).map(String::as_str))?;
+    let mut hasher = Sha256::new();
+    let mut head = Vec::with_capacity(512);
+    let mut total: u64 = 0;
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = match input.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(format!("import: read input: {e}")),
+        };
+        if head.len() < 512 {
+            let take = (512 - head.len()).min(n);
+            head.extend_from_slice(&buf[..take]);
+        }
+        hasher.update(&buf[..n]);
+        total += n as u64;
+    }
+    if total == 0 {
+        return Err("import: empty input".into());
+    }
+    let kind = if head.starts_with(b"QFI\xfb") {
+        "cloudimg"
+    } else if head.len() >= 262 && &head[257..262] == b"ustar" {
+        "oci"
+    } else {
+        return Err("import: unrecognised image format (want qcow2 or tar)".into());
+    };
+    let hex: String = hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let img = Image {
+        id: format!("sha256:{hex}"),
+        name,
+        kind: kind.into(),
+        size: total,
+        created_at: Some(now_rfc3339()),
+    };
+    let _guard = store.lock().map_err(io_err("lock"))?;
+    // Re-importing a name replaces the older record.
+    for old in store
+        .load_images()
+        .into_iter()
+        .filter(|i| i.name == img.name)
+    {
+        let _ = fs::remove_file(
+            store
+                .images_dir()
+                .join(format!("{}.json", old.id.trim_start_matches("sha256:"))),
+        );
+    }
+    store.save_image(&img).map_err(io_err("save image"))?;
+    Ok(0)
+}
+
+fn image_list(store: &Store, args: &[String]) -> CmdResult {
+    let p = cli::parse(args, &[val_s("output", 'o'), val("format")], false)?;
+    let imgs = store.load_images();
+    if p.get("output") == Some("json") || p.get("format") == Some("json") {
+        return print_json(&imgs);
+    }
+    if imgs.is_empty() {
+        println!("No images found.");
+    }
+    for i in imgs {
+        println!("{:<72} {:<9} {}", i.id, i.kind, i.name);
+    }
+    Ok(0)
+}
+
+fn image_rm(store: &Store, args: &[String]) -> CmdResult {
+    let p = cli::parse(args, &[flag_s("force", 'f')], false)?;
+    let _guard = store.lock().map_err(io_err("lock"))?;
+    for r in &p.positionals {
+        let img = store
+            .resolve_image(r)
+            .ok_or_else(|| format!("image \"{r}\": not found in any backend"))?;
+        let _ = fs::remove_file(
+            store
+                .images_dir()
+                .join(format!("{}.json", img.id.trim_start_matches("sha256:"))),
+        );
+    }
+    Ok(0)
+}

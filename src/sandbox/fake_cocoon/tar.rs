@@ -1,0 +1,203 @@
+//! Minimal ustar writer and reader for snapshot archives of the fake cocoon (cocoon-cli.md 4.6).
+//! Regular files only, flat names; streams data without holding whole files in memory.
+
+use std::io::{self, Read, Write};
+
+const BLOCK: usize = 512;
+
+fn octal(field: &mut [u8], value: u64) {
+    let width = field.len() - 1;
+    let s = format!("{value:0width$o}");
+    let bytes = s.as_bytes();
+    let start = bytes.len().saturating_sub(width);
+    field[..width].copy_from_slice(&bytes[start..]);
+    field[width] = 0;
+}
+
+/// Writes one member header for a regular file.
+pub fn write_header<W: Write>(out: &mut W, name: &str, size: u64, mode: u32) -> io::Result<()> {
+    if name.len() > 100 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "tar name too long",
+        ));
+    }
+    let mut h = [0u8; BLOCK];
+    h[..name.len()].copy_from_slice(name.as_bytes());
+    octal(&mut h[100..108], mode as u64);
+    octal(&mut h[108..116], 0);
+    octal(&mut h[116..124], 0);
+    octal(&mut h[124..136], size);
+    octal(&mut h[136..148], 0);
+    h[156] = b'0';
+    h[257..263].copy_from_slice(b"ustar\0");
+    h[263..265].copy_from_slice(b"00");
+    h[148..156].copy_from_slice(b"        ");
+    let sum: u32 = h.iter().map(|b| *b as u32).sum();
+    let cs = format!("{sum:06o}\0 ");
+    h[148..156].copy_from_slice(cs.as_bytes());
+    out.write_all(&h)
+}
+
+/// Pads a member of `size` bytes to the block boundary.
+pub fn write_padding<W: Write>(out: &mut W, size: u64) -> io::Result<()> {
+    let pad = (BLOCK - (size as usize % BLOCK)) % BLOCK;
+    out.write_all(&[0u8; BLOCK][..pad])
+}
+
+/// Writes a whole in-memory member.
+pub fn write_member<W: Write>(out: &mut W, name: &str, data: &[u8], mode: u32) -> io::Result<()> {
+    write_header(out, name, data.len() as u64, mode)?;
+    out.write_all(data)?;
+    write_padding(out, data.len() as u64)
+}
+
+/// Streams a member from a reader of known size.
+pub fn write_member_from<W: Write, R: Read>(
+    out: &mut W,
+    name: &str,
+    size: u64,
+    data: &mut R,
+) -> io::Result<()> {
+    write_header(out, name, size, 0o644)?;
+    let copied = io::copy(&mut data.take(size), out)?;
+    if copied != size {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "file shrank while exporting",
+        ));
+    }
+    write_padding(out, size)
+}
+
+/// Ends the archive (two zero blocks).
+pub fn finish<W: Write>(out: &mut W) -> io::Result<()> {
+    out.write_all(&[0u8; BLOCK * 2])
+}
+
+/// One member header read from an archive.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    pub name: String,
+    pub size: u64,
+    /// `b'0'` or 0 for regular files.
+    pub kind: u8,
+}
+
+fn parse_octal(field: &[u8]) -> io::Result<u64> {
+    let s: String = field
+        .iter()
+        .take_while(|b| **b != 0)
+        .map(|b| *b as char)
+        .collect();
+    let t = s.trim();
+    if t.is_empty() {
+        return Ok(0);
+    }
+    u64::from_str_radix(t, 8)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "bad octal field in tar header"))
+}
+
+/// Reads the next header; `None` at the end-of-archive marker or a clean EOF.
+pub fn next_entry<R: Read + ?Sized>(input: &mut R) -> io::Result<Option<Entry>> {
+    let mut h = [0u8; BLOCK];
+    let mut got = 0;
+    while got < BLOCK {
+        let n = input.read(&mut h[got..])?;
+        if n == 0 {
+            if got == 0 {
+                return Ok(None);
+            }
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "truncated tar header",
+            ));
+        }
+        got += n;
+    }
+    if h.iter().all(|b| *b == 0) {
+        return Ok(None);
+    }
+    let stored = parse_octal(&h[148..156])?;
+    let mut sum: u64 = 0;
+    for (i, b) in h.iter().enumerate() {
+        sum += if (148..156).contains(&i) {
+            32
+        } else {
+            *b as u64
+        };
+    }
+    if sum != stored {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "tar header checksum mismatch",
+        ));
+    }
+    let name_end = h[..100].iter().position(|b| *b == 0).unwrap_or(100);
+    let mut name = String::from_utf8_lossy(&h[..name_end]).into_owned();
+    if &h[257..262] == b"ustar" && h[345] != 0 {
+        let pend = h[345..500].iter().position(|b| *b == 0).unwrap_or(155);
+        name = format!("{}/{}", String::from_utf8_lossy(&h[345..345 + pend]), name);
+    }
+    Ok(Some(Entry {
+        name,
+        size: parse_octal(&h[124..136])?,
+        kind: h[156],
+    }))
+}
+
+/// Copies the member body to `out` (or discards it) and skips the padding.
+pub fn copy_body<R: Read + ?Sized, W: Write + ?Sized>(
+    input: &mut R,
+    size: u64,
+    out: &mut W,
+) -> io::Result<()> {
+    let copied = io::copy(&mut (&mut *input).take(size), out)?;
+    if copied != size {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "truncated tar member",
+        ));
+    }
+    let pad = (BLOCK as u64 - size % BLOCK as u64) % BLOCK as u64;
+    let skipped = io::copy(&mut (&mut *input).take(pad), &mut io::sink())?;
+    if skipped != pad {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "truncated tar padding",
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip() {
+        let mut buf = Vec::new();
+        write_member(&mut buf, "snapshot.json", b"{}\n", 0o644).unwrap();
+        let big = vec![7u8; 1000];
+        write_member_from(&mut buf, "mem", 1000, &mut &big[..]).unwrap();
+        finish(&mut buf).unwrap();
+        assert_eq!(buf.len() % 512, 0);
+        let mut r = &buf[..];
+        let e = next_entry(&mut r).unwrap().unwrap();
+        assert_eq!((e.name.as_str(), e.size), ("snapshot.json", 3));
+        let mut body = Vec::new();
+        copy_body(&mut r, e.size, &mut body).unwrap();
+        assert_eq!(body, b"{}\n");
+        let e = next_entry(&mut r).unwrap().unwrap();
+        assert_eq!(e.size, 1000);
+        let mut body = Vec::new();
+        copy_body(&mut r, e.size, &mut body).unwrap();
+        assert_eq!(body, big);
+        assert_eq!(next_entry(&mut r).unwrap(), None);
+        // Corruption is an error, not a panic.
+        let mut bad = buf.clone();
+        bad[0] ^= 1;
+        assert!(next_entry(&mut &bad[..]).is_err());
+        assert!(next_entry(&mut &buf[..100]).is_err());
+    }
+}
