@@ -1,0 +1,151 @@
+//! Discovery documents so kubectl and clients find the served resources: /version, /api,
+//! /api/v1, /apis, /apis/<group>[/<version>]. Built from the resource table; no state.
+
+use super::resources::{self, RESOURCES};
+use serde_json::{json, Value};
+
+/// The Kubernetes version the fake claims to be.
+pub const GIT_VERSION: &str = "v1.32.0-vkcocoon-fake";
+
+pub fn version() -> Value {
+    json!({
+        "major": "1",
+        "minor": "32",
+        "gitVersion": GIT_VERSION,
+        "gitCommit": "0000000000000000000000000000000000000000",
+        "gitTreeState": "clean",
+        "buildDate": "2026-01-01T00:00:00Z",
+        "goVersion": "go1.23.0",
+        "compiler": "gc",
+        "platform": "linux/amd64",
+    })
+}
+
+pub fn core_versions(server_address: &str) -> Value {
+    json!({
+        "kind": "APIVersions",
+        "versions": ["v1"],
+        "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": server_address}],
+    })
+}
+
+fn group_doc(group: &str, version: &str) -> Value {
+    let gv = json!({"groupVersion": format!("{group}/{version}"), "version": version});
+    json!({
+        "name": group,
+        "versions": [gv.clone()],
+        "preferredVersion": gv,
+    })
+}
+
+pub fn group_list() -> Value {
+    let groups: Vec<Value> = resources::groups()
+        .into_iter()
+        .map(|(g, v)| group_doc(g, v))
+        .collect();
+    json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": groups})
+}
+
+/// The APIGroup document for one group, if served.
+pub fn group(name: &str) -> Option<Value> {
+    let (g, v) = resources::groups().into_iter().find(|(g, _)| *g == name)?;
+    let mut doc = group_doc(g, v);
+    doc["kind"] = json!("APIGroup");
+    doc["apiVersion"] = json!("v1");
+    Some(doc)
+}
+
+/// The APIResourceList for a group/version ("" is core), if served.
+pub fn resource_list(group: &str, version: &str) -> Option<Value> {
+    let mut out = Vec::new();
+    for r in RESOURCES
+        .iter()
+        .filter(|r| r.group == group && r.version == version)
+    {
+        let mut doc = json!({
+            "name": r.plural,
+            "singularName": r.singular,
+            "namespaced": r.namespaced,
+            "kind": r.kind,
+            "verbs": r.verbs,
+        });
+        if !r.short_names.is_empty() {
+            doc["shortNames"] = json!(r.short_names);
+        }
+        if matches!(r.plural, "pods" | "events") {
+            doc["categories"] = json!(["all"]);
+        }
+        out.push(doc);
+        for sub in r.subresources {
+            out.push(json!({
+                "name": format!("{}/{}", r.plural, sub),
+                "singularName": "",
+                "namespaced": r.namespaced,
+                "kind": r.kind,
+                "verbs": ["get", "patch", "update"],
+            }));
+        }
+    }
+    if out.is_empty() {
+        return None;
+    }
+    let gv = if group.is_empty() {
+        version.to_string()
+    } else {
+        format!("{group}/{version}")
+    };
+    Some(json!({
+        "kind": "APIResourceList",
+        "apiVersion": "v1",
+        "groupVersion": gv,
+        "resources": out,
+    }))
+}
+
+/// The root document: the paths served.
+pub fn root_paths() -> Value {
+    let mut paths = vec![
+        "/api".to_string(),
+        "/api/v1".to_string(),
+        "/apis".to_string(),
+        "/healthz".to_string(),
+        "/livez".to_string(),
+        "/readyz".to_string(),
+        "/version".to_string(),
+    ];
+    for (g, v) in resources::groups() {
+        paths.push(format!("/apis/{g}"));
+        paths.push(format!("/apis/{g}/{v}"));
+    }
+    json!({"paths": paths})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn documents_name_what_is_served() {
+        let core = resource_list("", "v1").unwrap();
+        let names: Vec<&str> = core["resources"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|r| r["name"].as_str())
+            .collect();
+        for want in [
+            "pods",
+            "pods/status",
+            "nodes",
+            "nodes/status",
+            "events",
+            "namespaces",
+        ] {
+            assert!(names.contains(&want), "{want} missing from {names:?}");
+        }
+        assert!(resource_list("coordination.k8s.io", "v1").is_some());
+        assert!(resource_list("apps", "v1").is_none());
+        assert!(group("authorization.k8s.io").is_some());
+        assert_eq!(group_list()["groups"].as_array().unwrap().len(), 3);
+    }
+}
