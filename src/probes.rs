@@ -19,6 +19,7 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::network::icmp::{PingId, PingStart, Pinger, PingerMode};
 use crate::network::leases::LeaseFile;
 use crate::network::tcp::TcpProbes;
+use crate::reactor::{Event, Reactor, TimerId};
 
 /// `vk_cocoon_probe_duration_seconds` buckets (spec §22.2).
 pub const PROBE_DURATION_BUCKETS: [f64; 8] = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0];
@@ -70,7 +71,10 @@ impl Default for ProbeConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProbeTarget {
     pub namespace: String,
-    /// The VM the probe is for; echoed in [`ProbeAction::IpChanged`] so the provider can drop
+    /// The pod's UID, echoed in every [`ProbeEvent`] so late events for an older
+    /// incarnation can be dropped by the provider.
+    pub uid: String,
+    /// The VM the probe is for; echoed in [`ProbeEvent::IpChanged`] so the provider can drop
     /// the update if the pod tracks another VM by then.
     pub vm_id: String,
     /// The tracked IP (from `cocoon vm inspect`, a static NIC, or an earlier lease).
@@ -81,6 +85,31 @@ pub struct ProbeTarget {
     pub static_ip: bool,
     /// The `vm.cocoonstack.io/probe-port` annotation, verbatim (validated here).
     pub probe_port: Option<String>,
+}
+
+impl ProbeTarget {
+    /// From the provider's `Effect::StartProbe` fields: `ip` and `mac` empty (or, for `ip`,
+    /// unparseable) mean unknown; `probe_port` is already validated there. A VM whose first
+    /// NIC is static should be given with an empty `mac` (or `static_ip` set afterwards).
+    pub fn from_parts(
+        namespace: &str,
+        uid: &str,
+        vm_id: &str,
+        ip: &str,
+        mac: &str,
+        probe_port: Option<u16>,
+    ) -> ProbeTarget {
+        let mac = mac.trim();
+        ProbeTarget {
+            namespace: namespace.to_string(),
+            uid: uid.to_string(),
+            vm_id: vm_id.to_string(),
+            ip: ip.trim().parse().ok(),
+            mac: (!mac.is_empty()).then(|| mac.to_string()),
+            static_ip: false,
+            probe_port: probe_port.map(|p| p.to_string()),
+        }
+    }
 }
 
 /// The stored result of the latest probe (what GetPodStatus reports).
@@ -117,21 +146,34 @@ pub enum ProbeAction {
     StartProbe { id: ProbeId, kind: ProbeKind },
     /// The probe timed out or its pod went away: drop it, its result is no longer wanted.
     AbortProbe { id: ProbeId },
+    /// Something the provider must hear about.
+    Notify(ProbeEvent),
+}
+
+/// What the provider must hear about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProbeEvent {
     /// The lease file gave the VM a different IP (spec §10.2 step 2): update the tracked VM,
-    /// unless it no longer has this `vm_id`.
+    /// unless it no longer has this `vm_id` (then the update is dropped).
     IpChanged {
         pod: String,
+        uid: String,
         vm_id: String,
         ip: Option<Ipv4Addr>,
     },
-    /// Readiness for the provider. `first` marks the first result after `start`, which the
-    /// Go daemon never notifies (its caller publishes the status itself right after starting):
-    /// the provider publishes it as part of the status it pushes for the start. `first ==
-    /// false` is the onUpdate of §10.1: recompute and push the pod status.
+    /// Readiness for the provider (`Input::Readiness`). `first` marks the first result after
+    /// `start`, which the Go daemon never notifies because its caller publishes the status
+    /// itself right after the synchronous first probe; here the first probe is asynchronous,
+    /// so the provider publishes it when it arrives. `first == false` is the onUpdate of §10.1
+    /// (not-ready→ready, or the failure that flips ready→not-ready): push the pod status.
+    /// `message` and `ip` are those of the probe that produced it.
     Readiness {
         pod: String,
+        uid: String,
         ready: bool,
         first: bool,
+        message: String,
+        ip: Option<Ipv4Addr>,
     },
 }
 
@@ -344,11 +386,12 @@ impl ProbeManager {
         let (ip, lease_note) = resolve_ip(target, self.leases.as_mut(), wall);
         if ip != target.ip {
             target.ip = ip;
-            out.push(ProbeAction::IpChanged {
+            out.push(ProbeAction::Notify(ProbeEvent::IpChanged {
                 pod: pod.to_string(),
+                uid: target.uid.clone(),
                 vm_id: target.vm_id.clone(),
                 ip,
-            });
+            }));
         }
         let Some(ip) = ip else {
             let message = match lease_note {
@@ -426,42 +469,50 @@ impl ProbeManager {
             let secs = now.saturating_duration_since(started).as_secs_f64();
             h.with_label_values(&[t.namespace.as_str()]).observe(secs);
         }
-        agent.result = Some(ProbeResult {
-            ready,
-            message,
-            at: now,
-        });
-        if !agent.started {
+        // Which notification, if any, this result produces (§10.1).
+        let notify = if !agent.started {
             agent.started = true;
             agent.ready = ready;
-            out.push(ProbeAction::Readiness {
-                pod: pod.to_string(),
-                ready,
-                first: true,
-            });
+            Some(true)
         } else if !agent.ready && ready {
             agent.ready = true;
             agent.failures = 0;
-            out.push(ProbeAction::Readiness {
-                pod: pod.to_string(),
-                ready: true,
-                first: false,
-            });
+            Some(false)
         } else if agent.ready && !ready {
             agent.failures += 1;
             if agent.failures >= config.failures_to_unready {
                 agent.ready = false;
                 agent.failures = 0;
                 agent.retry = config.first_retry;
-                out.push(ProbeAction::Readiness {
-                    pod: pod.to_string(),
-                    ready: false,
-                    first: false,
-                });
+                Some(false)
+            } else {
+                None
             }
-        } else if ready {
-            agent.failures = 0;
+        } else {
+            if ready {
+                agent.failures = 0;
+            }
+            None
+        };
+        if let Some(first) = notify {
+            let (uid, ip) = match &agent.target {
+                Some(t) => (t.uid.clone(), t.ip),
+                None => (String::new(), None),
+            };
+            out.push(ProbeAction::Notify(ProbeEvent::Readiness {
+                pod: pod.to_string(),
+                uid,
+                ready: agent.ready,
+                first,
+                message: message.clone(),
+                ip,
+            }));
         }
+        agent.result = Some(ProbeResult {
+            ready,
+            message,
+            at: now,
+        });
         let sleep = if agent.ready {
             config.ready_interval
         } else {
@@ -519,6 +570,15 @@ pub fn parse_probe_port(raw: &str) -> Option<u16> {
     raw.parse::<u16>().ok().filter(|p| *p != 0)
 }
 
+/// High 16 bits of the reactor timer keys the engine arms, so the daemon can tell probe
+/// timers from its own (`"pr"`). Probe timer keys stay below 2^48.
+pub const PROBE_TIMER_TAG: u64 = 0x7072 << 48;
+
+/// The probe [`TimerKey`] inside a reactor timer key, if it is one of the engine's.
+pub fn probe_timer_key(raw: u64) -> Option<TimerKey> {
+    (raw >> 48 == PROBE_TIMER_TAG >> 48).then_some(TimerKey(raw & ((1 << 48) - 1)))
+}
+
 /// What the engine needs from the event loop. The daemon implements it over the reactor in a
 /// few lines (`registry()`, `token()`, `timer_at()`, `cancel_timer()`), with its own timer-key
 /// tagging so that fired timers can be routed back to [`ProbeEngine::on_timer`].
@@ -528,23 +588,6 @@ pub trait ProbeHost {
     fn new_token(&mut self) -> mio::Token;
     fn timer_at(&mut self, at: Instant, key: TimerKey) -> Self::TimerId;
     fn cancel_timer(&mut self, id: Self::TimerId);
-}
-
-/// What the provider must hear about.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ProbeEvent {
-    /// See [`ProbeAction::IpChanged`].
-    IpChanged {
-        pod: String,
-        vm_id: String,
-        ip: Option<Ipv4Addr>,
-    },
-    /// See [`ProbeAction::Readiness`].
-    Readiness {
-        pod: String,
-        ready: bool,
-        first: bool,
-    },
 }
 
 #[derive(Debug)]
@@ -557,7 +600,9 @@ impl fmt::Display for ProbeEvent {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             ProbeEvent::IpChanged { pod, ip, .. } => write!(f, "{pod}: ip {ip:?}"),
-            ProbeEvent::Readiness { pod, ready, first } => {
+            ProbeEvent::Readiness {
+                pod, ready, first, ..
+            } => {
                 write!(f, "{pod}: ready={ready} first={first}")
             }
         }
@@ -735,12 +780,7 @@ impl<T: Copy> ProbeEngine<T> {
                     }
                     None => {}
                 },
-                ProbeAction::IpChanged { pod, vm_id, ip } => {
-                    events.push(ProbeEvent::IpChanged { pod, vm_id, ip })
-                }
-                ProbeAction::Readiness { pod, ready, first } => {
-                    events.push(ProbeEvent::Readiness { pod, ready, first })
-                }
+                ProbeAction::Notify(event) => events.push(event),
             }
         }
         events
@@ -780,6 +820,48 @@ impl<T: Copy> ProbeEngine<T> {
                     }
                 }
             }
+        }
+    }
+}
+
+impl<M: Send + 'static> ProbeHost for Reactor<M> {
+    type TimerId = TimerId;
+
+    fn registry(&self) -> &mio::Registry {
+        Reactor::registry(self)
+    }
+
+    fn new_token(&mut self) -> mio::Token {
+        self.token()
+    }
+
+    fn timer_at(&mut self, at: Instant, key: TimerKey) -> TimerId {
+        Reactor::timer_at(self, at, PROBE_TIMER_TAG | key.0)
+    }
+
+    fn cancel_timer(&mut self, id: TimerId) {
+        Reactor::cancel_timer(self, id);
+    }
+}
+
+impl ProbeEngine<TimerId> {
+    /// Offer one reactor event to the engine: `Some(events for the provider)` when it was a
+    /// probe timer or I/O on a probe socket, `None` when it belongs to someone else. The time
+    /// used is the reactor's clock of this wake-up.
+    pub fn handle_event<M: Send + 'static>(
+        &mut self,
+        reactor: &mut Reactor<M>,
+        event: &Event<M>,
+        wall: SystemTime,
+    ) -> Option<Vec<ProbeEvent>> {
+        let now = reactor.now();
+        match event {
+            Event::Timer { key, .. } => {
+                let key = probe_timer_key(*key)?;
+                Some(self.on_timer(reactor, key, now, wall))
+            }
+            Event::Io(io) if self.owns_token(io.token) => Some(self.on_io(reactor, io.token, now)),
+            _ => None,
         }
     }
 }

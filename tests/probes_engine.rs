@@ -26,6 +26,7 @@ fn fast() -> ProbeConfig {
 fn target(ip: Ipv4Addr, port: Option<u16>) -> Option<ProbeTarget> {
     Some(ProbeTarget {
         namespace: "ns1".into(),
+        uid: "uid-1".into(),
         vm_id: "vm-1".into(),
         ip: Some(ip),
         mac: None,
@@ -383,4 +384,54 @@ fn child_veth_guest() {
     assert_eq!(engine.host_timers(), 0);
     assert_eq!(lp.armed(), 0, "the loop holds no timer for a forgotten pod");
     assert_eq!(engine.manager().agents(), 0);
+}
+
+#[test]
+fn engine_runs_on_the_real_reactor() {
+    use vk_cocoon::reactor::Reactor;
+    let mut reactor: Reactor<()> = Reactor::new(1, 4).unwrap();
+    let baseline = reactor.timers_armed();
+    let cfg = fast();
+    let manager = ProbeManager::new(cfg.clone(), None);
+    let mut engine = ProbeEngine::new(manager, Pinger::open(), &mut reactor).unwrap();
+    let mut listener = Some(TcpListener::bind("127.0.0.1:0").unwrap());
+    let port = listener.as_ref().unwrap().local_addr().unwrap().port();
+    let pod = "ns1/r";
+    let now = reactor.now();
+    let t = target(Ipv4Addr::LOCALHOST, Some(port));
+    assert!(engine
+        .start(&mut reactor, pod, t, now, SystemTime::now())
+        .is_empty());
+    let mut seen = Vec::new();
+    let mut out = Vec::new();
+    let end = Instant::now() + Duration::from_secs(5);
+    // Ready on the first connect; then the listener closes and three refusals flip it back.
+    while seen.len() < 2 && Instant::now() < end {
+        out.clear();
+        reactor.poll(&mut out).unwrap();
+        for ev in &out {
+            let Some(events) = engine.handle_event(&mut reactor, ev, SystemTime::now()) else {
+                continue;
+            };
+            for e in events {
+                if let ProbeEvent::Readiness { ready, first, .. } = e {
+                    seen.push((reactor.now(), ready, first));
+                    if ready {
+                        listener = None;
+                    }
+                }
+            }
+        }
+    }
+    assert!(listener.is_none());
+    let kinds: Vec<(bool, bool)> = seen.iter().map(|s| (s.1, s.2)).collect();
+    assert_eq!(kinds, vec![(true, true), (false, false)]);
+    let flip = seen[1].0 - seen[0].0;
+    assert!(flip >= cfg.ready_interval * 3, "flip after {flip:?}");
+    engine.forget(&mut reactor, pod);
+    assert_eq!(
+        reactor.timers_armed(),
+        baseline,
+        "no probe timer left in the reactor"
+    );
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use vk_cocoon::network::leases::LeaseFile;
 use vk_cocoon::probes::{
-    ProbeAction, ProbeConfig, ProbeId, ProbeKind, ProbeManager, ProbeTarget, TimerKey,
+    ProbeAction, ProbeConfig, ProbeEvent, ProbeId, ProbeKind, ProbeManager, ProbeTarget, TimerKey,
 };
 
 const POD: &str = "ns1/pod-a";
@@ -77,8 +77,22 @@ impl World {
                         .remove(&id)
                         .expect("abort of a probe not running");
                 }
-                ProbeAction::IpChanged { ip, .. } => self.ip_changes.push(ip),
-                ProbeAction::Readiness { ready, first, .. } => {
+                ProbeAction::Notify(ProbeEvent::IpChanged { ip, uid, .. }) => {
+                    assert_eq!(uid, "uid-1");
+                    self.ip_changes.push(ip)
+                }
+                ProbeAction::Notify(ProbeEvent::Readiness {
+                    pod,
+                    ready,
+                    first,
+                    uid,
+                    message,
+                    ..
+                }) => {
+                    // A pod started without a VM has no target and so no UID to echo.
+                    let want = if pod == "ns1/gone" { "" } else { "uid-1" };
+                    assert_eq!(uid, want);
+                    assert!(!message.is_empty());
                     self.readiness.push((self.at(), ready, first))
                 }
             }
@@ -132,6 +146,7 @@ impl World {
 fn target(ip: Option<Ipv4Addr>) -> ProbeTarget {
     ProbeTarget {
         namespace: "ns1".into(),
+        uid: "uid-1".into(),
         vm_id: "vm-1".into(),
         ip,
         mac: None,

@@ -275,6 +275,23 @@ impl Pinger {
     }
 }
 
+/// Export the pinger's mode as `vk_cocoon_pinger_mode{mode="raw|datagram|assume-reachable"} 1`,
+/// so that a host running in the fallback (every resolved IP counts as reachable) is visible.
+pub fn register_mode_gauge(
+    registry: &prometheus::Registry,
+    mode: PingerMode,
+) -> prometheus::Result<()> {
+    let gauge = prometheus::IntGaugeVec::new(
+        prometheus::Opts::new(
+            "vk_cocoon_pinger_mode",
+            "ICMP pinger mode; assume-reachable means readiness is not checked by ICMP.",
+        ),
+        &["mode"],
+    )?;
+    gauge.with_label_values(&[mode.to_string().as_str()]).set(1);
+    registry.register(Box::new(gauge))
+}
+
 /// Build an echo request: header, the `vk-cocoon` tag, then the ping id (big-endian).
 fn echo_request(ident: u16, seq: u16, id: PingId) -> [u8; PACKET_LEN] {
     let mut p = [0u8; PACKET_LEN];
@@ -441,5 +458,18 @@ mod tests {
             Err(PingError::InvalidAddress(_))
         ));
         assert!(p.on_readable(now).is_empty());
+    }
+
+    #[test]
+    fn mode_gauge_is_exported() {
+        let r = prometheus::Registry::new();
+        register_mode_gauge(&r, PingerMode::AssumeReachable).unwrap();
+        let text = prometheus::TextEncoder::new()
+            .encode_to_string(&r.gather())
+            .unwrap();
+        assert!(
+            text.contains("vk_cocoon_pinger_mode{mode=\"assume-reachable\"} 1"),
+            "{text}"
+        );
     }
 }
