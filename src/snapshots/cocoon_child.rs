@@ -2,6 +2,7 @@
 //! spawned with argv on the worker thread; stderr collected on a helper thread, bounded.
 
 use std::io::Read;
+use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::thread::JoinHandle;
@@ -28,6 +29,8 @@ impl CocoonChild {
         let what = format!("{} {}", bin.display(), args.join(" "));
         let mut child = Command::new(bin)
             .args(args)
+            // Own process group: a wrapper (sudo, a script) and its children die together.
+            .process_group(0)
             .stdin(if stdin_piped {
                 Stdio::piped()
             } else {
@@ -89,6 +92,13 @@ impl CocoonChild {
 
     /// SIGKILLs and reaps the child (error paths); returns its stderr for the message.
     pub fn kill(mut self) -> String {
+        if let Ok(pid) = i32::try_from(self.child.id()) {
+            // SAFETY: kill(2) on the process group we created for this child (pgid = its pid,
+            // which stays reserved until we reap it below); no memory is involved.
+            unsafe {
+                libc::kill(-pid, libc::SIGKILL);
+            }
+        }
         drop(self.child.stdin.take());
         drop(self.child.stdout.take());
         let _ = self.child.kill();

@@ -1,0 +1,316 @@
+//! Benchmark (ignored by default): 1 GiB snapshot push / pull through a local docker-registry
+//! against curl moving the same bytes, peak RSS of the transfer, and sha256 throughput.
+//! Run alone: `cargo test --release --test snapshots_bench -- --ignored --nocapture`.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::Write;
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+use vk_cocoon::snapshots::auth::AuthSettings;
+use vk_cocoon::snapshots::tarstream::TarWriter;
+use vk_cocoon::snapshots::{
+    pull_snapshot, push_snapshot, PullRequest, PushKnobs, PushRequest, RegistryBase,
+    RegistryClient, RetryPolicy,
+};
+
+const MIB: u64 = 1 << 20;
+const REGISTRY_BIN: &str = "/usr/bin/docker-registry";
+
+struct Registry {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_registry(root: &Path) -> Registry {
+    let dir = tempfile::tempdir_in(root).unwrap();
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let cfg = format!(
+        "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: 127.0.0.1:{port}\n",
+        dir.path().join("data").display()
+    );
+    fs::write(dir.path().join("config.yml"), cfg).unwrap();
+    let child = Command::new(REGISTRY_BIN)
+        .arg("serve")
+        .arg(dir.path().join("config.yml"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "registry did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Registry {
+        child,
+        port,
+        _dir: dir,
+    }
+}
+
+fn vm_hwm_kib() -> u64 {
+    fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// Resets the peak-RSS counter (Linux: write 5 to clear_refs).
+fn reset_hwm() {
+    let _ = fs::write("/proc/self/clear_refs", "5");
+}
+
+fn write_export(path: &Path, size: u64) {
+    let mut w = TarWriter::new(std::io::BufWriter::with_capacity(
+        1 << 20,
+        fs::File::create(path).unwrap(),
+    ));
+    let env = b"{\"version\":1,\"config\":{\"id\":\"BENCH\",\"name\":\"bench\",\"hypervisor\":\"cloud-hypervisor\"}}\n";
+    w.begin_entry("snapshot.json", env.len() as u64, 0o644, 0, &[])
+        .unwrap();
+    w.write_body(env).unwrap();
+    w.end_entry().unwrap();
+    w.begin_entry("memory-ranges", size, 0o600, 0, &[]).unwrap();
+    let mut buf = vec![0u8; MIB as usize];
+    let mut x: u64 = 0x1234_5678_9abc_def1;
+    let mut off = 0;
+    while off < size {
+        for c in buf.chunks_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            c.copy_from_slice(&x.to_le_bytes());
+        }
+        w.write_body(&buf).unwrap();
+        off += MIB;
+    }
+    w.end_entry().unwrap();
+    w.finish().unwrap();
+}
+
+fn stand_in(dir: &Path) -> PathBuf {
+    let p = dir.join("cocoon");
+    let script = "#!/bin/sh\n# Benchmark stand-in for the cocoon CLI.\nd=$(dirname \"$0\")\ncase \"$1 $2\" in\n\"snapshot export\") exec cat \"$d/export.tar\" ;;\n\"snapshot import\") exec cat > /dev/null ;;\n\"snapshot rm\") exit 0 ;;\nesac\nexit 1\n";
+    fs::write(&p, script).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(&p, fs::Permissions::from_mode(0o755)).unwrap();
+    p
+}
+
+fn rate(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / MIB as f64 / d.as_secs_f64()
+}
+
+#[test]
+#[ignore]
+fn bench_1gib_push_pull_vs_curl() {
+    if !Path::new(REGISTRY_BIN).exists() || Command::new("curl").arg("--version").output().is_err()
+    {
+        eprintln!("SKIP: needs docker-registry and curl");
+        return;
+    }
+    let size: u64 = std::env::var("BENCH_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1024)
+        * MIB;
+    let work = tempfile::tempdir().unwrap();
+    let reg = start_registry(work.path());
+    let host = format!("127.0.0.1:{}", reg.port);
+    let cocoon = stand_in(work.path());
+    let export = work.path().join("export.tar");
+    write_export(&export, size);
+
+    // sha256 throughput.
+    let buf = vec![0xa5u8; 64 << 20];
+    let t = Instant::now();
+    let mut h = Sha256::new();
+    for _ in 0..16 {
+        h.update(&buf);
+    }
+    let _ = h.finalize();
+    println!("sha256: {:.0} MiB/s", rate(16 * 64 * MIB, t.elapsed()));
+    drop(buf);
+
+    let client = RegistryClient::new(
+        RegistryBase::parse(&host).unwrap(),
+        AuthSettings::default(),
+        RetryPolicy::default(),
+    );
+    reset_hwm();
+    let req = PushRequest {
+        name: "bench".into(),
+        tag: "latest".into(),
+        cocoon_bin: cocoon.clone(),
+        base_image: None,
+        from_node: None,
+        annotations: BTreeMap::new(),
+        knobs: PushKnobs::default(),
+        temp_dir: Some(work.path().to_path_buf()),
+    };
+    let t = Instant::now();
+    let rep = push_snapshot(&client, &req).expect("push");
+    let push_t = t.elapsed();
+    let push_rss = vm_hwm_kib();
+    println!(
+        "push v1: {} MiB in {:.2?} = {:.0} MiB/s, peak RSS {} MiB",
+        size / MIB,
+        push_t,
+        rate(size, push_t),
+        push_rss / 1024
+    );
+
+    reset_hwm();
+    let t = Instant::now();
+    let pr = PullRequest {
+        repo: "bench".into(),
+        tag: "latest".into(),
+        local_name: "bench-imp".into(),
+        cocoon_bin: cocoon.clone(),
+        concurrency: 8,
+        budget: 2048 * MIB,
+    };
+    pull_snapshot(&client, &pr).expect("pull");
+    let pull_t = t.elapsed();
+    let pull_rss = vm_hwm_kib();
+    println!(
+        "pull v1: {} MiB in {:.2?} = {:.0} MiB/s, peak RSS {} MiB",
+        size / MIB,
+        pull_t,
+        rate(size, pull_t),
+        pull_rss / 1024
+    );
+
+    // v2 chunked + zstd push for comparison (memory bound by chunk × workers).
+    reset_hwm();
+    let mut req2 = req.clone();
+    req2.name = "bench2".into();
+    req2.knobs = PushKnobs {
+        zstd_level: 1,
+        chunk_size: 4 * MIB,
+        concurrency: 4,
+        memory_budget: 64 * MIB,
+    };
+    let cocoon_dir = work.path();
+    let _ = cocoon_dir;
+    let t = Instant::now();
+    // The stand-in exports the same file whatever the name.
+    push_snapshot(&client, &req2).expect("push v2");
+    let p2 = t.elapsed();
+    println!(
+        "push v2 (zstd 1, 4 MiB chunks, 4 workers): {:.0} MiB/s, peak RSS {} MiB",
+        rate(size, p2),
+        vm_hwm_kib() / 1024
+    );
+    reset_hwm();
+    let t = Instant::now();
+    let pr2 = PullRequest {
+        repo: "bench2".into(),
+        ..pr.clone()
+    };
+    pull_snapshot(&client, &pr2).expect("pull v2");
+    println!(
+        "pull v2: {:.0} MiB/s, peak RSS {} MiB",
+        rate(size, t.elapsed()),
+        vm_hwm_kib() / 1024
+    );
+
+    // curl: the same bytes as one blob upload (POST, PATCH, PUT) and download.
+    let body = work.path().join("body.bin");
+    {
+        let mut f = fs::File::create(&body).unwrap();
+        std::io::copy(&mut fs::File::open(&export).unwrap(), &mut f).unwrap();
+        f.flush().unwrap();
+    }
+    let blob_size = fs::metadata(&body).unwrap().len();
+    let digest = {
+        let mut h = Sha256::new();
+        std::io::copy(&mut fs::File::open(&body).unwrap(), &mut h).unwrap();
+        format!("sha256:{:x}", h.finalize())
+    };
+    let t = Instant::now();
+    let out = Command::new("curl")
+        .args([
+            "-s",
+            "-i",
+            "-X",
+            "POST",
+            &format!("http://{host}/v2/curl/blobs/uploads/"),
+        ])
+        .output()
+        .unwrap();
+    let head = String::from_utf8_lossy(&out.stdout).to_string();
+    let loc = head
+        .lines()
+        .find_map(|l| l.strip_prefix("Location: "))
+        .unwrap()
+        .trim()
+        .to_string();
+    let out = Command::new("curl")
+        .args([
+            "-s",
+            "-i",
+            "-X",
+            "PATCH",
+            "-H",
+            "Content-Type: application/octet-stream",
+            "--data-binary",
+        ])
+        .arg(format!("@{}", body.display()))
+        .arg(&loc)
+        .output()
+        .unwrap();
+    let head = String::from_utf8_lossy(&out.stdout).to_string();
+    let loc = head
+        .lines()
+        .find_map(|l| l.strip_prefix("Location: "))
+        .unwrap()
+        .trim()
+        .to_string();
+    let sep = if loc.contains('?') { "&" } else { "?" };
+    let st = Command::new("curl")
+        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "PUT"])
+        .arg(format!("{loc}{sep}digest={}", digest.replace(':', "%3A")))
+        .output()
+        .unwrap();
+    let curl_up = t.elapsed();
+    assert_eq!(String::from_utf8_lossy(&st.stdout), "201");
+    println!("curl upload: {:.0} MiB/s", rate(blob_size, curl_up));
+    let t = Instant::now();
+    let st = Command::new("curl")
+        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}"])
+        .arg(format!("http://{host}/v2/curl/blobs/{digest}"))
+        .output()
+        .unwrap();
+    let curl_down = t.elapsed();
+    assert_eq!(String::from_utf8_lossy(&st.stdout), "200");
+    println!("curl download: {:.0} MiB/s", rate(blob_size, curl_down));
+    println!(
+        "push/curl-upload = {:.0}%, pull/curl-download = {:.0}% (manifest {})",
+        100.0 * rate(size, push_t) / rate(blob_size, curl_up),
+        100.0 * rate(size, pull_t) / rate(blob_size, curl_down),
+        rep.manifest_digest
+    );
+}

@@ -1,0 +1,1490 @@
+//! Snapshot and cloud-image transfers through a real `docker-registry` (distribution) on
+//! loopback, with a test stand-in for the cocoon CLI. Skips with a reason when the binary is absent.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+use vk_cocoon::snapshots::auth::AuthSettings;
+use vk_cocoon::snapshots::client::{sha256_digest, Body};
+use vk_cocoon::snapshots::tarstream::{TarReader, TarWriter};
+use vk_cocoon::snapshots::{
+    manifest_info, pull_cloud_image, pull_snapshot, push_snapshot, ArtifactKind, CloudImageRequest,
+    PullRequest, PushKnobs, PushRequest, RegistryBase, RegistryClient, RetryPolicy, TransferError,
+};
+
+const MIB: u64 = 1 << 20;
+const REGISTRY_BIN: &str = "/usr/bin/docker-registry";
+
+// ---------------------------------------------------------------- harness
+
+/// A `docker-registry serve` child on 127.0.0.1 with storage in a temp dir; killed on drop.
+struct Registry {
+    child: Child,
+    port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl Registry {
+    /// Starts a registry; `htpasswd` = (user, password) enables basic auth. `None` = skip.
+    fn start(htpasswd: Option<(&str, &str)>) -> Option<Registry> {
+        if !Path::new(REGISTRY_BIN).exists() {
+            eprintln!("SKIP: {REGISTRY_BIN} missing (apt-get install docker-registry)");
+            return None;
+        }
+        let dir = tempfile::tempdir().ok()?;
+        let port = free_port();
+        let mut auth = String::new();
+        if let Some((user, pass)) = htpasswd {
+            let out = match Command::new("htpasswd").args(["-Bbn", user, pass]).output() {
+                Ok(o) if o.status.success() => o.stdout,
+                _ => {
+                    eprintln!("SKIP: htpasswd missing (apt-get install apache2-utils)");
+                    return None;
+                }
+            };
+            let path = dir.path().join("htpasswd");
+            fs::write(&path, out).ok()?;
+            auth = format!(
+                "auth:\n  htpasswd:\n    realm: basic-realm\n    path: {}\n",
+                path.display()
+            );
+        }
+        let cfg = format!(
+            "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: 127.0.0.1:{port}\n{auth}",
+            dir.path().join("data").display()
+        );
+        let cfg_path = dir.path().join("config.yml");
+        fs::write(&cfg_path, cfg).ok()?;
+        let log = fs::File::create(dir.path().join("registry.log")).ok()?;
+        let child = Command::new(REGISTRY_BIN)
+            .arg("serve")
+            .arg(&cfg_path)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .ok()?;
+        let reg = Registry { child, port, dir };
+        // Readiness: the port accepts connections (bounded wait, not a fixed sleep).
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "registry did not start: {}",
+                fs::read_to_string(reg.dir.path().join("registry.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Some(reg)
+    }
+
+    fn host(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    fn blob_data_path(&self, digest: &str) -> PathBuf {
+        let hex = digest.trim_start_matches("sha256:");
+        self.dir
+            .path()
+            .join("data/docker/registry/v2/blobs/sha256")
+            .join(&hex[..2])
+            .join(hex)
+            .join("data")
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("bind loopback")
+}
+
+fn fast_retry() -> RetryPolicy {
+    RetryPolicy {
+        delays: vec![Duration::from_millis(20), Duration::from_millis(60)],
+    }
+}
+
+fn client_for(host: &str, auth: AuthSettings) -> RegistryClient {
+    RegistryClient::new(RegistryBase::parse(host).expect("base"), auth, fast_retry())
+}
+
+/// A test stand-in for the cocoon CLI: export prints `export-NAME.tar`; import writes stdin to
+/// `import-NAME.part` and renames it to `import-NAME.tar` only when stdin ended cleanly.
+struct FakeCocoon {
+    dir: tempfile::TempDir,
+}
+
+impl FakeCocoon {
+    fn new() -> FakeCocoon {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let script = r#"#!/bin/sh
+# Test stand-in for the cocoon CLI.
+d=$(dirname "$0")
+echo "$@" >> "$d/calls.log"
+case "$1 $2" in
+"snapshot export") exec cat "$d/export-$3.tar" ;;
+"snapshot import") cat > "$d/import-$4.part" || exit 1; mv "$d/import-$4.part" "$d/import-$4.tar" ;;
+"snapshot rm") if [ -f "$d/import-$3.tar" ]; then rm -f "$d/import-$3.tar"; exit 0; fi
+  echo "Error: rm: resolve \"$3\": snapshot not found" >&2; exit 1 ;;
+"image import") cat > "$d/image-$3.part" || exit 1; mv "$d/image-$3.part" "$d/image-$3" ;;
+*) echo "Error: unknown command $1 $2" >&2; exit 1 ;;
+esac
+"#;
+        let path = dir.path().join("cocoon");
+        fs::write(&path, script).expect("write stand-in");
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o755)).expect("chmod");
+        FakeCocoon { dir }
+    }
+    fn bin(&self) -> PathBuf {
+        self.dir.path().join("cocoon")
+    }
+    fn export_path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(format!("export-{name}.tar"))
+    }
+    fn import_path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(format!("import-{name}.tar"))
+    }
+}
+
+/// One file of a synthetic export.
+struct FileSpec {
+    name: &'static str,
+    size: u64,
+    mode: u32,
+    sparse: Option<(String, u64)>,
+    seed: u64,
+}
+
+/// Deterministic body: alternating 1 MiB stretches of pseudo-random bytes and a repeated
+/// pattern, so zstd has something to do but the data is not trivially compressible.
+fn fill(seed: u64, offset: u64, buf: &mut [u8]) {
+    let mut x = seed ^ 0x9E37_79B9_7F4A_7C15 ^ offset.wrapping_mul(0x2545_F491_4F6C_DD1D);
+    for (i, chunk) in buf.chunks_mut(8).enumerate() {
+        let pos = offset + (i as u64) * 8;
+        if (pos / MIB) % 2 == 0 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let b = x.to_le_bytes();
+            chunk.copy_from_slice(&b[..chunk.len()]);
+        } else {
+            for (j, c) in chunk.iter_mut().enumerate() {
+                *c = ((pos as usize + j) % 251) as u8;
+            }
+        }
+    }
+}
+
+fn write_export(path: &Path, snapshot_id: &str, files: &[FileSpec]) {
+    let f = fs::File::create(path).expect("create export");
+    let mut w = TarWriter::new(std::io::BufWriter::with_capacity(1 << 20, f));
+    let env = format!(
+        "{{\n  \"version\": 1,\n  \"config\": {{\n    \"id\": \"{snapshot_id}\",\n    \"name\": \"src\",\n    \"image\": \"ghcr.io/cocoonstack/cocoon/ubuntu:24.04\",\n    \"hypervisor\": \"cloud-hypervisor\",\n    \"cpu\": 2,\n    \"memory\": 4294967296,\n    \"storage\": 10737418240,\n    \"nics\": 1,\n    \"network\": \"cocoon0\",\n    \"queue_size\": 256\n  }}\n}}\n"
+    );
+    w.begin_entry("snapshot.json", env.len() as u64, 0o644, 1_700_000_000, &[])
+        .unwrap();
+    w.write_body(env.as_bytes()).unwrap();
+    w.end_entry().unwrap();
+    let mut buf = vec![0u8; MIB as usize];
+    for spec in files {
+        let pax: Vec<(String, String)> = match &spec.sparse {
+            Some((map, size)) => vec![
+                ("COCOON.sparse.map".into(), map.clone()),
+                ("COCOON.sparse.size".into(), size.to_string()),
+            ],
+            None => vec![],
+        };
+        w.begin_entry(spec.name, spec.size, spec.mode, 1_700_000_000, &pax)
+            .unwrap();
+        let mut off = 0;
+        while off < spec.size {
+            let n = (spec.size - off).min(MIB) as usize;
+            fill(spec.seed, off, &mut buf[..n]);
+            w.write_body(&buf[..n]).unwrap();
+            off += n as u64;
+        }
+        w.end_entry().unwrap();
+    }
+    w.finish().unwrap();
+}
+
+/// (name, size, mode, pax, sha256 of body) of every member except snapshot.json, plus the
+/// parsed snapshot.json.
+type Member = (String, u64, u32, BTreeMap<String, String>, String);
+
+fn read_members(path: &Path) -> (serde_json::Value, Vec<Member>) {
+    let mut r = TarReader::new(std::io::BufReader::new(
+        fs::File::open(path).expect("open tar"),
+    ));
+    let mut env = serde_json::Value::Null;
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; MIB as usize];
+    let mut first = true;
+    while let Some(e) = r.next_entry().expect("tar entry") {
+        if e.name == "snapshot.json" {
+            assert!(first, "snapshot.json must be the first entry");
+            let mut body = Vec::new();
+            r.body().read_to_end(&mut body).unwrap();
+            env = serde_json::from_slice(&body).expect("snapshot.json parses");
+            first = false;
+            continue;
+        }
+        first = false;
+        let mut h = Sha256::new();
+        loop {
+            let n = r.read_body(&mut buf).unwrap();
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+        }
+        out.push((
+            e.name.clone(),
+            e.size,
+            e.mode,
+            e.pax.clone(),
+            format!("{:x}", h.finalize()),
+        ));
+    }
+    (env, out)
+}
+
+fn assert_same_snapshot(export: &Path, import: &Path, local_name: &str) {
+    let (_, want) = read_members(export);
+    let (env, got) = read_members(import);
+    assert_eq!(env["version"], 1);
+    assert_eq!(env["config"]["name"], local_name);
+    assert_eq!(env["config"]["hypervisor"], "cloud-hypervisor");
+    assert_eq!(want.len(), got.len(), "member count");
+    for (w, g) in want.iter().zip(got.iter()) {
+        assert_eq!(w, g, "member {} differs", w.0);
+    }
+    // GNU tar must also accept what cocoon will be fed.
+    if let Ok(out) = Command::new("tar").arg("-tf").arg(import).output() {
+        assert!(
+            out.status.success(),
+            "tar -tf rejected the import tar: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let names = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(names.lines().next(), Some("snapshot.json"));
+    }
+}
+
+fn big_files() -> Vec<FileSpec> {
+    vec![
+        FileSpec {
+            name: "config.json",
+            size: 4120,
+            mode: 0o640,
+            sparse: None,
+            seed: 1,
+        },
+        FileSpec {
+            name: "state.json",
+            size: 88211,
+            mode: 0o640,
+            sparse: None,
+            seed: 2,
+        },
+        FileSpec {
+            name: "memory-ranges",
+            size: 128 * MIB,
+            mode: 0o600,
+            sparse: Some((
+                format!(
+                    "[{{\"o\":0,\"l\":{}}},{{\"o\":{},\"l\":{}}}]",
+                    64 * MIB,
+                    512 * MIB,
+                    64 * MIB
+                ),
+                1 << 30,
+            )),
+            seed: 3,
+        },
+        FileSpec {
+            name: "overlay.qcow2",
+            size: 96 * MIB + 12345,
+            mode: 0o640,
+            sparse: None,
+            seed: 4,
+        },
+        FileSpec {
+            name: "cidata.img",
+            size: 372736,
+            mode: 0o640,
+            sparse: None,
+            seed: 5,
+        },
+        FileSpec {
+            name: "cocoon.json",
+            size: 300,
+            mode: 0o644,
+            sparse: None,
+            seed: 6,
+        },
+    ]
+}
+
+fn small_files() -> Vec<FileSpec> {
+    vec![
+        FileSpec {
+            name: "config.json",
+            size: 4120,
+            mode: 0o640,
+            sparse: None,
+            seed: 11,
+        },
+        FileSpec {
+            name: "memory-ranges",
+            size: 3 * MIB + 7,
+            mode: 0o600,
+            sparse: Some(("[{\"o\":0,\"l\":3145735}]".into(), 8 * MIB)),
+            seed: 12,
+        },
+        FileSpec {
+            name: "cow.raw",
+            size: 2 * MIB,
+            mode: 0o640,
+            sparse: None,
+            seed: 13,
+        },
+    ]
+}
+
+fn push_req(cocoon: &FakeCocoon, name: &str, tag: &str, knobs: PushKnobs) -> PushRequest {
+    PushRequest {
+        name: name.into(),
+        tag: tag.into(),
+        cocoon_bin: cocoon.bin(),
+        base_image: Some("ghcr.io/cocoonstack/cocoon/ubuntu:24.04".into()),
+        from_node: Some("node-a".into()),
+        annotations: BTreeMap::new(),
+        knobs,
+        temp_dir: Some(cocoon.dir.path().to_path_buf()),
+    }
+}
+
+fn pull_req(cocoon: &FakeCocoon, repo: &str, tag: &str, local: &str) -> PullRequest {
+    PullRequest {
+        repo: repo.into(),
+        tag: tag.into(),
+        local_name: local.into(),
+        cocoon_bin: cocoon.bin(),
+        concurrency: 8,
+        budget: 2048 * MIB,
+    }
+}
+
+fn skopeo_raw(host: &str, repo: &str, tag: &str) -> Option<Vec<u8>> {
+    let out = Command::new("skopeo")
+        .args([
+            "inspect",
+            "--raw",
+            "--tls-verify=false",
+            &format!("docker://{host}/{repo}:{tag}"),
+        ])
+        .output()
+        .ok()?;
+    assert!(
+        out.status.success(),
+        "skopeo inspect failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(out.stdout)
+}
+
+fn no_spool_files_left(dir: &Path) {
+    let left: Vec<_> = fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with("cocoon-snapshot-")
+        })
+        .collect();
+    assert!(left.is_empty(), "spool files left behind: {left:?}");
+}
+
+// ---------------------------------------------------------------- round trips
+
+#[test]
+fn v1_round_trip_through_registry_is_byte_identical() {
+    let Some(reg) = Registry::start(None) else {
+        return;
+    };
+    let cocoon = FakeCocoon::new();
+    write_export(&cocoon.export_path("vm-one"), "SNAP1", &big_files());
+    let client = client_for(&reg.host(), AuthSettings::default());
+    let report = push_snapshot(
+        &client,
+        &push_req(&cocoon, "vm-one", "hibernate", PushKnobs::default()),
+    )
+    .expect("push");
+    assert!(!report.v2);
+    assert_eq!(report.layers, 6);
+    no_spool_files_left(cocoon.dir.path());
+
+    let info = manifest_info(&client, "vm-one", "hibernate")
+        .expect("info")
+        .expect("present");
+    assert_eq!(info.kind, ArtifactKind::SnapshotV1);
+    assert_eq!(info.snapshot_id.as_deref(), Some("SNAP1"));
+    assert_eq!(
+        info.base_image(),
+        Some("ghcr.io/cocoonstack/cocoon/ubuntu:24.04")
+    );
+    assert_eq!(info.from_node(), Some("node-a"));
+    assert_eq!(info.digest, report.manifest_digest);
+    let cfg = info.config.expect("config");
+    assert_eq!(cfg.schema_version, "v1");
+    assert_eq!(cfg.files["memory-ranges"].sparse_size, 1 << 30);
+    assert_eq!(cfg.files["memory-ranges"].mode, 0o600);
+    assert_eq!(
+        cfg.files["memory-ranges"].size, 0,
+        "the v1 writer never records size"
+    );
+
+    if let Some(raw) = skopeo_raw(&reg.host(), "vm-one", "hibernate") {
+        assert_eq!(
+            sha256_digest(&raw),
+            report.manifest_digest,
+            "skopeo reads the exact manifest we pushed"
+        );
+        let v: serde_json::Value = serde_json::from_slice(&raw).unwrap();
+        assert_eq!(
+            v["artifactType"],
+            "application/vnd.cocoonstack.snapshot.v1+json"
+        );
+        assert_eq!(
+            v["layers"][2]["mediaType"],
+            "application/vnd.cocoonstack.vm.memory"
+        );
+        assert_eq!(
+            v["layers"][2]["annotations"]["org.opencontainers.image.title"],
+            "memory-ranges"
+        );
+        assert_eq!(v["layers"][5]["mediaType"], "application/octet-stream");
+    } else {
+        eprintln!(
+            "note: skopeo missing, read-back through skopeo skipped (apt-get install skopeo)"
+        );
+    }
+
+    let pulled = pull_snapshot(
+        &client,
+        &pull_req(&cocoon, "vm-one", "hibernate", "vm-one-hibernate-import"),
+    )
+    .expect("pull");
+    assert_eq!(pulled.snapshot_id, "SNAP1");
+    assert_same_snapshot(
+        &cocoon.export_path("vm-one"),
+        &cocoon.import_path("vm-one-hibernate-import"),
+        "vm-one-hibernate-import",
+    );
+}
+
+#[test]
+fn v2_chunked_zstd_sparse_round_trip_parallel_and_sequential() {
+    let Some(reg) = Registry::start(None) else {
+        return;
+    };
+    let cocoon = FakeCocoon::new();
+    write_export(&cocoon.export_path("vm-two"), "SNAP2", &big_files());
+    let client = client_for(&reg.host(), AuthSettings::default());
+    let knobs = PushKnobs {
+        zstd_level: 3,
+        chunk_size: 8 * MIB,
+        concurrency: 4,
+        memory_budget: 256 * MIB,
+    };
+    let report =
+        push_snapshot(&client, &push_req(&cocoon, "vm-two", "latest", knobs)).expect("push");
+    assert!(report.v2);
+    no_spool_files_left(cocoon.dir.path());
+
+    let info = manifest_info(&client, "vm-two", "latest")
+        .expect("info")
+        .expect("present");
+    assert_eq!(info.kind, ArtifactKind::SnapshotV2);
+    let cfg = info.config.expect("config");
+    assert_eq!(cfg.schema_version, "v2");
+    let mem = &cfg.files["memory-ranges"];
+    assert_eq!(mem.size, (128 * MIB) as i64);
+    assert_eq!(mem.chunks.len(), 16);
+    assert_eq!(cfg.files["overlay.qcow2"].chunks.len(), 13);
+    assert!(cfg.files["state.json"].chunks.is_empty());
+    assert_eq!(
+        cfg.files["state.json"].size, 88211,
+        "the v2 writer records size for every file"
+    );
+    let (body, _) = client
+        .get_manifest(&client.reference("vm-two", "latest").unwrap())
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let layers = v["layers"].as_array().unwrap();
+    let mem_layers: Vec<_> = layers
+        .iter()
+        .filter(|l| l["annotations"]["org.opencontainers.image.title"] == "memory-ranges")
+        .collect();
+    assert_eq!(mem_layers.len(), 16);
+    for (i, l) in mem_layers.iter().enumerate() {
+        assert_eq!(l["mediaType"], "application/vnd.cocoonstack.vm.memory+zstd");
+        assert_eq!(l["annotations"]["cocoonstack.chunk.index"], i.to_string());
+        assert_eq!(l["annotations"]["cocoonstack.chunk.count"], "16");
+        assert_eq!(l["digest"], mem.chunks[i]);
+    }
+    let compressed: u64 = mem_layers.iter().map(|l| l["size"].as_u64().unwrap()).sum();
+    assert!(
+        compressed < 100 * MIB,
+        "half of the memory body is a repeated pattern: {compressed}"
+    );
+    if let Some(raw) = skopeo_raw(&reg.host(), "vm-two", "latest") {
+        assert_eq!(sha256_digest(&raw), report.manifest_digest);
+    }
+
+    // Parallel window (default budget) and sequential (budget below one chunk) both rebuild it.
+    pull_snapshot(&client, &pull_req(&cocoon, "vm-two", "latest", "par")).expect("parallel pull");
+    assert_same_snapshot(
+        &cocoon.export_path("vm-two"),
+        &cocoon.import_path("par"),
+        "par",
+    );
+    let mut seq = pull_req(&cocoon, "vm-two", "", "seq");
+    seq.budget = MIB;
+    pull_snapshot(&client, &seq).expect("sequential pull");
+    assert_same_snapshot(
+        &cocoon.export_path("vm-two"),
+        &cocoon.import_path("seq"),
+        "seq",
+    );
+}
+
+#[test]
+fn zstd_without_chunking_streams_one_frame_per_file() {
+    let Some(reg) = Registry::start(None) else {
+        return;
+    };
+    let cocoon = FakeCocoon::new();
+    write_export(&cocoon.export_path("vm-z"), "SZ", &small_files());
+    let client = client_for(&reg.host(), AuthSettings::default());
+    let knobs = PushKnobs {
+        zstd_level: 1,
+        ..PushKnobs::default()
+    };
+    let report = push_snapshot(&client, &push_req(&cocoon, "vm-z", "latest", knobs)).expect("push");
+    assert!(report.v2);
+    let (body, _) = client
+        .get_manifest(&client.reference("vm-z", "latest").unwrap())
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let types: Vec<&str> = v["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["mediaType"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        types,
+        [
+            "application/vnd.cocoonstack.vm.config+json",
+            "application/vnd.cocoonstack.vm.memory+zstd",
+            "application/vnd.cocoonstack.disk.raw+zstd"
+        ]
+    );
+    pull_snapshot(&client, &pull_req(&cocoon, "vm-z", "latest", "z")).expect("pull");
+    assert_same_snapshot(&cocoon.export_path("vm-z"), &cocoon.import_path("z"), "z");
+}
+
+// ---------------------------------------------------------------- bad input
+
+#[test]
+fn corrupted_blob_in_registry_storage_is_detected_and_nothing_imported() {
+    let Some(reg) = Registry::start(None) else {
+        return;
+    };
+    let cocoon = FakeCocoon::new();
+    write_export(&cocoon.export_path("vm-c"), "SC", &small_files());
+    let client = client_for(&reg.host(), AuthSettings::default());
+    push_snapshot(
+        &client,
+        &push_req(&cocoon, "vm-c", "latest", PushKnobs::default()),
+    )
+    .expect("push");
+    let info = manifest_info(&client, "vm-c", "latest").unwrap().unwrap();
+    let (body, _) = client
+        .get_manifest(&client.reference("vm-c", "latest").unwrap())
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let digest = v["layers"][2]["digest"].as_str().unwrap().to_string();
+    assert!(info.digest.starts_with("sha256:"));
+    // Flip one byte near the end of the last layer's stored data.
+    let path = reg.blob_data_path(&digest);
+    let mut data = fs::read(&path).expect("blob data in storage");
+    let at = data.len() - 10;
+    data[at] ^= 0x55;
+    fs::write(&path, &data).unwrap();
+
+    let err = pull_snapshot(&client, &pull_req(&cocoon, "vm-c", "latest", "bad"))
+        .expect_err("corruption must fail");
+    assert!(matches!(err, TransferError::Integrity(_)), "{err:?}");
+    assert!(
+        err.to_string().contains(&digest),
+        "error names the digest: {err}"
+    );
+    assert!(
+        err.to_string().contains("vm-c"),
+        "error names the reference: {err}"
+    );
+    assert!(!cocoon.import_path("bad").exists(), "nothing imported");
+    let calls = fs::read_to_string(cocoon.dir.path().join("calls.log")).unwrap();
+    assert!(
+        calls.lines().filter(|l| *l == "snapshot rm bad").count() >= 2,
+        "rm before and after the failed import: {calls}"
+    );
+}
+
+#[test]
+fn truncated_export_stream_publishes_no_tag() {
+    let Some(reg) = Registry::start(None) else {
+        return;
+    };
+    let cocoon = FakeCocoon::new();
+    let path = cocoon.export_path("vm-t");
+    write_export(&path, "ST", &small_files());
+    let len = fs::metadata(&path).unwrap().len();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(len - 3 * MIB)
+        .unwrap();
+    let client = client_for(&reg.host(), AuthSettings::default());
+    let err = push_snapshot(
+        &client,
+        &push_req(&cocoon, "vm-t", "latest", PushKnobs::default()),
+    )
+    .expect_err("truncated export");
+    assert!(err.to_string().contains("ended early"), "{err}");
+    assert!(
+        manifest_info(&client, "vm-t", "latest").unwrap().is_none(),
+        "no manifest published"
+    );
+    no_spool_files_left(cocoon.dir.path());
+    // Same for the chunked writer.
+    let knobs = PushKnobs {
+        zstd_level: 3,
+        chunk_size: MIB,
+        concurrency: 2,
+        memory_budget: 64 * MIB,
+    };
+    assert!(push_snapshot(&client, &push_req(&cocoon, "vm-t", "latest", knobs)).is_err());
+    assert!(manifest_info(&client, "vm-t", "latest").unwrap().is_none());
+}
+
+#[test]
+fn chunk_size_over_budget_is_refused_before_export() {
+    let cocoon = FakeCocoon::new();
+    let client = client_for("127.0.0.1:1", AuthSettings::default());
+    let knobs = PushKnobs {
+        zstd_level: 0,
+        chunk_size: 64 * MIB,
+        concurrency: 8,
+        memory_budget: 128 * MIB,
+    };
+    let err =
+        push_snapshot(&client, &push_req(&cocoon, "vm", "latest", knobs)).expect_err("over budget");
+    assert!(matches!(err, TransferError::Invalid(_)), "{err:?}");
+    assert!(
+        !cocoon.dir.path().join("calls.log").exists(),
+        "cocoon was not started"
+    );
+}
+
+fn put_json_blob(client: &RegistryClient, repo: &str, bytes: &[u8]) -> String {
+    let d = sha256_digest(bytes);
+    client
+        .put_blob(&client.base.repository(repo), &d, Body::Bytes(bytes))
+        .expect("put blob");
+    d
+}
+
+#[test]
+fn hand_built_manifest_from_spec_layout_pulls() {
+    let Some(reg) = Registry::start(None) else {
+        return;
+    };
+    let cocoon = FakeCocoon::new();
+    let client = client_for(&reg.host(), AuthSettings::default());
+    let bodies: Vec<(&str, &str, Vec<u8>)> = vec![
+        (
+            "application/vnd.cocoonstack.vm.config+json",
+            "config.json",
+            b"{\"cpus\":2}".to_vec(),
+        ),
+        (
+            "application/vnd.cocoonstack.vm.state+json",
+            "state.json",
+            b"{\"state\":1}".to_vec(),
+        ),
+        (
+            "application/vnd.cocoonstack.vm.memory",
+            "memory-ranges",
+            vec![7u8; 100_000],
+        ),
+        (
+            "application/vnd.cocoonstack.disk.qcow2",
+            "overlay.qcow2",
+            vec![9u8; 50_000],
+        ),
+        (
+            "application/vnd.cocoonstack.vm.cidata",
+            "cidata.img",
+            vec![1u8; 4096],
+        ),
+    ];
+    let config = br#"{"schemaVersion":"v1","snapshotId":"01J9Z8K2Q6","image":"ghcr.io/cocoonstack/cocoon/ubuntu:24.04","hypervisor":"cloud-hypervisor","cpu":2,"memory":4294967296,"files":{"config.json":{"mode":416},"memory-ranges":{"mode":384,"sparseMap":"[{\"o\":0,\"l\":100000}]","sparseSize":8388608}},"createdAt":"2026-08-11T07:12:33.481516923Z"}"#;
+    let cd = put_json_blob(&client, "hand", config);
+    let mut layers = String::new();
+    for (i, (mt, title, body)) in bodies.iter().enumerate() {
+        let d = put_json_blob(&client, "hand", body);
+        layers.push_str(&format!(
+            "{}    {{\n      \"mediaType\": \"{mt}\",\n      \"digest\": \"{d}\",\n      \"size\": {},\n      \"annotations\": {{\n        \"org.opencontainers.image.title\": \"{title}\"\n      }}\n    }}",
+            if i == 0 { "" } else { ",\n" },
+            body.len()
+        ));
+    }
+    let manifest = format!(
+        "{{\n  \"schemaVersion\": 2,\n  \"mediaType\": \"application/vnd.oci.image.manifest.v1+json\",\n  \"artifactType\": \"application/vnd.cocoonstack.snapshot.v1+json\",\n  \"config\": {{\n    \"mediaType\": \"application/vnd.cocoonstack.snapshot.config.v1+json\",\n    \"digest\": \"{cd}\",\n    \"size\": {}\n  }},\n  \"layers\": [\n{layers}\n  ],\n  \"annotations\": {{\n    \"cocoonstack.snapshot.baseimage\": \"ghcr.io/cocoonstack/cocoon/ubuntu:24.04\",\n    \"cocoonstack.snapshot.from-node\": \"node-a\",\n    \"org.opencontainers.image.created\": \"2026-08-11T07:12:33Z\"\n  }}\n}}",
+        config.len()
+    );
+    let r = client.reference("hand", "v1").unwrap();
+    client
+        .put_manifest(
+            &r,
+            manifest.as_bytes(),
+            "application/vnd.oci.image.manifest.v1+json",
+        )
+        .expect("put manifest");
+    let rep = pull_snapshot(&client, &pull_req(&cocoon, "hand", "v1", "hand:v1x"))
+        .expect("pull hand-built");
+    assert_eq!(rep.snapshot_id, "01J9Z8K2Q6");
+    let (env, members) = read_members(&cocoon.import_path("hand:v1x"));
+    assert_eq!(env["config"]["id"], "01J9Z8K2Q6");
+    let names: Vec<&str> = members.iter().map(|m| m.0.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "config.json",
+            "state.json",
+            "memory-ranges",
+            "overlay.qcow2",
+            "cidata.img"
+        ]
+    );
+    assert_eq!(members[0].2, 0o640, "mode 416");
+    assert_eq!(members[1].2, 0o640, "absent mode defaults to 0640");
+    assert_eq!(members[2].2, 0o600);
+    assert_eq!(
+        members[2].3.get("COCOON.sparse.size").map(String::as_str),
+        Some("8388608")
+    );
+    assert_eq!(members[2].4, format!("{:x}", Sha256::digest(&bodies[2].2)));
+
+    // A zstd layer under the v1 artifactType is refused before anything is imported.
+    let bad = manifest.replace("vm.memory\"", "vm.memory+zstd\"");
+    client
+        .put_manifest(
+            &client.reference("hand", "bad").unwrap(),
+            bad.as_bytes(),
+            "application/vnd.oci.image.manifest.v1+json",
+        )
+        .unwrap();
+    let err =
+        pull_snapshot(&client, &pull_req(&cocoon, "hand", "bad", "hb")).expect_err("zstd in v1");
+    assert!(matches!(err, TransferError::Format(_)), "{err:?}");
+    assert!(!cocoon.import_path("hb").exists());
+    // An unknown layer type needs a newer reader.
+    let bad = manifest.replace("disk.qcow2\"", "disk.qcow2.part\"");
+    client
+        .put_manifest(
+            &client.reference("hand", "bad2").unwrap(),
+            bad.as_bytes(),
+            "application/vnd.oci.image.manifest.v1+json",
+        )
+        .unwrap();
+    let err =
+        pull_snapshot(&client, &pull_req(&cocoon, "hand", "bad2", "hb")).expect_err("unknown type");
+    assert!(err.to_string().contains("newer reader"), "{err}");
+}
+
+#[test]
+fn cloud_images_pull_into_image_import_and_snapshots_are_refused_for_run() {
+    let Some(reg) = Registry::start(None) else {
+        return;
+    };
+    let cocoon = FakeCocoon::new();
+    let client = client_for(&reg.host(), AuthSettings::default());
+    let part0 = vec![0x51u8; 300_000];
+    let part1 = vec![0x52u8; 123_456];
+    let sums = b"abc  win.qcow2\n".to_vec();
+    let d0 = put_json_blob(&client, "win", &part0);
+    let d1 = put_json_blob(&client, "win", &part1);
+    let ds = put_json_blob(&client, "win", &sums);
+    let empty = put_json_blob(&client, "win", b"{}");
+    // Layers listed out of title order: the puller sorts by title.
+    let manifest = serde_json::json!({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "artifactType": "application/vnd.cocoonstack.os-image.v1+json",
+        "config": {"mediaType": "application/vnd.oci.empty.v1+json", "digest": empty, "size": 2},
+        "layers": [
+            {"mediaType": "application/vnd.cocoonstack.disk.qcow2.part", "digest": d1, "size": part1.len(), "annotations": {"org.opencontainers.image.title": "win.qcow2.01.qcow2.part"}},
+            {"mediaType": "text/plain", "digest": ds, "size": sums.len(), "annotations": {"org.opencontainers.image.title": "SHA256SUMS"}},
+            {"mediaType": "application/vnd.cocoonstack.disk.qcow2.part", "digest": d0, "size": part0.len(), "annotations": {"org.opencontainers.image.title": "win.qcow2.00.qcow2.part"}}
+        ],
+        "annotations": {"cocoonstack.disk.format": "qcow2"}
+    });
+    client
+        .put_manifest(
+            &client.reference("win", "11").unwrap(),
+            manifest.to_string().as_bytes(),
+            "application/vnd.oci.image.manifest.v1+json",
+        )
+        .unwrap();
+    let info = manifest_info(&client, "win", "11").unwrap().unwrap();
+    assert_eq!(info.kind, ArtifactKind::CloudImage);
+    let req = CloudImageRequest {
+        repo: "win".into(),
+        tag: "11".into(),
+        local_name: "win-11".into(),
+        cocoon_bin: cocoon.bin(),
+    };
+    pull_cloud_image(&client, &req).expect("cloud image pull");
+    let got = fs::read(cocoon.dir.path().join("image-win-11")).unwrap();
+    assert_eq!(got, [part0.clone(), part1.clone()].concat());
+    // A cloud image is not a snapshot.
+    let err =
+        pull_snapshot(&client, &pull_req(&cocoon, "win", "11", "w")).expect_err("not a snapshot");
+    assert!(err.to_string().contains("not a snapshot"), "{err}");
+
+    // A snapshot given to mode=run.
+    write_export(&cocoon.export_path("snapvm"), "S", &small_files());
+    push_snapshot(
+        &client,
+        &push_req(&cocoon, "snapvm", "latest", PushKnobs::default()),
+    )
+    .unwrap();
+    let req = CloudImageRequest {
+        repo: "snapvm".into(),
+        tag: "latest".into(),
+        local_name: "x".into(),
+        cocoon_bin: cocoon.bin(),
+    };
+    let err = pull_cloud_image(&client, &req).expect_err("snapshot for run");
+    assert!(
+        err.to_string()
+            .contains("is a snapshot artifact; use mode=clone instead of mode=run"),
+        "{err}"
+    );
+
+    // A corrupt part imports nothing.
+    let path = reg.blob_data_path(&d1);
+    let mut data = fs::read(&path).unwrap();
+    data[5] ^= 1;
+    fs::write(&path, data).unwrap();
+    let req = CloudImageRequest {
+        repo: "win".into(),
+        tag: "11".into(),
+        local_name: "win-bad".into(),
+        cocoon_bin: cocoon.bin(),
+    };
+    let err = pull_cloud_image(&client, &req).expect_err("corrupt part");
+    assert!(err.to_string().contains(&d1), "{err}");
+    assert!(
+        !cocoon.dir.path().join("image-win-bad").exists(),
+        "nothing imported"
+    );
+}
+
+#[test]
+fn manifest_info_absent_tag_and_delete() {
+    let Some(reg) = Registry::start(None) else {
+        return;
+    };
+    let cocoon = FakeCocoon::new();
+    let client = client_for(&reg.host(), AuthSettings::default());
+    assert!(manifest_info(&client, "nothing-here", "hibernate")
+        .unwrap()
+        .is_none());
+    write_export(&cocoon.export_path("vm-d"), "SD", &small_files());
+    let rep = push_snapshot(
+        &client,
+        &push_req(&cocoon, "vm-d", "hibernate", PushKnobs::default()),
+    )
+    .unwrap();
+    assert!(manifest_info(&client, "vm-d", "hibernate")
+        .unwrap()
+        .is_some());
+    // distribution deletes manifests by digest.
+    let by_digest = client.reference("vm-d", &rep.manifest_digest).unwrap();
+    client.delete_manifest(&by_digest).expect("delete");
+    assert!(manifest_info(&client, "vm-d", "hibernate")
+        .unwrap()
+        .is_none());
+    client
+        .delete_manifest(&by_digest)
+        .expect("deleting an absent manifest succeeds");
+    let err = pull_snapshot(&client, &pull_req(&cocoon, "vm-d", "hibernate", "gone"))
+        .expect_err("absent");
+    assert!(err.is_not_found(), "{err:?}");
+}
+
+// ---------------------------------------------------------------- auth
+
+fn round_trip_small(
+    client: &RegistryClient,
+    cocoon: &FakeCocoon,
+    name: &str,
+) -> Result<(), TransferError> {
+    if !cocoon.export_path(name).exists() {
+        write_export(&cocoon.export_path(name), "SA", &small_files());
+    }
+    push_snapshot(
+        client,
+        &push_req(cocoon, name, "latest", PushKnobs::default()),
+    )?;
+    let local = format!("{name}-imp");
+    pull_snapshot(client, &pull_req(cocoon, name, "latest", &local))?;
+    assert_same_snapshot(
+        &cocoon.export_path(name),
+        &cocoon.import_path(&local),
+        &local,
+    );
+    Ok(())
+}
+
+fn docker_config(dir: &Path, body: &str) -> PathBuf {
+    let p = dir.join("config.json");
+    fs::write(&p, body).unwrap();
+    p
+}
+
+#[test]
+fn basic_auth_from_docker_config_and_credential_helper() {
+    let Some(reg) = Registry::start(Some(("alice", "wonder-land"))) else {
+        return;
+    };
+    let cocoon = FakeCocoon::new();
+    let cfgdir = tempfile::tempdir().unwrap();
+
+    // Anonymous is refused.
+    let anon = client_for(&reg.host(), AuthSettings::default());
+    let err = round_trip_small(&anon, &cocoon, "vm-a").expect_err("anonymous refused");
+    assert!(matches!(err, TransferError::Unauthorized(_)), "{err:?}");
+
+    // auths entry with the base64 `auth` field.
+    use base64::Engine;
+    let auth = base64::engine::general_purpose::STANDARD.encode("alice:wonder-land");
+    let p = docker_config(
+        cfgdir.path(),
+        &format!(
+            r#"{{"auths":{{"http://{}":{{"auth":"{auth}"}}}}}}"#,
+            reg.host()
+        ),
+    );
+    let c = client_for(
+        &reg.host(),
+        AuthSettings {
+            docker_config: Some(p),
+            ..Default::default()
+        },
+    );
+    round_trip_small(&c, &cocoon, "vm-a").expect("basic via auths");
+
+    // Wrong password is a clear auth error.
+    let p = docker_config(
+        cfgdir.path(),
+        &format!(
+            r#"{{"auths":{{"{}":{{"username":"alice","password":"nope"}}}}}}"#,
+            reg.host()
+        ),
+    );
+    let c = client_for(
+        &reg.host(),
+        AuthSettings {
+            docker_config: Some(p),
+            ..Default::default()
+        },
+    );
+    let err = manifest_info(&c, "vm-a", "latest").expect_err("bad password");
+    assert!(matches!(err, TransferError::Unauthorized(_)), "{err:?}");
+
+    // credHelpers: docker-credential-test gets the host on stdin.
+    let helper = cfgdir.path().join("docker-credential-test");
+    let seen = cfgdir.path().join("helper-stdin");
+    fs::write(
+        &helper,
+        format!("#!/bin/sh\n# Test stand-in docker credential helper.\n[ \"$1\" = get ] || exit 1\ncat > {}\necho '{{\"ServerURL\":\"x\",\"Username\":\"alice\",\"Secret\":\"wonder-land\"}}'\n", seen.display()),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(&helper, fs::Permissions::from_mode(0o755)).unwrap();
+    let p = docker_config(
+        cfgdir.path(),
+        &format!(r#"{{"credHelpers":{{"{}":"test"}}}}"#, reg.host()),
+    );
+    let c = client_for(
+        &reg.host(),
+        AuthSettings {
+            docker_config: Some(p),
+            helper_dir: Some(cfgdir.path().to_path_buf()),
+            ..Default::default()
+        },
+    );
+    round_trip_small(&c, &cocoon, "vm-h").expect("basic via credential helper");
+    assert_eq!(
+        fs::read_to_string(&seen).unwrap(),
+        reg.host(),
+        "helper got the registry host on stdin"
+    );
+}
+
+// ---- a tiny HTTP toolkit for the token server and the fault-injecting proxy
+
+/// Reads one request head (up to the blank line); returns it as text.
+fn read_head(s: &mut TcpStream) -> Option<String> {
+    let mut head = Vec::new();
+    let mut b = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        if s.read(&mut b).ok()? == 0 {
+            return None;
+        }
+        if head.is_empty() && b[0] == 0x16 {
+            // A TLS ClientHello (the client's HTTPS probe): this is a plain-HTTP server.
+            return None;
+        }
+        head.push(b[0]);
+        if head.len() > 64 << 10 {
+            return None;
+        }
+    }
+    String::from_utf8(head).ok()
+}
+
+fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
+    head.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.trim().eq_ignore_ascii_case(name).then(|| v.trim())
+    })
+}
+
+fn respond(s: &mut TcpStream, status: &str, extra: &str, body: &str) {
+    let _ = write!(s, "HTTP/1.1 {status}\r\nContent-Length: {}\r\nContent-Type: application/json\r\nConnection: close\r\n{extra}\r\n{body}", body.len());
+}
+
+fn pipe(mut from: TcpStream, mut to: TcpStream, limit: Option<u64>) {
+    let mut buf = vec![0u8; 256 << 10];
+    let mut sent = 0u64;
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        let n = match limit {
+            Some(l) if sent + n as u64 >= l => {
+                let _ = to.write_all(&buf[..(l - sent) as usize]);
+                let _ = to.shutdown(std::net::Shutdown::Both);
+                let _ = from.shutdown(std::net::Shutdown::Both);
+                return;
+            }
+            _ => n,
+        };
+        if to.write_all(&buf[..n]).is_err() {
+            break;
+        }
+        sent += n as u64;
+    }
+    let _ = to.shutdown(std::net::Shutdown::Write);
+}
+
+/// What the proxy does to requests before forwarding them to the registry.
+#[derive(Clone)]
+struct ProxyRules {
+    /// Require `Authorization: Bearer` tokens from this token server (realm URL).
+    bearer_realm: Option<String>,
+    /// Reject every token (a registry that answers 401 after a token).
+    reject_all_tokens: bool,
+    /// Cut this many PATCH uploads bigger than 2 MiB after 1 MiB of body.
+    cut_patches: Arc<AtomicUsize>,
+    patches_seen: Arc<AtomicUsize>,
+}
+
+/// A loopback proxy in front of the registry: one request per connection (it forces
+/// `Connection: close`), optional bearer enforcement and upload interruption.
+fn start_proxy(upstream: u16, rules: ProxyRules) -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(mut c) = conn else { continue };
+            let rules = rules.clone();
+            std::thread::spawn(move || {
+                let Some(head) = read_head(&mut c) else {
+                    return;
+                };
+                let mut lines = head.lines();
+                let request_line = lines.next().unwrap_or("").to_string();
+                let mut parts = request_line.split(' ');
+                let method = parts.next().unwrap_or("").to_string();
+                let path = parts.next().unwrap_or("").to_string();
+                if let Some(realm) = &rules.bearer_realm {
+                    if path != "/v2/" || method != "GET" || header(&head, "authorization").is_some()
+                    {
+                        let repo = path
+                            .trim_start_matches("/v2/")
+                            .split("/blobs/")
+                            .next()
+                            .unwrap_or("")
+                            .split("/manifests/")
+                            .next()
+                            .unwrap_or("")
+                            .to_string();
+                        let action = match method.as_str() {
+                            "GET" | "HEAD" => "pull",
+                            "DELETE" => "delete",
+                            _ => "push",
+                        };
+                        let token = header(&head, "authorization")
+                            .and_then(|a| a.strip_prefix("Bearer "))
+                            .unwrap_or("");
+                        let granted = token.strip_prefix("T|").unwrap_or("").split('|').any(|s| {
+                            let mut it = s.rsplitn(2, ':');
+                            let actions = it.next().unwrap_or("");
+                            let scope_repo =
+                                it.next().unwrap_or("").trim_start_matches("repository:");
+                            (path == "/v2/" || scope_repo == repo)
+                                && actions.split(',').any(|a| a == action)
+                        });
+                        if !granted || rules.reject_all_tokens {
+                            let scope = if path == "/v2/" {
+                                String::new()
+                            } else {
+                                format!(",scope=\"repository:{repo}:{action}\"")
+                            };
+                            let chall = format!("WWW-Authenticate: Bearer realm=\"{realm}\",service=\"test-registry\"{scope}\r\n");
+                            respond(
+                                &mut c,
+                                "401 Unauthorized",
+                                &chall,
+                                r#"{"errors":[{"code":"UNAUTHORIZED"}]}"#,
+                            );
+                            return;
+                        }
+                    } else {
+                        let chall = format!("WWW-Authenticate: Bearer realm=\"{realm}\",service=\"test-registry\"\r\n");
+                        respond(&mut c, "401 Unauthorized", &chall, "{}");
+                        return;
+                    }
+                }
+                let Ok(mut up) = TcpStream::connect(("127.0.0.1", upstream)) else {
+                    return;
+                };
+                let mut fwd = String::new();
+                for (i, line) in head.split("\r\n").enumerate() {
+                    if line.is_empty() {
+                        continue;
+                    }
+                    if i > 0 && line.to_ascii_lowercase().starts_with("connection:") {
+                        continue;
+                    }
+                    fwd.push_str(line);
+                    fwd.push_str("\r\n");
+                }
+                fwd.push_str("Connection: close\r\n\r\n");
+                if up.write_all(fwd.as_bytes()).is_err() {
+                    return;
+                }
+                let mut limit = None;
+                if method == "PATCH" {
+                    rules.patches_seen.fetch_add(1, Ordering::SeqCst);
+                    let big = header(&head, "content-length")
+                        .and_then(|v| v.parse::<u64>().ok())
+                        .is_some_and(|n| n > 2 * MIB);
+                    if big
+                        && rules
+                            .cut_patches
+                            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                            .is_ok()
+                    {
+                        limit = Some(MIB);
+                    }
+                }
+                let (c2, up2) = (c.try_clone().unwrap(), up.try_clone().unwrap());
+                let t = std::thread::spawn(move || pipe(c2, up2, limit));
+                pipe(up, c, None);
+                let _ = t.join();
+            });
+        }
+    });
+    port
+}
+
+/// A token endpoint: `GET /token?scope=..&service=..` → `{"token":"T|<scopes>"}`; records
+/// the scopes and Authorization headers it saw.
+fn start_token_server(seen: Arc<Mutex<Vec<String>>>, require_basic: Option<String>) -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(mut c) = conn else { continue };
+            let Some(head) = read_head(&mut c) else {
+                continue;
+            };
+            let target = head.split(' ').nth(1).unwrap_or("").to_string();
+            let query = target
+                .split_once('?')
+                .map(|(_, q)| q.to_string())
+                .unwrap_or_default();
+            let scopes: Vec<String> = query
+                .split('&')
+                .filter_map(|kv| kv.strip_prefix("scope="))
+                .map(|s| {
+                    s.replace("%3A", ":")
+                        .replace("%2C", ",")
+                        .replace("%2F", "/")
+                })
+                .collect();
+            let authz = header(&head, "authorization").unwrap_or("").to_string();
+            seen.lock()
+                .unwrap()
+                .push(format!("{} auth={authz}", scopes.join(" ")));
+            if let Some(want) = &require_basic {
+                if &authz != want {
+                    respond(&mut c, "401 Unauthorized", "", "{}");
+                    continue;
+                }
+            }
+            let body =
+                serde_json::json!({"token": format!("T|{}", scopes.join("|")), "expires_in": 300})
+                    .to_string();
+            respond(&mut c, "200 OK", "", &body);
+        }
+    });
+    port
+}
+
+#[test]
+fn bearer_token_flow_with_scopes_per_repository() {
+    let Some(reg) = Registry::start(None) else {
+        return;
+    };
+    let cocoon = FakeCocoon::new();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let tport = start_token_server(seen.clone(), None);
+    let rules = ProxyRules {
+        bearer_realm: Some(format!("http://127.0.0.1:{tport}/token")),
+        reject_all_tokens: false,
+        cut_patches: Arc::new(AtomicUsize::new(0)),
+        patches_seen: Arc::new(AtomicUsize::new(0)),
+    };
+    let pport = start_proxy(reg.port, rules);
+    let client = client_for(&format!("127.0.0.1:{pport}"), AuthSettings::default());
+    round_trip_small(&client, &cocoon, "vm-b").expect("bearer round trip");
+    let seen = seen.lock().unwrap().clone();
+    assert!(
+        seen.iter()
+            .any(|s| s.starts_with("repository:vm-b:push,pull")),
+        "push scope requested: {seen:?}"
+    );
+    assert!(
+        seen.iter().any(|s| s.starts_with("repository:vm-b:pull ")),
+        "pull scope requested: {seen:?}"
+    );
+    // Tokens are cached per session: a handful of token requests, not one per blob.
+    assert!(seen.len() <= 4, "token requests: {seen:?}");
+
+    // Delete needs its own push,pull,delete session.
+    let rep_digest = manifest_info(&client, "vm-b", "latest")
+        .unwrap()
+        .unwrap()
+        .digest;
+    client
+        .delete_manifest(&client.reference("vm-b", &rep_digest).unwrap())
+        .expect("delete with delete scope");
+    assert!(manifest_info(&client, "vm-b", "latest").unwrap().is_none());
+}
+
+#[test]
+fn registry_answering_401_after_a_token_is_a_clear_error() {
+    let Some(reg) = Registry::start(None) else {
+        return;
+    };
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let tport = start_token_server(seen.clone(), None);
+    let rules = ProxyRules {
+        bearer_realm: Some(format!("http://127.0.0.1:{tport}/token")),
+        reject_all_tokens: true,
+        cut_patches: Arc::new(AtomicUsize::new(0)),
+        patches_seen: Arc::new(AtomicUsize::new(0)),
+    };
+    let pport = start_proxy(reg.port, rules);
+    let client = client_for(&format!("127.0.0.1:{pport}"), AuthSettings::default());
+    let err = manifest_info(&client, "vm-x", "latest").expect_err("401 after token");
+    assert!(matches!(err, TransferError::Unauthorized(_)), "{err:?}");
+    assert!(err.to_string().contains("401 after a fresh token"), "{err}");
+    assert!(seen.lock().unwrap().len() <= 3, "bounded token refreshes");
+}
+
+#[test]
+fn interrupted_upload_is_retried_and_completes() {
+    let Some(reg) = Registry::start(None) else {
+        return;
+    };
+    let cocoon = FakeCocoon::new();
+    let rules = ProxyRules {
+        bearer_realm: None,
+        reject_all_tokens: false,
+        cut_patches: Arc::new(AtomicUsize::new(1)),
+        patches_seen: Arc::new(AtomicUsize::new(0)),
+    };
+    let seen = rules.patches_seen.clone();
+    let cut = rules.cut_patches.clone();
+    let pport = start_proxy(reg.port, rules);
+    let client = client_for(&format!("127.0.0.1:{pport}"), AuthSettings::default());
+    round_trip_small(&client, &cocoon, "vm-i").expect("push survives one cut upload");
+    assert_eq!(cut.load(Ordering::SeqCst), 0, "the cut happened");
+    // 4 blobs (3 files + config) plus the one retried PATCH.
+    assert_eq!(seen.load(Ordering::SeqCst), 5);
+}
+
+#[test]
+fn service_account_key_exchanged_at_local_token_endpoint() {
+    let Some(reg) = Registry::start(Some(("_token", "ya29.local-test-token"))) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let key_pem = dir.path().join("key.pem");
+    let gen = Command::new("openssl")
+        .args([
+            "genpkey",
+            "-algorithm",
+            "RSA",
+            "-pkeyopt",
+            "rsa_keygen_bits:2048",
+            "-out",
+        ])
+        .arg(&key_pem)
+        .output();
+    if !gen.map(|o| o.status.success()).unwrap_or(false) {
+        eprintln!("SKIP: openssl missing, cannot make a test RSA key");
+        return;
+    }
+    let pub_der = Command::new("openssl")
+        .args(["rsa", "-RSAPublicKey_out", "-outform", "DER", "-in"])
+        .arg(&key_pem)
+        .output()
+        .unwrap()
+        .stdout;
+    // Token endpoint: verifies the RS256 JWT assertion, answers with an access token.
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let tport = l.local_addr().unwrap().port();
+    let verified = Arc::new(AtomicBool::new(false));
+    let v2 = verified.clone();
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(mut c) = conn else { continue };
+            let Some(head) = read_head(&mut c) else {
+                continue;
+            };
+            let len: usize = header(&head, "content-length")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            let mut body = vec![0u8; len];
+            if c.read_exact(&mut body).is_err() {
+                continue;
+            }
+            let form = String::from_utf8_lossy(&body).to_string();
+            let assertion = form
+                .split('&')
+                .find_map(|kv| kv.strip_prefix("assertion="))
+                .unwrap_or("")
+                .to_string();
+            let grant_ok =
+                form.contains("grant_type=urn%3Aietf%3Aparams%3Aoauth%3Agrant-type%3Ajwt-bearer");
+            let parts: Vec<&str> = assertion.split('.').collect();
+            let ok = grant_ok && parts.len() == 3 && {
+                use base64::Engine;
+                let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+                let sig = b64.decode(parts[2]).unwrap_or_default();
+                let key = ring::signature::UnparsedPublicKey::new(
+                    &ring::signature::RSA_PKCS1_2048_8192_SHA256,
+                    &pub_der,
+                );
+                let claims: serde_json::Value =
+                    serde_json::from_slice(&b64.decode(parts[1]).unwrap_or_default())
+                        .unwrap_or_default();
+                key.verify(format!("{}.{}", parts[0], parts[1]).as_bytes(), &sig)
+                    .is_ok()
+                    && claims["iss"] == "sa@test.iam.gserviceaccount.com"
+                    && claims["scope"] == "https://www.googleapis.com/auth/cloud-platform"
+                    && claims["aud"]
+                        .as_str()
+                        .is_some_and(|a| a.ends_with("/token"))
+            };
+            if ok {
+                v2.store(true, Ordering::SeqCst);
+                respond(
+                    &mut c,
+                    "200 OK",
+                    "",
+                    r#"{"access_token":"ya29.local-test-token","expires_in":3599,"token_type":"Bearer"}"#,
+                );
+            } else {
+                respond(
+                    &mut c,
+                    "400 Bad Request",
+                    "",
+                    r#"{"error":"invalid_grant"}"#,
+                );
+            }
+        }
+    });
+    let key = serde_json::json!({
+        "type": "service_account", "client_email": "sa@test.iam.gserviceaccount.com",
+        "private_key_id": "k1", "private_key": fs::read_to_string(&key_pem).unwrap(),
+        "token_uri": format!("http://127.0.0.1:{tport}/token"),
+    });
+    let key_path = dir.path().join("sa.json");
+    fs::write(&key_path, key.to_string()).unwrap();
+    let settings = AuthSettings {
+        google_credentials: Some(key_path),
+        google_all_hosts: true,
+        ..Default::default()
+    };
+    let client = client_for(&reg.host(), settings);
+    let cocoon = FakeCocoon::new();
+    round_trip_small(&client, &cocoon, "vm-g")
+        .expect("push and pull with an ADC token as _token basic credentials");
+    assert!(
+        verified.load(Ordering::SeqCst),
+        "the token endpoint verified an RS256 assertion"
+    );
+}
