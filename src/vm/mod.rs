@@ -6,6 +6,7 @@ pub mod call;
 pub mod error;
 pub mod events;
 pub mod resources;
+pub mod runner;
 pub mod types;
 
 pub use argv::{Backend, CloneOptions, CloneSource, ExecOptions, RestoreMode, RunOptions};
@@ -20,6 +21,7 @@ pub use events::{
 pub use resources::{
     cpu_policy, cpu_weight, memory_arg, parse_milli, parse_quantity, vcpu_count, CpuPolicy,
 };
+pub use runner::{EventStream, StreamOutput};
 pub use types::{
     EventKind, Image, NetworkConfig, NicAddress, Snapshot, SnapshotEnvelope, StaleCreateOutcome,
     StorageConfig, Vm, VmConfig, VmEvent, VmState,
