@@ -8,6 +8,10 @@
 //! `VK_KUBELET_PORT`, `COCOON_K8S_QPS` and `COCOON_K8S_BURST` fall back to their defaults on a
 //! malformed value as the Go daemon does, with a warning in `Config::warnings`.
 //! `VK_LOG_LEVEL` is validated by `logging` (spec: `log setup: ...`, exit 1), not here.
+//! Beyond spec 2.1: `VK_KUBELET_AUTH` and `VK_CLIENT_CA_FILE` (the kubelet API is authenticated,
+//! unlike the Go daemon's). The environment knobs of kubelet-duties section 0 (`KUBELET_PORT`,
+//! `DEFAULT_NODE_NAME`, `VKUBELET_TAINT_*`, `APISERVER_*_LOCATION`) belong to the
+//! virtual-kubelet CLI, which the Go vk-cocoon never used, so they are not read.
 
 use std::fmt;
 use std::net::IpAddr;
@@ -53,6 +57,7 @@ pub const VARIABLES: &[Variable] = &[
     var("VK_TLS_KEY", "/etc/cocoon/vk/tls/vk-kubelet.key", "Kubelet API serving key."),
     var("VK_KUBELET_PORT", "10250", "Kubelet API port (listen and advertised); malformed = default."),
     var("VK_KUBELET_AUTH", "on", "`on`: kubelet API requires client certificates / tokens; `off`: open API like the Go daemon (warned)."),
+    var("VK_CLIENT_CA_FILE", "unset (cluster CA)", "CA bundle that verifies kubelet API client certificates; unset = the cluster CA of the kubeconfig."),
     var("VK_METRICS_ADDR", ":9091", "Plain-HTTP `/metrics` listener (`host:port`)."),
     var("VK_RESERVE_PERCENT", "20", "Share of host resources kept back from allocatable, 0-100."),
     var("VK_NODE_CPU", "auto", "Override node CPU capacity (Kubernetes quantity)."),
@@ -192,6 +197,8 @@ pub struct Config {
     pub tls_key: PathBuf,
     pub kubelet_port: u16,
     pub kubelet_auth: KubeletAuth,
+    /// CA bundle for kubelet API client certificates; None = the kubeconfig's cluster CA.
+    pub client_ca_file: Option<PathBuf>,
     pub metrics_addr: ListenAddr,
     pub reserve_percent: u8,
     /// Kubernetes quantity strings, syntax-checked; None = auto.
@@ -543,6 +550,7 @@ impl Config {
             tls_key: path_or(env, "VK_TLS_KEY", "/etc/cocoon/vk/tls/vk-kubelet.key"),
             kubelet_port,
             kubelet_auth,
+            client_ca_file: get(env, "VK_CLIENT_CA_FILE").map(PathBuf::from),
             metrics_addr: listen_addr(env, "VK_METRICS_ADDR", ":9091")?,
             reserve_percent: int_in(
                 env,
@@ -703,6 +711,7 @@ mod tests {
         );
         assert_eq!(c.kubelet_port, 10250);
         assert_eq!(c.kubelet_auth, KubeletAuth::On);
+        assert_eq!(c.client_ca_file, None);
         assert_eq!(
             c.metrics_addr,
             ListenAddr {

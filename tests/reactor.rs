@@ -502,6 +502,24 @@ fn bench_spawn_capture_reap_1000_true() {
         done == N
     });
     let reactor_time = start.elapsed();
+    // The same with output to /dev/null: one fd per child (its pidfd) instead of three.
+    let start = Instant::now();
+    for _ in 0..N {
+        r.spawn(
+            ChildSpec::new(["/bin/true"])
+                .stdout(OutputMode::Null)
+                .stderr(OutputMode::Null),
+        )
+        .unwrap();
+    }
+    let mut done = 0;
+    pump(&mut r, Duration::from_secs(120), |ev| {
+        if let Event::ChildExit(_) = ev {
+            done += 1;
+        }
+        done == N
+    });
+    let reactor_null_time = start.elapsed();
     let shell = |script: &str| {
         let t = Instant::now();
         let status = std::process::Command::new("sh")
@@ -519,7 +537,8 @@ fn bench_spawn_capture_reap_1000_true() {
     }
     let std_seq = t.elapsed();
     println!(
-        "BENCH 1000 x /bin/true: reactor concurrent {reactor_time:?} (spawn loop {spawned:?}); \
+        "BENCH 1000 x /bin/true: reactor concurrent {reactor_time:?} (spawn loop {spawned:?}), \
+         without output pipes {reactor_null_time:?}; \
          sh sequential {seq:?}; sh background+wait {bg:?}; std Command::output sequential {std_seq:?}"
     );
 }
