@@ -254,7 +254,8 @@ impl Store {
         seen
     }
 
-    /// Allocates the next static IP from 10.88.0.0/16 (under the caller's lock).
+    /// Allocates the next static IP from 127.88.0.0/16 (under the caller's lock). Loopback on
+    /// purpose: the daemon pings guest IPs, and a fake guest must never send traffic off the host.
     pub fn next_ip(&self) -> String {
         let path = self.state.join("next_ip");
         let mut n: u32 = fs::read_to_string(&path)
@@ -265,7 +266,7 @@ impl Store {
             n += 1;
         }
         let _ = write_atomic(&path, (n + 1).to_string().as_bytes());
-        format!("10.88.{}.{}", (n >> 8) & 0xff, n & 0xff)
+        format!("127.88.{}.{}", (n >> 8) & 0xff, n & 0xff)
     }
 }
 

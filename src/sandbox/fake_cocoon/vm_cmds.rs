@@ -263,7 +263,7 @@ fn nics_for(store: &Store, id: &str, count: u64) -> Vec<NetworkConfig> {
             netns_path: format!("/var/run/netns/cocoon-{id}"),
             network: Some(NicAddress {
                 ip: store.next_ip(),
-                gateway: "10.88.0.1".into(),
+                gateway: "127.88.0.1".into(),
                 prefix: 16,
             }),
             bridge_dev: String::new(),
