@@ -1,0 +1,582 @@
+//! Performing the provider's effects: cocoon children, Kubernetes calls, lease lookups,
+//! probes, registry transfers on the worker pool, Events and metrics.
+//!
+//! Each effect that owes an answer queues it (now or when its child / job ends) as the next
+//! provider input with the same op id; the daemon never retries: the core decides.
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+
+use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+use k8s_openapi::api::authorization::v1::{
+    ResourceAttributes as SarAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+use super::{ChildRole, Daemon, Host, Work};
+use crate::kube::events::EventType as KubeEventType;
+use crate::kube::{Client, KubeError as ApiError};
+use crate::kubelet::{AuthAnswer, AuthRequest, UserInfo};
+use crate::metrics::Metrics;
+use crate::probes::ProbeTarget;
+use crate::provider::{
+    CocoonResult, Effect, EventType, Input, KubeError, MetricUpdate, OpId, PodKey,
+};
+use crate::reactor::{ChildExit, ChildSpec, OutputMode, StdinMode};
+use crate::snapshots::{
+    manifest_info, pull_cloud_image, pull_snapshot, push_snapshot, ArtifactKind, CloudImageRequest,
+    PullRequest, PushKnobs, PushRequest, RegistryClient,
+};
+
+/// cocoon's JSON answers are small; a `vm list` of a dense host is the largest.
+const STDOUT_LIMIT: usize = 16 << 20;
+const STDERR_LIMIT: usize = 64 << 10;
+
+impl Daemon {
+    pub(super) fn perform(&mut self, effect: Effect) {
+        match effect {
+            Effect::Cocoon { op, cmd } => {
+                let mut argv = vec![self.cocoon_bin().to_string_lossy().into_owned()];
+                argv.extend(cmd.argv());
+                log::debug!("cocoon op {op}: {}", argv.join(" "));
+                let spec = ChildSpec::new(argv)
+                    .deadline(cmd.deadline())
+                    .stdin(StdinMode::Null)
+                    .stdout(OutputMode::Capture {
+                        limit: STDOUT_LIMIT,
+                    })
+                    .stderr(OutputMode::Capture {
+                        limit: STDERR_LIMIT,
+                    });
+                match self.reactor.spawn(spec) {
+                    Ok(id) => {
+                        self.children.insert(id, ChildRole::Op(op));
+                    }
+                    Err(e) => self.pending.push_back(Input::CocoonDone {
+                        op,
+                        result: CocoonResult::failed(format!(
+                            "Error: run {}: {e}",
+                            self.config.cocoon_bin.display()
+                        )),
+                    }),
+                }
+            }
+            Effect::LookupLease { op, mac } => {
+                let result = match self.leases.lookup(&mac, SystemTime::now()) {
+                    Ok(lease) => Ok(lease.map(|l| l.ip.to_string())),
+                    Err(e) => {
+                        if self.leases.should_log(&e) {
+                            log::warn!("lease file: {e}");
+                        }
+                        Err(e.to_string())
+                    }
+                };
+                self.pending.push_back(Input::LeaseLooked { op, result });
+            }
+            Effect::PatchPodStatus {
+                op,
+                key,
+                uid,
+                status,
+            } => {
+                let result =
+                    self.kube
+                        .patch_pod_status(&key.namespace, &key.name, Some(&uid), &status);
+                self.kube_done(op, "patch status", &key, result.map(|_| ()));
+            }
+            Effect::PatchPodAnnotations {
+                op,
+                key,
+                uid,
+                annotations,
+            } => {
+                let result = self.kube.patch_pod(
+                    &key.namespace,
+                    &key.name,
+                    &annotation_patch(uid, annotations),
+                );
+                self.kube_done(op, "patch annotations", &key, result.map(|_| ()));
+            }
+            Effect::DeletePod {
+                op,
+                key,
+                uid,
+                grace,
+            } => {
+                let result = self
+                    .kube
+                    .delete_pod(&key.namespace, &key.name, grace, Some(&uid));
+                self.kube_done(op, "delete pod", &key, result);
+            }
+            Effect::Event {
+                key,
+                uid,
+                type_,
+                reason,
+                message,
+            } => {
+                let pod = pod_ref(&key, &uid);
+                let kind = match type_ {
+                    EventType::Normal => KubeEventType::Normal,
+                    EventType::Warning => KubeEventType::Warning,
+                };
+                log::info!("event {} {key}: {reason}: {message}", type_.as_str());
+                let now = self.reactor.now();
+                self.events
+                    .record(&pod, kind, reason, &message, now, SystemTime::now());
+            }
+            Effect::StartProbe {
+                key,
+                uid,
+                vm_id,
+                ip,
+                mac,
+                probe_port,
+            } => {
+                let pod = key.to_string();
+                let static_ip = self
+                    .provider
+                    .pod_vm(&key)
+                    .and_then(|vm| vm.nics.first())
+                    .is_some_and(|nic| !nic.static_ip.is_empty());
+                let target = ProbeTarget {
+                    namespace: key.namespace.clone(),
+                    vm_id,
+                    ip: ip.parse::<Ipv4Addr>().ok(),
+                    mac: Some(mac).filter(|m| !m.is_empty()),
+                    static_ip,
+                    probe_port: probe_port.map(|p| p.to_string()),
+                };
+                self.probe_uids.insert(pod.clone(), uid);
+                let now = self.reactor.now();
+                let mut host = Host {
+                    reactor: &mut self.reactor,
+                };
+                let out = self
+                    .probes
+                    .start(&mut host, &pod, Some(target), now, SystemTime::now());
+                self.probe_events(out);
+            }
+            Effect::StopProbe { key } => {
+                let pod = key.to_string();
+                self.probe_uids.remove(&pod);
+                let mut host = Host {
+                    reactor: &mut self.reactor,
+                };
+                self.probes.forget(&mut host, &pod);
+            }
+            Effect::ReleaseLeases { macs } => {
+                if !self.releaser.enabled() || macs.is_empty() {
+                    return;
+                }
+                let releaser = self.releaser.clone();
+                let job = move || {
+                    let mut failed = Vec::new();
+                    let mut released = 0;
+                    for (mac, r) in releaser.release_all(&macs) {
+                        match r {
+                            Ok(()) => released += 1,
+                            Err(e) => failed.push(format!("{mac}: {e}")),
+                        }
+                    }
+                    Work::LeasesReleased { released, failed }
+                };
+                if self.reactor.submit(job).is_err() {
+                    log::warn!("lease release skipped: worker queue full");
+                }
+            }
+            Effect::PullSnapshot {
+                op,
+                repo,
+                tag,
+                local_name,
+            } => {
+                let bin = self.cocoon_bin();
+                let metrics = self.metrics.clone();
+                let pull = PullRequest::new(&repo, &tag, &local_name, bin);
+                self.transfer(op, move |registry| {
+                    let started = Instant::now();
+                    let r = pull_snapshot(registry, &pull).map(|_| String::new());
+                    metrics
+                        .snapshot_pull_duration_seconds
+                        .observe(started.elapsed().as_secs_f64());
+                    r.map_err(|e| e.to_string())
+                });
+            }
+            Effect::PushSnapshot {
+                op,
+                local_name,
+                repo,
+                tag,
+                base_image,
+            } => {
+                let metrics = self.metrics.clone();
+                let push = PushRequest {
+                    name: repo.clone(),
+                    tag,
+                    cocoon_bin: self.cocoon_bin(),
+                    base_image: Some(base_image).filter(|b| !b.is_empty()),
+                    from_node: Some(self.config.node_name.clone()),
+                    annotations: BTreeMap::new(),
+                    knobs: push_knobs(&self.config),
+                    temp_dir: None,
+                };
+                if local_name != repo {
+                    log::debug!("push of snapshot {local_name} goes to repository {repo}");
+                }
+                let namespace = String::new();
+                self.transfer(op, move |registry| {
+                    let started = Instant::now();
+                    let r = push_snapshot(registry, &push).map(|_| String::new());
+                    metrics
+                        .snapshot_push_duration_seconds
+                        .with_label_values(&[&namespace])
+                        .observe(started.elapsed().as_secs_f64());
+                    r.map_err(|e| e.to_string())
+                });
+            }
+            Effect::MaterialiseImage { op, image, force } => {
+                let bin = self.cocoon_bin();
+                self.transfer(op, move |registry| {
+                    materialise_image(registry, &bin, &image, force)
+                });
+            }
+            Effect::Metric(update) => apply_metric(&self.metrics, update),
+        }
+    }
+
+    /// Runs a registry job on the worker pool; its answer comes back as `TransferDone`.
+    fn transfer(
+        &mut self,
+        op: OpId,
+        job: impl FnOnce(&RegistryClient) -> Result<String, String> + Send + 'static,
+    ) {
+        let Some(registry) = self.registry.clone() else {
+            self.pending.push_back(Input::TransferDone {
+                op,
+                result: Err("no OCI registry is configured (OCI_REGISTRY)".into()),
+            });
+            return;
+        };
+        let submitted = self.reactor.submit(move || Work::Transfer {
+            op,
+            result: job(&registry),
+        });
+        if submitted.is_err() {
+            self.pending.push_back(Input::TransferDone {
+                op,
+                result: Err("transfer queue full; retrying later".into()),
+            });
+        }
+    }
+
+    fn kube_done(&mut self, op: OpId, what: &str, key: &PodKey, result: Result<(), ApiError>) {
+        let result = result.map_err(|e| {
+            let mapped = map_kube_error(&e);
+            if !mapped.superseded() {
+                log::warn!("{what} {key}: {e}");
+            }
+            mapped
+        });
+        self.pending.push_back(Input::KubeDone { op, result });
+    }
+}
+
+/// The provider's view of a finished cocoon child.
+pub(super) fn cocoon_result(exit: &ChildExit) -> CocoonResult {
+    let mut stderr = String::from_utf8_lossy(&exit.stderr).into_owned();
+    if exit.stdout_truncated {
+        stderr.push_str("\nvk-cocoon: cocoon output exceeded the capture limit");
+    }
+    if exit.status.is_none() && !exit.timed_out {
+        stderr.push_str("\nvk-cocoon: cocoon exit status unknown");
+    } else if let Some(sig) = exit.signal() {
+        if !exit.timed_out {
+            stderr.push_str(&format!("\nvk-cocoon: cocoon killed by signal {sig}"));
+        }
+    }
+    CocoonResult {
+        success: exit.success() && !exit.stdout_truncated,
+        stdout: String::from_utf8_lossy(&exit.stdout).into_owned(),
+        stderr,
+        timed_out: exit.timed_out,
+    }
+}
+
+fn map_kube_error(e: &ApiError) -> KubeError {
+    match e {
+        ApiError::NotFound(_) => KubeError::NotFound,
+        ApiError::Conflict(_) => KubeError::Conflict,
+        ApiError::Invalid(_) => KubeError::Invalid,
+        other => KubeError::Other(other.to_string()),
+    }
+}
+
+/// `{"metadata":{"uid":..,"annotations":{k: v | null}}}` for a merge of annotations.
+fn annotation_patch(
+    uid: Option<String>,
+    annotations: BTreeMap<String, Option<String>>,
+) -> serde_json::Value {
+    let map: serde_json::Map<String, serde_json::Value> = annotations
+        .into_iter()
+        .map(|(k, v)| {
+            (
+                k,
+                v.map_or(serde_json::Value::Null, serde_json::Value::String),
+            )
+        })
+        .collect();
+    let mut meta = serde_json::json!({ "annotations": map });
+    if let Some(uid) = uid {
+        meta["uid"] = uid.into();
+    }
+    serde_json::json!({ "metadata": meta })
+}
+
+/// The involved object of an Event: just enough of the pod.
+fn pod_ref(key: &PodKey, uid: &str) -> Pod {
+    Pod {
+        metadata: ObjectMeta {
+            namespace: Some(key.namespace.clone()),
+            name: Some(key.name.clone()),
+            uid: Some(uid.to_string()),
+            ..ObjectMeta::default()
+        },
+        ..Pod::default()
+    }
+}
+
+fn push_knobs(config: &crate::config::Config) -> PushKnobs {
+    PushKnobs {
+        zstd_level: config.snapshot_zstd_level,
+        chunk_size: config.snapshot_chunk_size_mib << 20,
+        concurrency: config.snapshot_transfer_concurrency,
+        memory_budget: config.snapshot_memory_budget_mib << 20,
+    }
+}
+
+/// Behaviour §5.2 with a registry: a cloud-image artifact streams into `cocoon image import`
+/// (unless already present and not forced), a snapshot artifact is refused, anything else (or
+/// a registry error) falls back to `cocoon image pull`. Answers the reference to boot from.
+fn materialise_image(
+    registry: &RegistryClient,
+    cocoon: &Path,
+    image: &str,
+    force: bool,
+) -> Result<String, String> {
+    if image.starts_with("http://") || image.starts_with("https://") {
+        return image_pull(cocoon, image, force);
+    }
+    let (repo, tag) = split_image(image);
+    match manifest_info(registry, &repo, &tag) {
+        Ok(Some(info)) if info.kind == ArtifactKind::CloudImage => {
+            let local = format!("{repo}:{tag}");
+            if !force && cocoon_ok(cocoon, &["image", "inspect", &local])? {
+                return Ok(local);
+            }
+            let req = CloudImageRequest {
+                repo,
+                tag,
+                local_name: local.clone(),
+                cocoon_bin: cocoon.to_path_buf(),
+            };
+            pull_cloud_image(registry, &req)
+                .map(|_| local)
+                .map_err(|e| e.to_string())
+        }
+        Ok(Some(info)) if info.kind.is_snapshot() => Err(format!(
+            "image {image} is a snapshot artifact; use mode=clone instead of mode=run"
+        )),
+        Ok(_) => image_pull(cocoon, image, force),
+        Err(e) => {
+            log::info!(
+                "registry lookup of {image} failed ({e}); falling back to cocoon image pull"
+            );
+            image_pull(cocoon, image, force)
+        }
+    }
+}
+
+/// `repo[:tag]` split at the last `:` after the last `/` (a registry port is not a tag).
+fn split_image(image: &str) -> (String, String) {
+    let slash = image.rfind('/').map_or(0, |i| i + 1);
+    match image[slash..].rfind(':') {
+        Some(i) => (
+            image[..slash + i].to_string(),
+            image[slash + i + 1..].to_string(),
+        ),
+        None => (image.to_string(), "latest".to_string()),
+    }
+}
+
+fn image_pull(cocoon: &Path, image: &str, force: bool) -> Result<String, String> {
+    let mut args = vec!["image", "pull"];
+    if force {
+        args.push("--force");
+    }
+    args.push(image);
+    if cocoon_ok(cocoon, &args)? {
+        Ok(image.to_string())
+    } else {
+        Err(format!("cocoon image pull {image} failed"))
+    }
+}
+
+/// Runs a short cocoon command on a worker thread: Ok(true) on exit 0, Ok(false) on a
+/// "not found", Err on anything else.
+fn cocoon_ok(cocoon: &Path, args: &[&str]) -> Result<bool, String> {
+    let out = std::process::Command::new(cocoon)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| format!("run {}: {e}", cocoon.display()))?;
+    if out.status.success() {
+        return Ok(true);
+    }
+    let text = String::from_utf8_lossy(&out.stderr).to_ascii_lowercase();
+    if text.contains("not found") || text.contains("no such") {
+        return Ok(false);
+    }
+    Err(format!(
+        "cocoon {}: {}",
+        args.join(" "),
+        crate::provider::truncate_bytes(text.trim(), 400)
+    ))
+}
+
+pub(super) fn apply_metric(m: &Metrics, update: MetricUpdate) {
+    match update {
+        MetricUpdate::PodLifecycle { op, result, reason } => m
+            .pod_lifecycle_total
+            .with_label_values(&[op, result, reason])
+            .inc(),
+        MetricUpdate::VmBootDuration {
+            namespace,
+            mode,
+            backend,
+            seconds,
+        } => m
+            .vm_boot_duration_seconds
+            .with_label_values(&[&namespace, &mode, &backend])
+            .observe(seconds),
+        MetricUpdate::OrphanVm => m.orphan_vm_total.inc(),
+        MetricUpdate::VmInspectTransientFail => m.vm_inspect_transient_fail_total.inc(),
+        MetricUpdate::PodEvictFailure => m.pod_evict_failure_total.inc(),
+        MetricUpdate::ReconcileAdoptByName => m.reconcile_adopt_by_name_total.inc(),
+        MetricUpdate::StaleCreateReconcile { outcome } => m
+            .stale_create_reconcile_total
+            .with_label_values(&[&outcome])
+            .inc(),
+        MetricUpdate::StartupResume { op } => m.startup_resume_total.with_label_values(&[op]).inc(),
+        MetricUpdate::SnapshotPull { result } => {
+            m.snapshot_pull_total.with_label_values(&[result]).inc()
+        }
+        MetricUpdate::SnapshotSave { result } => {
+            m.snapshot_save_total.with_label_values(&[result]).inc()
+        }
+        MetricUpdate::SnapshotPush { result } => {
+            m.snapshot_push_total.with_label_values(&[result]).inc()
+        }
+        MetricUpdate::CloneFromDir { result } => {
+            m.clone_from_dir_total.with_label_values(&[result]).inc()
+        }
+        MetricUpdate::WakeIpWait { namespace, result } => m
+            .wake_ip_wait_total
+            .with_label_values(&[&namespace, result])
+            .inc(),
+    }
+}
+
+/// TokenReview then SubjectAccessReview for one kubelet API request (worker thread).
+pub(super) fn authorize(kube: &Arc<Client>, req: &AuthRequest) -> AuthAnswer {
+    let user = match (&req.user, &req.token) {
+        (Some(user), _) => user.clone(),
+        (None, Some(token)) => {
+            let review = TokenReview {
+                spec: TokenReviewSpec {
+                    token: Some(token.clone()),
+                    ..TokenReviewSpec::default()
+                },
+                ..TokenReview::default()
+            };
+            match kube.create_token_review(&review) {
+                Ok(r) => {
+                    let status = r.status.unwrap_or_default();
+                    if !status.authenticated.unwrap_or(false) {
+                        return AuthAnswer::Unauthenticated;
+                    }
+                    let u = status.user.unwrap_or_default();
+                    UserInfo {
+                        name: u.username.unwrap_or_default(),
+                        uid: u.uid.unwrap_or_default(),
+                        groups: u.groups.unwrap_or_default(),
+                    }
+                }
+                Err(e) => return AuthAnswer::Error(format!("token review: {e}")),
+            }
+        }
+        (None, None) => return AuthAnswer::Unauthenticated,
+    };
+    let review = SubjectAccessReview {
+        spec: SubjectAccessReviewSpec {
+            user: Some(user.name.clone()),
+            uid: Some(user.uid.clone()).filter(|u| !u.is_empty()),
+            groups: Some(user.groups.clone()),
+            resource_attributes: Some(SarAttributes {
+                verb: Some(req.attributes.verb.clone()),
+                resource: Some("nodes".into()),
+                subresource: Some(req.attributes.subresource.clone()),
+                name: Some(req.attributes.node_name.clone()),
+                version: Some("v1".into()),
+                ..SarAttributes::default()
+            }),
+            ..SubjectAccessReviewSpec::default()
+        },
+        ..SubjectAccessReview::default()
+    };
+    match kube.create_subject_access_review(&review) {
+        Ok(r) => AuthAnswer::Decided {
+            user,
+            allowed: r.status.is_some_and(|s| s.allowed),
+        },
+        Err(e) => AuthAnswer::Error(format!("subject access review: {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn image_references_split_at_the_tag_not_the_port() {
+        assert_eq!(
+            split_image("reg:5000/os/ubuntu:24.04"),
+            ("reg:5000/os/ubuntu".into(), "24.04".into())
+        );
+        assert_eq!(
+            split_image("reg:5000/os/ubuntu"),
+            ("reg:5000/os/ubuntu".into(), "latest".into())
+        );
+        assert_eq!(split_image("ubuntu"), ("ubuntu".into(), "latest".into()));
+    }
+
+    #[test]
+    fn annotation_patches_delete_with_null_and_guard_with_uid() {
+        let mut a = BTreeMap::new();
+        a.insert("vm.cocoonstack.io/id".to_string(), Some("vm-1".to_string()));
+        a.insert(
+            "vm.cocoonstack.io/lifecycle-state-message".to_string(),
+            None,
+        );
+        let p = annotation_patch(Some("u-1".into()), a);
+        assert_eq!(p["metadata"]["uid"], "u-1");
+        assert_eq!(p["metadata"]["annotations"]["vm.cocoonstack.io/id"], "vm-1");
+        assert!(
+            p["metadata"]["annotations"]["vm.cocoonstack.io/lifecycle-state-message"].is_null()
+        );
+    }
+}

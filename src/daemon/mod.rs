@@ -1,0 +1,648 @@
+//! The edge: wires the reactor, the kube client and the provider core, and performs effects.
+//! The only place where decisions meet I/O.
+//!
+//! One thread owns everything below. The loop turns reactor events into provider inputs
+//! (`route_*`), feeds them through [`Provider::handle`], and performs the effects that come
+//! back (`effects.rs`). Effects whose answer is immediate (a Kubernetes call, a lease lookup)
+//! queue their answer as the next input; long ones (cocoon children, registry transfers) answer
+//! later through `Event::ChildExit` / `Event::Work`.
+//!
+//! Start order (behaviour §2.2): config and credentials, node capacity, the metrics endpoint,
+//! the kubelet API, then the startup reconcile (pod list + `cocoon vm list`) — retried with
+//! backoff while the API server or cocoon is unavailable, `/metrics` answering all the time —
+//! and only after it the node registration, the pod watch and the cocoon event stream.
+//!
+//! Kubernetes calls are blocking `ureq` calls with short timeouts (the design card's choice);
+//! the watch is the only long-lived connection and is driven without blocking.
+//! SIGTERM / SIGINT stop the loop at once, VMs keep running (§25). SIGHUP is logged and ignored:
+//! every setting is read once at start, so a restart applies changes.
+
+mod effects;
+mod event_stream;
+mod startup;
+mod view;
+
+use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::config::Config;
+use crate::kube::events::EventRecorder;
+use crate::kube::watch::{PodWatch, WatchConfig, WatchOutput};
+use crate::kube::{Client, KubeOptions};
+use crate::kubelet::{AuthAnswer, AuthId, KubeletServer};
+use crate::metrics::collectors::VmCollector;
+use crate::metrics::http::MetricsServer;
+use crate::metrics::stats::{StatsHub, StatsPaths};
+use crate::metrics::Metrics;
+use crate::network::icmp::Pinger;
+use crate::network::leases::LeaseFile;
+use crate::network::release::LeaseReleaser;
+use crate::node::NodeAgent;
+use crate::probes::{ProbeConfig, ProbeEngine, ProbeEvent, ProbeHost, ProbeManager, TimerKey};
+use crate::provider::{Input, OpId, PodKey, Provider, ProviderConfig};
+use crate::reactor::{sd_notify, ChildId, Event, Reactor, TimerId};
+use crate::snapshots::RegistryClient;
+
+use self::event_stream::EventStream;
+use self::startup::Startup;
+
+/// Messages worker jobs send back to the loop.
+pub enum Work {
+    /// A registry transfer (pull, push, image materialisation) finished.
+    Transfer {
+        op: OpId,
+        result: Result<String, String>,
+    },
+    /// DHCP lease releases after a VM removal; (mac, error) per failure.
+    LeasesReleased {
+        released: usize,
+        failed: Vec<String>,
+    },
+    /// TokenReview / SubjectAccessReview verdict for a kubelet API request.
+    KubeletAuth { id: AuthId, answer: AuthAnswer },
+}
+
+/// Worker threads for blocking jobs (blob transfers, lease releases) and their queue bound.
+const WORKERS: usize = 4;
+const WORK_QUEUE: usize = 1024;
+/// Kubernetes Events waiting to be written; the oldest is dropped beyond this.
+const EVENT_QUEUE: usize = 1000;
+/// Events written per loop turn, so a backlog never stalls the loop for long.
+const EVENTS_PER_TURN: usize = 50;
+/// Retry delay of event writes while the API server is unavailable.
+const EVENT_RETRY: Duration = Duration::from_secs(1);
+
+/// Reactor timer keys: the top byte names the owner so `Event::Timer` can be routed.
+const KEY_PROBE: u64 = 1 << 56;
+const KEY_MASK: u64 = 0xff << 56;
+const KEY_OWN: u64 = 2 << 56;
+
+/// The daemon's own timers (key `KEY_OWN | n`).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+enum OwnTimer {
+    Provider = 1,
+    Watch = 2,
+    Node = 3,
+    EventStream = 4,
+    Startup = 5,
+    Watchdog = 6,
+    Events = 7,
+}
+
+impl OwnTimer {
+    fn from_key(key: u64) -> Option<OwnTimer> {
+        use OwnTimer::*;
+        [
+            Provider,
+            Watch,
+            Node,
+            EventStream,
+            Startup,
+            Watchdog,
+            Events,
+        ]
+        .into_iter()
+        .find(|t| KEY_OWN | *t as u64 == key)
+    }
+}
+
+/// What a running cocoon child is for.
+enum ChildRole {
+    /// A provider `Effect::Cocoon`.
+    Op(OpId),
+    /// The startup `cocoon vm list -o json`.
+    StartupList,
+    /// The long-lived `cocoon vm status --event --format json`.
+    EventStream,
+    /// The re-sync `vm list` owed after the event stream restarted.
+    Resync,
+}
+
+/// Everything the loop owns.
+pub struct Daemon {
+    config: Config,
+    reactor: Reactor<Work>,
+    metrics: Metrics,
+    metrics_server: Option<MetricsServer>,
+    kube: Arc<Client>,
+    registry: Option<Arc<RegistryClient>>,
+    provider: Provider,
+    pending: VecDeque<Input>,
+    startup: Option<Startup>,
+    watch: PodWatch,
+    node: NodeAgent,
+    events: EventRecorder,
+    kubelet: KubeletServer,
+    probes: ProbeEngine<TimerId>,
+    /// uid of each probed pod, for the provider's Readiness input.
+    probe_uids: HashMap<String, String>,
+    leases: LeaseFile,
+    releaser: Arc<LeaseReleaser>,
+    stream: EventStream,
+    children: HashMap<ChildId, ChildRole>,
+    timers: HashMap<OwnTimer, (TimerId, Instant)>,
+    watchdog: Option<Duration>,
+    view_dirty: bool,
+    stopping: bool,
+}
+
+/// A fatal start-up error: the message and the process exit status.
+pub struct StartError {
+    pub message: String,
+    pub status: i32,
+}
+
+impl StartError {
+    fn new(status: i32, message: impl Into<String>) -> StartError {
+        StartError {
+            message: message.into(),
+            status,
+        }
+    }
+}
+
+/// Runs the daemon until SIGTERM/SIGINT. Returns the process exit status.
+pub fn run(config: Config) -> i32 {
+    raise_open_file_limit();
+    let mut daemon = match Daemon::new(config) {
+        Ok(d) => d,
+        Err(e) => {
+            log::error!("{}", e.message);
+            return e.status;
+        }
+    };
+    let status = daemon.serve();
+    let _ = sd_notify::notify("STOPPING=1");
+    log::info!("vk-cocoon stopped");
+    status
+}
+
+impl Daemon {
+    /// Builds every part and binds the listeners; nothing talks to the API server yet.
+    pub fn new(config: Config) -> Result<Daemon, StartError> {
+        let mut reactor: Reactor<Work> = Reactor::new(WORKERS, WORK_QUEUE)
+            .map_err(|e| StartError::new(1, format!("event loop: {e}")))?;
+        reactor
+            .watch_signals(&[libc::SIGTERM, libc::SIGINT, libc::SIGHUP])
+            .map_err(|e| StartError::new(1, format!("signal handling: {e}")))?;
+        let metrics =
+            Metrics::new().map_err(|e| StartError::new(1, format!("metrics registry: {e}")))?;
+
+        let kube = Client::from_env(&KubeOptions::from_process_env())
+            .map_err(|e| StartError::new(2, format!("kubernetes client: {e}")))?;
+        let kube = Arc::new(kube);
+        log::info!("kubernetes API at {}", kube.server());
+
+        let node = startup::node_agent(&config, reactor.now())?;
+        let registry = if config.oci_registry.is_empty() {
+            None
+        } else {
+            let client = RegistryClient::from_env(&config.oci_registry).map_err(|e| {
+                StartError::new(2, format!("OCI_REGISTRY {:?}: {e}", config.oci_registry))
+            })?;
+            Some(Arc::new(client))
+        };
+
+        let stats = StatsHub::new(StatsPaths {
+            cgroup_parent: config.cocoon_cgroup_parent.clone(),
+            cocoon_root: config.cocoon_root_dir.clone(),
+            ..StatsPaths::default()
+        });
+        metrics
+            .registry()
+            .register(Box::new(VmCollector::new(stats.clone())))
+            .map_err(|e| StartError::new(1, format!("metrics collectors: {e}")))?;
+
+        let metrics_server =
+            MetricsServer::bind(&config.metrics_addr, metrics.clone(), &mut reactor).map_err(
+                |e| {
+                    StartError::new(
+                        1,
+                        format!("metrics listener on {}: {e}", config.metrics_addr),
+                    )
+                },
+            )?;
+        log::info!(
+            "metrics listening on http://{}/metrics",
+            metrics_server.local_addr()
+        );
+
+        let kubelet = startup::kubelet_server(&config, &kube, node.options(), stats, &mut reactor)?;
+
+        let mut probe_manager = ProbeManager::new(
+            ProbeConfig::default(),
+            Some(LeaseFile::new(config.leases_path.clone())),
+        );
+        probe_manager.set_duration_histogram(metrics.probe_duration_seconds.clone());
+        let mut host = Host {
+            reactor: &mut reactor,
+        };
+        let probes = ProbeEngine::new(probe_manager, Pinger::open(), &mut host)
+            .map_err(|e| StartError::new(1, format!("probe socket: {e}")))?;
+
+        let provider = Provider::new(ProviderConfig {
+            node_name: config.node_name.clone(),
+            cpu_class: config.snapshot_cpu_class.clone(),
+            registry: registry.is_some(),
+            orphan_policy: startup::orphan_policy(&config),
+            restore_mode: config.restore_mode.as_str().to_string(),
+            lease_release: config.cocoon_net_control_socket.is_some(),
+        });
+        let mut watch = PodWatch::new(&config.node_name, WatchConfig::default());
+        let watch_token = reactor.token();
+        watch
+            .register(reactor.registry(), watch_token)
+            .map_err(|e| StartError::new(1, format!("pod watch: {e}")))?;
+        let events = EventRecorder::new(&config.node_name, EVENT_QUEUE);
+        let releaser = Arc::new(LeaseReleaser::new(config.cocoon_net_control_socket.clone()));
+        let leases = LeaseFile::new(config.leases_path.clone());
+        let watchdog = sd_notify::watchdog_interval(
+            std::env::var("WATCHDOG_USEC").ok().as_deref(),
+            std::env::var("WATCHDOG_PID").ok().as_deref(),
+        );
+        let now = reactor.now();
+        Ok(Daemon {
+            stream: EventStream::new(now),
+            startup: Some(Startup::new(now)),
+            config,
+            reactor,
+            metrics,
+            metrics_server: Some(metrics_server),
+            kube,
+            registry,
+            provider,
+            pending: VecDeque::new(),
+            watch,
+            node,
+            events,
+            kubelet,
+            probes,
+            probe_uids: HashMap::new(),
+            leases,
+            releaser,
+            children: HashMap::new(),
+            timers: HashMap::new(),
+            watchdog,
+            view_dirty: true,
+            stopping: false,
+        })
+    }
+
+    /// The loop. Returns the exit status.
+    pub fn serve(&mut self) -> i32 {
+        if self.watchdog.is_some() {
+            self.fire_own(OwnTimer::Watchdog);
+        }
+        self.arm(OwnTimer::Startup, self.reactor.now());
+        let mut events = Vec::new();
+        loop {
+            events.clear();
+            if let Err(e) = self.reactor.poll(&mut events) {
+                log::error!("event loop: {e}");
+                return 1;
+            }
+            for event in events.drain(..) {
+                self.route(event);
+                if self.stopping {
+                    self.shutdown();
+                    return 0;
+                }
+            }
+            self.drain_inputs();
+            self.after_turn();
+        }
+    }
+
+    fn route(&mut self, event: Event<Work>) {
+        let now = self.reactor.now();
+        match event {
+            Event::Io(ready) => {
+                if ready.token == self.watch.token() {
+                    let out = self.watch.on_ready(&self.kube, now);
+                    self.watch_outputs(out);
+                } else if self.probes.owns_token(ready.token) {
+                    let mut host = Host {
+                        reactor: &mut self.reactor,
+                    };
+                    let out = self.probes.on_io(&mut host, ready.token, now);
+                    self.probe_events(out);
+                } else if self.kubelet.owns_token(ready.token) {
+                    self.kubelet.on_io(&mut self.reactor, ready);
+                    self.kubelet_auth();
+                } else if let Some(server) = self.metrics_server.as_mut() {
+                    server.handle_io(&mut self.reactor, &ready);
+                }
+            }
+            Event::Timer { id, key } => self.route_timer(id, key),
+            Event::ChildOutput { id, stream, data } => {
+                if self.kubelet.owns_child(id) {
+                    self.kubelet
+                        .on_child_output(&mut self.reactor, id, stream, &data);
+                } else if matches!(self.children.get(&id), Some(ChildRole::EventStream)) {
+                    let inputs = self.stream.on_output(now, &data);
+                    self.pending.extend(inputs);
+                }
+            }
+            Event::ChildExit(exit) => {
+                if self.kubelet.owns_child(exit.id) {
+                    self.kubelet.on_child_exit(&mut self.reactor, &exit);
+                    return;
+                }
+                match self.children.remove(&exit.id) {
+                    Some(ChildRole::Op(op)) => self.pending.push_back(Input::CocoonDone {
+                        op,
+                        result: effects::cocoon_result(&exit),
+                    }),
+                    Some(ChildRole::StartupList) => self.startup_listed(exit),
+                    Some(ChildRole::EventStream) => {
+                        let (inputs, restart_at) = self.stream.on_exit(now, &exit);
+                        self.pending.extend(inputs);
+                        self.arm(OwnTimer::EventStream, restart_at);
+                    }
+                    Some(ChildRole::Resync) => self.resync_listed(exit),
+                    None => {}
+                }
+            }
+            Event::Signal(sig) if sig == libc::SIGHUP => {
+                log::info!(
+                    "SIGHUP ignored: settings are read at start; restart vk-cocoon to apply changes"
+                );
+            }
+            Event::Signal(sig) => {
+                log::info!("signal {sig} received; shutting down (VMs keep running)");
+                self.stopping = true;
+            }
+            Event::Work(work) => self.route_work(work),
+        }
+    }
+
+    fn route_timer(&mut self, id: TimerId, key: u64) {
+        let now = self.reactor.now();
+        match key & KEY_MASK {
+            KEY_PROBE => {
+                let mut host = Host {
+                    reactor: &mut self.reactor,
+                };
+                let out = self.probes.on_timer(
+                    &mut host,
+                    TimerKey(key & !KEY_MASK),
+                    now,
+                    SystemTime::now(),
+                );
+                self.probe_events(out);
+            }
+            KEY_OWN => {
+                let Some(which) = OwnTimer::from_key(key) else {
+                    return;
+                };
+                if self.timers.get(&which).map(|t| t.0) != Some(id) {
+                    return;
+                }
+                self.timers.remove(&which);
+                self.fire_own(which);
+            }
+            _ => {
+                if self.kubelet.owns_timer(id) {
+                    self.kubelet.on_timer(&mut self.reactor, id);
+                } else if let Some(server) = self.metrics_server.as_mut() {
+                    server.handle_timer(&mut self.reactor, id);
+                }
+            }
+        }
+    }
+
+    fn fire_own(&mut self, which: OwnTimer) {
+        let now = self.reactor.now();
+        match which {
+            OwnTimer::Provider => self.pending.push_back(Input::Tick),
+            OwnTimer::Watch => {
+                let out = self.watch.on_timer(&self.kube, now);
+                self.watch_outputs(out);
+            }
+            OwnTimer::Node => self.node.tick(&self.kube, now),
+            OwnTimer::EventStream => self.start_event_stream(),
+            OwnTimer::Startup => self.startup_step(),
+            OwnTimer::Watchdog => {
+                let _ = sd_notify::notify("WATCHDOG=1");
+                if let Some(every) = self.watchdog {
+                    self.arm(OwnTimer::Watchdog, now + every);
+                }
+            }
+            OwnTimer::Events => self.flush_events(),
+        }
+    }
+
+    fn route_work(&mut self, work: Work) {
+        match work {
+            Work::Transfer { op, result } => {
+                self.pending.push_back(Input::TransferDone { op, result })
+            }
+            Work::LeasesReleased { released, failed } => {
+                let family = &self.metrics.lease_release_total;
+                family.with_label_values(&["ok"]).inc_by(released as u64);
+                family
+                    .with_label_values(&["failed"])
+                    .inc_by(failed.len() as u64);
+                for f in failed {
+                    log::warn!("lease release: {f} (cocoon-net's lease expiry is the fallback)");
+                }
+            }
+            Work::KubeletAuth { id, answer } => {
+                self.kubelet.on_auth_answer(&mut self.reactor, id, answer);
+                self.kubelet_auth();
+            }
+        }
+    }
+
+    /// Pod watch outputs become provider inputs; before the startup reconcile they are dropped
+    /// (the reconcile's own list is the starting point and the watch resumes from it).
+    fn watch_outputs(&mut self, out: Vec<WatchOutput>) {
+        if !out.is_empty() {
+            self.view_dirty = true;
+        }
+        for o in out {
+            self.pending.push_back(match o {
+                WatchOutput::Added(p) | WatchOutput::Modified(p) => Input::PodUpserted(p),
+                WatchOutput::Deleted(p) => Input::PodDeleted(p),
+            });
+        }
+    }
+
+    /// Readiness changes from the probe engine, for the provider.
+    fn probe_events(&mut self, out: Vec<ProbeEvent>) {
+        for e in out {
+            let (pod, ip) = match e {
+                ProbeEvent::Readiness { pod, .. } => (pod, None),
+                ProbeEvent::IpChanged { pod, ip, .. } => {
+                    let ip = Some(ip.map(|i| i.to_string()).unwrap_or_default());
+                    (pod, ip)
+                }
+            };
+            let Some(uid) = self.probe_uids.get(&pod).cloned() else {
+                continue;
+            };
+            let Some((ns, name)) = pod.split_once('/') else {
+                continue;
+            };
+            let result = self.probes.manager().result(&pod);
+            self.pending.push_back(Input::Readiness {
+                key: PodKey::new(ns, name),
+                uid,
+                ready: result.is_some_and(|r| r.ready),
+                message: result.map(|r| r.message.clone()).unwrap_or_default(),
+                ip,
+            });
+        }
+    }
+
+    /// Feeds every queued input through the provider and performs the effects.
+    fn drain_inputs(&mut self) {
+        // Bounded so that a feedback loop (an effect answering itself forever) cannot wedge the
+        // loop; the rest waits for the next turn.
+        let mut budget = 100_000;
+        while let Some(input) = self.pending.pop_front() {
+            let now = self.reactor.now();
+            let effects = self.provider.handle(input, now, SystemTime::now());
+            if !effects.is_empty() {
+                self.view_dirty = true;
+            }
+            for effect in effects {
+                self.perform(effect);
+            }
+            budget -= 1;
+            if budget == 0 {
+                log::warn!("input queue still busy; continuing next turn");
+                break;
+            }
+        }
+        if let Some(at) = self.provider.poll_timeout() {
+            self.arm(OwnTimer::Provider, at);
+        }
+    }
+
+    /// Re-arms the watch, node and event timers and refreshes the kubelet view.
+    fn after_turn(&mut self) {
+        if self.startup.is_none() {
+            if let Some(at) = self.watch.next_due() {
+                self.arm(OwnTimer::Watch, at);
+            }
+            self.arm(OwnTimer::Node, self.node.next_due());
+        }
+        if self.events.pending() > 0 && !self.timers.contains_key(&OwnTimer::Events) {
+            self.arm(OwnTimer::Events, self.reactor.now());
+        }
+        if self.view_dirty {
+            self.view_dirty = false;
+            self.kubelet.set_view(self.kubelet_view());
+        }
+        if !self.pending.is_empty() {
+            self.arm(OwnTimer::Provider, self.reactor.now());
+        }
+    }
+
+    /// Arms (or moves) one of the daemon's own timers.
+    fn arm(&mut self, which: OwnTimer, at: Instant) {
+        if let Some(&(id, when)) = self.timers.get(&which) {
+            if when == at {
+                return;
+            }
+            self.reactor.cancel_timer(id);
+        }
+        let id = self.reactor.timer_at(at, KEY_OWN | which as u64);
+        self.timers.insert(which, (id, at));
+    }
+
+    /// Answers the kubelet server's pending TokenReview / SubjectAccessReview requests on the
+    /// worker pool (blocking API calls never run on the loop).
+    fn kubelet_auth(&mut self) {
+        for (id, req) in self.kubelet.take_auth_requests() {
+            let kube = self.kube.clone();
+            let job = move || Work::KubeletAuth {
+                id,
+                answer: effects::authorize(&kube, &req),
+            };
+            if self.reactor.submit(job).is_err() {
+                self.kubelet.on_auth_answer(
+                    &mut self.reactor,
+                    id,
+                    AuthAnswer::Error("authorisation queue full".into()),
+                );
+            }
+        }
+    }
+
+    fn flush_events(&mut self) {
+        let now = self.reactor.now();
+        let pending = self.events.pending();
+        let written = self.events.flush(&self.kube, EVENTS_PER_TURN, now);
+        if written < pending.min(EVENTS_PER_TURN) {
+            // A write failed: try again later instead of spinning on an unavailable API.
+            self.arm(OwnTimer::Events, now + EVENT_RETRY);
+        }
+    }
+
+    fn shutdown(&mut self) {
+        // Stop accepting; in-flight cocoon calls are killed when the reactor drops; VMs live on.
+        if let Some(server) = self.metrics_server.take() {
+            server.shutdown(&mut self.reactor);
+        }
+        let effects = self.provider.shutdown();
+        for effect in effects {
+            if let crate::provider::Effect::StopProbe { key } = effect {
+                let mut host = Host {
+                    reactor: &mut self.reactor,
+                };
+                self.probes.forget(&mut host, &key.to_string());
+            }
+        }
+    }
+
+    /// The cocoon binary as an argv prefix.
+    fn cocoon_bin(&self) -> PathBuf {
+        self.config.cocoon_bin.clone()
+    }
+}
+
+/// The probe engine's view of the reactor.
+struct Host<'a> {
+    reactor: &'a mut Reactor<Work>,
+}
+
+impl ProbeHost for Host<'_> {
+    type TimerId = TimerId;
+    fn registry(&self) -> &mio::Registry {
+        self.reactor.registry()
+    }
+    fn new_token(&mut self) -> mio::Token {
+        self.reactor.token()
+    }
+    fn timer_at(&mut self, at: Instant, key: TimerKey) -> TimerId {
+        self.reactor.timer_at(at, KEY_PROBE | (key.0 & !KEY_MASK))
+    }
+    fn cancel_timer(&mut self, id: TimerId) {
+        self.reactor.cancel_timer(id);
+    }
+}
+
+/// Lifts the soft open-file limit to the hard one: the daemon holds a socket or
+/// pipe per VM, probe, client and child (the unit also sets LimitNOFILE=65536).
+fn raise_open_file_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write only the struct passed by pointer.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                log::debug!(
+                    "could not raise RLIMIT_NOFILE: {}",
+                    std::io::Error::last_os_error()
+                );
+            }
+        }
+    }
+}

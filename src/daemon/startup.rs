@@ -1,0 +1,229 @@
+//! Start-up: building the node agent and the kubelet server from the configuration, and the
+//! startup reconcile (pod list + `cocoon vm list`) that must finish before anything else runs.
+//!
+//! The Go daemon exits when the reconcile fails; here it is retried with backoff (1 s doubling
+//! to 30 s) so a host that boots before its API server or cocoon comes up by itself, with
+//! `/metrics` answering and SIGTERM honoured meanwhile.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::{ChildRole, Daemon, OwnTimer, StartError, Work};
+use crate::config::{self, Config, KubeletAuth};
+use crate::kube::watch::WatchOutput;
+use crate::kube::Client;
+use crate::kubelet::tls::{TlsSettings, TlsState};
+use crate::kubelet::{KubeletConfig, KubeletServer};
+use crate::metrics::stats::StatsHub;
+use crate::node::{compute_resources, detect_node_ip, HostFacts, NodeAgent, NodeOptions};
+use crate::provider::cocoon::parse_vm_list;
+use crate::provider::{Input, OrphanPolicy};
+use crate::reactor::{sd_notify, ChildExit, ChildSpec, OutputMode, Reactor, StdinMode};
+
+const RETRY_FIRST: Duration = Duration::from_secs(1);
+const RETRY_MAX: Duration = Duration::from_secs(30);
+/// `cocoon vm list` of a dense host can take a while; it is still bounded.
+const LIST_DEADLINE: Duration = Duration::from_secs(120);
+
+/// Progress of the startup reconcile.
+pub(super) struct Startup {
+    /// Pods listed from the API, waiting for the VM list.
+    pods: Option<Vec<k8s_openapi::api::core::v1::Pod>>,
+    retry: Duration,
+    attempts: u32,
+    #[allow(dead_code)]
+    began: Instant,
+}
+
+impl Startup {
+    pub(super) fn new(now: Instant) -> Startup {
+        Startup {
+            pods: None,
+            retry: RETRY_FIRST,
+            attempts: 0,
+            began: now,
+        }
+    }
+}
+
+impl Daemon {
+    /// One attempt: list the pods (a short blocking call), then start `cocoon vm list`.
+    pub(super) fn startup_step(&mut self) {
+        let now = self.reactor.now();
+        let Some(startup) = self.startup.as_mut() else {
+            return;
+        };
+        startup.attempts += 1;
+        match self.watch.relist(&self.kube, now) {
+            Ok(out) => {
+                let pods = out
+                    .into_iter()
+                    .filter_map(|o| match o {
+                        WatchOutput::Added(p) | WatchOutput::Modified(p) => Some(*p),
+                        WatchOutput::Deleted(_) => None,
+                    })
+                    .collect();
+                startup.pods = Some(pods);
+            }
+            Err(e) => {
+                log::warn!("startup reconcile: listing pods failed: {e}");
+                return self.startup_retry();
+            }
+        }
+        let argv = vec![
+            self.config.cocoon_bin.to_string_lossy().into_owned(),
+            "vm".into(),
+            "list".into(),
+            "-o".into(),
+            "json".into(),
+        ];
+        let spec = ChildSpec::new(argv)
+            .deadline(LIST_DEADLINE)
+            .stdin(StdinMode::Null)
+            .stdout(OutputMode::Capture { limit: 64 << 20 })
+            .stderr(OutputMode::Capture { limit: 64 << 10 });
+        match self.reactor.spawn(spec) {
+            Ok(id) => {
+                self.children.insert(id, ChildRole::StartupList);
+            }
+            Err(e) => {
+                log::warn!(
+                    "startup reconcile: cannot run {}: {e}",
+                    self.config.cocoon_bin.display()
+                );
+                self.startup_retry();
+            }
+        }
+    }
+
+    /// The `vm list` ended: hand both lists to the provider and bring the node up.
+    pub(super) fn startup_listed(&mut self, exit: ChildExit) {
+        let result = super::effects::cocoon_result(&exit);
+        let vms = if result.success {
+            parse_vm_list(&result.stdout)
+        } else {
+            Err(result.error_text())
+        };
+        let vms = match vms {
+            Ok(vms) => vms,
+            Err(e) => {
+                log::warn!("startup reconcile: cocoon vm list failed: {e}");
+                return self.startup_retry();
+            }
+        };
+        let Some(pods) = self.startup.as_mut().and_then(|s| s.pods.take()) else {
+            return;
+        };
+        log::info!(
+            "startup reconcile: {} pods bound to {}, {} VMs on this host",
+            pods.len(),
+            self.config.node_name,
+            vms.len()
+        );
+        self.startup = None;
+        self.pending.push_back(Input::StartupListed { pods, vms });
+        self.drain_inputs();
+        // Register the node now (first NodeAgent tick), then watch and stream events.
+        let now = self.reactor.now();
+        self.node.tick(&self.kube, now);
+        if self.node.registered() {
+            log::info!("node {} registered", self.config.node_name);
+        }
+        let _ = sd_notify::notify("READY=1");
+        self.start_event_stream();
+    }
+
+    fn startup_retry(&mut self) {
+        let now = self.reactor.now();
+        let Some(startup) = self.startup.as_mut() else {
+            return;
+        };
+        let wait = startup.retry;
+        startup.retry = (startup.retry * 2).min(RETRY_MAX);
+        startup.pods = None;
+        log::info!(
+            "startup reconcile attempt {} failed; retrying in {:?}",
+            startup.attempts,
+            wait
+        );
+        self.arm(OwnTimer::Startup, now + wait);
+    }
+}
+
+/// VK_ORPHAN_POLICY as the provider knows it.
+pub(super) fn orphan_policy(config: &Config) -> OrphanPolicy {
+    match config.orphan_policy {
+        config::OrphanPolicy::Destroy => OrphanPolicy::Destroy,
+        config::OrphanPolicy::Alert => OrphanPolicy::Alert,
+        config::OrphanPolicy::Keep => OrphanPolicy::Keep,
+    }
+}
+
+/// The node's options and capacity (behaviour §2.4 / §2.5). Errors are fatal.
+pub(super) fn node_agent(config: &Config, now: Instant) -> Result<NodeAgent, StartError> {
+    let ip = match config.node_ip {
+        Some(ip) => ip,
+        None => detect_node_ip().ok_or_else(|| {
+            StartError::new(
+                1,
+                "VK_NODE_IP is not set and no non-loopback IPv4 address was found",
+            )
+        })?,
+    };
+    let opts = NodeOptions {
+        name: config.node_name.clone(),
+        ip,
+        pool: config.node_pool.clone(),
+        snapshot_cpu_class: config.snapshot_cpu_class.clone(),
+        provider_id: config.provider_id.clone(),
+        kubelet_port: config.kubelet_port,
+        version: crate::version::VERSION.to_string(),
+        root_dir: config.cocoon_root_dir.clone(),
+        reserve_percent: config.reserve_percent,
+        cpu: config.node_cpu.clone(),
+        mem: config.node_mem.clone(),
+        storage: config.node_storage.clone(),
+        hugepages: config.node_hugepages.clone(),
+        pods: config.node_pods.clone(),
+    };
+    let host = HostFacts::read(&config.cocoon_root_dir)
+        .map_err(|e| StartError::new(1, format!("node capacity: {e}")))?;
+    let resources = compute_resources(&opts, &host)
+        .map_err(|e| StartError::new(1, format!("node capacity: {e}")))?;
+    Ok(NodeAgent::new(opts, resources, now))
+}
+
+/// The kubelet API server, listening on VK_KUBELET_PORT (§2.3, §22.1).
+pub(super) fn kubelet_server(
+    config: &Config,
+    kube: &Arc<Client>,
+    node: &NodeOptions,
+    stats: StatsHub,
+    reactor: &mut Reactor<Work>,
+) -> Result<KubeletServer, StartError> {
+    let tls = TlsState::new(TlsSettings {
+        cert_path: config.tls_cert.clone(),
+        key_path: config.tls_key.clone(),
+        node_name: config.node_name.clone(),
+        node_ip: Some(node.ip),
+        client_ca_pem: kube.cluster().ca_pem.clone(),
+    })
+    .map_err(|e| StartError::new(1, format!("kubelet TLS: {e}")))?;
+    let mut cfg = KubeletConfig::new(&config.node_name, &config.cocoon_bin.to_string_lossy());
+    cfg.auth_enabled = config.kubelet_auth != KubeletAuth::Off;
+    if !cfg.auth_enabled {
+        log::warn!(
+            "VK_KUBELET_AUTH=off: the kubelet API on port {} accepts ANY caller, including exec \
+             into every VM; use this only on an isolated network",
+            config.kubelet_port
+        );
+    }
+    let mut server = KubeletServer::new(cfg, tls, stats);
+    let addr = SocketAddr::from(([0, 0, 0, 0], config.kubelet_port));
+    let bound = server
+        .listen(reactor, addr)
+        .map_err(|e| StartError::new(1, format!("kubelet API listener on {addr}: {e}")))?;
+    log::info!("kubelet API listening on https://{bound}");
+    Ok(server)
+}
