@@ -5,7 +5,6 @@
 //! provider input with the same op id; the daemon never retries: the core decides.
 
 use std::collections::BTreeMap;
-use std::net::Ipv4Addr;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
@@ -17,7 +16,7 @@ use k8s_openapi::api::authorization::v1::{
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-use super::{ChildRole, Daemon, Host, Work};
+use super::{ChildRole, Daemon, Work};
 use crate::kube::events::EventType as KubeEventType;
 use crate::kube::{Client, KubeError as ApiError};
 use crate::kubelet::{AuthAnswer, AuthRequest, UserInfo};
@@ -137,37 +136,25 @@ impl Daemon {
                 mac,
                 probe_port,
             } => {
-                let pod = key.to_string();
-                let static_ip = self
+                let mut target =
+                    ProbeTarget::from_parts(&key.namespace, &uid, &vm_id, &ip, &mac, probe_port);
+                target.static_ip = self
                     .provider
                     .pod_vm(&key)
                     .and_then(|vm| vm.nics.first())
                     .is_some_and(|nic| !nic.static_ip.is_empty());
-                let target = ProbeTarget {
-                    namespace: key.namespace.clone(),
-                    vm_id,
-                    ip: ip.parse::<Ipv4Addr>().ok(),
-                    mac: Some(mac).filter(|m| !m.is_empty()),
-                    static_ip,
-                    probe_port: probe_port.map(|p| p.to_string()),
-                };
-                self.probe_uids.insert(pod.clone(), uid);
                 let now = self.reactor.now();
-                let mut host = Host {
-                    reactor: &mut self.reactor,
-                };
-                let out = self
-                    .probes
-                    .start(&mut host, &pod, Some(target), now, SystemTime::now());
+                let out = self.probes.start(
+                    &mut self.reactor,
+                    &key.to_string(),
+                    Some(target),
+                    now,
+                    SystemTime::now(),
+                );
                 self.probe_events(out);
             }
             Effect::StopProbe { key } => {
-                let pod = key.to_string();
-                self.probe_uids.remove(&pod);
-                let mut host = Host {
-                    reactor: &mut self.reactor,
-                };
-                self.probes.forget(&mut host, &pod);
+                self.probes.forget(&mut self.reactor, &key.to_string());
             }
             Effect::ReleaseLeases { macs } => {
                 if !self.releaser.enabled() || macs.is_empty() {

@@ -40,7 +40,7 @@ use crate::network::icmp::Pinger;
 use crate::network::leases::LeaseFile;
 use crate::network::release::LeaseReleaser;
 use crate::node::NodeAgent;
-use crate::probes::{ProbeConfig, ProbeEngine, ProbeEvent, ProbeHost, ProbeManager, TimerKey};
+use crate::probes::{ProbeConfig, ProbeEngine, ProbeEvent, ProbeManager};
 use crate::provider::{Input, OpId, PodKey, Provider, ProviderConfig};
 use crate::reactor::{sd_notify, ChildId, Event, Reactor, TimerId};
 use crate::snapshots::RegistryClient;
@@ -74,8 +74,8 @@ const EVENTS_PER_TURN: usize = 50;
 /// Retry delay of event writes while the API server is unavailable.
 const EVENT_RETRY: Duration = Duration::from_secs(1);
 
-/// Reactor timer keys: the top byte names the owner so `Event::Timer` can be routed.
-const KEY_PROBE: u64 = 1 << 56;
+/// The daemon's own reactor timer keys carry this top byte (the probe engine tags its own,
+/// the kubelet and metrics servers recognise theirs by timer id).
 const KEY_MASK: u64 = 0xff << 56;
 const KEY_OWN: u64 = 2 << 56;
 
@@ -136,8 +136,6 @@ pub struct Daemon {
     events: EventRecorder,
     kubelet: KubeletServer,
     probes: ProbeEngine<TimerId>,
-    /// uid of each probed pod, for the provider's Readiness input.
-    probe_uids: HashMap<String, String>,
     leases: LeaseFile,
     releaser: Arc<LeaseReleaser>,
     stream: EventStream,
@@ -236,10 +234,7 @@ impl Daemon {
             Some(LeaseFile::new(config.leases_path.clone())),
         );
         probe_manager.set_duration_histogram(metrics.probe_duration_seconds.clone());
-        let mut host = Host {
-            reactor: &mut reactor,
-        };
-        let probes = ProbeEngine::new(probe_manager, Pinger::open(), &mut host)
+        let probes = ProbeEngine::new(probe_manager, Pinger::open(), &mut reactor)
             .map_err(|e| StartError::new(1, format!("probe socket: {e}")))?;
 
         let provider = Provider::new(ProviderConfig {
@@ -279,7 +274,6 @@ impl Daemon {
             events,
             kubelet,
             probes,
-            probe_uids: HashMap::new(),
             leases,
             releaser,
             children: HashMap::new(),
@@ -317,17 +311,18 @@ impl Daemon {
 
     fn route(&mut self, event: Event<Work>) {
         let now = self.reactor.now();
+        if let Some(out) = self
+            .probes
+            .handle_event(&mut self.reactor, &event, SystemTime::now())
+        {
+            self.probe_events(out);
+            return;
+        }
         match event {
             Event::Io(ready) => {
                 if ready.token == self.watch.token() {
                     let out = self.watch.on_ready(&self.kube, now);
                     self.watch_outputs(out);
-                } else if self.probes.owns_token(ready.token) {
-                    let mut host = Host {
-                        reactor: &mut self.reactor,
-                    };
-                    let out = self.probes.on_io(&mut host, ready.token, now);
-                    self.probe_events(out);
                 } else if self.kubelet.owns_token(ready.token) {
                     self.kubelet.on_io(&mut self.reactor, ready);
                     self.kubelet_auth();
@@ -379,20 +374,7 @@ impl Daemon {
     }
 
     fn route_timer(&mut self, id: TimerId, key: u64) {
-        let now = self.reactor.now();
         match key & KEY_MASK {
-            KEY_PROBE => {
-                let mut host = Host {
-                    reactor: &mut self.reactor,
-                };
-                let out = self.probes.on_timer(
-                    &mut host,
-                    TimerKey(key & !KEY_MASK),
-                    now,
-                    SystemTime::now(),
-                );
-                self.probe_events(out);
-            }
             KEY_OWN => {
                 let Some(which) = OwnTimer::from_key(key) else {
                     return;
@@ -470,29 +452,34 @@ impl Daemon {
         }
     }
 
-    /// Readiness changes from the probe engine, for the provider.
+    /// Readiness and IP changes from the probe engine, for the provider.
     fn probe_events(&mut self, out: Vec<ProbeEvent>) {
         for e in out {
-            let (pod, ip) = match e {
-                ProbeEvent::Readiness { pod, .. } => (pod, None),
-                ProbeEvent::IpChanged { pod, ip, .. } => {
-                    let ip = Some(ip.map(|i| i.to_string()).unwrap_or_default());
-                    (pod, ip)
+            let (pod, uid, ready, message, ip) = match e {
+                ProbeEvent::Readiness {
+                    pod,
+                    uid,
+                    ready,
+                    message,
+                    ip,
+                    ..
+                } => (pod, uid, ready, message, ip),
+                ProbeEvent::IpChanged { pod, uid, ip, .. } => {
+                    let latest = self.probes.manager().result(&pod);
+                    let ready = latest.is_some_and(|r| r.ready);
+                    let message = latest.map(|r| r.message.clone()).unwrap_or_default();
+                    (pod, uid, ready, message, ip)
                 }
-            };
-            let Some(uid) = self.probe_uids.get(&pod).cloned() else {
-                continue;
             };
             let Some((ns, name)) = pod.split_once('/') else {
                 continue;
             };
-            let result = self.probes.manager().result(&pod);
             self.pending.push_back(Input::Readiness {
                 key: PodKey::new(ns, name),
                 uid,
-                ready: result.is_some_and(|r| r.ready),
-                message: result.map(|r| r.message.clone()).unwrap_or_default(),
-                ip,
+                ready,
+                message,
+                ip: Some(ip.map(|i| i.to_string()).unwrap_or_default()),
             });
         }
     }
@@ -591,10 +578,7 @@ impl Daemon {
         let effects = self.provider.shutdown();
         for effect in effects {
             if let crate::provider::Effect::StopProbe { key } = effect {
-                let mut host = Host {
-                    reactor: &mut self.reactor,
-                };
-                self.probes.forget(&mut host, &key.to_string());
+                self.probes.forget(&mut self.reactor, &key.to_string());
             }
         }
     }
@@ -602,27 +586,6 @@ impl Daemon {
     /// The cocoon binary as an argv prefix.
     fn cocoon_bin(&self) -> PathBuf {
         self.config.cocoon_bin.clone()
-    }
-}
-
-/// The probe engine's view of the reactor.
-struct Host<'a> {
-    reactor: &'a mut Reactor<Work>,
-}
-
-impl ProbeHost for Host<'_> {
-    type TimerId = TimerId;
-    fn registry(&self) -> &mio::Registry {
-        self.reactor.registry()
-    }
-    fn new_token(&mut self) -> mio::Token {
-        self.reactor.token()
-    }
-    fn timer_at(&mut self, at: Instant, key: TimerKey) -> TimerId {
-        self.reactor.timer_at(at, KEY_PROBE | (key.0 & !KEY_MASK))
-    }
-    fn cancel_timer(&mut self, id: TimerId) {
-        self.reactor.cancel_timer(id);
     }
 }
 
