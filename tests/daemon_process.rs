@@ -1,0 +1,451 @@
+//! Process tier: the real vk-cocoon binary against the fake Kubernetes API server (in this test
+//! process, HTTPS on loopback) and the fake cocoon (the same binary behind a `cocoon` symlink).
+//!
+//! Every wait polls the API server's state until a condition holds or a generous deadline
+//! passes; the deadline is a failure bound, not a sleep the test depends on.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Pod;
+use vk_cocoon::sandbox::apiserver::{ApiServer, ApiServerHandle, ApiServerOptions, KubeconfigAuth};
+use vk_cocoon::sandbox::demo_pod;
+
+const NODE: &str = "cocoon-sandbox";
+const BIN: &str = env!("CARGO_BIN_EXE_vk-cocoon");
+
+struct World {
+    api: ApiServerHandle,
+    dir: tempfile::TempDir,
+    metrics_port: u16,
+    kubelet_port: u16,
+    daemon: Option<Child>,
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+impl World {
+    fn new() -> World {
+        let api = ApiServer::start(ApiServerOptions::default()).expect("fake API server");
+        let dir = tempfile::tempdir().expect("temp dir");
+        for d in ["state", "root", "bin", "net"] {
+            std::fs::create_dir_all(dir.path().join(d)).expect("mkdir");
+        }
+        std::os::unix::fs::symlink(BIN, dir.path().join("bin/cocoon")).expect("symlink");
+        api.write_kubeconfig(
+            &dir.path().join("kubeconfig"),
+            &KubeconfigAuth::ClientCert {
+                user: "system:node:cocoon-sandbox".into(),
+                groups: vec!["system:nodes".into(), "system:masters".into()],
+            },
+        )
+        .expect("kubeconfig");
+        World {
+            api,
+            dir,
+            metrics_port: free_port(),
+            kubelet_port: free_port(),
+            daemon: None,
+        }
+    }
+
+    fn path(&self, p: &str) -> PathBuf {
+        self.dir.path().join(p)
+    }
+
+    fn start_daemon(&mut self) {
+        let log = std::fs::File::create(self.path("daemon.log")).expect("log file");
+        let child = Command::new(BIN)
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("HOME", self.dir.path())
+            .env("KUBECONFIG", self.path("kubeconfig"))
+            .env("VK_LOG_LEVEL", "debug")
+            .env("VK_NODE_NAME", NODE)
+            .env("VK_NODE_IP", "127.0.0.1")
+            .env("VK_COCOON_BIN", self.path("bin/cocoon"))
+            .env("FAKE_COCOON_STATE", self.path("state"))
+            .env("COCOON_ROOT_DIR", self.path("root"))
+            .env("VK_LEASES_PATH", self.path("net/leases.json"))
+            .env("VK_COCOON_NET_CONTROL_SOCKET", "")
+            .env(
+                "VK_METRICS_ADDR",
+                format!("127.0.0.1:{}", self.metrics_port),
+            )
+            .env("VK_KUBELET_PORT", self.kubelet_port.to_string())
+            .env("VK_TLS_CERT", "")
+            .env("VK_TLS_KEY", "")
+            .env("VK_STAGING_DIR", self.path("staging"))
+            // A registry that answers nothing: snapshot policy `never` keeps the tests off it.
+            .env("OCI_REGISTRY", "127.0.0.1:1/none")
+            .env("COCOON_K8S_QPS", "0")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn vk-cocoon");
+        self.daemon = Some(child);
+    }
+
+    fn kill_daemon(&mut self) {
+        if let Some(mut c) = self.daemon.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.path("daemon.log")).unwrap_or_default()
+    }
+
+    /// Runs the fake cocoon against this world's state.
+    fn cocoon(&self, args: &[&str]) -> (bool, String) {
+        let out = Command::new(self.path("bin/cocoon"))
+            .args(args)
+            .env("FAKE_COCOON_STATE", self.path("state"))
+            .env("COCOON_ROOT_DIR", self.path("root"))
+            .output()
+            .expect("run fake cocoon");
+        let text = if out.status.success() {
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        } else {
+            String::from_utf8_lossy(&out.stderr).into_owned()
+        };
+        (out.status.success(), text)
+    }
+
+    /// VM name → (id, state) as the fake cocoon lists them.
+    fn vms(&self) -> BTreeMap<String, (String, String)> {
+        let (ok, out) = self.cocoon(&["vm", "list", "-o", "json"]);
+        assert!(ok, "vm list failed: {out}");
+        let list: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap_or_default();
+        list.iter()
+            .map(|v| {
+                let name = v["config"]["name"].as_str().unwrap_or("").to_string();
+                let id = v["id"].as_str().unwrap_or("").to_string();
+                let state = v["state"].as_str().unwrap_or("").to_string();
+                (name, (id, state))
+            })
+            .collect()
+    }
+
+    fn seed_snapshot(&self, name: &str) {
+        assert!(self.cocoon(&["image", "pull", "ubuntu:24.04"]).0);
+        let (ok, out) = self.cocoon(&[
+            "vm",
+            "run",
+            "--output",
+            "json",
+            "--name",
+            "seed",
+            "ubuntu:24.04",
+        ]);
+        assert!(ok, "{out}");
+        let id = serde_json::from_str::<serde_json::Value>(&out).unwrap()["id"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(self.cocoon(&["snapshot", "save", "--name", name, &id]).0);
+        assert!(self.cocoon(&["vm", "rm", "--force", &id]).0);
+    }
+
+    fn wait<T>(&self, what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+        let start = Instant::now();
+        loop {
+            if let Some(v) = f() {
+                return v;
+            }
+            if start.elapsed() > limit {
+                panic!(
+                    "timed out after {limit:?} waiting for {what}\n--- daemon log (tail) ---\n{}",
+                    tail(&self.log(), 60)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn pod(&self, name: &str) -> Option<Pod> {
+        self.api.get_pod("default", name)
+    }
+
+    fn events_for(&self, name: &str) -> Vec<(String, String)> {
+        self.api
+            .list_objects("events")
+            .iter()
+            .filter(|e| e["involvedObject"]["name"] == name)
+            .map(|e| {
+                (
+                    e["reason"].as_str().unwrap_or("").to_string(),
+                    e["message"].as_str().unwrap_or("").to_string(),
+                )
+            })
+            .collect()
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        self.kill_daemon();
+        // Stop the fake's sleeping VM processes: they exit once their records are gone.
+        let _ = std::fs::remove_dir_all(self.path("state"));
+    }
+}
+
+fn tail(s: &str, n: usize) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+fn phase(p: &Pod) -> String {
+    p.status
+        .as_ref()
+        .and_then(|s| s.phase.clone())
+        .unwrap_or_default()
+}
+
+fn annotation(p: &Pod, key: &str) -> Option<String> {
+    p.metadata.annotations.as_ref()?.get(key).cloned()
+}
+
+fn running_with_vm(w: &World, name: &str) -> Option<(Pod, String)> {
+    let p = w.pod(name)?;
+    let id = annotation(&p, "vm.cocoonstack.io/id")?;
+    (phase(&p) == "Running" && !id.is_empty()).then_some((p, id))
+}
+
+#[test]
+fn a_pod_becomes_a_running_vm_and_deleting_it_removes_the_vm_and_the_pod() {
+    let mut w = World::new();
+    w.seed_snapshot("base");
+    w.start_daemon();
+    w.api
+        .create_pod(&demo_pod("default", "web", "clone", "base"))
+        .expect("create pod");
+
+    let (pod, id) = w.wait(
+        "pod web Running with a VM id",
+        Duration::from_secs(20),
+        || running_with_vm(&w, "web"),
+    );
+    let vms = w.vms();
+    let (vm_id, state) = vms
+        .get("vk-default-web")
+        .expect("VM named after the annotation");
+    assert_eq!(vm_id, &id, "the id annotation names the VM cocoon created");
+    assert_eq!(state, "running");
+    let ip = annotation(&pod, "vm.cocoonstack.io/ip").unwrap_or_default();
+    assert!(
+        ip.starts_with("127.88."),
+        "ip annotation from the VM: {ip:?}"
+    );
+    assert_eq!(
+        pod.status
+            .as_ref()
+            .and_then(|s| s.pod_ip.clone())
+            .as_deref(),
+        Some(ip.as_str())
+    );
+    let containers = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.clone())
+        .unwrap_or_default();
+    assert_eq!(containers.len(), 1);
+    assert_eq!(containers[0].name, "agent");
+    assert!(w
+        .events_for("web")
+        .iter()
+        .any(|(r, _)| r == "ProviderCreateSuccess"));
+
+    // A user delete: the API server marks the pod; the daemon removes the VM and the object.
+    w.api
+        .delete_pod("default", "web", Some(30))
+        .expect("delete");
+    w.wait("pod web gone", Duration::from_secs(20), || {
+        w.pod("web").is_none().then_some(())
+    });
+    assert!(
+        !w.vms().contains_key("vk-default-web"),
+        "the VM is removed before the pod object goes"
+    );
+}
+
+#[test]
+fn a_vm_that_vanishes_gets_its_pod_evicted_quickly() {
+    let mut w = World::new();
+    w.start_daemon();
+    w.api
+        .create_pod(&demo_pod("default", "db", "run", "ubuntu:24.04"))
+        .expect("create pod");
+    let (pod, id) = w.wait("pod db Running", Duration::from_secs(20), || {
+        running_with_vm(&w, "db")
+    });
+    let uid = pod.metadata.uid.clone().unwrap_or_default();
+
+    let vanished = Instant::now();
+    let (ok, out) = w.cocoon(&["fake", "vanish", &id]);
+    assert!(ok, "fake vanish: {out}");
+    // Eviction writes phase Failed (reason VMGone) and deletes the pod with a uid precondition.
+    w.wait("pod db evicted", Duration::from_secs(10), || {
+        match w.pod("db") {
+            None => Some(()),
+            Some(p) if p.metadata.uid.as_deref() != Some(uid.as_str()) => Some(()),
+            Some(p) if phase(&p) == "Failed" => Some(()),
+            Some(_) => None,
+        }
+    });
+    let took = vanished.elapsed();
+    eprintln!("VM vanish to eviction: {took:?}");
+    assert!(
+        took < Duration::from_secs(3),
+        "eviction took {took:?} (target 1 s; bound 3 s for a loaded CI host)"
+    );
+}
+
+#[test]
+fn bad_annotations_fail_the_pod_clearly_and_create_no_vm() {
+    let mut w = World::new();
+    w.start_daemon();
+    let mut no_name = demo_pod("default", "noname", "run", "ubuntu:24.04");
+    if let Some(a) = no_name.metadata.annotations.as_mut() {
+        a.remove("vm.cocoonstack.io/name");
+    }
+    w.api.create_pod(&no_name).expect("create");
+    let mut bad_mode = demo_pod("default", "badmode", "teleport", "ubuntu:24.04");
+    if let Some(a) = bad_mode.metadata.annotations.as_mut() {
+        a.insert("cocoonset.cocoonstack.io/mode".into(), "teleport".into());
+    }
+    w.api.create_pod(&bad_mode).expect("create");
+    let mut relative = demo_pod("default", "reldir", "clone", "base");
+    if let Some(a) = relative.metadata.annotations.as_mut() {
+        a.insert(
+            "vm.cocoonstack.io/clone-from-dir".into(),
+            "snapshots/../x".into(),
+        );
+    }
+    w.api.create_pod(&relative).expect("create");
+
+    for name in ["noname", "badmode", "reldir"] {
+        let status = w.wait(
+            &format!("ProviderFailed status on {name}"),
+            Duration::from_secs(20),
+            || {
+                let p = w.pod(name)?;
+                let s = p.status?;
+                (s.reason.as_deref() == Some("ProviderFailed")).then_some(s)
+            },
+        );
+        assert!(
+            !status.message.clone().unwrap_or_default().is_empty(),
+            "{name}: the status says what is wrong"
+        );
+    }
+    w.wait("warning events", Duration::from_secs(20), || {
+        ["badmode", "reldir"]
+            .iter()
+            .all(|n| {
+                w.events_for(n)
+                    .iter()
+                    .any(|(r, _)| r == "ProviderCreateFailed")
+            })
+            .then_some(())
+    });
+    let metrics = ureq::get(&format!("http://127.0.0.1:{}/metrics", w.metrics_port))
+        .call()
+        .expect("metrics")
+        .into_string()
+        .expect("metrics text");
+    assert!(
+        metrics.contains("vk_cocoon_pod_lifecycle_total{op=\"create\""),
+        "the lifecycle counter moved"
+    );
+    assert!(
+        w.vms().is_empty(),
+        "no VM for a pod that could not be parsed"
+    );
+    assert!(w.log().contains("noname"), "the daemon logged the bad pod");
+}
+
+#[test]
+fn a_daemon_killed_in_the_middle_of_creates_converges_without_duplicates_or_orphans() {
+    let mut w = World::new();
+    w.seed_snapshot("base");
+    w.start_daemon();
+    let names: Vec<String> = (0..50).map(|i| format!("burst-{i}")).collect();
+    for n in &names {
+        w.api
+            .create_pod(&demo_pod("default", n, "clone", "base"))
+            .expect("create");
+    }
+    // Kill it hard once some, but not all, VMs exist.
+    w.wait("a few VMs", Duration::from_secs(30), || {
+        (w.vms().len() >= 5).then_some(())
+    });
+    w.kill_daemon();
+    let before = w.vms().len();
+    w.start_daemon();
+    w.wait("all 50 pods Running", Duration::from_secs(60), || {
+        names
+            .iter()
+            .all(|n| running_with_vm(&w, n).is_some())
+            .then_some(())
+    });
+    let vms = w.vms();
+    let expected: BTreeSet<String> = names.iter().map(|n| format!("vk-default-{n}")).collect();
+    let got: BTreeSet<String> = vms.keys().cloned().collect();
+    assert_eq!(
+        got, expected,
+        "exactly one VM per pod ({before} existed at the kill)"
+    );
+    for n in &names {
+        let (_, id) = running_with_vm(&w, n).expect("running");
+        assert_eq!(
+            vms[&format!("vk-default-{n}")].0,
+            id,
+            "{n}: annotation names its VM"
+        );
+    }
+}
+
+#[test]
+fn sigterm_stops_the_daemon_and_leaves_vms_running() {
+    let mut w = World::new();
+    w.start_daemon();
+    w.api
+        .create_pod(&demo_pod("default", "keep", "run", "ubuntu:24.04"))
+        .expect("create");
+    w.wait("pod keep Running", Duration::from_secs(20), || {
+        running_with_vm(&w, "keep")
+    });
+    let mut child = w.daemon.take().expect("daemon");
+    let pid = child.id() as i32;
+    // SAFETY: kill(2) on the pid of a child this test spawned and has not reaped.
+    unsafe {
+        libc::kill(pid, libc::SIGTERM);
+    }
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "no exit after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(status.code(), Some(0));
+    assert_eq!(
+        w.vms().get("vk-default-keep").map(|v| v.1.as_str()),
+        Some("running")
+    );
+}
