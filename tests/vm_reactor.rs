@@ -378,3 +378,92 @@ fn killed_stream_child_restarts_with_backoff() {
     .expect("events flow after restarts");
     stream.stop(&mut r);
 }
+
+#[test]
+fn export_streams_out_and_import_streams_in() {
+    let Some(env) = Env::new(true) else { return };
+    let mut r = reactor();
+    env.seed(&mut r);
+    let d = Deadlines::default();
+    // Export: stdout arrives as chunks; nothing is captured in the exit report.
+    let export = CocoonCall::new(Verb::SnapshotExport, argv::snapshot_export("base"), &d);
+    assert_eq!(export.mode, CallMode::Streaming);
+    let id = env.spawn(&mut r, &export);
+    let mut archive = Vec::new();
+    let mut chunks = 0;
+    let mut evs = Vec::new();
+    let exit = 'outer: loop {
+        r.poll(&mut evs).unwrap();
+        for e in evs.drain(..) {
+            match e {
+                Event::ChildOutput { id: cid, data, .. } if cid == id => {
+                    chunks += 1;
+                    archive.extend_from_slice(&data);
+                }
+                Event::ChildExit(x) if x.id == id => break 'outer CallOutcome::from_exit(x),
+                _ => {}
+            }
+        }
+    };
+    export.check(&exit).expect("export ok");
+    assert!(exit.stdout.is_empty());
+    assert!(chunks >= 1 && archive.len() > 256 << 10);
+    assert_eq!(&archive[..13], b"snapshot.json");
+
+    // Import: the archive is written to the stdin pipe in pieces, then stdin is closed.
+    let import = CocoonCall::new(
+        Verb::SnapshotImport,
+        argv::snapshot_import("copy", None),
+        &d,
+    );
+    assert!(import.stdin_pipe);
+    let id = env.spawn(&mut r, &import);
+    for piece in archive.chunks(64 << 10) {
+        r.write_stdin(id, piece).unwrap();
+    }
+    r.close_stdin(id);
+    let out = loop {
+        r.poll(&mut evs).unwrap();
+        if let Some(x) = evs.drain(..).find_map(|e| match e {
+            Event::ChildExit(x) if x.id == id => Some(x),
+            _ => None,
+        }) {
+            break CallOutcome::from_exit(x);
+        }
+    };
+    import.check(&out).expect("import ok");
+    let (c, o) = env.call(&mut r, argv::snapshot_inspect("copy"));
+    assert_eq!(
+        parse_snapshot(&c, &o).unwrap().image,
+        "ghcr.io/example/ubuntu:24.04"
+    );
+}
+
+#[test]
+fn run_fallback_inspect_when_run_prints_created() {
+    let Some(env) = Env::new(true) else { return };
+    let mut r = reactor();
+    env.seed(&mut r);
+    let mut faults = FaultFile::new();
+    faults.insert(
+        "vm run".into(),
+        VerbFault {
+            print_created: true,
+            ..Default::default()
+        },
+    );
+    fake_cocoon::write_faults(&env.state(), &faults).unwrap();
+    let (c, o) = env.call(
+        &mut r,
+        argv::vm_run(&RunOptions {
+            image: "ghcr.io/example/ubuntu:24.04".into(),
+            name: "second".into(),
+            ..Default::default()
+        }),
+    );
+    let printed = parse_vm(&c, &o).unwrap();
+    assert_eq!(printed.state_kind(), VmState::Created);
+    assert!(run_needs_inspect(&printed));
+    let (c, o) = env.call(&mut r, argv::vm_inspect(&printed.id));
+    assert!(parse_vm(&c, &o).unwrap().is_running());
+}

@@ -1,5 +1,13 @@
 //! The cocoon CLI contract: argv builders, JSON types, error classification, the event-stream parser.
 //! Builds and parses; running the child is the reactor's job.
+//!
+//! Flow of one call: build argv with [`argv`] (e.g. `argv::vm_clone(&CloneOptions)`), wrap it in
+//! [`CocoonCall::new`] (verb → mode, deadline, capture limits), spawn with
+//! [`CocoonCall::spawn`]/[`CocoonCall::child_spec`], turn the reactor's `ChildExit` into a
+//! [`CallOutcome::from_exit`], then parse with [`parse_vm`], [`parse_vm_list`], [`parse_snapshot`],
+//! [`parse_image`], [`parse_stale_create_outcome`] or [`CocoonCall::check`] (combined-mode verbs).
+//! Failures are a [`CocoonError`] whose [`ErrorKind`] says not-found / transient / other.
+//! The event stream is [`EventStream`] (child + [`EventStreamSupervisor`] + [`LineSplitter`]).
 
 pub mod argv;
 pub mod call;
