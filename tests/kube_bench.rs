@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use vk_cocoon::kube::watch::{decode_line, KnownPods, StreamDecoder, PodEvent};
+use vk_cocoon::kube::watch::{decode_line, KnownPods, PodEvent, StreamDecoder};
 
 /// A realistic bound pod (about 3 KB of JSON), as the API server sends it in watch events.
 fn pod_json(i: usize, rv: usize) -> String {
@@ -64,7 +64,10 @@ fn watch_decoding_throughput() {
     let mut stream = Vec::new();
     for i in 0..N {
         let kind = if i % 4 == 0 { "ADDED" } else { "MODIFIED" };
-        let line = format!("{{\"type\":\"{kind}\",\"object\":{}}}\n", pod_json(i % 500, i + 1));
+        let line = format!(
+            "{{\"type\":\"{kind}\",\"object\":{}}}\n",
+            pod_json(i % 500, i + 1)
+        );
         // One chunk per event, as the API server writes them.
         stream.extend_from_slice(format!("{:x}\r\n", line.len()).as_bytes());
         stream.extend_from_slice(line.as_bytes());
@@ -79,7 +82,8 @@ fn watch_decoding_throughput() {
         let mut dec = StreamDecoder::new(true);
         let mut events = Vec::with_capacity(N);
         for piece in stream.chunks(16 * 1024) {
-            dec.feed(piece, &mut |l| events.push(decode_line(l))).unwrap();
+            dec.feed(piece, &mut |l| events.push(decode_line(l)))
+                .unwrap();
         }
         let decode = t.elapsed().as_secs_f64();
         assert_eq!(events.len(), N);

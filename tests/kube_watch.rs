@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Pod;
 use mio::{Events, Poll, Token};
 use vk_cocoon::kube::{Client, KubeOptions, PodWatch, WatchConfig, WatchOutput};
-use vk_cocoon::sandbox::apiserver::{ApiServer, ApiServerHandle, ApiServerOptions, Fault, FaultMatch, KubeconfigAuth};
+use vk_cocoon::sandbox::apiserver::{
+    ApiServer, ApiServerHandle, ApiServerOptions, Fault, FaultMatch, KubeconfigAuth,
+};
 
 const NODE: &str = "n1";
 const WATCH: Token = Token(7);
@@ -31,8 +33,14 @@ fn setup() -> (ApiServerHandle, tempfile::TempDir, Client) {
     .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let kc = dir.path().join("kubeconfig");
-    api.write_kubeconfig(&kc, &KubeconfigAuth::ClientCert { user: "system:node:n1".into(), groups: vec!["system:nodes".into()] })
-        .unwrap();
+    api.write_kubeconfig(
+        &kc,
+        &KubeconfigAuth::ClientCert {
+            user: "system:node:n1".into(),
+            groups: vec!["system:nodes".into()],
+        },
+    )
+    .unwrap();
     let client = Client::from_env(&KubeOptions {
         kubeconfig: Some(kc.to_string_lossy().into_owned()),
         timeout: Duration::from_secs(5),
@@ -44,7 +52,11 @@ fn setup() -> (ApiServerHandle, tempfile::TempDir, Client) {
 }
 
 fn rv(p: &Pod) -> u64 {
-    p.metadata.resource_version.as_deref().and_then(|v| v.parse().ok()).unwrap_or(0)
+    p.metadata
+        .resource_version
+        .as_deref()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
 }
 
 fn uid(p: &Pod) -> String {
@@ -52,7 +64,11 @@ fn uid(p: &Pod) -> String {
 }
 
 fn key(p: &Pod) -> String {
-    format!("{}/{}", p.metadata.namespace.as_deref().unwrap_or(""), p.metadata.name.as_deref().unwrap_or(""))
+    format!(
+        "{}/{}",
+        p.metadata.namespace.as_deref().unwrap_or(""),
+        p.metadata.name.as_deref().unwrap_or("")
+    )
 }
 
 /// What the daemon would hold, plus every delivery per UID for the ordering checks.
@@ -70,14 +86,25 @@ impl View {
                 WatchOutput::Modified(p) => ('M', p),
                 WatchOutput::Deleted(p) => ('D', p),
             };
-            self.deliveries.entry(uid(&p)).or_default().push((c, rv(&p)));
+            self.deliveries
+                .entry(uid(&p))
+                .or_default()
+                .push((c, rv(&p)));
             match c {
                 'D' => {
                     let held = self.pods.remove(&key(&p));
-                    assert_eq!(held.map(|h| h.0), Some(uid(&p)), "Deleted for the incarnation held");
+                    assert_eq!(
+                        held.map(|h| h.0),
+                        Some(uid(&p)),
+                        "Deleted for the incarnation held"
+                    );
                 }
                 'A' => {
-                    assert!(!self.pods.contains_key(&key(&p)), "Added while another incarnation is held: {}", key(&p));
+                    assert!(
+                        !self.pods.contains_key(&key(&p)),
+                        "Added while another incarnation is held: {}",
+                        key(&p)
+                    );
                     self.pods.insert(key(&p), (uid(&p), rv(&p)));
                 }
                 _ => {
@@ -112,8 +139,12 @@ fn run_loop(
     let end = Instant::now() + deadline;
     while Instant::now() < end {
         let now = Instant::now();
-        let wait = w.next_due().map(|d| d.saturating_duration_since(now)).unwrap_or(Duration::from_millis(50));
-        poll.poll(&mut events, Some(wait.min(Duration::from_millis(50)))).unwrap();
+        let wait = w
+            .next_due()
+            .map(|d| d.saturating_duration_since(now))
+            .unwrap_or(Duration::from_millis(50));
+        poll.poll(&mut events, Some(wait.min(Duration::from_millis(50))))
+            .unwrap();
         let now = Instant::now();
         for e in events.iter() {
             if e.token() == WATCH {
@@ -206,9 +237,22 @@ fn five_hundred_pods_with_drops_and_410_converge() {
         })
     };
     let done = || finished.load(Ordering::SeqCst);
-    let converged = run_loop(&mut poll, &mut w, &client, &mut view, &api, &done, Duration::from_secs(60));
+    let converged = run_loop(
+        &mut poll,
+        &mut w,
+        &client,
+        &mut view,
+        &api,
+        &done,
+        Duration::from_secs(60),
+    );
     mutator.join().unwrap();
-    assert!(converged, "view never matched the server: {} held vs {} on server", view.pods.len(), server_view(&api).len());
+    assert!(
+        converged,
+        "view never matched the server: {} held vs {} on server",
+        view.pods.len(),
+        server_view(&api).len()
+    );
 
     // Every incarnation: one Added first, strictly increasing resourceVersions, Deleted last.
     for (u, d) in &view.deliveries {
@@ -219,17 +263,32 @@ fn five_hundred_pods_with_drops_and_410_converge() {
             assert_eq!(pos, d.len() - 1, "{u}: Deleted is last: {d:?}");
         }
         for pair in d.windows(2) {
-            assert!(pair[1].1 > pair[0].1 || pair[1].0 == 'D', "{u}: in order, once each: {d:?}");
+            assert!(
+                pair[1].1 > pair[0].1 || pair[1].0 == 'D',
+                "{u}: in order, once each: {d:?}"
+            );
         }
     }
     // Every deleted incarnation that was ever delivered was delivered as Deleted.
     for u in deleted.lock().unwrap().iter() {
         if let Some(d) = view.deliveries.get(u) {
-            assert_eq!(d.last().map(|x| x.0), Some('D'), "{u} deleted on the server: {d:?}");
+            assert_eq!(
+                d.last().map(|x| x.0),
+                Some('D'),
+                "{u} deleted on the server: {d:?}"
+            );
         }
     }
-    assert!(w.stats.relists >= 2, "the 410 forced a relist: {:?}", w.stats);
-    assert!(w.stats.connects >= 4, "watches were cut and resumed: {:?}", w.stats);
+    assert!(
+        w.stats.relists >= 2,
+        "the 410 forced a relist: {:?}",
+        w.stats
+    );
+    assert!(
+        w.stats.connects >= 4,
+        "watches were cut and resumed: {:?}",
+        w.stats
+    );
     assert_eq!(w.stats.bad_lines, 0);
 }
 
@@ -237,22 +296,52 @@ fn five_hundred_pods_with_drops_and_410_converge() {
 fn error_event_410_and_http_410_both_relist() {
     let (api, _dir, client) = setup();
     let mut poll = Poll::new().unwrap();
-    let mut w = PodWatch::new(NODE, WatchConfig { backoff_initial: Duration::from_millis(10), ..WatchConfig::default() });
+    let mut w = PodWatch::new(
+        NODE,
+        WatchConfig {
+            backoff_initial: Duration::from_millis(10),
+            ..WatchConfig::default()
+        },
+    );
     w.register(poll.registry(), WATCH).unwrap();
     let mut view = View::default();
     view.apply(w.relist(&client, Instant::now()).unwrap());
     api.fail_next(1, FaultMatch::new("watch", "pods"), Fault::GoneEvent);
     api.create_pod(&pod("a", NODE)).unwrap();
     let one = || true;
-    assert!(run_loop(&mut poll, &mut w, &client, &mut view, &api, &one, Duration::from_secs(10)));
+    assert!(run_loop(
+        &mut poll,
+        &mut w,
+        &client,
+        &mut view,
+        &api,
+        &one,
+        Duration::from_secs(10)
+    ));
     assert_eq!(w.stats.relists, 2, "{:?}", w.stats);
     api.fail_next(1, FaultMatch::new("watch", "pods"), Fault::Gone);
     api.drop_watches();
     api.create_pod(&pod("b", NODE)).unwrap();
-    assert!(run_loop(&mut poll, &mut w, &client, &mut view, &api, &one, Duration::from_secs(10)));
+    assert!(run_loop(
+        &mut poll,
+        &mut w,
+        &client,
+        &mut view,
+        &api,
+        &one,
+        Duration::from_secs(10)
+    ));
     let t = Instant::now();
     while w.stats.relists < 3 && t.elapsed() < Duration::from_secs(5) {
-        run_loop(&mut poll, &mut w, &client, &mut view, &api, &one, Duration::from_millis(100));
+        run_loop(
+            &mut poll,
+            &mut w,
+            &client,
+            &mut view,
+            &api,
+            &one,
+            Duration::from_millis(100),
+        );
     }
     assert_eq!(w.stats.relists, 3, "{:?}", w.stats);
     assert_eq!(view.pods.len(), 2);
@@ -264,7 +353,11 @@ fn stalled_server_does_not_block_the_loop() {
     let mut poll = Poll::new().unwrap();
     let mut w = PodWatch::new(
         NODE,
-        WatchConfig { connect_timeout: Duration::from_millis(300), backoff_initial: Duration::from_millis(10), ..WatchConfig::default() },
+        WatchConfig {
+            connect_timeout: Duration::from_millis(300),
+            backoff_initial: Duration::from_millis(10),
+            ..WatchConfig::default()
+        },
     );
     w.register(poll.registry(), WATCH).unwrap();
     let mut view = View::default();
@@ -275,7 +368,8 @@ fn stalled_server_does_not_block_the_loop() {
     let start = Instant::now();
     let mut longest = Duration::ZERO;
     while start.elapsed() < Duration::from_millis(900) {
-        poll.poll(&mut events, Some(Duration::from_millis(20))).unwrap();
+        poll.poll(&mut events, Some(Duration::from_millis(20)))
+            .unwrap();
         let t = Instant::now();
         for e in events.iter() {
             if e.token() == WATCH {
@@ -288,7 +382,14 @@ fn stalled_server_does_not_block_the_loop() {
         }
         longest = longest.max(t.elapsed());
     }
-    assert!(longest < Duration::from_millis(200), "a handler blocked for {longest:?}");
-    assert!(w.stats.connects >= 2, "the unanswered watch was abandoned and retried: {:?}", w.stats);
+    assert!(
+        longest < Duration::from_millis(200),
+        "a handler blocked for {longest:?}"
+    );
+    assert!(
+        w.stats.connects >= 2,
+        "the unanswered watch was abandoned and retried: {:?}",
+        w.stats
+    );
     api.set_latency(Duration::ZERO);
 }

@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use vk_cocoon::kube::{Client, KubeOptions};
-use vk_cocoon::node::{compute_resources, HostFacts, NodeAgent, NodeOptions, CPU_CLASS_LABEL, LEASE_NAMESPACE};
+use vk_cocoon::node::{
+    compute_resources, HostFacts, NodeAgent, NodeOptions, CPU_CLASS_LABEL, LEASE_NAMESPACE,
+};
 use vk_cocoon::sandbox::apiserver::{ApiServer, ApiServerHandle, ApiServerOptions, KubeconfigAuth};
 
 fn node_opts(name: &str) -> NodeOptions {
@@ -31,7 +33,8 @@ fn setup() -> (ApiServerHandle, tempfile::TempDir, PathBuf, Client) {
     let api = ApiServer::start(ApiServerOptions::default()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let kc = dir.path().join("kubeconfig");
-    api.write_kubeconfig(&kc, &KubeconfigAuth::Token("t".into())).unwrap();
+    api.write_kubeconfig(&kc, &KubeconfigAuth::Token("t".into()))
+        .unwrap();
     let client = Client::from_env(&KubeOptions {
         kubeconfig: Some(kc.to_string_lossy().into_owned()),
         timeout: Duration::from_secs(2),
@@ -63,14 +66,19 @@ fn registers_node_with_every_field_and_kubectl_sees_it_ready() {
     assert_eq!(l["type"], "virtual-kubelet");
     assert_eq!(l["kubernetes.io/role"], "agent");
     assert_eq!(l["kubernetes.io/hostname"], "cocoon-1");
-    assert_eq!(n["spec"]["taints"][0], serde_json::json!({"key":"virtual-kubelet.io/provider","value":"cocoon","effect":"NoSchedule"}));
+    assert_eq!(
+        n["spec"]["taints"][0],
+        serde_json::json!({"key":"virtual-kubelet.io/provider","value":"cocoon","effect":"NoSchedule"})
+    );
     assert_eq!(n["spec"]["providerID"], "cocoon://host-1");
     let s = &n["status"];
     assert_eq!(s["capacity"]["cpu"], "16");
     assert_eq!(s["allocatable"]["cpu"], "12");
     assert_eq!(s["capacity"]["pods"], "256");
     assert_eq!(s["allocatable"]["pods"], "256");
-    assert!(s["capacity"]["memory"].as_str().is_some_and(|m| m.parse::<u64>().unwrap() > 0));
+    assert!(s["capacity"]["memory"]
+        .as_str()
+        .is_some_and(|m| m.parse::<u64>().unwrap() > 0));
     assert!(s["capacity"]["ephemeral-storage"].is_string());
     assert_eq!(s["daemonEndpoints"]["kubeletEndpoint"]["Port"], 10250);
     assert_eq!(s["nodeInfo"]["kubeletVersion"], "v0.1.0-test");
@@ -79,16 +87,38 @@ fn registers_node_with_every_field_and_kubectl_sees_it_ready() {
     assert!(addrs.contains(&serde_json::json!({"type":"Hostname","address":"cocoon-1"})));
     let conds = s["conditions"].as_array().unwrap();
     let ready = conds.iter().find(|c| c["type"] == "Ready").unwrap();
-    assert_eq!((ready["status"].as_str(), ready["reason"].as_str()), (Some("True"), Some("KubeletReady")));
-    for kind in ["DiskPressure", "MemoryPressure", "PIDPressure", "NetworkUnavailable"] {
-        assert!(conds.iter().any(|c| c["type"] == kind && c["status"] == "False"), "{kind}");
+    assert_eq!(
+        (ready["status"].as_str(), ready["reason"].as_str()),
+        (Some("True"), Some("KubeletReady"))
+    );
+    for kind in [
+        "DiskPressure",
+        "MemoryPressure",
+        "PIDPressure",
+        "NetworkUnavailable",
+    ] {
+        assert!(
+            conds
+                .iter()
+                .any(|c| c["type"] == kind && c["status"] == "False"),
+            "{kind}"
+        );
     }
     // The lease exists with its owner reference.
-    let lease = serde_json::to_value(api.leases().into_iter().find(|l| l.metadata.name.as_deref() == Some("cocoon-1")).expect("lease")).unwrap();
+    let lease = serde_json::to_value(
+        api.leases()
+            .into_iter()
+            .find(|l| l.metadata.name.as_deref() == Some("cocoon-1"))
+            .expect("lease"),
+    )
+    .unwrap();
     assert_eq!(lease["metadata"]["namespace"], LEASE_NAMESPACE);
     assert_eq!(lease["spec"]["holderIdentity"], "cocoon-1");
     assert_eq!(lease["spec"]["leaseDurationSeconds"], 40);
-    assert_eq!(lease["metadata"]["ownerReferences"][0]["uid"], n["metadata"]["uid"]);
+    assert_eq!(
+        lease["metadata"]["ownerReferences"][0]["uid"],
+        n["metadata"]["uid"]
+    );
 
     let kubectl = Path::new("/usr/bin/kubectl");
     if !kubectl.exists() {
@@ -96,11 +126,22 @@ fn registers_node_with_every_field_and_kubectl_sees_it_ready() {
         return;
     }
     let out = std::process::Command::new(kubectl)
-        .args(["--kubeconfig", &kc.to_string_lossy(), "get", "node", "cocoon-1", "--no-headers"])
+        .args([
+            "--kubeconfig",
+            &kc.to_string_lossy(),
+            "get",
+            "node",
+            "cocoon-1",
+            "--no-headers",
+        ])
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "kubectl failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "kubectl failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let cols: Vec<&str> = text.split_whitespace().collect();
     assert_eq!(cols.first().copied(), Some("cocoon-1"), "{text}");
     assert_eq!(cols.get(1).copied(), Some("Ready"), "{text}");
@@ -113,11 +154,22 @@ fn lease_renews_and_status_refreshes_on_schedule() {
     let t0 = Instant::now();
     a.tick(&client, t0);
     let renew = |api: &ApiServerHandle| {
-        let l = api.leases().into_iter().find(|l| l.metadata.name.as_deref() == Some("cocoon-2")).unwrap();
-        (l.metadata.resource_version.clone(), l.spec.and_then(|s| s.renew_time))
+        let l = api
+            .leases()
+            .into_iter()
+            .find(|l| l.metadata.name.as_deref() == Some("cocoon-2"))
+            .unwrap();
+        (
+            l.metadata.resource_version.clone(),
+            l.spec.and_then(|s| s.renew_time),
+        )
     };
     let (rv1, t1) = renew(&api);
-    assert_eq!(a.next_due(), t0 + Duration::from_secs(10), "next lease renewal in 10 s");
+    assert_eq!(
+        a.next_due(),
+        t0 + Duration::from_secs(10),
+        "next lease renewal in 10 s"
+    );
     std::thread::sleep(Duration::from_millis(5)); // renewTime has microsecond resolution
     a.tick(&client, t0 + Duration::from_secs(10));
     let (rv2, t2) = renew(&api);
@@ -154,7 +206,10 @@ fn existing_node_is_updated_not_recreated() {
     let n = api.get_node("cocoon-3").unwrap();
     assert_eq!(n.metadata.uid, uid, "same node object");
     let labels = n.metadata.labels.unwrap();
-    assert_eq!(labels.get("cocoonstack.io/pool").map(String::as_str), Some("pool-b"));
+    assert_eq!(
+        labels.get("cocoonstack.io/pool").map(String::as_str),
+        Some("pool-b")
+    );
     assert_eq!(labels.get("team").map(String::as_str), Some("x"));
     assert!(!labels.contains_key(CPU_CLASS_LABEL));
 }
@@ -178,13 +233,19 @@ fn api_outage_of_60_seconds_is_survived() {
         assert!(ticks < 1000, "backoff keeps the call rate bounded");
     }
     assert!(a.stats.failures >= 5, "{:?}", a.stats);
-    assert!(real.elapsed() < Duration::from_secs(30), "no call wedged the agent");
+    assert!(
+        real.elapsed() < Duration::from_secs(30),
+        "no call wedged the agent"
+    );
     // Backoff is capped (lease renew: 7 s), so the agent comes back within seconds.
     assert!(a.next_due() <= now + Duration::from_secs(7));
     api.restart().unwrap();
     let before = a.stats.lease_renewals;
     let lease_rv = |api: &ApiServerHandle| {
-        api.leases().into_iter().find(|l| l.metadata.name.as_deref() == Some("cocoon-4")).and_then(|l| l.metadata.resource_version)
+        api.leases()
+            .into_iter()
+            .find(|l| l.metadata.name.as_deref() == Some("cocoon-4"))
+            .and_then(|l| l.metadata.resource_version)
     };
     let rv_before = lease_rv(&api);
     // The next due items (lease renewal, status refresh) all succeed again.
@@ -193,7 +254,15 @@ fn api_outage_of_60_seconds_is_survived() {
         a.tick(&client, due);
         now = due;
     }
-    assert_eq!(a.stats.lease_renewals, before + 1, "heartbeats resume: {:?}", a.stats);
-    assert!(a.next_due() >= now + Duration::from_secs(9), "back on the normal cadence");
+    assert_eq!(
+        a.stats.lease_renewals,
+        before + 1,
+        "heartbeats resume: {:?}",
+        a.stats
+    );
+    assert!(
+        a.next_due() >= now + Duration::from_secs(9),
+        "back on the normal cadence"
+    );
     assert_ne!(lease_rv(&api), rv_before);
 }
