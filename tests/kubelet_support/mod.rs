@@ -215,7 +215,8 @@ impl Harness {
             cgroup_root: tmp.path().join("cgroup"),
             cgroup_parent: "cocoon.slice".into(),
             cocoon_root: tmp.path().join("cocoon"),
-        });
+        })
+        .background_refresh();
         let mut cfg = KubeletConfig::new("node-1", "cocoon");
         cfg.cocoon = stand_in_cocoon(&log_dir);
         cfg.auth_enabled = opts.auth;
