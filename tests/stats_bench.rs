@@ -21,7 +21,10 @@ fn p(samples: &mut [Duration], q: f64) -> f64 {
 
 fn report(name: &str, mut s: Vec<Duration>) {
     let (p50, p99, max) = (p(&mut s, 0.5), p(&mut s, 0.99), p(&mut s, 1.0));
-    println!("{name:<44} n={:<4} p50 {p50:7.3} ms  p99 {p99:7.3} ms  max {max:7.3} ms", s.len());
+    println!(
+        "{name:<44} n={:<4} p50 {p50:7.3} ms  p99 {p99:7.3} ms  max {max:7.3} ms",
+        s.len()
+    );
 }
 
 fn pods(n: usize) -> Vec<PodInfo> {
@@ -30,7 +33,13 @@ fn pods(n: usize) -> Vec<PodInfo> {
     (0..n)
         .map(|i| {
             let mut p = kubelet_support::pod(&format!("ns{}", i % 20), &format!("pod-{i}"), None);
-            p.vm = Some(VmInfo { id: format!("vm{i:04}"), name: format!("vk-pod-{i}"), pid, tap: Some("lo".into()), backend: "cloud-hypervisor".into() });
+            p.vm = Some(VmInfo {
+                id: format!("vm{i:04}"),
+                name: format!("vk-pod-{i}"),
+                pid,
+                tap: Some("lo".into()),
+                backend: "cloud-hypervisor".into(),
+            });
             p
         })
         .collect()
@@ -40,14 +49,30 @@ fn pods(n: usize) -> Vec<PodInfo> {
 #[ignore]
 fn bench_scrapes_with_1000_vms() {
     const N: usize = 1000;
-    let h = Harness::start(Options { pods: pods(N), ..Default::default() });
+    let h = Harness::start(Options {
+        pods: pods(N),
+        ..Default::default()
+    });
     // cgroup cpu.stat and COW files for every VM, like a busy host.
     let paths = h.stats.paths().clone();
     for i in 0..N {
-        let scope = paths.cgroup_root.join(&paths.cgroup_parent).join(format!("vm-vm{i:04}.scope"));
+        let scope = paths
+            .cgroup_root
+            .join(&paths.cgroup_parent)
+            .join(format!("vm-vm{i:04}.scope"));
         std::fs::create_dir_all(&scope).unwrap();
-        std::fs::write(scope.join("cpu.stat"), format!("usage_usec {}\nnr_throttled 1\nthrottled_usec 5\n", i * 1000)).unwrap();
-        let run = paths.cocoon_root.join("run/cloudhypervisor").join(format!("vm{i:04}"));
+        std::fs::write(
+            scope.join("cpu.stat"),
+            format!(
+                "usage_usec {}\nnr_throttled 1\nthrottled_usec 5\n",
+                i * 1000
+            ),
+        )
+        .unwrap();
+        let run = paths
+            .cocoon_root
+            .join("run/cloudhypervisor")
+            .join(format!("vm{i:04}"));
         std::fs::create_dir_all(&run).unwrap();
         std::fs::write(run.join("cow.raw"), [1u8; 4096]).unwrap();
     }
@@ -72,7 +97,13 @@ fn bench_scrapes_with_1000_vms() {
         let mut bytes = 0;
         for i in 0..200 {
             let t = Instant::now();
-            s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer admin-token\r\n\r\n").as_bytes()).unwrap();
+            s.write_all(
+                format!(
+                    "GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer admin-token\r\n\r\n"
+                )
+                .as_bytes(),
+            )
+            .unwrap();
             let body = read_response(&mut s);
             lat.push(t.elapsed());
             bytes = body;
@@ -93,11 +124,19 @@ fn bench_scrapes_with_1000_vms() {
     for _ in 0..200 {
         let t = Instant::now();
         let mut buf = Vec::new();
-        prometheus::Encoder::encode(&prometheus::TextEncoder::new(), &registry.gather(), &mut buf).unwrap();
+        prometheus::Encoder::encode(
+            &prometheus::TextEncoder::new(),
+            &registry.gather(),
+            &mut buf,
+        )
+        .unwrap();
         lat.push(t.elapsed());
         size = buf.len();
     }
-    report(&format!("9091 collectors gather+encode ({size} bytes)"), lat);
+    report(
+        &format!("9091 collectors gather+encode ({size} bytes)"),
+        lat,
+    );
     println!("sample refreshes performed: {}", h.stats.refresh_count());
 }
 

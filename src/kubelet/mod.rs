@@ -30,6 +30,8 @@ pub struct KubeletConfig {
     /// argv prefix that runs cocoon: normally `[VK_COCOON_BIN]`; the sandbox uses
     /// `[<vk-cocoon>, "fake-cocoon"]`.
     pub cocoon: Vec<String>,
+    /// Extra environment for cocoon children (the sandbox passes its fake's state directory).
+    pub cocoon_env: Vec<(String, String)>,
     /// Authentication and authorisation (default on; VK_KUBELET_AUTH=off turns it off).
     pub auth_enabled: bool,
     /// Time to receive a complete request head (and the TLS handshake), and keep-alive idle time.
@@ -51,6 +53,7 @@ impl KubeletConfig {
         KubeletConfig {
             node_name: node_name.to_string(),
             cocoon: vec![cocoon_bin.to_string()],
+            cocoon_env: Vec::new(),
             auth_enabled: true,
             head_timeout: Duration::from_secs(30),
             auth_timeout: Duration::from_secs(30),
@@ -59,6 +62,49 @@ impl KubeletConfig {
             max_connections: 1024,
             max_buffered_output: 8 * 1024 * 1024,
         }
+    }
+}
+
+impl KubeletConfig {
+    /// From the daemon's validated configuration (VK_COCOON_BIN, VK_KUBELET_AUTH).
+    pub fn from_config(c: &crate::config::Config) -> Self {
+        let mut k = KubeletConfig::new(&c.node_name, &c.cocoon_bin.to_string_lossy());
+        k.auth_enabled = c.kubelet_auth == crate::config::KubeletAuth::On;
+        k
+    }
+}
+
+/// TLS settings from the daemon's configuration: VK_TLS_CERT / VK_TLS_KEY, and for client
+/// certificates VK_CLIENT_CA_FILE or else the kubeconfig's cluster CA (`cluster_ca_pem`).
+/// With authentication off no client certificate is verified.
+pub fn tls_settings(
+    c: &crate::config::Config,
+    node_ip: Option<std::net::IpAddr>,
+    cluster_ca_pem: Option<Vec<u8>>,
+) -> std::io::Result<tls::TlsSettings> {
+    let client_ca_pem = if c.kubelet_auth == crate::config::KubeletAuth::Off {
+        None
+    } else {
+        match &c.client_ca_file {
+            Some(p) => Some(std::fs::read(p)?),
+            None => cluster_ca_pem,
+        }
+    };
+    Ok(tls::TlsSettings {
+        cert_path: c.tls_cert.clone(),
+        key_path: c.tls_key.clone(),
+        node_name: c.node_name.clone(),
+        node_ip: node_ip.or(c.node_ip),
+        client_ca_pem,
+    })
+}
+
+/// The shared stats paths from the daemon's configuration.
+pub fn stats_paths(c: &crate::config::Config) -> crate::metrics::stats::StatsPaths {
+    crate::metrics::stats::StatsPaths {
+        cgroup_parent: c.cocoon_cgroup_parent.clone(),
+        cocoon_root: c.cocoon_root_dir.clone(),
+        ..Default::default()
     }
 }
 

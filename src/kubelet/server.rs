@@ -825,6 +825,7 @@ impl KubeletServer {
             .stdin(StdinMode::Null)
             .stdout(OutputMode::Stream)
             .stderr(OutputMode::Stream);
+        let spec = self.with_env(spec);
         match r.spawn(spec) {
             Ok(id) => {
                 self.children.insert(id, token);
@@ -850,6 +851,11 @@ impl KubeletServer {
                 true,
             ),
         }
+    }
+
+    fn with_env(&self, mut spec: ChildSpec) -> ChildSpec {
+        spec.env.extend(self.cfg.cocoon_env.iter().cloned());
+        spec
     }
 
     fn cocoon_argv(&self, args: &[String]) -> Vec<String> {
@@ -960,6 +966,7 @@ impl KubeletServer {
 
     fn start_exec<M: Send + 'static>(&mut self, r: &mut Reactor<M>, token: Token) {
         let idle = self.cfg.stream_idle_timeout;
+        let env = self.cfg.cocoon_env.clone();
         let Some(c) = self.conns.get_mut(&token) else {
             return;
         };
@@ -986,6 +993,8 @@ impl KubeletServer {
             })
             .stdout(OutputMode::Stream)
             .stderr(OutputMode::Stream);
+        let mut spec = spec;
+        spec.env.extend(env);
         match r.spawn(spec) {
             Ok(id) => {
                 *child = Some(id);

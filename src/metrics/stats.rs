@@ -416,15 +416,17 @@ impl StatsHub {
                         g.refreshing = true;
                         let hub = self.clone();
                         let vms = g.vms.clone();
-                        let spawned = std::thread::Builder::new().name("stats-refresh".into()).spawn(move || {
-                            let fresh = Arc::new(read_sample(&hub.paths, &vms, Instant::now()));
-                            let mut g = lock(&hub.inner);
-                            g.reads += 1;
-                            g.refreshing = false;
-                            if Arc::ptr_eq(&g.vms, &vms) {
-                                g.cached = Some(fresh);
-                            }
-                        });
+                        let spawned = std::thread::Builder::new()
+                            .name("stats-refresh".into())
+                            .spawn(move || {
+                                let fresh = Arc::new(read_sample(&hub.paths, &vms, Instant::now()));
+                                let mut g = lock(&hub.inner);
+                                g.reads += 1;
+                                g.refreshing = false;
+                                if Arc::ptr_eq(&g.vms, &vms) {
+                                    g.cached = Some(fresh);
+                                }
+                            });
                         if spawned.is_err() {
                             g.refreshing = false;
                         }
@@ -593,13 +595,27 @@ mod tests {
         let bg = StatsHub::new(hub.paths().clone()).background_refresh();
         bg.set_vms(hub.vms().to_vec());
         let first = bg.sample(t0);
-        assert_eq!(first.vms[0].cpu_seconds(), 9.0, "no sample yet: read synchronously");
-        fs::write(root.join("cg/cocoon.slice/vm-abc.scope/cpu.stat"), "usage_usec 4000000\n").unwrap();
+        assert_eq!(
+            first.vms[0].cpu_seconds(),
+            9.0,
+            "no sample yet: read synchronously"
+        );
+        fs::write(
+            root.join("cg/cocoon.slice/vm-abc.scope/cpu.stat"),
+            "usage_usec 4000000\n",
+        )
+        .unwrap();
         let stale = bg.sample(t0 + Duration::from_secs(5));
-        assert!(Arc::ptr_eq(&first, &stale), "stale sample served without waiting");
+        assert!(
+            Arc::ptr_eq(&first, &stale),
+            "stale sample served without waiting"
+        );
         let deadline = Instant::now() + Duration::from_secs(10);
         while bg.refresh_count() < 2 {
-            assert!(Instant::now() < deadline, "background refresh never finished");
+            assert!(
+                Instant::now() < deadline,
+                "background refresh never finished"
+            );
             std::thread::yield_now();
         }
         let fresh = bg.sample(Instant::now());

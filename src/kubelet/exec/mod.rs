@@ -67,15 +67,15 @@ pub fn parse_options(req: &Request, attach: bool) -> Result<ExecOptions, String>
     Ok(o)
 }
 
-/// `cocoon vm exec [-i] <id> -- <argv>` (cocoon-cli §3.16).
+/// `cocoon vm exec [-i] <id> -- <argv>` (cocoon-cli §3.16), built by the vm room's argv builder.
 pub fn exec_argv(cocoon_bin: &str, vm_id: &str, o: &ExecOptions) -> Vec<String> {
-    let mut a = vec![cocoon_bin.to_string(), "vm".into(), "exec".into()];
-    if o.stdin {
-        a.push("-i".into());
-    }
-    a.push(vm_id.to_string());
-    a.push("--".into());
-    a.extend(o.command.iter().cloned());
+    let mut a = vec![cocoon_bin.to_string()];
+    a.extend(crate::vm::argv::vm_exec(&crate::vm::ExecOptions {
+        vm: vm_id.to_string(),
+        interactive: o.stdin,
+        env: Vec::new(),
+        command: o.command.clone(),
+    }));
     a
 }
 
