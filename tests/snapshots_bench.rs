@@ -264,8 +264,12 @@ fn bench_1gib_push_pull_vs_curl() {
     let head = String::from_utf8_lossy(&out.stdout).to_string();
     let loc = head
         .lines()
-        .find_map(|l| l.strip_prefix("Location: "))
-        .unwrap()
+        .find_map(|l| {
+            l.split_once(':')
+                .filter(|(k, _)| k.eq_ignore_ascii_case("location"))
+                .map(|(_, v)| v)
+        })
+        .unwrap_or_else(|| panic!("no Location in {head}"))
         .trim()
         .to_string();
     let out = Command::new("curl")
@@ -276,17 +280,21 @@ fn bench_1gib_push_pull_vs_curl() {
             "PATCH",
             "-H",
             "Content-Type: application/octet-stream",
-            "--data-binary",
+            "-T",
         ])
-        .arg(format!("@{}", body.display()))
+        .arg(&body)
         .arg(&loc)
         .output()
         .unwrap();
     let head = String::from_utf8_lossy(&out.stdout).to_string();
     let loc = head
         .lines()
-        .find_map(|l| l.strip_prefix("Location: "))
-        .unwrap()
+        .find_map(|l| {
+            l.split_once(':')
+                .filter(|(k, _)| k.eq_ignore_ascii_case("location"))
+                .map(|(_, v)| v)
+        })
+        .unwrap_or_else(|| panic!("no Location in {head}"))
         .trim()
         .to_string();
     let sep = if loc.contains('?') { "&" } else { "?" };

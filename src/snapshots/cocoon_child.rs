@@ -10,6 +10,7 @@ use std::thread::JoinHandle;
 use super::TransferError;
 
 const STDERR_LIMIT: u64 = 64 << 10;
+const PIPE_SIZE: usize = 8 << 20;
 
 /// A running cocoon child with its stderr being drained in the background.
 pub struct CocoonChild {
@@ -44,6 +45,14 @@ impl CocoonChild {
             .stderr(Stdio::piped())
             .spawn()
             .map_err(|e| TransferError::Cocoon(format!("spawn {what}: {e}")))?;
+        // Widen the streaming pipes to 8 MiB where the kernel permits (behaviour §18); fewer
+        // wake-ups per GiB. Failure (e.g. over /proc/sys/fs/pipe-max-size) is harmless.
+        if let Some(s) = child.stdin.as_ref() {
+            let _ = rustix::pipe::fcntl_setpipe_size(s, PIPE_SIZE);
+        }
+        if let Some(s) = child.stdout.as_ref() {
+            let _ = rustix::pipe::fcntl_setpipe_size(s, PIPE_SIZE);
+        }
         let stderr = child.stderr.take().map(|mut s| {
             std::thread::spawn(move || {
                 let mut text = String::new();

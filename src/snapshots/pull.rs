@@ -19,6 +19,8 @@ use super::TransferError;
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 const COPY_BUF: usize = 1 << 20;
+/// Buffers queued between the blob reader thread and the pipe writer.
+const PIPELINE_DEPTH: usize = 4;
 /// The import tar goes out through a 256 KiB buffer (§13.7).
 const TAR_BUF: usize = 256 << 10;
 
@@ -545,8 +547,18 @@ fn write_import_tar<W: Write>(
         match e {
             PlanEntry::Raw { desc, .. } => {
                 let blob_what = format!("{what}: {title} blob {}", desc.digest());
-                let mut r = client.get_blob(repository, desc.digest().as_ref(), desc.size())?;
-                copy_into(&mut r, tar, &mut buf, &blob_what, local)?;
+                let r = client.get_blob(repository, desc.digest().as_ref(), desc.size())?;
+                copy_pipelined(r, &blob_what, |data| {
+                    tar.write_body(data).map_err(|e| {
+                        if e.kind() == io::ErrorKind::InvalidData {
+                            TransferError::Integrity(format!(
+                                "{blob_what}: longer than its descriptor"
+                            ))
+                        } else {
+                            pipe_err(local, e)
+                        }
+                    })
+                })?;
             }
             PlanEntry::Encoded {
                 chunks, compressed, ..
@@ -621,6 +633,56 @@ fn copy_into<R: Read, W: Write>(
             }
         })?;
     }
+}
+
+/// Copies a blob to `sink` with the network read and hashing on a helper thread, so they
+/// overlap with writing into cocoon's pipe. At most `PIPELINE_DEPTH` + 2 buffers in flight.
+fn copy_pipelined<R: Read + Send>(
+    mut src: R,
+    what: &str,
+    mut sink: impl FnMut(&[u8]) -> Result<(), TransferError>,
+) -> Result<(), TransferError> {
+    let (tx, rx) = mpsc::sync_channel::<io::Result<Vec<u8>>>(PIPELINE_DEPTH);
+    let (back_tx, back_rx) = mpsc::channel::<Vec<u8>>();
+    std::thread::scope(|scope| {
+        scope.spawn(move || loop {
+            let mut buf = back_rx.try_recv().unwrap_or_else(|_| vec![0u8; COPY_BUF]);
+            buf.resize(COPY_BUF, 0);
+            let mut filled = 0;
+            let res = loop {
+                match src.read(&mut buf[filled..]) {
+                    Ok(0) => break Ok(()),
+                    Ok(n) => {
+                        filled += n;
+                        if filled == buf.len() {
+                            break Ok(());
+                        }
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => break Err(e),
+                }
+            };
+            let last = filled < COPY_BUF;
+            buf.truncate(filled);
+            let failed = res.is_err();
+            if tx.send(res.map(|_| buf)).is_err() || failed || last {
+                return;
+            }
+        });
+        let result = (|| {
+            for msg in rx.iter() {
+                let data = msg.map_err(|e| blob_err(e, what))?;
+                if !data.is_empty() {
+                    sink(&data)?;
+                }
+                let _ = back_tx.send(data);
+            }
+            Ok(())
+        })();
+        // On a sink error, dropping the receiver stops the reader at its next send.
+        drop(rx);
+        result
+    })
 }
 
 /// Sequential reader over a file's chunk blobs; opens one blob at a time.
@@ -806,24 +868,17 @@ pub fn pull_cloud_image(
         count: 0,
     };
     let result = (|| -> Result<(), TransferError> {
-        let mut buf = vec![0u8; COPY_BUF];
         for (title, d) in &disks {
             let bwhat = format!("{what}: {title} blob {}", d.digest());
-            let mut rd = client.get_blob(&r.reference.repository, d.digest().as_ref(), d.size())?;
-            loop {
-                let n = match rd.read(&mut buf) {
-                    Ok(0) => break,
-                    Ok(n) => n,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(blob_err(e, &bwhat)),
-                };
-                out.write_all(&buf[..n]).map_err(|e| {
+            let rd = client.get_blob(&r.reference.repository, d.digest().as_ref(), d.size())?;
+            copy_pipelined(rd, &bwhat, |data| {
+                out.write_all(data).map_err(|e| {
                     TransferError::Cocoon(format!(
                         "image import {}: writing stdin: {e}",
                         req.local_name
                     ))
-                })?;
-            }
+                })
+            })?;
         }
         out.flush().map_err(|e| {
             TransferError::Cocoon(format!(
