@@ -467,3 +467,40 @@ fn run_fallback_inspect_when_run_prints_created() {
     let (c, o) = env.call(&mut r, argv::vm_inspect(&printed.id));
     assert!(parse_vm(&c, &o).unwrap().is_running());
 }
+
+#[test]
+fn failed_listing_in_the_stream_reads_as_deleted_then_added() {
+    let Some(env) = Env::new(true) else { return };
+    let mut r = reactor();
+    let seeded = env.seed(&mut r);
+    let mut faults = FaultFile::new();
+    faults.insert(
+        "vm status".into(),
+        VerbFault {
+            blank_lists: 1,
+            garbage_count: 1,
+            garbage: "{\"event\":\"ADDED\",\"vm\":".into(),
+            ..Default::default()
+        },
+    );
+    fake_cocoon::write_faults(&env.state(), &faults).unwrap();
+    let mut stream = EventStream::new(&env.bin, env.env(), STREAM_TIMER, Instant::now());
+    stream.start(&mut r);
+    // The garbage line is skipped, not fatal; the real ADDED follows.
+    wait_event(&mut r, &mut stream, Duration::from_secs(10), |e| {
+        e.kind == EventKind::Added && e.vm.id == seeded.id
+    })
+    .expect("ADDED after garbage");
+    // Any change triggers a refresh whose listing fails: DELETED, then ADDED again.
+    fake_cocoon::set_state(&env.state(), &seeded.id, "running").unwrap();
+    fake_cocoon::set_state(&env.state(), "seed", "stopped").unwrap();
+    wait_event(&mut r, &mut stream, Duration::from_secs(5), |e| {
+        e.kind == EventKind::Deleted && e.vm.id == seeded.id
+    })
+    .expect("DELETED from the failed listing");
+    wait_event(&mut r, &mut stream, Duration::from_secs(5), |e| {
+        e.kind == EventKind::Added && e.vm.id == seeded.id
+    })
+    .expect("ADDED again");
+    stream.stop(&mut r);
+}

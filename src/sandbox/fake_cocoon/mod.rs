@@ -41,7 +41,9 @@
 //! `slow_ms` delays the work (clone/run: after the `creating` placeholder is written, so a
 //! concurrent `vm reconcile-stale-create` reports `busy`); `placeholder_only` leaves a
 //! `creating` record and exits 1 like a crashed create (reconcile then reports `collected`).
-//! For `vm status` the garbage is printed as one line at start and `exit_after_ms` ends the stream.
+//! For `vm status` the garbage is printed as one line at start, `exit_after_ms` ends the stream,
+//! and `blank_lists: N` makes the N refreshes after the first see an empty (failed) listing, so
+//! every VM goes `DELETED` then `ADDED` again. The stream exits when its parent dies.
 //!
 //! # Test-only verbs (`cocoon fake ...`) and library helpers
 //! `fake stop-vm REF [--stale]` (kill the backing process; N: state `stopped` with reason

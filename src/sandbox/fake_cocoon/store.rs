@@ -43,6 +43,9 @@ pub struct VerbFault {
     pub placeholder_only: bool,
     /// run: print the pre-start record (`created`, pid 0) to exercise the fallback inspect.
     pub print_created: bool,
+    /// vm status --event: the first N refreshes after start see a failed (empty) listing, so
+    /// every VM is reported `DELETED` and then `ADDED` again (cocoon-cli.md 3.7).
+    pub blank_lists: u64,
 }
 
 /// The contents of `<state>/faults.json`: verb (`"vm clone"`, `"vm status"`, ...) to fault.

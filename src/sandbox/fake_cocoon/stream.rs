@@ -1,5 +1,6 @@
 //! The fake's `vm status --event` stream: ADDED for every VM at start, then MODIFIED/DELETED by
 //! the diff rules of cocoon-cli.md 3.7, woken by the journal (polled every 5 ms) and an interval.
+//! With a `blank_lists` fault, listings after the first one come back empty (a failed listing).
 
 use super::store::{display_state, Store, VerbFault};
 use crate::vm::types::{EventLine, Vm};
@@ -52,8 +53,12 @@ pub fn run(store: &Store, interval: Duration, _json: bool, fault: &VerbFault) ->
     let mut known: BTreeMap<String, (Tuple, Vm)> = BTreeMap::new();
     let mut last_len: Option<u64> = None;
     let mut last_full = Instant::now();
+    let mut blank_lists = fault.blank_lists;
+    let parent = std::os::unix::process::parent_id();
     loop {
-        if !store.state.exists() {
+        // Stop when the state dir is gone or the reader died (we were re-parented): an orphaned
+        // stream would otherwise poll forever.
+        if !store.state.exists() || std::os::unix::process::parent_id() != parent {
             return 0;
         }
         let len = std::fs::metadata(store.journal_path())
@@ -64,7 +69,15 @@ pub fn run(store: &Store, interval: Duration, _json: bool, fault: &VerbFault) ->
             last_len = Some(len);
             last_full = Instant::now();
             let mut current: BTreeMap<String, (Tuple, Vm)> = BTreeMap::new();
-            for sv in store.load_vms() {
+            let listing = if blank_lists > 0 && !known.is_empty() {
+                blank_lists -= 1;
+                // Re-list on the next tick, as the real stream does on its next change/interval.
+                last_len = None;
+                Vec::new()
+            } else {
+                store.load_vms()
+            };
+            for sv in listing {
                 let mut vm = sv.vm;
                 vm.state = display_state(&vm);
                 current.insert(vm.id.clone(), (tuple(&vm), vm));

@@ -922,7 +922,8 @@ fn logs(store: &Store, args: &[String]) -> CmdResult {
     }
     let _ = out.flush();
     if p.has("follow") {
-        while store.vm_path(&sv.vm.id).exists() {
+        let parent = std::os::unix::process::parent_id();
+        while store.vm_path(&sv.vm.id).exists() && std::os::unix::process::parent_id() == parent {
             std::thread::sleep(Duration::from_millis(100));
             let len = fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
             if len > pos {
