@@ -109,3 +109,77 @@ fn watch_decoding_throughput() {
     );
     assert!(N as f64 / best_decode > 1000.0);
 }
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+#[test]
+#[ignore = "benchmark; run with --ignored --nocapture (needs /usr/bin/curl)"]
+fn api_call_latency_vs_curl() {
+    use std::time::Duration;
+    use vk_cocoon::kube::{Client, KubeOptions};
+    use vk_cocoon::sandbox::apiserver::{ApiServer, ApiServerOptions, KubeconfigAuth};
+
+    if !std::path::Path::new("/usr/bin/curl").exists() {
+        eprintln!("skipping: /usr/bin/curl is absent");
+        return;
+    }
+    const N: usize = 300;
+    let api = ApiServer::start(ApiServerOptions::default()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let kc = dir.path().join("kubeconfig");
+    api.write_kubeconfig(&kc, &KubeconfigAuth::Token("bench".into()))
+        .unwrap();
+    let client = Client::from_env(&KubeOptions {
+        kubeconfig: Some(kc.to_string_lossy().into_owned()),
+        timeout: Duration::from_secs(5),
+        qps: 0.0,
+        ..KubeOptions::default()
+    })
+    .unwrap();
+    let _ = client.get_node("absent");
+    // Our client: one kept-alive connection, N GETs of a missing node (404 path, small body).
+    let mut ours = Vec::with_capacity(N);
+    for _ in 0..N {
+        let t = Instant::now();
+        assert!(client.get_node("absent").unwrap_err().is_not_found());
+        ours.push(t.elapsed().as_secs_f64());
+    }
+    // curl: one process, N URLs on one kept-alive connection, per-transfer time_total.
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, api.ca_pem()).unwrap();
+    let url = format!("{}/api/v1/nodes/absent", api.url());
+    let mut args: Vec<String> = vec![
+        "-s".into(),
+        "--cacert".into(),
+        ca.to_string_lossy().into_owned(),
+        "-H".into(),
+        "Authorization: Bearer bench".into(),
+        "-H".into(),
+        "Accept: application/json".into(),
+    ];
+    for _ in 0..N + 1 {
+        args.extend([
+            "-o".into(),
+            "/dev/null".into(),
+            "-w".into(),
+            "%{time_total}\\n".into(),
+            url.clone(),
+        ]);
+    }
+    let out = std::process::Command::new("/usr/bin/curl")
+        .args(&args)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let curl: Vec<f64> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .skip(1) // the first transfer pays the TLS handshake
+        .filter_map(|l| l.trim().parse().ok())
+        .collect();
+    assert_eq!(curl.len(), N);
+    let (o, c) = (median(ours) * 1e6, median(curl) * 1e6);
+    println!("API GET latency (median of {N}, kept-alive): vk-cocoon client {o:.0} us, curl {c:.0} us, overhead {:.0} us", o - c);
+}
