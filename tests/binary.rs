@@ -27,6 +27,12 @@ fn base_command(dir: &std::path::Path) -> Command {
         "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: https://127.0.0.1:1\n    insecure-skip-tls-verify: true\nusers:\n- name: u\n  user:\n    token: t\ncontexts:\n- name: x\n  context:\n    cluster: c\n    user: u\ncurrent-context: x\n",
     )
     .unwrap();
+    // The node's storage capacity is statfs(COCOON_ROOT_DIR): it must exist.
+    std::fs::create_dir_all(dir.join("root")).unwrap();
+    let kubelet_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap();
     let d = |p: &str| dir.join(p).to_string_lossy().into_owned();
     let mut cmd = Command::new(BIN);
     cmd.env_clear()
@@ -38,7 +44,7 @@ fn base_command(dir: &std::path::Path) -> Command {
         .env("VK_NODE_IP", "127.0.0.1")
         .env("VK_METRICS_ADDR", "127.0.0.1:0")
         .env("VK_PEER_ADDR", "127.0.0.1:0")
-        .env("VK_KUBELET_PORT", "1")
+        .env("VK_KUBELET_PORT", kubelet_port.to_string())
         .env("VK_LOG_LEVEL", "debug")
         .env("VK_TLS_CERT", d("tls.crt"))
         .env("VK_TLS_KEY", d("tls.key"))
