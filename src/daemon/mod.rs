@@ -144,6 +144,9 @@ pub struct Daemon {
     watchdog: Option<Duration>,
     view_dirty: bool,
     stopping: bool,
+    /// `vk_cocoon_loop_longest_turn_seconds`: the longest time one loop turn took, so a stall
+    /// (a slow API call, a huge batch) shows up on the dashboard.
+    longest_turn: prometheus::Gauge,
 }
 
 /// A fatal start-up error: the message and the process exit status.
@@ -257,6 +260,15 @@ impl Daemon {
             std::env::var("WATCHDOG_USEC").ok().as_deref(),
             std::env::var("WATCHDOG_PID").ok().as_deref(),
         );
+        let longest_turn = prometheus::Gauge::new(
+            "vk_cocoon_loop_longest_turn_seconds",
+            "Longest time one turn of the event loop took since start (a loop stall).",
+        )
+        .map_err(|e| StartError::new(1, format!("metrics: {e}")))?;
+        metrics
+            .registry()
+            .register(Box::new(longest_turn.clone()))
+            .map_err(|e| StartError::new(1, format!("metrics: {e}")))?;
         let now = reactor.now();
         Ok(Daemon {
             stream: EventStream::new(now),
@@ -281,6 +293,7 @@ impl Daemon {
             watchdog,
             view_dirty: true,
             stopping: false,
+            longest_turn,
         })
     }
 
@@ -297,6 +310,7 @@ impl Daemon {
                 log::error!("event loop: {e}");
                 return 1;
             }
+            let turn = Instant::now();
             for event in events.drain(..) {
                 self.route(event);
                 if self.stopping {
@@ -306,6 +320,13 @@ impl Daemon {
             }
             self.drain_inputs();
             self.after_turn();
+            let took = turn.elapsed().as_secs_f64();
+            if took > self.longest_turn.get() {
+                self.longest_turn.set(took);
+                if took > 0.1 {
+                    log::debug!("event loop turn took {took:.3}s");
+                }
+            }
         }
     }
 

@@ -1,0 +1,176 @@
+//! Benchmarks of the whole daemon with an instant fake cocoon (no backing processes) and the
+//! fake API server, client rate limiting off. Ignored by default; run in release mode:
+//!
+//!     cargo test --release --test daemon_bench -- --ignored --nocapture
+//!
+//! BENCH_PODS (default 1000) sets the pod count. Figures are printed, not asserted.
+
+mod daemon_support;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use daemon_support::{annotation, phase, World};
+use vk_cocoon::sandbox::demo_pod;
+
+fn percentile(v: &mut [Duration], p: f64) -> Duration {
+    v.sort();
+    if v.is_empty() {
+        return Duration::ZERO;
+    }
+    v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn metric(w: &World, name: &str) -> f64 {
+    let text = ureq::get(&format!("http://127.0.0.1:{}/metrics", w.metrics_port))
+        .call()
+        .ok()
+        .and_then(|r| r.into_string().ok())
+        .unwrap_or_default();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).map(str::trim))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// Pod name → its VM id, for every pod that is Running with an id annotation.
+fn running(w: &World) -> BTreeMap<String, String> {
+    w.api
+        .pods()
+        .into_iter()
+        .filter(|p| phase(p) == "Running")
+        .filter_map(|p| {
+            let id = annotation(&p, "vm.cocoonstack.io/id")?;
+            Some((p.metadata.name.clone()?, id))
+        })
+        .collect()
+}
+
+#[test]
+#[ignore]
+fn bench_pod_lifecycle() {
+    let n: usize = std::env::var("BENCH_PODS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
+    let mut w = World::new();
+    w.extra_env
+        .push(("FAKE_COCOON_NO_PROCESS".into(), "1".into()));
+    w.seed_snapshot("base");
+    w.start_daemon();
+    w.wait("node registered", Duration::from_secs(30), || {
+        w.api.get_node(daemon_support::NODE)
+    });
+
+    // 1. Sequential: one pod at a time, ADDED to Running status written.
+    let mut single = Vec::new();
+    for i in 0..20 {
+        let name = format!("seq-{i}");
+        let t = Instant::now();
+        w.api
+            .create_pod(&demo_pod("default", &name, "clone", "base"))
+            .unwrap();
+        w.wait("sequential pod", Duration::from_secs(30), || {
+            daemon_support::running_with_vm(&w, &name)
+        });
+        single.push(t.elapsed());
+    }
+    println!(
+        "sequential ADDED->Running (includes the fake cocoon's fork/exec): p50 {:?} p99 {:?}",
+        percentile(&mut single.clone(), 0.5),
+        percentile(&mut single, 0.99)
+    );
+
+    // 2. Burst: n pods at once.
+    let t0 = Instant::now();
+    for i in 0..n {
+        w.api
+            .create_pod(&demo_pod("default", &format!("pod-{i}"), "clone", "base"))
+            .unwrap();
+    }
+    let created = t0.elapsed();
+    let mut seen = BTreeMap::new();
+    w.wait("burst Running", Duration::from_secs(600), || {
+        for name in running(&w).into_keys() {
+            seen.entry(name).or_insert_with(|| t0.elapsed());
+        }
+        (seen.len() >= n + 20).then_some(())
+    });
+    let mut lat: Vec<Duration> = seen
+        .iter()
+        .filter(|(k, _)| k.starts_with("pod-"))
+        .map(|(_, v)| *v)
+        .collect();
+    let all = lat.iter().max().copied().unwrap_or_default();
+    println!(
+        "burst of {n}: created in {created:?}, all Running after {all:?} => {:.0} pods/s; \
+         time-to-Running p50 {:?} p99 {:?}",
+        n as f64 / all.as_secs_f64(),
+        percentile(&mut lat.clone(), 0.5),
+        percentile(&mut lat, 0.99)
+    );
+    let pid = w.daemon.as_ref().map(|c| c.id()).unwrap_or(0);
+    println!("RSS with {} tracked pods: {} KiB", n + 20, rss_kib(pid));
+
+    // 3. VM vanish to Failed/evicted.
+    let ids = running(&w);
+    let mut vanish = Vec::new();
+    for (name, id) in ids.iter().filter(|(k, _)| k.starts_with("seq-")) {
+        let t = Instant::now();
+        assert!(w.cocoon(&["fake", "vanish", id]).0);
+        w.wait("eviction", Duration::from_secs(30), || match w.pod(name) {
+            None => Some(()),
+            Some(p) if phase(&p) == "Failed" => Some(()),
+            Some(p) if annotation(&p, "vm.cocoonstack.io/id").as_deref() != Some(id.as_str()) => {
+                Some(())
+            }
+            Some(_) => None,
+        });
+        vanish.push(t.elapsed());
+    }
+    println!(
+        "VM vanish -> Failed/evicted: p50 {:?} p99 {:?}",
+        percentile(&mut vanish.clone(), 0.5),
+        percentile(&mut vanish, 0.99)
+    );
+    println!(
+        "longest loop turn so far: {:.1} ms",
+        metric(&w, "vk_cocoon_loop_longest_turn_seconds") * 1000.0
+    );
+
+    // 4. Restart: startup reconcile of n pods and VMs, nothing recreated.
+    let before = running(&w);
+    w.kill_daemon();
+    let t = Instant::now();
+    w.start_daemon();
+    w.wait("startup reconcile", Duration::from_secs(120), || {
+        w.log().contains("startup reconcile:").then_some(())
+    });
+    w.wait("adoption logged", Duration::from_secs(120), || {
+        w.log().contains("pods adopted").then_some(())
+    });
+    let took = t.elapsed();
+    let vms = w.vms();
+    let recreated = before
+        .iter()
+        .filter(|(name, id)| vms.get(&format!("vk-default-{name}")).map(|v| &v.0) != Some(*id))
+        .count();
+    println!(
+        "restart with {} pods and VMs: reconcile done after {took:?} (process start included); \
+         VMs recreated: {recreated}",
+        before.len()
+    );
+    println!(
+        "longest loop turn after restart: {:.1} ms",
+        metric(&w, "vk_cocoon_loop_longest_turn_seconds") * 1000.0
+    );
+}

@@ -1,0 +1,223 @@
+//! Harness for process tests and benchmarks of the daemon: the fake API server in the test
+//! process, the real binary as the daemon, and the fake cocoon behind a `cocoon` symlink.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Pod;
+use vk_cocoon::sandbox::apiserver::{ApiServer, ApiServerHandle, ApiServerOptions, KubeconfigAuth};
+
+pub const NODE: &str = "cocoon-sandbox";
+pub const BIN: &str = env!("CARGO_BIN_EXE_vk-cocoon");
+
+pub struct World {
+    pub api: ApiServerHandle,
+    pub dir: tempfile::TempDir,
+    pub metrics_port: u16,
+    pub kubelet_port: u16,
+    pub extra_env: Vec<(String, String)>,
+    pub daemon: Option<Child>,
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+impl World {
+    pub fn new() -> World {
+        let api = ApiServer::start(ApiServerOptions::default()).expect("fake API server");
+        let dir = tempfile::tempdir().expect("temp dir");
+        for d in ["state", "root", "bin", "net"] {
+            std::fs::create_dir_all(dir.path().join(d)).expect("mkdir");
+        }
+        std::os::unix::fs::symlink(BIN, dir.path().join("bin/cocoon")).expect("symlink");
+        api.write_kubeconfig(
+            &dir.path().join("kubeconfig"),
+            &KubeconfigAuth::ClientCert {
+                user: "system:node:cocoon-sandbox".into(),
+                groups: vec!["system:nodes".into(), "system:masters".into()],
+            },
+        )
+        .expect("kubeconfig");
+        World {
+            api,
+            dir,
+            metrics_port: free_port(),
+            kubelet_port: free_port(),
+            extra_env: Vec::new(),
+            daemon: None,
+        }
+    }
+
+    pub fn path(&self, p: &str) -> PathBuf {
+        self.dir.path().join(p)
+    }
+
+    pub fn start_daemon(&mut self) {
+        let log = std::fs::File::create(self.path("daemon.log")).expect("log file");
+        let child = Command::new(BIN)
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("HOME", self.dir.path())
+            .env("KUBECONFIG", self.path("kubeconfig"))
+            .env("VK_LOG_LEVEL", "debug")
+            .env("VK_NODE_NAME", NODE)
+            .env("VK_NODE_IP", "127.0.0.1")
+            .env("VK_COCOON_BIN", self.path("bin/cocoon"))
+            .env("FAKE_COCOON_STATE", self.path("state"))
+            .env("COCOON_ROOT_DIR", self.path("root"))
+            .env("VK_LEASES_PATH", self.path("net/leases.json"))
+            .env("VK_COCOON_NET_CONTROL_SOCKET", "")
+            .env(
+                "VK_METRICS_ADDR",
+                format!("127.0.0.1:{}", self.metrics_port),
+            )
+            .env("VK_KUBELET_PORT", self.kubelet_port.to_string())
+            .env("VK_TLS_CERT", "")
+            .env("VK_TLS_KEY", "")
+            .env("VK_STAGING_DIR", self.path("staging"))
+            // A registry that answers nothing: snapshot policy `never` keeps the tests off it.
+            .env("OCI_REGISTRY", "127.0.0.1:1/none")
+            .env("COCOON_K8S_QPS", "0")
+            .envs(self.extra_env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn vk-cocoon");
+        self.daemon = Some(child);
+    }
+
+    pub fn kill_daemon(&mut self) {
+        if let Some(mut c) = self.daemon.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.path("daemon.log")).unwrap_or_default()
+    }
+
+    /// Runs the fake cocoon against this world's state.
+    pub fn cocoon(&self, args: &[&str]) -> (bool, String) {
+        let out = Command::new(self.path("bin/cocoon"))
+            .args(args)
+            .env("FAKE_COCOON_STATE", self.path("state"))
+            .env("COCOON_ROOT_DIR", self.path("root"))
+            .output()
+            .expect("run fake cocoon");
+        let text = if out.status.success() {
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        } else {
+            String::from_utf8_lossy(&out.stderr).into_owned()
+        };
+        (out.status.success(), text)
+    }
+
+    /// VM name → (id, state) as the fake cocoon lists them.
+    pub fn vms(&self) -> BTreeMap<String, (String, String)> {
+        let (ok, out) = self.cocoon(&["vm", "list", "-o", "json"]);
+        assert!(ok, "vm list failed: {out}");
+        let list: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap_or_default();
+        list.iter()
+            .map(|v| {
+                let name = v["config"]["name"].as_str().unwrap_or("").to_string();
+                let id = v["id"].as_str().unwrap_or("").to_string();
+                let state = v["state"].as_str().unwrap_or("").to_string();
+                (name, (id, state))
+            })
+            .collect()
+    }
+
+    pub fn seed_snapshot(&self, name: &str) {
+        assert!(self.cocoon(&["image", "pull", "ubuntu:24.04"]).0);
+        let (ok, out) = self.cocoon(&[
+            "vm",
+            "run",
+            "--output",
+            "json",
+            "--name",
+            "seed",
+            "ubuntu:24.04",
+        ]);
+        assert!(ok, "{out}");
+        let id = serde_json::from_str::<serde_json::Value>(&out).unwrap()["id"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(self.cocoon(&["snapshot", "save", "--name", name, &id]).0);
+        assert!(self.cocoon(&["vm", "rm", "--force", &id]).0);
+    }
+
+    pub fn wait<T>(&self, what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+        let start = Instant::now();
+        loop {
+            if let Some(v) = f() {
+                return v;
+            }
+            if start.elapsed() > limit {
+                panic!(
+                    "timed out after {limit:?} waiting for {what}\n--- daemon log (tail) ---\n{}",
+                    tail(&self.log(), 60)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn pod(&self, name: &str) -> Option<Pod> {
+        self.api.get_pod("default", name)
+    }
+
+    pub fn events_for(&self, name: &str) -> Vec<(String, String)> {
+        self.api
+            .list_objects("events")
+            .iter()
+            .filter(|e| e["involvedObject"]["name"] == name)
+            .map(|e| {
+                (
+                    e["reason"].as_str().unwrap_or("").to_string(),
+                    e["message"].as_str().unwrap_or("").to_string(),
+                )
+            })
+            .collect()
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        self.kill_daemon();
+        // Stop the fake's sleeping VM processes: they exit once their records are gone.
+        let _ = std::fs::remove_dir_all(self.path("state"));
+    }
+}
+
+pub fn tail(s: &str, n: usize) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+pub fn phase(p: &Pod) -> String {
+    p.status
+        .as_ref()
+        .and_then(|s| s.phase.clone())
+        .unwrap_or_default()
+}
+
+pub fn annotation(p: &Pod, key: &str) -> Option<String> {
+    p.metadata.annotations.as_ref()?.get(key).cloned()
+}
+
+pub fn running_with_vm(w: &World, name: &str) -> Option<(Pod, String)> {
+    let p = w.pod(name)?;
+    let id = annotation(&p, "vm.cocoonstack.io/id")?;
+    (phase(&p) == "Running" && !id.is_empty()).then_some((p, id))
+}
