@@ -164,3 +164,57 @@ fn kubectl_with_a_client_certificate() {
     assert!(out.contains("cocoon-1"), "{out}");
     assert!(server.requests().iter().any(|r| r.user == "admin"));
 }
+
+#[test]
+fn kubectl_create_apply_label_and_watch() {
+    let server = ApiServer::start(ApiServerOptions::default()).unwrap();
+    let Some(k) = Kubectl::new(&server, KubeconfigAuth::Token("t".into())) else {
+        return;
+    };
+    seed(&server);
+    let manifest = k.dir.path().join("pod.yaml");
+    let write = |image: &str| {
+        std::fs::write(
+            &manifest,
+            format!(
+                "apiVersion: v1\nkind: Pod\nmetadata:\n  name: made\nspec:\n  nodeName: cocoon-1\n  containers:\n  - name: c\n    image: {image}\n"
+            ),
+        )
+        .unwrap()
+    };
+    write("nginx:1");
+    let manifest_arg = manifest.to_string_lossy().to_string();
+    k.ok(&["create", "-f", &manifest_arg]);
+    write("nginx:2");
+    k.ok(&["apply", "-f", &manifest_arg]);
+    k.ok(&["label", "pod", "made", "tier=web"]);
+    k.ok(&["annotate", "pod", "made", "note=hi"]);
+    let pod = server.get_pod("default", "made").unwrap();
+    assert_eq!(
+        pod.spec.unwrap().containers[0].image.as_deref(),
+        Some("nginx:2")
+    );
+    let md = pod.metadata;
+    assert_eq!(md.labels.unwrap()["tier"], "web");
+    assert_eq!(md.annotations.unwrap()["note"], "hi");
+
+    // get -w prints the header once and a row per change.
+    let child = Command::new(KUBECTL)
+        .arg("--kubeconfig")
+        .arg(&k.kubeconfig)
+        .arg("--cache-dir")
+        .arg(k.dir.path().join("cache"))
+        .args(["get", "pods", "-w", "--request-timeout=3s"])
+        .env("HOME", k.dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    assert!(server.wait_for_watches(1, std::time::Duration::from_secs(20)));
+    k.ok(&["annotate", "pod", "made", "note=again", "--overwrite"]);
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(stdout.matches("NAME").count(), 1, "{stdout}");
+    assert!(stdout.matches("made").count() >= 2, "{stdout}");
+    assert!(stdout.contains("READY"), "table columns in watch: {stdout}");
+}

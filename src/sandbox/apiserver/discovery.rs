@@ -102,6 +102,67 @@ pub fn resource_list(group: &str, version: &str) -> Option<Value> {
     }))
 }
 
+fn gv_path(group: &str, version: &str) -> String {
+    if group.is_empty() {
+        format!("api/{version}")
+    } else {
+        format!("apis/{group}/{version}")
+    }
+}
+
+/// The OpenAPI v3 index: one entry per served group/version.
+pub fn openapi_v3_index() -> Value {
+    let mut paths = serde_json::Map::new();
+    let mut gvs = vec![("", "v1")];
+    gvs.extend(resources::groups());
+    for (g, v) in gvs {
+        let p = gv_path(g, v);
+        paths.insert(
+            p.clone(),
+            json!({"serverRelativeURL": format!("/openapi/v3/{p}?hash=fake")}),
+        );
+    }
+    json!({"paths": paths})
+}
+
+/// A minimal OpenAPI v3 document for one group/version: no schemas, but PATCH operations
+/// tagged with their kind and the `fieldValidation` parameter, which is what kubectl checks
+/// before it leaves validation of `create -f` / `apply` to the server.
+pub fn openapi_v3_group_version(path: &str) -> Option<Value> {
+    let mut paths = serde_json::Map::new();
+    for r in RESOURCES.iter() {
+        if gv_path(r.group, r.version) != path || !r.verbs.contains(&"patch") {
+            continue;
+        }
+        let base = if r.namespaced {
+            format!("/{path}/namespaces/{{namespace}}/{}/{{name}}", r.plural)
+        } else {
+            format!("/{path}/{}/{{name}}", r.plural)
+        };
+        paths.insert(
+            base,
+            json!({"patch": {
+                "x-kubernetes-group-version-kind": {"group": r.group, "version": r.version, "kind": r.kind},
+                "parameters": [{"name": "fieldValidation", "in": "query", "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "OK"}},
+            }}),
+        );
+    }
+    if paths.is_empty()
+        && !RESOURCES
+            .iter()
+            .any(|r| gv_path(r.group, r.version) == path)
+    {
+        return None;
+    }
+    Some(json!({
+        "openapi": "3.0.0",
+        "info": {"title": "Kubernetes (vk-cocoon fake)", "version": GIT_VERSION},
+        "paths": paths,
+        "components": {"schemas": {}},
+    }))
+}
+
 /// The root document: the paths served.
 pub fn root_paths() -> Value {
     let mut paths = vec![

@@ -25,6 +25,8 @@ pub enum Target {
     GroupList,
     Group(String),
     ResourceList(String, String),
+    OpenApiV3Index,
+    OpenApiV3(String),
     Resource(ResourcePath),
 }
 
@@ -59,6 +61,8 @@ pub fn parse_target(path: &str) -> Result<Target, ApiError> {
         ["version"] => Ok(Target::Version),
         ["healthz" | "livez" | "readyz", ..] => Ok(Target::Health),
         ["api"] => Ok(Target::CoreVersions),
+        ["openapi", "v3"] => Ok(Target::OpenApiV3Index),
+        ["openapi", "v3", rest @ ..] => Ok(Target::OpenApiV3(rest.join("/"))),
         ["api", "v1"] => Ok(Target::ResourceList(String::new(), "v1".into())),
         ["apis"] => Ok(Target::GroupList),
         ["apis", g] => Ok(Target::Group((*g).into())),
@@ -901,6 +905,11 @@ pub fn handle_meta(shared: &Shared, target: &Target) -> Result<Reply, ApiError> 
         Target::ResourceList(g, v) => ok(
             200,
             &discovery::resource_list(g, v).ok_or_else(not_found_path)?,
+        ),
+        Target::OpenApiV3Index => ok(200, &discovery::openapi_v3_index()),
+        Target::OpenApiV3(path) => ok(
+            200,
+            &discovery::openapi_v3_group_version(path).ok_or_else(not_found_path)?,
         ),
         Target::Resource(_) => Err(not_found_path()),
     }

@@ -62,7 +62,8 @@ impl From<io::Error> for HttpError {
 }
 
 /// Reads one request. `buf` carries bytes read past the previous request (pipelining).
-pub fn read_request<R: Read>(r: &mut R, buf: &mut Vec<u8>) -> Result<Request, HttpError> {
+/// Answers `Expect: 100-continue` before reading the body (curl sends it for large bodies).
+pub fn read_request<R: Read + Write>(r: &mut R, buf: &mut Vec<u8>) -> Result<Request, HttpError> {
     let mut chunk = [0u8; 16 * 1024];
     loop {
         let mut headers = [httparse::EMPTY_HEADER; 64];
@@ -70,6 +71,7 @@ pub fn read_request<R: Read>(r: &mut R, buf: &mut Vec<u8>) -> Result<Request, Ht
         match parsed.parse(buf) {
             Ok(httparse::Status::Complete(head_len)) => {
                 let method = parsed.method.unwrap_or("").to_string();
+                let http10 = parsed.version == Some(0);
                 let target = parsed.path.unwrap_or("/").to_string();
                 let headers: Vec<(String, String)> = parsed
                     .headers
@@ -90,6 +92,17 @@ pub fn read_request<R: Read>(r: &mut R, buf: &mut Vec<u8>) -> Result<Request, Ht
                 let (path, query) = target.split_once('?').unwrap_or((&target, ""));
                 req.path = percent_decode(path, false);
                 req.query = parse_query(query);
+                if http10 && req.header("connection").is_none() {
+                    // HTTP/1.0 without keep-alive: one request per connection.
+                    req.headers.push(("Connection".into(), "close".into()));
+                }
+                let expects_continue = req
+                    .header("expect")
+                    .is_some_and(|v| v.eq_ignore_ascii_case("100-continue"));
+                if expects_continue && buf.is_empty() {
+                    r.write_all(b"HTTP/1.1 100 Continue\r\n\r\n")?;
+                    r.flush()?;
+                }
                 req.body = read_body(r, buf, &req)?;
                 return Ok(req);
             }
@@ -320,11 +333,56 @@ pub const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
 mod tests {
     use super::*;
 
+    /// A Read + Write test double: reads from a script, records what is written.
+    struct Duplex<'a> {
+        input: &'a [u8],
+        written: Vec<u8>,
+    }
+
+    impl Read for Duplex<'_> {
+        fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+            self.input.read(out)
+        }
+    }
+
+    impl Write for Duplex<'_> {
+        fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+            self.written.extend_from_slice(data);
+            Ok(data.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn duplex(input: &[u8]) -> Duplex<'_> {
+        Duplex {
+            input,
+            written: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn answers_expect_continue_and_closes_http10() {
+        let mut d =
+            duplex(b"POST /x HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n");
+        let mut buf = Vec::new();
+        // The body arrives only after the 100 Continue, so the first read sees just the head.
+        assert!(matches!(
+            read_request(&mut d, &mut buf),
+            Err(HttpError::Bad(_))
+        ));
+        assert_eq!(d.written, b"HTTP/1.1 100 Continue\r\n\r\n");
+        let mut d = duplex(b"GET /version HTTP/1.0\r\n\r\n");
+        let req = read_request(&mut d, &mut Vec::new()).unwrap();
+        assert!(req.wants_close());
+    }
+
     #[test]
     fn parses_pipelined_requests_with_bodies() {
         let raw = b"POST /api/v1/namespaces/default/pods?fieldSelector=spec.nodeName%3Dn1&watch=1 HTTP/1.1\r\n\
 Host: x\r\nContent-Length: 2\r\n\r\n{}GET /version HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n";
-        let mut src: &[u8] = raw;
+        let mut src = duplex(raw);
         let mut buf = Vec::new();
         let a = read_request(&mut src, &mut buf).unwrap();
         assert_eq!(a.method, "POST");
@@ -342,12 +400,12 @@ Host: x\r\nContent-Length: 2\r\n\r\n{}GET /version HTTP/1.1\r\nTransfer-Encoding
 
     #[test]
     fn rejects_garbage_and_oversize() {
-        let mut src: &[u8] = b"\x00\x01 nonsense\r\n\r\n";
+        let mut src = duplex(b"\x00\x01 nonsense\r\n\r\n");
         assert!(matches!(
             read_request(&mut src, &mut Vec::new()),
             Err(HttpError::Bad(_))
         ));
-        let mut src: &[u8] = b"PUT / HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n";
+        let mut src = duplex(b"PUT / HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n");
         assert!(matches!(
             read_request(&mut src, &mut Vec::new()),
             Err(HttpError::TooLarge)

@@ -8,10 +8,12 @@ use super::meta::ApiError;
 use super::resources::ResourceDef;
 use super::select::Selector;
 use super::store::{self, Change, ChangeType, WaitOutcome};
+use super::table;
 use super::Shared;
 use serde_json::{json, Value};
 use std::io::{self, Write};
 use std::net::{Shutdown, TcpStream};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How often an otherwise idle watch checks whether its peer went away.
@@ -29,6 +31,9 @@ pub struct WatchSpec {
     pub timeout: Duration,
     /// Answer with an ERROR 410 event (injected fault) instead of streaming.
     pub inject_gone_event: bool,
+    /// Render objects as one-row meta.k8s.io/v1 Tables (kubectl get -w); the value is
+    /// `includeObject`. Column definitions go in the first event only, as the real server does.
+    pub table: Option<String>,
 }
 
 impl WatchSpec {
@@ -72,6 +77,8 @@ impl WatchSpec {
             send_initial_events,
             timeout,
             inject_gone_event: false,
+            table: table::wants_table(req.header("accept"))
+                .then(|| req.query("includeObject").unwrap_or("").to_string()),
         })
     }
 
@@ -83,7 +90,7 @@ impl WatchSpec {
     }
 
     /// The event a change produces for this watch, honouring selector entry and exit.
-    fn event_for(&self, c: &Change) -> Option<Value> {
+    fn event_for(&self, c: &Change) -> Option<(&'static str, Value)> {
         let now = self.in_scope(&c.object);
         let before = c.prev.as_deref().is_some_and(|p| self.in_scope(p));
         let (ty, obj) = match (c.change, before, now) {
@@ -100,7 +107,7 @@ impl WatchSpec {
             }
             _ => return None,
         };
-        Some(json!({"type": ty, "object": obj}))
+        Some((ty, obj))
     }
 }
 
@@ -110,6 +117,30 @@ pub enum WatchEnd {
     Clean,
     /// Cut (drop fault, stop, peer gone): close the socket without finishing the body.
     Abrupt,
+}
+
+/// Encodes change events, turning objects into Table rows when the client asked for tables.
+struct Encoder<'a> {
+    def: &'static ResourceDef,
+    table: Option<&'a str>,
+    columns_sent: bool,
+}
+
+impl Encoder<'_> {
+    fn change(&mut self, out: &mut Vec<u8>, ty: &str, obj: &Value) {
+        match self.table {
+            None => line(out, &json!({"type": ty, "object": obj})),
+            Some(include) => {
+                let rv = store::obj_rv(obj).parse().unwrap_or(0);
+                let mut t = table::table(self.def, &[Arc::new(obj.clone())], rv, include);
+                if self.columns_sent {
+                    t["columnDefinitions"] = Value::Null;
+                }
+                self.columns_sent = true;
+                line(out, &json!({"type": ty, "object": t}));
+            }
+        }
+    }
 }
 
 fn line(out: &mut Vec<u8>, event: &Value) {
@@ -182,8 +213,13 @@ pub fn serve<W: Write>(
         w.flush()?;
         return Ok(WatchEnd::Clean);
     }
+    let mut enc = Encoder {
+        def: spec.def,
+        table: spec.table.as_deref(),
+        columns_sent: false,
+    };
     for obj in &initial {
-        line(&mut out, &json!({"type": "ADDED", "object": obj.as_ref()}));
+        enc.change(&mut out, "ADDED", obj);
     }
     if spec.send_initial_events && spec.bookmarks {
         line(&mut out, &bookmark(spec.def, cursor, true));
@@ -228,8 +264,8 @@ pub fn serve<W: Write>(
             }
             WaitOutcome::Changes { changes, cursor: c } => {
                 for ch in &changes {
-                    if let Some(ev) = spec.event_for(ch) {
-                        line(&mut out, &ev);
+                    if let Some((ty, obj)) = spec.event_for(ch) {
+                        enc.change(&mut out, ty, &obj);
                     }
                 }
                 cursor = cursor.max(c);
