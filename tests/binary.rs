@@ -9,30 +9,46 @@ use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_vk-cocoon");
 
+use vk_cocoon::sandbox::apiserver::{ApiServer, ApiServerHandle, ApiServerOptions, KubeconfigAuth};
+
 struct Daemon {
     child: Child,
     metrics: SocketAddr,
     _dir: tempfile::TempDir,
+    _api: Option<ApiServerHandle>,
     stderr_lines: mpsc::Receiver<String>,
     /// stderr lines up to and including the "metrics listening" line.
     startup_lines: Vec<String>,
 }
 
-/// Harmless configuration: everything under a temp dir, listeners on 127.0.0.1 port 0,
-/// a kubeconfig whose API server (127.0.0.1:1) refuses connections.
-fn base_command(dir: &std::path::Path) -> Command {
+/// Where the daemon's API server is.
+enum Api {
+    /// The embedded fake API server on loopback, with a token kubeconfig.
+    Fake(ApiServerHandle),
+    /// A kubeconfig whose server (127.0.0.1:1) refuses every connection.
+    Unreachable,
+}
+
+/// Harmless configuration: everything under a temp dir, listeners on 127.0.0.1 port 0, the
+/// fake cocoon (this binary under the name `cocoon`) with its state in the temp dir.
+fn base_command(dir: &std::path::Path, api: &Api) -> Command {
     let kubeconfig = dir.join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: https://127.0.0.1:1\n    insecure-skip-tls-verify: true\nusers:\n- name: u\n  user:\n    token: t\ncontexts:\n- name: x\n  context:\n    cluster: c\n    user: u\ncurrent-context: x\n",
-    )
-    .unwrap();
+    match api {
+        Api::Fake(server) => server
+            .write_kubeconfig(&kubeconfig, &KubeconfigAuth::Token("vk-binary-test".into()))
+            .unwrap(),
+        Api::Unreachable => std::fs::write(
+            &kubeconfig,
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: https://127.0.0.1:1\n    insecure-skip-tls-verify: true\nusers:\n- name: u\n  user:\n    token: t\ncontexts:\n- name: x\n  context:\n    cluster: c\n    user: u\ncurrent-context: x\n",
+        )
+        .unwrap(),
+    }
+    let cocoon = dir.join("cocoon");
+    if !cocoon.exists() {
+        std::os::unix::fs::symlink(BIN, &cocoon).unwrap();
+    }
     // The node's storage capacity is statfs(COCOON_ROOT_DIR): it must exist.
     std::fs::create_dir_all(dir.join("root")).unwrap();
-    let kubelet_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap();
     let d = |p: &str| dir.join(p).to_string_lossy().into_owned();
     let mut cmd = Command::new(BIN);
     cmd.env_clear()
@@ -44,7 +60,7 @@ fn base_command(dir: &std::path::Path) -> Command {
         .env("VK_NODE_IP", "127.0.0.1")
         .env("VK_METRICS_ADDR", "127.0.0.1:0")
         .env("VK_PEER_ADDR", "127.0.0.1:0")
-        .env("VK_KUBELET_PORT", kubelet_port.to_string())
+        .env("VK_KUBELET_PORT", free_port().to_string())
         .env("VK_LOG_LEVEL", "debug")
         .env("VK_TLS_CERT", d("tls.crt"))
         .env("VK_TLS_KEY", d("tls.key"))
@@ -53,16 +69,31 @@ fn base_command(dir: &std::path::Path) -> Command {
         .env("VK_COCOON_SNAPSHOT_DIR", d("snapshots"))
         .env("VK_LEASES_PATH", d("leases.json"))
         .env("VK_COCOON_NET_CONTROL_SOCKET", "")
-        .env("VK_COCOON_BIN", "/nonexistent/cocoon")
+        .env("VK_COCOON_BIN", cocoon.to_string_lossy().as_ref())
+        .env("FAKE_COCOON_STATE", d("fake-cocoon"))
+        .env("FAKE_COCOON_NO_PROCESS", "1")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
     cmd
 }
 
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+fn fake_api() -> Api {
+    Api::Fake(ApiServer::start(ApiServerOptions::default()).expect("fake API server"))
+}
+
 fn start_with(extra: &[(&str, &str)]) -> Daemon {
+    start_against(fake_api(), extra)
+}
+
+fn start_against(api: Api, extra: &[(&str, &str)]) -> Daemon {
     let dir = tempfile::tempdir().unwrap();
-    let mut cmd = base_command(dir.path());
+    let mut cmd = base_command(dir.path(), &api);
     for (k, v) in extra {
         cmd.env(k, v);
     }
@@ -105,6 +136,10 @@ fn start_with(extra: &[(&str, &str)]) -> Daemon {
         child,
         metrics,
         _dir: dir,
+        _api: match api {
+            Api::Fake(h) => Some(h),
+            Api::Unreachable => None,
+        },
         stderr_lines: rx,
         startup_lines,
     }
@@ -167,6 +202,17 @@ fn sigterm_stops_with_exit_0_within_2s_and_metrics_answer_while_running() {
     assert!(text.contains("vk_cocoon_orphan_vm_total 0"));
     let (code, _) = get(d.metrics, "/debug/nothing");
     assert_eq!(code, 404);
+    stop_and_check(&mut d);
+}
+
+/// The daemon must keep serving /metrics and obey SIGTERM while the API server is down
+/// (a cluster outage must not turn into a crash loop of every host daemon).
+#[test]
+fn metrics_and_sigterm_work_while_the_api_server_is_unreachable() {
+    let mut d = start_against(Api::Unreachable, &[]);
+    let (code, text) = get(d.metrics, "/metrics");
+    assert_eq!(code, 200, "{text}");
+    assert!(d.child.try_wait().unwrap().is_none(), "daemon exited");
     stop_and_check(&mut d);
 }
 
@@ -249,7 +295,7 @@ fn huge_and_unfinished_requests_do_not_stop_metrics_for_others() {
 #[test]
 fn invalid_configuration_exits_2_with_one_line() {
     let dir = tempfile::tempdir().unwrap();
-    let out = base_command(dir.path())
+    let out = base_command(dir.path(), &Api::Unreachable)
         .env("VK_ORPHAN_POLICY", "nuke")
         .env("VK_LOG_LEVEL", "off")
         .output()
@@ -261,7 +307,7 @@ fn invalid_configuration_exits_2_with_one_line() {
         "vk-cocoon: configuration error: VK_ORPHAN_POLICY=\"nuke\" is invalid: allowed destroy, alert or keep\n"
     );
 
-    let out = base_command(dir.path())
+    let out = base_command(dir.path(), &Api::Unreachable)
         .env_remove("OCI_REGISTRY")
         .env("VK_LOG_LEVEL", "off")
         .output()
@@ -273,7 +319,7 @@ fn invalid_configuration_exits_2_with_one_line() {
 #[test]
 fn invalid_log_level_exits_1_with_log_setup() {
     let dir = tempfile::tempdir().unwrap();
-    let out = base_command(dir.path())
+    let out = base_command(dir.path(), &Api::Unreachable)
         .env("VK_LOG_LEVEL", "chatty")
         .output()
         .unwrap();
