@@ -1134,9 +1134,11 @@ impl KubeletServer {
                 return;
             };
             loop {
+                let mut accepted = 0;
                 if !c.out.is_empty() {
                     match c.tls.writer().write(&c.out) {
                         Ok(n) => {
+                            accepted = n;
                             c.out.drain(..n);
                         }
                         Err(_) => {
@@ -1164,7 +1166,10 @@ impl KubeletServer {
                         }
                     }
                 }
-                if failed || blocked || c.out.is_empty() {
+                // Nothing taken and nothing to send (rustls' buffer is full while it waits for
+                // the peer): stop; the next readiness event continues.
+                if failed || blocked || c.out.is_empty() || (accepted == 0 && !c.tls.wants_write())
+                {
                     break;
                 }
             }

@@ -171,9 +171,19 @@ impl Collector for VmCollector {
         let sample = self.hub.sample(Instant::now());
         let mut out = Vec::with_capacity(VM_FAMILIES.len() + NODE_FAMILIES.len() + 1);
         if !sample.vms.is_empty() {
+            // The registry sorts each family by label values; handing it sorted input once
+            // keeps that sort linear for every family.
+            let mut order: Vec<&super::stats::VmSample> = sample.vms.iter().collect();
+            order.sort_by(|a, b| {
+                (&a.vm.backend, &a.vm.namespace, &a.vm.pod, &a.vm.vm_name).cmp(&(
+                    &b.vm.backend,
+                    &b.vm.namespace,
+                    &b.vm.pod,
+                    &b.vm.vm_name,
+                ))
+            });
             for (name, help, counter, value) in VM_FAMILIES {
-                let metrics = sample
-                    .vms
+                let metrics = order
                     .iter()
                     .map(|v| {
                         let labels = vec![
