@@ -1488,3 +1488,49 @@ fn service_account_key_exchanged_at_local_token_endpoint() {
         "the token endpoint verified an RS256 assertion"
     );
 }
+
+#[test]
+fn interrupted_streamed_upload_falls_back_to_the_spool_and_completes() {
+    let Some(reg) = Registry::start(None) else {
+        return;
+    };
+    let cocoon = FakeCocoon::new();
+    let files = vec![
+        FileSpec {
+            name: "config.json",
+            size: 4120,
+            mode: 0o640,
+            sparse: None,
+            seed: 21,
+        },
+        FileSpec {
+            name: "overlay.qcow2",
+            size: 6 * MIB + 5,
+            mode: 0o640,
+            sparse: None,
+            seed: 22,
+        },
+    ];
+    write_export(&cocoon.export_path("vm-s"), "SS", &files);
+    let rules = ProxyRules {
+        bearer_realm: None,
+        reject_all_tokens: false,
+        cut_patches: Arc::new(AtomicUsize::new(1)),
+        patches_seen: Arc::new(AtomicUsize::new(0)),
+    };
+    let seen = rules.patches_seen.clone();
+    let cut = rules.cut_patches.clone();
+    let pport = start_proxy(reg.port, rules);
+    let client = client_for(&format!("127.0.0.1:{pport}"), AuthSettings::default());
+    push_snapshot(
+        &client,
+        &push_req(&cocoon, "vm-s", "latest", PushKnobs::default()),
+    )
+    .expect("push survives a cut stream");
+    assert_eq!(cut.load(Ordering::SeqCst), 0, "the streamed PATCH was cut");
+    // config.json, the cut stream, its re-send from the spool, the config blob.
+    assert_eq!(seen.load(Ordering::SeqCst), 4);
+    no_spool_files_left(cocoon.dir.path());
+    pull_snapshot(&client, &pull_req(&cocoon, "vm-s", "latest", "s")).expect("pull");
+    assert_same_snapshot(&cocoon.export_path("vm-s"), &cocoon.import_path("s"), "s");
+}

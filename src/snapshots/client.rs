@@ -805,6 +805,95 @@ impl RegistryClient {
         Ok(())
     }
 
+    /// Opens an upload session (POST) for a streamed blob; returns its Location.
+    pub fn begin_upload(&self, repository: &str) -> Result<String, TransferError> {
+        let sess = self.session(&self.base.host, repository, "push,pull");
+        let what = format!("begin upload to {}/{repository}", sess.host);
+        let post_url = self.url(&sess.host, &format!("/v2/{repository}/blobs/uploads/"))?;
+        let resp = self
+            .exchange(
+                &sess,
+                "POST",
+                &post_url,
+                &[("Content-Type", "application/json")],
+                Body::Empty,
+            )
+            .map_err(|f| f.into_error(&what))?;
+        if resp.status() != 202 {
+            return Err(TransferError::Registry(format!(
+                "{what}: HTTP {} instead of 202",
+                resp.status()
+            )));
+        }
+        self.resolve_location(&post_url, resp.header("location"))
+            .map_err(|f| f.into_error(&what))
+    }
+
+    /// One PATCH carrying `len` bytes read from `body` (single use: sent once, no re-auth, no
+    /// retry; callers fall back to [`RegistryClient::put_blob`]). Returns the next Location.
+    pub fn patch_upload(
+        &self,
+        repository: &str,
+        location: String,
+        len: u64,
+        body: &mut dyn Read,
+    ) -> Result<String, TransferError> {
+        let sess = self.session(&self.base.host, repository, "push,pull");
+        let what = format!("stream upload to {}/{repository}", sess.host);
+        let authz = {
+            let mut st = lock(&sess.state);
+            self.prepare(&sess, &mut st)?;
+            self.auth_header(&sess, &mut st)?
+        };
+        let mut req = self
+            .agent
+            .request("PATCH", &location)
+            .set("Content-Type", "application/octet-stream")
+            .set("Content-Length", &len.to_string());
+        if let Some(a) = &authz {
+            req = req.set("Authorization", a);
+        }
+        let resp = match req.send(body) {
+            Ok(r) => r,
+            Err(ureq::Error::Status(code, r)) => {
+                return Err(HttpFailure::Status(code, Box::new(r)).into_error(&what))
+            }
+            Err(e) => return Err(TransferError::Transient(format!("{what}: {e}"))),
+        };
+        self.resolve_location(&location, resp.header("location"))
+            .map_err(|f| f.into_error(&what))
+    }
+
+    /// Completes a streamed upload: PUT `<location>?digest=`; must answer 201.
+    pub fn finish_upload(
+        &self,
+        repository: &str,
+        location: String,
+        digest: &str,
+    ) -> Result<(), TransferError> {
+        let sess = self.session(&self.base.host, repository, "push,pull");
+        let what = format!("finish upload {}/{repository}@{digest}", sess.host);
+        let sep = if location.contains('?') { '&' } else { '?' };
+        let put_url = format!("{location}{sep}digest={}", digest.replace(':', "%3A"));
+        let resp = self
+            .exchange(
+                &sess,
+                "PUT",
+                &put_url,
+                &[("Content-Type", "application/octet-stream")],
+                Body::Empty,
+            )
+            .map_err(|f| f.into_error(&what))?;
+        if resp.status() != 201 {
+            return Err(TransferError::Registry(format!(
+                "{what}: HTTP {} instead of 201",
+                resp.status()
+            )));
+        }
+        lock(&self.uploaded).insert((repository.to_string(), digest.to_string()));
+        Ok(())
+    }
+
     fn resolve_location(
         &self,
         request_url: &str,

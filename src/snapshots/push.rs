@@ -24,6 +24,8 @@ const READ_BUF: usize = 1 << 20;
 const COMPRESS_MIN: u64 = MIB;
 const MAX_CHUNKS: u64 = 1 << 20;
 const PROGRESS_STEP: u64 = 1 << 30;
+/// Raw files at least this big are streamed into the upload instead of spooled first.
+const STREAM_MIN: u64 = 4 * MIB;
 
 /// The SNAPSHOT_* knobs (§16.1). All-zero zstd and chunk = the exact v1 writer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -366,9 +368,15 @@ impl PushState<'_> {
             self.v2 = true;
         } else {
             let spool = Spool::create(self.req.temp_dir.as_deref())?;
+            let mut streamed = false;
             let (digest, blob_size) = if compress {
                 self.v2 = true;
                 spool.write_compressed(tar, size, self.req.knobs.zstd_native_level(), &name)?
+            } else if size >= STREAM_MIN {
+                let (d, n, ok) =
+                    spool.stream_raw(self.client, &self.repository, tar, size, &name)?;
+                streamed = ok;
+                (d, n)
             } else {
                 spool.write_raw(tar, size, &name)?
             };
@@ -377,14 +385,16 @@ impl PushState<'_> {
             } else {
                 base_type.to_string()
             };
-            self.client.put_blob(
-                &self.repository,
-                &digest,
-                Body::File {
-                    file: &spool.file,
-                    len: blob_size,
-                },
-            )?;
+            if !streamed {
+                self.client.put_blob(
+                    &self.repository,
+                    &digest,
+                    Body::File {
+                        file: &spool.file,
+                        len: blob_size,
+                    },
+                )?;
+            }
             self.progress(blob_size);
             let mut ann = BTreeMap::new();
             ann.insert(format::TITLE.to_string(), name.clone());
@@ -558,6 +568,57 @@ impl Spool {
         Ok(Spool { file })
     }
 
+    /// Raw body straight into one upload (POST, PATCH streaming the tar body, PUT with the
+    /// digest computed on the way) while also spooling it, so a failed stream falls back to
+    /// the retried file upload. Returns (digest, size, uploaded by the stream).
+    fn stream_raw<R: Read>(
+        &self,
+        client: &RegistryClient,
+        repository: &str,
+        tar: &mut TarReader<R>,
+        size: u64,
+        name: &str,
+    ) -> Result<(String, u64, bool), TransferError> {
+        let mut tee = Tee {
+            tar,
+            spool: io::BufWriter::with_capacity(READ_BUF, &self.file),
+            hasher: Sha256::new(),
+            count: 0,
+        };
+        let attempt = client
+            .begin_upload(repository)
+            .and_then(|u| client.patch_upload(repository, u, size, &mut tee));
+        // Finish reading the body whatever happened, so the hash and the spool are complete;
+        // an export stream error here is the real failure.
+        let mut buf = vec![0u8; READ_BUF];
+        loop {
+            let n = tee.read(&mut buf).map_err(|e| {
+                TransferError::Format(format!("{name}: reading export stream: {e}"))
+            })?;
+            if n == 0 {
+                break;
+            }
+        }
+        if tee.count != size {
+            return Err(TransferError::Format(format!(
+                "{name}: body ended after {} of {size} bytes",
+                tee.count
+            )));
+        }
+        tee.spool
+            .flush()
+            .map_err(|e| TransferError::Io(format!("spool {name}: {e}")))?;
+        let digest = format!("sha256:{}", hex_lower(&tee.hasher.finalize()));
+        let uploaded = match attempt.and_then(|u| client.finish_upload(repository, u, &digest)) {
+            Ok(()) => true,
+            Err(e) => {
+                log::info!("{name}: streamed upload failed ({e}); retrying from the spool file");
+                false
+            }
+        };
+        Ok((digest, size, uploaded))
+    }
+
     /// Copies the body verbatim while hashing; returns (digest, size).
     fn write_raw<R: Read>(
         &self,
@@ -636,6 +697,24 @@ fn copy_body<R: Read, W: Write>(
         w.write_all(&buf[..n])
             .map_err(|e| TransferError::Io(format!("spool {name}: {e}")))?;
         total += n as u64;
+    }
+}
+
+/// Reads the current tar body, hashing it and copying it into the spool on the way.
+struct Tee<'a, R: Read, W: Write> {
+    tar: &'a mut TarReader<R>,
+    spool: W,
+    hasher: Sha256,
+    count: u64,
+}
+
+impl<R: Read, W: Write> Read for Tee<'_, R, W> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.tar.read_body(buf)?;
+        self.spool.write_all(&buf[..n])?;
+        self.hasher.update(&buf[..n]);
+        self.count += n as u64;
+        Ok(n)
     }
 }
 
