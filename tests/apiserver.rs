@@ -371,6 +371,14 @@ fn conflicts_and_uid_preconditions() {
         .unwrap()
         .contains("UID in precondition"));
     body["metadata"]["uid"] = json!(uid);
+    body["metadata"]["resourceVersion"] = json!("0");
+    let (s, err) = c.put(&format!("{PODS}/p/status"), &body);
+    assert_eq!(
+        (s, err["reason"].as_str()),
+        (422, Some("Invalid")),
+        "RV \"0\" is rejected"
+    );
+    body["metadata"]["resourceVersion"] = cur["metadata"]["resourceVersion"].clone();
     body["spec"]["nodeName"] = json!("elsewhere");
     let (s, updated) = c.put(&format!("{PODS}/p/status"), &body);
     assert_eq!(s, 200);

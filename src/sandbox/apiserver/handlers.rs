@@ -717,6 +717,18 @@ pub fn update_object(
             "the name of the object ({body_name}) does not match the name on the URL ({name})"
         )));
     }
+    if body
+        .pointer("/metadata/resourceVersion")
+        .and_then(Value::as_str)
+        == Some("0")
+    {
+        // Kubernetes 1.35+ rejects the blind "0" version VK used to send (kubelet-duties 5.4).
+        return Err(ApiError::invalid(
+            def.kind,
+            name,
+            "metadata.resourceVersion: Invalid value: \"0\": must be specified for an update",
+        ));
+    }
     let out = shared.store.mutate(def, namespace, name, |cur| {
         check_preconditions(def, cur, &body)?;
         update_rules(def, sub, cur, body.clone())
