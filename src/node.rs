@@ -291,54 +291,73 @@ pub fn node_labels(o: &NodeOptions) -> BTreeMap<String, String> {
     l
 }
 
-fn condition(kind: &str, status: &str, reason: &str, message: &str, now: &Time) -> NodeCondition {
+fn condition(
+    kind: &str,
+    status: &str,
+    reason: &str,
+    message: &str,
+    heartbeat: &Time,
+    since: &Time,
+) -> NodeCondition {
     NodeCondition {
         type_: kind.into(),
         status: status.into(),
         reason: Some(reason.into()),
         message: Some(message.into()),
-        last_heartbeat_time: Some(now.clone()),
-        last_transition_time: Some(now.clone()),
+        last_heartbeat_time: Some(heartbeat.clone()),
+        last_transition_time: Some(since.clone()),
     }
 }
 
-/// The fixed condition set of vk-cocoon-behaviour.md 2.4.
-pub fn node_conditions(now: &Time) -> Vec<NodeCondition> {
+/// The fixed condition set of vk-cocoon-behaviour.md 2.4. `since` (lastTransitionTime) stays at
+/// the agent's start; `heartbeat` is refreshed on every write.
+pub fn node_conditions(heartbeat: &Time, since: &Time) -> Vec<NodeCondition> {
     vec![
-        condition("Ready", "True", "KubeletReady", "vk-cocoon is ready", now),
+        condition(
+            "Ready",
+            "True",
+            "KubeletReady",
+            "vk-cocoon is ready",
+            heartbeat,
+            since,
+        ),
         condition(
             "DiskPressure",
             "False",
             "KubeletHasNoDiskPressure",
             "vk-cocoon has no disk pressure",
-            now,
+            heartbeat,
+            since,
         ),
         condition(
             "MemoryPressure",
             "False",
             "KubeletHasSufficientMemory",
             "vk-cocoon has sufficient memory",
-            now,
+            heartbeat,
+            since,
         ),
         condition(
             "PIDPressure",
             "False",
             "KubeletHasSufficientPID",
             "vk-cocoon has sufficient PID available",
-            now,
+            heartbeat,
+            since,
         ),
         condition(
             "NetworkUnavailable",
             "False",
             "RouteCreated",
             "NodeController create implicit route",
-            now,
+            heartbeat,
+            since,
         ),
     ]
 }
 
 /// The node status vk-cocoon publishes.
-pub fn node_status(o: &NodeOptions, r: &Resources, now: &Time) -> NodeStatus {
+pub fn node_status(o: &NodeOptions, r: &Resources, now: &Time, since: &Time) -> NodeStatus {
     NodeStatus {
         addresses: Some(vec![
             NodeAddress {
@@ -352,7 +371,7 @@ pub fn node_status(o: &NodeOptions, r: &Resources, now: &Time) -> NodeStatus {
         ]),
         allocatable: Some(r.allocatable.clone()),
         capacity: Some(r.capacity.clone()),
-        conditions: Some(node_conditions(now)),
+        conditions: Some(node_conditions(now, since)),
         daemon_endpoints: Some(NodeDaemonEndpoints {
             kubelet_endpoint: Some(DaemonEndpoint {
                 port: i32::from(o.kubelet_port),
@@ -384,7 +403,7 @@ pub fn build_node(o: &NodeOptions, r: &Resources, now: &Time) -> Node {
             }]),
             ..Default::default()
         }),
-        status: Some(node_status(o, r, now)),
+        status: Some(node_status(o, r, now, now)),
     }
 }
 
@@ -402,8 +421,8 @@ pub fn reassert_labels(node: &mut Node, o: &NodeOptions) -> bool {
 
 /// The strategic-merge patch for nodes/<name>/status: the whole desired status (conditions and
 /// addresses merge by type on the server).
-pub fn status_patch(o: &NodeOptions, r: &Resources, now: &Time) -> serde_json::Value {
-    serde_json::json!({ "status": node_status(o, r, now) })
+pub fn status_patch(o: &NodeOptions, r: &Resources, now: &Time, since: &Time) -> serde_json::Value {
+    serde_json::json!({ "status": node_status(o, r, now, since) })
 }
 
 /// The Lease object (kubelet-duties.md 5.7).
@@ -500,6 +519,8 @@ pub struct NodeAgent {
     next_register: Instant,
     next_lease: Instant,
     next_status: Instant,
+    /// lastTransitionTime of the fixed conditions: when this agent started.
+    since: Time,
     register_backoff: Backoff,
     lease_backoff: Backoff,
     status_backoff: Backoff,
@@ -516,6 +537,7 @@ impl NodeAgent {
             next_register: now,
             next_lease: now,
             next_status: now + STATUS_INTERVAL,
+            since: api_time(SystemTime::now()),
             register_backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(30)),
             lease_backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(7)),
             status_backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(30)),
@@ -610,7 +632,7 @@ impl NodeAgent {
             }
         }
         if now >= self.next_status && self.node_uid.is_some() {
-            let patch = status_patch(&self.opts, &self.resources, &api_time(wall));
+            let patch = status_patch(&self.opts, &self.resources, &api_time(wall), &self.since);
             match client.patch_node_status(&self.opts.name, &patch) {
                 Ok(_) => {
                     self.stats.status_updates += 1;
@@ -660,7 +682,7 @@ impl NodeAgent {
                     }
                     let n = client.patch_node_status(
                         &self.opts.name,
-                        &status_patch(&self.opts, &self.resources, &now),
+                        &status_patch(&self.opts, &self.resources, &now, &self.since),
                     )?;
                     return uid_of(&n).or_else(|_| uid_of(&existing));
                 }
@@ -867,6 +889,17 @@ mod tests {
         assert_eq!(conds[0]["reason"], "KubeletReady");
         assert_eq!(conds[0]["message"], "vk-cocoon is ready");
         assert!(conds[1..].iter().all(|c| c["status"] == "False"));
+    }
+
+    #[test]
+    fn heartbeat_moves_transition_time_stays() {
+        let since = api_time(SystemTime::UNIX_EPOCH + Duration::from_secs(100));
+        let beat = api_time(SystemTime::UNIX_EPOCH + Duration::from_secs(200));
+        let p = status_patch(&opts(), &Resources::default(), &beat, &since);
+        for c in p["status"]["conditions"].as_array().unwrap() {
+            assert_eq!(c["lastHeartbeatTime"], "1970-01-01T00:03:20Z");
+            assert_eq!(c["lastTransitionTime"], "1970-01-01T00:01:40Z");
+        }
     }
 
     #[test]
