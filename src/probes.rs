@@ -579,6 +579,10 @@ pub fn probe_timer_key(raw: u64) -> Option<TimerKey> {
     (raw >> 48 == PROBE_TIMER_TAG >> 48).then_some(TimerKey(raw & ((1 << 48) - 1)))
 }
 
+/// Replies handled per readable event; more wait for the next loop turn, so a burst of
+/// thousands of replies never holds the loop for long.
+const PINGER_BATCH: usize = 128;
+
 /// What the engine needs from the event loop. The daemon implements it over the reactor in a
 /// few lines (`registry()`, `token()`, `timer_at()`, `cancel_timer()`), with its own timer-key
 /// tagging so that fired timers can be routed back to [`ProbeEngine::on_timer`].
@@ -723,7 +727,13 @@ impl<T: Copy> ProbeEngine<T> {
     ) -> Vec<ProbeEvent> {
         let mut actions = Vec::new();
         if token == self.pinger_token {
-            for (ping, _reply) in self.pinger.on_readable(now) {
+            let replies = self.pinger.on_readable_bounded(
+                now,
+                PINGER_BATCH,
+                host.registry(),
+                self.pinger_token,
+            );
+            for (ping, _reply) in replies {
                 if let Some(id) = self.by_ping.remove(&ping) {
                     self.running.remove(&id);
                     actions.extend(self.manager.on_result(id, Ok(()), now));

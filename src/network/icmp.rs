@@ -226,11 +226,45 @@ impl Pinger {
     /// Read every packet waiting on the socket and return the echoes they answer.
     /// Call on each readable event; it drains until the socket would block.
     pub fn on_readable(&mut self, now: Instant) -> Vec<(PingId, Reply)> {
+        self.read_some(now, usize::MAX).0
+    }
+
+    /// Like `on_readable`, but reads at most `max_packets`, so that a burst of thousands of
+    /// replies cannot stall the loop. When it stops early it re-registers the socket (same
+    /// `token`), which makes the poll report it readable again on its next turn, after the
+    /// other ready sources had theirs.
+    pub fn on_readable_bounded(
+        &mut self,
+        now: Instant,
+        max_packets: usize,
+        registry: &mio::Registry,
+        token: mio::Token,
+    ) -> Vec<(PingId, Reply)> {
+        let (replies, drained) = self.read_some(now, max_packets);
+        if !drained {
+            if let Some(s) = &self.socket {
+                let fd = s.as_raw_fd();
+                let source = &mut mio::unix::SourceFd(&fd);
+                if let Err(e) = registry.reregister(source, token, mio::Interest::READABLE) {
+                    log::warn!("pinger: re-arming the ICMP socket: {e}");
+                }
+            }
+        }
+        replies
+    }
+
+    /// Read up to `max_packets`; true in the second field when the socket would block.
+    fn read_some(&mut self, now: Instant, max_packets: usize) -> (Vec<(PingId, Reply)>, bool) {
         let mut replies = Vec::new();
         let Some(socket) = &self.socket else {
-            return replies;
+            return (replies, true);
         };
+        let mut packets = 0;
         loop {
+            if packets >= max_packets {
+                return (replies, false);
+            }
+            packets += 1;
             let (len, from) = match socket.recv_from(&mut self.buf) {
                 Ok(r) => r,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -260,7 +294,7 @@ impl Pinger {
                 replies.push((flight.id, Reply { from, rtt }));
             }
         }
-        replies
+        (replies, true)
     }
 
     fn free_seq(&self) -> Option<u16> {
