@@ -20,6 +20,11 @@
 //!   the fastest mode, for benchmarks. By default each running VM is a sleeping re-exec of this
 //!   binary (`fake-cocoon __vm-process <record>`), detached in its own process group, so /proc
 //!   stats are real; it exits by itself once its record is gone, and `vm rm`/`vm stop` kill it.
+//! - `FAKE_COCOON_DHCP=1` with `FAKE_COCOON_LEASES=<path>`: DHCP mode, as with cocoon-net. NICs
+//!   have no static `network` address; after every invocation the fake rewrites the lease file
+//!   (§20 format, atomic rename, 0644) with one row per NIC of each running VM (127.88.x.y,
+//!   expiry now + 1 h) and drops rows of VMs that stopped, were removed or vanished. The mode is
+//!   remembered in `<state>/dhcp_leases`, so later invocations without the env keep it.
 //! - `FAKE_COCOON_SNAPSHOT_BYTES`: size of the memory file of a saved snapshot (default 256 KiB).
 //!
 //! # State directory
@@ -61,6 +66,7 @@
 
 pub mod cli;
 mod data_cmds;
+pub mod dhcp;
 pub mod store;
 mod stream;
 pub mod tar;
@@ -152,11 +158,13 @@ fn store_from_env(args: &[String]) -> Result<Store, String> {
         log_dir,
         gen_b: env_nonempty("FAKE_COCOON_GENERATION").as_deref() == Some("B"),
         spawn_process: env_nonempty("FAKE_COCOON_NO_PROCESS").as_deref() != Some("1"),
+        leases: None,
     };
     store
         .init()
         .map_err(|e| format!("init state dir {}: {e}", store.state.display()))?;
-    Ok(store)
+    let leases = dhcp::configure(&store.state)?;
+    Ok(Store { leases, ..store })
 }
 
 /// A store for library callers (tests) that only touch records and faults.
@@ -167,6 +175,19 @@ fn store_at(state_dir: &Path) -> Store {
         log_dir: state_dir.join("log"),
         gen_b: false,
         spawn_process: false,
+        leases: dhcp::remembered(state_dir),
+    }
+}
+
+/// DHCP mode: brings the lease file in step with the records (under the state lock).
+fn sync_leases(store: &Store) {
+    if store.leases.is_none() {
+        return;
+    }
+    if let Ok(_guard) = store.lock() {
+        if let Err(e) = dhcp::sync(store) {
+            eprintln!("fake cocoon: lease file: {e}");
+        }
     }
 }
 
@@ -243,13 +264,15 @@ fn run(args: &[String]) -> CmdResult {
     if fault.slow_ms > 0 && !delay_inside {
         std::thread::sleep(Duration::from_millis(fault.slow_ms));
     }
-    match group.as_str() {
+    let result = match group.as_str() {
         "vm" => vm_cmds::dispatch(&store, &verb, &rest, &fault),
         "snapshot" => data_cmds::snapshot(&store, &verb, &rest),
         "image" => data_cmds::image(&store, &verb, &rest),
         "fake" => vm_cmds::fake(&store, &verb, &rest),
         _ => Ok(0),
-    }
+    };
+    sync_leases(&store);
+    result
 }
 
 /// Writes `<state>/faults.json` (replacing it) under the state lock.
@@ -264,17 +287,26 @@ pub fn write_faults(state_dir: &Path, faults: &FaultFile) -> std::io::Result<()>
 /// Makes a VM stop on its own (kills its process). `stale`: keep stored `running` (B behaviour,
 /// readers see `stopped (stale)`); otherwise stored `stopped` with reason `unexpected-exit` (N).
 pub fn stop_vm(state_dir: &Path, vm_ref: &str, stale: bool) -> Result<(), String> {
-    vm_cmds::stop_on_its_own(&store_at(state_dir), vm_ref, stale)
+    let store = store_at(state_dir);
+    let result = vm_cmds::stop_on_its_own(&store, vm_ref, stale);
+    sync_leases(&store);
+    result
 }
 
 /// Makes a VM record disappear without `vm rm` (the stream emits `DELETED`).
 pub fn vanish_vm(state_dir: &Path, vm_ref: &str) -> Result<(), String> {
-    vm_cmds::vanish(&store_at(state_dir), vm_ref)
+    let store = store_at(state_dir);
+    let result = vm_cmds::vanish(&store, vm_ref);
+    sync_leases(&store);
+    result
 }
 
 /// Overwrites a VM's stored state (e.g. `error`), emitting `MODIFIED`.
 pub fn set_state(state_dir: &Path, vm_ref: &str, state: &str) -> Result<(), String> {
-    vm_cmds::set_state(&store_at(state_dir), vm_ref, state)
+    let store = store_at(state_dir);
+    let result = vm_cmds::set_state(&store, vm_ref, state);
+    sync_leases(&store);
+    result
 }
 
 /// All stored VM records (stored states, not reconciled).

@@ -61,6 +61,9 @@ pub struct Store {
     pub gen_b: bool,
     /// Back each running VM with a sleeping process (off with FAKE_COCOON_NO_PROCESS=1).
     pub spawn_process: bool,
+    /// DHCP mode (`FAKE_COCOON_DHCP=1`): NICs get no static address and this lease file is kept
+    /// like cocoon-net would (see `dhcp`).
+    pub leases: Option<PathBuf>,
 }
 
 /// An exclusive `flock` on `<state>/lock`, released when dropped.
@@ -426,9 +429,12 @@ pub fn kill_pid(pid: i64) {
 
 /// RFC 3339 UTC timestamp with nanoseconds, like Go's `time.RFC3339Nano`.
 pub fn now_rfc3339() -> String {
-    let d = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default();
+    rfc3339_at(SystemTime::now())
+}
+
+/// RFC 3339 UTC timestamp of `t` with nanoseconds.
+pub fn rfc3339_at(t: SystemTime) -> String {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
     let secs = d.as_secs() as i64;
     let days = secs.div_euclid(86_400);
     let rem = secs.rem_euclid(86_400);

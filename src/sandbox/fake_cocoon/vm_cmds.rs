@@ -261,7 +261,8 @@ fn nics_for(store: &Store, id: &str, count: u64) -> Vec<NetworkConfig> {
             queue_size: 256,
             backend: "cni".into(),
             netns_path: format!("/var/run/netns/cocoon-{id}"),
-            network: Some(NicAddress {
+            // DHCP mode: the address comes from the lease file, as with cocoon-net.
+            network: store.leases.is_none().then(|| NicAddress {
                 ip: store.next_ip(),
                 gateway: "127.88.0.1".into(),
                 prefix: 16,
