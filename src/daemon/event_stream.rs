@@ -1,115 +1,81 @@
-//! The long-lived `cocoon vm status --event --format json` child: its lines become provider
-//! `VmEvent`s, its restarts follow the vm room's supervisor, and a restart owes a re-sync.
+//! The cocoon event stream as the provider sees it: the vm room's `EventStream` runs the
+//! `cocoon vm status --event --format json` child and its restarts; this turns its events into
+//! provider inputs and performs the re-sync a restart owes.
 //!
 //! Events lost while the stream was down are recovered with a `vm list`: a tracked VM missing
 //! from it is reported as DELETED, every listed VM as MODIFIED (the provider ignores running
 //! ones), so the core needs no second code path for the re-sync.
 
 use std::collections::HashSet;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use super::{ChildRole, Daemon, OwnTimer};
-use crate::provider::cocoon::{parse_event_line, parse_vm_list};
-use crate::provider::{Input, VmEventKind};
+use super::{ChildRole, Daemon};
+use crate::provider::cocoon::{parse_vm_list, NicInfo, VmInfo};
+use crate::provider::{Input, PodKey, VmEventKind};
 use crate::reactor::{ChildExit, ChildSpec, OutputMode, StdinMode};
-use crate::vm::events::{EventStreamSupervisor, LineSplitter, SplitItem, StreamAction};
+use crate::vm::runner::StreamOutput;
+use crate::vm::types::{EventKind, Vm};
 
 const RESYNC_DEADLINE: Duration = Duration::from_secs(120);
 
-pub(super) struct EventStream {
-    supervisor: EventStreamSupervisor,
-    lines: LineSplitter,
-}
-
-impl EventStream {
-    pub(super) fn new(now: Instant) -> EventStream {
-        EventStream {
-            supervisor: EventStreamSupervisor::new(now),
-            lines: LineSplitter::new(),
-        }
-    }
-
-    /// Stdout bytes of the stream child: complete lines become inputs.
-    pub(super) fn on_output(&mut self, now: Instant, data: &[u8]) -> Vec<Input> {
-        let items = self.lines.push(data);
-        self.inputs(now, items)
-    }
-
-    /// The child ended: flush a final unterminated line and say when to restart.
-    pub(super) fn on_exit(&mut self, now: Instant, exit: &ChildExit) -> (Vec<Input>, Instant) {
-        let tail: Vec<SplitItem> = self.lines.finish().into_iter().collect();
-        let inputs = self.inputs(now, tail);
-        let clean = exit.success();
-        let stderr = String::from_utf8_lossy(&exit.stderr);
-        log::warn!(
-            "cocoon event stream ended ({}){}; restarting",
-            if clean { "clean exit" } else { "failure" },
-            if stderr.trim().is_empty() {
-                String::new()
-            } else {
-                format!(": {}", stderr.trim())
-            }
-        );
-        (inputs, self.supervisor.on_exit(now, clean))
-    }
-
-    fn inputs(&mut self, now: Instant, items: Vec<SplitItem>) -> Vec<Input> {
-        let mut out = Vec::new();
-        for item in items {
-            self.supervisor.on_line(now);
-            match item {
-                SplitItem::Overlong(n) => {
-                    log::warn!("cocoon event stream: skipped a line of {n} bytes (over 1 MiB)")
-                }
-                SplitItem::Line(bytes) => {
-                    let line = String::from_utf8_lossy(&bytes);
-                    match parse_event_line(&line) {
-                        Ok(Some((kind, vm))) => out.push(Input::VmEvent { kind, vm }),
-                        Ok(None) => {}
-                        Err(e) => log::warn!("cocoon event stream: skipped line: {e}"),
-                    }
-                }
-            }
-        }
-        out
+/// The provider's record of a VM from the vm room's type.
+fn vm_info(vm: &Vm) -> VmInfo {
+    VmInfo {
+        id: vm.id.clone(),
+        name: vm.config.name.clone(),
+        hypervisor: vm.hypervisor.clone(),
+        state: vm.state.clone(),
+        pid: vm.pid,
+        nics: vm
+            .network_configs
+            .iter()
+            .map(|n| NicInfo {
+                tap: n.tap.clone(),
+                mac: n.mac.to_ascii_lowercase(),
+                static_ip: n.network.as_ref().map(|a| a.ip.clone()).unwrap_or_default(),
+            })
+            .collect(),
     }
 }
 
 impl Daemon {
-    /// Starts the stream child when the supervisor says so (or arms the timer for later).
-    pub(super) fn start_event_stream(&mut self) {
-        let now = self.reactor.now();
-        match self.stream.supervisor.poll(now) {
-            StreamAction::Running => {}
-            StreamAction::WaitUntil(at) => self.arm(OwnTimer::EventStream, at),
-            StreamAction::Spawn => {
-                let argv = vec![
-                    self.config.cocoon_bin.to_string_lossy().into_owned(),
-                    "vm".into(),
-                    "status".into(),
-                    "--event".into(),
-                    "--format".into(),
-                    "json".into(),
-                ];
-                let spec = ChildSpec::new(argv)
-                    .stdin(StdinMode::Null)
-                    .stdout(OutputMode::Stream)
-                    .stderr(OutputMode::Capture { limit: 16 << 10 });
-                match self.reactor.spawn(spec) {
-                    Ok(id) => {
-                        self.stream.supervisor.on_spawned(now);
-                        self.children.insert(id, ChildRole::EventStream);
-                        if self.stream.supervisor.take_resync() {
-                            self.start_resync();
-                        }
-                    }
-                    Err(e) => {
-                        let at = self.stream.supervisor.on_spawn_failed(now);
-                        log::warn!("cocoon event stream: cannot start: {e}; retrying");
-                        self.arm(OwnTimer::EventStream, at);
-                    }
+    /// What one reactor event meant for the stream: events for the provider, logs, a re-sync.
+    pub(super) fn stream_output(&mut self, out: StreamOutput) {
+        for skipped in out.skipped {
+            log::warn!("cocoon event stream: skipped a line: {skipped}");
+        }
+        for event in out.events {
+            let kind = match event.kind {
+                EventKind::Added => VmEventKind::Added,
+                EventKind::Modified => VmEventKind::Modified,
+                EventKind::Deleted => VmEventKind::Deleted,
+                EventKind::Other(other) => {
+                    log::warn!("cocoon event stream: unknown event {other:?} skipped");
+                    continue;
                 }
-            }
+            };
+            self.pending.push_back(Input::VmEvent {
+                kind,
+                vm: vm_info(&event.vm),
+            });
+        }
+        if let Some((exit, stderr)) = out.ended {
+            log::warn!(
+                "cocoon event stream ended ({exit:?}){}; restart at {:?}",
+                if stderr.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {stderr}")
+                },
+                out.restart_at
+                    .map(|at| at.saturating_duration_since(self.reactor.now()))
+            );
+        }
+        if let Some(e) = out.spawn_error {
+            log::warn!("cocoon event stream: cannot start: {e}");
+        }
+        if out.resync {
+            self.start_resync();
         }
     }
 
@@ -152,8 +118,7 @@ impl Daemon {
         let present: HashSet<&str> = listed.iter().map(|v| v.id.as_str()).collect();
         let mut missing = Vec::new();
         for pod in self.provider.pods() {
-            let key = crate::provider::PodKey::of(&pod);
-            if let Some(vm) = self.provider.pod_vm(&key) {
+            if let Some(vm) = self.provider.pod_vm(&PodKey::of(&pod)) {
                 if !vm.id.is_empty() && !present.contains(vm.id.as_str()) {
                     missing.push(vm.clone());
                 }

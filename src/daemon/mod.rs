@@ -34,7 +34,7 @@ use crate::kube::{Client, KubeOptions};
 use crate::kubelet::{AuthAnswer, AuthId, KubeletServer};
 use crate::metrics::collectors::VmCollector;
 use crate::metrics::http::MetricsServer;
-use crate::metrics::stats::{StatsHub, StatsPaths};
+use crate::metrics::stats::StatsHub;
 use crate::metrics::Metrics;
 use crate::network::icmp::Pinger;
 use crate::network::leases::LeaseFile;
@@ -44,8 +44,8 @@ use crate::probes::{ProbeConfig, ProbeEngine, ProbeEvent, ProbeManager};
 use crate::provider::{Input, OpId, PodKey, Provider, ProviderConfig};
 use crate::reactor::{sd_notify, ChildId, Event, Reactor, TimerId};
 use crate::snapshots::RegistryClient;
+use crate::vm::runner::EventStream;
 
-use self::event_stream::EventStream;
 use self::startup::Startup;
 
 /// Messages worker jobs send back to the loop.
@@ -78,6 +78,8 @@ const EVENT_RETRY: Duration = Duration::from_secs(1);
 /// the kubelet and metrics servers recognise theirs by timer id).
 const KEY_MASK: u64 = 0xff << 56;
 const KEY_OWN: u64 = 2 << 56;
+/// The event stream's restart timer (armed and consumed by `vm::runner::EventStream`).
+const KEY_EVENT_STREAM: u64 = 3 << 56;
 
 /// The daemon's own timers (key `KEY_OWN | n`).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
@@ -85,7 +87,6 @@ enum OwnTimer {
     Provider = 1,
     Watch = 2,
     Node = 3,
-    EventStream = 4,
     Startup = 5,
     Watchdog = 6,
     Events = 7,
@@ -94,17 +95,9 @@ enum OwnTimer {
 impl OwnTimer {
     fn from_key(key: u64) -> Option<OwnTimer> {
         use OwnTimer::*;
-        [
-            Provider,
-            Watch,
-            Node,
-            EventStream,
-            Startup,
-            Watchdog,
-            Events,
-        ]
-        .into_iter()
-        .find(|t| KEY_OWN | *t as u64 == key)
+        [Provider, Watch, Node, Startup, Watchdog, Events]
+            .into_iter()
+            .find(|t| KEY_OWN | *t as u64 == key)
     }
 }
 
@@ -114,8 +107,6 @@ enum ChildRole {
     Op(OpId),
     /// The startup `cocoon vm list -o json`.
     StartupList,
-    /// The long-lived `cocoon vm status --event --format json`.
-    EventStream,
     /// The re-sync `vm list` owed after the event stream restarted.
     Resync,
 }
@@ -206,11 +197,7 @@ impl Daemon {
             Some(Arc::new(client))
         };
 
-        let stats = StatsHub::new(StatsPaths {
-            cgroup_parent: config.cocoon_cgroup_parent.clone(),
-            cocoon_root: config.cocoon_root_dir.clone(),
-            ..StatsPaths::default()
-        });
+        let stats = StatsHub::new(crate::kubelet::stats_paths(&config)).background_refresh();
         metrics
             .registry()
             .register(Box::new(VmCollector::new(stats.clone())))
@@ -237,7 +224,10 @@ impl Daemon {
             Some(LeaseFile::new(config.leases_path.clone())),
         );
         probe_manager.set_duration_histogram(metrics.probe_duration_seconds.clone());
-        let probes = ProbeEngine::new(probe_manager, Pinger::open(), &mut reactor)
+        let pinger = Pinger::open();
+        crate::network::icmp::register_mode_gauge(metrics.registry(), pinger.mode())
+            .map_err(|e| StartError::new(1, format!("metrics: {e}")))?;
+        let probes = ProbeEngine::new(probe_manager, pinger, &mut reactor)
             .map_err(|e| StartError::new(1, format!("probe socket: {e}")))?;
 
         let provider = Provider::new(ProviderConfig {
@@ -271,7 +261,12 @@ impl Daemon {
             .map_err(|e| StartError::new(1, format!("metrics: {e}")))?;
         let now = reactor.now();
         Ok(Daemon {
-            stream: EventStream::new(now),
+            stream: EventStream::new(
+                &config.cocoon_bin.to_string_lossy(),
+                Vec::new(),
+                KEY_EVENT_STREAM,
+                now,
+            ),
             startup: Some(Startup::new(now)),
             config,
             reactor,
@@ -339,6 +334,10 @@ impl Daemon {
             self.probe_events(out);
             return;
         }
+        if let Some(out) = self.stream.handle(&mut self.reactor, &event) {
+            self.stream_output(out);
+            return;
+        }
         match event {
             Event::Io(ready) => {
                 if ready.token == self.watch.token() {
@@ -356,9 +355,6 @@ impl Daemon {
                 if self.kubelet.owns_child(id) {
                     self.kubelet
                         .on_child_output(&mut self.reactor, id, stream, &data);
-                } else if matches!(self.children.get(&id), Some(ChildRole::EventStream)) {
-                    let inputs = self.stream.on_output(now, &data);
-                    self.pending.extend(inputs);
                 }
             }
             Event::ChildExit(exit) => {
@@ -372,11 +368,6 @@ impl Daemon {
                         result: effects::cocoon_result(&exit),
                     }),
                     Some(ChildRole::StartupList) => self.startup_listed(exit),
-                    Some(ChildRole::EventStream) => {
-                        let (inputs, restart_at) = self.stream.on_exit(now, &exit);
-                        self.pending.extend(inputs);
-                        self.arm(OwnTimer::EventStream, restart_at);
-                    }
                     Some(ChildRole::Resync) => self.resync_listed(exit),
                     None => {}
                 }
@@ -425,7 +416,6 @@ impl Daemon {
                 self.watch_outputs(out);
             }
             OwnTimer::Node => self.node.tick(&self.kube, now),
-            OwnTimer::EventStream => self.start_event_stream(),
             OwnTimer::Startup => self.startup_step(),
             OwnTimer::Watchdog => {
                 let _ = sd_notify::notify("WATCHDOG=1");
@@ -593,6 +583,7 @@ impl Daemon {
 
     fn shutdown(&mut self) {
         // Stop accepting; in-flight cocoon calls are killed when the reactor drops; VMs live on.
+        self.stream.stop(&mut self.reactor);
         if let Some(server) = self.metrics_server.take() {
             server.shutdown(&mut self.reactor);
         }

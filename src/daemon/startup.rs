@@ -10,10 +10,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{ChildRole, Daemon, OwnTimer, StartError, Work};
-use crate::config::{self, Config, KubeletAuth};
+use crate::config::{self, Config};
 use crate::kube::watch::WatchOutput;
 use crate::kube::Client;
-use crate::kubelet::tls::{TlsSettings, TlsState};
+use crate::kubelet::tls::TlsState;
 use crate::kubelet::{KubeletConfig, KubeletServer};
 use crate::metrics::stats::StatsHub;
 use crate::node::{compute_resources, detect_node_ip, HostFacts, NodeAgent, NodeOptions};
@@ -131,7 +131,8 @@ impl Daemon {
             log::info!("node {} registered", self.config.node_name);
         }
         let _ = sd_notify::notify("READY=1");
-        self.start_event_stream();
+        let out = self.stream.start(&mut self.reactor);
+        self.stream_output(out);
     }
 
     fn startup_retry(&mut self) {
@@ -202,23 +203,13 @@ pub(super) fn kubelet_server(
     stats: StatsHub,
     reactor: &mut Reactor<Work>,
 ) -> Result<KubeletServer, StartError> {
-    let tls = TlsState::new(TlsSettings {
-        cert_path: config.tls_cert.clone(),
-        key_path: config.tls_key.clone(),
-        node_name: config.node_name.clone(),
-        node_ip: Some(node.ip),
-        client_ca_pem: kube.cluster().ca_pem.clone(),
-    })
-    .map_err(|e| StartError::new(1, format!("kubelet TLS: {e}")))?;
-    let mut cfg = KubeletConfig::new(&config.node_name, &config.cocoon_bin.to_string_lossy());
-    cfg.auth_enabled = config.kubelet_auth != KubeletAuth::Off;
-    if !cfg.auth_enabled {
-        log::warn!(
-            "VK_KUBELET_AUTH=off: the kubelet API on port {} accepts ANY caller, including exec \
-             into every VM; use this only on an isolated network",
-            config.kubelet_port
-        );
-    }
+    let settings =
+        crate::kubelet::tls_settings(config, Some(node.ip), kube.cluster().ca_pem.clone())
+            .map_err(|e| StartError::new(1, format!("kubelet client CA: {e}")))?;
+    let tls =
+        TlsState::new(settings).map_err(|e| StartError::new(1, format!("kubelet TLS: {e}")))?;
+    let cfg = KubeletConfig::from_config(config);
+    // VK_KUBELET_AUTH=off is warned about loudly by the configuration.
     let mut server = KubeletServer::new(cfg, tls, stats);
     let addr = SocketAddr::from(([0, 0, 0, 0], config.kubelet_port));
     let bound = server
