@@ -177,6 +177,10 @@ impl Sandbox {
             ("FAKE_COCOON_STATE", p(&self.state)),
             ("COCOON_ROOT_DIR", p(&self.dir.join("root"))),
             ("VK_LEASES_PATH", p(&self.dir.join("net/leases.json"))),
+            // The fake plays cocoon-net too: DHCP NICs whose (loopback) addresses appear in the
+            // lease file, as on a real host, so clones need no static-IP fix-up.
+            ("FAKE_COCOON_DHCP", "1".to_string()),
+            ("FAKE_COCOON_LEASES", p(&self.dir.join("net/leases.json"))),
             ("VK_COCOON_NET_CONTROL_SOCKET", String::new()),
             ("VK_METRICS_ADDR", opts.metrics_addr.clone()),
             ("VK_KUBELET_PORT", opts.kubelet_port.to_string()),
