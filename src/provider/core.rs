@@ -195,8 +195,10 @@ struct Slot {
     retry_at: Option<Instant>,
     /// The pod copy whose create failed permanently (bad input): retried only when it changes.
     rejected: Option<Pod>,
-    /// UID whose API object we already asked to delete.
+    /// UID whose API object we already asked to delete with grace 0.
     api_deleted: Option<String>,
+    /// UID we evicted: never re-created; its graceful deletion is finished with grace 0.
+    evicted: Option<String>,
     last_pushed: Option<StatusSummary>,
     /// Updates that asked for unsupported changes, so the Warning is emitted once per change.
     warned_hibernate: bool,
@@ -219,6 +221,11 @@ enum Waiter {
         lifecycle: bool,
         attempt: u32,
         effect: Effect,
+    },
+    /// A background lease lookup for a tracked pod with no IP yet.
+    Lease {
+        key: PodKey,
+        uid: String,
     },
     StaleCreate {
         vm: VmInfo,
@@ -269,7 +276,7 @@ pub struct Provider {
     started: bool,
     startup: Option<Startup>,
     buffered: Vec<Input>,
-    slots: HashMap<PodKey, Slot>,
+    slots: BTreeMap<PodKey, Slot>,
     waiters: HashMap<OpId, Waiter>,
     /// VM-name index: VMs we created, adopted, or orphans kept for adoption.
     by_name: HashMap<String, VmInfo>,
@@ -343,7 +350,7 @@ impl Provider {
             started: false,
             startup: None,
             buffered: Vec::new(),
-            slots: HashMap::new(),
+            slots: BTreeMap::new(),
             waiters: HashMap::new(),
             by_name: HashMap::new(),
             last_restart: HashMap::new(),
@@ -358,6 +365,11 @@ impl Provider {
         self.wall = to_time(wall);
         self.dispatch(input);
         std::mem::take(&mut self.out)
+    }
+
+    /// Whether the startup reconcile has finished (pod events are buffered until then).
+    pub fn is_started(&self) -> bool {
+        self.started
     }
 
     /// When the daemon must feed `Input::Tick` next (None = no timer pending).
@@ -470,6 +482,27 @@ impl Provider {
         self.slot(key).awaiting = Some(op);
         let e = mk(op);
         self.out.push(e);
+    }
+
+    /// Look the lease up for a tracked pod that has no IP (adoption, drift repair).
+    fn refresh_ip(&mut self, key: &PodKey) {
+        let Some(t) = self.slots.get(key).and_then(|s| s.tracked.as_ref()) else {
+            return;
+        };
+        let mac = t.vm.as_ref().map(|v| v.primary_mac()).unwrap_or_default();
+        if !t.ip.is_empty() || mac.is_empty() {
+            return;
+        }
+        let uid = t.uid.clone();
+        let op = self.op_id();
+        self.waiters.insert(
+            op,
+            Waiter::Lease {
+                key: key.clone(),
+                uid,
+            },
+        );
+        self.out.push(Effect::LookupLease { op, mac });
     }
 
     fn fire_and_forget_cocoon(&mut self, cmd: CocoonCmd) {
@@ -691,7 +724,10 @@ impl Provider {
             }
             return;
         }
-        if terminal(&pod) || slot.api_deleted.as_deref() == Some(uid.as_str()) {
+        if terminal(&pod)
+            || slot.api_deleted.as_deref() == Some(uid.as_str())
+            || slot.evicted.as_deref() == Some(uid.as_str())
+        {
             // Terminal, or we deleted this incarnation (eviction) and wait for its DELETED.
             return;
         }
@@ -1732,14 +1768,20 @@ impl Provider {
         };
         let (Some(Op::Delete(d)), Some(t)) = (slot.op.clone(), slot.tracked.clone()) else {
             // Tracking vanished (forgotten): only ApiLast can remain.
-            if let Some(Op::Delete(_)) = &slot.op {
-                self.end_op(key);
+            if let Some(Op::Delete(d)) = slot.op.clone() {
+                self.api_delete_result(key, d.uid, res);
             }
             return;
         };
         let vm = t.vm.clone().unwrap_or_default();
         match (d.step, res) {
-            (DeleteStep::ApiFirst, Res::Kube(_)) => self.delete_after_api_first(key),
+            (DeleteStep::ApiFirst, Res::Kube(r)) => {
+                if matches!(r, Err(KubeError::Other(_))) {
+                    // Not deleted: the final grace-0 delete after the VM is gone retries it.
+                    self.slot(key).api_deleted = None;
+                }
+                self.delete_after_api_first(key)
+            }
             (DeleteStep::Inspect, Res::Cocoon(r)) => {
                 if r.vm_not_found() {
                     self.set_delete_step(key, DeleteStep::Rm);
@@ -1864,7 +1906,7 @@ impl Provider {
                 }
                 self.delete_vm_gone(key, &t, &d)
             }
-            (DeleteStep::ApiLast, Res::Kube(_)) => self.end_op(key),
+            (DeleteStep::ApiLast, res) => self.api_delete_result(key, d.uid, res),
             (step, res) => {
                 log::warn!("provider: {key}: unexpected result {res:?} in delete step {step:?}")
             }
@@ -1914,6 +1956,31 @@ impl Provider {
             }
             _ => self.end_op(key),
         }
+    }
+
+    /// Answer of a grace-0 DELETE of the pod object: done unless the API failed transiently,
+    /// in which case it is retried with the pod's backoff.
+    fn api_delete_result(&mut self, key: &PodKey, uid: String, res: Res) {
+        let failed = matches!(res, Res::Kube(Err(KubeError::Other(_))));
+        let now = self.now;
+        let failures = {
+            let slot = self.slot(key);
+            slot.op = None;
+            slot.awaiting = None;
+            if failed {
+                slot.api_deleted = None;
+                slot.failures += 1;
+            } else {
+                slot.api_deleted = Some(uid);
+                slot.failures = 0;
+            }
+            slot.failures
+        };
+        if failed {
+            let at = now + pod_backoff(failures - 1);
+            return self.set_pod_timer(key, at);
+        }
+        self.reconcile_slot(key);
     }
 
     /// "VM kept": Warning, counter, unbounded retry with backoff capped at 1000 s.
@@ -2285,7 +2352,7 @@ impl Provider {
                         self.by_name.remove(&vm.name);
                     }
                     let uid = e.uid.clone();
-                    self.slot(key).api_deleted = Some(uid);
+                    self.slot(key).evicted = Some(uid);
                     self.forget(key, true);
                     self.end_op(key);
                 }
@@ -2362,10 +2429,7 @@ impl Provider {
                             self.ready_wait_result(&key, r);
                         }
                     }
-                    Some(Op::ApiDelete { uid }) => {
-                        self.slot(&key).api_deleted = Some(uid);
-                        self.end_op(&key);
-                    }
+                    Some(Op::ApiDelete { uid }) => self.api_delete_result(&key, uid, res),
                     None => {}
                 }
             }
@@ -2477,6 +2541,20 @@ impl Provider {
                     Err(_) => {}
                 }
             }
+            Waiter::Lease { key, uid } => {
+                if let Res::Lease(Ok(Some(ip))) = res {
+                    let same = self
+                        .slots
+                        .get(&key)
+                        .and_then(|s| s.tracked.as_ref())
+                        .map(|t| t.uid == uid && t.vm.is_some())
+                        .unwrap_or(false);
+                    if same && !ip.is_empty() {
+                        self.set_ip(&key, &ip);
+                        self.push_status(&key, false);
+                    }
+                }
+            }
             Waiter::StaleCreate { vm, watcher } => self.stale_result(vm, watcher, res),
             Waiter::StaleInspect { vm, watcher } => self.stale_inspect_result(vm, watcher, res),
         }
@@ -2585,6 +2663,7 @@ impl Provider {
                 log::info!("provider: {key}: republishing drifted status");
                 self.push_status(&key, true);
             }
+            self.refresh_ip(&key);
         }
     }
 
@@ -2952,6 +3031,7 @@ impl Provider {
                 mac: vm.primary_mac(),
                 probe_port,
             });
+            self.refresh_ip(key);
         }
     }
 
@@ -2968,6 +3048,11 @@ impl Provider {
             return;
         }
         let vm = t.vm.clone().unwrap_or_default();
+        if t.spec.managed && !t.spec.hibernate && !vm.running() {
+            // Adopted a VM that is not running (its crash event went to the previous process):
+            // handle it as §11.2 would (restart, or evict when it is gone).
+            return self.start_check(key, t.uid.clone(), vm.id, CheckStep::Inspect { attempt: 1 });
+        }
         if t.spec.hibernate && t.spec.managed {
             self.event(
                 key,

@@ -302,17 +302,25 @@ fn clone_waits_for_the_lease_before_ready() {
             "02:00:00:00:00:02",
         )),
     );
-    let mut lop = lookup(&e);
+    let all_lookups = |e: &[Effect]| -> Vec<OpId> {
+        e.iter()
+            .filter_map(|x| match x {
+                Effect::LookupLease { op, .. } => Some(*op),
+                _ => None,
+            })
+            .collect()
+    };
+    let mut lops = all_lookups(&e);
     let mut all = Vec::new();
     for _ in 0..300 {
-        if let Some(op) = lop.take() {
+        for op in std::mem::take(&mut lops) {
             all.extend(h.feed(Input::LeaseLooked {
                 op,
                 result: Ok(None),
             }));
         }
         let e = h.advance(Duration::from_millis(200));
-        lop = lookup(&e);
+        lops = all_lookups(&e);
         all.extend(e);
     }
     assert!(events(&all)
