@@ -212,9 +212,10 @@ impl Daemon {
                     knobs: push_knobs(&self.config),
                     temp_dir: None,
                 };
-                if local_name != repo {
-                    log::debug!("push of snapshot {local_name} goes to repository {repo}");
-                }
+                // The snapshots room pushes local snapshot `name` to repository `name`: the
+                // provider names both after the VM (`local_name == repo`).
+                let _ = local_name;
+                // The effect carries no namespace; the histogram's label stays empty.
                 let namespace = String::new();
                 self.transfer(op, move |registry| {
                     let started = Instant::now();

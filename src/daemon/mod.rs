@@ -267,7 +267,7 @@ impl Daemon {
                 KEY_EVENT_STREAM,
                 now,
             ),
-            startup: Some(Startup::new(now)),
+            startup: Some(Startup::new()),
             config,
             reactor,
             metrics,

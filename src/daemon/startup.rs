@@ -32,17 +32,14 @@ pub(super) struct Startup {
     pods: Option<Vec<k8s_openapi::api::core::v1::Pod>>,
     retry: Duration,
     attempts: u32,
-    #[allow(dead_code)]
-    began: Instant,
 }
 
 impl Startup {
-    pub(super) fn new(now: Instant) -> Startup {
+    pub(super) fn new() -> Startup {
         Startup {
             pods: None,
             retry: RETRY_FIRST,
             attempts: 0,
-            began: now,
         }
     }
 }
