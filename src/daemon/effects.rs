@@ -34,35 +34,15 @@ use crate::snapshots::{
 /// cocoon's JSON answers are small; a `vm list` of a dense host is the largest.
 const STDOUT_LIMIT: usize = 16 << 20;
 const STDERR_LIMIT: usize = 64 << 10;
+/// cocoon calls the provider may have running at once; the rest wait in order.
+const MAX_COCOON_CALLS: usize = 32;
 
 impl Daemon {
     pub(super) fn perform(&mut self, effect: Effect) {
         match effect {
             Effect::Cocoon { op, cmd } => {
-                let mut argv = vec![self.cocoon_bin().to_string_lossy().into_owned()];
-                argv.extend(cmd.argv());
-                log::debug!("cocoon op {op}: {}", argv.join(" "));
-                let spec = ChildSpec::new(argv)
-                    .deadline(cmd.deadline())
-                    .stdin(StdinMode::Null)
-                    .stdout(OutputMode::Capture {
-                        limit: STDOUT_LIMIT,
-                    })
-                    .stderr(OutputMode::Capture {
-                        limit: STDERR_LIMIT,
-                    });
-                match self.reactor.spawn(spec) {
-                    Ok(id) => {
-                        self.children.insert(id, ChildRole::Op(op));
-                    }
-                    Err(e) => self.pending.push_back(Input::CocoonDone {
-                        op,
-                        result: CocoonResult::failed(format!(
-                            "Error: run {}: {e}",
-                            self.config.cocoon_bin.display()
-                        )),
-                    }),
-                }
+                self.cocoon_queue.push_back((op, cmd));
+                self.start_cocoon_calls();
             }
             Effect::LookupLease { op, mac } => {
                 let result = match self.leases.lookup(&mac, SystemTime::now()) {
@@ -234,6 +214,42 @@ impl Daemon {
                 });
             }
             Effect::Metric(update) => apply_metric(&self.metrics, update),
+        }
+    }
+
+    /// Starts queued cocoon calls while fewer than `MAX_COCOON_CALLS` run: a burst of pods must
+    /// not fork a thousand CLI processes in one loop turn (a stall here, a stampede on cocoon's
+    /// lock there). A call's deadline counts from its start, not from its queueing.
+    pub(super) fn start_cocoon_calls(&mut self) {
+        while self.cocoon_running < MAX_COCOON_CALLS {
+            let Some((op, cmd)) = self.cocoon_queue.pop_front() else {
+                return;
+            };
+            let mut argv = vec![self.cocoon_bin().to_string_lossy().into_owned()];
+            argv.extend(cmd.argv());
+            log::debug!("cocoon op {op}: {}", argv.join(" "));
+            let spec = ChildSpec::new(argv)
+                .deadline(cmd.deadline())
+                .stdin(StdinMode::Null)
+                .stdout(OutputMode::Capture {
+                    limit: STDOUT_LIMIT,
+                })
+                .stderr(OutputMode::Capture {
+                    limit: STDERR_LIMIT,
+                });
+            match self.reactor.spawn(spec) {
+                Ok(id) => {
+                    self.children.insert(id, ChildRole::Op(op));
+                    self.cocoon_running += 1;
+                }
+                Err(e) => self.pending.push_back(Input::CocoonDone {
+                    op,
+                    result: CocoonResult::failed(format!(
+                        "Error: run {}: {e}",
+                        self.config.cocoon_bin.display()
+                    )),
+                }),
+            }
         }
     }
 

@@ -131,6 +131,9 @@ pub struct Daemon {
     releaser: Arc<LeaseReleaser>,
     stream: EventStream,
     children: HashMap<ChildId, ChildRole>,
+    /// Provider cocoon calls waiting for a slot, and how many run (see `start_cocoon_calls`).
+    cocoon_queue: VecDeque<(OpId, crate::provider::CocoonCmd)>,
+    cocoon_running: usize,
     timers: HashMap<OwnTimer, (TimerId, Instant)>,
     watchdog: Option<Duration>,
     view_dirty: bool,
@@ -284,6 +287,8 @@ impl Daemon {
             leases,
             releaser,
             children: HashMap::new(),
+            cocoon_queue: VecDeque::new(),
+            cocoon_running: 0,
             timers: HashMap::new(),
             watchdog,
             view_dirty: true,
@@ -363,10 +368,14 @@ impl Daemon {
                     return;
                 }
                 match self.children.remove(&exit.id) {
-                    Some(ChildRole::Op(op)) => self.pending.push_back(Input::CocoonDone {
-                        op,
-                        result: effects::cocoon_result(&exit),
-                    }),
+                    Some(ChildRole::Op(op)) => {
+                        self.cocoon_running = self.cocoon_running.saturating_sub(1);
+                        self.pending.push_back(Input::CocoonDone {
+                            op,
+                            result: effects::cocoon_result(&exit),
+                        });
+                        self.start_cocoon_calls();
+                    }
                     Some(ChildRole::StartupList) => self.startup_listed(exit),
                     Some(ChildRole::Resync) => self.resync_listed(exit),
                     None => {}
