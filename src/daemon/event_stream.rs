@@ -7,16 +7,13 @@
 //! ones), so the core needs no second code path for the re-sync.
 
 use std::collections::HashSet;
-use std::time::Duration;
 
 use super::{ChildRole, Daemon};
 use crate::provider::cocoon::{parse_vm_list, NicInfo, VmInfo};
 use crate::provider::{Input, PodKey, VmEventKind};
-use crate::reactor::{ChildExit, ChildSpec, OutputMode, StdinMode};
+use crate::reactor::ChildExit;
 use crate::vm::runner::StreamOutput;
 use crate::vm::types::{EventKind, Vm};
-
-const RESYNC_DEADLINE: Duration = Duration::from_secs(120);
 
 /// The provider's record of a VM from the vm room's type.
 fn vm_info(vm: &Vm) -> VmInfo {
@@ -80,23 +77,8 @@ impl Daemon {
     }
 
     fn start_resync(&mut self) {
-        let argv = vec![
-            self.config.cocoon_bin.to_string_lossy().into_owned(),
-            "vm".into(),
-            "list".into(),
-            "-o".into(),
-            "json".into(),
-        ];
-        let spec = ChildSpec::new(argv)
-            .deadline(RESYNC_DEADLINE)
-            .stdin(StdinMode::Null)
-            .stdout(OutputMode::Capture { limit: 64 << 20 })
-            .stderr(OutputMode::Capture { limit: 16 << 10 });
-        match self.reactor.spawn(spec) {
-            Ok(id) => {
-                self.children.insert(id, ChildRole::Resync);
-            }
-            Err(e) => log::warn!("cocoon event stream re-sync: cannot list VMs: {e}"),
+        if let Err(e) = self.spawn_vm_list(ChildRole::Resync) {
+            log::warn!("cocoon event stream re-sync: cannot list VMs: {e}");
         }
     }
 

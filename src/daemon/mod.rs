@@ -42,7 +42,9 @@ use crate::network::release::LeaseReleaser;
 use crate::node::NodeAgent;
 use crate::probes::{ProbeConfig, ProbeEngine, ProbeEvent, ProbeManager};
 use crate::provider::{Input, OpId, PodKey, Provider, ProviderConfig};
-use crate::reactor::{sd_notify, ChildId, Event, Reactor, TimerId};
+use crate::reactor::{
+    sd_notify, ChildId, ChildSpec, Event, OutputMode, Reactor, StdinMode, TimerId,
+};
 use crate::snapshots::RegistryClient;
 use crate::vm::runner::EventStream;
 
@@ -73,6 +75,9 @@ const EVENT_QUEUE: usize = 1000;
 const EVENTS_PER_TURN: usize = 50;
 /// Retry delay of event writes while the API server is unavailable.
 const EVENT_RETRY: Duration = Duration::from_secs(1);
+
+/// `cocoon vm list` of a dense host can take a while; it is still bounded.
+const VM_LIST_DEADLINE: Duration = Duration::from_secs(120);
 
 /// The daemon's own reactor timer keys carry this top byte (the probe engine tags its own,
 /// the kubelet and metrics servers recognise theirs by timer id).
@@ -602,6 +607,25 @@ impl Daemon {
                 self.probes.forget(&mut self.reactor, &key.to_string());
             }
         }
+    }
+
+    /// Starts `cocoon vm list -o json` (startup reconcile or event-stream re-sync).
+    fn spawn_vm_list(&mut self, role: ChildRole) -> std::io::Result<()> {
+        let argv = vec![
+            self.config.cocoon_bin.to_string_lossy().into_owned(),
+            "vm".into(),
+            "list".into(),
+            "-o".into(),
+            "json".into(),
+        ];
+        let spec = ChildSpec::new(argv)
+            .deadline(VM_LIST_DEADLINE)
+            .stdin(StdinMode::Null)
+            .stdout(OutputMode::Capture { limit: 64 << 20 })
+            .stderr(OutputMode::Capture { limit: 64 << 10 });
+        let id = self.reactor.spawn(spec)?;
+        self.children.insert(id, role);
+        Ok(())
     }
 
     /// The cocoon binary as an argv prefix.

@@ -19,12 +19,10 @@ use crate::metrics::stats::StatsHub;
 use crate::node::{compute_resources, detect_node_ip, HostFacts, NodeAgent, NodeOptions};
 use crate::provider::cocoon::parse_vm_list;
 use crate::provider::{Input, OrphanPolicy};
-use crate::reactor::{sd_notify, ChildExit, ChildSpec, OutputMode, Reactor, StdinMode};
+use crate::reactor::{sd_notify, ChildExit, Reactor};
 
 const RETRY_FIRST: Duration = Duration::from_secs(1);
 const RETRY_MAX: Duration = Duration::from_secs(30);
-/// `cocoon vm list` of a dense host can take a while; it is still bounded.
-const LIST_DEADLINE: Duration = Duration::from_secs(120);
 
 /// Progress of the startup reconcile.
 pub(super) struct Startup {
@@ -68,29 +66,12 @@ impl Daemon {
                 return self.startup_retry();
             }
         }
-        let argv = vec![
-            self.config.cocoon_bin.to_string_lossy().into_owned(),
-            "vm".into(),
-            "list".into(),
-            "-o".into(),
-            "json".into(),
-        ];
-        let spec = ChildSpec::new(argv)
-            .deadline(LIST_DEADLINE)
-            .stdin(StdinMode::Null)
-            .stdout(OutputMode::Capture { limit: 64 << 20 })
-            .stderr(OutputMode::Capture { limit: 64 << 10 });
-        match self.reactor.spawn(spec) {
-            Ok(id) => {
-                self.children.insert(id, ChildRole::StartupList);
-            }
-            Err(e) => {
-                log::warn!(
-                    "startup reconcile: cannot run {}: {e}",
-                    self.config.cocoon_bin.display()
-                );
-                self.startup_retry();
-            }
+        if let Err(e) = self.spawn_vm_list(ChildRole::StartupList) {
+            log::warn!(
+                "startup reconcile: cannot run {}: {e}",
+                self.config.cocoon_bin.display()
+            );
+            self.startup_retry();
         }
     }
 
