@@ -97,14 +97,18 @@ fn sample_matches_real_proc_of_child_processes() {
     let a = sleeper();
     let b = sleeper();
     let (pa, pb) = (a.0.id(), b.0.id());
-    // Wait until both children have exec'd sleep (their comm is then `sleep`).
+    // Wait until both children are asleep in nanosleep: after exec the dynamic loader is still
+    // mapping pages (comm already says `sleep`), so the RSS moves until the process blocks.
     for pid in [pa, pb] {
         let deadline = Instant::now() + std::time::Duration::from_secs(5);
-        while fs::read_to_string(format!("/proc/{pid}/comm"))
-            .map(|c| c.trim() != "sleep")
-            .unwrap_or(true)
+        while !fs::read_to_string(format!("/proc/{pid}/wchan"))
+            .map(|w| w.contains("nanosleep"))
+            .unwrap_or(false)
         {
-            assert!(Instant::now() < deadline, "child {pid} did not exec sleep");
+            assert!(
+                Instant::now() < deadline,
+                "child {pid} did not reach its sleep"
+            );
             std::thread::yield_now();
         }
     }
