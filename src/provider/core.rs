@@ -15,7 +15,7 @@
 //! refused before cloning; a CH clone that comes up with a static NIC keeps its VM (so delete
 //! cleans it) but is marked lifecycle `failed` with a Warning `PostCloneUnsupported`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant, SystemTime};
 
 use k8s_openapi::api::core::v1::{Pod, PodStatus};
@@ -66,12 +66,22 @@ enum CreateStep {
     InspectByName,
     RmStaleByName,
     RmFork,
-    SnapInspect { pulled: bool },
+    SnapInspect {
+        pulled: bool,
+    },
     PullSnapshot,
     ImageInspect,
     MaterialiseBase,
     MaterialiseRun,
     Boot,
+    /// The bring-up failed: look for a record it may have left under the VM name.
+    BootFailedInspect {
+        error: String,
+    },
+    /// Removing that leftover before the failure is reported (and retried).
+    BootFailedRm {
+        error: String,
+    },
     RunInspect,
     Lease,
 }
@@ -277,13 +287,13 @@ pub struct Provider {
     startup: Option<Startup>,
     buffered: Vec<Input>,
     slots: BTreeMap<PodKey, Slot>,
-    waiters: HashMap<OpId, Waiter>,
+    waiters: BTreeMap<OpId, Waiter>,
     /// VM-name index: VMs we created, adopted, or orphans kept for adoption.
-    by_name: HashMap<String, VmInfo>,
-    last_restart: HashMap<String, Instant>,
+    by_name: BTreeMap<String, VmInfo>,
+    last_restart: BTreeMap<String, Instant>,
     timers: BTreeMap<(Instant, u64), TimerEntry>,
     /// Stale-create watcher state per VM ID: (current delay, budget end).
-    stale_watch_state: HashMap<String, (Duration, Instant)>,
+    stale_watch_state: BTreeMap<String, (Duration, Instant)>,
 }
 
 fn to_time(t: SystemTime) -> Time {
@@ -305,6 +315,26 @@ fn terminal(p: &Pod) -> bool {
         p.status.as_ref().and_then(|s| s.phase.as_deref()),
         Some("Succeeded") | Some("Failed")
     )
+}
+
+/// Phase Failed with one of the eviction reasons of §11: the status our eviction writes.
+fn evicted_by_us(p: &Pod) -> bool {
+    let Some(st) = p.status.as_ref() else {
+        return false;
+    };
+    st.phase.as_deref() == Some("Failed")
+        && EvictReason::ALL
+            .iter()
+            .any(|r| st.reason.as_deref() == Some(r.as_str()))
+}
+
+/// ID of the tracked VM of a slot ("" when none).
+fn vm_id_of(slot: &Slot) -> String {
+    slot.tracked
+        .as_ref()
+        .and_then(|t| t.vm.as_ref())
+        .map(|v| v.id.clone())
+        .unwrap_or_default()
 }
 
 fn restart_never(p: &Pod) -> bool {
@@ -351,11 +381,11 @@ impl Provider {
             startup: None,
             buffered: Vec::new(),
             slots: BTreeMap::new(),
-            waiters: HashMap::new(),
-            by_name: HashMap::new(),
-            last_restart: HashMap::new(),
+            waiters: BTreeMap::new(),
+            by_name: BTreeMap::new(),
+            last_restart: BTreeMap::new(),
             timers: BTreeMap::new(),
-            stale_watch_state: HashMap::new(),
+            stale_watch_state: BTreeMap::new(),
         }
     }
 
@@ -560,6 +590,39 @@ impl Provider {
     }
 
     fn reissue(&mut self, waiter: Waiter) {
+        // §9: a lifecycle flush is retried only while the intent is unchanged; a newer state
+        // written meanwhile must not be overwritten by this older one.
+        // Other patches that carry the triple (the id/ip write) carry the current one.
+        let mut waiter = waiter;
+        if let Waiter::Annotations {
+            key,
+            uid,
+            lifecycle,
+            effect,
+            ..
+        } = &mut waiter
+        {
+            if *lifecycle && !self.lifecycle_current(key, uid, effect) {
+                return;
+            }
+            let intent = self.slots.get(key).and_then(|s| s.intent.as_ref());
+            if let (false, Effect::PatchPodAnnotations { annotations, .. }) = (*lifecycle, effect) {
+                if annotations.contains_key(spec::ANN_LIFECYCLE_STATE) {
+                    match intent.filter(|i| i.uid == *uid) {
+                        Some(i) => annotations.extend(i.patch()),
+                        None => {
+                            for k in [
+                                spec::ANN_LIFECYCLE_STATE,
+                                spec::ANN_LIFECYCLE_GEN,
+                                spec::ANN_LIFECYCLE_MSG,
+                            ] {
+                                annotations.remove(k);
+                            }
+                        }
+                    }
+                }
+            }
+        }
         let op = self.op_id();
         let effect = match &waiter {
             Waiter::Status { effect, .. } | Waiter::Annotations { effect, .. } => {
@@ -569,6 +632,18 @@ impl Provider {
         };
         self.waiters.insert(op, waiter);
         self.out.push(effect);
+    }
+
+    /// Whether a lifecycle patch still says what the pod's intent says (same incarnation).
+    fn lifecycle_current(&self, key: &PodKey, uid: &str, effect: &Effect) -> bool {
+        let Effect::PatchPodAnnotations { annotations, .. } = effect else {
+            return false;
+        };
+        self.slots
+            .get(key)
+            .and_then(|s| s.intent.as_ref())
+            .map(|i| i.uid == uid && i.patch().iter().all(|(k, v)| annotations.get(k) == Some(v)))
+            .unwrap_or(false)
     }
 
     // ----- dispatch -------------------------------------------------------------------------
@@ -724,11 +799,20 @@ impl Provider {
             }
             return;
         }
-        if terminal(&pod)
-            || slot.api_deleted.as_deref() == Some(uid.as_str())
+        if slot.api_deleted.as_deref() == Some(uid.as_str())
             || slot.evicted.as_deref() == Some(uid.as_str())
         {
-            // Terminal, or we deleted this incarnation (eviction) and wait for its DELETED.
+            // We deleted this incarnation and wait for its DELETED.
+            return;
+        }
+        if terminal(&pod) {
+            // A pod we marked Failed for eviction but never deleted (a restart or an outage
+            // between the status write and the delete) is owed its delete: without it the
+            // operator never replaces it. Its VM is gone, so grace 0 as for any pod with no
+            // running container (§4).
+            if evicted_by_us(&pod) {
+                return self.start_api_delete(key, &uid);
+            }
             return;
         }
         if tracked_uid.is_none() {
@@ -1298,8 +1382,17 @@ impl Provider {
                     } else {
                         "vm clone"
                     };
-                    let msg = format!("{what} {}: {}", spec.vm_name, r.error_text());
-                    return self.fail_create(key, &c.uid, &msg, true);
+                    // A clone killed at its deadline (or failing half-way) can leave a VM
+                    // record behind; if the pod is deleted before the retry, nothing would
+                    // ever remove it. Look before reporting the failure.
+                    let error = format!("{what} {}: {}", spec.vm_name, r.error_text());
+                    set_step(self, CreateStep::BootFailedInspect { error });
+                    return self.pod_cocoon(
+                        key,
+                        CocoonCmd::VmInspect {
+                            reference: spec.vm_name.clone(),
+                        },
+                    );
                 }
                 let vm = match parse_vm(&r.stdout) {
                     Ok(v) => v,
@@ -1317,6 +1410,29 @@ impl Provider {
                     return self.pod_cocoon(key, CocoonCmd::VmInspect { reference: vm.id });
                 }
                 self.vm_up(key, vm, false)
+            }
+            (CreateStep::BootFailedInspect { error }, Res::Cocoon(r)) => {
+                match (r.success, parse_vm(&r.stdout)) {
+                    // The bring-up finished after all (a slow clone past its deadline).
+                    (true, Ok(vm)) if vm.running() => {
+                        self.by_name.insert(spec.vm_name.clone(), vm.clone());
+                        self.vm_up(key, vm, false)
+                    }
+                    (true, Ok(vm)) => {
+                        set_step(self, CreateStep::BootFailedRm { error });
+                        self.pod_cocoon(key, CocoonCmd::VmRm { id: vm.id })
+                    }
+                    _ => self.fail_create(key, &c.uid, &error, true),
+                }
+            }
+            (CreateStep::BootFailedRm { error }, Res::Cocoon(r)) => {
+                if !r.success && !r.vm_not_found() {
+                    log::warn!(
+                        "provider: {key}: remove leftover of failed bring-up: {}",
+                        r.error_text()
+                    );
+                }
+                self.fail_create(key, &c.uid, &error, true)
             }
             (CreateStep::RunInspect, Res::Cocoon(r)) => {
                 let vm = match (r.success, parse_vm(&r.stdout)) {
@@ -1447,6 +1563,11 @@ impl Provider {
         ann.insert(ANN_VM_ID.to_string(), Some(vm.id.clone()));
         ann.insert(ANN_VM_IP.to_string(), Some(ip.clone()));
         if spec.managed {
+            // The id/ip patch carries this attempt's lifecycle triple too, so the API never
+            // shows this VM beside an earlier attempt's `failed` that a restart would trust.
+            if let Some(intent) = self.slot(key).intent.as_ref().filter(|i| i.uid == uid) {
+                ann.extend(intent.patch());
+            }
             self.send_annotations(key, &uid, ann, false);
         }
         if spec.managed {
@@ -2106,6 +2227,19 @@ impl Provider {
         self.pod_cocoon(key, CocoonCmd::VmInspect { reference: vm_id });
     }
 
+    /// Start the deferred recheck of §11.4 (1 s doubling to 30 s, 30 min budget).
+    fn defer_check(&mut self, key: &PodKey, uid: String, vm_id: String) {
+        let step = CheckStep::Deferred {
+            delay: RECHECK_FIRST,
+            until: self.now + RECHECK_BUDGET,
+        };
+        let slot = self.slot(key);
+        slot.op = Some(Op::Check(CheckOp { uid, vm_id, step }));
+        slot.awaiting = None;
+        let at = self.now + RECHECK_FIRST;
+        self.set_pod_timer(key, at);
+    }
+
     fn set_check_step(&mut self, key: &PodKey, step: CheckStep) {
         if let Some(Op::Check(c)) = self.slots.get_mut(key).and_then(|s| s.op.as_mut()) {
             c.step = step;
@@ -2147,16 +2281,7 @@ impl Provider {
                     }
                     None => {
                         self.metric(MetricUpdate::VmInspectTransientFail);
-                        let until = self.now + RECHECK_BUDGET;
-                        self.set_check_step(
-                            key,
-                            CheckStep::Deferred {
-                                delay: RECHECK_FIRST,
-                                until,
-                            },
-                        );
-                        let at = self.now + RECHECK_FIRST;
-                        self.set_pod_timer(key, at);
+                        self.defer_check(key, c.uid, c.vm_id);
                     }
                     Some(vm) => self.check_state(key, &c, vm),
                 }
@@ -2319,11 +2444,15 @@ impl Provider {
         match (e.step, res) {
             (EvictStep::Remove, Res::Cocoon(r)) => {
                 if !r.success && !r.vm_not_found() {
+                    // §11.3 keeps the pod; the Go daemon then never looks again and the pod
+                    // stays Running on a dead VM. Re-check it on the deferred schedule instead:
+                    // a later round restarts or removes it.
                     log::warn!(
-                        "provider: {key}: vm rm before eviction failed: {}",
+                        "provider: {key}: vm rm before eviction failed (rechecking): {}",
                         r.error_text()
                     );
-                    return self.end_op(key);
+                    let vm_id = vm_id_of(self.slot(key));
+                    return self.defer_check(key, e.uid, vm_id);
                 }
                 let vm = self
                     .slot(key)
@@ -2496,20 +2625,7 @@ impl Provider {
                     Res::Kube(r) => r,
                     _ => return,
                 };
-                let sent_state = match &effect {
-                    Effect::PatchPodAnnotations { annotations, .. } => annotations
-                        .get(spec::ANN_LIFECYCLE_STATE)
-                        .cloned()
-                        .flatten(),
-                    _ => None,
-                };
-                let still_current = |p: &Self| {
-                    p.slots
-                        .get(&key)
-                        .and_then(|s| s.intent.as_ref())
-                        .map(|i| i.uid == uid && Some(i.state.as_str().to_string()) == sent_state)
-                        .unwrap_or(false)
-                };
+                let still_current = |p: &Self| p.lifecycle_current(&key, &uid, &effect);
                 match r {
                     Ok(()) => {
                         if lifecycle && still_current(self) {
@@ -2918,9 +3034,9 @@ impl Provider {
             return;
         };
         self.started = true;
-        let by_id: HashMap<String, VmInfo> =
+        let by_id: BTreeMap<String, VmInfo> =
             s.vms.iter().map(|v| (v.id.clone(), v.clone())).collect();
-        let by_name: HashMap<String, VmInfo> = s
+        let by_name: BTreeMap<String, VmInfo> = s
             .vms
             .iter()
             .filter(|v| !v.name.is_empty())

@@ -230,6 +230,13 @@ pub enum EvictReason {
 }
 
 impl EvictReason {
+    pub const ALL: [EvictReason; 4] = [
+        EvictReason::VmGone,
+        EvictReason::RestartCooldown,
+        EvictReason::RestartFailed,
+        EvictReason::VmInspectTimeout,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             EvictReason::VmGone => "VMGone",
