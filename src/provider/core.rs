@@ -3186,7 +3186,13 @@ impl Provider {
             .cloned()
             .unwrap_or_default();
         let pcs = ann.get(spec::ANN_POST_CLONE_STATE).cloned();
-        let creating = state == "creating" || (state.is_empty() && pcs.is_some());
+        // Adopted by name (the pod had no VM id): a create made this VM but the daemon stopped
+        // before recording it, so a `failed` on the pod is an earlier attempt's and stale.
+        let stale_failure = t.spec.vm_id.is_empty() && state == "failed" && pcs.is_none();
+        if stale_failure && t.spec.managed {
+            self.set_lifecycle(key, State::Creating, "");
+        }
+        let creating = state == "creating" || (state.is_empty() && pcs.is_some()) || stale_failure;
         if !creating || !t.spec.managed {
             if state.is_empty() && t.spec.managed {
                 // Adopted without any lifecycle record: publish Ready as an adoption does.
