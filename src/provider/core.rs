@@ -209,6 +209,8 @@ struct Slot {
     api_deleted: Option<String>,
     /// UID we evicted: never re-created; its graceful deletion is finished with grace 0.
     evicted: Option<String>,
+    /// A VM-gone event that arrived while a create was in flight, replayed when it ends.
+    vm_event_during_create: Option<(VmEventKind, VmInfo)>,
     last_pushed: Option<StatusSummary>,
     /// Updates that asked for unsupported changes, so the Warning is emitted once per change.
     warned_hibernate: bool,
@@ -1544,8 +1546,16 @@ impl Provider {
         self.finish_create(key, vm, cloned, &ip)
     }
 
-    /// Steps 10–17 of §5: id/ip annotations, track the VM, probe, Running, Ready.
+    /// Steps 10–17 of §5, then the VM event that arrived meanwhile, if any.
     fn finish_create(&mut self, key: &PodKey, vm: VmInfo, cloned: bool, ip: &str) {
+        self.settle_create(key, vm, cloned, ip);
+        if let Some((kind, vm)) = self.slot(key).vm_event_during_create.take() {
+            self.vm_event(kind, vm);
+        }
+    }
+
+    /// Steps 10–17 of §5: id/ip annotations, track the VM, probe, Running, Ready.
+    fn settle_create(&mut self, key: &PodKey, vm: VmInfo, cloned: bool, ip: &str) {
         let Some(c) = self.create_op(key) else {
             return;
         };
@@ -1630,19 +1640,18 @@ impl Provider {
         }
         self.lifecycle_metric("create", "ok", "");
         if cloned {
-            let until = self.now + IP_WAIT;
-            self.slot(key).op = Some(Op::ReadyWait {
-                uid,
-                vm_id: vm.id.clone(),
-                until,
-            });
-            self.push_status(key, false);
             if ip.is_empty() {
                 // Just looked the lease up: poll again in 200 ms.
+                self.slot(key).op = Some(Op::ReadyWait {
+                    uid,
+                    vm_id: vm.id.clone(),
+                    until: self.now + IP_WAIT,
+                });
+                self.push_status(key, false);
                 let at = self.now + IP_POLL;
                 return self.set_pod_timer(key, at);
             }
-            return self.ready_wait_poll(key);
+            return self.start_ready_wait(key, uid, vm.id);
         }
         self.slot(key).op = None;
         self.publish_ready(key);
@@ -1652,6 +1661,8 @@ impl Provider {
     /// Create failed at bring-up: Warning CreateBringUpFailed + lifecycle failed + drop the row;
     /// then the framework's ProviderFailed status + Warning and a backoff retry.
     fn fail_create(&mut self, key: &PodKey, uid: &str, err: &str, retry: bool) {
+        // The retry looks the VM up by name again; an event about it says nothing more.
+        self.slot(key).vm_event_during_create = None;
         self.lifecycle_metric("create", "failed", "");
         self.event(
             key,
@@ -2163,14 +2174,18 @@ impl Provider {
         self.slots
             .iter()
             .find(|(_, s)| {
-                s.tracked
+                let tracked = s
+                    .tracked
                     .as_ref()
                     .and_then(|t| t.vm.as_ref())
                     .map(|v| {
                         (!vm.id.is_empty() && v.id == vm.id)
                             || (vm.id.is_empty() && v.name == vm.name && !vm.name.is_empty())
                     })
-                    .unwrap_or(false)
+                    .unwrap_or(false);
+                let creating = matches!(&s.op, Some(Op::Create(c))
+                    if !vm.name.is_empty() && c.spec.vm_name == vm.name);
+                tracked || creating
             })
             .map(|(k, _)| k.clone())
     }
@@ -2197,6 +2212,11 @@ impl Provider {
             return;
         };
         let slot = &self.slots[&key];
+        if matches!(slot.op, Some(Op::Create(_))) {
+            // The create in flight may be making this very VM: look once it is done.
+            self.slot(&key).vm_event_during_create = Some((kind, vm));
+            return;
+        }
         let Some(t) = slot.tracked.as_ref() else {
             return;
         };
@@ -2338,10 +2358,25 @@ impl Provider {
                         }
                     }
                 }
-                self.end_op(key);
+                self.check_done(key, &c);
             }
             CheckStep::Deferred { .. } => {}
         }
+    }
+
+    /// The VM runs (false alarm or restarted). A check may have preempted the wait for Ready
+    /// of a fresh create; the intent still says `creating` then, so the wait resumes.
+    fn check_done(&mut self, key: &PodKey, c: &CheckOp) {
+        let creating = self
+            .slot(key)
+            .intent
+            .as_ref()
+            .map(|i| i.uid == c.uid && i.state == State::Creating)
+            .unwrap_or(false);
+        if creating {
+            return self.start_ready_wait(key, c.uid.clone(), c.vm_id.clone());
+        }
+        self.end_op(key)
     }
 
     fn check_state(&mut self, key: &PodKey, c: &CheckOp, vm: VmInfo) {
@@ -2352,7 +2387,7 @@ impl Provider {
                     v.pid = vm.pid;
                 }
             }
-            return self.end_op(key);
+            return self.check_done(key, c);
         }
         let recent = self
             .last_restart
@@ -3230,12 +3265,13 @@ impl Provider {
             "ResumedAfterRestart",
             "op=ready_wait",
         );
+        self.start_ready_wait(key, t.uid.clone(), vm.id);
+    }
+
+    /// Wait for the guest IP, then publish Ready (§14.3).
+    fn start_ready_wait(&mut self, key: &PodKey, uid: String, vm_id: String) {
         let until = self.now + IP_WAIT;
-        self.slot(key).op = Some(Op::ReadyWait {
-            uid: t.uid.clone(),
-            vm_id: vm.id,
-            until,
-        });
+        self.slot(key).op = Some(Op::ReadyWait { uid, vm_id, until });
         self.push_status(key, false);
         self.ready_wait_poll(key);
     }

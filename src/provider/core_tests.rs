@@ -1135,3 +1135,240 @@ fn cpu_class_mismatch_is_rejected() {
         }
     ));
 }
+
+#[test]
+fn failed_pod_left_by_an_interrupted_eviction_is_deleted_after_restart() {
+    let mut h = H::new(ProviderConfig::default());
+    let mut p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
+    p.status = Some(status::evicted(
+        "VMGone",
+        "vm no longer exists",
+        None,
+        &Time(k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap()),
+    ));
+    let e = h.feed(Input::PodUpserted(Box::new(p.clone())));
+    assert_eq!(deletes(&e), vec![(deletes(&e)[0].0, Some(0))]);
+    assert!(cocoon_ops(&e).is_empty());
+
+    // A Failed pod that is not ours to finish (a create rejected under restartPolicy Never)
+    // stays as it is.
+    let mut other = mk("b", "u2", &managed("b", "vk-ns-demo-1"));
+    other.status = Some(PodStatus {
+        phase: Some("Failed".into()),
+        reason: Some("ProviderFailed".into()),
+        ..Default::default()
+    });
+    let e = h.feed(Input::PodUpserted(Box::new(other)));
+    assert!(e.is_empty(), "{e:?}");
+}
+
+#[test]
+fn failed_bring_up_removes_the_record_it_left_or_adopts_a_finished_one() {
+    let mut h = H::new(ProviderConfig::default());
+    let e = h.feed(Input::PodUpserted(Box::new(mk(
+        "a",
+        "u1",
+        &managed("a", "vk-ns-demo-0"),
+    ))));
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"S","name":"x"}"#));
+    let (op, cmd) = one_cocoon(&e);
+    assert!(argv(&cmd).starts_with("vm clone"));
+    let timed_out = CocoonResult {
+        timed_out: true,
+        ..Default::default()
+    };
+    let e = h.cocoon(op, timed_out.clone());
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm inspect vk-ns-demo-0");
+    assert!(
+        statuses(&e).is_empty(),
+        "failure reported only after the look"
+    );
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(vm_json(
+            "VM7",
+            "vk-ns-demo-0",
+            "creating",
+            "02:00:00:00:00:01",
+        )),
+    );
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm rm --force VM7");
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let st = statuses(&e);
+    assert_eq!(st[0].1.reason.as_deref(), Some("ProviderFailed"));
+    assert!(events(&e).iter().any(|(r, _)| *r == "ProviderCreateFailed"));
+
+    // Second pod: the clone timed out but finished anyway: adopted, no second clone.
+    let e = h.feed(Input::PodUpserted(Box::new(mk(
+        "b",
+        "u2",
+        &managed("b", "vk-ns-demo-1"),
+    ))));
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"S","name":"x"}"#));
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, timed_out);
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(vm_json(
+            "VM8",
+            "vk-ns-demo-1",
+            "running",
+            "02:00:00:00:00:02",
+        )),
+    );
+    let lop = lookup(&e).expect("lease lookup of the adopted VM");
+    let e = h.feed(Input::LeaseLooked {
+        op: lop,
+        result: Ok(Some("10.0.0.8".into())),
+    });
+    assert!(cocoon_ops(&e).is_empty());
+    assert!(annotation_patches(&e)
+        .iter()
+        .any(|(_, a)| a.get(ANN_VM_ID) == Some(&Some("VM8".into()))));
+}
+
+#[test]
+fn failed_rm_before_eviction_rechecks_instead_of_giving_up() {
+    let mut h = H::new(ProviderConfig::default());
+    create_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")), "VM1");
+    let stopped = || vm_json("VM1", "vk-ns-demo-0", "stopped", "02:00:00:00:00:01");
+    let e = h.feed(Input::VmEvent {
+        kind: VmEventKind::Modified,
+        vm: vm_info("VM1", "vk-ns-demo-0", "stopped"),
+    });
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(stopped()));
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm start VM1");
+    let e = h.cocoon(op, CocoonResult::failed("backend busy"));
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm rm --force VM1");
+    let e = h.cocoon(op, CocoonResult::failed("backend busy"));
+    assert!(statuses(&e).is_empty(), "no eviction while the VM is kept");
+    // One second later the deferred recheck looks again; the cooldown now removes and evicts.
+    let e = h.advance(Duration::from_secs(1));
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm inspect VM1");
+    let e = h.cocoon(op, CocoonResult::ok(stopped()));
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm rm --force VM1");
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    assert_eq!(statuses(&e)[0].1.reason.as_deref(), Some("RestartCooldown"));
+}
+
+#[test]
+fn vm_event_during_a_create_is_looked_at_once_the_create_is_done() {
+    let mut h = H::new(ProviderConfig::default());
+    let e = h.feed(Input::PodUpserted(Box::new(mk(
+        "a",
+        "u1",
+        &managed("a", "vk-ns-demo-0"),
+    ))));
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"S","name":"x"}"#));
+    let (op, _) = one_cocoon(&e);
+    let running = || vm_json("VM1", "vk-ns-demo-0", "running", "02:00:00:00:00:01");
+    let e = h.cocoon(op, CocoonResult::ok(running()));
+    let lop = lookup(&e).expect("lease lookup");
+    // The fresh VM crashes while the lease lookup is in flight: nothing to look at yet.
+    let e = h.feed(Input::VmEvent {
+        kind: VmEventKind::Modified,
+        vm: vm_info("VM1", "vk-ns-demo-0", "stopped"),
+    });
+    assert!(cocoon_ops(&e).is_empty());
+    // No lease yet: the create settles into its wait for Ready, then the event is looked at.
+    let e = h.feed(Input::LeaseLooked {
+        op: lop,
+        result: Ok(None),
+    });
+    assert!(statuses(&e).iter().all(|(_, s)| !status::is_ready(s)));
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm inspect VM1");
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(vm_json(
+            "VM1",
+            "vk-ns-demo-0",
+            "stopped",
+            "02:00:00:00:00:01",
+        )),
+    );
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm start VM1");
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(running()));
+    // The check preempted the wait for Ready; it resumes, and the lease brings Ready.
+    let lop = lookup(&e).expect("the wait for Ready resumed");
+    let e = h.feed(Input::LeaseLooked {
+        op: lop,
+        result: Ok(Some("10.0.0.9".into())),
+    });
+    let (_, st) = statuses(&e)
+        .into_iter()
+        .find(|(_, s)| status::is_ready(s))
+        .expect("ready published after the restart");
+    assert_eq!(st.pod_ip.as_deref(), Some("10.0.0.9"));
+}
+
+#[test]
+fn a_lifecycle_retry_never_overwrites_a_newer_state() {
+    let mut h = H::new(ProviderConfig::default());
+    let e = h.feed(Input::PodUpserted(Box::new(mk(
+        "a",
+        "u1",
+        &managed("a", "vk-ns-demo-0"),
+    ))));
+    let (creating, a) = annotation_patches(&e)[0].clone();
+    assert_eq!(a[ANN_LIFECYCLE_STATE].as_deref(), Some("creating"));
+    // The `creating` flush fails at once: its retry is due in 500 ms.
+    let (op, _) = one_cocoon(&e);
+    h.feed(Input::KubeDone {
+        op: creating,
+        result: Err(KubeError::Other("500".into())),
+    });
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"S","name":"x"}"#));
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(vm_json(
+            "VM1",
+            "vk-ns-demo-0",
+            "running",
+            "02:00:00:00:00:01",
+        )),
+    );
+    let lop = lookup(&e).expect("lease lookup");
+    let e = h.feed(Input::LeaseLooked {
+        op: lop,
+        result: Ok(Some("10.0.0.9".into())),
+    });
+    let (sop, _) = statuses(&e)
+        .into_iter()
+        .find(|(_, s)| status::is_ready(s))
+        .expect("ready status");
+    let e = h.kube_ok(sop);
+    let (rop, _) = annotation_patches(&e)[0].clone();
+    h.kube_ok(rop);
+    // Ready is published before the retry is due: the retry must not go out.
+    let e = h.advance(Duration::from_secs(2));
+    assert!(
+        annotation_patches(&e)
+            .iter()
+            .all(|(_, a)| a.get(ANN_LIFECYCLE_STATE) != Some(&Some("creating".into()))),
+        "{e:?}"
+    );
+}
