@@ -107,6 +107,13 @@ impl Store {
         self.vms_dir().join(format!("{id}.json"))
     }
 
+    /// `<state>/vm-names/<hex of the name>`: the ID of the VM with that name. An index, so a
+    /// lookup by name reads one record instead of every VM's (a dense host has thousands).
+    fn vm_name_path(&self, name: &str) -> PathBuf {
+        let hex: String = name.bytes().map(|b| format!("{b:02x}")).collect();
+        self.state.join("vm-names").join(hex)
+    }
+
     pub fn snap_path(&self, id: &str) -> PathBuf {
         self.snaps_dir().join(format!("{id}.json"))
     }
@@ -132,7 +139,12 @@ impl Store {
 
     /// Creates the directory skeleton.
     pub fn init(&self) -> io::Result<()> {
-        for d in [self.vms_dir(), self.snaps_dir(), self.images_dir()] {
+        for d in [
+            self.vms_dir(),
+            self.snaps_dir(),
+            self.images_dir(),
+            self.state.join("vm-names"),
+        ] {
             fs::create_dir_all(d)?;
         }
         Ok(())
@@ -181,11 +193,39 @@ impl Store {
     }
 
     pub fn save_vm(&self, v: &StoredVm) -> io::Result<()> {
-        write_atomic(&self.vm_path(&v.vm.id), &to_json(v)?)
+        write_atomic(&self.vm_path(&v.vm.id), &to_json(v)?)?;
+        if !v.vm.config.name.is_empty() {
+            fs::create_dir_all(self.state.join("vm-names"))?;
+            write_atomic(&self.vm_name_path(&v.vm.config.name), v.vm.id.as_bytes())?;
+        }
+        Ok(())
     }
 
     pub fn delete_vm(&self, id: &str) {
+        if let Some(v) = self.load_vm(id) {
+            if self.vm_id_by_name(&v.vm.config.name).as_deref() == Some(id) {
+                let _ = fs::remove_file(self.vm_name_path(&v.vm.config.name));
+            }
+        }
         let _ = fs::remove_file(self.vm_path(id));
+    }
+
+    fn load_vm(&self, id: &str) -> Option<StoredVm> {
+        if id.is_empty() || id.contains('/') || id.starts_with('.') {
+            return None;
+        }
+        let bytes = fs::read(self.vm_path(id)).ok()?;
+        serde_json::from_slice(&bytes).ok()
+    }
+
+    fn vm_id_by_name(&self, name: &str) -> Option<String> {
+        fs::read_to_string(self.vm_name_path(name)).ok()
+    }
+
+    /// The VM named `name` (through the index; a stale entry counts as absent).
+    pub fn vm_by_name(&self, name: &str) -> Option<StoredVm> {
+        let id = self.vm_id_by_name(name)?;
+        self.load_vm(&id).filter(|v| v.vm.config.name == name)
     }
 
     pub fn load_snapshots(&self) -> Vec<Snapshot> {
@@ -209,6 +249,17 @@ impl Store {
 
     /// VM ref resolution: exact ID, exact name, or an ID prefix of at least 3 characters.
     pub fn resolve_vm(&self, r: &str) -> Result<StoredVm, RefError> {
+        if let Some(v) = self.load_vm(r).filter(|v| v.vm.id == r) {
+            return Ok(v);
+        }
+        if let Some(v) = self.vm_by_name(r) {
+            return Ok(v);
+        }
+        // Only a possible ID prefix needs the scan (IDs are upper-case base32).
+        let id_like = r.len() >= 3 && r.bytes().all(|b| matches!(b, b'A'..=b'Z' | b'2'..=b'7'));
+        if !id_like {
+            return Err(RefError::NotFound);
+        }
         let vms = self.load_vms();
         resolve(vms, r, |v| (&v.vm.id, &v.vm.config.name))
     }
@@ -479,5 +530,42 @@ mod tests {
         assert!(t.ends_with('Z'));
         assert!(pid_alive(std::process::id() as i64));
         assert!(!pid_alive(0));
+    }
+
+    #[test]
+    fn vms_resolve_by_id_name_index_and_id_prefix() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store {
+            state: dir.path().join("state"),
+            root: dir.path().join("root"),
+            log_dir: dir.path().join("log"),
+            gen_b: false,
+            spawn_process: false,
+            leases: None,
+        };
+        store.init().unwrap();
+        let mk = |id: &str, name: &str| {
+            let mut vm = Vm {
+                id: id.into(),
+                ..Default::default()
+            };
+            vm.config.name = name.into();
+            StoredVm { vm, owner_pid: 0 }
+        };
+        store.save_vm(&mk("ABCDEF234", "vk-a")).unwrap();
+        store.save_vm(&mk("QRSTUV567", "vk-b")).unwrap();
+        let id = |r: &str| store.resolve_vm(r).map(|v| v.vm.id);
+        assert_eq!(id("ABCDEF234").as_deref(), Ok("ABCDEF234"));
+        assert_eq!(id("vk-b").as_deref(), Ok("QRSTUV567"));
+        assert_eq!(id("QRS").as_deref(), Ok("QRSTUV567"));
+        assert_eq!(id("vk-c"), Err(RefError::NotFound));
+        assert_eq!(id("../x"), Err(RefError::NotFound));
+        store.delete_vm("QRSTUV567");
+        assert_eq!(id("vk-b"), Err(RefError::NotFound));
+        assert!(store.vm_by_name("vk-b").is_none());
+        // A stale index entry (its VM gone, or renamed) is not trusted.
+        write_atomic(&store.vm_name_path("vk-z"), b"ABCDEF234").unwrap();
+        assert_eq!(id("vk-z"), Err(RefError::NotFound));
+        assert_eq!(id("vk-a").as_deref(), Ok("ABCDEF234"));
     }
 }

@@ -275,11 +275,7 @@ fn nics_for(store: &Store, id: &str, count: u64) -> Vec<NetworkConfig> {
 /// Writes the `creating` placeholder under the lock (name must be free). Returns the record.
 fn placeholder(store: &Store, mut vm: Vm, nics: u64) -> Result<StoredVm, String> {
     let _guard = store.lock().map_err(io_err("lock"))?;
-    if let Some(other) = store
-        .load_vms()
-        .into_iter()
-        .find(|v| v.vm.config.name == vm.config.name)
-    {
+    if let Some(other) = store.vm_by_name(&vm.config.name) {
         return Err(format!(
             "vm name \"{}\" already exists (id: {})",
             vm.config.name, other.vm.id
