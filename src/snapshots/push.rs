@@ -11,7 +11,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use sha2::{Digest as _, Sha256};
 
-use super::client::{sha256_digest, Body, RegistryClient};
+use super::client::{sha256_digest, Body, RegistryClient, MAX_PIPELINED_PUSHES};
 use super::cocoon_child::CocoonChild;
 use super::format::{self, LayerDesc, SnapshotConfig, SnapshotFile};
 use super::reference::hex_lower;
@@ -170,6 +170,16 @@ pub fn push_snapshot(
     }
     req.knobs.validate()?;
     let reference = client.reference(&req.name, &req.tag)?;
+    // Node-wide gate (behaviour §18): one zstd/chunked push at a time; plain v1 is not gated.
+    let _gate = if req.knobs.pipelined() {
+        let gate = client.pipelined_push_gate();
+        if gate.in_use() >= MAX_PIPELINED_PUSHES {
+            log::info!("push {reference}: waiting for the node-wide zstd/chunked push gate");
+        }
+        Some(gate.acquire())
+    } else {
+        None
+    };
     let mut child = CocoonChild::spawn(
         &req.cocoon_bin,
         &["snapshot", "export", &req.name, "-o", "-"],
