@@ -740,6 +740,7 @@ impl RegistryClient {
             digest: digest.to_string(),
             what,
             done: false,
+            hash: true,
             _permit: permit,
         })
     }
@@ -1059,10 +1060,50 @@ pub struct BlobReader {
     digest: String,
     what: String,
     done: bool,
+    /// False after [`BlobReader::split`]: the [`BlobCheck`] hashes instead.
+    hash: bool,
     _permit: GatePermit,
 }
 
+/// The digest half of a split [`BlobReader`]: fed the bytes wherever they are consumed, so
+/// hashing runs on another thread than the network reads.
+pub struct BlobCheck {
+    hasher: Sha256,
+    digest: String,
+    what: String,
+}
+
+impl BlobCheck {
+    pub fn update(&mut self, data: &[u8]) {
+        self.hasher.update(data);
+    }
+
+    /// `InvalidData` when the bytes fed do not hash to the descriptor's digest.
+    pub fn finish(self) -> io::Result<()> {
+        let got = format!("sha256:{}", hex_lower(&self.hasher.finalize()));
+        if got != self.digest {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{}: digest mismatch: content hashes to {got}", self.what),
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl BlobReader {
+    /// Splits off the digest check: the reader keeps counting (length errors stay its own)
+    /// but no longer hashes; every byte it returns must be fed to the check, then `finish`.
+    pub fn split(mut self) -> (BlobReader, BlobCheck) {
+        self.hash = false;
+        let check = BlobCheck {
+            hasher: Sha256::new(),
+            digest: self.digest.clone(),
+            what: self.what.clone(),
+        };
+        (self, check)
+    }
+
     fn fail(&self, msg: String) -> io::Error {
         io::Error::new(io::ErrorKind::InvalidData, format!("{}: {msg}", self.what))
     }
@@ -1087,7 +1128,7 @@ impl Read for BlobReader {
                 )));
             }
             let got = format!("sha256:{}", hex_lower(&self.hasher.clone().finalize()));
-            if got != self.digest {
+            if self.hash && got != self.digest {
                 return Err(self.fail(format!("digest mismatch: content hashes to {got}")));
             }
             self.done = true;
@@ -1097,7 +1138,9 @@ impl Read for BlobReader {
         if self.read > self.expected_size {
             return Err(self.fail(format!("oversized: more than {} bytes", self.expected_size)));
         }
-        self.hasher.update(&buf[..n]);
+        if self.hash {
+            self.hasher.update(&buf[..n]);
+        }
         Ok(n)
     }
 }

@@ -670,13 +670,16 @@ fn copy_into<R: Read, W: Write>(
     }
 }
 
-/// Copies a blob to `sink` with the network read and hashing on a helper thread, so they
-/// overlap with writing into cocoon's pipe. At most `PIPELINE_DEPTH` + 2 buffers in flight.
-fn copy_pipelined<R: Read + Send>(
-    mut src: R,
+/// Copies a blob to `sink` with the network reads on a helper thread and the hashing on this
+/// one (before each write into cocoon's pipe), so receive, hash and pipe write overlap; the
+/// digest is checked before returning, i.e. before the import stream can end. At most
+/// `PIPELINE_DEPTH` + 2 buffers in flight.
+fn copy_pipelined(
+    src: BlobReader,
     what: &str,
     mut sink: impl FnMut(&[u8]) -> Result<(), TransferError>,
 ) -> Result<(), TransferError> {
+    let (mut src, mut check) = src.split();
     let (tx, rx) = mpsc::sync_channel::<io::Result<Vec<u8>>>(PIPELINE_DEPTH);
     let (back_tx, back_rx) = mpsc::channel::<Vec<u8>>();
     std::thread::scope(|scope| {
@@ -708,6 +711,7 @@ fn copy_pipelined<R: Read + Send>(
             for msg in rx.iter() {
                 let data = msg.map_err(|e| blob_err(e, what))?;
                 if !data.is_empty() {
+                    check.update(&data);
                     sink(&data)?;
                 }
                 let _ = back_tx.send(data);
@@ -717,7 +721,8 @@ fn copy_pipelined<R: Read + Send>(
         // On a sink error, dropping the receiver stops the reader at its next send.
         drop(rx);
         result
-    })
+    })?;
+    check.finish().map_err(|e| blob_err(e, what))
 }
 
 /// Sequential reader over a file's chunk blobs; opens one blob at a time.
