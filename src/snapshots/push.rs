@@ -437,6 +437,10 @@ impl PushState<'_> {
         let failure: Mutex<Option<TransferError>> = Mutex::new(None);
         let (tx, rx) = mpsc::sync_channel::<(usize, Vec<u8>)>(0);
         let rx = Mutex::new(rx);
+        // Chunk and compressed buffers are recycled (as on pull): fresh multi-MiB allocations
+        // on several threads leave freed memory in glibc's per-thread arenas.
+        let pool: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
+        let pool = &pool;
         std::thread::scope(|scope| {
             for _ in 0..workers {
                 scope.spawn(|| loop {
@@ -445,7 +449,7 @@ impl PushState<'_> {
                     if lock(&failure).is_some() {
                         continue;
                     }
-                    match self.upload_chunk(idx, raw, count, media, name, compress, level) {
+                    match self.upload_chunk(idx, raw, count, media, name, compress, level, pool) {
                         Ok(d) => lock(&results)[idx] = Some(d),
                         Err(e) => {
                             let mut f = lock(&failure);
@@ -462,7 +466,9 @@ impl PushState<'_> {
                     break;
                 }
                 let len = remaining.min(c) as usize;
-                let mut buf = vec![0u8; len];
+                let mut buf = lock(pool).pop().unwrap_or_default();
+                buf.clear();
+                buf.resize(len, 0);
                 match tar.read_body_full(&mut buf) {
                     Ok(n) if n == len => {}
                     Ok(n) => {
@@ -510,6 +516,7 @@ impl PushState<'_> {
         name: &str,
         compress: bool,
         level: i32,
+        pool: &Mutex<Vec<Vec<u8>>>,
     ) -> Result<LayerDesc, TransferError> {
         let blob = if compress {
             // One complete frame per chunk; the content size is pledged so the window never
@@ -517,8 +524,15 @@ impl PushState<'_> {
             let mut enc = zstd::bulk::Compressor::new(level)
                 .map_err(|e| TransferError::Io(format!("zstd: {e}")))?;
             let _ = enc.include_contentsize(true);
-            enc.compress(&raw)
-                .map_err(|e| TransferError::Io(format!("zstd compress {name} chunk {idx}: {e}")))?
+            let mut out = lock(pool).pop().unwrap_or_default();
+            out.clear();
+            out.reserve(zstd::zstd_safe::compress_bound(raw.len()));
+            let done = enc
+                .compress_to_buffer(&raw, &mut out)
+                .map_err(|e| TransferError::Io(format!("zstd compress {name} chunk {idx}: {e}")));
+            lock(pool).push(raw);
+            done?;
+            out
         } else {
             raw
         };
@@ -532,10 +546,12 @@ impl PushState<'_> {
             ann.insert(format::CHUNK_INDEX.to_string(), idx.to_string());
             ann.insert(format::CHUNK_COUNT.to_string(), count.to_string());
         }
+        let size = blob.len() as u64;
+        lock(pool).push(blob);
         Ok(LayerDesc {
             media_type: media.to_string(),
             digest,
-            size: blob.len() as u64,
+            size,
             annotations: ann,
         })
     }
