@@ -33,7 +33,7 @@ fn real_main() -> i32 {
         .collect();
     let argv0 = args.first().map(String::as_str).unwrap_or("vk-cocoon");
     if Path::new(argv0).file_name().is_some_and(|n| n == "cocoon") {
-        return sandbox::fake_cocoon::main(args[1..].to_vec());
+        return sandbox::fake_cocoon::main_as_cocoon(Path::new(argv0), args[1..].to_vec());
     }
     match args.get(1).map(String::as_str) {
         None | Some("run") => run_daemon(),

@@ -315,10 +315,30 @@ fn bench_1gib_push_pull_vs_curl() {
     let curl_down = t.elapsed();
     assert_eq!(String::from_utf8_lossy(&st.stdout), "200");
     println!("curl download: {:.0} MiB/s", rate(blob_size, curl_down));
+    // A verifying reference: curl's output hashed by sha256sum (argv only, no shell).
+    let t = Instant::now();
+    let mut curl = Command::new("curl")
+        .arg("-s")
+        .arg(format!("http://{host}/v2/curl/blobs/{digest}"))
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = Command::new("sha256sum")
+        .stdin(Stdio::from(curl.stdout.take().unwrap()))
+        .output()
+        .unwrap();
+    curl.wait().unwrap();
+    let curl_verified = t.elapsed();
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with(digest.trim_start_matches("sha256:")));
     println!(
-        "push/curl-upload = {:.0}%, pull/curl-download = {:.0}% (manifest {})",
+        "curl download | sha256sum: {:.0} MiB/s",
+        rate(blob_size, curl_verified)
+    );
+    println!(
+        "push/curl-upload = {:.0}%, pull/curl-download = {:.0}%, pull/(curl | sha256sum) = {:.0}% (manifest {})",
         100.0 * rate(size, push_t) / rate(blob_size, curl_up),
         100.0 * rate(size, pull_t) / rate(blob_size, curl_down),
+        100.0 * rate(size, pull_t) / rate(blob_size, curl_verified),
         rep.manifest_digest
     );
 }

@@ -124,42 +124,97 @@ fn client_for(host: &str, auth: AuthSettings) -> RegistryClient {
     RegistryClient::new(RegistryBase::parse(host).expect("base"), auth, fast_retry())
 }
 
-/// A test stand-in for the cocoon CLI: export prints `export-NAME.tar`; import writes stdin to
-/// `import-NAME.part` and renames it to `import-NAME.tar` only when stdin ended cleanly.
+/// The project's fake cocoon (`vk-cocoon` behind a `cocoon` symlink, the same binary and CLI
+/// contract the daemon tests use) with a state directory of its own beside the symlink, so
+/// parallel tests never share snapshots. Snapshots are seeded with `snapshot import` from a
+/// synthetic archive and read back with `snapshot export`.
 struct FakeCocoon {
     dir: tempfile::TempDir,
 }
 
+const VK_COCOON: &str = env!("CARGO_BIN_EXE_vk-cocoon");
+
 impl FakeCocoon {
     fn new() -> FakeCocoon {
         let dir = tempfile::tempdir().expect("tempdir");
-        let script = r#"#!/bin/sh
-# Test stand-in for the cocoon CLI.
-d=$(dirname "$0")
-echo "$@" >> "$d/calls.log"
-case "$1 $2" in
-"snapshot export") exec cat "$d/export-$3.tar" ;;
-"snapshot import") cat > "$d/import-$4.part" || exit 1; mv "$d/import-$4.part" "$d/import-$4.tar" ;;
-"snapshot rm") if [ -f "$d/import-$3.tar" ]; then rm -f "$d/import-$3.tar"; exit 0; fi
-  echo "Error: rm: resolve \"$3\": snapshot not found" >&2; exit 1 ;;
-"image import") cat > "$d/image-$3.part" || exit 1; mv "$d/image-$3.part" "$d/image-$3" ;;
-*) echo "Error: unknown command $1 $2" >&2; exit 1 ;;
-esac
-"#;
-        let path = dir.path().join("cocoon");
-        fs::write(&path, script).expect("write stand-in");
-        use std::os::unix::fs::PermissionsExt;
-        fs::set_permissions(&path, fs::Permissions::from_mode(0o755)).expect("chmod");
+        fs::create_dir_all(dir.path().join("bin/fake-cocoon-state")).expect("state dir");
+        std::os::unix::fs::symlink(VK_COCOON, dir.path().join("bin/cocoon")).expect("symlink");
         FakeCocoon { dir }
     }
     fn bin(&self) -> PathBuf {
-        self.dir.path().join("cocoon")
+        self.dir.path().join("bin/cocoon")
     }
+    fn state(&self) -> PathBuf {
+        self.dir.path().join("bin/fake-cocoon-state")
+    }
+    fn cocoon(&self, args: &[&str]) -> std::process::Output {
+        Command::new(self.bin())
+            .args(args)
+            .env_remove("FAKE_COCOON_STATE")
+            .env_remove("COCOON_ROOT_DIR")
+            .output()
+            .expect("run fake cocoon")
+    }
+    /// Where the synthetic archive of snapshot `name` is written before it is seeded.
     fn export_path(&self, name: &str) -> PathBuf {
         self.dir.path().join(format!("export-{name}.tar"))
     }
+    /// Writes a synthetic archive and imports it into the fake as snapshot `name`.
+    fn create_snapshot(&self, name: &str, files: &[FileSpec]) {
+        let path = self.export_path(name);
+        write_export(&path, "SEED", files);
+        let out = Command::new(self.bin())
+            .args(["snapshot", "import", "--name", name])
+            .stdin(fs::File::open(&path).expect("open archive"))
+            .output()
+            .expect("seed snapshot");
+        assert!(
+            out.status.success(),
+            "seeding {name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    /// The fake's snapshot ID of `name` (the `SnapshotID` a push records).
+    fn snapshot_id(&self, name: &str) -> String {
+        let out = self.cocoon(&["snapshot", "inspect", name]);
+        assert!(out.status.success(), "inspect {name}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("inspect json");
+        v["id"].as_str().expect("id").to_string()
+    }
+    /// `snapshot export NAME` of what an import left in the fake, as a file; a path that does
+    /// not exist when there is no such snapshot.
     fn import_path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(format!("import-{name}.tar"))
+        let path = self.dir.path().join(format!("import-{name}.tar"));
+        let _ = fs::remove_file(&path);
+        let out = self.cocoon(&["snapshot", "export", name, "-o", &path.to_string_lossy()]);
+        if !out.status.success() {
+            let _ = fs::remove_file(&path);
+        }
+        path
+    }
+    /// `image inspect NAME` as JSON, `None` when the fake has no such image.
+    fn image(&self, name: &str) -> Option<serde_json::Value> {
+        let out = self.cocoon(&["image", "inspect", name]);
+        if !out.status.success() {
+            return None;
+        }
+        serde_json::from_slice(&out.stdout).ok()
+    }
+    /// Names of the fake's snapshots.
+    fn snapshot_names(&self) -> Vec<String> {
+        let out = self.cocoon(&["snapshot", "list", "-o", "json"]);
+        assert!(out.status.success(), "snapshot list");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("list json");
+        v.as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|s| s["name"].as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+    fn set_faults(&self, json: &str) {
+        fs::write(self.state().join("faults.json"), json).expect("faults");
     }
 }
 
@@ -267,8 +322,11 @@ fn read_members(path: &Path) -> (serde_json::Value, Vec<Member>) {
 }
 
 fn assert_same_snapshot(export: &Path, import: &Path, local_name: &str) {
-    let (_, want) = read_members(export);
-    let (env, got) = read_members(import);
+    // The fake exports data files in name order; compare by name.
+    let (_, mut want) = read_members(export);
+    let (env, mut got) = read_members(import);
+    want.sort();
+    got.sort();
     assert_eq!(env["version"], 1);
     assert_eq!(env["config"]["name"], local_name);
     assert_eq!(env["config"]["hypervisor"], "cloud-hypervisor");
@@ -432,7 +490,7 @@ fn v1_round_trip_through_registry_is_byte_identical() {
         return;
     };
     let cocoon = FakeCocoon::new();
-    write_export(&cocoon.export_path("vm-one"), "SNAP1", &big_files());
+    cocoon.create_snapshot("vm-one", &big_files());
     let client = client_for(&reg.host(), AuthSettings::default());
     let report = push_snapshot(
         &client,
@@ -447,7 +505,8 @@ fn v1_round_trip_through_registry_is_byte_identical() {
         .expect("info")
         .expect("present");
     assert_eq!(info.kind, ArtifactKind::SnapshotV1);
-    assert_eq!(info.snapshot_id.as_deref(), Some("SNAP1"));
+    let id = cocoon.snapshot_id("vm-one");
+    assert_eq!(info.snapshot_id.as_deref(), Some(id.as_str()));
     assert_eq!(
         info.base_image(),
         Some("ghcr.io/cocoonstack/cocoon/ubuntu:24.04")
@@ -474,15 +533,24 @@ fn v1_round_trip_through_registry_is_byte_identical() {
             v["artifactType"],
             "application/vnd.cocoonstack.snapshot.v1+json"
         );
+        // The fake exports its data files in name order; each keeps its media type.
+        let by_title = |t: &str| {
+            v["layers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|l| l["annotations"]["org.opencontainers.image.title"] == t)
+                .unwrap_or_else(|| panic!("no layer titled {t}"))
+                .clone()
+        };
         assert_eq!(
-            v["layers"][2]["mediaType"],
+            by_title("memory-ranges")["mediaType"],
             "application/vnd.cocoonstack.vm.memory"
         );
         assert_eq!(
-            v["layers"][2]["annotations"]["org.opencontainers.image.title"],
-            "memory-ranges"
+            by_title("cocoon.json")["mediaType"],
+            "application/octet-stream"
         );
-        assert_eq!(v["layers"][5]["mediaType"], "application/octet-stream");
     } else {
         eprintln!(
             "note: skopeo missing, read-back through skopeo skipped (apt-get install skopeo)"
@@ -494,7 +562,7 @@ fn v1_round_trip_through_registry_is_byte_identical() {
         &pull_req(&cocoon, "vm-one", "hibernate", "vm-one-hibernate-import"),
     )
     .expect("pull");
-    assert_eq!(pulled.snapshot_id, "SNAP1");
+    assert_eq!(pulled.snapshot_id, id);
     assert_same_snapshot(
         &cocoon.export_path("vm-one"),
         &cocoon.import_path("vm-one-hibernate-import"),
@@ -508,7 +576,7 @@ fn v2_chunked_zstd_sparse_round_trip_parallel_and_sequential() {
         return;
     };
     let cocoon = FakeCocoon::new();
-    write_export(&cocoon.export_path("vm-two"), "SNAP2", &big_files());
+    cocoon.create_snapshot("vm-two", &big_files());
     let client = client_for(&reg.host(), AuthSettings::default());
     let knobs = PushKnobs {
         zstd_level: 3,
@@ -584,7 +652,7 @@ fn zstd_without_chunking_streams_one_frame_per_file() {
         return;
     };
     let cocoon = FakeCocoon::new();
-    write_export(&cocoon.export_path("vm-z"), "SZ", &small_files());
+    cocoon.create_snapshot("vm-z", &small_files());
     let client = client_for(&reg.host(), AuthSettings::default());
     let knobs = PushKnobs {
         zstd_level: 1,
@@ -606,8 +674,8 @@ fn zstd_without_chunking_streams_one_frame_per_file() {
         types,
         [
             "application/vnd.cocoonstack.vm.config+json",
-            "application/vnd.cocoonstack.vm.memory+zstd",
-            "application/vnd.cocoonstack.disk.raw+zstd"
+            "application/vnd.cocoonstack.disk.raw+zstd",
+            "application/vnd.cocoonstack.vm.memory+zstd"
         ]
     );
     pull_snapshot(&client, &pull_req(&cocoon, "vm-z", "latest", "z")).expect("pull");
@@ -622,7 +690,7 @@ fn corrupted_blob_in_registry_storage_is_detected_and_nothing_imported() {
         return;
     };
     let cocoon = FakeCocoon::new();
-    write_export(&cocoon.export_path("vm-c"), "SC", &small_files());
+    cocoon.create_snapshot("vm-c", &small_files());
     let client = client_for(&reg.host(), AuthSettings::default());
     push_snapshot(
         &client,
@@ -655,10 +723,9 @@ fn corrupted_blob_in_registry_storage_is_detected_and_nothing_imported() {
         "error names the reference: {err}"
     );
     assert!(!cocoon.import_path("bad").exists(), "nothing imported");
-    let calls = fs::read_to_string(cocoon.dir.path().join("calls.log")).unwrap();
     assert!(
-        calls.lines().filter(|l| *l == "snapshot rm bad").count() >= 2,
-        "rm before and after the failed import: {calls}"
+        !cocoon.snapshot_names().contains(&"bad".to_string()),
+        "no snapshot registered under the local name"
     );
 }
 
@@ -668,15 +735,12 @@ fn truncated_export_stream_publishes_no_tag() {
         return;
     };
     let cocoon = FakeCocoon::new();
-    let path = cocoon.export_path("vm-t");
-    write_export(&path, "ST", &small_files());
-    let len = fs::metadata(&path).unwrap().len();
-    fs::OpenOptions::new()
-        .write(true)
-        .open(&path)
-        .unwrap()
-        .set_len(len - 3 * MIB)
-        .unwrap();
+    cocoon.create_snapshot("vm-t", &small_files());
+    // cocoon dies 3 MiB into the export stream (inside memory-ranges).
+    cocoon.set_faults(&format!(
+        "{{\"snapshot export\": {{\"truncate_after\": {}}}}}",
+        3 * MIB
+    ));
     let client = client_for(&reg.host(), AuthSettings::default());
     let err = push_snapshot(
         &client,
@@ -713,9 +777,10 @@ fn chunk_size_over_budget_is_refused_before_export() {
     let err =
         push_snapshot(&client, &push_req(&cocoon, "vm", "latest", knobs)).expect_err("over budget");
     assert!(matches!(err, TransferError::Invalid(_)), "{err:?}");
-    assert!(
-        !cocoon.dir.path().join("calls.log").exists(),
-        "cocoon was not started"
+    assert_eq!(
+        fs::read_dir(cocoon.state()).unwrap().count(),
+        0,
+        "cocoon was not started (its state directory is untouched)"
     );
 }
 
@@ -788,26 +853,36 @@ fn hand_built_manifest_from_spec_layout_pulls() {
         .expect("pull hand-built");
     assert_eq!(rep.snapshot_id, "01J9Z8K2Q6");
     let (env, members) = read_members(&cocoon.import_path("hand:v1x"));
-    assert_eq!(env["config"]["id"], "01J9Z8K2Q6");
+    let id = cocoon.snapshot_id("hand:v1x");
+    assert_eq!(
+        env["config"]["id"], id,
+        "the fake gives an import a fresh ID"
+    );
     let names: Vec<&str> = members.iter().map(|m| m.0.as_str()).collect();
     assert_eq!(
         names,
         [
+            "cidata.img",
             "config.json",
-            "state.json",
             "memory-ranges",
             "overlay.qcow2",
-            "cidata.img"
+            "state.json"
         ]
     );
-    assert_eq!(members[0].2, 0o640, "mode 416");
-    assert_eq!(members[1].2, 0o640, "absent mode defaults to 0640");
-    assert_eq!(members[2].2, 0o600);
+    let member = |n: &str| members.iter().find(|m| m.0 == n).unwrap().clone();
+    assert_eq!(member("config.json").2, 0o640, "mode 416");
     assert_eq!(
-        members[2].3.get("COCOON.sparse.size").map(String::as_str),
+        member("state.json").2,
+        0o640,
+        "absent mode defaults to 0640"
+    );
+    let mem = member("memory-ranges");
+    assert_eq!(mem.2, 0o600);
+    assert_eq!(
+        mem.3.get("COCOON.sparse.size").map(String::as_str),
         Some("8388608")
     );
-    assert_eq!(members[2].4, format!("{:x}", Sha256::digest(&bodies[2].2)));
+    assert_eq!(mem.4, format!("{:x}", Sha256::digest(&bodies[2].2)));
 
     // A zstd layer under the v1 artifactType is refused before anything is imported.
     let bad = manifest.replace("vm.memory\"", "vm.memory+zstd\"");
@@ -843,7 +918,9 @@ fn cloud_images_pull_into_image_import_and_snapshots_are_refused_for_run() {
     };
     let cocoon = FakeCocoon::new();
     let client = client_for(&reg.host(), AuthSettings::default());
-    let part0 = vec![0x51u8; 300_000];
+    // The fake's `image import` wants a qcow2 (magic `QFI\xfb`) or tar stream.
+    let mut part0 = b"QFI\xfb".to_vec();
+    part0.resize(300_000, 0x51);
     let part1 = vec![0x52u8; 123_456];
     let sums = b"abc  win.qcow2\n".to_vec();
     let d0 = put_json_blob(&client, "win", &part0);
@@ -878,15 +955,22 @@ fn cloud_images_pull_into_image_import_and_snapshots_are_refused_for_run() {
         cocoon_bin: cocoon.bin(),
     };
     pull_cloud_image(&client, &req).expect("cloud image pull");
-    let got = fs::read(cocoon.dir.path().join("image-win-11")).unwrap();
-    assert_eq!(got, [part0.clone(), part1.clone()].concat());
+    let img = cocoon.image("win-11").expect("image imported");
+    let whole = [part0.clone(), part1.clone()].concat();
+    assert_eq!(img["type"], "cloudimg");
+    assert_eq!(img["size"], whole.len() as u64);
+    assert_eq!(
+        img["id"],
+        sha256_digest(&whole),
+        "parts concatenated in title order"
+    );
     // A cloud image is not a snapshot.
     let err =
         pull_snapshot(&client, &pull_req(&cocoon, "win", "11", "w")).expect_err("not a snapshot");
     assert!(err.to_string().contains("not a snapshot"), "{err}");
 
     // A snapshot given to mode=run.
-    write_export(&cocoon.export_path("snapvm"), "S", &small_files());
+    cocoon.create_snapshot("snapvm", &small_files());
     push_snapshot(
         &client,
         &push_req(&cocoon, "snapvm", "latest", PushKnobs::default()),
@@ -918,10 +1002,7 @@ fn cloud_images_pull_into_image_import_and_snapshots_are_refused_for_run() {
     };
     let err = pull_cloud_image(&client, &req).expect_err("corrupt part");
     assert!(err.to_string().contains(&d1), "{err}");
-    assert!(
-        !cocoon.dir.path().join("image-win-bad").exists(),
-        "nothing imported"
-    );
+    assert!(cocoon.image("win-bad").is_none(), "nothing imported");
 }
 
 #[test]
@@ -934,7 +1015,7 @@ fn manifest_info_absent_tag_and_delete() {
     assert!(manifest_info(&client, "nothing-here", "hibernate")
         .unwrap()
         .is_none());
-    write_export(&cocoon.export_path("vm-d"), "SD", &small_files());
+    cocoon.create_snapshot("vm-d", &small_files());
     let rep = push_snapshot(
         &client,
         &push_req(&cocoon, "vm-d", "hibernate", PushKnobs::default()),
@@ -965,7 +1046,7 @@ fn round_trip_small(
     name: &str,
 ) -> Result<(), TransferError> {
     if !cocoon.export_path(name).exists() {
-        write_export(&cocoon.export_path(name), "SA", &small_files());
+        cocoon.create_snapshot(name, &small_files());
     }
     push_snapshot(
         client,
@@ -1511,7 +1592,7 @@ fn interrupted_streamed_upload_falls_back_to_the_spool_and_completes() {
             seed: 22,
         },
     ];
-    write_export(&cocoon.export_path("vm-s"), "SS", &files);
+    cocoon.create_snapshot("vm-s", &files);
     let rules = ProxyRules {
         bearer_realm: None,
         reject_all_tokens: false,
@@ -1533,4 +1614,110 @@ fn interrupted_streamed_upload_falls_back_to_the_spool_and_completes() {
     no_spool_files_left(cocoon.dir.path());
     pull_snapshot(&client, &pull_req(&cocoon, "vm-s", "latest", "s")).expect("pull");
     assert_same_snapshot(&cocoon.export_path("vm-s"), &cocoon.import_path("s"), "s");
+}
+
+// ---------------------------------------------------------------- node-wide gates
+
+/// Most `cocoon snapshot <verb>` processes of this fake seen alive at once while `f` runs
+/// (polling /proc every few milliseconds).
+fn peak_cocoon_processes(cocoon: &FakeCocoon, verb: &str, f: impl FnOnce()) -> usize {
+    let bin = cocoon.bin().to_string_lossy().into_owned();
+    let stop = AtomicBool::new(false);
+    let peak = AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::SeqCst) {
+                let n = fs::read_dir("/proc")
+                    .map(|d| {
+                        d.flatten()
+                            .filter(|e| {
+                                let Ok(raw) = fs::read(e.path().join("cmdline")) else {
+                                    return false;
+                                };
+                                let argv: Vec<&[u8]> = raw.split(|b| *b == 0).collect();
+                                argv.len() >= 3
+                                    && argv[0] == bin.as_bytes()
+                                    && argv[1] == b"snapshot"
+                                    && argv[2] == verb.as_bytes()
+                            })
+                            .count()
+                    })
+                    .unwrap_or(0);
+                peak.fetch_max(n, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(3));
+            }
+        });
+        f();
+        stop.store(true, Ordering::SeqCst);
+    });
+    peak.load(Ordering::SeqCst)
+}
+
+#[test]
+fn node_wide_gates_bound_v2_pulls_to_two_and_pipelined_pushes_to_one() {
+    let Some(reg) = Registry::start(None) else {
+        return;
+    };
+    let cocoon = FakeCocoon::new();
+    cocoon.create_snapshot("g", &small_files());
+    let client = client_for(&reg.host(), AuthSettings::default());
+    let v2 = PushKnobs {
+        zstd_level: 1,
+        chunk_size: MIB,
+        concurrency: 2,
+        memory_budget: 64 * MIB,
+    };
+    push_snapshot(&client, &push_req(&cocoon, "g", "v2", v2.clone())).expect("push v2");
+    push_snapshot(&client, &push_req(&cocoon, "g", "v1", PushKnobs::default())).expect("push v1");
+    // Every import and export takes a while, so transfers that may overlap do.
+    cocoon.set_faults(
+        r#"{"snapshot import": {"slow_ms": 500}, "snapshot export": {"slow_ms": 500}}"#,
+    );
+
+    let pulls = |tag: &str, prefix: &str| {
+        std::thread::scope(|s| {
+            for i in 0..3 {
+                let (client, cocoon) = (&client, &cocoon);
+                let local = format!("{prefix}{i}");
+                s.spawn(move || {
+                    pull_snapshot(client, &pull_req(cocoon, "g", tag, &local)).expect("pull")
+                });
+            }
+        })
+    };
+    let t = Instant::now();
+    let peak = peak_cocoon_processes(&cocoon, "import", || pulls("v2", "two-"));
+    assert_eq!(peak, 2, "three v2 pulls: two imports at a time");
+    assert!(
+        t.elapsed() >= Duration::from_millis(1000),
+        "the third pull waited for a slot: {:?}",
+        t.elapsed()
+    );
+    assert_eq!(client.v2_pull_gate().peak(), 2);
+    assert_eq!(client.v2_pull_gate().in_use(), 0, "permits returned");
+    for i in 0..3 {
+        assert_same_snapshot(
+            &cocoon.export_path("g"),
+            &cocoon.import_path(&format!("two-{i}")),
+            &format!("two-{i}"),
+        );
+    }
+    // Plain v1 pulls are not gated.
+    let peak = peak_cocoon_processes(&cocoon, "import", || pulls("v1", "one-"));
+    assert_eq!(peak, 3, "three v1 pulls run side by side");
+
+    let pushes = |knobs: &PushKnobs| {
+        std::thread::scope(|s| {
+            for i in 0..2 {
+                let (client, cocoon) = (&client, &cocoon);
+                let req = push_req(cocoon, "g", &format!("p{i}"), knobs.clone());
+                s.spawn(move || push_snapshot(client, &req).expect("push"));
+            }
+        })
+    };
+    let peak = peak_cocoon_processes(&cocoon, "export", || pushes(&v2));
+    assert_eq!(peak, 1, "zstd/chunked pushes one at a time");
+    assert_eq!(client.pipelined_push_gate().peak(), 1);
+    let peak = peak_cocoon_processes(&cocoon, "export", || pushes(&PushKnobs::default()));
+    assert_eq!(peak, 2, "plain v1 pushes are not gated");
 }

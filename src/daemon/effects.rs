@@ -31,6 +31,9 @@ use crate::snapshots::{
     PullRequest, PushKnobs, PushRequest, RegistryClient,
 };
 
+/// A registry job waiting in the daemon's transfer queue.
+pub(super) type TransferJob = Box<dyn FnOnce(&RegistryClient) -> Result<String, String> + Send>;
+
 /// cocoon's JSON answers are small; a `vm list` of a dense host is the largest.
 const STDOUT_LIMIT: usize = 16 << 20;
 const STDERR_LIMIT: usize = 64 << 10;
@@ -253,28 +256,47 @@ impl Daemon {
         }
     }
 
-    /// Runs a registry job on the worker pool; its answer comes back as `TransferDone`.
+    /// Queues a registry job for the worker pool; its answer comes back as `TransferDone`.
+    /// The node-wide gates (v2 pulls ≤ 2, zstd/chunked pushes ≤ 1, behaviour §18) live in the
+    /// shared [`RegistryClient`] and are taken inside the job, so at most
+    /// `MAX_TRANSFER_JOBS` jobs run at once and a gated job never pins the last worker.
     fn transfer(
         &mut self,
         op: OpId,
         job: impl FnOnce(&RegistryClient) -> Result<String, String> + Send + 'static,
     ) {
-        let Some(registry) = self.registry.clone() else {
+        if self.registry.is_none() {
             self.pending.push_back(Input::TransferDone {
                 op,
                 result: Err("no OCI registry is configured (OCI_REGISTRY)".into()),
             });
             return;
-        };
-        let submitted = self.reactor.submit(move || Work::Transfer {
-            op,
-            result: job(&registry),
-        });
-        if submitted.is_err() {
-            self.pending.push_back(Input::TransferDone {
+        }
+        self.transfer_queue.push_back((op, Box::new(job)));
+        self.start_transfers();
+    }
+
+    /// Submits queued transfers in order while fewer than `MAX_TRANSFER_JOBS` run.
+    pub(super) fn start_transfers(&mut self) {
+        while self.transfers_running < super::MAX_TRANSFER_JOBS {
+            let Some(registry) = self.registry.clone() else {
+                return;
+            };
+            let Some((op, job)) = self.transfer_queue.pop_front() else {
+                return;
+            };
+            let submitted = self.reactor.submit(move || Work::Transfer {
                 op,
-                result: Err("transfer queue full; retrying later".into()),
+                result: job(&registry),
             });
+            if submitted.is_err() {
+                self.pending.push_back(Input::TransferDone {
+                    op,
+                    result: Err("transfer queue full; retrying later".into()),
+                });
+            } else {
+                self.transfers_running += 1;
+            }
         }
     }
 

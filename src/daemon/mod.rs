@@ -69,6 +69,9 @@ pub enum Work {
 /// Worker threads for blocking jobs (blob transfers, lease releases) and their queue bound.
 const WORKERS: usize = 4;
 const WORK_QUEUE: usize = 1024;
+/// Registry transfers running on the pool at once: one worker always stays free for lease
+/// releases, even when transfers sit waiting on the node-wide gates of the snapshots room.
+const MAX_TRANSFER_JOBS: usize = WORKERS - 1;
 /// Kubernetes Events waiting to be written; the oldest is dropped beyond this.
 const EVENT_QUEUE: usize = 1000;
 /// Events written per loop turn, so a backlog never stalls the loop for long.
@@ -139,6 +142,9 @@ pub struct Daemon {
     /// Provider cocoon calls waiting for a slot, and how many run (see `start_cocoon_calls`).
     cocoon_queue: VecDeque<(OpId, crate::provider::CocoonCmd)>,
     cocoon_running: usize,
+    /// Registry transfer jobs waiting for a worker, and how many run (see `start_transfers`).
+    transfer_queue: VecDeque<(OpId, effects::TransferJob)>,
+    transfers_running: usize,
     timers: HashMap<OwnTimer, (TimerId, Instant)>,
     watchdog: Option<Duration>,
     view_dirty: bool,
@@ -294,6 +300,8 @@ impl Daemon {
             children: HashMap::new(),
             cocoon_queue: VecDeque::new(),
             cocoon_running: 0,
+            transfer_queue: VecDeque::new(),
+            transfers_running: 0,
             timers: HashMap::new(),
             watchdog,
             view_dirty: true,
@@ -444,7 +452,9 @@ impl Daemon {
     fn route_work(&mut self, work: Work) {
         match work {
             Work::Transfer { op, result } => {
-                self.pending.push_back(Input::TransferDone { op, result })
+                self.transfers_running = self.transfers_running.saturating_sub(1);
+                self.pending.push_back(Input::TransferDone { op, result });
+                self.start_transfers();
             }
             Work::LeasesReleased { released, failed } => {
                 let family = &self.metrics.lease_release_total;

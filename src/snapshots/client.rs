@@ -20,6 +20,10 @@ pub const MANIFEST_ACCEPT: &str = "application/vnd.docker.distribution.manifest.
 pub const MANIFEST_LIMIT: u64 = 100 << 20;
 /// Open blob downloads per client (the pull session's job count).
 pub const MAX_DOWNLOADS: usize = 4;
+/// Node-wide: registry pulls of v2 snapshots (or of image indexes) at once (behaviour §18).
+pub const MAX_V2_PULLS: usize = 2;
+/// Node-wide: pushes with zstd or chunking enabled at once (behaviour §18).
+pub const MAX_PIPELINED_PUSHES: usize = 1;
 const USER_AGENT: &str = "go-containerregistry/v0.21.7";
 /// Statuses the transport retry treats as transient (§16.3).
 const RETRY_STATUSES: [u16; 8] = [408, 429, 499, 500, 502, 503, 504, 522];
@@ -166,11 +170,48 @@ struct SessionState {
     scopes: Vec<String>,
 }
 
-/// Counting semaphore for open downloads.
-struct Gate {
+/// Counting semaphore (open downloads, the node-wide transfer gates).
+pub struct Gate {
     open: Mutex<usize>,
     cv: Condvar,
     max: usize,
+    /// Most permits ever held at once (observability for tests and logs).
+    peak: Mutex<usize>,
+}
+
+impl Gate {
+    fn new(max: usize) -> Arc<Gate> {
+        Arc::new(Gate {
+            open: Mutex::new(0),
+            cv: Condvar::new(),
+            max: max.max(1),
+            peak: Mutex::new(0),
+        })
+    }
+
+    /// Blocks until a slot is free; the slot is released when the permit drops.
+    pub fn acquire(self: &Arc<Self>) -> GatePermit {
+        {
+            let mut n = lock(&self.open);
+            while *n >= self.max {
+                n = self.cv.wait(n).unwrap_or_else(|p| p.into_inner());
+            }
+            *n += 1;
+            let mut peak = lock(&self.peak);
+            *peak = (*peak).max(*n);
+        }
+        GatePermit { gate: self.clone() }
+    }
+
+    /// Permits held right now.
+    pub fn in_use(&self) -> usize {
+        *lock(&self.open)
+    }
+
+    /// Most permits held at once since the client was created.
+    pub fn peak(&self) -> usize {
+        *lock(&self.peak)
+    }
 }
 
 /// A held download slot; released on drop.
@@ -200,6 +241,8 @@ pub struct RegistryClient {
     schemes: Mutex<HashMap<String, &'static str>>,
     sessions: Mutex<HashMap<(String, &'static str), Arc<Session>>>,
     downloads: Arc<Gate>,
+    v2_pulls: Arc<Gate>,
+    pipelined_pushes: Arc<Gate>,
     uploaded: Mutex<HashSet<(String, String)>>,
 }
 
@@ -222,11 +265,9 @@ impl RegistryClient {
             retry,
             schemes: Mutex::new(HashMap::new()),
             sessions: Mutex::new(HashMap::new()),
-            downloads: Arc::new(Gate {
-                open: Mutex::new(0),
-                cv: Condvar::new(),
-                max: MAX_DOWNLOADS,
-            }),
+            downloads: Gate::new(MAX_DOWNLOADS),
+            v2_pulls: Gate::new(MAX_V2_PULLS),
+            pipelined_pushes: Gate::new(MAX_PIPELINED_PUSHES),
             uploaded: Mutex::new(HashSet::new()),
         }
     }
@@ -699,20 +740,25 @@ impl RegistryClient {
             digest: digest.to_string(),
             what,
             done: false,
+            hash: true,
             _permit: permit,
         })
     }
 
     fn acquire_download(&self) -> GatePermit {
-        let gate = self.downloads.clone();
-        {
-            let mut n = lock(&gate.open);
-            while *n >= gate.max {
-                n = gate.cv.wait(n).unwrap_or_else(|p| p.into_inner());
-            }
-            *n += 1;
-        }
-        GatePermit { gate }
+        self.downloads.acquire()
+    }
+
+    /// The node-wide gate of v2 snapshot (and image-index) pulls: at most [`MAX_V2_PULLS`]
+    /// at once. One client per daemon makes it node-wide; the pull takes it after the
+    /// manifest is classified and before the import child starts.
+    pub fn v2_pull_gate(&self) -> &Arc<Gate> {
+        &self.v2_pulls
+    }
+
+    /// The node-wide gate of pushes with zstd or chunking on: [`MAX_PIPELINED_PUSHES`] at once.
+    pub fn pipelined_push_gate(&self) -> &Arc<Gate> {
+        &self.pipelined_pushes
     }
 
     /// Uploads a blob unless present: HEAD, POST, PATCH (whole body), PUT ?digest=, retried
@@ -1014,10 +1060,50 @@ pub struct BlobReader {
     digest: String,
     what: String,
     done: bool,
+    /// False after [`BlobReader::split`]: the [`BlobCheck`] hashes instead.
+    hash: bool,
     _permit: GatePermit,
 }
 
+/// The digest half of a split [`BlobReader`]: fed the bytes wherever they are consumed, so
+/// hashing runs on another thread than the network reads.
+pub struct BlobCheck {
+    hasher: Sha256,
+    digest: String,
+    what: String,
+}
+
+impl BlobCheck {
+    pub fn update(&mut self, data: &[u8]) {
+        self.hasher.update(data);
+    }
+
+    /// `InvalidData` when the bytes fed do not hash to the descriptor's digest.
+    pub fn finish(self) -> io::Result<()> {
+        let got = format!("sha256:{}", hex_lower(&self.hasher.finalize()));
+        if got != self.digest {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{}: digest mismatch: content hashes to {got}", self.what),
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl BlobReader {
+    /// Splits off the digest check: the reader keeps counting (length errors stay its own)
+    /// but no longer hashes; every byte it returns must be fed to the check, then `finish`.
+    pub fn split(mut self) -> (BlobReader, BlobCheck) {
+        self.hash = false;
+        let check = BlobCheck {
+            hasher: Sha256::new(),
+            digest: self.digest.clone(),
+            what: self.what.clone(),
+        };
+        (self, check)
+    }
+
     fn fail(&self, msg: String) -> io::Error {
         io::Error::new(io::ErrorKind::InvalidData, format!("{}: {msg}", self.what))
     }
@@ -1042,7 +1128,7 @@ impl Read for BlobReader {
                 )));
             }
             let got = format!("sha256:{}", hex_lower(&self.hasher.clone().finalize()));
-            if got != self.digest {
+            if self.hash && got != self.digest {
                 return Err(self.fail(format!("digest mismatch: content hashes to {got}")));
             }
             self.done = true;
@@ -1052,7 +1138,9 @@ impl Read for BlobReader {
         if self.read > self.expected_size {
             return Err(self.fail(format!("oversized: more than {} bytes", self.expected_size)));
         }
-        self.hasher.update(&buf[..n]);
+        if self.hash {
+            self.hasher.update(&buf[..n]);
+        }
         Ok(n)
     }
 }

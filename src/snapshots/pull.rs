@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use oci_spec::image::{Descriptor, ImageManifest};
 
-use super::client::{BlobReader, RegistryClient};
+use super::client::{BlobReader, GatePermit, RegistryClient, MAX_V2_PULLS};
 use super::cocoon_child::{remove_snapshot, CocoonChild};
 use super::format::{self, ArtifactKind, ManifestInfo, SnapshotConfig};
 use super::reference::Reference;
@@ -21,6 +21,8 @@ const GIB: u64 = 1 << 30;
 const COPY_BUF: usize = 1 << 20;
 /// Buffers queued between the blob reader thread and the pipe writer.
 const PIPELINE_DEPTH: usize = 4;
+/// Bytes of fetched and decoded chunks in flight during a parallel pull, whatever the budget.
+const PREFETCH_CAP: u64 = 32 * MIB;
 /// The import tar goes out through a 256 KiB buffer (§13.7).
 const TAR_BUF: usize = 256 << 10;
 
@@ -145,10 +147,24 @@ fn fetch_small_blob(
             desc.size()
         )));
     }
-    let mut r = client.get_blob(repository, desc.digest().as_ref(), desc.size())?;
-    let mut buf = Vec::with_capacity(desc.size() as usize);
-    r.read_to_end(&mut buf).map_err(|e| blob_err(e, what))?;
+    let mut buf = Vec::new();
+    fetch_blob_into(client, repository, desc, &mut buf, what)?;
     Ok(buf)
+}
+
+/// Reads a whole verified blob into `buf` (cleared first; its allocation is reused).
+fn fetch_blob_into(
+    client: &RegistryClient,
+    repository: &str,
+    desc: &Descriptor,
+    buf: &mut Vec<u8>,
+    what: &str,
+) -> Result<(), TransferError> {
+    let mut r = client.get_blob(repository, desc.digest().as_ref(), desc.size())?;
+    buf.clear();
+    buf.reserve(desc.size() as usize);
+    r.read_to_end(buf).map_err(|e| blob_err(e, what))?;
+    Ok(())
 }
 
 fn blob_err(e: io::Error, what: &str) -> TransferError {
@@ -369,8 +385,11 @@ fn window(entries: &[PlanEntry], concurrency: usize, budget: u64) -> (usize, u64
     if out_cap == 0 || out_cap > GIB || in_cap > GIB || budget <= out_cap {
         return (0, out_cap);
     }
-    let w = ((budget - out_cap) / (in_cap + out_cap)).min(concurrency as u64) as usize;
-    (w, out_cap)
+    let w = ((budget - out_cap) / (in_cap + out_cap)).min(concurrency as u64);
+    // However large the budget, chunks in flight stay within PREFETCH_CAP (peak RSS must not
+    // grow with the snapshot or the chunk count); two are enough to keep the pipe busy.
+    let by_cap = (PREFETCH_CAP / (in_cap + out_cap)).max(2);
+    (w.min(by_cap) as usize, out_cap)
 }
 
 /// Pulls `<OCI_REGISTRY>/<repo>:<tag>` and imports it as `local_name`. Blocking; run it on a
@@ -400,6 +419,9 @@ pub fn pull_snapshot(
     if req.local_name.is_empty() {
         return Err(TransferError::Invalid("pull: local name required".into()));
     }
+    // Node-wide gate (behaviour §18): v2 snapshots and image indexes, taken before the
+    // import child starts and held until it has exited.
+    let _gate = gate_pull(client, &r, &what);
     remove_snapshot(&req.cocoon_bin, &req.local_name)?;
     let mut child = CocoonChild::spawn(
         &req.cocoon_bin,
@@ -471,6 +493,19 @@ pub fn pull_snapshot(
         bytes,
         duration: started.elapsed(),
     })
+}
+
+/// Takes the node-wide v2/index pull gate when the artifact needs it (blocks while two such
+/// pulls run); `None` for plain v1 snapshots and single-manifest cloud images.
+fn gate_pull(client: &RegistryClient, r: &Resolved, what: &str) -> Option<GatePermit> {
+    if r.kind != ArtifactKind::SnapshotV2 && !r.was_index {
+        return None;
+    }
+    let gate = client.v2_pull_gate();
+    if gate.in_use() >= MAX_V2_PULLS {
+        log::info!("{what}: waiting for the node-wide v2 pull gate ({MAX_V2_PULLS} running)");
+    }
+    Some(gate.acquire())
 }
 
 fn cleanup(bin: &std::path::Path, name: &str) {
@@ -635,13 +670,16 @@ fn copy_into<R: Read, W: Write>(
     }
 }
 
-/// Copies a blob to `sink` with the network read and hashing on a helper thread, so they
-/// overlap with writing into cocoon's pipe. At most `PIPELINE_DEPTH` + 2 buffers in flight.
-fn copy_pipelined<R: Read + Send>(
-    mut src: R,
+/// Copies a blob to `sink` with the network reads on a helper thread and the hashing on this
+/// one (before each write into cocoon's pipe), so receive, hash and pipe write overlap; the
+/// digest is checked before returning, i.e. before the import stream can end. At most
+/// `PIPELINE_DEPTH` + 2 buffers in flight.
+fn copy_pipelined(
+    src: BlobReader,
     what: &str,
     mut sink: impl FnMut(&[u8]) -> Result<(), TransferError>,
 ) -> Result<(), TransferError> {
+    let (mut src, mut check) = src.split();
     let (tx, rx) = mpsc::sync_channel::<io::Result<Vec<u8>>>(PIPELINE_DEPTH);
     let (back_tx, back_rx) = mpsc::channel::<Vec<u8>>();
     std::thread::scope(|scope| {
@@ -673,6 +711,7 @@ fn copy_pipelined<R: Read + Send>(
             for msg in rx.iter() {
                 let data = msg.map_err(|e| blob_err(e, what))?;
                 if !data.is_empty() {
+                    check.update(&data);
                     sink(&data)?;
                 }
                 let _ = back_tx.send(data);
@@ -682,7 +721,8 @@ fn copy_pipelined<R: Read + Send>(
         // On a sink error, dropping the receiver stops the reader at its next send.
         drop(rx);
         result
-    })
+    })?;
+    check.finish().map_err(|e| blob_err(e, what))
 }
 
 /// Sequential reader over a file's chunk blobs; opens one blob at a time.
@@ -745,37 +785,55 @@ fn parallel_chunks<W: Write>(
         stop: false,
     });
     let cv = Condvar::new();
+    // Chunk buffers are recycled: fresh multi-MiB allocations per chunk on several threads
+    // make glibc keep freed memory in per-thread arenas, which is what inflated peak RSS.
+    let pool: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
     let (tx, rx) = mpsc::channel::<(usize, Result<Vec<u8>, TransferError>)>();
     std::thread::scope(|scope| {
         for _ in 0..win {
             let tx = tx.clone();
-            let (shared, cv) = (&shared, &cv);
-            scope.spawn(move || loop {
-                let idx = {
-                    let mut s = lock_shared(shared);
-                    while !s.stop && s.next < chunks.len() && s.next >= s.written + win {
-                        s = cv.wait(s).unwrap_or_else(|p| p.into_inner());
-                    }
-                    if s.stop || s.next >= chunks.len() {
+            let (shared, cv, pool) = (&shared, &cv, &pool);
+            scope.spawn(move || {
+                let Ok(mut decoder) = zstd::bulk::Decompressor::new() else {
+                    let _ = tx.send((
+                        usize::MAX,
+                        Err(TransferError::Io("zstd: no decoder context".into())),
+                    ));
+                    return;
+                };
+                loop {
+                    let idx = {
+                        let mut s = lock_shared(shared);
+                        while !s.stop && s.next < chunks.len() && s.next >= s.written + win {
+                            s = cv.wait(s).unwrap_or_else(|p| p.into_inner());
+                        }
+                        if s.stop || s.next >= chunks.len() {
+                            return;
+                        }
+                        s.next += 1;
+                        s.next - 1
+                    };
+                    let d = &chunks[idx];
+                    let cwhat = format!("{what}: {title} chunk {idx} ({})", d.digest());
+                    let mut raw = take_buf(pool);
+                    let res =
+                        fetch_blob_into(client, repository, d, &mut raw, &cwhat).and_then(|()| {
+                            if !compressed {
+                                return Ok(std::mem::take(&mut raw));
+                            }
+                            let mut out = take_buf(pool);
+                            out.clear();
+                            out.reserve(out_cap as usize);
+                            decoder.decompress_to_buffer(&raw, &mut out).map_err(|e| {
+                                TransferError::Integrity(format!("{cwhat}: zstd decode: {e}"))
+                            })?;
+                            Ok(out)
+                        });
+                    give_buf(pool, raw);
+                    let failed = res.is_err();
+                    if tx.send((idx, res)).is_err() || failed {
                         return;
                     }
-                    s.next += 1;
-                    s.next - 1
-                };
-                let d = &chunks[idx];
-                let cwhat = format!("{what}: {title} chunk {idx} ({})", d.digest());
-                let res = fetch_small_blob(client, repository, d, GIB, &cwhat).and_then(|raw| {
-                    if compressed {
-                        zstd::bulk::decompress(&raw, out_cap as usize).map_err(|e| {
-                            TransferError::Integrity(format!("{cwhat}: zstd decode: {e}"))
-                        })
-                    } else {
-                        Ok(raw)
-                    }
-                });
-                let failed = res.is_err();
-                if tx.send((idx, res)).is_err() || failed {
-                    return;
                 }
             });
         }
@@ -791,6 +849,7 @@ fn parallel_chunks<W: Write>(
                 };
                 pending.insert(idx, res?);
                 while let Some(data) = pending.remove(&want) {
+                    let data = ReturnToPool(data, &pool);
                     tar.write_body(&data).map_err(|e| {
                         if e.kind() == io::ErrorKind::InvalidData {
                             TransferError::Integrity(format!(
@@ -813,6 +872,32 @@ fn parallel_chunks<W: Write>(
         while rx.recv().is_ok() {}
         result
     })
+}
+
+fn take_buf(pool: &Mutex<Vec<Vec<u8>>>) -> Vec<u8> {
+    lock_shared(pool).pop().unwrap_or_default()
+}
+
+fn give_buf(pool: &Mutex<Vec<Vec<u8>>>, buf: Vec<u8>) {
+    if buf.capacity() > 0 {
+        lock_shared(pool).push(buf);
+    }
+}
+
+/// A decoded chunk being written; its buffer goes back to the pool afterwards.
+struct ReturnToPool<'a>(Vec<u8>, &'a Mutex<Vec<Vec<u8>>>);
+
+impl std::ops::Deref for ReturnToPool<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl Drop for ReturnToPool<'_> {
+    fn drop(&mut self) {
+        give_buf(self.1, std::mem::take(&mut self.0));
+    }
 }
 
 fn lock_shared<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -853,6 +938,7 @@ pub fn pull_cloud_image(
         )));
     }
     disks.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+    let _gate = gate_pull(client, &r, &what);
     let mut child = CocoonChild::spawn(
         &req.cocoon_bin,
         &["image", "import", &req.local_name],
@@ -929,8 +1015,18 @@ mod tests {
             compressed: true,
             size: 150 * MIB,
         }];
-        // out cap = stride(150 MiB, 3) = 75 MiB, in cap = 10 MiB: (2048-75)/85 = 23 → min(8).
-        assert_eq!(window(&e, 8, 2048 * MIB).0, 8);
+        // out cap = stride(150 MiB, 3) = 75 MiB, in cap = 10 MiB: (2048-75)/85 = 23 → min(8),
+        // then the 32 MiB prefetch cap leaves the minimum of two.
+        assert_eq!(window(&e, 8, 2048 * MIB).0, 2);
         assert_eq!(window(&e, 8, 200 * MIB).0, 1);
+        // 4 MiB chunks: in cap 4 MiB, out cap stride(1 GiB, 256) just above 4 MiB, so
+        // 32 MiB holds 3 chunks in flight, not 8.
+        let e = vec![PlanEntry::Encoded {
+            title: "m".into(),
+            chunks: vec![d(4 * MIB); 256],
+            compressed: true,
+            size: 1024 * MIB,
+        }];
+        assert_eq!(window(&e, 8, 2048 * MIB).0, 3);
     }
 }

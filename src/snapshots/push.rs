@@ -11,7 +11,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use sha2::{Digest as _, Sha256};
 
-use super::client::{sha256_digest, Body, RegistryClient};
+use super::client::{sha256_digest, Body, RegistryClient, MAX_PIPELINED_PUSHES};
 use super::cocoon_child::CocoonChild;
 use super::format::{self, LayerDesc, SnapshotConfig, SnapshotFile};
 use super::reference::hex_lower;
@@ -170,6 +170,16 @@ pub fn push_snapshot(
     }
     req.knobs.validate()?;
     let reference = client.reference(&req.name, &req.tag)?;
+    // Node-wide gate (behaviour §18): one zstd/chunked push at a time; plain v1 is not gated.
+    let _gate = if req.knobs.pipelined() {
+        let gate = client.pipelined_push_gate();
+        if gate.in_use() >= MAX_PIPELINED_PUSHES {
+            log::info!("push {reference}: waiting for the node-wide zstd/chunked push gate");
+        }
+        Some(gate.acquire())
+    } else {
+        None
+    };
     let mut child = CocoonChild::spawn(
         &req.cocoon_bin,
         &["snapshot", "export", &req.name, "-o", "-"],
@@ -427,6 +437,10 @@ impl PushState<'_> {
         let failure: Mutex<Option<TransferError>> = Mutex::new(None);
         let (tx, rx) = mpsc::sync_channel::<(usize, Vec<u8>)>(0);
         let rx = Mutex::new(rx);
+        // Chunk and compressed buffers are recycled (as on pull): fresh multi-MiB allocations
+        // on several threads leave freed memory in glibc's per-thread arenas.
+        let pool: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
+        let pool = &pool;
         std::thread::scope(|scope| {
             for _ in 0..workers {
                 scope.spawn(|| loop {
@@ -435,7 +449,7 @@ impl PushState<'_> {
                     if lock(&failure).is_some() {
                         continue;
                     }
-                    match self.upload_chunk(idx, raw, count, media, name, compress, level) {
+                    match self.upload_chunk(idx, raw, count, media, name, compress, level, pool) {
                         Ok(d) => lock(&results)[idx] = Some(d),
                         Err(e) => {
                             let mut f = lock(&failure);
@@ -452,7 +466,9 @@ impl PushState<'_> {
                     break;
                 }
                 let len = remaining.min(c) as usize;
-                let mut buf = vec![0u8; len];
+                let mut buf = lock(pool).pop().unwrap_or_default();
+                buf.clear();
+                buf.resize(len, 0);
                 match tar.read_body_full(&mut buf) {
                     Ok(n) if n == len => {}
                     Ok(n) => {
@@ -500,6 +516,7 @@ impl PushState<'_> {
         name: &str,
         compress: bool,
         level: i32,
+        pool: &Mutex<Vec<Vec<u8>>>,
     ) -> Result<LayerDesc, TransferError> {
         let blob = if compress {
             // One complete frame per chunk; the content size is pledged so the window never
@@ -507,8 +524,15 @@ impl PushState<'_> {
             let mut enc = zstd::bulk::Compressor::new(level)
                 .map_err(|e| TransferError::Io(format!("zstd: {e}")))?;
             let _ = enc.include_contentsize(true);
-            enc.compress(&raw)
-                .map_err(|e| TransferError::Io(format!("zstd compress {name} chunk {idx}: {e}")))?
+            let mut out = lock(pool).pop().unwrap_or_default();
+            out.clear();
+            out.reserve(zstd::zstd_safe::compress_bound(raw.len()));
+            let done = enc
+                .compress_to_buffer(&raw, &mut out)
+                .map_err(|e| TransferError::Io(format!("zstd compress {name} chunk {idx}: {e}")));
+            lock(pool).push(raw);
+            done?;
+            out
         } else {
             raw
         };
@@ -522,10 +546,12 @@ impl PushState<'_> {
             ann.insert(format::CHUNK_INDEX.to_string(), idx.to_string());
             ann.insert(format::CHUNK_COUNT.to_string(), count.to_string());
         }
+        let size = blob.len() as u64;
+        lock(pool).push(blob);
         Ok(LayerDesc {
             media_type: media.to_string(),
             digest,
-            size: blob.len() as u64,
+            size,
             annotations: ann,
         })
     }

@@ -3,9 +3,10 @@
 
 use super::cli::{self, flag, flag_s, val, val_s};
 use super::store::{display_state, new_id, now_rfc3339, pid_alive, write_atomic, RefError, Store};
-use super::{tar, CmdResult};
+use super::{tar, CmdResult, VerbFault};
 use crate::vm::types::{Image, Snapshot, SnapshotEnvelope};
 use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
 use std::fs;
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
@@ -23,14 +24,14 @@ fn print_json<T: serde::Serialize>(v: &T) -> CmdResult {
     Ok(0)
 }
 
-pub fn snapshot(store: &Store, verb: &str, args: &[String]) -> CmdResult {
+pub fn snapshot(store: &Store, verb: &str, args: &[String], fault: &VerbFault) -> CmdResult {
     match verb {
         "save" => save(store, args),
         "inspect" => snap_inspect(store, args),
         "rm" => snap_rm(store, args),
         "list" | "ls" => snap_list(store, args),
         "import" => snap_import(store, args),
-        "export" => snap_export(store, args),
+        "export" => snap_export(store, args, fault.truncate_after),
         _ => Ok(0),
     }
 }
@@ -250,6 +251,7 @@ fn snap_rm(store: &Store, args: &[String]) -> CmdResult {
     }
     for s in targets {
         let _ = fs::remove_file(store.snap_path(&s.id));
+        let _ = fs::remove_file(members_path(store, &s.id));
         let _ = fs::remove_dir_all(store.snap_data_dir(&s.id));
         eprintln!("removed snapshot {}", s.id);
     }
@@ -340,10 +342,30 @@ fn import_archive(
     snap.created_at = Some(now_rfc3339());
     let staging = store.snaps_dir().join(format!(".import-{id}"));
     fs::create_dir_all(&staging).map_err(io_err("create staging dir"))?;
+    let mut meta: MemberMeta = BTreeMap::new();
     let copied = (|| -> Result<(), String> {
+        let mut pax: Vec<(String, String)> = Vec::new();
         while let Some(entry) = tar::next_entry(input).map_err(|e| format!("import: {e}"))? {
             let member = entry.name.trim_start_matches("./").to_string();
+            if entry.kind == b'x' && entry.size <= 1 << 20 {
+                // Keep cocoon's own records (sparse map and size) for the next member.
+                let mut body = Vec::new();
+                tar::copy_body(input, entry.size, &mut body).map_err(|e| format!("import: {e}"))?;
+                pax = tar::parse_pax(&body).map_err(|e| format!("import: {e}"))?;
+                pax.retain(|(k, _)| k.starts_with("COCOON."));
+                continue;
+            }
             let regular = entry.kind == b'0' || entry.kind == 0;
+            let records = std::mem::take(&mut pax);
+            if regular && safe_member(&member) {
+                meta.insert(
+                    member.clone(),
+                    StoredMember {
+                        mode: entry.mode,
+                        pax: records,
+                    },
+                );
+            }
             if !regular || !safe_member(&member) {
                 tar::copy_body(input, entry.size, &mut io::sink())
                     .map_err(|e| format!("import: {e}"))?;
@@ -370,6 +392,8 @@ fn import_archive(
             snap.name, other.id
         ));
     }
+    let meta_bytes = serde_json::to_vec(&meta).map_err(|e| e.to_string())?;
+    write_atomic(&members_path(store, &id), &meta_bytes).map_err(io_err("save member modes"))?;
     fs::rename(&staging, store.snap_data_dir(&id)).map_err(io_err("commit import"))?;
     store
         .save_snapshot(&snap)
@@ -378,7 +402,21 @@ fn import_archive(
     Ok(0)
 }
 
-fn snap_export(store: &Store, args: &[String]) -> CmdResult {
+/// Per-member mode and `COCOON.*` PAX records of an imported snapshot, kept beside its record
+/// (`snapshots/<ID>.members`) so an export gives back what the import received.
+type MemberMeta = BTreeMap<String, StoredMember>;
+
+#[derive(serde::Serialize, serde::Deserialize, Default)]
+struct StoredMember {
+    mode: u32,
+    pax: Vec<(String, String)>,
+}
+
+fn members_path(store: &Store, id: &str) -> PathBuf {
+    store.snaps_dir().join(format!("{id}.members"))
+}
+
+fn snap_export(store: &Store, args: &[String], truncate_after: u64) -> CmdResult {
     let p = cli::parse(args, &[val_s("output", 'o'), val("to-dir")], false)?;
     let [r] = p.positionals.as_slice() else {
         return Err(format!(
@@ -414,6 +452,11 @@ fn snap_export(store: &Store, args: &[String]) -> CmdResult {
         return Ok(0);
     }
     let target = p.get("output").ok_or("export: --output is required")?;
+    // Modes and cocoon PAX records (sparse map) as imported; saved snapshots have none.
+    let meta: MemberMeta = fs::read(members_path(store, &snap.id))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
     let mut out: Box<dyn Write> = if target == "-" {
         Box::new(io::BufWriter::with_capacity(256 << 10, io::stdout().lock()))
     } else {
@@ -421,18 +464,51 @@ fn snap_export(store: &Store, args: &[String]) -> CmdResult {
             fs::File::create(target).map_err(|e| format!("create {target}: {e}"))?,
         ))
     };
+    if truncate_after > 0 {
+        out = Box::new(Cut {
+            inner: out,
+            left: truncate_after,
+        });
+    }
     let write = (|| -> io::Result<()> {
         tar::write_member(&mut out, "snapshot.json", &env_bytes, 0o644)?;
         for n in &names {
             let mut f = fs::File::open(data.join(n))?;
             let size = f.metadata()?.len();
-            tar::write_member_from(&mut out, n, size, &mut f)?;
+            let m = meta.get(n);
+            if let Some(m) = m.filter(|m| !m.pax.is_empty()) {
+                tar::write_pax(&mut out, n, &m.pax)?;
+            }
+            let mode = m.map(|m| m.mode).filter(|m| *m != 0).unwrap_or(0o644);
+            tar::write_member_from(&mut out, n, size, mode, &mut f)?;
         }
         tar::finish(&mut out)?;
         out.flush()
     })();
     write.map_err(io_err("export"))?;
     Ok(0)
+}
+
+/// A writer that passes `left` bytes and then fails (the `truncate_after` fault).
+struct Cut<W: Write> {
+    inner: W,
+    left: u64,
+}
+
+impl<W: Write> Write for Cut<W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if self.left == 0 {
+            let _ = self.inner.flush();
+            return Err(io::Error::other("injected fault: export stream cut"));
+        }
+        let n = (buf.len() as u64).min(self.left) as usize;
+        let n = self.inner.write(&buf[..n])?;
+        self.left -= n as u64;
+        Ok(n)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
 }
 
 fn image_id_for(bytes: &[u8]) -> String {

@@ -9,7 +9,9 @@
 //!
 //! # Environment
 //! - `FAKE_COCOON_STATE`: the state directory (required unless `COCOON_ROOT_DIR`/`--root-dir` is
-//!   set, in which case `<root>/fake-cocoon` is used).
+//!   set, in which case `<root>/fake-cocoon` is used, or the binary runs as a `cocoon` symlink
+//!   with a `fake-cocoon-state` directory beside it, which is then used: callers that spawn
+//!   `cocoon` with the inherited environment, e.g. the snapshot transfers, get their own state).
 //! - `COCOON_ROOT_DIR` / `--root-dir`: where run dirs go (`<root>/run/<cloudhypervisor|firecracker>/<ID>/`
 //!   with `cow.raw` or `overlay.qcow2`); default `<state>/root`.
 //! - `COCOON_LOG_DIR` / `--log-dir`: console logs (`<log>/<backend dir>/<ID>/cloud-hypervisor.log`);
@@ -42,6 +44,7 @@
 //!  "vm run":     {"slow_ms": 500, "print_created": true},
 //!  "vm status":  {"garbage_count": 1, "garbage": "junk line", "exit_after_ms": 300, "exit_code": 0}}
 //! ```
+//! `"snapshot export": {"truncate_after": N}` cuts the export stream after N bytes and fails.
 //! `fail_count`/`garbage_count` are decremented per call (under the lock); `hang` sleeps forever;
 //! `slow_ms` delays the work (clone/run: after the `creating` placeholder is written, so a
 //! concurrent `vm reconcile-stale-create` reports `busy`); `placeholder_only` leaves a
@@ -84,6 +87,21 @@ pub(crate) type CmdResult = Result<i32, String>;
 const VM_HELP: &str = "Manage virtual machines\n\nUsage:\n  cocoon vm [command]\n\nAvailable Commands:\n  clone, create, exec, inspect, list, logs, net, reconcile-stale-create, rm, run, start, status, stop\n";
 const SNAPSHOT_HELP: &str = "Manage snapshots\n\nUsage:\n  cocoon snapshot [command]\n\nAvailable Commands:\n  export, import, inspect, list, rm, save\n";
 const IMAGE_HELP: &str = "Manage images\n\nUsage:\n  cocoon image [command]\n\nAvailable Commands:\n  import, inspect, list, pull, rm\n";
+
+/// State directory found beside the `cocoon` symlink (see the module docs).
+static STATE_BESIDE_BINARY: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// Entry point when the binary runs as `cocoon` (argv[0] = `program`): a `fake-cocoon-state`
+/// directory next to `program` is the state directory when the environment names none.
+pub fn main_as_cocoon(program: &Path, args: Vec<String>) -> i32 {
+    if let Some(dir) = program.parent() {
+        let beside = dir.join("fake-cocoon-state");
+        if beside.is_dir() {
+            let _ = STATE_BESIDE_BINARY.set(beside);
+        }
+    }
+    main(args)
+}
 
 /// Entry point of the fake: `args` are the arguments after the program name. Returns the exit code.
 pub fn main(args: Vec<String>) -> i32 {
@@ -134,17 +152,19 @@ fn env_nonempty(key: &str) -> Option<String> {
 
 fn store_from_env(args: &[String]) -> Result<Store, String> {
     let root_flag = global_value(args, "root-dir").or_else(|| env_nonempty("COCOON_ROOT_DIR"));
-    let state =
-        match env_nonempty("FAKE_COCOON_STATE") {
-            Some(s) => PathBuf::from(s),
-            None => match &root_flag {
-                Some(r) => Path::new(r).join("fake-cocoon"),
+    let state = match env_nonempty("FAKE_COCOON_STATE") {
+        Some(s) => PathBuf::from(s),
+        None => match &root_flag {
+            Some(r) => Path::new(r).join("fake-cocoon"),
+            None => match STATE_BESIDE_BINARY.get() {
+                Some(s) => s.clone(),
                 None => return Err(
                     "fake cocoon: set FAKE_COCOON_STATE (or COCOON_ROOT_DIR) to a state directory"
                         .into(),
                 ),
             },
-        };
+        },
+    };
     let root = root_flag
         .map(PathBuf::from)
         .unwrap_or_else(|| state.join("root"));
@@ -266,7 +286,7 @@ fn run(args: &[String]) -> CmdResult {
     }
     let result = match group.as_str() {
         "vm" => vm_cmds::dispatch(&store, &verb, &rest, &fault),
-        "snapshot" => data_cmds::snapshot(&store, &verb, &rest),
+        "snapshot" => data_cmds::snapshot(&store, &verb, &rest, &fault),
         "image" => data_cmds::image(&store, &verb, &rest),
         "fake" => vm_cmds::fake(&store, &verb, &rest),
         _ => Ok(0),

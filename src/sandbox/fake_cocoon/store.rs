@@ -46,6 +46,9 @@ pub struct VerbFault {
     /// vm status --event: the first N refreshes after start see a failed (empty) listing, so
     /// every VM is reported `DELETED` and then `ADDED` again (cocoon-cli.md 3.7).
     pub blank_lists: u64,
+    /// snapshot export: the stream stops after this many bytes and the command fails, like a
+    /// cocoon that died mid-export (0 = off).
+    pub truncate_after: u64,
 }
 
 /// The contents of `<state>/faults.json`: verb (`"vm clone"`, `"vm status"`, ...) to fault.

@@ -16,6 +16,63 @@ fn octal(field: &mut [u8], value: u64) {
 
 /// Writes one member header for a regular file.
 pub fn write_header<W: Write>(out: &mut W, name: &str, size: u64, mode: u32) -> io::Result<()> {
+    write_typed_header(out, name, size, mode, b'0')
+}
+
+/// Writes a PAX extended header (`x`) carrying `records` for the member that follows.
+pub fn write_pax<W: Write>(
+    out: &mut W,
+    name: &str,
+    records: &[(String, String)],
+) -> io::Result<()> {
+    let mut body = Vec::new();
+    for (k, v) in records {
+        // "<len> <key>=<value>\n" where len counts the whole record, its own digits included.
+        let rest = k.len() + v.len() + 3;
+        let mut len = rest + rest.to_string().len();
+        if len.to_string().len() + rest != len {
+            len += 1;
+        }
+        body.extend_from_slice(format!("{len} {k}={v}\n").as_bytes());
+    }
+    let mut pax_name = format!("PaxHeaders.0/{name}");
+    pax_name.truncate(100);
+    write_typed_header(out, &pax_name, body.len() as u64, 0o644, b'x')?;
+    out.write_all(&body)?;
+    write_padding(out, body.len() as u64)
+}
+
+/// Parses PAX records (`<len> <key>=<value>\n`...); malformed input is an error.
+pub fn parse_pax(body: &[u8]) -> io::Result<Vec<(String, String)>> {
+    let bad = || io::Error::new(io::ErrorKind::InvalidData, "malformed PAX record");
+    let mut out = Vec::new();
+    let mut rest = body;
+    while !rest.is_empty() {
+        let sp = rest.iter().position(|b| *b == b' ').ok_or_else(bad)?;
+        let len: usize = std::str::from_utf8(&rest[..sp])
+            .ok()
+            .and_then(|t| t.parse().ok())
+            .filter(|l| *l > sp + 1 && *l <= rest.len())
+            .ok_or_else(bad)?;
+        let rec = &rest[sp + 1..len];
+        let rec = rec.strip_suffix(b"\n").ok_or_else(bad)?;
+        let eq = rec.iter().position(|b| *b == b'=').ok_or_else(bad)?;
+        out.push((
+            String::from_utf8_lossy(&rec[..eq]).into_owned(),
+            String::from_utf8_lossy(&rec[eq + 1..]).into_owned(),
+        ));
+        rest = &rest[len..];
+    }
+    Ok(out)
+}
+
+fn write_typed_header<W: Write>(
+    out: &mut W,
+    name: &str,
+    size: u64,
+    mode: u32,
+    kind: u8,
+) -> io::Result<()> {
     if name.len() > 100 {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
@@ -29,7 +86,7 @@ pub fn write_header<W: Write>(out: &mut W, name: &str, size: u64, mode: u32) -> 
     octal(&mut h[116..124], 0);
     octal(&mut h[124..136], size);
     octal(&mut h[136..148], 0);
-    h[156] = b'0';
+    h[156] = kind;
     h[257..263].copy_from_slice(b"ustar\0");
     h[263..265].copy_from_slice(b"00");
     h[148..156].copy_from_slice(b"        ");
@@ -57,9 +114,10 @@ pub fn write_member_from<W: Write, R: Read>(
     out: &mut W,
     name: &str,
     size: u64,
+    mode: u32,
     data: &mut R,
 ) -> io::Result<()> {
-    write_header(out, name, size, 0o644)?;
+    write_header(out, name, size, mode)?;
     let copied = io::copy(&mut data.take(size), out)?;
     if copied != size {
         return Err(io::Error::new(
@@ -82,6 +140,8 @@ pub struct Entry {
     pub size: u64,
     /// `b'0'` or 0 for regular files.
     pub kind: u8,
+    /// Permission bits from the header.
+    pub mode: u32,
 }
 
 fn parse_octal(field: &[u8]) -> io::Result<u64> {
@@ -143,6 +203,7 @@ pub fn next_entry<R: Read + ?Sized>(input: &mut R) -> io::Result<Option<Entry>> 
         name,
         size: parse_octal(&h[124..136])?,
         kind: h[156],
+        mode: (parse_octal(&h[100..108])? & 0o7777) as u32,
     }))
 }
 
@@ -179,7 +240,13 @@ mod tests {
         let mut buf = Vec::new();
         write_member(&mut buf, "snapshot.json", b"{}\n", 0o644).unwrap();
         let big = vec![7u8; 1000];
-        write_member_from(&mut buf, "mem", 1000, &mut &big[..]).unwrap();
+        write_pax(
+            &mut buf,
+            "mem",
+            &[("COCOON.sparse.size".into(), "8192".into())],
+        )
+        .unwrap();
+        write_member_from(&mut buf, "mem", 1000, 0o600, &mut &big[..]).unwrap();
         finish(&mut buf).unwrap();
         assert_eq!(buf.len() % 512, 0);
         let mut r = &buf[..];
@@ -189,7 +256,15 @@ mod tests {
         copy_body(&mut r, e.size, &mut body).unwrap();
         assert_eq!(body, b"{}\n");
         let e = next_entry(&mut r).unwrap().unwrap();
-        assert_eq!(e.size, 1000);
+        assert_eq!(e.kind, b'x');
+        let mut recs = Vec::new();
+        copy_body(&mut r, e.size, &mut recs).unwrap();
+        assert_eq!(
+            parse_pax(&recs).unwrap(),
+            [("COCOON.sparse.size".to_string(), "8192".to_string())]
+        );
+        let e = next_entry(&mut r).unwrap().unwrap();
+        assert_eq!((e.size, e.mode), (1000, 0o600));
         let mut body = Vec::new();
         copy_body(&mut r, e.size, &mut body).unwrap();
         assert_eq!(body, big);
