@@ -25,7 +25,7 @@ use super::routes::{self, HeadError, Request, Route};
 use super::stats::{build_summary, resource_metrics_text, CONTAINER_NAME};
 use super::tls::{cert_identity, TlsState};
 use super::{KubeletConfig, KubeletView, PodInfo};
-use crate::metrics::stats::{StatsHub, TrackedVm};
+use crate::metrics::stats::{Sample, StatsHub, TrackedVm};
 use crate::reactor::{
     ChildExit, ChildId, ChildSpec, IoReady, OutputMode, Reactor, StdinMode, Stream, TimerId,
 };
@@ -100,6 +100,8 @@ pub struct KubeletServer {
     next_auth: u64,
     cache: AuthCache,
     timer: Option<(TimerId, Instant)>,
+    /// `/metrics/resource` rendered from the sample it was made of.
+    resource_text: Option<(Arc<Sample>, Arc<String>)>,
 }
 
 impl KubeletServer {
@@ -123,6 +125,7 @@ impl KubeletServer {
             next_auth: 1,
             cache: AuthCache::default(),
             timer: None,
+            resource_text: None,
         }
     }
 
@@ -756,12 +759,17 @@ impl KubeletServer {
             }
             Route::MetricsResource => {
                 let sample = self.stats.sample(now);
-                routes::response(
-                    200,
-                    "text/plain; version=0.0.4",
-                    resource_metrics_text(&sample).as_bytes(),
-                    false,
-                )
+                // The text depends on the sample alone: render it once per sample (every 2 s at
+                // most), not once per scrape.
+                let text = match &self.resource_text {
+                    Some((of, text)) if Arc::ptr_eq(of, &sample) => text.clone(),
+                    _ => {
+                        let text = Arc::new(resource_metrics_text(&sample));
+                        self.resource_text = Some((sample, text.clone()));
+                        text
+                    }
+                };
+                routes::response(200, "text/plain; version=0.0.4", text.as_bytes(), false)
             }
             Route::PortForward => routes::text(
                 501,

@@ -7,10 +7,11 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::families::{escape_label, TextSource, PREFIX};
-use super::stats::{StatsHub, VmSample};
+use super::stats::{Sample, StatsHub, TrackedVm, VmSample};
 
 /// Per-VM label names, in the order they are emitted (sorted).
 const VM_LABELS: [&str; 4] = ["backend", "namespace", "pod", "vm"];
@@ -66,11 +67,23 @@ const VM_FAMILIES: [(&str, &str, bool, VmValue); 7] = [
 /// Writes the per-VM families, the node families and `vm_table_size` from a `StatsHub`.
 pub struct VmCollector {
     hub: StatsHub,
+    /// The text last written and the sample and VM list it was made of: scrapes between two
+    /// samples (2 s) copy it instead of formatting thousands of series again.
+    cache: Mutex<Option<Rendered>>,
+}
+
+struct Rendered {
+    sample: Arc<Sample>,
+    vms: Arc<Vec<TrackedVm>>,
+    text: String,
 }
 
 impl VmCollector {
     pub fn new(hub: StatsHub) -> Self {
-        VmCollector { hub }
+        VmCollector {
+            hub,
+            cache: Mutex::new(None),
+        }
     }
 }
 
@@ -109,77 +122,95 @@ fn label(out: &mut String, name: &str, value: &str) {
     out.push('"');
 }
 
+/// Appends the families of `write_text` for one sample and VM list.
+fn render(sample: &Sample, vms: &[TrackedVm], out: &mut String) {
+    if !sample.vms.is_empty() {
+        let mut order: Vec<&VmSample> = sample.vms.iter().collect();
+        order.sort_by(|a, b| {
+            (&a.vm.backend, &a.vm.namespace, &a.vm.pod, &a.vm.vm_name).cmp(&(
+                &b.vm.backend,
+                &b.vm.namespace,
+                &b.vm.pod,
+                &b.vm.vm_name,
+            ))
+        });
+        // The label set of each VM, escaped once and reused by all seven families.
+        let mut labels = Vec::with_capacity(order.len());
+        for v in &order {
+            let mut l = String::with_capacity(96);
+            l.push('{');
+            for (i, (name, value)) in VM_LABELS
+                .iter()
+                .zip([&v.vm.backend, &v.vm.namespace, &v.vm.pod, &v.vm.vm_name])
+                .enumerate()
+            {
+                if i > 0 {
+                    l.push(',');
+                }
+                label(&mut l, name, value);
+            }
+            l.push_str("} ");
+            labels.push(l);
+        }
+        out.reserve(order.len() * VM_FAMILIES.len() * 128);
+        for (name, help, counter, value) in VM_FAMILIES {
+            family_head(out, name, help, counter);
+            for (v, l) in order.iter().zip(&labels) {
+                out.push_str(PREFIX);
+                out.push_str(name);
+                out.push_str(l);
+                let _ = writeln!(out, "{}", value(v));
+            }
+        }
+    }
+    let n = &sample.node;
+    let node_values = [
+        n.cpu_seconds(),
+        n.memory_used_bytes as f64,
+        n.storage_available_bytes as f64,
+        n.storage_total_bytes as f64,
+    ];
+    for (i, (name, help)) in NODE_FAMILIES.iter().enumerate() {
+        family_head(out, name, help, i == 0);
+        let _ = writeln!(out, "{PREFIX}{name} {}", node_values[i]);
+    }
+    // Every tracked VM counts, including those with PID 0 (stopped or hibernating VMs are
+    // still in the table); the spec leaves this open.
+    let mut per_ns: BTreeMap<&str, u64> = BTreeMap::new();
+    for vm in vms.iter() {
+        *per_ns.entry(vm.namespace.as_str()).or_default() += 1;
+    }
+    if !per_ns.is_empty() {
+        family_head(out, "vm_table_size", VM_TABLE_HELP, false);
+        for (ns, c) in per_ns {
+            out.push_str(PREFIX);
+            out.push_str("vm_table_size{");
+            label(out, "namespace", ns);
+            let _ = writeln!(out, "}} {}", c as f64);
+        }
+    }
+}
+
 impl TextSource for VmCollector {
     /// The per-VM families (series sorted by backend, namespace, pod, vm), the node families and
     /// `vm_table_size`, written straight from the sample: 1,000 VMs are ~7,000 series, and
     /// building protobuf families for them and encoding those cost more than a scrape may.
     fn write_text(&self, out: &mut String) {
         let sample = self.hub.sample(Instant::now());
-        if !sample.vms.is_empty() {
-            let mut order: Vec<&VmSample> = sample.vms.iter().collect();
-            order.sort_by(|a, b| {
-                (&a.vm.backend, &a.vm.namespace, &a.vm.pod, &a.vm.vm_name).cmp(&(
-                    &b.vm.backend,
-                    &b.vm.namespace,
-                    &b.vm.pod,
-                    &b.vm.vm_name,
-                ))
-            });
-            // The label set of each VM, escaped once and reused by all seven families.
-            let mut labels = Vec::with_capacity(order.len());
-            for v in &order {
-                let mut l = String::with_capacity(96);
-                l.push('{');
-                for (i, (name, value)) in VM_LABELS
-                    .iter()
-                    .zip([&v.vm.backend, &v.vm.namespace, &v.vm.pod, &v.vm.vm_name])
-                    .enumerate()
-                {
-                    if i > 0 {
-                        l.push(',');
-                    }
-                    label(&mut l, name, value);
-                }
-                l.push_str("} ");
-                labels.push(l);
-            }
-            out.reserve(order.len() * VM_FAMILIES.len() * 128);
-            for (name, help, counter, value) in VM_FAMILIES {
-                family_head(out, name, help, counter);
-                for (v, l) in order.iter().zip(&labels) {
-                    out.push_str(PREFIX);
-                    out.push_str(name);
-                    out.push_str(l);
-                    let _ = writeln!(out, "{}", value(v));
-                }
-            }
-        }
-        let n = &sample.node;
-        let node_values = [
-            n.cpu_seconds(),
-            n.memory_used_bytes as f64,
-            n.storage_available_bytes as f64,
-            n.storage_total_bytes as f64,
-        ];
-        for (i, (name, help)) in NODE_FAMILIES.iter().enumerate() {
-            family_head(out, name, help, i == 0);
-            let _ = writeln!(out, "{PREFIX}{name} {}", node_values[i]);
-        }
-        // Every tracked VM counts, including those with PID 0 (stopped or hibernating VMs are
-        // still in the table); the spec leaves this open.
         let vms = self.hub.vms();
-        let mut per_ns: BTreeMap<&str, u64> = BTreeMap::new();
-        for vm in vms.iter() {
-            *per_ns.entry(vm.namespace.as_str()).or_default() += 1;
-        }
-        if !per_ns.is_empty() {
-            family_head(out, "vm_table_size", VM_TABLE_HELP, false);
-            for (ns, c) in per_ns {
-                out.push_str(PREFIX);
-                out.push_str("vm_table_size{");
-                label(out, "namespace", ns);
-                let _ = writeln!(out, "}} {}", c as f64);
+        // A panic while holding the lock leaves at worst a stale cache entry, which the pointer
+        // checks below never serve for another sample.
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        match cache.as_ref() {
+            Some(r) if Arc::ptr_eq(&r.sample, &sample) && Arc::ptr_eq(&r.vms, &vms) => {}
+            _ => {
+                let mut text = String::new();
+                render(&sample, &vms, &mut text);
+                *cache = Some(Rendered { sample, vms, text });
             }
+        }
+        if let Some(r) = cache.as_ref() {
+            out.push_str(&r.text);
         }
     }
 
@@ -367,6 +398,15 @@ mod tests {
         assert!(text.contains("namespace=\"ns\\\"q\\\\\\nx\""), "{text}");
         assert!(text.contains("vk_cocoon_vm_table_size{namespace=\"ns2\"} 1\n"));
         assert_eq!(text.matches("# TYPE ").count(), 12, "each family once");
+        // Within the sample's lifetime the rendered text is reused; a new VM list re-renders.
+        let mut again = String::from("head\n");
+        c.write_text(&mut again);
+        assert_eq!(again, format!("head\n{text}"));
+        hub.set_vms(vec![vm("a", "ns1", "pod-a", "cloud-hypervisor", 42)]);
+        let mut one = String::new();
+        c.write_text(&mut one);
+        assert_eq!(one, reference_text(&hub));
+        assert!(!one.contains("pod-b"));
     }
 
     #[test]
