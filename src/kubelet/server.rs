@@ -66,6 +66,8 @@ enum Phase {
         attach: bool,
         stdin_buf: Vec<Vec<u8>>,
         stdin_eof: bool,
+        /// The command ended and `finish` ran, but output still waits for the peer's window.
+        ended: bool,
     },
     /// Flushing the last bytes, then closing.
     Closing,
@@ -282,7 +284,11 @@ impl KubeletServer {
                 }
                 _ => {}
             }
-            if c.out.len() > limit {
+            let held = match &c.phase {
+                Phase::Exec { session, .. } => session.pending_output(),
+                _ => 0,
+            };
+            if c.out.len() + held > limit {
                 log::warn!(
                     "kubelet: client too slow to read its stream ({} bytes queued); closing",
                     c.out.len()
@@ -545,6 +551,7 @@ impl KubeletServer {
                 child,
                 stdin_buf,
                 stdin_eof,
+                ended,
                 ..
             } => {
                 let mut events = Vec::new();
@@ -573,6 +580,9 @@ impl KubeletServer {
                         }
                     }
                 }
+                // A finished session whose last output waited for window: all sent now.
+                close |= *ended && session.done();
+                ready &= !*ended;
                 if close {
                     if let Some(id) = child {
                         r.kill(id);
@@ -953,6 +963,7 @@ impl KubeletServer {
             attach,
             stdin_buf: Vec::new(),
             stdin_eof: false,
+            ended: false,
         };
         c.deadline = Some(
             now + if ready {
@@ -986,11 +997,12 @@ impl KubeletServer {
             stdin_eof,
             attach,
             session,
+            ended,
         } = &mut c.phase
         else {
             return;
         };
-        if child.is_some() {
+        if child.is_some() || *ended {
             return;
         }
         let spec = ChildSpec::new(argv.clone())
@@ -1060,8 +1072,25 @@ impl KubeletServer {
             Phase::Exec {
                 mut session,
                 attach,
+                argv,
+                stdin,
                 ..
-            } => session.finish(&outcome, attach, &mut c.out),
+            } => {
+                session.finish(&outcome, attach, &mut c.out);
+                if !session.done() {
+                    // Output waits for the peer's window: keep reading its WINDOW_UPDATEs.
+                    c.phase = Phase::Exec {
+                        session,
+                        child: None,
+                        argv,
+                        stdin,
+                        attach,
+                        stdin_buf: Vec::new(),
+                        stdin_eof: true,
+                        ended: true,
+                    };
+                }
+            }
             other => c.phase = other,
         }
         self.flush(r, token);
