@@ -170,6 +170,8 @@ pub struct Expected {
 pub struct SpdySession {
     version: String,
     buf: Vec<u8>,
+    /// Bytes of `buf` already parsed.
+    pos: usize,
     inflate: Decompress,
     deflate: Compress,
     dict: Vec<u8>,
@@ -246,6 +248,7 @@ impl SpdySession {
         SpdySession {
             version: version.to_string(),
             buf: Vec::new(),
+            pos: 0,
             inflate: Decompress::new(true),
             deflate: Compress::new(Compression::default(), true),
             dict: dictionary(),
@@ -377,19 +380,27 @@ impl SpdySession {
     }
 
     pub fn feed(&mut self, data: &[u8], out: &mut Vec<u8>, ev: &mut Vec<SessionEvent>) {
+        // Parsed frames are dropped once per call, not once per frame.
+        if self.pos > 0 {
+            self.buf.drain(..self.pos);
+            self.pos = 0;
+        }
         self.buf.extend_from_slice(data);
         while !self.closed {
-            if self.buf.len() < 8 {
+            let at = self.pos;
+            if self.buf.len() - at < 8 {
                 return;
             }
-            let len = u32::from_be_bytes([0, self.buf[5], self.buf[6], self.buf[7]]) as usize;
+            let len = u32::from_be_bytes([0, self.buf[at + 5], self.buf[at + 6], self.buf[at + 7]])
+                as usize;
             if len > MAX_FRAME {
                 return self.fail(format!("frame of {len} bytes is too large"), out, ev);
             }
-            if self.buf.len() < 8 + len {
+            if self.buf.len() - at < 8 + len {
                 return;
             }
-            let frame: Vec<u8> = self.buf.drain(..8 + len).collect();
+            let frame: Vec<u8> = self.buf[at..at + 8 + len].to_vec();
+            self.pos = at + 8 + len;
             let flags = frame[4];
             let payload = &frame[8..];
             if frame[0] & 0x80 != 0 {
