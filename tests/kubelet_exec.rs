@@ -326,7 +326,29 @@ impl SpdyClient {
 }
 
 /// Runs one SPDY exec: opens the streams, sends stdin, returns (stdout, stderr, status text).
+/// The client behaves like spdystream: it echoes server PINGs and sends no WINDOW_UPDATE.
 fn spdy_exec(h: &Harness, query: &str, stdin: &[u8]) -> (Vec<u8>, Vec<u8>, String, SpdyClient) {
+    spdy_exec_with(h, query, stdin, false).0
+}
+
+/// What a flow-controlling client saw: WINDOW_UPDATE deltas the server granted for stdin
+/// (stream 3) and for the session, and the most output it ever had outstanding beyond the
+/// window it granted.
+#[derive(Debug, Default)]
+struct FlowSeen {
+    stdin_granted: i64,
+    session_granted: i64,
+    max_over_window: i64,
+}
+
+/// Like `spdy_exec`; with `flow` the client does SPDY/3.1 flow control: it acknowledges what it
+/// reads with stream and session WINDOW_UPDATEs, and checks the server stays within them.
+fn spdy_exec_with(
+    h: &Harness,
+    query: &str,
+    stdin: &[u8],
+    flow: bool,
+) -> ((Vec<u8>, Vec<u8>, String, SpdyClient), FlowSeen) {
     let (mut c, version) = SpdyClient::upgrade(
         h,
         &format!("/exec/ns1/web/agent?{query}"),
@@ -345,8 +367,61 @@ fn spdy_exec(h: &Harness, query: &str, stdin: &[u8]) -> (Vec<u8>, Vec<u8>, Strin
     c.data(3, true, &[]).unwrap();
     let (mut out, mut err, mut status) = (Vec::new(), Vec::new(), Vec::new());
     let mut error_fin = false;
+    let mut seen = FlowSeen::default();
+    // Window the client granted for stdout (stream 5) and the session, and what arrived.
+    let (mut granted5, mut granted0) = (65_536i64, 65_536i64);
+    let (mut got5, mut got0, mut acked5, mut acked0) = (0i64, 0i64, 0i64, 0i64);
     while let Some(f) = c.next() {
+        if let Frame::Data {
+            stream, payload, ..
+        } = &f
+        {
+            got0 += payload.len() as i64;
+            if *stream == 5 {
+                got5 += payload.len() as i64;
+            }
+            seen.max_over_window = seen
+                .max_over_window
+                .max(got0 - granted0)
+                .max(got5 - granted5);
+            // Consume and acknowledge in 20 KiB steps, as a reading client would.
+            if flow && got5 - acked5 >= 20_000 {
+                let d = (got5 - acked5) as u32;
+                let mut p = 5u32.to_be_bytes().to_vec();
+                p.extend_from_slice(&d.to_be_bytes());
+                c.control(9, 0, &p).unwrap();
+                granted5 += i64::from(d);
+                acked5 = got5;
+            }
+            if flow && got0 - acked0 >= 20_000 {
+                let d = (got0 - acked0) as u32;
+                let mut p = 0u32.to_be_bytes().to_vec();
+                p.extend_from_slice(&d.to_be_bytes());
+                c.control(9, 0, &p).unwrap();
+                granted0 += i64::from(d);
+                acked0 = got0;
+            }
+        }
         match f {
+            Frame::Control {
+                kind: 6, payload, ..
+            } => {
+                // spdystream answers every PING of the other side.
+                c.control(6, 0, &payload).unwrap();
+            }
+            Frame::Control {
+                kind: 9, payload, ..
+            } => {
+                let id = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
+                let d = i64::from(u32::from_be_bytes([
+                    payload[4], payload[5], payload[6], payload[7],
+                ]));
+                match id {
+                    0 => seen.session_granted += d,
+                    3 => seen.stdin_granted += d,
+                    other => panic!("WINDOW_UPDATE for stream {other}"),
+                }
+            }
             Frame::Control {
                 kind: 2, payload, ..
             } => {
@@ -379,7 +454,42 @@ fn spdy_exec(h: &Harness, query: &str, stdin: &[u8]) -> (Vec<u8>, Vec<u8>, Strin
     }
     assert_eq!(replies, 4);
     assert!(error_fin, "error stream half-closed");
-    (out, err, String::from_utf8_lossy(&status).into_owned(), c)
+    (
+        (out, err, String::from_utf8_lossy(&status).into_owned(), c),
+        seen,
+    )
+}
+
+#[test]
+fn spdy_flow_control_both_directions() {
+    let h = harness();
+    // Five times the initial window each way.
+    let payload: Vec<u8> = (0..327_680u32).map(|i| (i * 13 % 251) as u8).collect();
+    let ((out, _, status, _), seen) =
+        spdy_exec_with(&h, "command=cat&input=1&output=1&error=1", &payload, true);
+    assert!(out == payload, "{} of {} bytes", out.len(), payload.len());
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&status).unwrap()["status"],
+        "Success"
+    );
+    // stdin beyond the first 64 KiB could only flow because the server re-opened the window.
+    assert!(
+        seen.stdin_granted >= payload.len() as i64 - 65_536,
+        "stdin stream window updates: {seen:?}"
+    );
+    assert!(
+        seen.session_granted >= payload.len() as i64 - 65_536,
+        "session window updates: {seen:?}"
+    );
+    // Output never went beyond what this client granted.
+    assert!(seen.max_over_window <= 0, "{seen:?}");
+
+    // A spdystream-like peer (no WINDOW_UPDATE, answers PING) still gets all output: the
+    // probe PING shows it does no flow control.
+    let ((out, _, _, _), seen) =
+        spdy_exec_with(&h, "command=cat&input=1&output=1&error=1", &payload, false);
+    assert!(out == payload, "{} of {} bytes", out.len(), payload.len());
+    assert!(seen.max_over_window > 0, "it was sent beyond 64 KiB");
 }
 
 #[test]

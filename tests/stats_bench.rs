@@ -1,17 +1,21 @@
 //! Benchmark: scrapes with 1,000 tracked VMs — /stats/summary and /metrics/resource over HTTPS
-//! (keep-alive, authorised), the 9091 collectors (gather + encode), and a full sample refresh.
+//! (keep-alive, authorised), the 9091 /metrics endpoint over HTTP, and a full sample refresh.
 //! `cargo test --release --test stats_bench -- --ignored --nocapture`
 //! Zero forks: run it under `strace -f -e trace=execve,fork,vfork -o trace.txt` and count execve.
 
 mod kubelet_support;
 
 use std::io::{Read, Write};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kubelet_support::{Harness, Options};
 use vk_cocoon::kubelet::{PodInfo, VmInfo};
 use vk_cocoon::metrics::collectors::VmCollector;
+use vk_cocoon::metrics::http::MetricsServer;
 use vk_cocoon::metrics::stats::{read_sample, StatsHub, TrackedVm};
+use vk_cocoon::metrics::Metrics;
+use vk_cocoon::reactor::{Event, Reactor};
 
 fn p(samples: &mut [Duration], q: f64) -> f64 {
     samples.sort();
@@ -115,28 +119,41 @@ fn bench_scrapes_with_1000_vms() {
         report(&format!("HTTPS {path} ({bytes} bytes)"), lat);
     }
 
-    // 9091 text: the collectors through a registry (refresh forced every 10th scrape).
-    let registry = prometheus::Registry::new();
+    // 9091: the daemon's whole /metrics answer (registry families + the per-VM text) over
+    // plain HTTP, one connection per scrape as Prometheus does with Connection: close.
+    let metrics = Metrics::new().unwrap();
     let hub: StatsHub = h.stats.clone();
-    registry.register(Box::new(VmCollector::new(hub))).unwrap();
+    metrics
+        .add_text_source(Arc::new(VmCollector::new(hub)))
+        .unwrap();
+    // The text alone, comparable with the former registry gather + encode of the collectors.
     let mut lat = Vec::new();
     let mut size = 0;
     for _ in 0..200 {
         let t = Instant::now();
-        let mut buf = Vec::new();
-        prometheus::Encoder::encode(
-            &prometheus::TextEncoder::new(),
-            &registry.gather(),
-            &mut buf,
-        )
-        .unwrap();
+        let text = metrics.encode();
         lat.push(t.elapsed());
-        size = buf.len();
+        size = text.len();
     }
-    report(
-        &format!("9091 collectors gather+encode ({size} bytes)"),
-        lat,
-    );
+    report(&format!("9091 Metrics::encode ({size} bytes)"), lat);
+    let server = MetricsThread::start(metrics);
+    let mut lat = Vec::new();
+    let mut size = 0;
+    for i in 0..200 {
+        let t = Instant::now();
+        let mut c = std::net::TcpStream::connect(server.addr).unwrap();
+        c.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut text = Vec::new();
+        c.read_to_end(&mut text).unwrap();
+        lat.push(t.elapsed());
+        assert!(text.starts_with(b"HTTP/1.1 200 OK"));
+        size = text.len();
+        if i % 50 == 49 {
+            std::thread::sleep(Duration::from_millis(700));
+        }
+    }
+    report(&format!("HTTP 9091 /metrics ({size} bytes)"), lat);
     println!("sample refreshes performed: {}", h.stats.refresh_count());
 }
 
@@ -160,4 +177,43 @@ fn read_response(s: &mut impl Read) -> usize {
     let mut body = vec![0u8; len];
     s.read_exact(&mut body).unwrap();
     len
+}
+
+/// The 9091 server on its own reactor thread, as the daemon runs it (minus the other rooms).
+struct MetricsThread {
+    addr: std::net::SocketAddr,
+}
+
+impl MetricsThread {
+    fn start(metrics: Metrics) -> MetricsThread {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut reactor: Reactor<()> = Reactor::new(1, 4).unwrap();
+            let addr = vk_cocoon::config::ListenAddr {
+                host: "127.0.0.1".into(),
+                port: 0,
+            };
+            let mut server = MetricsServer::bind(&addr, metrics, &mut reactor).unwrap();
+            tx.send(server.local_addr()).unwrap();
+            let mut events = Vec::new();
+            loop {
+                events.clear();
+                reactor.poll(&mut events).unwrap();
+                for ev in events.drain(..) {
+                    match ev {
+                        Event::Io(ready) => {
+                            server.handle_io(&mut reactor, &ready);
+                        }
+                        Event::Timer { id, .. } => {
+                            server.handle_timer(&mut reactor, id);
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        });
+        MetricsThread {
+            addr: rx.recv().unwrap(),
+        }
+    }
 }

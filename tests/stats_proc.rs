@@ -6,11 +6,13 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 use vk_cocoon::kubelet::stats::{build_summary, resource_metrics_text, Summary};
 use vk_cocoon::metrics::collectors::VmCollector;
 use vk_cocoon::metrics::stats::{StatsHub, StatsPaths, TrackedVm};
+use vk_cocoon::metrics::Metrics;
 
 struct Kill(Child);
 impl Drop for Kill {
@@ -280,18 +282,20 @@ fn both_metrics_texts_pass_promtool() {
     assert!(resource.contains("pod_memory_working_set_bytes{namespace=\"ns2\",pod=\"pod-b\"}"));
     promtool_check(&resource);
 
-    let registry = prometheus::Registry::new();
-    registry
-        .register(Box::new(VmCollector::new(hub.clone())))
+    // The daemon's 9091 text: the registry's families, then the collector's written directly.
+    let metrics = Metrics::new().unwrap();
+    metrics.orphan_vm_total.inc();
+    metrics
+        .add_text_source(Arc::new(VmCollector::new(hub.clone())))
         .unwrap();
-    let mut buf = Vec::new();
-    prometheus::Encoder::encode(
-        &prometheus::TextEncoder::new(),
-        &registry.gather(),
-        &mut buf,
-    )
-    .unwrap();
-    let text = String::from_utf8(buf).unwrap();
+    assert!(
+        metrics
+            .add_text_source(Arc::new(VmCollector::new(hub.clone())))
+            .is_err(),
+        "a second source with the same families is refused"
+    );
+    let text = metrics.encode();
+    assert!(text.contains("vk_cocoon_orphan_vm_total 1"), "{text}");
     // The collector serves the same shared sample (checked against /proc by stable_sample).
     let rss = sample.vms[1].rss_bytes;
     assert!(

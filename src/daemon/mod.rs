@@ -213,8 +213,7 @@ impl Daemon {
 
         let stats = StatsHub::new(crate::kubelet::stats_paths(&config)).background_refresh();
         metrics
-            .registry()
-            .register(Box::new(VmCollector::new(stats.clone())))
+            .add_text_source(Arc::new(VmCollector::new(stats.clone())))
             .map_err(|e| StartError::new(1, format!("metrics collectors: {e}")))?;
 
         let metrics_server =

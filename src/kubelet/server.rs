@@ -25,7 +25,7 @@ use super::routes::{self, HeadError, Request, Route};
 use super::stats::{build_summary, resource_metrics_text, CONTAINER_NAME};
 use super::tls::{cert_identity, TlsState};
 use super::{KubeletConfig, KubeletView, PodInfo};
-use crate::metrics::stats::{StatsHub, TrackedVm};
+use crate::metrics::stats::{Sample, StatsHub, TrackedVm};
 use crate::reactor::{
     ChildExit, ChildId, ChildSpec, IoReady, OutputMode, Reactor, StdinMode, Stream, TimerId,
 };
@@ -66,6 +66,8 @@ enum Phase {
         attach: bool,
         stdin_buf: Vec<Vec<u8>>,
         stdin_eof: bool,
+        /// The command ended and `finish` ran, but output still waits for the peer's window.
+        ended: bool,
     },
     /// Flushing the last bytes, then closing.
     Closing,
@@ -100,6 +102,8 @@ pub struct KubeletServer {
     next_auth: u64,
     cache: AuthCache,
     timer: Option<(TimerId, Instant)>,
+    /// `/metrics/resource` rendered from the sample it was made of.
+    resource_text: Option<(Arc<Sample>, Arc<String>)>,
 }
 
 impl KubeletServer {
@@ -123,6 +127,7 @@ impl KubeletServer {
             next_auth: 1,
             cache: AuthCache::default(),
             timer: None,
+            resource_text: None,
         }
     }
 
@@ -279,7 +284,11 @@ impl KubeletServer {
                 }
                 _ => {}
             }
-            if c.out.len() > limit {
+            let held = match &c.phase {
+                Phase::Exec { session, .. } => session.pending_output(),
+                _ => 0,
+            };
+            if c.out.len() + held > limit {
                 log::warn!(
                     "kubelet: client too slow to read its stream ({} bytes queued); closing",
                     c.out.len()
@@ -542,6 +551,7 @@ impl KubeletServer {
                 child,
                 stdin_buf,
                 stdin_eof,
+                ended,
                 ..
             } => {
                 let mut events = Vec::new();
@@ -570,6 +580,9 @@ impl KubeletServer {
                         }
                     }
                 }
+                // A finished session whose last output waited for window: all sent now.
+                close |= *ended && session.done();
+                ready &= !*ended;
                 if close {
                     if let Some(id) = child {
                         r.kill(id);
@@ -756,12 +769,17 @@ impl KubeletServer {
             }
             Route::MetricsResource => {
                 let sample = self.stats.sample(now);
-                routes::response(
-                    200,
-                    "text/plain; version=0.0.4",
-                    resource_metrics_text(&sample).as_bytes(),
-                    false,
-                )
+                // The text depends on the sample alone: render it once per sample (every 2 s at
+                // most), not once per scrape.
+                let text = match &self.resource_text {
+                    Some((of, text)) if Arc::ptr_eq(of, &sample) => text.clone(),
+                    _ => {
+                        let text = Arc::new(resource_metrics_text(&sample));
+                        self.resource_text = Some((sample, text.clone()));
+                        text
+                    }
+                };
+                routes::response(200, "text/plain; version=0.0.4", text.as_bytes(), false)
             }
             Route::PortForward => routes::text(
                 501,
@@ -945,6 +963,7 @@ impl KubeletServer {
             attach,
             stdin_buf: Vec::new(),
             stdin_eof: false,
+            ended: false,
         };
         c.deadline = Some(
             now + if ready {
@@ -978,11 +997,12 @@ impl KubeletServer {
             stdin_eof,
             attach,
             session,
+            ended,
         } = &mut c.phase
         else {
             return;
         };
-        if child.is_some() {
+        if child.is_some() || *ended {
             return;
         }
         let spec = ChildSpec::new(argv.clone())
@@ -1052,8 +1072,25 @@ impl KubeletServer {
             Phase::Exec {
                 mut session,
                 attach,
+                argv,
+                stdin,
                 ..
-            } => session.finish(&outcome, attach, &mut c.out),
+            } => {
+                session.finish(&outcome, attach, &mut c.out);
+                if !session.done() {
+                    // Output waits for the peer's window: keep reading its WINDOW_UPDATEs.
+                    c.phase = Phase::Exec {
+                        session,
+                        child: None,
+                        argv,
+                        stdin,
+                        attach,
+                        stdin_buf: Vec::new(),
+                        stdin_eof: true,
+                        ended: true,
+                    };
+                }
+            }
             other => c.phase = other,
         }
         self.flush(r, token);
@@ -1133,13 +1170,16 @@ impl KubeletServer {
             let Some(c) = self.conns.get_mut(&token) else {
                 return;
             };
+            // Bytes of `out` handed to TLS; removed once at the end, not after every record
+            // batch (a drain per 64 KiB of a megabyte of queued output is a megabyte memmove).
+            let mut taken = 0;
             loop {
                 let mut accepted = 0;
-                if !c.out.is_empty() {
-                    match c.tls.writer().write(&c.out) {
+                if taken < c.out.len() {
+                    match c.tls.writer().write(&c.out[taken..]) {
                         Ok(n) => {
                             accepted = n;
-                            c.out.drain(..n);
+                            taken += n;
                         }
                         Err(_) => {
                             failed = true;
@@ -1168,11 +1208,15 @@ impl KubeletServer {
                 }
                 // Nothing taken and nothing to send (rustls' buffer is full while it waits for
                 // the peer): stop; the next readiness event continues.
-                if failed || blocked || c.out.is_empty() || (accepted == 0 && !c.tls.wants_write())
+                if failed
+                    || blocked
+                    || taken == c.out.len()
+                    || (accepted == 0 && !c.tls.wants_write())
                 {
                     break;
                 }
             }
+            c.out.drain(..taken);
             if !failed {
                 let want = c.tls.wants_write() || !c.out.is_empty();
                 if want != c.writable_interest {

@@ -300,17 +300,7 @@ type Family = (
     fn(&crate::metrics::stats::VmSample) -> f64,
 );
 
-/// Escapes a Prometheus label value.
-pub fn escape_label(v: &str, out: &mut String) {
-    for c in v.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '"' => out.push_str("\\\""),
-            '\n' => out.push_str("\\n"),
-            c => out.push(c),
-        }
-    }
-}
+pub use crate::metrics::escape_label;
 
 /// `/metrics/resource` in the text exposition format (version 0.0.4), every sample stamped with
 /// the sample time in milliseconds (§23, duties §3.7).

@@ -1,6 +1,8 @@
 //! Every event-counted metric family of behaviour spec section 22.2, registered once.
 //! Owns names, labels and buckets; the per-VM and node collectors (scrape-time) live elsewhere.
 
+use std::sync::{Arc, RwLock};
+
 use prometheus::{
     Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
 };
@@ -8,11 +10,33 @@ use prometheus::{
 /// Prefix of every family (spec README precedence rule 4: `vk_cocoon_`, not `cocoon_vk_`).
 pub const PREFIX: &str = "vk_cocoon_";
 
+/// Families computed at scrape time and written as text directly, without the registry's
+/// protobuf families (which cost too much for thousands of series).
+pub trait TextSource: Send + Sync {
+    /// Appends whole families (`# HELP`, `# TYPE`, samples) in the text format 0.0.4.
+    fn write_text(&self, out: &mut String);
+    /// Full names of every family `write_text` may emit (checked against the registry's).
+    fn family_names(&self) -> Vec<String>;
+}
+
+/// Escapes a label value for the text format: backslash, double quote and newline.
+pub fn escape_label(v: &str, out: &mut String) {
+    for c in v.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+}
+
 /// All families other rooms increment. Cheap to clone (every field is an Arc
 /// inside); clones share the same registry and values.
 #[derive(Clone)]
 pub struct Metrics {
     registry: Registry,
+    text_sources: Arc<RwLock<Vec<Arc<dyn TextSource>>>>,
     /// op, result, reason
     pub pod_lifecycle_total: IntCounterVec,
     /// result
@@ -240,6 +264,7 @@ impl Metrics {
                 &[1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 60.0],
             )?,
             registry: r,
+            text_sources: Arc::new(RwLock::new(Vec::new())),
         })
     }
 
@@ -248,17 +273,46 @@ impl Metrics {
         &self.registry
     }
 
-    /// Everything registered, in the Prometheus text format (version 0.0.4).
-    /// A collector that fails to encode is logged and left out, never fatal.
+    /// Adds families written as text after the registry's. Fails when one of its family names
+    /// is already registered or written by another source (the text would repeat a family).
+    pub fn add_text_source(&self, source: Arc<dyn TextSource>) -> Result<(), String> {
+        let mut taken: Vec<String> = self
+            .registry
+            .gather()
+            .iter()
+            .map(|f| f.name().to_string())
+            .collect();
+        let mut sources = self.text_sources.write().unwrap_or_else(|e| e.into_inner());
+        for s in sources.iter() {
+            taken.extend(s.family_names());
+        }
+        if let Some(dup) = source
+            .family_names()
+            .into_iter()
+            .find(|n| taken.contains(n))
+        {
+            return Err(format!("metric family {dup} is already exported"));
+        }
+        sources.push(source);
+        Ok(())
+    }
+
+    /// Everything registered plus every text source, in the Prometheus text format (version
+    /// 0.0.4). A collector that fails to encode is logged and left out, never fatal.
     pub fn encode(&self) -> String {
         let families = self.registry.gather();
-        match prometheus::TextEncoder::new().encode_to_string(&families) {
+        let mut text = match prometheus::TextEncoder::new().encode_to_string(&families) {
             Ok(text) => text,
             Err(e) => {
                 log::error!("metrics encoding failed: {e}");
                 String::new()
             }
+        };
+        let sources = self.text_sources.read().unwrap_or_else(|e| e.into_inner());
+        for s in sources.iter() {
+            s.write_text(&mut text);
         }
+        text
     }
 }
 

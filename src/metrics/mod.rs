@@ -6,7 +6,7 @@ pub mod families;
 pub mod http;
 pub mod stats;
 
-pub use families::{Metrics, PREFIX};
+pub use families::{escape_label, Metrics, TextSource, PREFIX};
 
 /// Content type of the text exposition format.
 pub const TEXT_CONTENT_TYPE: &str = prometheus::TEXT_FORMAT;

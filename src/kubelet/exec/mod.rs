@@ -206,6 +206,20 @@ impl Session {
             Session::Spdy(s) => s.send_stderr(data, out),
         }
     }
+    /// Output held back by flow control (SPDY windows); WebSocket holds nothing.
+    pub fn pending_output(&self) -> usize {
+        match self {
+            Session::Ws(_) => 0,
+            Session::Spdy(s) => s.pending_output(),
+        }
+    }
+    /// True once everything, the exit status included, has been handed to the connection.
+    pub fn done(&self) -> bool {
+        match self {
+            Session::Ws(_) => true,
+            Session::Spdy(s) => s.done(),
+        }
+    }
     /// Writes the exit status on the error channel and closes the session.
     pub fn finish(&mut self, outcome: &ExecOutcome, attach: bool, out: &mut Vec<u8>) {
         let msg = if self.json_status() {

@@ -1,8 +1,12 @@
 //! Server side of the SPDY/3.1 remote-command transport (duties §3.4 A): frame parsing, zlib header
 //! blocks with the SPDY/3 dictionary, client-created streams typed by `streamType`, raw payloads.
 //!
-//! Pure bytes in, bytes and events out. Like the Go peer (spdystream) it enforces no flow-control
-//! windows and sends no WINDOW_UPDATE; PING is echoed, SETTINGS ignored, GOAWAY ends the session.
+//! Pure bytes in, bytes and events out. Flow control (SPDY/3.1): stdin is acknowledged with
+//! stream and session WINDOW_UPDATEs as it is handed on; output honours the peer's windows.
+//! spdystream (the Go peer) sends no WINDOW_UPDATE at all, so a session whose output is stalled
+//! on an exhausted window before the peer ever sent one probes with a PING: a PING answer
+//! without any WINDOW_UPDATE marks a peer that does no flow control, and output flows freely.
+//! Client PINGs are echoed, GOAWAY ends the session.
 
 use std::collections::HashMap;
 
@@ -17,12 +21,25 @@ pub const MAX_HEADER_BLOCK: usize = 64 * 1024;
 /// Outgoing data is split into frames of at most this size.
 const OUT_FRAME: usize = 32 * 1024;
 
+/// Initial flow-control window of every stream and of the session (SPDY/3.1 §2.6.8).
+pub const INITIAL_WINDOW: i64 = 64 * 1024;
+/// Received bytes acknowledged once this many are pending (half the window).
+const ACK_AT: i64 = INITIAL_WINDOW / 2;
+/// Largest window SPDY allows (2^31 - 1).
+const MAX_WINDOW: i64 = 0x7fff_ffff;
+/// SETTINGS id of SETTINGS_INITIAL_WINDOW_SIZE.
+const SETTINGS_INITIAL_WINDOW_SIZE: u32 = 7;
+/// Id of the server's flow-control probe PING (server PING ids are even).
+const PROBE_PING: u32 = 2;
+
 const SYN_STREAM: u16 = 1;
 const SYN_REPLY: u16 = 2;
 const RST_STREAM: u16 = 3;
 const PING: u16 = 6;
 const GOAWAY: u16 = 7;
 const HEADERS: u16 = 8;
+const SETTINGS: u16 = 4;
+const WINDOW_UPDATE: u16 = 9;
 const FLAG_FIN: u8 = 0x01;
 
 /// The SPDY/3 header-compression dictionary (1423 bytes): length-prefixed common header names
@@ -153,6 +170,8 @@ pub struct Expected {
 pub struct SpdySession {
     version: String,
     buf: Vec<u8>,
+    /// Bytes of `buf` already parsed.
+    pos: usize,
     inflate: Decompress,
     deflate: Compress,
     dict: Vec<u8>,
@@ -166,6 +185,62 @@ pub struct SpdySession {
     stdin_open: bool,
     closed: bool,
     last_client_stream: u32,
+    flow: Flow,
+}
+
+/// Whether the peer takes part in flow control (see the module documentation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PeerFlow {
+    /// No WINDOW_UPDATE or window setting seen yet: windows are honoured.
+    Unknown,
+    /// Unknown, output stalled, probe PING sent.
+    Probing,
+    /// The peer sent a WINDOW_UPDATE or a window setting: windows are honoured for good.
+    Windows,
+    /// The probe was answered with no WINDOW_UPDATE ever seen: output is not limited.
+    None,
+}
+
+/// Flow-control state of both directions.
+struct Flow {
+    peer: PeerFlow,
+    /// The peer's SETTINGS_INITIAL_WINDOW_SIZE for new streams.
+    send_initial: i64,
+    /// What we may still send on the session and on each of our streams.
+    send_session: i64,
+    send_stream: HashMap<u32, i64>,
+    /// Output waiting for window, per stream, in the order it was produced.
+    pending: Vec<(u32, Vec<u8>)>,
+    /// FIN frames and the GOAWAY of `finish`, sent once `pending` is empty.
+    finishing: bool,
+    /// Received data not yet acknowledged, per client stream and for the session.
+    recv_stream: HashMap<u32, i64>,
+    recv_session: i64,
+}
+
+impl Flow {
+    fn new() -> Self {
+        Flow {
+            peer: PeerFlow::Unknown,
+            send_initial: INITIAL_WINDOW,
+            send_session: INITIAL_WINDOW,
+            send_stream: HashMap::new(),
+            pending: Vec::new(),
+            finishing: false,
+            recv_stream: HashMap::new(),
+            recv_session: 0,
+        }
+    }
+
+    fn pending_bytes(&self) -> usize {
+        self.pending.iter().map(|(_, d)| d.len()).sum()
+    }
+}
+
+fn window_update(stream: u32, delta: i64, out: &mut Vec<u8>) {
+    let mut p = (stream & 0x7fff_ffff).to_be_bytes().to_vec();
+    p.extend_from_slice(&((delta.clamp(1, MAX_WINDOW)) as u32).to_be_bytes());
+    control(WINDOW_UPDATE, 0, &p, out);
 }
 
 impl SpdySession {
@@ -173,6 +248,7 @@ impl SpdySession {
         SpdySession {
             version: version.to_string(),
             buf: Vec::new(),
+            pos: 0,
             inflate: Decompress::new(true),
             deflate: Compress::new(Compression::default(), true),
             dict: dictionary(),
@@ -185,6 +261,7 @@ impl SpdySession {
             stdin_open: expected.stdin,
             closed: false,
             last_client_stream: 0,
+            flow: Flow::new(),
         }
     }
 
@@ -303,19 +380,27 @@ impl SpdySession {
     }
 
     pub fn feed(&mut self, data: &[u8], out: &mut Vec<u8>, ev: &mut Vec<SessionEvent>) {
+        // Parsed frames are dropped once per call, not once per frame.
+        if self.pos > 0 {
+            self.buf.drain(..self.pos);
+            self.pos = 0;
+        }
         self.buf.extend_from_slice(data);
         while !self.closed {
-            if self.buf.len() < 8 {
+            let at = self.pos;
+            if self.buf.len() - at < 8 {
                 return;
             }
-            let len = u32::from_be_bytes([0, self.buf[5], self.buf[6], self.buf[7]]) as usize;
+            let len = u32::from_be_bytes([0, self.buf[at + 5], self.buf[at + 6], self.buf[at + 7]])
+                as usize;
             if len > MAX_FRAME {
                 return self.fail(format!("frame of {len} bytes is too large"), out, ev);
             }
-            if self.buf.len() < 8 + len {
+            if self.buf.len() - at < 8 + len {
                 return;
             }
-            let frame: Vec<u8> = self.buf.drain(..8 + len).collect();
+            let frame: Vec<u8> = self.buf[at..at + 8 + len].to_vec();
+            self.pos = at + 8 + len;
             let flags = frame[4];
             let payload = &frame[8..];
             if frame[0] & 0x80 != 0 {
@@ -326,7 +411,8 @@ impl SpdySession {
                 }
                 self.control_in(kind, flags, payload, out, ev);
             } else {
-                let id = u32::from_be_bytes([frame[0], frame[1], frame[2], frame[3]]);
+                let id = u32::from_be_bytes([frame[0], frame[1], frame[2], frame[3]]) & 0x7fff_ffff;
+                self.received(id, payload.len(), flags & FLAG_FIN != 0, out);
                 match self.streams.get(&id) {
                     Some(Kind::Stdin) if self.stdin_open => {
                         if !payload.is_empty() {
@@ -392,6 +478,8 @@ impl SpdySession {
                 };
                 self.streams.insert(id, kind);
                 self.ids.insert(name, id);
+                self.flow.send_stream.insert(id, self.flow.send_initial);
+                self.flow.recv_stream.insert(id, 0);
                 let mut reply = id.to_be_bytes().to_vec();
                 let block = self.deflate_block(&0u32.to_be_bytes());
                 reply.extend_from_slice(&block);
@@ -421,7 +509,48 @@ impl SpdySession {
                     self.emit(SessionEvent::StdinEof, ev);
                 }
             }
-            PING => control(PING, 0, p, out),
+            // Even ids are server PINGs: the answer to our probe. Odd ones are echoed.
+            PING if p.len() >= 4 => {
+                let id = u32::from_be_bytes([p[0], p[1], p[2], p[3]]);
+                if id % 2 == 1 {
+                    control(PING, 0, p, out);
+                } else if id == PROBE_PING && self.flow.peer == PeerFlow::Probing {
+                    self.flow.peer = PeerFlow::None;
+                    self.pump(out);
+                }
+            }
+            WINDOW_UPDATE if p.len() >= 8 => {
+                let id = u32::from_be_bytes([p[0], p[1], p[2], p[3]]) & 0x7fff_ffff;
+                let delta = i64::from(u32::from_be_bytes([p[4], p[5], p[6], p[7]]) & 0x7fff_ffff);
+                if self.flow.peer != PeerFlow::None {
+                    self.flow.peer = PeerFlow::Windows;
+                }
+                if id == 0 {
+                    self.flow.send_session = (self.flow.send_session + delta).min(MAX_WINDOW);
+                } else if let Some(w) = self.flow.send_stream.get_mut(&id) {
+                    *w = (*w + delta).min(MAX_WINDOW);
+                }
+                self.pump(out);
+            }
+            SETTINGS if p.len() >= 4 => {
+                let n = u32::from_be_bytes([p[0], p[1], p[2], p[3]]) as usize;
+                for e in p[4..].chunks_exact(8).take(n) {
+                    let id = u32::from_be_bytes([0, e[1], e[2], e[3]]);
+                    let value = i64::from(u32::from_be_bytes([e[4], e[5], e[6], e[7]]));
+                    if id == SETTINGS_INITIAL_WINDOW_SIZE && value <= MAX_WINDOW {
+                        // A new initial window shifts every open stream's window by the change.
+                        let change = value - self.flow.send_initial;
+                        self.flow.send_initial = value;
+                        for w in self.flow.send_stream.values_mut() {
+                            *w += change;
+                        }
+                        if self.flow.peer != PeerFlow::None {
+                            self.flow.peer = PeerFlow::Windows;
+                        }
+                    }
+                }
+                self.pump(out);
+            }
             GOAWAY => {
                 self.closed = true;
                 ev.push(SessionEvent::Closed);
@@ -432,19 +561,92 @@ impl SpdySession {
                     self.fail(e, out, ev);
                 }
             }
-            // SETTINGS, WINDOW_UPDATE, NOOP and unknown types carry nothing we act on.
+            // NOOP, CREDENTIAL and unknown types carry nothing we act on.
             _ => {}
         }
     }
 
+    /// Counts received data against our windows and acknowledges it. Data is consumed as soon
+    /// as it is parsed: stdin goes to the child's queue, other streams' data is dropped.
+    fn received(&mut self, id: u32, len: usize, fin: bool, out: &mut Vec<u8>) {
+        let len = len as i64;
+        self.flow.recv_session += len;
+        if self.flow.recv_session >= ACK_AT {
+            window_update(0, self.flow.recv_session, out);
+            self.flow.recv_session = 0;
+        }
+        if fin {
+            // Half-closed by the peer: nothing more will arrive to need window.
+            self.flow.recv_stream.remove(&id);
+        } else if let Some(pending) = self.flow.recv_stream.get_mut(&id) {
+            *pending += len;
+            if *pending >= ACK_AT {
+                window_update(id, *pending, out);
+                *pending = 0;
+            }
+        }
+    }
+
     fn send_on(&mut self, name: &str, data: &[u8], out: &mut Vec<u8>) {
-        if self.closed {
+        if self.closed || self.flow.finishing || data.is_empty() {
             return;
         }
         if let Some(&id) = self.ids.get(name) {
-            for piece in data.chunks(OUT_FRAME) {
-                data_frame(id, 0, piece, out);
+            match self.flow.pending.last_mut() {
+                Some((last, d)) if *last == id => d.extend_from_slice(data),
+                _ => self.flow.pending.push((id, data.to_vec())),
             }
+            self.pump(out);
+        }
+    }
+
+    /// Sends as much pending output as the windows allow; then, once everything is out, the
+    /// FINs and GOAWAY of `finish`. Stalled with an unknown peer: sends the probe PING.
+    fn pump(&mut self, out: &mut Vec<u8>) {
+        if self.closed {
+            return;
+        }
+        let limited = self.flow.peer != PeerFlow::None;
+        while let Some((id, data)) = self.flow.pending.first_mut() {
+            let id = *id;
+            let stream_window = self.flow.send_stream.get(&id).copied().unwrap_or(0);
+            let room = if limited {
+                stream_window.min(self.flow.send_session).max(0) as usize
+            } else {
+                usize::MAX
+            };
+            // The first stream lacking window holds back the rest: output stays in order.
+            if room == 0 {
+                if self.flow.peer == PeerFlow::Unknown {
+                    self.flow.peer = PeerFlow::Probing;
+                    control(PING, 0, &PROBE_PING.to_be_bytes(), out);
+                }
+                return;
+            }
+            let n = data.len().min(room).min(OUT_FRAME);
+            data_frame(id, 0, &data[..n], out);
+            if limited {
+                self.flow.send_session -= n as i64;
+                if let Some(w) = self.flow.send_stream.get_mut(&id) {
+                    *w -= n as i64;
+                }
+            }
+            if n == data.len() {
+                self.flow.pending.remove(0);
+            } else {
+                data.drain(..n);
+            }
+        }
+        if self.flow.finishing {
+            for name in ["error", "stdout", "stderr"] {
+                if let Some(&id) = self.ids.get(name) {
+                    data_frame(id, FLAG_FIN, &[], out);
+                }
+            }
+            let mut p = self.last_client_stream.to_be_bytes().to_vec();
+            p.extend_from_slice(&0u32.to_be_bytes());
+            control(GOAWAY, 0, &p, out);
+            self.closed = true;
         }
     }
 
@@ -456,23 +658,27 @@ impl SpdySession {
         self.send_on("stderr", data, out);
     }
 
-    /// Status on the error stream, FIN on every server-written stream, then GOAWAY.
+    /// Output bytes waiting for the peer to open its window.
+    pub fn pending_output(&self) -> usize {
+        self.flow.pending_bytes()
+    }
+
+    /// True once the session is over: closed, or finished with all output sent.
+    pub fn done(&self) -> bool {
+        self.closed
+    }
+
+    /// Status on the error stream, FIN on every server-written stream, then GOAWAY; all of it
+    /// after the output still waiting for window.
     pub fn finish(&mut self, status: Option<&str>, out: &mut Vec<u8>) {
-        if self.closed {
+        if self.closed || self.flow.finishing {
             return;
         }
         if let Some(s) = status {
             self.send_on("error", s.as_bytes(), out);
         }
-        for name in ["error", "stdout", "stderr"] {
-            if let Some(&id) = self.ids.get(name) {
-                data_frame(id, FLAG_FIN, &[], out);
-            }
-        }
-        let mut p = self.last_client_stream.to_be_bytes().to_vec();
-        p.extend_from_slice(&0u32.to_be_bytes());
-        control(GOAWAY, 0, &p, out);
-        self.closed = true;
+        self.flow.finishing = true;
+        self.pump(out);
     }
 }
 

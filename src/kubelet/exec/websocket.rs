@@ -33,8 +33,14 @@ pub fn handshake_response(accept: &str, protocol: &str) -> Vec<u8> {
 
 /// Appends one unmasked server frame.
 pub fn frame(opcode: u8, payload: &[u8], out: &mut Vec<u8>) {
+    frame_parts(opcode, &[], payload, out);
+}
+
+/// Appends one unmasked server frame whose payload is `head` then `payload`, copied once.
+fn frame_parts(opcode: u8, head: &[u8], payload: &[u8], out: &mut Vec<u8>) {
+    let n = head.len() + payload.len();
+    out.reserve(n + 10);
     out.push(0x80 | opcode);
-    let n = payload.len();
     if n < 126 {
         out.push(n as u8);
     } else if n <= u16::MAX as usize {
@@ -44,7 +50,25 @@ pub fn frame(opcode: u8, payload: &[u8], out: &mut Vec<u8>) {
         out.push(127);
         out.extend_from_slice(&(n as u64).to_be_bytes());
     }
+    out.extend_from_slice(head);
     out.extend_from_slice(payload);
+}
+
+/// XORs the client's masking key over a payload, eight bytes at a time.
+fn unmask(payload: &mut [u8], mask: [u8; 4]) {
+    let word = u64::from_ne_bytes([
+        mask[0], mask[1], mask[2], mask[3], mask[0], mask[1], mask[2], mask[3],
+    ]);
+    let mut chunks = payload.chunks_exact_mut(8);
+    for c in &mut chunks {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(c);
+        c.copy_from_slice(&(u64::from_ne_bytes(b) ^ word).to_ne_bytes());
+    }
+    // The remainder starts at a multiple of eight, so the key phase is unchanged.
+    for (i, b) in chunks.into_remainder().iter_mut().enumerate() {
+        *b ^= mask[i % 4];
+    }
 }
 
 pub struct WsSession {
@@ -52,6 +76,8 @@ pub struct WsSession {
     base64: bool,
     v5: bool,
     buf: Vec<u8>,
+    /// Bytes of `buf` already parsed; dropped once per `feed`, not once per frame.
+    pos: usize,
     /// Fragmented message being assembled: (opcode, data).
     partial: Option<(u8, Vec<u8>)>,
     closed: bool,
@@ -72,6 +98,7 @@ impl WsSession {
             base64: protocol.contains("base64"),
             v5: protocol.starts_with("v5."),
             buf: Vec::new(),
+            pos: 0,
             partial: None,
             closed: false,
             stdin_open: stdin,
@@ -102,10 +129,7 @@ impl WsSession {
             );
             frame(1, &p, out);
         } else {
-            let mut p = Vec::with_capacity(data.len() + 1);
-            p.push(channel);
-            p.extend_from_slice(data);
-            frame(2, &p, out);
+            frame_parts(2, &[channel], data, out);
         }
     }
 
@@ -142,13 +166,19 @@ impl WsSession {
     }
 
     pub fn feed(&mut self, data: &[u8], out: &mut Vec<u8>, ev: &mut Vec<SessionEvent>) {
+        if self.pos > 0 {
+            self.buf.drain(..self.pos);
+            self.pos = 0;
+        }
         self.buf.extend_from_slice(data);
         loop {
-            if self.buf.len() < 2 {
+            let at = self.pos;
+            let avail = self.buf.len() - at;
+            if avail < 2 {
                 return;
             }
-            let b0 = self.buf[0];
-            let b1 = self.buf[1];
+            let b0 = self.buf[at];
+            let b1 = self.buf[at + 1];
             let fin = b0 & 0x80 != 0;
             let opcode = b0 & 0x0f;
             if b0 & 0x70 != 0 {
@@ -159,17 +189,20 @@ impl WsSession {
             }
             let (len, mut pos) = match b1 & 0x7f {
                 126 => {
-                    if self.buf.len() < 4 {
+                    if avail < 4 {
                         return;
                     }
-                    (u16::from_be_bytes([self.buf[2], self.buf[3]]) as u64, 4)
+                    (
+                        u16::from_be_bytes([self.buf[at + 2], self.buf[at + 3]]) as u64,
+                        4,
+                    )
                 }
                 127 => {
-                    if self.buf.len() < 10 {
+                    if avail < 10 {
                         return;
                     }
                     let mut b = [0u8; 8];
-                    b.copy_from_slice(&self.buf[2..10]);
+                    b.copy_from_slice(&self.buf[at + 2..at + 10]);
                     (u64::from_be_bytes(b), 10)
                 }
                 n => (n as u64, 2),
@@ -178,21 +211,20 @@ impl WsSession {
                 return self.fail(1009, "message too big", out, ev);
             }
             let len = len as usize;
-            if self.buf.len() < pos + 4 + len {
+            if avail < pos + 4 + len {
                 return;
             }
+            let m = at + pos;
             let mask = [
-                self.buf[pos],
-                self.buf[pos + 1],
-                self.buf[pos + 2],
-                self.buf[pos + 3],
+                self.buf[m],
+                self.buf[m + 1],
+                self.buf[m + 2],
+                self.buf[m + 3],
             ];
             pos += 4;
-            let mut payload: Vec<u8> = self.buf[pos..pos + len].to_vec();
-            for (i, b) in payload.iter_mut().enumerate() {
-                *b ^= mask[i % 4];
-            }
-            self.buf.drain(..pos + len);
+            let mut payload: Vec<u8> = self.buf[at + pos..at + pos + len].to_vec();
+            unmask(&mut payload, mask);
+            self.pos = at + pos + len;
             match opcode {
                 0x8 => {
                     if !self.closed {
@@ -278,6 +310,22 @@ impl WsSession {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unmask_matches_the_bytewise_definition() {
+        let mask = [0x12, 0x34, 0x56, 0x78];
+        for n in 0..40 {
+            let data: Vec<u8> = (0..n as u8).map(|i| i.wrapping_mul(37)).collect();
+            let mut fast = data.clone();
+            unmask(&mut fast, mask);
+            let slow: Vec<u8> = data
+                .iter()
+                .enumerate()
+                .map(|(i, b)| b ^ mask[i % 4])
+                .collect();
+            assert_eq!(fast, slow, "length {n}");
+        }
+    }
 
     fn client_frame(opcode: u8, fin: bool, payload: &[u8]) -> Vec<u8> {
         let mut f = vec![if fin { 0x80 } else { 0 } | opcode];
