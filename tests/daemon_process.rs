@@ -239,3 +239,40 @@ fn sigterm_stops_the_daemon_and_leaves_vms_running() {
         Some("running")
     );
 }
+
+/// `GET /pods` on the kubelet API, as JSON (self-signed serving certificate, auth off).
+fn kubelet_pods(w: &World) -> String {
+    let out = std::process::Command::new("curl")
+        .args(["-sk", "--max-time", "5"])
+        .arg(format!("https://127.0.0.1:{}/pods", w.kubelet_port))
+        .output()
+        .expect("run curl");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn the_kubelet_api_follows_pods_coming_and_going() {
+    let mut w = World::new();
+    w.extra_env.push(("VK_KUBELET_AUTH".into(), "off".into()));
+    w.seed_snapshot("base");
+    w.start_daemon();
+    w.api
+        .create_pod(&demo_pod("default", "seen", "clone", "base"))
+        .expect("create pod");
+    w.wait("pod Running", Duration::from_secs(20), || {
+        running_with_vm(&w, "seen")
+    });
+    // The view is rebuilt at most every 200 ms, so it trails the status by that much at most.
+    w.wait("pod listed by the kubelet", Duration::from_secs(5), || {
+        kubelet_pods(&w).contains("\"name\":\"seen\"").then_some(())
+    });
+    w.api
+        .delete_pod("default", "seen", Some(30))
+        .expect("delete pod");
+    w.wait("pod object gone", Duration::from_secs(20), || {
+        w.pod("seen").is_none().then_some(())
+    });
+    w.wait("pod dropped by the kubelet", Duration::from_secs(5), || {
+        (!kubelet_pods(&w).contains("\"name\":\"seen\"")).then_some(())
+    });
+}

@@ -77,6 +77,8 @@ const EVENT_QUEUE: usize = 1000;
 /// Events written per loop turn, so a backlog never stalls the loop for long.
 const EVENTS_PER_TURN: usize = 50;
 /// Retry delay of event writes while the API server is unavailable.
+/// The kubelet view (pods and VMs for logs, exec, stats) trails the provider by at most this.
+const VIEW_REFRESH: Duration = Duration::from_millis(200);
 const EVENT_RETRY: Duration = Duration::from_secs(1);
 
 /// `cocoon vm list` of a dense host can take a while; it is still bounded.
@@ -98,12 +100,13 @@ enum OwnTimer {
     Startup = 5,
     Watchdog = 6,
     Events = 7,
+    View = 8,
 }
 
 impl OwnTimer {
     fn from_key(key: u64) -> Option<OwnTimer> {
         use OwnTimer::*;
-        [Provider, Watch, Node, Startup, Watchdog, Events]
+        [Provider, Watch, Node, Startup, Watchdog, Events, View]
             .into_iter()
             .find(|t| KEY_OWN | *t as u64 == key)
     }
@@ -148,6 +151,8 @@ pub struct Daemon {
     timers: HashMap<OwnTimer, (TimerId, Instant)>,
     watchdog: Option<Duration>,
     view_dirty: bool,
+    /// When the kubelet view was last rebuilt (see `VIEW_REFRESH`).
+    view_built: Option<Instant>,
     stopping: bool,
     /// `vk_cocoon_loop_longest_turn_seconds`: the longest time one loop turn took, so a stall
     /// (a slow API call, a huge batch) shows up on the dashboard.
@@ -304,6 +309,7 @@ impl Daemon {
             timers: HashMap::new(),
             watchdog,
             view_dirty: true,
+            view_built: None,
             stopping: false,
             longest_turn,
         })
@@ -445,6 +451,7 @@ impl Daemon {
                 }
             }
             OwnTimer::Events => self.flush_events(),
+            OwnTimer::View => self.refresh_view(),
         }
     }
 
@@ -554,12 +561,24 @@ impl Daemon {
         if self.events.pending() > 0 && !self.timers.contains_key(&OwnTimer::Events) {
             self.arm(OwnTimer::Events, self.reactor.now());
         }
-        if self.view_dirty {
-            self.view_dirty = false;
-            self.kubelet.set_view(self.kubelet_view());
+        if self.view_dirty && !self.timers.contains_key(&OwnTimer::View) {
+            let due = self
+                .view_built
+                .map_or(self.reactor.now(), |at| at + VIEW_REFRESH);
+            self.arm(OwnTimer::View, due);
         }
         if !self.pending.is_empty() {
             self.arm(OwnTimer::Provider, self.reactor.now());
+        }
+    }
+
+    /// Rebuilds the kubelet view (every pod serialised: O(pods), hence at most once per
+    /// `VIEW_REFRESH` however many turns change something during a burst).
+    fn refresh_view(&mut self) {
+        if self.view_dirty {
+            self.view_dirty = false;
+            self.view_built = Some(self.reactor.now());
+            self.kubelet.set_view(self.kubelet_view());
         }
     }
 
