@@ -1136,6 +1136,19 @@ fn cpu_class_mismatch_is_rejected() {
     ));
 }
 
+/// Feed a managed clone pod and answer `snapshot rm fork-*` and `snapshot inspect`; returns the
+/// op of the `vm clone` call and the effects of the pod's arrival.
+fn drive_to_clone(h: &mut H, p: Pod) -> (OpId, Vec<Effect>) {
+    let first = h.feed(Input::PodUpserted(Box::new(p)));
+    let (op, _) = one_cocoon(&first);
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"S","name":"x"}"#));
+    let (op, cmd) = one_cocoon(&e);
+    assert!(argv(&cmd).starts_with("vm clone"));
+    (op, first)
+}
+
 #[test]
 fn failed_pod_left_by_an_interrupted_eviction_is_deleted_after_restart() {
     let mut h = H::new(ProviderConfig::default());
@@ -1165,17 +1178,7 @@ fn failed_pod_left_by_an_interrupted_eviction_is_deleted_after_restart() {
 #[test]
 fn failed_bring_up_removes_the_record_it_left_or_adopts_a_finished_one() {
     let mut h = H::new(ProviderConfig::default());
-    let e = h.feed(Input::PodUpserted(Box::new(mk(
-        "a",
-        "u1",
-        &managed("a", "vk-ns-demo-0"),
-    ))));
-    let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(""));
-    let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"S","name":"x"}"#));
-    let (op, cmd) = one_cocoon(&e);
-    assert!(argv(&cmd).starts_with("vm clone"));
+    let (op, _) = drive_to_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")));
     let timed_out = CocoonResult {
         timed_out: true,
         ..Default::default()
@@ -1204,16 +1207,7 @@ fn failed_bring_up_removes_the_record_it_left_or_adopts_a_finished_one() {
     assert!(events(&e).iter().any(|(r, _)| *r == "ProviderCreateFailed"));
 
     // Second pod: the clone timed out but finished anyway: adopted, no second clone.
-    let e = h.feed(Input::PodUpserted(Box::new(mk(
-        "b",
-        "u2",
-        &managed("b", "vk-ns-demo-1"),
-    ))));
-    let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(""));
-    let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"S","name":"x"}"#));
-    let (op, _) = one_cocoon(&e);
+    let (op, _) = drive_to_clone(&mut h, mk("b", "u2", &managed("b", "vk-ns-demo-1")));
     let e = h.cocoon(op, timed_out);
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(
@@ -1268,16 +1262,7 @@ fn failed_rm_before_eviction_rechecks_instead_of_giving_up() {
 #[test]
 fn vm_event_during_a_create_is_looked_at_once_the_create_is_done() {
     let mut h = H::new(ProviderConfig::default());
-    let e = h.feed(Input::PodUpserted(Box::new(mk(
-        "a",
-        "u1",
-        &managed("a", "vk-ns-demo-0"),
-    ))));
-    let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(""));
-    let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"S","name":"x"}"#));
-    let (op, _) = one_cocoon(&e);
+    let (op, _) = drive_to_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")));
     let running = || vm_json("VM1", "vk-ns-demo-0", "running", "02:00:00:00:00:01");
     let e = h.cocoon(op, CocoonResult::ok(running()));
     let lop = lookup(&e).expect("lease lookup");
@@ -1325,23 +1310,14 @@ fn vm_event_during_a_create_is_looked_at_once_the_create_is_done() {
 #[test]
 fn a_lifecycle_retry_never_overwrites_a_newer_state() {
     let mut h = H::new(ProviderConfig::default());
-    let e = h.feed(Input::PodUpserted(Box::new(mk(
-        "a",
-        "u1",
-        &managed("a", "vk-ns-demo-0"),
-    ))));
-    let (creating, a) = annotation_patches(&e)[0].clone();
+    let (op, first) = drive_to_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")));
+    let (creating, a) = annotation_patches(&first)[0].clone();
     assert_eq!(a[ANN_LIFECYCLE_STATE].as_deref(), Some("creating"));
-    // The `creating` flush fails at once: its retry is due in 500 ms.
-    let (op, _) = one_cocoon(&e);
+    // The `creating` flush fails at once: its retry was due in 500 ms.
     h.feed(Input::KubeDone {
         op: creating,
         result: Err(KubeError::Other("500".into())),
     });
-    let e = h.cocoon(op, CocoonResult::ok(""));
-    let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"S","name":"x"}"#));
-    let (op, _) = one_cocoon(&e);
     let e = h.cocoon(
         op,
         CocoonResult::ok(vm_json(
