@@ -1136,6 +1136,13 @@ fn cpu_class_mismatch_is_rejected() {
     ));
 }
 
+/// Expect exactly one cocoon call with this argv in `e`, answer it with `r`.
+fn answer(h: &mut H, e: &[Effect], want: &str, r: CocoonResult) -> Vec<Effect> {
+    let (op, cmd) = one_cocoon(e);
+    assert_eq!(argv(&cmd), want);
+    h.cocoon(op, r)
+}
+
 /// Feed a managed clone pod and answer `snapshot rm fork-*` and `snapshot inspect`; returns the
 /// op of the `vm clone` call and the effects of the pod's arrival.
 fn drive_to_clone(h: &mut H, p: Pod) -> (OpId, Vec<Effect>) {
@@ -1199,9 +1206,7 @@ fn failed_bring_up_removes_the_record_it_left_or_adopts_a_finished_one() {
             "02:00:00:00:00:01",
         )),
     );
-    let (op, cmd) = one_cocoon(&e);
-    assert_eq!(argv(&cmd), "vm rm --force VM7");
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = answer(&mut h, &e, "vm rm --force VM7", CocoonResult::ok(""));
     let st = statuses(&e);
     assert_eq!(st[0].1.reason.as_deref(), Some("ProviderFailed"));
     assert!(events(&e).iter().any(|(r, _)| *r == "ProviderCreateFailed"));
@@ -1241,21 +1246,23 @@ fn failed_rm_before_eviction_rechecks_instead_of_giving_up() {
     });
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(op, CocoonResult::ok(stopped()));
-    let (op, cmd) = one_cocoon(&e);
-    assert_eq!(argv(&cmd), "vm start VM1");
-    let e = h.cocoon(op, CocoonResult::failed("backend busy"));
-    let (op, cmd) = one_cocoon(&e);
-    assert_eq!(argv(&cmd), "vm rm --force VM1");
-    let e = h.cocoon(op, CocoonResult::failed("backend busy"));
+    let e = answer(
+        &mut h,
+        &e,
+        "vm start VM1",
+        CocoonResult::failed("backend busy"),
+    );
+    let e = answer(
+        &mut h,
+        &e,
+        "vm rm --force VM1",
+        CocoonResult::failed("backend busy"),
+    );
     assert!(statuses(&e).is_empty(), "no eviction while the VM is kept");
     // One second later the deferred recheck looks again; the cooldown now removes and evicts.
     let e = h.advance(Duration::from_secs(1));
-    let (op, cmd) = one_cocoon(&e);
-    assert_eq!(argv(&cmd), "vm inspect VM1");
-    let e = h.cocoon(op, CocoonResult::ok(stopped()));
-    let (op, cmd) = one_cocoon(&e);
-    assert_eq!(argv(&cmd), "vm rm --force VM1");
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = answer(&mut h, &e, "vm inspect VM1", CocoonResult::ok(stopped()));
+    let e = answer(&mut h, &e, "vm rm --force VM1", CocoonResult::ok(""));
     assert_eq!(statuses(&e)[0].1.reason.as_deref(), Some("RestartCooldown"));
 }
 
@@ -1278,10 +1285,10 @@ fn vm_event_during_a_create_is_looked_at_once_the_create_is_done() {
         result: Ok(None),
     });
     assert!(statuses(&e).iter().all(|(_, s)| !status::is_ready(s)));
-    let (op, cmd) = one_cocoon(&e);
-    assert_eq!(argv(&cmd), "vm inspect VM1");
-    let e = h.cocoon(
-        op,
+    let e = answer(
+        &mut h,
+        &e,
+        "vm inspect VM1",
         CocoonResult::ok(vm_json(
             "VM1",
             "vk-ns-demo-0",
@@ -1289,9 +1296,7 @@ fn vm_event_during_a_create_is_looked_at_once_the_create_is_done() {
             "02:00:00:00:00:01",
         )),
     );
-    let (op, cmd) = one_cocoon(&e);
-    assert_eq!(argv(&cmd), "vm start VM1");
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = answer(&mut h, &e, "vm start VM1", CocoonResult::ok(""));
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(op, CocoonResult::ok(running()));
     // The check preempted the wait for Ready; it resumes, and the lease brings Ready.
