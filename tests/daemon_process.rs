@@ -51,10 +51,17 @@ fn a_pod_becomes_a_running_vm_and_deleting_it_removes_the_vm_and_the_pod() {
         .unwrap_or_default();
     assert_eq!(containers.len(), 1);
     assert_eq!(containers[0].name, "agent");
-    assert!(w
-        .events_for("web")
-        .iter()
-        .any(|(r, _)| r == "ProviderCreateSuccess"));
+    // Events are written after the status, on their own timer.
+    w.wait(
+        "ProviderCreateSuccess event",
+        Duration::from_secs(10),
+        || {
+            w.events_for("web")
+                .iter()
+                .any(|(r, _)| r == "ProviderCreateSuccess")
+                .then_some(())
+        },
+    );
 
     // A user delete: the API server marks the pod; the daemon removes the VM and the object.
     w.api

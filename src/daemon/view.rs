@@ -31,7 +31,7 @@ impl Daemon {
                     name: key.name,
                     uid: pod.metadata.uid.clone().unwrap_or_default(),
                     vm,
-                    pod: Arc::new(serde_json::to_value(&pod).unwrap_or_default()),
+                    pod: Arc::new(pod),
                 }
             })
             .collect();

@@ -128,8 +128,9 @@ pub struct PodInfo {
     pub uid: String,
     /// None when the pod has no live VM (hibernated, not yet created, failed).
     pub vm: Option<VmInfo>,
-    /// The pod object as JSON (served by /pods and /runningpods/).
-    pub pod: Arc<serde_json::Value>,
+    /// The pod object (serialised on demand by /pods and /runningpods/: a JSON tree per pod
+    /// would cost several times the struct's memory on a dense node).
+    pub pod: Arc<k8s_openapi::api::core::v1::Pod>,
 }
 
 /// The facts the daemon gives the server.

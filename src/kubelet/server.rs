@@ -716,7 +716,7 @@ impl KubeletServer {
     }
 
     fn pod_list<'a>(pods: impl Iterator<Item = &'a PodInfo>) -> Vec<u8> {
-        let items: Vec<&serde_json::Value> = pods.map(|p| p.pod.as_ref()).collect();
+        let items: Vec<&k8s_openapi::api::core::v1::Pod> = pods.map(|p| p.pod.as_ref()).collect();
         json!({"kind":"PodList","apiVersion":"v1","metadata":{},"items":items})
             .to_string()
             .into_bytes()

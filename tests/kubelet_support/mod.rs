@@ -188,7 +188,8 @@ pub fn pod(ns: &str, name: &str, vm: Option<(&str, u32)>) -> PodInfo {
             backend: "cloud-hypervisor".into(),
         }),
         pod: Arc::new(
-            serde_json::json!({"apiVersion":"v1","kind":"Pod","metadata":{"namespace":ns,"name":name,"uid":format!("uid-{name}")}}),
+            serde_json::from_value(serde_json::json!({"apiVersion":"v1","kind":"Pod","metadata":{"namespace":ns,"name":name,"uid":format!("uid-{name}")}}))
+                .unwrap(),
         ),
     }
 }
