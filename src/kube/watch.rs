@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use mio::net::TcpStream;
 use mio::{Interest, Registry, Token};
 use rustls::pki_types::ServerName;
@@ -397,10 +398,26 @@ fn rv_of(p: &Pod) -> &str {
     p.metadata.resource_version.as_deref().unwrap_or("")
 }
 
-/// The set of pods the daemon has been told about, keyed `namespace/name`.
+/// The set of pods the daemon has been told about, keyed `namespace/name`. Only each pod's
+/// identity is kept (namespace, name, uid, resourceVersion): the provider holds the full
+/// objects, and a second full copy per pod was a large share of a dense node's memory. A
+/// Deleted output synthesised from this set (relist, uid change) carries that identity only.
 #[derive(Default, Debug)]
 pub struct KnownPods {
     pods: HashMap<String, Pod>,
+}
+
+fn identity_of(p: &Pod) -> Pod {
+    Pod {
+        metadata: ObjectMeta {
+            namespace: p.metadata.namespace.clone(),
+            name: p.metadata.name.clone(),
+            uid: p.metadata.uid.clone(),
+            resource_version: p.metadata.resource_version.clone(),
+            ..Default::default()
+        },
+        ..Default::default()
+    }
 }
 
 impl KnownPods {
@@ -412,24 +429,16 @@ impl KnownPods {
         self.pods.is_empty()
     }
 
-    pub fn get(&self, ns: &str, name: &str) -> Option<&Pod> {
-        self.pods.get(&format!("{ns}/{name}"))
-    }
-
-    pub fn iter(&self) -> impl Iterator<Item = &Pod> {
-        self.pods.values()
-    }
-
     /// Apply an ADDED or MODIFIED object.
     pub fn upsert(&mut self, pod: Box<Pod>, out: &mut Vec<WatchOutput>) {
         let key = key_of(&pod);
         match self.pods.get(&key) {
             None => {
-                self.pods.insert(key, (*pod).clone());
+                self.pods.insert(key, identity_of(&pod));
                 out.push(WatchOutput::Added(pod));
             }
             Some(old) if uid_of(old) != uid_of(&pod) => {
-                let old = self.pods.insert(key, (*pod).clone());
+                let old = self.pods.insert(key, identity_of(&pod));
                 if let Some(old) = old {
                     out.push(WatchOutput::Deleted(Box::new(old)));
                 }
@@ -437,7 +446,7 @@ impl KnownPods {
             }
             Some(old) if !rv_of(&pod).is_empty() && rv_of(old) == rv_of(&pod) => {}
             Some(_) => {
-                self.pods.insert(key, (*pod).clone());
+                self.pods.insert(key, identity_of(&pod));
                 out.push(WatchOutput::Modified(pod));
             }
         }
