@@ -1207,8 +1207,14 @@ fn pipe(mut from: TcpStream, mut to: TcpStream, limit: Option<u64>) {
 }
 
 /// What the proxy does to requests before forwarding them to the registry.
-#[derive(Clone)]
+#[derive(Clone, Default)]
 struct ProxyRules {
+    /// Drop `Range` headers (a registry that ignores ranges and answers 200).
+    strip_range: bool,
+    /// Cut this many ranged GET responses after 1 MiB.
+    cut_ranges: Arc<AtomicUsize>,
+    /// Ranged GETs seen.
+    ranges_seen: Arc<AtomicUsize>,
     /// Require `Authorization: Bearer` tokens from this token server (realm URL).
     bearer_realm: Option<String>,
     /// Reject every token (a registry that answers 401 after a token).
@@ -1296,6 +1302,10 @@ fn start_proxy(upstream: u16, rules: ProxyRules) -> u16 {
                     if i > 0 && line.to_ascii_lowercase().starts_with("connection:") {
                         continue;
                     }
+                    if i > 0 && rules.strip_range && line.to_ascii_lowercase().starts_with("range:")
+                    {
+                        continue;
+                    }
                     fwd.push_str(line);
                     fwd.push_str("\r\n");
                 }
@@ -1318,9 +1328,20 @@ fn start_proxy(upstream: u16, rules: ProxyRules) -> u16 {
                         limit = Some(MIB);
                     }
                 }
+                let mut down_limit = None;
+                if header(&head, "range").is_some() {
+                    rules.ranges_seen.fetch_add(1, Ordering::SeqCst);
+                    if rules
+                        .cut_ranges
+                        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                        .is_ok()
+                    {
+                        down_limit = Some(MIB);
+                    }
+                }
                 let (c2, up2) = (c.try_clone().unwrap(), up.try_clone().unwrap());
                 let t = std::thread::spawn(move || pipe(c2, up2, limit));
-                pipe(up, c, None);
+                pipe(up, c, down_limit);
                 let _ = t.join();
             });
         }
@@ -1385,6 +1406,7 @@ fn bearer_token_flow_with_scopes_per_repository() {
         reject_all_tokens: false,
         cut_patches: Arc::new(AtomicUsize::new(0)),
         patches_seen: Arc::new(AtomicUsize::new(0)),
+        ..Default::default()
     };
     let pport = start_proxy(reg.port, rules);
     let client = client_for(&format!("127.0.0.1:{pport}"), AuthSettings::default());
@@ -1425,6 +1447,7 @@ fn registry_answering_401_after_a_token_is_a_clear_error() {
         reject_all_tokens: true,
         cut_patches: Arc::new(AtomicUsize::new(0)),
         patches_seen: Arc::new(AtomicUsize::new(0)),
+        ..Default::default()
     };
     let pport = start_proxy(reg.port, rules);
     let client = client_for(&format!("127.0.0.1:{pport}"), AuthSettings::default());
@@ -1445,6 +1468,7 @@ fn interrupted_upload_is_retried_and_completes() {
         reject_all_tokens: false,
         cut_patches: Arc::new(AtomicUsize::new(1)),
         patches_seen: Arc::new(AtomicUsize::new(0)),
+        ..Default::default()
     };
     let seen = rules.patches_seen.clone();
     let cut = rules.cut_patches.clone();
@@ -1598,6 +1622,7 @@ fn interrupted_streamed_upload_falls_back_to_the_spool_and_completes() {
         reject_all_tokens: false,
         cut_patches: Arc::new(AtomicUsize::new(1)),
         patches_seen: Arc::new(AtomicUsize::new(0)),
+        ..Default::default()
     };
     let seen = rules.patches_seen.clone();
     let cut = rules.cut_patches.clone();
@@ -1720,4 +1745,139 @@ fn node_wide_gates_bound_v2_pulls_to_two_and_pipelined_pushes_to_one() {
     assert_eq!(client.pipelined_push_gate().peak(), 1);
     let peak = peak_cocoon_processes(&cocoon, "export", || pushes(&PushKnobs::default()));
     assert_eq!(peak, 2, "plain v1 pushes are not gated");
+}
+
+// ---------------------------------------------------------------- ranged raw blobs
+
+/// A v1 snapshot whose memory file (40 MiB + 5 bytes: five whole 8 MiB pieces and a 5-byte
+/// tail) is large enough for the ranged path.
+fn ranged_files() -> Vec<FileSpec> {
+    vec![
+        FileSpec {
+            name: "config.json",
+            size: 4120,
+            mode: 0o640,
+            sparse: None,
+            seed: 21,
+        },
+        FileSpec {
+            name: "memory-ranges",
+            size: 40 * MIB + 5,
+            mode: 0o600,
+            sparse: None,
+            seed: 22,
+        },
+    ]
+}
+
+/// Pushes `ranged_files` as `vm` and returns the memory layer's digest.
+fn push_ranged(client: &RegistryClient, cocoon: &FakeCocoon, vm: &str) -> String {
+    cocoon.create_snapshot(vm, &ranged_files());
+    push_snapshot(
+        client,
+        &push_req(cocoon, vm, "latest", PushKnobs::default()),
+    )
+    .expect("push");
+    let (body, _) = client
+        .get_manifest(&client.reference(vm, "latest").unwrap())
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    v["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["size"].as_u64() == Some(40 * MIB + 5))
+        .and_then(|l| l["digest"].as_str())
+        .expect("memory layer")
+        .to_string()
+}
+
+#[test]
+fn large_raw_blob_pulls_as_parallel_ranges_byte_identical() {
+    let Some(reg) = Registry::start(None) else {
+        return;
+    };
+    let cocoon = FakeCocoon::new();
+    let client = client_for(&reg.host(), AuthSettings::default());
+    push_ranged(&client, &cocoon, "vm-r");
+    pull_snapshot(&client, &pull_req(&cocoon, "vm-r", "latest", "r")).expect("pull");
+    assert_same_snapshot(&cocoon.export_path("vm-r"), &cocoon.import_path("r"), "r");
+    assert_eq!(client.ranged_pieces(), 6, "40 MiB + 5 in 8 MiB pieces");
+
+    // Concurrency 1 keeps the single stream.
+    let fresh = client_for(&reg.host(), AuthSettings::default());
+    let mut req = pull_req(&cocoon, "vm-r", "latest", "r1");
+    req.concurrency = 1;
+    pull_snapshot(&fresh, &req).expect("pull");
+    assert_same_snapshot(&cocoon.export_path("vm-r"), &cocoon.import_path("r1"), "r1");
+    assert_eq!(fresh.ranged_pieces(), 0);
+}
+
+#[test]
+fn corrupted_large_blob_fails_the_ranged_pull_and_imports_nothing() {
+    let Some(reg) = Registry::start(None) else {
+        return;
+    };
+    let cocoon = FakeCocoon::new();
+    let client = client_for(&reg.host(), AuthSettings::default());
+    let digest = push_ranged(&client, &cocoon, "vm-rc");
+    // One flipped byte in the middle of the third piece.
+    let path = reg.blob_data_path(&digest);
+    let mut data = fs::read(&path).expect("blob data in storage");
+    data[(20 * MIB) as usize] ^= 0x55;
+    fs::write(&path, &data).unwrap();
+
+    let err = pull_snapshot(&client, &pull_req(&cocoon, "vm-rc", "latest", "bad"))
+        .expect_err("corruption must fail");
+    assert!(matches!(err, TransferError::Integrity(_)), "{err:?}");
+    assert!(err.to_string().contains(&digest), "names the digest: {err}");
+    assert!(client.ranged_pieces() > 0, "the ranged path ran");
+    assert!(!cocoon.import_path("bad").exists(), "nothing imported");
+    assert!(!cocoon.snapshot_names().contains(&"bad".to_string()));
+}
+
+#[test]
+fn registry_ignoring_ranges_falls_back_to_one_stream() {
+    let Some(reg) = Registry::start(None) else {
+        return;
+    };
+    let cocoon = FakeCocoon::new();
+    let direct = client_for(&reg.host(), AuthSettings::default());
+    push_ranged(&direct, &cocoon, "vm-rf");
+    let rules = ProxyRules {
+        strip_range: true,
+        ..Default::default()
+    };
+    let seen = rules.ranges_seen.clone();
+    let pport = start_proxy(reg.port, rules);
+    let client = client_for(&format!("127.0.0.1:{pport}"), AuthSettings::default());
+    pull_snapshot(&client, &pull_req(&cocoon, "vm-rf", "latest", "f")).expect("pull");
+    assert_same_snapshot(&cocoon.export_path("vm-rf"), &cocoon.import_path("f"), "f");
+    assert!(seen.load(Ordering::SeqCst) > 0, "ranges were asked for");
+    assert_eq!(client.ranged_pieces(), 0, "none answered 206");
+}
+
+#[test]
+fn a_cut_range_response_is_retried_as_one_piece() {
+    let Some(reg) = Registry::start(None) else {
+        return;
+    };
+    let cocoon = FakeCocoon::new();
+    let direct = client_for(&reg.host(), AuthSettings::default());
+    push_ranged(&direct, &cocoon, "vm-rt");
+    let rules = ProxyRules {
+        cut_ranges: Arc::new(AtomicUsize::new(1)),
+        ..Default::default()
+    };
+    let seen = rules.ranges_seen.clone();
+    let pport = start_proxy(reg.port, rules);
+    let client = client_for(&format!("127.0.0.1:{pport}"), AuthSettings::default());
+    pull_snapshot(&client, &pull_req(&cocoon, "vm-rt", "latest", "t")).expect("pull");
+    assert_same_snapshot(&cocoon.export_path("vm-rt"), &cocoon.import_path("t"), "t");
+    assert_eq!(client.ranged_pieces(), 6);
+    assert_eq!(
+        seen.load(Ordering::SeqCst),
+        7,
+        "six pieces, one of them twice"
+    );
 }

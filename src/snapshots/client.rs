@@ -5,6 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::{self, Read};
 use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -244,6 +245,7 @@ pub struct RegistryClient {
     v2_pulls: Arc<Gate>,
     pipelined_pushes: Arc<Gate>,
     uploaded: Mutex<HashSet<(String, String)>>,
+    ranged: AtomicU64,
 }
 
 impl RegistryClient {
@@ -269,6 +271,7 @@ impl RegistryClient {
             v2_pulls: Gate::new(MAX_V2_PULLS),
             pipelined_pushes: Gate::new(MAX_PIPELINED_PUSHES),
             uploaded: Mutex::new(HashSet::new()),
+            ranged: AtomicU64::new(0),
         }
     }
 
@@ -741,8 +744,90 @@ impl RegistryClient {
             what,
             done: false,
             hash: true,
-            _permit: permit,
+            _permit: Some(permit),
         })
+    }
+
+    /// Reads bytes `offset .. offset + len` of a blob of `blob_size` bytes into `buf` with one
+    /// `Range` GET (same session, auth and download gate as [`RegistryClient::get_blob`]).
+    /// The whole exchange, body included, is retried under the transport retry policy, so a
+    /// connection cut mid-piece costs one piece. [`RangeAnswer::NotPartial`] when the registry
+    /// ignores the range (200 with the whole blob): nothing is read, the caller falls back to
+    /// a single stream. The bytes are counted, not hashed; the caller hashes the whole blob.
+    pub fn get_blob_range(
+        &self,
+        repository: &str,
+        digest: &str,
+        blob_size: u64,
+        offset: u64,
+        len: u64,
+        buf: &mut Vec<u8>,
+    ) -> Result<RangeAnswer, TransferError> {
+        let end = offset
+            .checked_add(len)
+            .filter(|e| len > 0 && *e <= blob_size)
+            .ok_or_else(|| {
+                TransferError::Invalid(format!(
+                    "range {offset}+{len} outside blob {digest} of {blob_size} bytes"
+                ))
+            })?;
+        let permit = self.acquire_download();
+        let sess = self.session(&self.base.host, repository, "pull");
+        let url = self.url(&sess.host, &format!("/v2/{repository}/blobs/{digest}"))?;
+        let what = format!(
+            "get blob {}/{repository}@{digest} bytes {offset}-{}",
+            sess.host,
+            end - 1
+        );
+        let range = format!("bytes={offset}-{}", end - 1);
+        let answer = self
+            .with_transport_retry(|| {
+                let resp = self.exchange(&sess, "GET", &url, &[("Range", &range)], Body::Empty)?;
+                let answer = classify_range(
+                    resp.status(),
+                    resp.header("content-range"),
+                    resp.header("content-length"),
+                    offset,
+                    len,
+                    blob_size,
+                    &what,
+                )
+                .map_err(HttpFailure::Auth)?;
+                if answer == RangeAnswer::NotPartial {
+                    return Ok(answer);
+                }
+                let mut body = BlobReader {
+                    inner: resp.into_reader(),
+                    hasher: Sha256::new(),
+                    read: 0,
+                    expected_size: len,
+                    digest: digest.to_string(),
+                    what: what.clone(),
+                    done: false,
+                    hash: false,
+                    _permit: None,
+                };
+                buf.clear();
+                buf.reserve(len as usize);
+                match body.read_to_end(buf) {
+                    Ok(_) => Ok(answer),
+                    Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+                        Err(HttpFailure::Auth(TransferError::Integrity(e.to_string())))
+                    }
+                    Err(e) => Err(HttpFailure::Transport(e.to_string())),
+                }
+            })
+            .map_err(|f| f.into_error(&what))?;
+        drop(permit);
+        if answer == RangeAnswer::Partial {
+            self.ranged.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(answer)
+    }
+
+    /// Ranged GETs answered 206 so far (observability for tests and logs).
+    pub fn ranged_pieces(&self) -> u64 {
+        self.ranged.load(Ordering::Relaxed)
     }
 
     fn acquire_download(&self) -> GatePermit {
@@ -1045,6 +1130,70 @@ fn upload_failure_is_temporary(f: &HttpFailure) -> bool {
     }
 }
 
+/// How a registry answered a ranged blob GET.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RangeAnswer {
+    /// 206 with exactly the requested range; the bytes were read.
+    Partial,
+    /// 200: the registry ignores ranges and sends the whole blob (not read).
+    NotPartial,
+}
+
+/// Checks a ranged GET's status and headers against the request: 206 needs
+/// `Content-Range: bytes <offset>-<offset+len-1>/<blob_size or *>` and, when present, a
+/// `Content-Length` of `len`; 200 is [`RangeAnswer::NotPartial`]; anything else an error.
+fn classify_range(
+    status: u16,
+    content_range: Option<&str>,
+    content_length: Option<&str>,
+    offset: u64,
+    len: u64,
+    blob_size: u64,
+    what: &str,
+) -> Result<RangeAnswer, TransferError> {
+    match status {
+        206 => {}
+        200 => return Ok(RangeAnswer::NotPartial),
+        other => {
+            return Err(TransferError::Registry(format!(
+                "{what}: HTTP {other} to a range request"
+            )))
+        }
+    }
+    let bad = |m: String| TransferError::Registry(format!("{what}: {m}"));
+    let cr = content_range.ok_or_else(|| bad("206 without Content-Range".into()))?;
+    let parsed = cr
+        .trim()
+        .strip_prefix("bytes ")
+        .and_then(|r| r.split_once('/'))
+        .and_then(|(span, total)| {
+            let (a, b) = span.trim().split_once('-')?;
+            Some((a.parse::<u64>().ok()?, b.parse::<u64>().ok()?, total.trim()))
+        });
+    let Some((first, last, total)) = parsed else {
+        return Err(bad(format!("unparsable Content-Range {cr:?}")));
+    };
+    if first != offset || last.checked_sub(first).map(|d| d + 1) != Some(len) {
+        return Err(bad(format!(
+            "Content-Range {cr:?} is not the requested bytes {offset}-{}",
+            offset + len - 1
+        )));
+    }
+    if total != "*" && total.parse::<u64>().ok() != Some(blob_size) {
+        return Err(TransferError::Integrity(format!(
+            "{what}: registry says the blob is {total} bytes, descriptor says {blob_size}"
+        )));
+    }
+    if let Some(cl) = content_length {
+        if cl.trim().parse::<u64>().ok() != Some(len) {
+            return Err(bad(format!(
+                "206 with Content-Length {cl}, range is {len} bytes"
+            )));
+        }
+    }
+    Ok(RangeAnswer::Partial)
+}
+
 /// `sha256:<hex>` of bytes.
 pub fn sha256_digest(data: &[u8]) -> String {
     format!("sha256:{}", hex_lower(&Sha256::digest(data)))
@@ -1062,7 +1211,8 @@ pub struct BlobReader {
     done: bool,
     /// False after [`BlobReader::split`]: the [`BlobCheck`] hashes instead.
     hash: bool,
-    _permit: GatePermit,
+    /// The download slot, released with the reader (`None` when the caller holds it).
+    _permit: Option<GatePermit>,
 }
 
 /// The digest half of a split [`BlobReader`]: fed the bytes wherever they are consumed, so
@@ -1074,6 +1224,15 @@ pub struct BlobCheck {
 }
 
 impl BlobCheck {
+    /// A check of bytes fed in blob order against `digest` (`what` prefixes its error).
+    pub fn new(digest: &str, what: &str) -> BlobCheck {
+        BlobCheck {
+            hasher: Sha256::new(),
+            digest: digest.to_string(),
+            what: what.to_string(),
+        }
+    }
+
     pub fn update(&mut self, data: &[u8]) {
         self.hasher.update(data);
     }
@@ -1096,11 +1255,7 @@ impl BlobReader {
     /// but no longer hashes; every byte it returns must be fed to the check, then `finish`.
     pub fn split(mut self) -> (BlobReader, BlobCheck) {
         self.hash = false;
-        let check = BlobCheck {
-            hasher: Sha256::new(),
-            digest: self.digest.clone(),
-            what: self.what.clone(),
-        };
+        let check = BlobCheck::new(&self.digest, &self.what);
         (self, check)
     }
 
@@ -1142,5 +1297,46 @@ impl Read for BlobReader {
             self.hasher.update(&buf[..n]);
         }
         Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn classify(status: u16, cr: Option<&str>, cl: Option<&str>) -> Result<RangeAnswer, String> {
+        classify_range(status, cr, cl, 8, 4, 100, "w").map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn range_answers_are_classified() {
+        let ok = Some("bytes 8-11/100");
+        assert_eq!(classify(206, ok, Some("4")), Ok(RangeAnswer::Partial));
+        assert_eq!(classify(206, ok, None), Ok(RangeAnswer::Partial));
+        assert_eq!(
+            classify(206, Some("bytes 8-11/*"), None),
+            Ok(RangeAnswer::Partial)
+        );
+        // A registry that ignores Range answers 200 with the whole blob: fall back.
+        assert_eq!(
+            classify(200, None, Some("100")),
+            Ok(RangeAnswer::NotPartial)
+        );
+        for (status, cr, cl) in [
+            (206, None, None),
+            (206, Some("bytes 0-3/100"), None),
+            (206, Some("bytes 8-12/100"), None),
+            (206, Some("bytes 8-11/100"), Some("5")),
+            (206, Some("items 8-11/100"), None),
+            (206, Some("bytes 8-x/100"), None),
+            (206, Some("bytes 11-8/100"), None),
+            (204, None, None),
+        ] {
+            let e = classify(status, cr, cl).expect_err("refused");
+            assert!(e.starts_with("w: "), "{e}");
+        }
+        // The registry's idea of the blob size disagrees with the descriptor.
+        let e = classify_range(206, Some("bytes 8-11/99"), None, 8, 4, 100, "w");
+        assert!(matches!(e, Err(TransferError::Integrity(_))), "{e:?}");
     }
 }

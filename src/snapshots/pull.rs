@@ -9,7 +9,9 @@ use std::time::{Duration, Instant, SystemTime};
 
 use oci_spec::image::{Descriptor, ImageManifest};
 
-use super::client::{BlobReader, GatePermit, RegistryClient, MAX_V2_PULLS};
+use super::client::{
+    BlobCheck, BlobReader, GatePermit, RangeAnswer, RegistryClient, MAX_DOWNLOADS, MAX_V2_PULLS,
+};
 use super::cocoon_child::{remove_snapshot, CocoonChild};
 use super::format::{self, ArtifactKind, ManifestInfo, SnapshotConfig};
 use super::reference::Reference;
@@ -452,6 +454,7 @@ pub fn pull_snapshot(
         &mut tar,
         win,
         out_cap,
+        range_window(req.concurrency),
     );
     if let Err(e) = stream {
         // Kill before the pipe closes so cocoon never sees an end-of-file it could commit.
@@ -530,6 +533,27 @@ impl<W: Write> Write for CountingWriter<W> {
     }
 }
 
+const LONGER_RAW: &str = "longer than its descriptor";
+const LONGER_DECODED: &str = "decoded data longer than files[].size";
+
+/// Writes into the current tar member: running past the member's declared size is the
+/// source's integrity failure (`what: longer`), any other error is the import pipe's.
+fn write_member<W: Write>(
+    tar: &mut TarWriter<W>,
+    data: &[u8],
+    what: &str,
+    longer: &str,
+    local: &str,
+) -> Result<(), TransferError> {
+    tar.write_body(data).map_err(|e| {
+        if e.kind() == io::ErrorKind::InvalidData {
+            TransferError::Integrity(format!("{what}: {longer}"))
+        } else {
+            pipe_err(local, e)
+        }
+    })
+}
+
 fn pipe_err(local: &str, e: io::Error) -> TransferError {
     TransferError::Cocoon(format!("import {local}: writing stdin: {e}"))
 }
@@ -546,6 +570,7 @@ fn write_import_tar<W: Write>(
     tar: &mut TarWriter<W>,
     win: usize,
     out_cap: u64,
+    raw_win: usize,
 ) -> Result<(), TransferError> {
     let env = format::envelope_for_import(cfg, local);
     tar.begin_entry("snapshot.json", env.len() as u64, 0o644, mtime, &[])
@@ -582,18 +607,15 @@ fn write_import_tar<W: Write>(
         match e {
             PlanEntry::Raw { desc, .. } => {
                 let blob_what = format!("{what}: {title} blob {}", desc.digest());
-                let r = client.get_blob(repository, desc.digest().as_ref(), desc.size())?;
-                copy_pipelined(r, &blob_what, |data| {
-                    tar.write_body(data).map_err(|e| {
-                        if e.kind() == io::ErrorKind::InvalidData {
-                            TransferError::Integrity(format!(
-                                "{blob_what}: longer than its descriptor"
-                            ))
-                        } else {
-                            pipe_err(local, e)
-                        }
-                    })
-                })?;
+                let ranged = raw_win >= 2
+                    && desc.size() >= RANGE_MIN
+                    && ranged_blob(client, repository, desc, &blob_what, raw_win, tar, local)?;
+                if !ranged {
+                    let r = client.get_blob(repository, desc.digest().as_ref(), desc.size())?;
+                    copy_pipelined(r, &blob_what, |data| {
+                        write_member(tar, data, &blob_what, LONGER_RAW, local)
+                    })?;
+                }
             }
             PlanEntry::Encoded {
                 chunks, compressed, ..
@@ -660,13 +682,7 @@ fn copy_into<R: Read, W: Write>(
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(blob_err(e, what)),
         };
-        tar.write_body(&buf[..n]).map_err(|e| {
-            if e.kind() == io::ErrorKind::InvalidData {
-                TransferError::Integrity(format!("{what}: decoded data longer than files[].size"))
-            } else {
-                pipe_err(local, e)
-            }
-        })?;
+        write_member(tar, &buf[..n], what, LONGER_DECODED, local)?;
     }
 }
 
@@ -774,6 +790,134 @@ fn parallel_chunks<W: Write>(
     tar: &mut TarWriter<W>,
     local: &str,
 ) -> Result<(), TransferError> {
+    let init = || {
+        zstd::bulk::Decompressor::new()
+            .map_err(|e| TransferError::Io(format!("zstd: no decoder context: {e}")))
+    };
+    let fetch = |decoder: &mut zstd::bulk::Decompressor<'static>, idx: usize, pool: &Pool| {
+        let d = &chunks[idx];
+        let cwhat = format!("{what}: {title} chunk {idx} ({})", d.digest());
+        let mut raw = take_buf(pool);
+        let res = fetch_blob_into(client, repository, d, &mut raw, &cwhat).and_then(|()| {
+            if !compressed {
+                return Ok(std::mem::take(&mut raw));
+            }
+            let mut out = take_buf(pool);
+            out.clear();
+            out.reserve(out_cap as usize);
+            decoder
+                .decompress_to_buffer(&raw, &mut out)
+                .map_err(|e| TransferError::Integrity(format!("{cwhat}: zstd decode: {e}")))?;
+            Ok(out)
+        });
+        give_buf(pool, raw);
+        res
+    };
+    let ewhat = format!("{what}: {title}");
+    ordered_fetch(chunks.len(), win, &ewhat, init, fetch, |data| {
+        write_member(tar, data, &ewhat, LONGER_DECODED, local)
+    })
+}
+
+/// Blob pieces fetched ahead by the ranged path: `RANGE_PIECE` bytes each, so the window of
+/// [`MAX_DOWNLOADS`] pieces fits in [`PREFETCH_CAP`].
+const RANGE_PIECE: u64 = 8 * MIB;
+/// Raw blobs from this size on are fetched as parallel ranges: four pieces, one per download
+/// slot, the least that keeps every slot busy. Smaller blobs take under a tenth of a second
+/// on one stream, so the extra requests would buy nothing.
+const RANGE_MIN: u64 = 4 * RANGE_PIECE;
+
+/// Workers for the ranged path: one per download slot, within the memory cap and the
+/// configured concurrency; below two there is nothing to overlap.
+fn range_window(concurrency: usize) -> usize {
+    MAX_DOWNLOADS
+        .min(concurrency)
+        .min((PREFETCH_CAP / RANGE_PIECE) as usize)
+}
+
+/// Writes a large raw blob into the current tar member from parallel `Range` GETs of
+/// [`RANGE_PIECE`] bytes, hashed in order with one digest that is checked (with the
+/// length) before returning, i.e. before the entry can end. `Ok(false)` when the registry
+/// ignores ranges before any byte was written: the caller streams the blob instead.
+#[allow(clippy::too_many_arguments)]
+fn ranged_blob<W: Write>(
+    client: &RegistryClient,
+    repository: &str,
+    desc: &Descriptor,
+    blob_what: &str,
+    win: usize,
+    tar: &mut TarWriter<W>,
+    local: &str,
+) -> Result<bool, TransferError> {
+    let size = desc.size();
+    let digest = desc.digest().to_string();
+    let pieces = size.div_ceil(RANGE_PIECE) as usize;
+    let not_partial = std::sync::atomic::AtomicBool::new(false);
+    let fetch = |_: &mut (), idx: usize, pool: &Pool| {
+        let offset = idx as u64 * RANGE_PIECE;
+        let len = RANGE_PIECE.min(size - offset);
+        let mut buf = take_buf(pool);
+        match client.get_blob_range(repository, &digest, size, offset, len, &mut buf) {
+            Ok(RangeAnswer::Partial) => Ok(buf),
+            Ok(RangeAnswer::NotPartial) => {
+                give_buf(pool, buf);
+                not_partial.store(true, std::sync::atomic::Ordering::Relaxed);
+                Err(TransferError::Registry(format!(
+                    "{blob_what}: registry stopped answering range requests"
+                )))
+            }
+            Err(e) => {
+                give_buf(pool, buf);
+                Err(e)
+            }
+        }
+    };
+    let mut check = BlobCheck::new(&digest, blob_what);
+    let mut written = 0u64;
+    let res = ordered_fetch(
+        pieces,
+        win,
+        blob_what,
+        || Ok(()),
+        fetch,
+        |data| {
+            check.update(data);
+            written += data.len() as u64;
+            write_member(tar, data, blob_what, LONGER_RAW, local)
+        },
+    );
+    match res {
+        Err(_) if written == 0 && not_partial.load(std::sync::atomic::Ordering::Relaxed) => {
+            log::info!("{blob_what}: registry ignores Range requests; one stream instead");
+            return Ok(false);
+        }
+        Err(e) => return Err(e),
+        Ok(()) => {}
+    }
+    if written != size {
+        return Err(TransferError::Integrity(format!(
+            "{blob_what}: got {written} of {size} bytes"
+        )));
+    }
+    check.finish().map_err(|e| blob_err(e, blob_what))?;
+    Ok(true)
+}
+
+type Pool = Mutex<Vec<Vec<u8>>>;
+
+/// The engine of the parallel paths: `count` numbered pieces fetched by `win` worker threads
+/// (each with a state made by `init`), never more than `win` ahead of the writer, handed to
+/// `sink` in order on this thread. Piece buffers are recycled: fresh multi-MiB allocations per
+/// piece on several threads make glibc keep freed memory in per-thread arenas, which is what
+/// inflated peak RSS. The first error stops the workers and is returned.
+fn ordered_fetch<S>(
+    count: usize,
+    win: usize,
+    what: &str,
+    init: impl Fn() -> Result<S, TransferError> + Sync,
+    fetch: impl Fn(&mut S, usize, &Pool) -> Result<Vec<u8>, TransferError> + Sync,
+    mut sink: impl FnMut(&[u8]) -> Result<(), TransferError>,
+) -> Result<(), TransferError> {
     struct Shared {
         next: usize,
         written: usize,
@@ -785,51 +929,33 @@ fn parallel_chunks<W: Write>(
         stop: false,
     });
     let cv = Condvar::new();
-    // Chunk buffers are recycled: fresh multi-MiB allocations per chunk on several threads
-    // make glibc keep freed memory in per-thread arenas, which is what inflated peak RSS.
-    let pool: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
+    let pool: Pool = Mutex::new(Vec::new());
     let (tx, rx) = mpsc::channel::<(usize, Result<Vec<u8>, TransferError>)>();
     std::thread::scope(|scope| {
         for _ in 0..win {
             let tx = tx.clone();
-            let (shared, cv, pool) = (&shared, &cv, &pool);
+            let (shared, cv, pool, init, fetch) = (&shared, &cv, &pool, &init, &fetch);
             scope.spawn(move || {
-                let Ok(mut decoder) = zstd::bulk::Decompressor::new() else {
-                    let _ = tx.send((
-                        usize::MAX,
-                        Err(TransferError::Io("zstd: no decoder context".into())),
-                    ));
-                    return;
+                let mut state = match init() {
+                    Ok(s) => s,
+                    Err(e) => {
+                        let _ = tx.send((usize::MAX, Err(e)));
+                        return;
+                    }
                 };
                 loop {
                     let idx = {
                         let mut s = lock_shared(shared);
-                        while !s.stop && s.next < chunks.len() && s.next >= s.written + win {
+                        while !s.stop && s.next < count && s.next >= s.written + win {
                             s = cv.wait(s).unwrap_or_else(|p| p.into_inner());
                         }
-                        if s.stop || s.next >= chunks.len() {
+                        if s.stop || s.next >= count {
                             return;
                         }
                         s.next += 1;
                         s.next - 1
                     };
-                    let d = &chunks[idx];
-                    let cwhat = format!("{what}: {title} chunk {idx} ({})", d.digest());
-                    let mut raw = take_buf(pool);
-                    let res =
-                        fetch_blob_into(client, repository, d, &mut raw, &cwhat).and_then(|()| {
-                            if !compressed {
-                                return Ok(std::mem::take(&mut raw));
-                            }
-                            let mut out = take_buf(pool);
-                            out.clear();
-                            out.reserve(out_cap as usize);
-                            decoder.decompress_to_buffer(&raw, &mut out).map_err(|e| {
-                                TransferError::Integrity(format!("{cwhat}: zstd decode: {e}"))
-                            })?;
-                            Ok(out)
-                        });
-                    give_buf(pool, raw);
+                    let res = fetch(&mut state, idx, pool);
                     let failed = res.is_err();
                     if tx.send((idx, res)).is_err() || failed {
                         return;
@@ -841,24 +967,16 @@ fn parallel_chunks<W: Write>(
         let mut pending: BTreeMap<usize, Vec<u8>> = BTreeMap::new();
         let mut want = 0usize;
         let result = (|| -> Result<(), TransferError> {
-            while want < chunks.len() {
+            while want < count {
                 let Ok((idx, res)) = rx.recv() else {
                     return Err(TransferError::Transient(format!(
-                        "{what}: {title}: chunk fetchers stopped early"
+                        "{what}: fetchers stopped early"
                     )));
                 };
                 pending.insert(idx, res?);
                 while let Some(data) = pending.remove(&want) {
                     let data = ReturnToPool(data, &pool);
-                    tar.write_body(&data).map_err(|e| {
-                        if e.kind() == io::ErrorKind::InvalidData {
-                            TransferError::Integrity(format!(
-                                "{what}: {title}: decoded data longer than files[].size"
-                            ))
-                        } else {
-                            pipe_err(local, e)
-                        }
-                    })?;
+                    sink(&data)?;
                     want += 1;
                     lock_shared(&shared).written = want;
                     cv.notify_all();
@@ -874,18 +992,18 @@ fn parallel_chunks<W: Write>(
     })
 }
 
-fn take_buf(pool: &Mutex<Vec<Vec<u8>>>) -> Vec<u8> {
+fn take_buf(pool: &Pool) -> Vec<u8> {
     lock_shared(pool).pop().unwrap_or_default()
 }
 
-fn give_buf(pool: &Mutex<Vec<Vec<u8>>>, buf: Vec<u8>) {
+fn give_buf(pool: &Pool, buf: Vec<u8>) {
     if buf.capacity() > 0 {
         lock_shared(pool).push(buf);
     }
 }
 
 /// A decoded chunk being written; its buffer goes back to the pool afterwards.
-struct ReturnToPool<'a>(Vec<u8>, &'a Mutex<Vec<Vec<u8>>>);
+struct ReturnToPool<'a>(Vec<u8>, &'a Pool);
 
 impl std::ops::Deref for ReturnToPool<'_> {
     type Target = [u8];
