@@ -1836,48 +1836,43 @@ fn corrupted_large_blob_fails_the_ranged_pull_and_imports_nothing() {
     assert!(!cocoon.snapshot_names().contains(&"bad".to_string()));
 }
 
-#[test]
-fn registry_ignoring_ranges_falls_back_to_one_stream() {
-    let Some(reg) = Registry::start(None) else {
-        return;
-    };
+/// Pushes `ranged_files` as `vm`, pulls it through a proxy with `rules` into `local` and
+/// checks the import; returns the pulling client and the ranged GETs the proxy saw.
+fn ranged_pull_through_proxy(vm: &str, local: &str, rules: ProxyRules) -> Option<(u64, usize)> {
+    let reg = Registry::start(None)?;
     let cocoon = FakeCocoon::new();
     let direct = client_for(&reg.host(), AuthSettings::default());
-    push_ranged(&direct, &cocoon, "vm-rf");
+    push_ranged(&direct, &cocoon, vm);
+    let seen = rules.ranges_seen.clone();
+    let pport = start_proxy(reg.port, rules);
+    let client = client_for(&format!("127.0.0.1:{pport}"), AuthSettings::default());
+    pull_snapshot(&client, &pull_req(&cocoon, vm, "latest", local)).expect("pull");
+    assert_same_snapshot(&cocoon.export_path(vm), &cocoon.import_path(local), local);
+    Some((client.ranged_pieces(), seen.load(Ordering::SeqCst)))
+}
+
+#[test]
+fn registry_ignoring_ranges_falls_back_to_one_stream() {
     let rules = ProxyRules {
         strip_range: true,
         ..Default::default()
     };
-    let seen = rules.ranges_seen.clone();
-    let pport = start_proxy(reg.port, rules);
-    let client = client_for(&format!("127.0.0.1:{pport}"), AuthSettings::default());
-    pull_snapshot(&client, &pull_req(&cocoon, "vm-rf", "latest", "f")).expect("pull");
-    assert_same_snapshot(&cocoon.export_path("vm-rf"), &cocoon.import_path("f"), "f");
-    assert!(seen.load(Ordering::SeqCst) > 0, "ranges were asked for");
-    assert_eq!(client.ranged_pieces(), 0, "none answered 206");
+    let Some((pieces, seen)) = ranged_pull_through_proxy("vm-rf", "f", rules) else {
+        return;
+    };
+    assert!(seen > 0, "ranges were asked for");
+    assert_eq!(pieces, 0, "none answered 206");
 }
 
 #[test]
 fn a_cut_range_response_is_retried_as_one_piece() {
-    let Some(reg) = Registry::start(None) else {
-        return;
-    };
-    let cocoon = FakeCocoon::new();
-    let direct = client_for(&reg.host(), AuthSettings::default());
-    push_ranged(&direct, &cocoon, "vm-rt");
     let rules = ProxyRules {
         cut_ranges: Arc::new(AtomicUsize::new(1)),
         ..Default::default()
     };
-    let seen = rules.ranges_seen.clone();
-    let pport = start_proxy(reg.port, rules);
-    let client = client_for(&format!("127.0.0.1:{pport}"), AuthSettings::default());
-    pull_snapshot(&client, &pull_req(&cocoon, "vm-rt", "latest", "t")).expect("pull");
-    assert_same_snapshot(&cocoon.export_path("vm-rt"), &cocoon.import_path("t"), "t");
-    assert_eq!(client.ranged_pieces(), 6);
-    assert_eq!(
-        seen.load(Ordering::SeqCst),
-        7,
-        "six pieces, one of them twice"
-    );
+    let Some((pieces, seen)) = ranged_pull_through_proxy("vm-rt", "t", rules) else {
+        return;
+    };
+    assert_eq!(pieces, 6);
+    assert_eq!(seen, 7, "six pieces, one of them twice");
 }
