@@ -283,3 +283,46 @@ fn the_kubelet_api_follows_pods_coming_and_going() {
         (!kubelet_pods(&w).contains("\"name\":\"seen\"")).then_some(())
     });
 }
+
+#[test]
+fn a_hibernated_vm_is_never_fresh_booted_over_its_snapshot() {
+    let mut w = World::new();
+    w.seed_snapshot("base");
+    // What a hibernate leaves behind (§6.2): the VM's snapshot under the `hibernate` tag.
+    w.seed_snapshot("vk-default-sleeper");
+    w.push_snapshot("vk-default-sleeper", "hibernate", "base");
+    assert!(w.cocoon(&["snapshot", "rm", "vk-default-sleeper"]).0);
+    w.start_daemon();
+    w.api
+        .create_pod(&demo_pod("default", "sleeper", "clone", "base"))
+        .expect("create pod");
+    w.wait(
+        "HibernateSnapshotExists and HibernateEvidenceFailed events",
+        Duration::from_secs(20),
+        || {
+            let ev = w.events_for("sleeper");
+            let has = |r: &str| ev.iter().any(|(reason, _)| reason == r);
+            (has("HibernateSnapshotExists") && has("HibernateEvidenceFailed")).then_some(())
+        },
+    );
+    let pod = w.pod("sleeper").expect("pod kept");
+    let reason = pod.status.as_ref().and_then(|s| s.reason.clone());
+    assert_eq!(reason.as_deref(), Some("ProviderFailed"));
+    assert!(
+        !w.vms().contains_key("vk-default-sleeper"),
+        "no fresh VM over the hibernated one"
+    );
+    let metrics = ureq::get(&format!("http://127.0.0.1:{}/metrics", w.metrics_port))
+        .call()
+        .expect("metrics")
+        .into_string()
+        .expect("metrics text");
+    let counted = "vk_cocoon_hibernate_evidence_total{verdict=\"restore_unsupported\"}";
+    assert!(metrics.lines().any(|l| l.starts_with(counted)), "{metrics}");
+
+    // Deleting the tag lets the create's retry boot the VM.
+    w.delete_tag("vk-default-sleeper", "hibernate");
+    w.wait("pod sleeper Running", Duration::from_secs(60), || {
+        running_with_vm(&w, "sleeper")
+    });
+}

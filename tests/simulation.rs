@@ -337,6 +337,16 @@ impl Sim {
                     }),
                 );
             }
+            Effect::CheckHibernateEvidence { op, .. } => {
+                let l = self.latency();
+                self.later(
+                    l,
+                    Delivery::Input(Input::HibernateEvidence {
+                        op,
+                        result: Ok(None),
+                    }),
+                );
+            }
             Effect::Event { .. }
             | Effect::StartProbe { .. }
             | Effect::StopProbe { .. }

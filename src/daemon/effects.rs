@@ -216,7 +216,30 @@ impl Daemon {
                     materialise_image(registry, &bin, &image, force)
                 });
             }
+            Effect::CheckHibernateEvidence { op, vm_name } => self.check_evidence(op, vm_name),
             Effect::Metric(update) => apply_metric(&self.metrics, update),
+        }
+    }
+
+    /// One manifest GET of `<vm>:hibernate` on the pool, outside the transfer queue: a create
+    /// must not wait for unrelated multi-GiB pulls to learn whether its VM was hibernated.
+    fn check_evidence(&mut self, op: OpId, vm_name: String) {
+        let Some(registry) = self.registry.clone() else {
+            let result = Err("no OCI registry is configured (OCI_REGISTRY)".to_string());
+            self.pending
+                .push_back(Input::HibernateEvidence { op, result });
+            return;
+        };
+        let job = move || {
+            let result = manifest_info(&registry, &vm_name, "hibernate")
+                .map(|found| found.map(|info| info.base_image().unwrap_or("").to_string()))
+                .map_err(|e| e.to_string());
+            Work::Evidence { op, result }
+        };
+        if self.reactor.submit(job).is_err() {
+            let result = Err("worker queue full".to_string());
+            self.pending
+                .push_back(Input::HibernateEvidence { op, result });
         }
     }
 
@@ -507,6 +530,10 @@ pub(super) fn apply_metric(m: &Metrics, update: MetricUpdate) {
         MetricUpdate::SnapshotPush { result } => {
             m.snapshot_push_total.with_label_values(&[result]).inc()
         }
+        MetricUpdate::HibernateEvidence { verdict } => m
+            .hibernate_evidence_total
+            .with_label_values(&[verdict])
+            .inc(),
         MetricUpdate::CloneFromDir { result } => {
             m.clone_from_dir_total.with_label_values(&[result]).inc()
         }

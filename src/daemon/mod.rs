@@ -57,6 +57,11 @@ pub enum Work {
         op: OpId,
         result: Result<String, String>,
     },
+    /// The hibernate-evidence lookup of a create (§5 step 6) finished.
+    Evidence {
+        op: OpId,
+        result: Result<Option<String>, String>,
+    },
     /// DHCP lease releases after a VM removal; (mac, error) per failure.
     LeasesReleased {
         released: usize,
@@ -462,6 +467,9 @@ impl Daemon {
                 self.pending.push_back(Input::TransferDone { op, result });
                 self.start_transfers();
             }
+            Work::Evidence { op, result } => self
+                .pending
+                .push_back(Input::HibernateEvidence { op, result }),
             Work::LeasesReleased { released, failed } => {
                 let family = &self.metrics.lease_release_total;
                 family.with_label_values(&["ok"]).inc_by(released as u64);

@@ -65,6 +65,8 @@ struct Tracked {
 enum CreateStep {
     InspectByName,
     RmStaleByName,
+    /// §5 step 6: was this VM hibernated (registry tag, or local snapshot without a registry)?
+    Evidence,
     RmFork,
     SnapInspect {
         pulled: bool,
@@ -672,6 +674,7 @@ impl Provider {
             Input::LeaseLooked { op, result } => self.on_result(op, Res::Lease(result)),
             Input::KubeDone { op, result } => self.on_result(op, Res::Kube(result)),
             Input::TransferDone { op, result } => self.on_result(op, Res::Transfer(result)),
+            Input::HibernateEvidence { op, result } => self.on_result(op, Res::Evidence(result)),
             Input::VmEvent { kind, vm } => self.vm_event(kind, vm),
             Input::Readiness {
                 key,
@@ -1110,7 +1113,7 @@ impl Provider {
             step: if failures > 0 {
                 CreateStep::InspectByName
             } else {
-                CreateStep::RmFork
+                CreateStep::Evidence
             },
             started: self.now,
             local_snapshot: spec::local_snapshot_name(&spec.image),
@@ -1127,13 +1130,105 @@ impl Provider {
                     reference: spec.vm_name.clone(),
                 },
             ),
-            _ => self.pod_cocoon(
-                key,
-                CocoonCmd::SnapshotRm {
-                    name: format!("fork-{}", spec.vm_name),
-                },
-            ),
+            _ => self.check_evidence(key, &spec.vm_name),
         }
+    }
+
+    /// §5 step 6: ask whether the VM was hibernated before booting it fresh. With a registry the
+    /// evidence is the tag `<vm>:hibernate`; without one, a local snapshot named after the VM.
+    fn check_evidence(&mut self, key: &PodKey, vm_name: &str) {
+        if let Some(c) = self.create_op(key) {
+            c.step = CreateStep::Evidence;
+        }
+        let vm_name = vm_name.to_string();
+        if self.cfg.registry {
+            self.pod_effect(key, |op| Effect::CheckHibernateEvidence { op, vm_name })
+        } else {
+            self.pod_cocoon(key, CocoonCmd::SnapshotInspect { name: vm_name })
+        }
+    }
+
+    /// The verdict on the evidence (§5 step 6). No evidence: the fresh bring-up starts (with
+    /// the `fork-<vm>` removal of step 7). Evidence fails the create, retried with backoff so
+    /// that removing the tag lets the pod boot: a conflicting clone source or image is the
+    /// user's to settle, and the restore the Go daemon would do is not built yet; a fresh boot
+    /// would silently lose the hibernated state. An unreadable registry fails closed.
+    fn evidence_verdict(
+        &mut self,
+        key: &PodKey,
+        c: &CreateOp,
+        found: Result<Option<String>, String>,
+    ) {
+        let vm = &c.spec.vm_name;
+        let (place, remedy) = if self.cfg.registry {
+            (
+                format!("registry tag {vm}:hibernate"),
+                format!("delete the tag {vm}:hibernate"),
+            )
+        } else {
+            (
+                format!("local snapshot {vm}"),
+                format!("remove the local snapshot {vm}"),
+            )
+        };
+        let base = match found {
+            Ok(None) => {
+                if let Some(c) = self.create_op(key) {
+                    c.step = CreateStep::RmFork;
+                }
+                let name = format!("fork-{vm}");
+                return self.pod_cocoon(key, CocoonCmd::SnapshotRm { name });
+            }
+            Err(e) => {
+                self.metric(MetricUpdate::HibernateEvidence {
+                    verdict: "unavailable",
+                });
+                let msg = format!("hibernate evidence for vm {vm} unavailable ({place}): {e}");
+                self.event(
+                    key,
+                    &c.uid,
+                    EventType::Warning,
+                    "HibernateEvidenceUnavailable",
+                    &msg,
+                );
+                return self.fail_create_as(key, &c.uid, "HibernateEvidenceFailed", &msg, true);
+            }
+            Ok(Some(base)) => base,
+        };
+        let explicit_source = c.spec.clone_from_dir.is_some() || !c.spec.fork_from.is_empty();
+        let (verdict, msg) = if explicit_source {
+            (
+                "source_conflict",
+                format!(
+                    "vm {vm} has a hibernate snapshot ({place}) but the pod names an explicit \
+                     clone source; {remedy} to boot from that source"
+                ),
+            )
+        } else if !base.is_empty() && base != c.spec.image {
+            (
+                "image_conflict",
+                format!(
+                    "vm {vm} has a hibernate snapshot ({place}) of image {base} but the pod asks \
+                     for {}; {remedy} to boot the new image",
+                    c.spec.image
+                ),
+            )
+        } else {
+            let msg = format!(
+                "vm {vm} has a hibernate snapshot ({place}); restoring it is not supported yet \
+                 by this vk-cocoon and a fresh boot would lose its state; {remedy} to boot fresh"
+            );
+            self.event(
+                key,
+                &c.uid,
+                EventType::Warning,
+                "HibernateSnapshotExists",
+                &msg,
+            );
+            ("restore_unsupported", msg)
+        };
+        self.metric(MetricUpdate::HibernateEvidence { verdict });
+        self.fail_create_as(key, &c.uid, "HibernateEvidenceFailed", &msg, true)
     }
 
     /// Bad input / unsupported request: failure status + Warning, counter; no VM touched.
@@ -1193,26 +1288,31 @@ impl Provider {
                         return self.pod_cocoon(key, CocoonCmd::VmRm { id: vm.id });
                     }
                 }
-                set_step(self, CreateStep::RmFork);
-                self.pod_cocoon(
-                    key,
-                    CocoonCmd::SnapshotRm {
-                        name: format!("fork-{}", spec.vm_name),
-                    },
-                )
+                self.check_evidence(key, &spec.vm_name)
             }
             (CreateStep::RmStaleByName, Res::Cocoon(r)) => {
                 if !r.success && !r.vm_not_found() {
                     let msg = format!("remove leftover vm {}: {}", spec.vm_name, r.error_text());
                     return self.fail_create(key, &c.uid, &msg, true);
                 }
-                set_step(self, CreateStep::RmFork);
-                self.pod_cocoon(
-                    key,
-                    CocoonCmd::SnapshotRm {
-                        name: format!("fork-{}", spec.vm_name),
-                    },
-                )
+                self.check_evidence(key, &spec.vm_name)
+            }
+            (CreateStep::Evidence, Res::Evidence(found)) => self.evidence_verdict(key, &c, found),
+            (CreateStep::Evidence, Res::Cocoon(r)) => {
+                // No registry: a local snapshot named after the VM is the evidence. A failed
+                // inspect means there is none; one that hung says nothing, so fail closed.
+                let found = if r.success {
+                    parse_snapshot(&r.stdout).map(|s| Some(s.image))
+                } else if r.timed_out {
+                    Err(format!(
+                        "snapshot inspect {}: {}",
+                        spec.vm_name,
+                        r.error_text()
+                    ))
+                } else {
+                    Ok(None)
+                };
+                self.evidence_verdict(key, &c, found)
             }
             (CreateStep::RmFork, Res::Cocoon(_)) => {
                 // Failure only logged (§5 step 7).
@@ -1661,6 +1761,19 @@ impl Provider {
     /// Create failed at bring-up: Warning CreateBringUpFailed + lifecycle failed + drop the row;
     /// then the framework's ProviderFailed status + Warning and a backoff retry.
     fn fail_create(&mut self, key: &PodKey, uid: &str, err: &str, retry: bool) {
+        self.fail_create_as(key, uid, "CreateBringUpFailed", err, retry)
+    }
+
+    /// A failed create: Warning `reason`, lifecycle `failed`, ProviderFailed status, and a
+    /// retry with the pod's backoff when `retry`.
+    fn fail_create_as(
+        &mut self,
+        key: &PodKey,
+        uid: &str,
+        reason: &'static str,
+        err: &str,
+        retry: bool,
+    ) {
         // The retry looks the VM up by name again; an event about it says nothing more.
         self.slot(key).vm_event_during_create = None;
         self.lifecycle_metric("create", "failed", "");
@@ -1668,7 +1781,7 @@ impl Provider {
             key,
             uid,
             EventType::Warning,
-            "CreateBringUpFailed",
+            reason,
             &format!("create: {err}"),
         );
         self.set_lifecycle(key, State::Failed, err);
@@ -3292,6 +3405,7 @@ enum Res {
     Lease(Result<Option<String>, String>),
     Kube(Result<(), KubeError>),
     Transfer(Result<String, String>),
+    Evidence(Result<Option<String>, String>),
 }
 
 impl Res {

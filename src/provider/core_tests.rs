@@ -180,10 +180,33 @@ fn lookup(e: &[Effect]) -> Option<OpId> {
     })
 }
 
+/// Answer the hibernate-evidence check (§5 step 6) that opens a fresh managed create with
+/// "none": without a registry the `snapshot inspect <vm>` fails, with one the tag is absent.
+fn no_evidence(h: &mut H, e: &[Effect]) -> Vec<Effect> {
+    let check = e.iter().find_map(|x| match x {
+        Effect::CheckHibernateEvidence { op, .. } => Some(*op),
+        _ => None,
+    });
+    if let Some(op) = check {
+        return h.feed(Input::HibernateEvidence {
+            op,
+            result: Ok(None),
+        });
+    }
+    let (op, cmd) = one_cocoon(e);
+    assert!(
+        argv(&cmd).starts_with("snapshot inspect vk-"),
+        "{}",
+        argv(&cmd)
+    );
+    h.cocoon(op, CocoonResult::failed("Error: snapshot not found"))
+}
+
 /// Drive a managed clone create of `p` to its ReadyWait; returns (effects so far, vm id).
 fn create_clone(h: &mut H, p: Pod, vm_id: &str) -> Vec<Effect> {
     let vm_name = p.metadata.annotations.as_ref().unwrap()[ANN_VM_NAME].clone();
     let e = h.feed(Input::PodUpserted(Box::new(p)));
+    let e = no_evidence(h, &e);
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), format!("snapshot rm fork-{vm_name}"));
     let e = h.cocoon(op, CocoonResult::failed("snapshot not found"));
@@ -252,6 +275,7 @@ fn clone_waits_for_the_lease_before_ready() {
     let mut h = H::new(ProviderConfig::default());
     let p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
     let e = h.feed(Input::PodUpserted(Box::new(p)));
+    let e = no_evidence(&mut h, &e);
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(op, CocoonResult::ok(""));
     let (op, _) = one_cocoon(&e);
@@ -288,6 +312,7 @@ fn clone_waits_for_the_lease_before_ready() {
     let mut h = H::new(ProviderConfig::default());
     let p = mk("b", "u2", &managed("b", "vk-ns-demo-1"));
     let e = h.feed(Input::PodUpserted(Box::new(p)));
+    let e = no_evidence(&mut h, &e);
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(op, CocoonResult::ok(""));
     let (op, _) = one_cocoon(&e);
@@ -445,6 +470,7 @@ fn missing_snapshot_is_pulled_with_registry_and_fails_without() {
         "u1",
         &managed("a", "vk-ns-demo-0"),
     ))));
+    let e = no_evidence(&mut h, &e);
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(op, CocoonResult::ok(""));
     let (op, _) = one_cocoon(&e);
@@ -472,6 +498,7 @@ fn missing_snapshot_is_pulled_with_registry_and_fails_without() {
         "u1",
         &managed("a", "vk-ns-demo-0"),
     ))));
+    let e = no_evidence(&mut h, &e);
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(op, CocoonResult::ok(""));
     let (op, _) = one_cocoon(&e);
@@ -516,6 +543,7 @@ fn backend_mismatch_refuses_to_clone() {
     let mut ann = managed("a", "vk-ns-demo-0");
     ann.push((ANN_BACKEND, "cloud-hypervisor".into()));
     let e = h.feed(Input::PodUpserted(Box::new(mk("a", "u1", &ann))));
+    let e = no_evidence(&mut h, &e);
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(op, CocoonResult::ok(""));
     let (op, _) = one_cocoon(&e);
@@ -546,6 +574,7 @@ fn run_mode_pulls_the_image_then_runs_with_resources() {
         ..Default::default()
     });
     let e = h.feed(Input::PodUpserted(Box::new(p)));
+    let e = no_evidence(&mut h, &e);
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(op, CocoonResult::ok(""));
     let (op, cmd) = one_cocoon(&e);
@@ -591,6 +620,7 @@ fn clone_from_dir_uses_from_dir_and_counts() {
     let mut ann = managed("a", "vk-ns-demo-0");
     ann.push((ANN_CLONE_FROM_DIR, "/srv/snap".into()));
     let e = h.feed(Input::PodUpserted(Box::new(mk("a", "u1", &ann))));
+    let e = no_evidence(&mut h, &e);
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(op, CocoonResult::ok(""));
     let (op, cmd) = one_cocoon(&e);
@@ -961,7 +991,7 @@ fn startup_adopts_by_id_and_name_and_destroys_orphans() {
         .any(|c| c.contains("V1") || c.contains("V2") || c.contains("V4")));
     // The buffered pod is created after the reconcile.
     assert!(
-        cmds.contains(&"snapshot rm fork-vk-ns-demo-2".to_string()),
+        cmds.contains(&"snapshot inspect vk-ns-demo-2".to_string()),
         "{cmds:?}"
     );
     assert!(annotation_patches(&e)
@@ -1147,7 +1177,8 @@ fn answer(h: &mut H, e: &[Effect], want: &str, r: CocoonResult) -> Vec<Effect> {
 /// op of the `vm clone` call and the effects of the pod's arrival.
 fn drive_to_clone(h: &mut H, p: Pod) -> (OpId, Vec<Effect>) {
     let first = h.feed(Input::PodUpserted(Box::new(p)));
-    let (op, _) = one_cocoon(&first);
+    let e = no_evidence(h, &first);
+    let (op, _) = one_cocoon(&e);
     let e = h.cocoon(op, CocoonResult::ok(""));
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"S","name":"x"}"#));
@@ -1352,4 +1383,145 @@ fn a_lifecycle_retry_never_overwrites_a_newer_state() {
             .all(|(_, a)| a.get(ANN_LIFECYCLE_STATE) != Some(&Some("creating".into()))),
         "{e:?}"
     );
+}
+
+/// The effects of a fresh managed create of `ann` up to its evidence check, and that check's op.
+fn evidence_check(h: &mut H, ann: &[(&'static str, String)]) -> OpId {
+    let e = h.feed(Input::PodUpserted(Box::new(mk("a", "u1", ann))));
+    assert!(
+        cocoon_ops(&e).is_empty(),
+        "nothing runs before the evidence"
+    );
+    e.iter()
+        .find_map(|x| match x {
+            Effect::CheckHibernateEvidence { op, vm_name } if vm_name == "vk-ns-demo-0" => {
+                Some(*op)
+            }
+            _ => None,
+        })
+        .expect("evidence check")
+}
+
+fn evidence_failed(e: &[Effect], verdict: &'static str, says: &str) {
+    assert!(cocoon_ops(e).is_empty(), "no VM is touched: {e:?}");
+    assert!(has_metric(e, &MetricUpdate::HibernateEvidence { verdict }));
+    assert!(
+        events(e)
+            .iter()
+            .any(|(r, m)| *r == "HibernateEvidenceFailed" && m.contains(says)),
+        "{:?}",
+        events(e)
+    );
+    assert!(!events(e).iter().any(|(r, _)| *r == "CreateBringUpFailed"));
+    assert!(statuses(e)
+        .iter()
+        .any(|(_, s)| s.reason.as_deref() == Some("ProviderFailed")));
+}
+
+#[test]
+fn hibernate_tag_in_the_registry_never_gets_a_fresh_boot() {
+    let registry = ProviderConfig {
+        registry: true,
+        ..Default::default()
+    };
+    // Same image (or none recorded): the Go daemon would restore; that is not built, so the
+    // create fails clearly instead of booting a blank VM over the hibernated state.
+    for recorded in ["", "team/agent:v3"] {
+        let mut h = H::new(registry.clone());
+        let op = evidence_check(&mut h, &managed("a", "vk-ns-demo-0"));
+        let e = h.feed(Input::HibernateEvidence {
+            op,
+            result: Ok(Some(recorded.into())),
+        });
+        evidence_failed(
+            &e,
+            "restore_unsupported",
+            "delete the tag vk-ns-demo-0:hibernate",
+        );
+        assert!(events(&e)
+            .iter()
+            .any(|(r, _)| *r == "HibernateSnapshotExists"));
+        // Retried with backoff; once the tag is gone the fresh bring-up starts.
+        let e = h.advance(Duration::from_millis(5));
+        let e = answer(
+            &mut h,
+            &e,
+            "vm inspect vk-ns-demo-0",
+            CocoonResult::failed("Error: vm not found"),
+        );
+        let e = no_evidence(&mut h, &e);
+        let (_, cmd) = one_cocoon(&e);
+        assert_eq!(argv(&cmd), "snapshot rm fork-vk-ns-demo-0");
+    }
+
+    // Another base image: image_conflict.
+    let mut h = H::new(registry.clone());
+    let op = evidence_check(&mut h, &managed("a", "vk-ns-demo-0"));
+    let e = h.feed(Input::HibernateEvidence {
+        op,
+        result: Ok(Some("team/agent:v2".into())),
+    });
+    evidence_failed(
+        &e,
+        "image_conflict",
+        "of image team/agent:v2 but the pod asks for team/agent:v3",
+    );
+
+    // An explicit clone source: source_conflict.
+    let mut h = H::new(registry.clone());
+    let mut ann = managed("a", "vk-ns-demo-0");
+    ann.push((ANN_CLONE_FROM_DIR, "/srv/snap".into()));
+    let op = evidence_check(&mut h, &ann);
+    let e = h.feed(Input::HibernateEvidence {
+        op,
+        result: Ok(Some(String::new())),
+    });
+    evidence_failed(&e, "source_conflict", "explicit clone source");
+
+    // The registry cannot answer: fail closed.
+    let mut h = H::new(registry);
+    let op = evidence_check(&mut h, &managed("a", "vk-ns-demo-0"));
+    let e = h.feed(Input::HibernateEvidence {
+        op,
+        result: Err("get manifest vk-ns-demo-0:hibernate: HTTP 503".into()),
+    });
+    evidence_failed(&e, "unavailable", "HTTP 503");
+    assert!(events(&e)
+        .iter()
+        .any(|(r, _)| *r == "HibernateEvidenceUnavailable"));
+}
+
+#[test]
+fn without_a_registry_a_local_snapshot_named_after_the_vm_is_the_evidence() {
+    let mut h = H::new(ProviderConfig::default());
+    let e = h.feed(Input::PodUpserted(Box::new(mk(
+        "a",
+        "u1",
+        &managed("a", "vk-ns-demo-0"),
+    ))));
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot inspect vk-ns-demo-0",
+        CocoonResult::ok(r#"{"id":"S9","name":"vk-ns-demo-0","image":"team/agent:v3"}"#),
+    );
+    evidence_failed(
+        &e,
+        "restore_unsupported",
+        "remove the local snapshot vk-ns-demo-0",
+    );
+
+    // An inspect that hangs says nothing either way: fail closed.
+    let mut h = H::new(ProviderConfig::default());
+    let e = h.feed(Input::PodUpserted(Box::new(mk(
+        "a",
+        "u1",
+        &managed("a", "vk-ns-demo-0"),
+    ))));
+    let hung = CocoonResult {
+        timed_out: true,
+        ..CocoonResult::failed("")
+    };
+    let e = answer(&mut h, &e, "snapshot inspect vk-ns-demo-0", hung);
+    evidence_failed(&e, "unavailable", "timed out");
 }

@@ -34,6 +34,8 @@
 //!   The daemon performs no retries itself; the core retries.
 //! * [`Effect::PullSnapshot`], [`Effect::PushSnapshot`], [`Effect::MaterialiseImage`]: worker
 //!   pool jobs (snapshots room); answer [`Input::TransferDone`].
+//! * [`Effect::CheckHibernateEvidence`] `{op, vm_name}`: look the registry tag
+//!   `<vm_name>:hibernate` up (a worker job); answer [`Input::HibernateEvidence`].
 //! * Fire-and-forget (no answer): [`Effect::Event`], [`Effect::StartProbe`],
 //!   [`Effect::StopProbe`], [`Effect::ReleaseLeases`], [`Effect::Metric`].
 
@@ -210,6 +212,8 @@ pub enum MetricUpdate {
     SnapshotSave { result: &'static str },
     /// `snapshot_push_total{result}`.
     SnapshotPush { result: &'static str },
+    /// `hibernate_evidence_total{verdict}`.
+    HibernateEvidence { verdict: &'static str },
     /// `clone_from_dir_total{result}`.
     CloneFromDir { result: &'static str },
     /// `lease_release_total{result}` is counted by whoever performs ReleaseLeases.
@@ -278,6 +282,12 @@ pub enum Input {
         op: OpId,
         /// For MaterialiseImage: Ok(boot reference to pass to `vm run`). Others: Ok(String::new()).
         result: Result<String, String>,
+    },
+    /// Answer to [`Effect::CheckHibernateEvidence`]: Ok(None) = no `hibernate` tag (404),
+    /// Ok(Some(base image annotation, may be empty)) = the tag exists, Err = registry error.
+    HibernateEvidence {
+        op: OpId,
+        result: Result<Option<String>, String>,
     },
     VmEvent {
         kind: VmEventKind,
@@ -375,6 +385,11 @@ pub enum Effect {
         op: OpId,
         image: String,
         force: bool,
+    },
+    /// Does the registry hold `<vm_name>:hibernate` (§5 step 6)? Only with a registry.
+    CheckHibernateEvidence {
+        op: OpId,
+        vm_name: String,
     },
     Metric(MetricUpdate),
 }

@@ -1101,8 +1101,36 @@ impl RegistryClient {
     }
 
     /// DELETE a manifest by tag or digest with a fresh `push,pull,delete` session; 404 is
-    /// success (ensure-absent).
+    /// success (ensure-absent). Registries that refuse tag deletes (distribution 2.x answers
+    /// 400 DIGEST_INVALID, others 405) get the DELETE by the digest the tag resolves to; that
+    /// removes every tag of the same manifest, which a tag delete on a registry supporting it
+    /// would not, but is the only way such a registry forgets the tag.
     pub fn delete_manifest(&self, r: &Reference) -> Result<(), TransferError> {
+        let Some(refused) = self.try_delete_manifest(r)? else {
+            return Ok(());
+        };
+        if !matches!(r.target, super::reference::Target::Tag(_)) {
+            return Err(refused);
+        }
+        let body = match self.get_manifest(r) {
+            Ok((body, _)) => body,
+            Err(e) if e.is_not_found() => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let by_digest = Reference {
+            target: super::reference::Target::Digest(sha256_digest(&body)),
+            ..r.clone()
+        };
+        log::debug!("{}; deleting {by_digest} instead", refused.message());
+        match self.try_delete_manifest(&by_digest)? {
+            None => Ok(()),
+            Some(e) => Err(e),
+        }
+    }
+
+    /// One manifest DELETE: `Ok(None)` when gone (or absent), `Ok(Some(e))` when the registry
+    /// refused it (400, 405), `Err` for any other failure.
+    fn try_delete_manifest(&self, r: &Reference) -> Result<Option<TransferError>, TransferError> {
         let sess = Session {
             host: r.host.clone(),
             repository: r.repository.clone(),
@@ -1113,9 +1141,11 @@ impl RegistryClient {
             &r.host,
             &format!("/v2/{}/manifests/{}", r.repository, r.target.as_str()),
         )?;
+        let what = format!("delete manifest {r}");
         match self.with_transport_retry(|| self.exchange(&sess, "DELETE", &url, &[], Body::Empty)) {
-            Ok(_) | Err(HttpFailure::Status(404, _)) => Ok(()),
-            Err(f) => Err(f.into_error(&format!("delete manifest {r}"))),
+            Ok(_) | Err(HttpFailure::Status(404, _)) => Ok(None),
+            Err(f @ HttpFailure::Status(400 | 405, _)) => Ok(Some(f.into_error(&what))),
+            Err(f) => Err(f.into_error(&what)),
         }
     }
 }

@@ -1,21 +1,72 @@
 //! Harness for process tests and benchmarks of the daemon: the fake API server in the test
-//! process, the real binary as the daemon, and the fake cocoon behind a `cocoon` symlink.
+//! process, the real binary as the daemon, the fake cocoon behind a `cocoon` symlink, and a
+//! real OCI registry (Debian's docker-registry, installed by .ci/run) on loopback.
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
-use std::net::TcpListener;
+use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use vk_cocoon::sandbox::apiserver::{ApiServer, ApiServerHandle, ApiServerOptions, KubeconfigAuth};
+use vk_cocoon::snapshots::{push_snapshot, PushKnobs, PushRequest, RegistryClient};
 
 pub const NODE: &str = "cocoon-sandbox";
 pub const BIN: &str = env!("CARGO_BIN_EXE_vk-cocoon");
+const REGISTRY_BIN: &str = "/usr/bin/docker-registry";
+
+/// A docker-registry (distribution) serving a temporary directory on a loopback port, deletes
+/// enabled; killed on drop.
+pub struct Registry {
+    child: Child,
+    pub port: u16,
+}
+
+impl Registry {
+    fn start(dir: &std::path::Path) -> Registry {
+        let port = free_port();
+        let cfg = format!(
+            "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\nstorage:\n  \
+             filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  \
+             addr: 127.0.0.1:{port}\n",
+            dir.join("data").display()
+        );
+        std::fs::create_dir_all(dir).expect("registry dir");
+        std::fs::write(dir.join("config.yml"), cfg).expect("registry config");
+        let child = Command::new(REGISTRY_BIN)
+            .arg("serve")
+            .arg(dir.join("config.yml"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{REGISTRY_BIN} (bash .ci/run installs it): {e}"));
+        let reg = Registry { child, port };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "docker-registry did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        reg
+    }
+
+    /// The daemon's OCI_REGISTRY: a repository prefix on this registry.
+    pub fn base(&self) -> String {
+        format!("127.0.0.1:{}/vk", self.port)
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
 
 pub struct World {
     pub api: ApiServerHandle,
+    pub registry: Registry,
     pub dir: tempfile::TempDir,
     pub metrics_port: u16,
     pub kubelet_port: u16,
@@ -38,6 +89,13 @@ impl World {
             std::fs::create_dir_all(dir.path().join(d)).expect("mkdir");
         }
         std::os::unix::fs::symlink(BIN, dir.path().join("bin/cocoon")).expect("symlink");
+        // The fake finds its state beside the symlink when the environment names none, as for
+        // the snapshot transfers this test process runs itself.
+        std::os::unix::fs::symlink(
+            dir.path().join("state"),
+            dir.path().join("bin/fake-cocoon-state"),
+        )
+        .expect("symlink");
         api.write_kubeconfig(
             &dir.path().join("kubeconfig"),
             &KubeconfigAuth::ClientCert {
@@ -46,8 +104,10 @@ impl World {
             },
         )
         .expect("kubeconfig");
+        let registry = Registry::start(&dir.path().join("registry"));
         World {
             api,
+            registry,
             dir,
             metrics_port: free_port(),
             kubelet_port: free_port(),
@@ -83,8 +143,7 @@ impl World {
             .env("VK_TLS_CERT", "")
             .env("VK_TLS_KEY", "")
             .env("VK_STAGING_DIR", self.path("staging"))
-            // A registry that answers nothing: snapshot policy `never` keeps the tests off it.
-            .env("OCI_REGISTRY", "127.0.0.1:1/none")
+            .env("OCI_REGISTRY", self.registry.base())
             .env("COCOON_K8S_QPS", "0")
             .envs(self.extra_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
@@ -93,6 +152,32 @@ impl World {
             .spawn()
             .expect("spawn vk-cocoon");
         self.daemon = Some(child);
+    }
+
+    /// A registry client for this world's registry, as the daemon configures it.
+    pub fn registry_client(&self) -> RegistryClient {
+        RegistryClient::from_env(&self.registry.base()).expect("registry client")
+    }
+
+    /// Pushes the fake's local snapshot `name` to `<OCI_REGISTRY>/<name>:<tag>`.
+    pub fn push_snapshot(&self, name: &str, tag: &str, base_image: &str) {
+        let req = PushRequest {
+            name: name.into(),
+            tag: tag.into(),
+            cocoon_bin: self.path("bin/cocoon"),
+            base_image: Some(base_image.to_string()).filter(|b| !b.is_empty()),
+            from_node: Some(NODE.into()),
+            annotations: BTreeMap::new(),
+            knobs: PushKnobs::default(),
+            temp_dir: Some(self.dir.path().to_path_buf()),
+        };
+        push_snapshot(&self.registry_client(), &req).expect("push snapshot");
+    }
+
+    pub fn delete_tag(&self, name: &str, tag: &str) {
+        let client = self.registry_client();
+        let r = client.reference(name, tag).expect("reference");
+        client.delete_manifest(&r).expect("delete tag");
     }
 
     pub fn kill_daemon(&mut self) {
