@@ -10,7 +10,7 @@ use std::collections::HashSet;
 
 use super::{ChildRole, Daemon};
 use crate::provider::cocoon::{parse_vm_list, NicInfo, VmInfo};
-use crate::provider::{Input, PodKey, VmEventKind};
+use crate::provider::{Input, VmEventKind};
 use crate::reactor::ChildExit;
 use crate::vm::runner::StreamOutput;
 use crate::vm::types::{EventKind, Vm};
@@ -98,14 +98,12 @@ impl Daemon {
             }
         };
         let present: HashSet<&str> = listed.iter().map(|v| v.id.as_str()).collect();
-        let mut missing = Vec::new();
-        for pod in self.provider.pods() {
-            if let Some(vm) = self.provider.pod_vm(&PodKey::of(&pod)) {
-                if !vm.id.is_empty() && !present.contains(vm.id.as_str()) {
-                    missing.push(vm.clone());
-                }
-            }
-        }
+        let missing: Vec<VmInfo> = self
+            .provider
+            .tracked_vms()
+            .filter(|vm| !vm.id.is_empty() && !present.contains(vm.id.as_str()))
+            .cloned()
+            .collect();
         for vm in missing {
             self.pending.push_back(Input::VmEvent {
                 kind: VmEventKind::Deleted,

@@ -1,8 +1,6 @@
 //! The facts the kubelet API serves: every tracked pod with its VM, rebuilt from the provider
 //! after a turn that changed something.
 
-use std::sync::Arc;
-
 use super::Daemon;
 use crate::kubelet::{KubeletView, PodInfo, VmInfo};
 use crate::provider::PodKey;
@@ -13,7 +11,7 @@ impl Daemon {
             .provider
             .pods()
             .into_iter()
-            .map(|pod| {
+            .map(|(pod, status)| {
                 let key = PodKey::of(&pod);
                 let vm = self.provider.pod_vm(&key).map(|vm| VmInfo {
                     id: vm.id.clone(),
@@ -31,7 +29,8 @@ impl Daemon {
                     name: key.name,
                     uid: pod.metadata.uid.clone().unwrap_or_default(),
                     vm,
-                    pod: Arc::new(pod),
+                    pod,
+                    status: Some(status),
                 }
             })
             .collect();

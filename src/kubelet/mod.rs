@@ -129,8 +129,11 @@ pub struct PodInfo {
     /// None when the pod has no live VM (hibernated, not yet created, failed).
     pub vm: Option<VmInfo>,
     /// The pod object (serialised on demand by /pods and /runningpods/: a JSON tree per pod
-    /// would cost several times the struct's memory on a dense node).
+    /// would cost several times the struct's memory on a dense node). Shared with the
+    /// provider; its own status is the API's copy.
     pub pod: Arc<k8s_openapi::api::core::v1::Pod>,
+    /// The status to serve instead of the pod's own (the provider's current view).
+    pub status: Option<k8s_openapi::api::core::v1::PodStatus>,
 }
 
 /// The facts the daemon gives the server.

@@ -716,7 +716,15 @@ impl KubeletServer {
     }
 
     fn pod_list<'a>(pods: impl Iterator<Item = &'a PodInfo>) -> Vec<u8> {
-        let items: Vec<&k8s_openapi::api::core::v1::Pod> = pods.map(|p| p.pod.as_ref()).collect();
+        let items: Vec<PodOut> = pods
+            .map(|p| PodOut {
+                api_version: "v1",
+                kind: "Pod",
+                metadata: &p.pod.metadata,
+                spec: p.pod.spec.as_ref(),
+                status: p.status.as_ref().or(p.pod.status.as_ref()),
+            })
+            .collect();
         json!({"kind":"PodList","apiVersion":"v1","metadata":{},"items":items})
             .to_string()
             .into_bytes()
@@ -1295,4 +1303,17 @@ impl KubeletServer {
 /// Convenience for tests and the daemon: the node's TLS state plus an `Arc` of its config.
 pub fn tls_config(state: &TlsState) -> Arc<rustls::ServerConfig> {
     state.config()
+}
+
+/// A pod as /pods serves it: the shared API object with the status the daemon computed.
+#[derive(serde::Serialize)]
+struct PodOut<'a> {
+    #[serde(rename = "apiVersion")]
+    api_version: &'static str,
+    kind: &'static str,
+    metadata: &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    spec: Option<&'a k8s_openapi::api::core::v1::PodSpec>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    status: Option<&'a k8s_openapi::api::core::v1::PodStatus>,
 }

@@ -16,6 +16,7 @@
 //! cleans it) but is marked lifecycle `failed` with a Warning `PostCloneUnsupported`.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use k8s_openapi::api::core::v1::{Pod, PodStatus};
@@ -52,7 +53,9 @@ const STALE_FANOUT: usize = 8;
 #[derive(Debug, Clone)]
 struct Tracked {
     uid: String,
-    pod: Pod,
+    /// The API copy this incarnation was last reconciled with, shared with `Slot::latest` (a
+    /// dense node holds a thousand of these; copies were most of the daemon's memory).
+    pod: Arc<Pod>,
     spec: VmSpec,
     vm: Option<VmInfo>,
     ip: String,
@@ -195,7 +198,7 @@ impl Op {
 #[derive(Debug, Default)]
 struct Slot {
     /// Latest copy from the API (None once deleted there).
-    latest: Option<Pod>,
+    latest: Option<Arc<Pod>>,
     tracked: Option<Tracked>,
     intent: Option<Intent>,
     op: Option<Op>,
@@ -206,7 +209,7 @@ struct Slot {
     failures: u32,
     retry_at: Option<Instant>,
     /// The pod copy whose create failed permanently (bad input): retried only when it changes.
-    rejected: Option<Pod>,
+    rejected: Option<Arc<Pod>>,
     /// UID whose API object we already asked to delete with grace 0.
     api_deleted: Option<String>,
     /// UID we evicted: never re-created; its graceful deletion is finished with grace 0.
@@ -424,15 +427,28 @@ impl Provider {
     pub fn get_pod(&self, key: &PodKey) -> Option<Pod> {
         let slot = self.slots.get(key)?;
         let t = slot.tracked.as_ref()?;
-        let mut p = t.pod.clone();
+        let mut p = (*t.pod).clone();
         p.status = Some(self.compute_status(slot, t));
         Some(p)
     }
 
-    /// Every tracked pod (GetPods / `/runningpods/`).
-    pub fn pods(&self) -> Vec<Pod> {
-        let keys: Vec<PodKey> = self.slots.keys().cloned().collect();
-        keys.iter().filter_map(|k| self.get_pod(k)).collect()
+    /// Every tracked pod (GetPods / `/runningpods/`): the shared API copy, whose own status is
+    /// stale, and the provider's current status for it.
+    pub fn pods(&self) -> Vec<(Arc<Pod>, PodStatus)> {
+        self.slots
+            .values()
+            .filter_map(|slot| {
+                let t = slot.tracked.as_ref()?;
+                Some((t.pod.clone(), self.compute_status(slot, t)))
+            })
+            .collect()
+    }
+
+    /// The VMs of every tracked pod.
+    pub fn tracked_vms(&self) -> impl Iterator<Item = &VmInfo> {
+        self.slots
+            .values()
+            .filter_map(|s| s.tracked.as_ref()?.vm.as_ref())
     }
 
     /// The VM of a tracked pod (logs, exec, stats).
@@ -689,7 +705,7 @@ impl Provider {
 
     fn pod_upserted(&mut self, pod: Pod) {
         let key = PodKey::of(&pod);
-        self.slot(&key).latest = Some(pod);
+        self.slot(&key).latest = Some(Arc::new(pod));
         self.kick(&key);
     }
 
@@ -738,7 +754,7 @@ impl Provider {
                 let needs = {
                     let latest = slot.latest.as_ref();
                     latest.is_none()
-                        || latest.map(deleting).unwrap_or(false)
+                        || latest.map(|p| deleting(p)).unwrap_or(false)
                         || match (&slot.tracked, latest) {
                             (Some(t), Some(l)) => t.uid != pod_uid(l),
                             _ => false,
@@ -923,7 +939,7 @@ impl Provider {
             slot.latest
                 .as_ref()
                 .filter(|p| pod_uid(p) == uid)
-                .map(spec::generation)
+                .map(|p| spec::generation(p))
                 .unwrap_or(0),
         );
         let Some(next) = lifecycle::apply(slot.intent.as_ref(), &uid, state, gen, message) else {
@@ -1005,7 +1021,7 @@ impl Provider {
 
     // ----- create ---------------------------------------------------------------------------
 
-    fn start_create(&mut self, key: &PodKey, pod: Pod) {
+    fn start_create(&mut self, key: &PodKey, pod: Arc<Pod>) {
         let uid = pod_uid(&pod);
         let spec = match spec::parse(&pod) {
             Ok(s) => s,
@@ -1232,7 +1248,7 @@ impl Provider {
     }
 
     /// Bad input / unsupported request: failure status + Warning, counter; no VM touched.
-    fn reject(&mut self, key: &PodKey, pod: &Pod, e: SpecError) {
+    fn reject(&mut self, key: &PodKey, pod: &Arc<Pod>, e: SpecError) {
         let uid = pod_uid(pod);
         let result = if e.reason == "missing_vmname" {
             "skipped"
@@ -1687,7 +1703,7 @@ impl Provider {
             .slot(key)
             .latest
             .as_ref()
-            .map(deleting)
+            .map(|p| deleting(p))
             .unwrap_or(false);
         {
             let slot = self.slot(key);
@@ -1787,7 +1803,7 @@ impl Provider {
         self.set_lifecycle(key, State::Failed, err);
         self.event(key, uid, EventType::Warning, "ProviderCreateFailed", err);
         let pod = self.slot(key).tracked.as_ref().map(|t| t.pod.clone());
-        let never = pod.as_ref().map(restart_never).unwrap_or(false);
+        let never = pod.as_deref().map(restart_never).unwrap_or(false);
         let st = status::provider_failed(never, err);
         let sum = status::summary(&st);
         let now = self.now;
@@ -3192,13 +3208,14 @@ impl Provider {
             .collect();
         let mut claimed: std::collections::HashSet<String> = Default::default();
         let mut adopted = 0usize;
-        for pod in &s.pods {
-            let key = PodKey::of(pod);
+        for pod in s.pods {
+            let pod = Arc::new(pod);
+            let key = PodKey::of(&pod);
             self.slot(&key).latest = Some(pod.clone());
-            if terminal(pod) {
+            if terminal(&pod) {
                 continue;
             }
-            let Ok(spec) = spec::parse(pod) else {
+            let Ok(spec) = spec::parse(&pod) else {
                 continue;
             };
             let vm = if !spec.vm_id.is_empty() {
@@ -3227,7 +3244,7 @@ impl Provider {
             }
             claimed.insert(vm.id.clone());
             adopted += 1;
-            self.adopt_at_startup(&key, pod, spec, vm);
+            self.adopt_at_startup(&key, &pod, spec, vm);
         }
         let mut orphans = 0usize;
         for vm in s.vms.iter() {
@@ -3252,7 +3269,7 @@ impl Provider {
         }
     }
 
-    fn adopt_at_startup(&mut self, key: &PodKey, pod: &Pod, spec: VmSpec, vm: VmInfo) {
+    fn adopt_at_startup(&mut self, key: &PodKey, pod: &Arc<Pod>, spec: VmSpec, vm: VmInfo) {
         let uid = pod_uid(pod);
         let ann = pod.metadata.annotations.clone().unwrap_or_default();
         let ip = if !vm.primary_ip().is_empty() {

@@ -191,6 +191,7 @@ pub fn pod(ns: &str, name: &str, vm: Option<(&str, u32)>) -> PodInfo {
             serde_json::from_value(serde_json::json!({"apiVersion":"v1","kind":"Pod","metadata":{"namespace":ns,"name":name,"uid":format!("uid-{name}")}}))
                 .unwrap(),
         ),
+        status: None,
     }
 }
 
