@@ -216,6 +216,23 @@ impl FakeCocoon {
     fn set_faults(&self, json: &str) {
         fs::write(self.state().join("faults.json"), json).expect("faults");
     }
+    /// `.import-*` staging directories in the fake's state (debris of an unfinished import).
+    fn import_staging(&self) -> Vec<String> {
+        fs::read_dir(self.state().join("snapshots"))
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.starts_with(".import-"))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+    /// Runs one ordinary cocoon command and asserts no import staging survived it.
+    fn assert_no_import_debris(&self) {
+        assert!(self.cocoon(&["snapshot", "list"]).status.success());
+        let left = self.import_staging();
+        assert!(left.is_empty(), "import staging left behind: {left:?}");
+    }
 }
 
 /// One file of a synthetic export.
@@ -727,6 +744,8 @@ fn corrupted_blob_in_registry_storage_is_detected_and_nothing_imported() {
         !cocoon.snapshot_names().contains(&"bad".to_string()),
         "no snapshot registered under the local name"
     );
+    // The killed import's staging directory is swept by the next cocoon command.
+    cocoon.assert_no_import_debris();
 }
 
 #[test]
@@ -1834,6 +1853,88 @@ fn corrupted_large_blob_fails_the_ranged_pull_and_imports_nothing() {
     assert!(client.ranged_pieces() > 0, "the ranged path ran");
     assert!(!cocoon.import_path("bad").exists(), "nothing imported");
     assert!(!cocoon.snapshot_names().contains(&"bad".to_string()));
+    cocoon.assert_no_import_debris();
+}
+
+/// Polls until the fake shows an `.import-*` staging directory (bounded wait).
+fn wait_for_staging(cocoon: &FakeCocoon) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let found = cocoon.import_staging();
+        if !found.is_empty() {
+            return found;
+        }
+        assert!(Instant::now() < deadline, "the import never staged");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Starts `cocoon snapshot import --name NAME` and feeds it the first `bytes` of `archive`,
+/// leaving its stdin open.
+fn half_import(cocoon: &FakeCocoon, name: &str, archive: &[u8], bytes: usize) -> Child {
+    let mut child = Command::new(cocoon.bin())
+        .args(["snapshot", "import", "--name", name])
+        .env_remove("FAKE_COCOON_STATE")
+        .env_remove("COCOON_ROOT_DIR")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn import");
+    child
+        .stdin
+        .as_mut()
+        .expect("stdin")
+        .write_all(&archive[..bytes])
+        .expect("feed import");
+    child
+}
+
+#[test]
+fn killed_import_leaves_no_staging_but_a_live_import_is_left_alone() {
+    let cocoon = FakeCocoon::new();
+    let path = cocoon.export_path("k");
+    write_export(&path, "SEED", &small_files());
+    let archive = fs::read(&path).unwrap();
+
+    // A live import, mid-stream: another command must not sweep its staging directory.
+    let mut live = half_import(&cocoon, "live", &archive, (MIB + 512) as usize);
+    let staged = wait_for_staging(&cocoon);
+    assert_eq!(staged.len(), 1, "{staged:?}");
+    assert!(cocoon.cocoon(&["snapshot", "list"]).status.success());
+    assert_eq!(
+        cocoon.import_staging(),
+        staged,
+        "a live import keeps its staging"
+    );
+    let mut stdin = live.stdin.take().unwrap();
+    stdin.write_all(&archive[(MIB + 512) as usize..]).unwrap();
+    drop(stdin);
+    let out = live.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_same_snapshot(&path, &cocoon.import_path("live"), "live");
+    assert!(
+        cocoon.import_staging().is_empty(),
+        "committed import staged nothing"
+    );
+
+    // The same import SIGKILLed mid-stream leaves its staging directory behind ...
+    let mut killed = half_import(&cocoon, "killed", &archive, (MIB + 512) as usize);
+    wait_for_staging(&cocoon);
+    killed.kill().unwrap();
+    killed.wait().unwrap();
+    assert_eq!(
+        cocoon.import_staging().len(),
+        1,
+        "debris of the killed import"
+    );
+    // ... until the next snapshot command sweeps it, and nothing was registered.
+    cocoon.assert_no_import_debris();
+    assert!(!cocoon.snapshot_names().contains(&"killed".to_string()));
 }
 
 /// Pushes `ranged_files` as `vm`, pulls it through a proxy with `rules` into `local` and

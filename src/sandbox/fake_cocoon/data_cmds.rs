@@ -25,6 +25,7 @@ fn print_json<T: serde::Serialize>(v: &T) -> CmdResult {
 }
 
 pub fn snapshot(store: &Store, verb: &str, args: &[String], fault: &VerbFault) -> CmdResult {
+    sweep_stale_imports(store);
     match verb {
         "save" => save(store, args),
         "inspect" => snap_inspect(store, args),
@@ -340,7 +341,7 @@ fn import_archive(
     let id = new_id();
     snap.id = id.clone();
     snap.created_at = Some(now_rfc3339());
-    let staging = store.snaps_dir().join(format!(".import-{id}"));
+    let staging = staging_dir(store, &id);
     fs::create_dir_all(&staging).map_err(io_err("create staging dir"))?;
     let mut meta: MemberMeta = BTreeMap::new();
     let copied = (|| -> Result<(), String> {
@@ -400,6 +401,60 @@ fn import_archive(
         .map_err(io_err("save snapshot"))?;
     eprintln!("imported snapshot {id} as {:?}", snap.name);
     Ok(0)
+}
+
+/// Prefix of an import's staging directory, `.import-<pid>-<start>-<ID>`: the importer's pid
+/// and start time (`/proc/<pid>/stat` field 22, which tells a reused pid apart) name its owner.
+const STAGING_PREFIX: &str = ".import-";
+
+/// Start time of process `pid` in clock ticks since boot (`/proc/<pid>/stat` field 22).
+fn proc_start_time(pid: u32) -> Option<u64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    // The fields after the parenthesised command name begin at field 3; field 22 is the 20th.
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Where this process stages the members of import `id` before committing them.
+fn staging_dir(store: &Store, id: &str) -> PathBuf {
+    let pid = std::process::id();
+    let start = proc_start_time(pid).unwrap_or(0);
+    store
+        .snaps_dir()
+        .join(format!("{STAGING_PREFIX}{pid}-{start}-{id}"))
+}
+
+/// Whether the importer that owns staging directory `name` is gone (dead, a zombie, or its pid
+/// now names another process). A name without a parsable owner counts as gone.
+fn staging_owner_gone(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix(STAGING_PREFIX) else {
+        return false;
+    };
+    let mut parts = rest.splitn(3, '-');
+    let (Some(pid), Some(start), Some(_id)) = (parts.next(), parts.next(), parts.next()) else {
+        return true;
+    };
+    let (Ok(pid), Ok(start)) = (pid.parse::<u32>(), start.parse::<u64>()) else {
+        return true;
+    };
+    if !pid_alive(i64::from(pid)) {
+        return true;
+    }
+    start != 0 && proc_start_time(pid).is_some_and(|now| now != start)
+}
+
+/// Removes the staging directories of imports whose process died mid-stream (e.g. SIGKILLed by
+/// a failed pull), so no partial data outlives its importer; live imports are left alone.
+fn sweep_stale_imports(store: &Store) {
+    let Ok(entries) = fs::read_dir(store.snaps_dir()) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(STAGING_PREFIX) && staging_owner_gone(&name) {
+            let _ = fs::remove_dir_all(e.path());
+        }
+    }
 }
 
 /// Per-member mode and `COCOON.*` PAX records of an imported snapshot, kept beside its record

@@ -31,6 +31,8 @@
 //!
 //! # State directory
 //! `vms/<ID>.json`, `snapshots/<ID>.json` + `snapshots/<ID>/` (data files), `images/<hex>.json`,
+//! `snapshots/.import-<pid>-<start>-<ID>/` (an import's staging, renamed into place on success;
+//! every `snapshot` command first removes those whose importer is gone, e.g. SIGKILLed),
 //! `journal` (one line per change: `<time> <ADDED|MODIFIED|DELETED> <ID>`), `exec.log` (one JSON
 //! line per `vm exec`: `{"vm","argv","env","stdin"}`), `faults.json`, `lock`, `next_ip`.
 //!
