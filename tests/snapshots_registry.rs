@@ -1977,3 +1977,97 @@ fn a_cut_range_response_is_retried_as_one_piece() {
     assert_eq!(pieces, 6);
     assert_eq!(seen, 7, "six pieces, one of them twice");
 }
+
+// ---------------------------------------------------------------- discard mode
+
+/// Runs `cocoon <args>` with `FAKE_COCOON_IMPORT_DISCARD=1` and `input` on stdin.
+fn discard_import(cocoon: &FakeCocoon, args: &[&str], input: &[u8]) -> std::process::Output {
+    let mut child = Command::new(cocoon.bin())
+        .args(args)
+        .env("FAKE_COCOON_IMPORT_DISCARD", "1")
+        .env_remove("FAKE_COCOON_STATE")
+        .env_remove("COCOON_ROOT_DIR")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn import");
+    let mut stdin = child.stdin.take().unwrap();
+    // The fake reads to EOF even on a bad stream, so the write never meets a closed pipe.
+    stdin.write_all(input).expect("feed import");
+    drop(stdin);
+    child.wait_with_output().unwrap()
+}
+
+/// Bytes of all regular files under `dir`.
+fn bytes_under(dir: &Path) -> u64 {
+    fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .map(|e| match e.file_type() {
+                    Ok(t) if t.is_dir() => bytes_under(&e.path()),
+                    Ok(t) if t.is_file() => e.metadata().map(|m| m.len()).unwrap_or(0),
+                    _ => 0,
+                })
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+#[test]
+fn discard_mode_checks_the_tar_framing_and_stores_nothing() {
+    let cocoon = FakeCocoon::new();
+    let path = cocoon.export_path("d");
+    write_export(&path, "SEED", &small_files());
+    let archive = fs::read(&path).unwrap();
+    assert!(archive.len() as u64 > 5 * MIB);
+    let before = bytes_under(&cocoon.state());
+
+    let ok = discard_import(&cocoon, &["snapshot", "import", "--name", "d"], &archive);
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&ok.stderr).contains("4 members"),
+        "snapshot.json and three files (PAX headers belong to their member): {}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert!(cocoon.snapshot_names().is_empty(), "nothing registered");
+    let ok = discard_import(&cocoon, &["image", "import", "img"], &archive);
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert!(cocoon.image("img").is_none(), "no image registered");
+    let grew = bytes_under(&cocoon.state()) - before;
+    assert!(grew < 64 << 10, "discarding wrote {grew} bytes");
+
+    // Truncated: inside a member body, inside a header, and just the end-of-archive marker cut.
+    let header2 = 512 + 512; // snapshot.json's header and (short) body, then the next header
+    for cut in [
+        archive.len() - 3 * MIB as usize,
+        header2 + 100,
+        archive.len() - 1024,
+    ] {
+        for args in [
+            &["snapshot", "import", "--name", "d"][..],
+            &["image", "import", "img"][..],
+        ] {
+            let out = discard_import(&cocoon, args, &archive[..cut]);
+            assert!(
+                !out.status.success(),
+                "{args:?} accepted a stream cut at {cut}"
+            );
+        }
+    }
+    // A corrupted header checksum fails too.
+    let mut bad = archive.clone();
+    bad[header2 + 1] ^= 0x20;
+    let out = discard_import(&cocoon, &["snapshot", "import", "--name", "d"], &bad);
+    assert!(!out.status.success(), "corrupt header accepted");
+    assert!(cocoon.snapshot_names().is_empty());
+    assert!(cocoon.import_staging().is_empty());
+}

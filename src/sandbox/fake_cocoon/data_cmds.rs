@@ -31,7 +31,7 @@ pub fn snapshot(store: &Store, verb: &str, args: &[String], fault: &VerbFault) -
         "inspect" => snap_inspect(store, args),
         "rm" => snap_rm(store, args),
         "list" | "ls" => snap_list(store, args),
-        "import" => snap_import(store, args),
+        "import" => snap_import(store, args, discard_mode()),
         "export" => snap_export(store, args, fault.truncate_after),
         _ => Ok(0),
     }
@@ -41,7 +41,7 @@ pub fn image(store: &Store, verb: &str, args: &[String]) -> CmdResult {
     match verb {
         "pull" => pull(store, args),
         "inspect" => image_inspect(store, args),
-        "import" => image_import(store, args),
+        "import" => image_import(store, args, discard_mode()),
         "list" | "ls" => image_list(store, args),
         "rm" => image_rm(store, args),
         _ => Ok(0),
@@ -294,10 +294,63 @@ fn drain(input: &mut dyn Read) {
     let _ = io::copy(input, &mut io::sink());
 }
 
-fn snap_import(store: &Store, args: &[String]) -> CmdResult {
+/// `FAKE_COCOON_IMPORT_DISCARD=1`: `snapshot import` and `image import` check the stream's
+/// framing and keep nothing, so a benchmark measures the transport rather than the disk.
+fn discard_mode() -> bool {
+    std::env::var("FAKE_COCOON_IMPORT_DISCARD").as_deref() == Ok("1")
+}
+
+/// Reads a whole tar stream, checking every header checksum, body length, padding and the
+/// end-of-archive marker, and writes nothing. A snapshot archive must open with a parsable
+/// `snapshot.json`. Returns (members, body bytes).
+fn discard_archive(input: &mut dyn Read, snapshot: bool) -> Result<(u64, u64), String> {
+    let (mut members, mut bytes) = (0u64, 0u64);
+    loop {
+        let entry = match tar::next_header(input).map_err(|e| format!("import: {e}"))? {
+            tar::Next::Entry(e) => e,
+            tar::Next::End => break,
+            tar::Next::Eof => {
+                return Err("import: archive ends without its end-of-archive marker".into())
+            }
+        };
+        if snapshot && members == 0 && entry.kind != b'x' {
+            if entry.name.trim_start_matches("./") != "snapshot.json" || entry.size > 1 << 20 {
+                return Err(format!(
+                    "import: first member is {:?} ({} bytes), want snapshot.json",
+                    entry.name, entry.size
+                ));
+            }
+            let mut body = Vec::new();
+            tar::copy_body(input, entry.size, &mut body).map_err(|e| format!("import: {e}"))?;
+            serde_json::from_slice::<SnapshotEnvelope>(&body)
+                .map_err(|e| format!("import: parse snapshot.json: {e}"))?;
+        } else {
+            tar::copy_body(input, entry.size, &mut io::sink())
+                .map_err(|e| format!("import: {e}"))?;
+        }
+        // A PAX header belongs to the member after it.
+        if entry.kind != b'x' && entry.kind != b'g' {
+            members += 1;
+            bytes += entry.size;
+        }
+    }
+    if members == 0 {
+        return Err("import: empty archive".into());
+    }
+    Ok((members, bytes))
+}
+
+fn snap_import(store: &Store, args: &[String], discard: bool) -> CmdResult {
     let p = cli::parse(args, &[val("name"), val("description")], false)?;
     let mut input = open_input(p.positionals.first().map(String::as_str))?;
-    let result = import_archive(store, &mut *input, p.get("name"), p.get("description"));
+    let result = if discard {
+        discard_archive(&mut *input, true).map(|(members, bytes)| {
+            eprintln!("discarded snapshot archive: {members} members, {bytes} bytes");
+            0
+        })
+    } else {
+        import_archive(store, &mut *input, p.get("name"), p.get("description"))
+    };
     // cocoon reads its input to EOF even when the archive is bad.
     drain(&mut *input);
     result
@@ -615,12 +668,38 @@ fn image_inspect(store: &Store, args: &[String]) -> CmdResult {
     print_json(&img)
 }
 
-fn image_import(store: &Store, args: &[String]) -> CmdResult {
+/// `image import` in discard mode: a tar (OCI) image has its framing checked, a qcow2 image is
+/// read to EOF; nothing is stored or registered.
+fn discard_image(input: &mut dyn Read) -> CmdResult {
+    let mut head = Vec::with_capacity(512);
+    input
+        .take(512)
+        .read_to_end(&mut head)
+        .map_err(io_err("import: read input"))?;
+    let mut whole = io::Cursor::new(head.clone()).chain(input);
+    if head.len() >= 262 && &head[257..262] == b"ustar" {
+        let (members, bytes) = discard_archive(&mut whole, false)?;
+        drain(&mut whole);
+        eprintln!("discarded image archive: {members} members, {bytes} bytes");
+        return Ok(0);
+    }
+    if !head.starts_with(b"QFI\xfb") {
+        return Err("import: unrecognised image format (want qcow2 or tar)".into());
+    }
+    let total = io::copy(&mut whole, &mut io::sink()).map_err(io_err("import: read input"))?;
+    eprintln!("discarded qcow2 image: {total} bytes");
+    Ok(0)
+}
+
+fn image_import(store: &Store, args: &[String], discard: bool) -> CmdResult {
     let p = cli::parse(args, &[val("type")], false)?;
     let Some(name) = p.positionals.first().cloned() else {
         return Err("requires at least 1 arg(s), only received 0".into());
     };
     let mut input = open_input(p.positionals.get(1).map(String::as_str))?;
+    if discard {
+        return discard_image(&mut *input);
+    }
     let mut hasher = Sha256::new();
     let mut head = Vec::with_capacity(512);
     let mut total: u64 = 0;
