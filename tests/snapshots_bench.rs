@@ -1,6 +1,10 @@
 //! Benchmark (ignored by default): 1 GiB snapshot push / pull through a local docker-registry
 //! against curl moving the same bytes, peak RSS of the transfer, and sha256 throughput.
 //! Run alone: `cargo test --release --test snapshots_bench -- --ignored --nocapture`.
+//!
+//! `cocoon` is the project's fake (the `vk-cocoon` binary behind a `cocoon` symlink): pushes
+//! export a snapshot it holds; pulls import with `FAKE_COCOON_IMPORT_DISCARD=1`, which checks
+//! the tar framing and writes nothing, so the pull figure is the transport and not the disk.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -110,13 +114,48 @@ fn write_export(path: &Path, size: u64) {
     w.finish().unwrap();
 }
 
-fn stand_in(dir: &Path) -> PathBuf {
-    let p = dir.join("cocoon");
-    let script = "#!/bin/sh\n# Benchmark stand-in for the cocoon CLI.\nd=$(dirname \"$0\")\ncase \"$1 $2\" in\n\"snapshot export\") exec cat \"$d/export.tar\" ;;\n\"snapshot import\") exec cat > /dev/null ;;\n\"snapshot rm\") exit 0 ;;\nesac\nexit 1\n";
-    fs::write(&p, script).unwrap();
-    use std::os::unix::fs::PermissionsExt;
-    fs::set_permissions(&p, fs::Permissions::from_mode(0o755)).unwrap();
-    p
+const VK_COCOON: &str = env!("CARGO_BIN_EXE_vk-cocoon");
+
+/// The fake cocoon behind `<dir>/bin/cocoon`, its state in `bin/fake-cocoon-state`.
+fn fake_cocoon(dir: &Path) -> PathBuf {
+    fs::create_dir_all(dir.join("bin/fake-cocoon-state")).unwrap();
+    let bin = dir.join("bin/cocoon");
+    std::os::unix::fs::symlink(VK_COCOON, &bin).unwrap();
+    bin
+}
+
+/// Stores the archive at `export` in the fake as snapshot `name` (a real, storing import).
+fn seed(cocoon: &Path, name: &str, export: &Path) {
+    let out = Command::new(cocoon)
+        .args(["snapshot", "import", "--name", name])
+        .env_remove("FAKE_COCOON_IMPORT_DISCARD")
+        .env_remove("FAKE_COCOON_STATE")
+        .env_remove("COCOON_ROOT_DIR")
+        .stdin(fs::File::open(export).unwrap())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "seed {name}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Names of the fake's snapshots.
+fn snapshot_names(cocoon: &Path) -> Vec<String> {
+    let out = Command::new(cocoon)
+        .args(["snapshot", "list", "-o", "json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|s| s["name"].as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 fn rate(bytes: u64, d: Duration) -> f64 {
@@ -139,9 +178,15 @@ fn bench_1gib_push_pull_vs_curl() {
     let work = tempfile::tempdir().unwrap();
     let reg = start_registry(work.path());
     let host = format!("127.0.0.1:{}", reg.port);
-    let cocoon = stand_in(work.path());
+    let cocoon = fake_cocoon(work.path());
     let export = work.path().join("export.tar");
     write_export(&export, size);
+    // The pushes export these; v1 and v2 push one repository (= snapshot name) each.
+    seed(&cocoon, "bench", &export);
+    seed(&cocoon, "bench2", &export);
+    // Pull imports (children inherit this) discard after checking the framing. The only test
+    // in this binary, so no other thread reads the environment meanwhile.
+    std::env::set_var("FAKE_COCOON_IMPORT_DISCARD", "1");
 
     // sha256 throughput.
     let buf = vec![0xa5u8; 64 << 20];
@@ -213,10 +258,7 @@ fn bench_1gib_push_pull_vs_curl() {
         concurrency: 4,
         memory_budget: 64 * MIB,
     };
-    let cocoon_dir = work.path();
-    let _ = cocoon_dir;
     let t = Instant::now();
-    // The stand-in exports the same file whatever the name.
     push_snapshot(&client, &req2).expect("push v2");
     let p2 = t.elapsed();
     println!(
@@ -236,6 +278,10 @@ fn bench_1gib_push_pull_vs_curl() {
         rate(size, t.elapsed()),
         vm_hwm_kib() / 1024
     );
+    // The discarding imports registered nothing.
+    let mut names = snapshot_names(&cocoon);
+    names.sort();
+    assert_eq!(names, ["bench", "bench2"]);
 
     // curl: the same bytes as one blob upload (POST, PATCH, PUT) and download.
     let body = work.path().join("body.bin");

@@ -216,6 +216,23 @@ impl FakeCocoon {
     fn set_faults(&self, json: &str) {
         fs::write(self.state().join("faults.json"), json).expect("faults");
     }
+    /// `.import-*` staging directories in the fake's state (debris of an unfinished import).
+    fn import_staging(&self) -> Vec<String> {
+        fs::read_dir(self.state().join("snapshots"))
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.starts_with(".import-"))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+    /// Runs one ordinary cocoon command and asserts no import staging survived it.
+    fn assert_no_import_debris(&self) {
+        assert!(self.cocoon(&["snapshot", "list"]).status.success());
+        let left = self.import_staging();
+        assert!(left.is_empty(), "import staging left behind: {left:?}");
+    }
 }
 
 /// One file of a synthetic export.
@@ -727,6 +744,8 @@ fn corrupted_blob_in_registry_storage_is_detected_and_nothing_imported() {
         !cocoon.snapshot_names().contains(&"bad".to_string()),
         "no snapshot registered under the local name"
     );
+    // The killed import's staging directory is swept by the next cocoon command.
+    cocoon.assert_no_import_debris();
 }
 
 #[test]
@@ -1834,6 +1853,88 @@ fn corrupted_large_blob_fails_the_ranged_pull_and_imports_nothing() {
     assert!(client.ranged_pieces() > 0, "the ranged path ran");
     assert!(!cocoon.import_path("bad").exists(), "nothing imported");
     assert!(!cocoon.snapshot_names().contains(&"bad".to_string()));
+    cocoon.assert_no_import_debris();
+}
+
+/// Polls until the fake shows an `.import-*` staging directory (bounded wait).
+fn wait_for_staging(cocoon: &FakeCocoon) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let found = cocoon.import_staging();
+        if !found.is_empty() {
+            return found;
+        }
+        assert!(Instant::now() < deadline, "the import never staged");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Starts `cocoon snapshot import --name NAME` and feeds it the first `bytes` of `archive`,
+/// leaving its stdin open.
+fn half_import(cocoon: &FakeCocoon, name: &str, archive: &[u8], bytes: usize) -> Child {
+    let mut child = Command::new(cocoon.bin())
+        .args(["snapshot", "import", "--name", name])
+        .env_remove("FAKE_COCOON_STATE")
+        .env_remove("COCOON_ROOT_DIR")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn import");
+    child
+        .stdin
+        .as_mut()
+        .expect("stdin")
+        .write_all(&archive[..bytes])
+        .expect("feed import");
+    child
+}
+
+#[test]
+fn killed_import_leaves_no_staging_but_a_live_import_is_left_alone() {
+    let cocoon = FakeCocoon::new();
+    let path = cocoon.export_path("k");
+    write_export(&path, "SEED", &small_files());
+    let archive = fs::read(&path).unwrap();
+
+    // A live import, mid-stream: another command must not sweep its staging directory.
+    let mut live = half_import(&cocoon, "live", &archive, (MIB + 512) as usize);
+    let staged = wait_for_staging(&cocoon);
+    assert_eq!(staged.len(), 1, "{staged:?}");
+    assert!(cocoon.cocoon(&["snapshot", "list"]).status.success());
+    assert_eq!(
+        cocoon.import_staging(),
+        staged,
+        "a live import keeps its staging"
+    );
+    let mut stdin = live.stdin.take().unwrap();
+    stdin.write_all(&archive[(MIB + 512) as usize..]).unwrap();
+    drop(stdin);
+    let out = live.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_same_snapshot(&path, &cocoon.import_path("live"), "live");
+    assert!(
+        cocoon.import_staging().is_empty(),
+        "committed import staged nothing"
+    );
+
+    // The same import SIGKILLed mid-stream leaves its staging directory behind ...
+    let mut killed = half_import(&cocoon, "killed", &archive, (MIB + 512) as usize);
+    wait_for_staging(&cocoon);
+    killed.kill().unwrap();
+    killed.wait().unwrap();
+    assert_eq!(
+        cocoon.import_staging().len(),
+        1,
+        "debris of the killed import"
+    );
+    // ... until the next snapshot command sweeps it, and nothing was registered.
+    cocoon.assert_no_import_debris();
+    assert!(!cocoon.snapshot_names().contains(&"killed".to_string()));
 }
 
 /// Pushes `ranged_files` as `vm`, pulls it through a proxy with `rules` into `local` and
@@ -1875,4 +1976,98 @@ fn a_cut_range_response_is_retried_as_one_piece() {
     };
     assert_eq!(pieces, 6);
     assert_eq!(seen, 7, "six pieces, one of them twice");
+}
+
+// ---------------------------------------------------------------- discard mode
+
+/// Runs `cocoon <args>` with `FAKE_COCOON_IMPORT_DISCARD=1` and `input` on stdin.
+fn discard_import(cocoon: &FakeCocoon, args: &[&str], input: &[u8]) -> std::process::Output {
+    let mut child = Command::new(cocoon.bin())
+        .args(args)
+        .env("FAKE_COCOON_IMPORT_DISCARD", "1")
+        .env_remove("FAKE_COCOON_STATE")
+        .env_remove("COCOON_ROOT_DIR")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn import");
+    let mut stdin = child.stdin.take().unwrap();
+    // The fake reads to EOF even on a bad stream, so the write never meets a closed pipe.
+    stdin.write_all(input).expect("feed import");
+    drop(stdin);
+    child.wait_with_output().unwrap()
+}
+
+/// Bytes of all regular files under `dir`.
+fn bytes_under(dir: &Path) -> u64 {
+    fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .map(|e| match e.file_type() {
+                    Ok(t) if t.is_dir() => bytes_under(&e.path()),
+                    Ok(t) if t.is_file() => e.metadata().map(|m| m.len()).unwrap_or(0),
+                    _ => 0,
+                })
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+#[test]
+fn discard_mode_checks_the_tar_framing_and_stores_nothing() {
+    let cocoon = FakeCocoon::new();
+    let path = cocoon.export_path("d");
+    write_export(&path, "SEED", &small_files());
+    let archive = fs::read(&path).unwrap();
+    assert!(archive.len() as u64 > 5 * MIB);
+    let before = bytes_under(&cocoon.state());
+
+    let ok = discard_import(&cocoon, &["snapshot", "import", "--name", "d"], &archive);
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&ok.stderr).contains("4 members"),
+        "snapshot.json and three files (PAX headers belong to their member): {}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert!(cocoon.snapshot_names().is_empty(), "nothing registered");
+    let ok = discard_import(&cocoon, &["image", "import", "img"], &archive);
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert!(cocoon.image("img").is_none(), "no image registered");
+    let grew = bytes_under(&cocoon.state()) - before;
+    assert!(grew < 64 << 10, "discarding wrote {grew} bytes");
+
+    // Truncated: inside a member body, inside a header, and just the end-of-archive marker cut.
+    let header2 = 512 + 512; // snapshot.json's header and (short) body, then the next header
+    for cut in [
+        archive.len() - 3 * MIB as usize,
+        header2 + 100,
+        archive.len() - 1024,
+    ] {
+        for args in [
+            &["snapshot", "import", "--name", "d"][..],
+            &["image", "import", "img"][..],
+        ] {
+            let out = discard_import(&cocoon, args, &archive[..cut]);
+            assert!(
+                !out.status.success(),
+                "{args:?} accepted a stream cut at {cut}"
+            );
+        }
+    }
+    // A corrupted header checksum fails too.
+    let mut bad = archive.clone();
+    bad[header2 + 1] ^= 0x20;
+    let out = discard_import(&cocoon, &["snapshot", "import", "--name", "d"], &bad);
+    assert!(!out.status.success(), "corrupt header accepted");
+    assert!(cocoon.snapshot_names().is_empty());
+    assert!(cocoon.import_staging().is_empty());
 }

@@ -306,3 +306,59 @@ pub fn running_with_vm(w: &World, name: &str) -> Option<(Pod, String)> {
     let id = annotation(&p, "vm.cocoonstack.io/id")?;
     (phase(&p) == "Running" && !id.is_empty()).then_some((p, id))
 }
+
+pub const REGISTRY_BIN: &str = "/usr/bin/docker-registry";
+
+/// A `docker-registry serve` child on 127.0.0.1 with its storage and config in a temp dir;
+/// killed on drop. `None` (with a SKIP line) when the binary is absent.
+pub struct TestRegistry {
+    child: Child,
+    pub port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl TestRegistry {
+    pub fn start() -> Option<TestRegistry> {
+        if !std::path::Path::new(REGISTRY_BIN).exists() {
+            eprintln!("SKIP: {REGISTRY_BIN} missing (apt-get install docker-registry)");
+            return None;
+        }
+        let dir = tempfile::tempdir().expect("temp dir");
+        let port = free_port();
+        let cfg = format!(
+            "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: 127.0.0.1:{port}\n",
+            dir.path().join("data").display()
+        );
+        let cfg_path = dir.path().join("config.yml");
+        std::fs::write(&cfg_path, cfg).expect("registry config");
+        let child = Command::new(REGISTRY_BIN)
+            .arg("serve")
+            .arg(&cfg_path)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn docker-registry");
+        let reg = TestRegistry {
+            child,
+            port,
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "registry did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Some(reg)
+    }
+
+    pub fn host(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for TestRegistry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

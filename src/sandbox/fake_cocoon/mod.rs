@@ -28,9 +28,15 @@
 //!   expiry now + 1 h) and drops rows of VMs that stopped, were removed or vanished. The mode is
 //!   remembered in `<state>/dhcp_leases`, so later invocations without the env keep it.
 //! - `FAKE_COCOON_SNAPSHOT_BYTES`: size of the memory file of a saved snapshot (default 256 KiB).
+//! - `FAKE_COCOON_IMPORT_DISCARD=1`: `snapshot import` / `image import` read the whole stream,
+//!   check its tar framing (header checksums, member lengths, padding, end-of-archive marker; a
+//!   `snapshot.json` first for snapshots; a qcow2 image is only read) and store or register
+//!   nothing: exit 0 on a well-formed stream, 1 on a truncated or corrupt one (benchmarks).
 //!
 //! # State directory
 //! `vms/<ID>.json`, `snapshots/<ID>.json` + `snapshots/<ID>/` (data files), `images/<hex>.json`,
+//! `snapshots/.import-<pid>-<start>-<ID>/` (an import's staging, renamed into place on success;
+//! every `snapshot` command first removes those whose importer is gone, e.g. SIGKILLed),
 //! `journal` (one line per change: `<time> <ADDED|MODIFIED|DELETED> <ID>`), `exec.log` (one JSON
 //! line per `vm exec`: `{"vm","argv","env","stdin"}`), `faults.json`, `lock`, `next_ip`.
 //!

@@ -158,15 +158,33 @@ fn parse_octal(field: &[u8]) -> io::Result<u64> {
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "bad octal field in tar header"))
 }
 
+/// What [`next_header`] found where a header block was due.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Next {
+    Entry(Entry),
+    /// A zero block: the end-of-archive marker.
+    End,
+    /// A clean EOF on a block boundary, with no end-of-archive marker.
+    Eof,
+}
+
 /// Reads the next header; `None` at the end-of-archive marker or a clean EOF.
 pub fn next_entry<R: Read + ?Sized>(input: &mut R) -> io::Result<Option<Entry>> {
+    Ok(match next_header(input)? {
+        Next::Entry(e) => Some(e),
+        Next::End | Next::Eof => None,
+    })
+}
+
+/// Reads the next header, telling the end-of-archive marker from a stream that just stops.
+pub fn next_header<R: Read + ?Sized>(input: &mut R) -> io::Result<Next> {
     let mut h = [0u8; BLOCK];
     let mut got = 0;
     while got < BLOCK {
         let n = input.read(&mut h[got..])?;
         if n == 0 {
             if got == 0 {
-                return Ok(None);
+                return Ok(Next::Eof);
             }
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
@@ -176,7 +194,7 @@ pub fn next_entry<R: Read + ?Sized>(input: &mut R) -> io::Result<Option<Entry>> 
         got += n;
     }
     if h.iter().all(|b| *b == 0) {
-        return Ok(None);
+        return Ok(Next::End);
     }
     let stored = parse_octal(&h[148..156])?;
     let mut sum: u64 = 0;
@@ -199,7 +217,7 @@ pub fn next_entry<R: Read + ?Sized>(input: &mut R) -> io::Result<Option<Entry>> 
         let pend = h[345..500].iter().position(|b| *b == 0).unwrap_or(155);
         name = format!("{}/{}", String::from_utf8_lossy(&h[345..345 + pend]), name);
     }
-    Ok(Some(Entry {
+    Ok(Next::Entry(Entry {
         name,
         size: parse_octal(&h[124..136])?,
         kind: h[156],
@@ -274,5 +292,9 @@ mod tests {
         bad[0] ^= 1;
         assert!(next_entry(&mut &bad[..]).is_err());
         assert!(next_entry(&mut &buf[..100]).is_err());
+        // The end marker is told apart from a stream that stops on a block boundary.
+        let mut r = &buf[buf.len() - 1024..];
+        assert_eq!(next_header(&mut r).unwrap(), Next::End);
+        assert_eq!(next_header(&mut &buf[..0]).unwrap(), Next::Eof);
     }
 }

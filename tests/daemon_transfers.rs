@@ -1,0 +1,151 @@
+//! Process tier, registry transfers: the real daemon pulls snapshots from a docker-registry on
+//! loopback through its transfer queue, which runs at most MAX_TRANSFER_JOBS (3) jobs at once.
+
+mod daemon_support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use daemon_support::{running_with_vm, TestRegistry, World, BIN};
+use vk_cocoon::sandbox::demo_pod;
+use vk_cocoon::snapshots::auth::AuthSettings;
+use vk_cocoon::snapshots::{
+    push_snapshot, PushKnobs, PushRequest, RegistryBase, RegistryClient, RetryPolicy,
+};
+
+/// Pids of live `<bin> snapshot import ...` processes.
+fn live_imports(bin: &str) -> BTreeSet<u32> {
+    let Ok(dir) = fs::read_dir("/proc") else {
+        return BTreeSet::new();
+    };
+    dir.flatten()
+        .filter_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let raw = fs::read(e.path().join("cmdline")).ok()?;
+            let argv: Vec<&[u8]> = raw.split(|b| *b == 0).collect();
+            (argv.len() >= 3
+                && argv[0] == bin.as_bytes()
+                && argv[1] == b"snapshot"
+                && argv[2] == b"import")
+                .then_some(pid)
+        })
+        .collect()
+}
+
+const PODS: usize = 5;
+const IMPORT_MS: u64 = 1500;
+
+#[test]
+fn more_pulls_than_transfer_slots_run_three_at_a_time_and_all_pods_start() {
+    let Some(reg) = TestRegistry::start() else {
+        return;
+    };
+    let mut w = World::new();
+    w.seed_snapshot("base");
+    // Publish the seed under PODS tags with the library, through a `cocoon` whose state (the
+    // directory beside it) is the world's.
+    let pusher = w.path("pusher");
+    fs::create_dir_all(&pusher).unwrap();
+    std::os::unix::fs::symlink(BIN, pusher.join("cocoon")).unwrap();
+    std::os::unix::fs::symlink(w.path("state"), pusher.join("fake-cocoon-state")).unwrap();
+    let base = format!("{}/cocoon", reg.host());
+    let client = RegistryClient::new(
+        RegistryBase::parse(&base).unwrap(),
+        AuthSettings::default(),
+        RetryPolicy::default(),
+    );
+    for i in 0..PODS {
+        let req = PushRequest {
+            name: "base".into(),
+            tag: format!("t{i}"),
+            cocoon_bin: pusher.join("cocoon"),
+            base_image: None,
+            from_node: None,
+            annotations: BTreeMap::new(),
+            knobs: PushKnobs::default(),
+            temp_dir: Some(w.path("pusher")),
+        };
+        push_snapshot(&client, &req).expect("push seed");
+    }
+    // Every import takes IMPORT_MS, so pulls that may overlap do.
+    fs::write(
+        w.path("state/faults.json"),
+        format!("{{\"snapshot import\": {{\"slow_ms\": {IMPORT_MS}}}}}"),
+    )
+    .unwrap();
+    w.extra_env.push(("OCI_REGISTRY".into(), base));
+    w.start_daemon();
+
+    // Clone pods of `base:tN`: local snapshot `base:tN` is missing, so each one is pulled.
+    let bin = w.path("bin/cocoon").to_string_lossy().into_owned();
+    let stop = AtomicBool::new(false);
+    let seen: Mutex<(usize, BTreeSet<u32>)> = Mutex::new((0, BTreeSet::new()));
+    let started = Instant::now();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::SeqCst) {
+                let live = live_imports(&bin);
+                let mut g = seen.lock().unwrap();
+                g.0 = g.0.max(live.len());
+                g.1.extend(live);
+                drop(g);
+                std::thread::sleep(Duration::from_millis(3));
+            }
+        });
+        for i in 0..PODS {
+            let pod = demo_pod("default", &format!("p{i}"), "clone", &format!("base:t{i}"));
+            w.api.create_pod(&pod).expect("create pod");
+        }
+        for i in 0..PODS {
+            w.wait(
+                &format!("pod p{i} Running"),
+                Duration::from_secs(60),
+                || running_with_vm(&w, &format!("p{i}")),
+            );
+        }
+        stop.store(true, Ordering::SeqCst);
+    });
+    let took = started.elapsed();
+    let (peak, pids) = seen.into_inner().unwrap();
+    eprintln!(
+        "{PODS} pulls: peak {peak} imports alive, {} seen, {took:?}",
+        pids.len()
+    );
+    assert_eq!(
+        peak, 3,
+        "at most MAX_TRANSFER_JOBS imports at once, and that many overlap"
+    );
+    assert_eq!(
+        pids.len(),
+        PODS,
+        "one import per pod, none repeated or skipped"
+    );
+    assert!(
+        took >= Duration::from_millis(2 * IMPORT_MS),
+        "two waves of slow imports: {took:?}"
+    );
+    assert!(live_imports(&bin).is_empty(), "no import left running");
+    // Nothing stayed queued: every pull finished, and each pod cloned its own pulled snapshot.
+    let metrics = ureq::get(&format!("http://127.0.0.1:{}/metrics", w.metrics_port))
+        .call()
+        .expect("metrics")
+        .into_string()
+        .expect("metrics text");
+    let ok_pulls = metrics
+        .lines()
+        .find(|l| l.contains("snapshot_pull_total{") && l.contains("result=\"ok\""))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok());
+    assert_eq!(ok_pulls, Some(PODS as f64), "{metrics}");
+    let (ok, list) = w.cocoon(&["snapshot", "list"]);
+    assert!(ok, "{list}");
+    for i in 0..PODS {
+        assert!(
+            list.contains(&format!("base:t{i}")),
+            "pulled base:t{i}: {list}"
+        );
+    }
+}
