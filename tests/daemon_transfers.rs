@@ -3,18 +3,14 @@
 
 mod daemon_support;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::fs;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use daemon_support::{running_with_vm, TestRegistry, World, BIN};
+use daemon_support::{running_with_vm, World};
 use vk_cocoon::sandbox::demo_pod;
-use vk_cocoon::snapshots::auth::AuthSettings;
-use vk_cocoon::snapshots::{
-    push_snapshot, PushKnobs, PushRequest, RegistryBase, RegistryClient, RetryPolicy,
-};
 
 /// Pids of live `<bin> snapshot import ...` processes.
 fn live_imports(bin: &str) -> BTreeSet<u32> {
@@ -40,35 +36,11 @@ const IMPORT_MS: u64 = 1500;
 
 #[test]
 fn more_pulls_than_transfer_slots_run_three_at_a_time_and_all_pods_start() {
-    let Some(reg) = TestRegistry::start() else {
-        return;
-    };
     let mut w = World::new();
     w.seed_snapshot("base");
-    // Publish the seed under PODS tags with the library, through a `cocoon` whose state (the
-    // directory beside it) is the world's.
-    let pusher = w.path("pusher");
-    fs::create_dir_all(&pusher).unwrap();
-    std::os::unix::fs::symlink(BIN, pusher.join("cocoon")).unwrap();
-    std::os::unix::fs::symlink(w.path("state"), pusher.join("fake-cocoon-state")).unwrap();
-    let base = format!("{}/cocoon", reg.host());
-    let client = RegistryClient::new(
-        RegistryBase::parse(&base).unwrap(),
-        AuthSettings::default(),
-        RetryPolicy::default(),
-    );
+    // Publish the seed under PODS tags on the world's registry (the daemon's OCI_REGISTRY).
     for i in 0..PODS {
-        let req = PushRequest {
-            name: "base".into(),
-            tag: format!("t{i}"),
-            cocoon_bin: pusher.join("cocoon"),
-            base_image: None,
-            from_node: None,
-            annotations: BTreeMap::new(),
-            knobs: PushKnobs::default(),
-            temp_dir: Some(w.path("pusher")),
-        };
-        push_snapshot(&client, &req).expect("push seed");
+        w.push_snapshot("base", &format!("t{i}"), "");
     }
     // Every import takes IMPORT_MS, so pulls that may overlap do.
     fs::write(
@@ -76,7 +48,6 @@ fn more_pulls_than_transfer_slots_run_three_at_a_time_and_all_pods_start() {
         format!("{{\"snapshot import\": {{\"slow_ms\": {IMPORT_MS}}}}}"),
     )
     .unwrap();
-    w.extra_env.push(("OCI_REGISTRY".into(), base));
     w.start_daemon();
 
     // Clone pods of `base:tN`: local snapshot `base:tN` is missing, so each one is pulled.
