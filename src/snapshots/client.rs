@@ -233,6 +233,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Auth sessions (one per repository and scope) kept for reuse.
+const SESSION_CACHE: usize = 256;
+
 /// The registry client. Share one per daemon (`Arc`); all methods block.
 pub struct RegistryClient {
     pub base: RegistryBase,
@@ -328,7 +331,14 @@ impl RegistryClient {
 
     fn session(&self, host: &str, repository: &str, actions: &'static str) -> Arc<Session> {
         let mut map = lock(&self.sessions);
-        map.entry((format!("{host}/{repository}"), actions))
+        let key = (format!("{host}/{repository}"), actions);
+        if map.len() >= SESSION_CACHE && !map.contains_key(&key) {
+            // Every VM name is a repository of its own (hibernate evidence, delete pushes): a
+            // host that churns pods would grow the map forever. Sessions nobody holds go; a
+            // later use pings and authenticates again.
+            map.retain(|_, s| Arc::strong_count(s) > 1);
+        }
+        map.entry(key)
             .or_insert_with(|| {
                 Arc::new(Session {
                     host: host.to_string(),
@@ -1336,6 +1346,23 @@ mod tests {
 
     fn classify(status: u16, cr: Option<&str>, cl: Option<&str>) -> Result<RangeAnswer, String> {
         classify_range(status, cr, cl, 8, 4, 100, "w").map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn idle_sessions_are_dropped_beyond_the_cache_bound() {
+        let client = RegistryClient::new(
+            RegistryBase::parse("127.0.0.1:1/vk").expect("base"),
+            AuthSettings::default(),
+            RetryPolicy::default(),
+        );
+        let held = client.session("127.0.0.1:1", "vk/held", "pull");
+        for i in 0..3 * SESSION_CACHE {
+            drop(client.session("127.0.0.1:1", &format!("vk/vm-{i}"), "pull"));
+        }
+        let n = lock(&client.sessions).len();
+        assert!(n <= SESSION_CACHE, "{n} sessions cached");
+        let again = client.session("127.0.0.1:1", "vk/held", "pull");
+        assert!(Arc::ptr_eq(&held, &again), "a session in use is kept");
     }
 
     #[test]
