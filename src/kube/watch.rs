@@ -404,19 +404,44 @@ fn rv_of(p: &Pod) -> &str {
 /// Deleted output synthesised from this set (relist, uid change) carries that identity only.
 #[derive(Default, Debug)]
 pub struct KnownPods {
-    pods: HashMap<String, Pod>,
+    pods: HashMap<String, Identity>,
 }
 
-fn identity_of(p: &Pod) -> Pod {
-    Pod {
-        metadata: ObjectMeta {
+/// What `KnownPods` keeps of a pod: a few strings, not a 2 KiB `Pod` struct with its heap.
+#[derive(Debug)]
+struct Identity {
+    namespace: Option<String>,
+    name: Option<String>,
+    uid: Option<String>,
+    resource_version: Option<String>,
+}
+
+impl Identity {
+    fn of(p: &Pod) -> Identity {
+        Identity {
             namespace: p.metadata.namespace.clone(),
             name: p.metadata.name.clone(),
             uid: p.metadata.uid.clone(),
             resource_version: p.metadata.resource_version.clone(),
+        }
+    }
+
+    fn uid(&self) -> &str {
+        self.uid.as_deref().unwrap_or("")
+    }
+
+    /// The pod a synthesised Deleted carries.
+    fn into_pod(self) -> Box<Pod> {
+        Box::new(Pod {
+            metadata: ObjectMeta {
+                namespace: self.namespace,
+                name: self.name,
+                uid: self.uid,
+                resource_version: self.resource_version,
+                ..Default::default()
+            },
             ..Default::default()
-        },
-        ..Default::default()
+        })
     }
 }
 
@@ -434,19 +459,21 @@ impl KnownPods {
         let key = key_of(&pod);
         match self.pods.get(&key) {
             None => {
-                self.pods.insert(key, identity_of(&pod));
+                self.pods.insert(key, Identity::of(&pod));
                 out.push(WatchOutput::Added(pod));
             }
-            Some(old) if uid_of(old) != uid_of(&pod) => {
-                let old = self.pods.insert(key, identity_of(&pod));
+            Some(old) if old.uid() != uid_of(&pod) => {
+                let old = self.pods.insert(key, Identity::of(&pod));
                 if let Some(old) = old {
-                    out.push(WatchOutput::Deleted(Box::new(old)));
+                    out.push(WatchOutput::Deleted(old.into_pod()));
                 }
                 out.push(WatchOutput::Added(pod));
             }
-            Some(old) if !rv_of(&pod).is_empty() && rv_of(old) == rv_of(&pod) => {}
+            Some(old)
+                if !rv_of(&pod).is_empty()
+                    && old.resource_version.as_deref() == Some(rv_of(&pod)) => {}
             Some(_) => {
-                self.pods.insert(key, identity_of(&pod));
+                self.pods.insert(key, Identity::of(&pod));
                 out.push(WatchOutput::Modified(pod));
             }
         }
@@ -456,9 +483,9 @@ impl KnownPods {
     pub fn remove(&mut self, pod: Box<Pod>, out: &mut Vec<WatchOutput>) {
         let key = key_of(&pod);
         match self.pods.remove(&key) {
-            Some(old) if uid_of(&old) == uid_of(&pod) => out.push(WatchOutput::Deleted(pod)),
+            Some(old) if old.uid() == uid_of(&pod) => out.push(WatchOutput::Deleted(pod)),
             // We held an older incarnation: it is gone too; the deleted one was never delivered.
-            Some(old) => out.push(WatchOutput::Deleted(Box::new(old))),
+            Some(old) => out.push(WatchOutput::Deleted(old.into_pod())),
             None => {}
         }
     }
@@ -479,7 +506,7 @@ impl KnownPods {
         gone.sort();
         for k in gone {
             if let Some(old) = self.pods.remove(&k) {
-                out.push(WatchOutput::Deleted(Box::new(old)));
+                out.push(WatchOutput::Deleted(old.into_pod()));
             }
         }
         let mut keys: Vec<String> = fresh.keys().cloned().collect();

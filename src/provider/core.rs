@@ -351,9 +351,10 @@ fn restart_never(p: &Pod) -> bool {
 /// Framework change detection (§4): containers, init/ephemeral containers,
 /// activeDeadlineSeconds, tolerations, labels, annotations.
 fn changed(a: &Pod, b: &Pod) -> bool {
+    let empty = k8s_openapi::api::core::v1::PodSpec::default();
     let (sa, sb) = (
-        a.spec.clone().unwrap_or_default(),
-        b.spec.clone().unwrap_or_default(),
+        a.spec.as_ref().unwrap_or(&empty),
+        b.spec.as_ref().unwrap_or(&empty),
     );
     sa.containers != sb.containers
         || sa.init_containers != sb.init_containers
@@ -861,7 +862,18 @@ impl Provider {
         let (Some(t), Some(pod)) = (&slot.tracked, &slot.latest) else {
             return;
         };
-        if t.uid != pod_uid(pod) || !changed(&t.pod, pod) {
+        if t.uid != pod_uid(pod) {
+            return;
+        }
+        if !changed(&t.pod, pod) {
+            // Only status or bookkeeping moved (our own writes come back as MODIFIED): share
+            // the newer copy so the older one is freed instead of kept beside it.
+            if !Arc::ptr_eq(&t.pod, pod) {
+                let pod = pod.clone();
+                if let Some(t) = self.slot(key).tracked.as_mut() {
+                    t.pod = pod;
+                }
+            }
             return;
         }
         let pod = pod.clone();
