@@ -41,7 +41,7 @@ use crate::network::leases::LeaseFile;
 use crate::network::release::LeaseReleaser;
 use crate::node::NodeAgent;
 use crate::probes::{ProbeConfig, ProbeEngine, ProbeEvent, ProbeManager};
-use crate::provider::{Input, OpId, PodKey, Provider, ProviderConfig};
+use crate::provider::{Effect, Input, OpId, PodKey, Provider, ProviderConfig};
 use crate::reactor::{
     sd_notify, ChildId, ChildSpec, Event, OutputMode, Reactor, StdinMode, TimerId,
 };
@@ -71,6 +71,9 @@ pub enum Work {
     KubeletAuth { id: AuthId, answer: AuthAnswer },
 }
 
+/// How long one loop turn may run before the provider's queued inputs and effects wait for the
+/// next one (each pending input or effect still gets a turn: the loop never stalls on a queue).
+const TURN_BUDGET: Duration = Duration::from_millis(50);
 /// Worker threads for blocking jobs (blob transfers, lease releases) and their queue bound.
 const WORKERS: usize = 4;
 const WORK_QUEUE: usize = 1024;
@@ -79,12 +82,13 @@ const WORK_QUEUE: usize = 1024;
 const MAX_TRANSFER_JOBS: usize = WORKERS - 1;
 /// Kubernetes Events waiting to be written; the oldest is dropped beyond this.
 const EVENT_QUEUE: usize = 1000;
-/// Events written per loop turn, so a backlog never stalls the loop for long.
-const EVENTS_PER_TURN: usize = 50;
+/// Events written per loop turn (a blocking API call each, about 1 ms under load), so a backlog
+/// never stalls the loop for long; the next turn comes at once while any are queued.
+const EVENTS_PER_TURN: usize = 10;
 /// Retry delay of event writes while the API server is unavailable.
+const EVENT_RETRY: Duration = Duration::from_secs(1);
 /// The kubelet view (pods and VMs for logs, exec, stats) trails the provider by at most this.
 const VIEW_REFRESH: Duration = Duration::from_millis(200);
-const EVENT_RETRY: Duration = Duration::from_secs(1);
 
 /// `cocoon vm list` of a dense host can take a while; it is still bounded.
 const VM_LIST_DEADLINE: Duration = Duration::from_secs(120);
@@ -137,6 +141,8 @@ pub struct Daemon {
     registry: Option<Arc<RegistryClient>>,
     provider: Provider,
     pending: VecDeque<Input>,
+    /// Effects of handled inputs not performed yet (a turn's budget ran out).
+    effects: VecDeque<Effect>,
     startup: Option<Startup>,
     watch: PodWatch,
     node: NodeAgent,
@@ -299,6 +305,7 @@ impl Daemon {
             registry,
             provider,
             pending: VecDeque::new(),
+            effects: VecDeque::new(),
             watch,
             node,
             events,
@@ -341,7 +348,7 @@ impl Daemon {
                     return 0;
                 }
             }
-            self.drain_inputs();
+            self.drain_inputs(turn);
             self.after_turn();
             let took = turn.elapsed().as_secs_f64();
             if took > self.longest_turn.get() {
@@ -533,23 +540,27 @@ impl Daemon {
         }
     }
 
-    /// Feeds every queued input through the provider and performs the effects.
-    fn drain_inputs(&mut self) {
-        // Bounded so that a feedback loop (an effect answering itself forever) cannot wedge the
-        // loop; the rest waits for the next turn.
-        let mut budget = 100_000;
-        while let Some(input) = self.pending.pop_front() {
-            let now = self.reactor.now();
-            let effects = self.provider.handle(input, now, SystemTime::now());
-            if !effects.is_empty() {
-                self.view_dirty = true;
-            }
-            for effect in effects {
+    /// Feeds queued inputs through the provider and performs their effects, for one turn.
+    fn drain_inputs(&mut self, turn_started: Instant) {
+        // Bounded in time: a burst of pods or a startup adopting a thousand (each with blocking
+        // API writes) would otherwise hold the loop for as long as the whole batch takes, and
+        // the watch, timers, probes and the kubelet API with it. What is left goes on in the
+        // next turn, which comes at once (`after_turn`). An input's effects are all performed
+        // before the next input is handled, as the provider expects.
+        loop {
+            if let Some(effect) = self.effects.pop_front() {
                 self.perform(effect);
+            } else if let Some(input) = self.pending.pop_front() {
+                let now = self.reactor.now();
+                let effects = self.provider.handle(input, now, SystemTime::now());
+                if !effects.is_empty() {
+                    self.view_dirty = true;
+                }
+                self.effects.extend(effects);
+            } else {
+                break;
             }
-            budget -= 1;
-            if budget == 0 {
-                log::warn!("input queue still busy; continuing next turn");
+            if turn_started.elapsed() >= TURN_BUDGET {
                 break;
             }
         }
@@ -575,7 +586,7 @@ impl Daemon {
                 .map_or(self.reactor.now(), |at| at + VIEW_REFRESH);
             self.arm(OwnTimer::View, due);
         }
-        if !self.pending.is_empty() {
+        if !self.pending.is_empty() || !self.effects.is_empty() {
             self.arm(OwnTimer::Provider, self.reactor.now());
         }
     }
@@ -639,7 +650,7 @@ impl Daemon {
         }
         let effects = self.provider.shutdown();
         for effect in effects {
-            if let crate::provider::Effect::StopProbe { key } = effect {
+            if let Effect::StopProbe { key } = effect {
                 self.probes.forget(&mut self.reactor, &key.to_string());
             }
         }
