@@ -283,7 +283,7 @@ impl Sim {
                 status,
             } => self.kube(op, |s| {
                 let p = Sim::guard(&mut s.api, &key, &uid)?;
-                p.status = Some(*status);
+                p.status = Some((*status).clone());
                 s.api_changed(&key);
                 Ok(())
             }),

@@ -133,7 +133,7 @@ pub struct PodInfo {
     /// provider; its own status is the API's copy.
     pub pod: Arc<k8s_openapi::api::core::v1::Pod>,
     /// The status to serve instead of the pod's own (the provider's current view).
-    pub status: Option<k8s_openapi::api::core::v1::PodStatus>,
+    pub status: Option<Arc<k8s_openapi::api::core::v1::PodStatus>>,
 }
 
 /// The facts the daemon gives the server.

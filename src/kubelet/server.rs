@@ -722,7 +722,7 @@ impl KubeletServer {
                 kind: "Pod",
                 metadata: &p.pod.metadata,
                 spec: p.pod.spec.as_ref(),
-                status: p.status.as_ref().or(p.pod.status.as_ref()),
+                status: p.status.as_deref().or(p.pod.status.as_ref()),
             })
             .collect();
         json!({"kind":"PodList","apiVersion":"v1","metadata":{},"items":items})

@@ -217,6 +217,9 @@ struct Slot {
     /// A VM-gone event that arrived while a create was in flight, replayed when it ends.
     vm_event_during_create: Option<(VmEventKind, VmInfo)>,
     last_pushed: Option<StatusSummary>,
+    /// The last status written for an incarnation (uid): what the cluster shows, and what the
+    /// kubelet view serves without building a copy per pod.
+    shown: Option<(String, Arc<PodStatus>)>,
     /// Updates that asked for unsupported changes, so the Warning is emitted once per change.
     warned_hibernate: bool,
 }
@@ -434,13 +437,17 @@ impl Provider {
     }
 
     /// Every tracked pod (GetPods / `/runningpods/`): the shared API copy, whose own status is
-    /// stale, and the provider's current status for it.
-    pub fn pods(&self) -> Vec<(Arc<Pod>, PodStatus)> {
+    /// stale, and the status last written for it (computed when none was written yet).
+    pub fn pods(&self) -> Vec<(Arc<Pod>, Arc<PodStatus>)> {
         self.slots
             .values()
             .filter_map(|slot| {
                 let t = slot.tracked.as_ref()?;
-                Some((t.pod.clone(), self.compute_status(slot, t)))
+                let status = match &slot.shown {
+                    Some((uid, st)) if *uid == t.uid => st.clone(),
+                    _ => Arc::new(self.compute_status(slot, t)),
+                };
+                Some((t.pod.clone(), status))
             })
             .collect()
     }
@@ -564,11 +571,13 @@ impl Provider {
 
     fn send_status(&mut self, key: &PodKey, uid: &str, st: PodStatus, ready_publication: bool) {
         let op = self.op_id();
+        let st = Arc::new(st);
+        self.slot(key).shown = Some((uid.to_string(), st.clone()));
         let effect = Effect::PatchPodStatus {
             op,
             key: key.clone(),
             uid: uid.to_string(),
-            status: Box::new(st),
+            status: st,
         };
         self.waiters.insert(
             op,
@@ -2586,13 +2595,16 @@ impl Provider {
             t.start_time.as_ref(),
             &self.wall,
         );
-        self.slot(key).last_pushed = Some(status::summary(&st));
+        let st = Arc::new(st);
+        let slot = self.slot(key);
+        slot.last_pushed = Some(status::summary(&st));
+        slot.shown = Some((e.uid.clone(), st.clone()));
         let (uid, k) = (e.uid.clone(), key.clone());
         self.pod_effect(key, |op| Effect::PatchPodStatus {
             op,
             key: k,
             uid,
-            status: Box::new(st),
+            status: st,
         });
     }
 

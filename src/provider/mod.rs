@@ -322,7 +322,8 @@ pub enum Effect {
         op: OpId,
         key: PodKey,
         uid: String,
-        status: Box<PodStatus>,
+        /// Shared with the provider's record of what the pod shows (the kubelet view).
+        status: std::sync::Arc<PodStatus>,
     },
     /// Merge patch of `metadata.annotations` (None ⇒ null ⇒ delete the key); the body also
     /// carries `metadata.uid` when `uid` is Some.
