@@ -71,9 +71,6 @@ pub enum Work {
     KubeletAuth { id: AuthId, answer: AuthAnswer },
 }
 
-/// How long one loop turn may run before the provider's queued inputs and effects wait for the
-/// next one (each pending input or effect still gets a turn: the loop never stalls on a queue).
-const TURN_BUDGET: Duration = Duration::from_millis(50);
 /// Worker threads for blocking jobs (blob transfers, lease releases) and their queue bound.
 const WORKERS: usize = 4;
 const WORK_QUEUE: usize = 1024;
@@ -141,8 +138,6 @@ pub struct Daemon {
     registry: Option<Arc<RegistryClient>>,
     provider: Provider,
     pending: VecDeque<Input>,
-    /// Effects of handled inputs not performed yet (a turn's budget ran out).
-    effects: VecDeque<Effect>,
     startup: Option<Startup>,
     watch: PodWatch,
     node: NodeAgent,
@@ -305,7 +300,6 @@ impl Daemon {
             registry,
             provider,
             pending: VecDeque::new(),
-            effects: VecDeque::new(),
             watch,
             node,
             events,
@@ -348,7 +342,7 @@ impl Daemon {
                     return 0;
                 }
             }
-            self.drain_inputs(turn);
+            self.drain_inputs();
             self.after_turn();
             let took = turn.elapsed().as_secs_f64();
             if took > self.longest_turn.get() {
@@ -540,27 +534,23 @@ impl Daemon {
         }
     }
 
-    /// Feeds queued inputs through the provider and performs their effects, for one turn.
-    fn drain_inputs(&mut self, turn_started: Instant) {
-        // Bounded in time: a burst of pods or a startup adopting a thousand (each with blocking
-        // API writes) would otherwise hold the loop for as long as the whole batch takes, and
-        // the watch, timers, probes and the kubelet API with it. What is left goes on in the
-        // next turn, which comes at once (`after_turn`). An input's effects are all performed
-        // before the next input is handled, as the provider expects.
-        loop {
-            if let Some(effect) = self.effects.pop_front() {
-                self.perform(effect);
-            } else if let Some(input) = self.pending.pop_front() {
-                let now = self.reactor.now();
-                let effects = self.provider.handle(input, now, SystemTime::now());
-                if !effects.is_empty() {
-                    self.view_dirty = true;
-                }
-                self.effects.extend(effects);
-            } else {
-                break;
+    /// Feeds every queued input through the provider and performs the effects.
+    fn drain_inputs(&mut self) {
+        // Bounded so that a feedback loop (an effect answering itself forever) cannot wedge the
+        // loop; the rest waits for the next turn.
+        let mut budget = 100_000;
+        while let Some(input) = self.pending.pop_front() {
+            let now = self.reactor.now();
+            let effects = self.provider.handle(input, now, SystemTime::now());
+            if !effects.is_empty() {
+                self.view_dirty = true;
             }
-            if turn_started.elapsed() >= TURN_BUDGET {
+            for effect in effects {
+                self.perform(effect);
+            }
+            budget -= 1;
+            if budget == 0 {
+                log::warn!("input queue still busy; continuing next turn");
                 break;
             }
         }
@@ -586,7 +576,7 @@ impl Daemon {
                 .map_or(self.reactor.now(), |at| at + VIEW_REFRESH);
             self.arm(OwnTimer::View, due);
         }
-        if !self.pending.is_empty() || !self.effects.is_empty() {
+        if !self.pending.is_empty() {
             self.arm(OwnTimer::Provider, self.reactor.now());
         }
     }

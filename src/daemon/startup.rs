@@ -101,7 +101,7 @@ impl Daemon {
         );
         self.startup = None;
         self.pending.push_back(Input::StartupListed { pods, vms });
-        self.drain_inputs(Instant::now());
+        self.drain_inputs();
         // Register the node now (first NodeAgent tick), then watch and stream events.
         let now = self.reactor.now();
         self.node.tick(&self.kube, now);
