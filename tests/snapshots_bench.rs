@@ -9,11 +9,13 @@
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::Write;
-use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod registry_support;
+
+use registry_support::Registry;
 use sha2::{Digest, Sha256};
 use vk_cocoon::snapshots::auth::AuthSettings;
 use vk_cocoon::snapshots::tarstream::TarWriter;
@@ -23,51 +25,6 @@ use vk_cocoon::snapshots::{
 };
 
 const MIB: u64 = 1 << 20;
-const REGISTRY_BIN: &str = "/usr/bin/docker-registry";
-
-struct Registry {
-    child: Child,
-    port: u16,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start_registry(root: &Path) -> Registry {
-    let dir = tempfile::tempdir_in(root).unwrap();
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let cfg = format!(
-        "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: 127.0.0.1:{port}\n",
-        dir.path().join("data").display()
-    );
-    fs::write(dir.path().join("config.yml"), cfg).unwrap();
-    let child = Command::new(REGISTRY_BIN)
-        .arg("serve")
-        .arg(dir.path().join("config.yml"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "registry did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Registry {
-        child,
-        port,
-        _dir: dir,
-    }
-}
 
 fn vm_hwm_kib() -> u64 {
     fs::read_to_string("/proc/self/status")
@@ -165,8 +122,7 @@ fn rate(bytes: u64, d: Duration) -> f64 {
 #[test]
 #[ignore]
 fn bench_1gib_push_pull_vs_curl() {
-    if !Path::new(REGISTRY_BIN).exists() || Command::new("curl").arg("--version").output().is_err()
-    {
+    if !Registry::available() || Command::new("curl").arg("--version").output().is_err() {
         eprintln!("SKIP: needs docker-registry and curl");
         return;
     }
@@ -176,7 +132,7 @@ fn bench_1gib_push_pull_vs_curl() {
         .unwrap_or(1024)
         * MIB;
     let work = tempfile::tempdir().unwrap();
-    let reg = start_registry(work.path());
+    let reg = Registry::start(Some(work.path()), None);
     let host = format!("127.0.0.1:{}", reg.port);
     let cocoon = fake_cocoon(work.path());
     let export = work.path().join("export.tar");

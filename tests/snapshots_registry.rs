@@ -1,6 +1,8 @@
 //! Snapshot and cloud-image transfers through a real `docker-registry` (distribution) on
 //! loopback, with a test stand-in for the cocoon CLI. Skips with a reason when the binary is absent.
 
+mod registry_support;
+
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::{Read, Write};
@@ -11,6 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use registry_support::{Registry, REGISTRY_BIN};
 use sha2::{Digest, Sha256};
 use vk_cocoon::snapshots::auth::AuthSettings;
 use vk_cocoon::snapshots::client::{sha256_digest, Body};
@@ -21,97 +24,27 @@ use vk_cocoon::snapshots::{
 };
 
 const MIB: u64 = 1 << 20;
-const REGISTRY_BIN: &str = "/usr/bin/docker-registry";
 
 // ---------------------------------------------------------------- harness
 
-/// A `docker-registry serve` child on 127.0.0.1 with storage in a temp dir; killed on drop.
-struct Registry {
-    child: Child,
-    port: u16,
-    dir: tempfile::TempDir,
-}
-
-impl Registry {
-    /// Starts a registry; `htpasswd` = (user, password) enables basic auth. `None` = skip.
-    fn start(htpasswd: Option<(&str, &str)>) -> Option<Registry> {
-        if !Path::new(REGISTRY_BIN).exists() {
-            eprintln!("SKIP: {REGISTRY_BIN} missing (apt-get install docker-registry)");
-            return None;
-        }
-        let dir = tempfile::tempdir().ok()?;
-        let port = free_port();
-        let mut auth = String::new();
-        if let Some((user, pass)) = htpasswd {
-            let out = match Command::new("htpasswd").args(["-Bbn", user, pass]).output() {
-                Ok(o) if o.status.success() => o.stdout,
-                _ => {
-                    eprintln!("SKIP: htpasswd missing (apt-get install apache2-utils)");
-                    return None;
-                }
-            };
-            let path = dir.path().join("htpasswd");
-            fs::write(&path, out).ok()?;
-            auth = format!(
-                "auth:\n  htpasswd:\n    realm: basic-realm\n    path: {}\n",
-                path.display()
-            );
-        }
-        let cfg = format!(
-            "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: 127.0.0.1:{port}\n{auth}",
-            dir.path().join("data").display()
-        );
-        let cfg_path = dir.path().join("config.yml");
-        fs::write(&cfg_path, cfg).ok()?;
-        let log = fs::File::create(dir.path().join("registry.log")).ok()?;
-        let child = Command::new(REGISTRY_BIN)
-            .arg("serve")
-            .arg(&cfg_path)
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .ok()?;
-        let reg = Registry { child, port, dir };
-        // Readiness: the port accepts connections (bounded wait, not a fixed sleep).
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "registry did not start: {}",
-                fs::read_to_string(reg.dir.path().join("registry.log")).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Some(reg)
+/// A registry for one test; `htpasswd` = (user, password) enables basic auth. `None` = skip
+/// (with the reason) when docker-registry or htpasswd is not installed.
+fn start_registry(htpasswd: Option<(&str, &str)>) -> Option<Registry> {
+    if !Registry::available() {
+        eprintln!("SKIP: {REGISTRY_BIN} missing (apt-get install docker-registry)");
+        return None;
     }
-
-    fn host(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
-    }
-
-    fn blob_data_path(&self, digest: &str) -> PathBuf {
-        let hex = digest.trim_start_matches("sha256:");
-        self.dir
-            .path()
-            .join("data/docker/registry/v2/blobs/sha256")
-            .join(&hex[..2])
-            .join(hex)
-            .join("data")
-    }
-}
-
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("bind loopback")
+    let entries = match htpasswd {
+        None => None,
+        Some((user, pass)) => match Command::new("htpasswd").args(["-Bbn", user, pass]).output() {
+            Ok(o) if o.status.success() => Some(o.stdout),
+            _ => {
+                eprintln!("SKIP: htpasswd missing (apt-get install apache2-utils)");
+                return None;
+            }
+        },
+    };
+    Some(Registry::start(None, entries.as_deref()))
 }
 
 fn fast_retry() -> RetryPolicy {
@@ -503,7 +436,7 @@ fn no_spool_files_left(dir: &Path) {
 
 #[test]
 fn v1_round_trip_through_registry_is_byte_identical() {
-    let Some(reg) = Registry::start(None) else {
+    let Some(reg) = start_registry(None) else {
         return;
     };
     let cocoon = FakeCocoon::new();
@@ -589,7 +522,7 @@ fn v1_round_trip_through_registry_is_byte_identical() {
 
 #[test]
 fn v2_chunked_zstd_sparse_round_trip_parallel_and_sequential() {
-    let Some(reg) = Registry::start(None) else {
+    let Some(reg) = start_registry(None) else {
         return;
     };
     let cocoon = FakeCocoon::new();
@@ -665,7 +598,7 @@ fn v2_chunked_zstd_sparse_round_trip_parallel_and_sequential() {
 
 #[test]
 fn zstd_without_chunking_streams_one_frame_per_file() {
-    let Some(reg) = Registry::start(None) else {
+    let Some(reg) = start_registry(None) else {
         return;
     };
     let cocoon = FakeCocoon::new();
@@ -703,7 +636,7 @@ fn zstd_without_chunking_streams_one_frame_per_file() {
 
 #[test]
 fn corrupted_blob_in_registry_storage_is_detected_and_nothing_imported() {
-    let Some(reg) = Registry::start(None) else {
+    let Some(reg) = start_registry(None) else {
         return;
     };
     let cocoon = FakeCocoon::new();
@@ -750,7 +683,7 @@ fn corrupted_blob_in_registry_storage_is_detected_and_nothing_imported() {
 
 #[test]
 fn truncated_export_stream_publishes_no_tag() {
-    let Some(reg) = Registry::start(None) else {
+    let Some(reg) = start_registry(None) else {
         return;
     };
     let cocoon = FakeCocoon::new();
@@ -813,7 +746,7 @@ fn put_json_blob(client: &RegistryClient, repo: &str, bytes: &[u8]) -> String {
 
 #[test]
 fn hand_built_manifest_from_spec_layout_pulls() {
-    let Some(reg) = Registry::start(None) else {
+    let Some(reg) = start_registry(None) else {
         return;
     };
     let cocoon = FakeCocoon::new();
@@ -932,7 +865,7 @@ fn hand_built_manifest_from_spec_layout_pulls() {
 
 #[test]
 fn cloud_images_pull_into_image_import_and_snapshots_are_refused_for_run() {
-    let Some(reg) = Registry::start(None) else {
+    let Some(reg) = start_registry(None) else {
         return;
     };
     let cocoon = FakeCocoon::new();
@@ -1026,7 +959,7 @@ fn cloud_images_pull_into_image_import_and_snapshots_are_refused_for_run() {
 
 #[test]
 fn manifest_info_absent_tag_and_delete() {
-    let Some(reg) = Registry::start(None) else {
+    let Some(reg) = start_registry(None) else {
         return;
     };
     let cocoon = FakeCocoon::new();
@@ -1089,7 +1022,7 @@ fn docker_config(dir: &Path, body: &str) -> PathBuf {
 
 #[test]
 fn basic_auth_from_docker_config_and_credential_helper() {
-    let Some(reg) = Registry::start(Some(("alice", "wonder-land"))) else {
+    let Some(reg) = start_registry(Some(("alice", "wonder-land"))) else {
         return;
     };
     let cocoon = FakeCocoon::new();
@@ -1414,7 +1347,7 @@ fn start_token_server(seen: Arc<Mutex<Vec<String>>>, require_basic: Option<Strin
 
 #[test]
 fn bearer_token_flow_with_scopes_per_repository() {
-    let Some(reg) = Registry::start(None) else {
+    let Some(reg) = start_registry(None) else {
         return;
     };
     let cocoon = FakeCocoon::new();
@@ -1456,7 +1389,7 @@ fn bearer_token_flow_with_scopes_per_repository() {
 
 #[test]
 fn registry_answering_401_after_a_token_is_a_clear_error() {
-    let Some(reg) = Registry::start(None) else {
+    let Some(reg) = start_registry(None) else {
         return;
     };
     let seen = Arc::new(Mutex::new(Vec::new()));
@@ -1478,7 +1411,7 @@ fn registry_answering_401_after_a_token_is_a_clear_error() {
 
 #[test]
 fn interrupted_upload_is_retried_and_completes() {
-    let Some(reg) = Registry::start(None) else {
+    let Some(reg) = start_registry(None) else {
         return;
     };
     let cocoon = FakeCocoon::new();
@@ -1501,7 +1434,7 @@ fn interrupted_upload_is_retried_and_completes() {
 
 #[test]
 fn service_account_key_exchanged_at_local_token_endpoint() {
-    let Some(reg) = Registry::start(Some(("_token", "ya29.local-test-token"))) else {
+    let Some(reg) = start_registry(Some(("_token", "ya29.local-test-token"))) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -1615,7 +1548,7 @@ fn service_account_key_exchanged_at_local_token_endpoint() {
 
 #[test]
 fn interrupted_streamed_upload_falls_back_to_the_spool_and_completes() {
-    let Some(reg) = Registry::start(None) else {
+    let Some(reg) = start_registry(None) else {
         return;
     };
     let cocoon = FakeCocoon::new();
@@ -1699,7 +1632,7 @@ fn peak_cocoon_processes(cocoon: &FakeCocoon, verb: &str, f: impl FnOnce()) -> u
 
 #[test]
 fn node_wide_gates_bound_v2_pulls_to_two_and_pipelined_pushes_to_one() {
-    let Some(reg) = Registry::start(None) else {
+    let Some(reg) = start_registry(None) else {
         return;
     };
     let cocoon = FakeCocoon::new();
@@ -1813,7 +1746,7 @@ fn push_ranged(client: &RegistryClient, cocoon: &FakeCocoon, vm: &str) -> String
 
 #[test]
 fn large_raw_blob_pulls_as_parallel_ranges_byte_identical() {
-    let Some(reg) = Registry::start(None) else {
+    let Some(reg) = start_registry(None) else {
         return;
     };
     let cocoon = FakeCocoon::new();
@@ -1834,7 +1767,7 @@ fn large_raw_blob_pulls_as_parallel_ranges_byte_identical() {
 
 #[test]
 fn corrupted_large_blob_fails_the_ranged_pull_and_imports_nothing() {
-    let Some(reg) = Registry::start(None) else {
+    let Some(reg) = start_registry(None) else {
         return;
     };
     let cocoon = FakeCocoon::new();
@@ -1940,7 +1873,7 @@ fn killed_import_leaves_no_staging_but_a_live_import_is_left_alone() {
 /// Pushes `ranged_files` as `vm`, pulls it through a proxy with `rules` into `local` and
 /// checks the import; returns the pulling client and the ranged GETs the proxy saw.
 fn ranged_pull_through_proxy(vm: &str, local: &str, rules: ProxyRules) -> Option<(u64, usize)> {
-    let reg = Registry::start(None)?;
+    let reg = start_registry(None)?;
     let cocoon = FakeCocoon::new();
     let direct = client_for(&reg.host(), AuthSettings::default());
     push_ranged(&direct, &cocoon, vm);

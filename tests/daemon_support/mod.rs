@@ -3,67 +3,22 @@
 //! real OCI registry (Debian's docker-registry, installed by .ci/run) on loopback.
 #![allow(dead_code)]
 
+#[path = "../registry_support/mod.rs"]
+mod registry_support;
+
 use std::collections::BTreeMap;
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
+use registry_support::Registry;
 use vk_cocoon::sandbox::apiserver::{ApiServer, ApiServerHandle, ApiServerOptions, KubeconfigAuth};
 use vk_cocoon::snapshots::{push_snapshot, PushKnobs, PushRequest, RegistryClient};
 
 pub const NODE: &str = "cocoon-sandbox";
 pub const BIN: &str = env!("CARGO_BIN_EXE_vk-cocoon");
-const REGISTRY_BIN: &str = "/usr/bin/docker-registry";
-
-/// A docker-registry (distribution) serving a temporary directory on a loopback port, deletes
-/// enabled; killed on drop.
-pub struct Registry {
-    child: Child,
-    pub port: u16,
-}
-
-impl Registry {
-    fn start(dir: &std::path::Path) -> Registry {
-        let port = free_port();
-        let cfg = format!(
-            "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\nstorage:\n  \
-             filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  \
-             addr: 127.0.0.1:{port}\n",
-            dir.join("data").display()
-        );
-        std::fs::create_dir_all(dir).expect("registry dir");
-        std::fs::write(dir.join("config.yml"), cfg).expect("registry config");
-        let child = Command::new(REGISTRY_BIN)
-            .arg("serve")
-            .arg(dir.join("config.yml"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("{REGISTRY_BIN} (bash .ci/run installs it): {e}"));
-        let reg = Registry { child, port };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "docker-registry did not start");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        reg
-    }
-
-    /// The daemon's OCI_REGISTRY: a repository prefix on this registry.
-    pub fn base(&self) -> String {
-        format!("127.0.0.1:{}/vk", self.port)
-    }
-}
-
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 pub struct World {
     pub api: ApiServerHandle,
     pub registry: Registry,
@@ -104,7 +59,7 @@ impl World {
             },
         )
         .expect("kubeconfig");
-        let registry = Registry::start(&dir.path().join("registry"));
+        let registry = Registry::start(Some(dir.path()), None);
         World {
             api,
             registry,
@@ -143,7 +98,7 @@ impl World {
             .env("VK_TLS_CERT", "")
             .env("VK_TLS_KEY", "")
             .env("VK_STAGING_DIR", self.path("staging"))
-            .env("OCI_REGISTRY", self.registry.base())
+            .env("OCI_REGISTRY", self.registry_base())
             .env("COCOON_K8S_QPS", "0")
             .envs(self.extra_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
@@ -154,9 +109,14 @@ impl World {
         self.daemon = Some(child);
     }
 
+    /// The daemon's OCI_REGISTRY: a repository prefix on this world's registry.
+    pub fn registry_base(&self) -> String {
+        format!("{}/vk", self.registry.host())
+    }
+
     /// A registry client for this world's registry, as the daemon configures it.
     pub fn registry_client(&self) -> RegistryClient {
-        RegistryClient::from_env(&self.registry.base()).expect("registry client")
+        RegistryClient::from_env(&self.registry_base()).expect("registry client")
     }
 
     /// Pushes the fake's local snapshot `name` to `<OCI_REGISTRY>/<name>:<tag>`.
