@@ -1802,18 +1802,25 @@ fn wait_for_staging(cocoon: &FakeCocoon) -> Vec<String> {
     }
 }
 
-/// Starts `cocoon snapshot import --name NAME` and feeds it the first `bytes` of `archive`,
-/// leaving its stdin open.
-fn half_import(cocoon: &FakeCocoon, name: &str, archive: &[u8], bytes: usize) -> Child {
-    let mut child = Command::new(cocoon.bin())
-        .args(["snapshot", "import", "--name", name])
+/// Starts `cocoon <args>` on the fake's own state (the directory beside it), every stream
+/// piped; `env` is added to its environment.
+fn spawn_cocoon(cocoon: &FakeCocoon, args: &[&str], env: &[(&str, &str)]) -> Child {
+    Command::new(cocoon.bin())
+        .args(args)
+        .envs(env.iter().copied())
         .env_remove("FAKE_COCOON_STATE")
         .env_remove("COCOON_ROOT_DIR")
         .stdin(Stdio::piped())
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("spawn import");
+        .expect("spawn cocoon")
+}
+
+/// Starts `cocoon snapshot import --name NAME` and feeds it the first `bytes` of `archive`,
+/// leaving its stdin open.
+fn half_import(cocoon: &FakeCocoon, name: &str, archive: &[u8], bytes: usize) -> Child {
+    let mut child = spawn_cocoon(cocoon, &["snapshot", "import", "--name", name], &[]);
     child
         .stdin
         .as_mut()
@@ -1915,16 +1922,7 @@ fn a_cut_range_response_is_retried_as_one_piece() {
 
 /// Runs `cocoon <args>` with `FAKE_COCOON_IMPORT_DISCARD=1` and `input` on stdin.
 fn discard_import(cocoon: &FakeCocoon, args: &[&str], input: &[u8]) -> std::process::Output {
-    let mut child = Command::new(cocoon.bin())
-        .args(args)
-        .env("FAKE_COCOON_IMPORT_DISCARD", "1")
-        .env_remove("FAKE_COCOON_STATE")
-        .env_remove("COCOON_ROOT_DIR")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn import");
+    let mut child = spawn_cocoon(cocoon, args, &[("FAKE_COCOON_IMPORT_DISCARD", "1")]);
     let mut stdin = child.stdin.take().unwrap();
     // The fake reads to EOF even on a bad stream, so the write never meets a closed pipe.
     stdin.write_all(input).expect("feed import");
