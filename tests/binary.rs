@@ -78,9 +78,18 @@ fn base_command(dir: &std::path::Path, api: &Api) -> Command {
     cmd
 }
 
+/// A free port for the kubelet API (VK_KUBELET_PORT refuses 0). It is picked below the
+/// kernel's ephemeral range (32768 and up), so the daemon's own metrics bind to port 0 and
+/// other tests' connections can never be handed the same port before the daemon binds it.
+/// Each call starts its search at a new port, so parallel tests never pick the same one.
 fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let start = 20000 + ((std::process::id() * 97 + n * 13) % 12000) as u16;
+    (start..32000)
+        .chain(20000..start)
+        .find(|p| std::net::TcpListener::bind(("0.0.0.0", *p)).is_ok())
+        .expect("a free port below the ephemeral range")
 }
 
 fn fake_api() -> Api {

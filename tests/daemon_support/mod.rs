@@ -29,11 +29,13 @@ pub struct World {
     pub daemon: Option<Child>,
 }
 
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
+/// `N` distinct ports free on every address right now: all are held at once while picked, so
+/// no two repeat (the kubelet API binds 0.0.0.0, the metrics endpoint 127.0.0.1).
+pub fn free_ports<const N: usize>() -> [u16; N] {
+    let held: Vec<TcpListener> = (0..N)
+        .map(|_| TcpListener::bind("0.0.0.0:0").expect("a free port"))
+        .collect();
+    std::array::from_fn(|i| held[i].local_addr().expect("bound address").port())
 }
 
 impl World {
@@ -60,12 +62,13 @@ impl World {
         )
         .expect("kubeconfig");
         let registry = Registry::start(Some(dir.path()), None);
+        let [metrics_port, kubelet_port] = free_ports();
         World {
             api,
             registry,
             dir,
-            metrics_port: free_port(),
-            kubelet_port: free_port(),
+            metrics_port,
+            kubelet_port,
             extra_env: Vec::new(),
             daemon: None,
         }
@@ -75,9 +78,41 @@ impl World {
         self.dir.path().join(p)
     }
 
+    /// Starts the daemon and waits until its listeners are bound. A port picked free can be
+    /// taken by a parallel test before the daemon binds it; the daemon then exits at startup
+    /// and is started again on fresh ports.
     pub fn start_daemon(&mut self) {
+        for _ in 0..5 {
+            self.daemon = Some(self.spawn_daemon());
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                let log = self.log();
+                if log.contains("kubelet API listening on") {
+                    return;
+                }
+                let exited = self
+                    .daemon
+                    .as_mut()
+                    .and_then(|c| c.try_wait().ok().flatten());
+                if exited.is_some() && log.contains("Address already in use") {
+                    break;
+                }
+                assert!(
+                    exited.is_none() && Instant::now() < deadline,
+                    "the daemon did not start listening ({exited:?})\n{}",
+                    tail(&log, 60)
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            self.kill_daemon();
+            [self.metrics_port, self.kubelet_port] = free_ports();
+        }
+        panic!("the daemon found its ports taken five times");
+    }
+
+    fn spawn_daemon(&self) -> Child {
         let log = std::fs::File::create(self.path("daemon.log")).expect("log file");
-        let child = Command::new(BIN)
+        Command::new(BIN)
             .env_clear()
             .env("PATH", std::env::var("PATH").unwrap_or_default())
             .env("HOME", self.dir.path())
@@ -105,8 +140,7 @@ impl World {
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
-            .expect("spawn vk-cocoon");
-        self.daemon = Some(child);
+            .expect("spawn vk-cocoon")
     }
 
     /// The daemon's OCI_REGISTRY: a repository prefix on this world's registry.

@@ -31,10 +31,6 @@ impl Registry {
             None => tempfile::tempdir(),
         }
         .expect("registry temp dir");
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("a free loopback port");
         let mut auth = String::new();
         if let Some(entries) = htpasswd {
             let path = dir.path().join("htpasswd");
@@ -44,34 +40,34 @@ impl Registry {
                 path.display()
             );
         }
-        let cfg = format!(
-            "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\nstorage:\n  \
-             filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  \
-             addr: 127.0.0.1:{port}\n{auth}",
-            dir.path().join("data").display()
-        );
-        let cfg_path = dir.path().join("config.yml");
-        fs::write(&cfg_path, cfg).expect("registry config");
-        let log = fs::File::create(dir.path().join("registry.log")).expect("registry log");
-        let child = Command::new(REGISTRY_BIN)
-            .arg("serve")
-            .arg(&cfg_path)
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap_or_else(|e| panic!("{REGISTRY_BIN} (bash .ci/run installs it): {e}"));
-        let reg = Registry { child, port, dir };
-        // Readiness: the port accepts connections (bounded wait, not a fixed sleep).
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "registry did not start: {}",
-                fs::read_to_string(reg.dir.path().join("registry.log")).unwrap_or_default()
+        // A port picked free can be taken by a parallel test before the registry binds it; the
+        // registry then exits, and starts again on a fresh port.
+        for _ in 0..5 {
+            let port = TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map(|a| a.port())
+                .expect("a free loopback port");
+            let cfg = format!(
+                "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\nstorage:\n  \
+                 filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  \
+                 addr: 127.0.0.1:{port}\n{auth}",
+                dir.path().join("data").display()
             );
-            std::thread::sleep(Duration::from_millis(20));
+            let cfg_path = dir.path().join("config.yml");
+            fs::write(&cfg_path, cfg).expect("registry config");
+            let log = fs::File::create(dir.path().join("registry.log")).expect("registry log");
+            let mut child = Command::new(REGISTRY_BIN)
+                .arg("serve")
+                .arg(&cfg_path)
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .unwrap_or_else(|e| panic!("{REGISTRY_BIN} (bash .ci/run installs it): {e}"));
+            if wait_ready(&mut child, port, dir.path()) {
+                return Registry { child, port, dir };
+            }
         }
-        reg
+        panic!("the registry found its port taken five times");
     }
 
     pub fn host(&self) -> String {
@@ -92,6 +88,36 @@ impl Registry {
             .join(&hex[..2])
             .join(hex)
             .join("data")
+    }
+}
+
+/// Readiness: the port accepts connections while our registry still runs (bounded wait,
+/// not a fixed sleep). False when the registry exited because its port was taken.
+fn wait_ready(child: &mut Child, port: u16, dir: &Path) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let log = || fs::read_to_string(dir.join("registry.log")).unwrap_or_default();
+        if let Ok(Some(status)) = child.try_wait() {
+            let text = log();
+            assert!(
+                text.contains("address already in use"),
+                "registry exited ({status}): {text}"
+            );
+            return false;
+        }
+        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            // A registry that lost the port exits at once; one that holds it keeps running.
+            std::thread::sleep(Duration::from_millis(50));
+            if matches!(child.try_wait(), Ok(None)) {
+                return true;
+            }
+            continue;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("registry did not start: {}", log());
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
