@@ -40,8 +40,14 @@ pub fn free_ports<const N: usize>() -> [u16; N] {
 
 impl World {
     pub fn new() -> World {
+        World::new_in(&std::env::temp_dir())
+    }
+
+    /// A world whose files (the fake cocoon's state, the registry's storage) live under
+    /// `parent`.
+    pub fn new_in(parent: &std::path::Path) -> World {
         let api = ApiServer::start(ApiServerOptions::default()).expect("fake API server");
-        let dir = tempfile::tempdir().expect("temp dir");
+        let dir = tempfile::tempdir_in(parent).expect("temp dir");
         for d in ["state", "root", "bin", "net"] {
             std::fs::create_dir_all(dir.path().join(d)).expect("mkdir");
         }

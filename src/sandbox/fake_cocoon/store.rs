@@ -213,7 +213,7 @@ impl Store {
         let _ = fs::remove_file(self.vm_path(id));
     }
 
-    fn load_vm(&self, id: &str) -> Option<StoredVm> {
+    pub fn load_vm(&self, id: &str) -> Option<StoredVm> {
         if id.is_empty() || id.contains('/') || id.starts_with('.') {
             return None;
         }
