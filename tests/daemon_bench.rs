@@ -60,13 +60,14 @@ fn metric(w: &World, name: &str) -> f64 {
 /// Pod name → its VM id, for every pod that is Running with an id annotation.
 fn running(w: &World) -> BTreeMap<String, String> {
     w.api
-        .pods()
-        .into_iter()
-        .filter(|p| phase(p) == "Running")
-        .filter_map(|p| {
-            let id = annotation(&p, "vm.cocoonstack.io/id")?;
-            Some((p.metadata.name.clone()?, id))
+        .scan_objects("pods", |p| {
+            if p["status"]["phase"] != "Running" {
+                return None;
+            }
+            let id = p["metadata"]["annotations"]["vm.cocoonstack.io/id"].as_str()?;
+            Some((p["metadata"]["name"].as_str()?.to_string(), id.to_string()))
         })
+        .into_iter()
         .collect()
 }
 

@@ -228,6 +228,11 @@ struct Slot {
 #[derive(Debug, Clone)]
 enum Waiter {
     PodStep(PodKey),
+    /// A read-only cocoon call several pods' steps wait on (`pod_cocoon_read`).
+    SharedRead {
+        argv: Vec<String>,
+        keys: Vec<PodKey>,
+    },
     Status {
         key: PodKey,
         uid: String,
@@ -298,6 +303,8 @@ pub struct Provider {
     buffered: Vec<Input>,
     slots: BTreeMap<PodKey, Slot>,
     waiters: BTreeMap<OpId, Waiter>,
+    /// Running shared reads (`pod_cocoon_read`), by argv.
+    shared_reads: BTreeMap<Vec<String>, OpId>,
     /// VM-name index: VMs we created, adopted, or orphans kept for adoption.
     by_name: BTreeMap<String, VmInfo>,
     last_restart: BTreeMap<String, Instant>,
@@ -393,6 +400,7 @@ impl Provider {
             buffered: Vec::new(),
             slots: BTreeMap::new(),
             waiters: BTreeMap::new(),
+            shared_reads: BTreeMap::new(),
             by_name: BTreeMap::new(),
             last_restart: BTreeMap::new(),
             timers: BTreeMap::new(),
@@ -530,6 +538,32 @@ impl Provider {
     fn pod_cocoon(&mut self, key: &PodKey, cmd: CocoonCmd) {
         let op = self.op_id();
         self.waiters.insert(op, Waiter::PodStep(key.clone()));
+        self.slot(key).awaiting = Some(op);
+        self.out.push(Effect::Cocoon { op, cmd });
+    }
+
+    /// A read-only cocoon call (an inspect) that pods share: a pod whose identical read is
+    /// already running waits for that answer instead of starting another process. The answer
+    /// is at most one call older than its own would be; a burst of pods cloned from one
+    /// snapshot then costs a few inspects instead of one per pod.
+    fn pod_cocoon_read(&mut self, key: &PodKey, cmd: CocoonCmd) {
+        let argv = cmd.argv();
+        if let Some(&op) = self.shared_reads.get(&argv) {
+            if let Some(Waiter::SharedRead { keys, .. }) = self.waiters.get_mut(&op) {
+                keys.push(key.clone());
+                self.slot(key).awaiting = Some(op);
+                return;
+            }
+        }
+        let op = self.op_id();
+        self.shared_reads.insert(argv.clone(), op);
+        self.waiters.insert(
+            op,
+            Waiter::SharedRead {
+                argv,
+                keys: vec![key.clone()],
+            },
+        );
         self.slot(key).awaiting = Some(op);
         self.out.push(Effect::Cocoon { op, cmd });
     }
@@ -1362,7 +1396,7 @@ impl Provider {
                     self.materialise(key, &spec.image.clone(), spec.force_pull)
                 } else {
                     set_step(self, CreateStep::SnapInspect { pulled: false });
-                    self.pod_cocoon(
+                    self.pod_cocoon_read(
                         key,
                         CocoonCmd::SnapshotInspect {
                             name: c.local_snapshot.clone(),
@@ -1437,7 +1471,7 @@ impl Provider {
                     && !snap.image_digest.is_empty()
                 {
                     set_step(self, CreateStep::ImageInspect);
-                    return self.pod_cocoon(
+                    return self.pod_cocoon_read(
                         key,
                         CocoonCmd::ImageInspect {
                             reference: snap.image_digest.clone(),
@@ -2722,32 +2756,43 @@ impl Provider {
 
     // ----- results and timers ---------------------------------------------------------------
 
+    /// Hands a result to the op of the pod that waits on it, unless the op moved on.
+    fn pod_step_result(&mut self, key: &PodKey, op: OpId, res: Res) {
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        if slot.awaiting != Some(op) {
+            return; // stale (op was preempted)
+        }
+        slot.awaiting = None;
+        match slot.op.clone() {
+            Some(Op::Create(_)) => self.create_step(key, res),
+            Some(Op::Delete(_)) => self.delete_step(key, res),
+            Some(Op::Evict(_)) => self.evict_step(key, res),
+            Some(Op::Check(_)) => self.check_step(key, res),
+            Some(Op::ReadyWait { .. }) => {
+                if let Res::Lease(r) = res {
+                    self.ready_wait_result(key, r);
+                }
+            }
+            Some(Op::ApiDelete { uid }) => self.api_delete_result(key, uid, res),
+            None => {}
+        }
+    }
+
     fn on_result(&mut self, op: OpId, res: Res) {
         let Some(waiter) = self.waiters.remove(&op) else {
             return;
         };
         match waiter {
             Waiter::Ignore => {}
-            Waiter::PodStep(key) => {
-                let Some(slot) = self.slots.get_mut(&key) else {
-                    return;
-                };
-                if slot.awaiting != Some(op) {
-                    return; // stale (op was preempted)
-                }
-                slot.awaiting = None;
-                match slot.op.clone() {
-                    Some(Op::Create(_)) => self.create_step(&key, res),
-                    Some(Op::Delete(_)) => self.delete_step(&key, res),
-                    Some(Op::Evict(_)) => self.evict_step(&key, res),
-                    Some(Op::Check(_)) => self.check_step(&key, res),
-                    Some(Op::ReadyWait { .. }) => {
-                        if let Res::Lease(r) = res {
-                            self.ready_wait_result(&key, r);
-                        }
+            Waiter::PodStep(key) => self.pod_step_result(&key, op, res),
+            Waiter::SharedRead { argv, keys } => {
+                self.shared_reads.remove(&argv);
+                if let Res::Cocoon(r) = res {
+                    for key in keys {
+                        self.pod_step_result(&key, op, Res::Cocoon(r.clone()));
                     }
-                    Some(Op::ApiDelete { uid }) => self.api_delete_result(&key, uid, res),
-                    None => {}
                 }
             }
             Waiter::Status {

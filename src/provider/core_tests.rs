@@ -1525,3 +1525,57 @@ fn without_a_registry_a_local_snapshot_named_after_the_vm_is_the_evidence() {
     let e = answer(&mut h, &e, "snapshot inspect vk-ns-demo-0", hung);
     evidence_failed(&e, "unavailable", "timed out");
 }
+
+/// Pods cloning one snapshot at the same time share one `snapshot inspect` (and one image
+/// inspect): the later pods wait on the running read and all go on with its answer.
+#[test]
+fn concurrent_clones_of_one_snapshot_share_the_source_inspect() {
+    let mut h = H::new(ProviderConfig::default());
+    let mut at_inspect = Vec::new();
+    for (i, name) in ["a", "b", "c"].iter().enumerate() {
+        let vm = format!("vk-ns-demo-{i}");
+        let e = h.feed(Input::PodUpserted(Box::new(mk(
+            name,
+            &format!("u{i}"),
+            &managed(name, &vm),
+        ))));
+        let e = no_evidence(&mut h, &e);
+        let (op, cmd) = one_cocoon(&e);
+        assert_eq!(argv(&cmd), format!("snapshot rm fork-{vm}"));
+        at_inspect.push(h.cocoon(op, CocoonResult::failed("snapshot not found")));
+    }
+    // One inspect process for the three pods.
+    let (inspect, cmd) = one_cocoon(&at_inspect[0]);
+    assert_eq!(argv(&cmd), "snapshot inspect team/agent:v3");
+    assert!(cocoon_ops(&at_inspect[1]).is_empty());
+    assert!(cocoon_ops(&at_inspect[2]).is_empty());
+
+    let snap = r#"{"id":"S","name":"team/agent:v3","hypervisor":"cloud-hypervisor",
+        "image":"ubuntu:24.04","image_digest":"sha256:ab"}"#;
+    let e = h.cocoon(inspect, CocoonResult::ok(snap));
+    let image_inspects: Vec<_> = cocoon_ops(&e)
+        .into_iter()
+        .filter(|(_, c)| argv(c) == "image inspect sha256:ab")
+        .collect();
+    assert_eq!(image_inspects.len(), 1, "{e:?}");
+    let e = h.cocoon(image_inspects[0].0, CocoonResult::ok("{}"));
+    let mut clones: Vec<String> = cocoon_ops(&e)
+        .iter()
+        .map(|(_, c)| argv(c))
+        .filter(|a| a.starts_with("vm clone"))
+        .map(|a| a.split(' ').nth(5).unwrap_or_default().to_string())
+        .collect();
+    clones.sort();
+    assert_eq!(clones, ["vk-ns-demo-0", "vk-ns-demo-1", "vk-ns-demo-2"]);
+    // The next pod after the read ended starts a read of its own.
+    let e = h.feed(Input::PodUpserted(Box::new(mk(
+        "d",
+        "u3",
+        &managed("d", "vk-ns-demo-3"),
+    ))));
+    let e = no_evidence(&mut h, &e);
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let (_, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "snapshot inspect team/agent:v3");
+}
