@@ -166,6 +166,14 @@ fn bench_pod_lifecycle() {
         percentile(&mut lat.clone(), 0.5),
         percentile(&mut lat, 0.99)
     );
+    // The harness runs the daemon at debug level, which logs every cocoon call.
+    let log = w.log();
+    println!(
+        "cocoon calls so far: {} ({} clones, {} snapshot inspects)",
+        log.matches("cocoon op ").count(),
+        log.matches(" vm clone ").count(),
+        log.matches(" snapshot inspect ").count()
+    );
     let used = daemon_cpu(pid) - burst_cpu;
     println!(
         "daemon CPU for the burst: {used:?} = {:?} per pod => {:.0} pods per daemon CPU-second",
