@@ -190,7 +190,11 @@ fn bench_1gib_push_pull_vs_curl() {
         tag: "latest".into(),
         local_name: "bench-imp".into(),
         cocoon_bin: cocoon.clone(),
-        concurrency: 8,
+        // BENCH_PULL_CONCURRENCY=1 pulls v1 blobs on one stream instead of parallel ranges.
+        concurrency: std::env::var("BENCH_PULL_CONCURRENCY")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(8),
         budget: 2048 * MIB,
     };
     pull_snapshot(&client, &pr).expect("pull");
