@@ -1174,6 +1174,11 @@ struct ProxyRules {
     /// Cut this many PATCH uploads bigger than 2 MiB after 1 MiB of body.
     cut_patches: Arc<AtomicUsize>,
     patches_seen: Arc<AtomicUsize>,
+    /// `GET /v2/` requests seen (pings).
+    pings_seen: Arc<AtomicUsize>,
+    /// With `bearer_realm`: answer the anonymous ping 200 and ask for tokens only on
+    /// repository requests.
+    open_ping: bool,
 }
 
 /// A loopback proxy in front of the registry: one request per connection (it forces
@@ -1194,7 +1199,11 @@ fn start_proxy(upstream: u16, rules: ProxyRules) -> u16 {
                 let mut parts = request_line.split(' ');
                 let method = parts.next().unwrap_or("").to_string();
                 let path = parts.next().unwrap_or("").to_string();
-                if let Some(realm) = &rules.bearer_realm {
+                if method == "GET" && path == "/v2/" {
+                    rules.pings_seen.fetch_add(1, Ordering::SeqCst);
+                }
+                let open_ping = rules.open_ping && path == "/v2/";
+                if let Some(realm) = rules.bearer_realm.as_ref().filter(|_| !open_ping) {
                     if path != "/v2/" || method != "GET" || header(&head, "authorization").is_some()
                     {
                         let repo = path
@@ -1360,9 +1369,21 @@ fn bearer_token_flow_with_scopes_per_repository() {
         patches_seen: Arc::new(AtomicUsize::new(0)),
         ..Default::default()
     };
+    let pings = rules.pings_seen.clone();
     let pport = start_proxy(reg.port, rules);
     let client = client_for(&format!("127.0.0.1:{pport}"), AuthSettings::default());
     round_trip_small(&client, &cocoon, "vm-b").expect("bearer round trip");
+    // The host's challenge is remembered: lookups in new repositories (one per VM, as the
+    // hibernate evidence does) fetch their own tokens without pinging again.
+    let pinged = pings.load(Ordering::SeqCst);
+    for vm in ["vm-c", "vm-d", "vm-e"] {
+        assert!(manifest_info(&client, vm, "hibernate").unwrap().is_none());
+    }
+    assert_eq!(
+        pings.load(Ordering::SeqCst),
+        pinged,
+        "no ping per repository"
+    );
     let seen = seen.lock().unwrap().clone();
     assert!(
         seen.iter()
@@ -1373,8 +1394,12 @@ fn bearer_token_flow_with_scopes_per_repository() {
         seen.iter().any(|s| s.starts_with("repository:vm-b:pull ")),
         "pull scope requested: {seen:?}"
     );
+    assert!(
+        seen.iter().any(|s| s.starts_with("repository:vm-e:pull ")),
+        "a token per new repository: {seen:?}"
+    );
     // Tokens are cached per session: a handful of token requests, not one per blob.
-    assert!(seen.len() <= 4, "token requests: {seen:?}");
+    assert!(seen.len() <= 4 + 3, "token requests: {seen:?}");
 
     // Delete needs its own push,pull,delete session.
     let rep_digest = manifest_info(&client, "vm-b", "latest")
@@ -1385,6 +1410,31 @@ fn bearer_token_flow_with_scopes_per_repository() {
         .delete_manifest(&client.reference("vm-b", &rep_digest).unwrap())
         .expect("delete with delete scope");
     assert!(manifest_info(&client, "vm-b", "latest").unwrap().is_none());
+}
+
+/// A registry whose `/v2/` is open but whose repositories want a token: the 401 on the first
+/// request brings the token, as Docker's client does.
+#[test]
+fn a_bearer_challenge_on_a_request_is_followed_when_the_ping_had_none() {
+    let Some(reg) = start_registry(None) else {
+        return;
+    };
+    let cocoon = FakeCocoon::new();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let tport = start_token_server(seen.clone(), None);
+    let rules = ProxyRules {
+        bearer_realm: Some(format!("http://127.0.0.1:{tport}/token")),
+        open_ping: true,
+        ..Default::default()
+    };
+    let pport = start_proxy(reg.port, rules);
+    let client = client_for(&format!("127.0.0.1:{pport}"), AuthSettings::default());
+    round_trip_small(&client, &cocoon, "vm-o").expect("round trip with late challenge");
+    let seen = seen.lock().unwrap().clone();
+    assert!(
+        seen.iter().any(|s| s.contains("repository:vm-o:push,pull")),
+        "token asked after the request's 401: {seen:?}"
+    );
 }
 
 #[test]

@@ -235,6 +235,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// Auth sessions (one per repository and scope) kept for reuse.
 const SESSION_CACHE: usize = 256;
+/// How long a host's `GET /v2/` answer (its auth challenge) serves new sessions. Every VM is a
+/// repository of its own, so without it each create's hibernate-evidence lookup paid a ping.
+const PING_TTL: Duration = Duration::from_secs(60);
 
 /// The registry client. Share one per daemon (`Arc`); all methods block.
 pub struct RegistryClient {
@@ -244,6 +247,8 @@ pub struct RegistryClient {
     retry: RetryPolicy,
     schemes: Mutex<HashMap<String, &'static str>>,
     sessions: Mutex<HashMap<(String, &'static str), Arc<Session>>>,
+    /// Host → (when pinged, its challenge; None when `/v2/` answered without one).
+    pings: Mutex<HashMap<String, (Instant, Option<Challenge>)>>,
     downloads: Arc<Gate>,
     v2_pulls: Arc<Gate>,
     pipelined_pushes: Arc<Gate>,
@@ -270,6 +275,7 @@ impl RegistryClient {
             retry,
             schemes: Mutex::new(HashMap::new()),
             sessions: Mutex::new(HashMap::new()),
+            pings: Mutex::new(HashMap::new()),
             downloads: Gate::new(MAX_DOWNLOADS),
             v2_pulls: Gate::new(MAX_V2_PULLS),
             pipelined_pushes: Gate::new(MAX_PIPELINED_PUSHES),
@@ -355,8 +361,35 @@ impl RegistryClient {
         if st.ready {
             return Ok(());
         }
-        let scheme = self.scheme_for(&sess.host)?;
-        let url = format!("{scheme}://{}/v2/", sess.host);
+        let challenge = self.host_challenge(&sess.host)?;
+        st.credential = Some(auth::resolve(
+            &self.auth,
+            &self.agent,
+            &sess.host,
+            &sess.repository,
+        ));
+        st.scopes = vec![format!("repository:{}:{}", sess.repository, sess.actions)];
+        if let Some(ch) = challenge {
+            if ch.scheme == "bearer" {
+                self.fetch_token(sess, st, &ch)?;
+            }
+            st.challenge = Some(ch);
+        }
+        st.ready = true;
+        Ok(())
+    }
+
+    /// The host's auth challenge from `GET /v2/` (None: it answered without one), pinged at
+    /// most once per [`PING_TTL`]. A registry that starts asking for a token meanwhile is
+    /// followed by `exchange` on its 401.
+    fn host_challenge(&self, host: &str) -> Result<Option<Challenge>, TransferError> {
+        if let Some((at, ch)) = lock(&self.pings).get(host) {
+            if at.elapsed() < PING_TTL {
+                return Ok(ch.clone());
+            }
+        }
+        let scheme = self.scheme_for(host)?;
+        let url = format!("{scheme}://{host}/v2/");
         let resp = self.with_transport_retry(|| match self.agent.get(&url).call() {
             Ok(r) => Ok(r),
             Err(ureq::Error::Status(code, r)) if code != 401 => {
@@ -365,29 +398,19 @@ impl RegistryClient {
             Err(ureq::Error::Status(_, r)) => Ok(r),
             Err(e) => Err(HttpFailure::Transport(e.to_string())),
         });
-        let resp = resp.map_err(|f| f.into_error(&format!("ping {}", sess.host)))?;
-        st.credential = Some(auth::resolve(
-            &self.auth,
-            &self.agent,
-            &sess.host,
-            &sess.repository,
-        ));
-        st.scopes = vec![format!("repository:{}:{}", sess.repository, sess.actions)];
-        if resp.status() == 401 {
+        let resp = resp.map_err(|f| f.into_error(&format!("ping {host}")))?;
+        let challenge = if resp.status() == 401 {
             let values = resp.all("www-authenticate");
-            let ch = auth::pick_challenge(&values).ok_or_else(|| {
+            Some(auth::pick_challenge(&values).ok_or_else(|| {
                 TransferError::Unauthorized(format!(
-                    "ping {}: 401 without a usable WWW-Authenticate challenge",
-                    sess.host
+                    "ping {host}: 401 without a usable WWW-Authenticate challenge"
                 ))
-            })?;
-            if ch.scheme == "bearer" {
-                self.fetch_token(sess, st, &ch)?;
-            }
-            st.challenge = Some(ch);
-        }
-        st.ready = true;
-        Ok(())
+            })?)
+        } else {
+            None
+        };
+        lock(&self.pings).insert(host.to_string(), (Instant::now(), challenge.clone()));
+        Ok(challenge)
     }
 
     fn fetch_token(
@@ -585,9 +608,9 @@ impl RegistryClient {
             st = lock(&sess.state);
             match result {
                 Ok(r) => return Ok(r),
-                Err(ureq::Error::Status(401, r))
-                    if !reauthed && st.challenge.as_ref().is_some_and(|c| c.scheme == "bearer") =>
-                {
+                // A bearer challenge on a request (also when the ping asked for none) gets a
+                // token with the scopes it names, once.
+                Err(ureq::Error::Status(401, r)) if !reauthed => {
                     let values = r.all("www-authenticate");
                     let ch = auth::pick_challenge(&values).filter(|c| c.scheme == "bearer");
                     let Some(ch) = ch else {
