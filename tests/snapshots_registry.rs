@@ -1354,24 +1354,33 @@ fn start_token_server(seen: Arc<Mutex<Vec<String>>>, require_basic: Option<Strin
     port
 }
 
-#[test]
-fn bearer_token_flow_with_scopes_per_repository() {
-    let Some(reg) = start_registry(None) else {
-        return;
-    };
-    let cocoon = FakeCocoon::new();
+/// A registry behind a proxy that wants bearer tokens from a local token server (`rules`
+/// adds the rest). Returns the registry (keep it alive), a client for the proxy, the token
+/// requests seen and the pings seen; None when the registry is not installed.
+fn bearer_registry(
+    rules: ProxyRules,
+) -> Option<(Registry, RegistryClient, Tokens, Arc<AtomicUsize>)> {
+    let reg = start_registry(None)?;
     let seen = Arc::new(Mutex::new(Vec::new()));
     let tport = start_token_server(seen.clone(), None);
     let rules = ProxyRules {
         bearer_realm: Some(format!("http://127.0.0.1:{tport}/token")),
-        reject_all_tokens: false,
-        cut_patches: Arc::new(AtomicUsize::new(0)),
-        patches_seen: Arc::new(AtomicUsize::new(0)),
-        ..Default::default()
+        ..rules
     };
     let pings = rules.pings_seen.clone();
     let pport = start_proxy(reg.port, rules);
     let client = client_for(&format!("127.0.0.1:{pport}"), AuthSettings::default());
+    Some((reg, client, seen, pings))
+}
+
+type Tokens = Arc<Mutex<Vec<String>>>;
+
+#[test]
+fn bearer_token_flow_with_scopes_per_repository() {
+    let Some((_reg, client, seen, pings)) = bearer_registry(ProxyRules::default()) else {
+        return;
+    };
+    let cocoon = FakeCocoon::new();
     round_trip_small(&client, &cocoon, "vm-b").expect("bearer round trip");
     // The host's challenge is remembered: lookups in new repositories (one per VM, as the
     // hibernate evidence does) fetch their own tokens without pinging again.
@@ -1416,19 +1425,14 @@ fn bearer_token_flow_with_scopes_per_repository() {
 /// request brings the token, as Docker's client does.
 #[test]
 fn a_bearer_challenge_on_a_request_is_followed_when_the_ping_had_none() {
-    let Some(reg) = start_registry(None) else {
-        return;
-    };
-    let cocoon = FakeCocoon::new();
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let tport = start_token_server(seen.clone(), None);
     let rules = ProxyRules {
-        bearer_realm: Some(format!("http://127.0.0.1:{tport}/token")),
         open_ping: true,
         ..Default::default()
     };
-    let pport = start_proxy(reg.port, rules);
-    let client = client_for(&format!("127.0.0.1:{pport}"), AuthSettings::default());
+    let Some((_reg, client, seen, _)) = bearer_registry(rules) else {
+        return;
+    };
+    let cocoon = FakeCocoon::new();
     round_trip_small(&client, &cocoon, "vm-o").expect("round trip with late challenge");
     let seen = seen.lock().unwrap().clone();
     assert!(
@@ -1439,20 +1443,13 @@ fn a_bearer_challenge_on_a_request_is_followed_when_the_ping_had_none() {
 
 #[test]
 fn registry_answering_401_after_a_token_is_a_clear_error() {
-    let Some(reg) = start_registry(None) else {
-        return;
-    };
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let tport = start_token_server(seen.clone(), None);
     let rules = ProxyRules {
-        bearer_realm: Some(format!("http://127.0.0.1:{tport}/token")),
         reject_all_tokens: true,
-        cut_patches: Arc::new(AtomicUsize::new(0)),
-        patches_seen: Arc::new(AtomicUsize::new(0)),
         ..Default::default()
     };
-    let pport = start_proxy(reg.port, rules);
-    let client = client_for(&format!("127.0.0.1:{pport}"), AuthSettings::default());
+    let Some((_reg, client, seen, _)) = bearer_registry(rules) else {
+        return;
+    };
     let err = manifest_info(&client, "vm-x", "latest").expect_err("401 after token");
     assert!(matches!(err, TransferError::Unauthorized(_)), "{err:?}");
     assert!(err.to_string().contains("401 after a fresh token"), "{err}");
