@@ -314,16 +314,7 @@ fn discard_archive(input: &mut dyn Read, snapshot: bool) -> Result<(u64, u64), S
             }
         };
         if snapshot && members == 0 && entry.kind != b'x' {
-            if entry.name.trim_start_matches("./") != "snapshot.json" || entry.size > 1 << 20 {
-                return Err(format!(
-                    "import: first member is {:?} ({} bytes), want snapshot.json",
-                    entry.name, entry.size
-                ));
-            }
-            let mut body = Vec::new();
-            tar::copy_body(input, entry.size, &mut body).map_err(|e| format!("import: {e}"))?;
-            serde_json::from_slice::<SnapshotEnvelope>(&body)
-                .map_err(|e| format!("import: parse snapshot.json: {e}"))?;
+            read_envelope(input, &entry)?;
         } else {
             tar::copy_body(input, entry.size, &mut io::sink())
                 .map_err(|e| format!("import: {e}"))?;
@@ -356,15 +347,9 @@ fn snap_import(store: &Store, args: &[String], discard: bool) -> CmdResult {
     result
 }
 
-fn import_archive(
-    store: &Store,
-    input: &mut dyn Read,
-    name: Option<&str>,
-    description: Option<&str>,
-) -> CmdResult {
-    let first = tar::next_entry(input)
-        .map_err(|e| format!("import: {e}"))?
-        .ok_or("import: empty archive")?;
+/// The `snapshot.json` envelope an archive must open with: member `first`, whose header was
+/// just read, is checked and its body read and parsed.
+fn read_envelope(input: &mut dyn Read, first: &tar::Entry) -> Result<SnapshotEnvelope, String> {
     if first.name.trim_start_matches("./") != "snapshot.json" {
         return Err(format!(
             "import: first member is {:?}, want snapshot.json",
@@ -384,7 +369,19 @@ fn import_archive(
             env.version
         ));
     }
-    let mut snap = env.config;
+    Ok(env)
+}
+
+fn import_archive(
+    store: &Store,
+    input: &mut dyn Read,
+    name: Option<&str>,
+    description: Option<&str>,
+) -> CmdResult {
+    let first = tar::next_entry(input)
+        .map_err(|e| format!("import: {e}"))?
+        .ok_or("import: empty archive")?;
+    let mut snap = read_envelope(input, &first)?.config;
     if let Some(n) = name {
         snap.name = n.to_string();
     }
