@@ -153,6 +153,19 @@ fn read_error_body(resp: ureq::Response) -> String {
     s.trim().chars().take(300).collect()
 }
 
+/// The challenge of a `GET /v2/` answer: None unless it is a 401, which must carry one.
+fn ping_challenge(host: &str, resp: &ureq::Response) -> Result<Option<Challenge>, TransferError> {
+    if resp.status() != 401 {
+        return Ok(None);
+    }
+    let values = resp.all("www-authenticate");
+    auth::pick_challenge(&values).map(Some).ok_or_else(|| {
+        TransferError::Unauthorized(format!(
+            "ping {host}: 401 without a usable WWW-Authenticate challenge"
+        ))
+    })
+}
+
 /// Per-repository, per-scope auth state (created on first use, cached for the client's life).
 struct Session {
     host: String,
@@ -317,11 +330,11 @@ impl RegistryClient {
             .get(&format!("https://{host}/v2/"))
             .set("User-Agent", "Go-http-client/1.1")
             .call();
-        let scheme = match https {
-            Ok(_) | Err(ureq::Error::Status(_, _)) => "https",
+        let (scheme, resp) = match https {
+            Ok(r) | Err(ureq::Error::Status(_, r)) => ("https", r),
             Err(e) if allows_plain_http(host) => {
                 match self.agent.get(&format!("http://{host}/v2/")).call() {
-                    Ok(_) | Err(ureq::Error::Status(_, _)) => "http",
+                    Ok(r) | Err(ureq::Error::Status(_, r)) => ("http", r),
                     Err(e2) => {
                         return Err(TransferError::Transient(format!(
                             "ping {host}: https: {e}; http: {e2}"
@@ -332,6 +345,12 @@ impl RegistryClient {
             Err(e) => return Err(TransferError::Transient(format!("ping {host}: {e}"))),
         };
         lock(&self.schemes).insert(host.to_string(), scheme);
+        // The probe was a ping: its answer serves the sessions that follow.
+        if resp.status() < 300 || resp.status() == 401 {
+            if let Ok(ch) = ping_challenge(host, &resp) {
+                lock(&self.pings).insert(host.to_string(), (Instant::now(), ch));
+            }
+        }
         Ok(scheme)
     }
 
@@ -341,7 +360,7 @@ impl RegistryClient {
         if map.len() >= SESSION_CACHE && !map.contains_key(&key) {
             // Every VM name is a repository of its own (hibernate evidence, delete pushes): a
             // host that churns pods would grow the map forever. Sessions nobody holds go; a
-            // later use pings and authenticates again.
+            // later use authenticates again.
             map.retain(|_, s| Arc::strong_count(s) > 1);
         }
         map.entry(key)
@@ -399,16 +418,7 @@ impl RegistryClient {
             Err(e) => Err(HttpFailure::Transport(e.to_string())),
         });
         let resp = resp.map_err(|f| f.into_error(&format!("ping {host}")))?;
-        let challenge = if resp.status() == 401 {
-            let values = resp.all("www-authenticate");
-            Some(auth::pick_challenge(&values).ok_or_else(|| {
-                TransferError::Unauthorized(format!(
-                    "ping {host}: 401 without a usable WWW-Authenticate challenge"
-                ))
-            })?)
-        } else {
-            None
-        };
+        let challenge = ping_challenge(host, &resp)?;
         lock(&self.pings).insert(host.to_string(), (Instant::now(), challenge.clone()));
         Ok(challenge)
     }
