@@ -46,12 +46,8 @@ fn daemon_cpu(pid: u32) -> Duration {
 }
 
 fn metric(w: &World, name: &str) -> f64 {
-    let text = ureq::get(&format!("http://127.0.0.1:{}/metrics", w.metrics_port))
-        .call()
-        .ok()
-        .and_then(|r| r.into_string().ok())
-        .unwrap_or_default();
-    text.lines()
+    w.metrics()
+        .lines()
         .find_map(|l| l.strip_prefix(name).map(str::trim))
         .and_then(|v| v.parse().ok())
         .unwrap_or(f64::NAN)

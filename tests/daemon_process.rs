@@ -156,11 +156,7 @@ fn bad_annotations_fail_the_pod_clearly_and_create_no_vm() {
             })
             .then_some(())
     });
-    let metrics = ureq::get(&format!("http://127.0.0.1:{}/metrics", w.metrics_port))
-        .call()
-        .expect("metrics")
-        .into_string()
-        .expect("metrics text");
+    let metrics = w.metrics();
     assert!(
         metrics.contains("vk_cocoon_pod_lifecycle_total{op=\"create\""),
         "the lifecycle counter moved"
@@ -312,11 +308,7 @@ fn a_hibernated_vm_is_never_fresh_booted_over_its_snapshot() {
         !w.vms().contains_key("vk-default-sleeper"),
         "no fresh VM over the hibernated one"
     );
-    let metrics = ureq::get(&format!("http://127.0.0.1:{}/metrics", w.metrics_port))
-        .call()
-        .expect("metrics")
-        .into_string()
-        .expect("metrics text");
+    let metrics = w.metrics();
     let counted = "vk_cocoon_hibernate_evidence_total{verdict=\"restore_unsupported\"}";
     assert!(metrics.lines().any(|l| l.starts_with(counted)), "{metrics}");
 

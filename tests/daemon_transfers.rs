@@ -100,11 +100,7 @@ fn more_pulls_than_transfer_slots_run_three_at_a_time_and_all_pods_start() {
     );
     assert!(live_imports(&bin).is_empty(), "no import left running");
     // Nothing stayed queued: every pull finished, and each pod cloned its own pulled snapshot.
-    let metrics = ureq::get(&format!("http://127.0.0.1:{}/metrics", w.metrics_port))
-        .call()
-        .expect("metrics")
-        .into_string()
-        .expect("metrics text");
+    let metrics = w.metrics();
     let ok_pulls = metrics
         .lines()
         .find(|l| l.contains("snapshot_pull_total{") && l.contains("result=\"ok\""))

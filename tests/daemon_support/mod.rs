@@ -187,6 +187,15 @@ impl World {
         }
     }
 
+    /// The daemon's /metrics text.
+    pub fn metrics(&self) -> String {
+        ureq::get(&format!("http://127.0.0.1:{}/metrics", self.metrics_port))
+            .call()
+            .expect("metrics")
+            .into_string()
+            .expect("metrics text")
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.path("daemon.log")).unwrap_or_default()
     }
