@@ -84,24 +84,8 @@ pub enum OrphanPolicy {
     Keep,
 }
 
-/// How `cocoon` restores a snapshot's memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RestoreMode {
-    Copy,
-    OnDemand,
-    Mmap,
-}
-
-impl RestoreMode {
-    /// The word cocoon takes on its command line.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RestoreMode::Copy => "copy",
-            RestoreMode::OnDemand => "ondemand",
-            RestoreMode::Mmap => "mmap",
-        }
-    }
-}
+/// How `cocoon` restores a snapshot's memory: the cocoon contract's own type.
+pub use crate::vm::RestoreMode;
 
 /// A `host:port` listen address in Go's notation: `:9091` means every interface.
 #[derive(Clone, Debug, PartialEq, Eq)]

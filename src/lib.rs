@@ -3,7 +3,6 @@
 
 pub mod config;
 pub mod daemon;
-pub mod guest;
 pub mod kube;
 pub mod kubelet;
 pub mod logging;

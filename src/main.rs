@@ -1,23 +1,20 @@
 //! vk-cocoon entry point: parse the command line, run the daemon or a tool mode.
 //! Exit codes: 0 clean stop, 1 runtime failure, 2 configuration error.
 
-use std::path::Path;
-
 use vk_cocoon::config::{self, Config};
-use vk_cocoon::{daemon, logging, sandbox, version};
+use vk_cocoon::{daemon, logging, version};
 
 const HELP: &str = "\
 vk-cocoon: a virtual kubelet that turns Kubernetes pods into cocoon MicroVMs.
 
 Usage:
   vk-cocoon [run]              run the daemon (the default)
-  vk-cocoon sandbox [ARGS]     run the embedded sandbox (fake API server and fake cocoon)
-  vk-cocoon fake-cocoon ARGS   behave as the fake `cocoon` CLI (also when invoked as `cocoon`)
   vk-cocoon --version          print version, git revision and build time
   vk-cocoon --help             print this help
 
 The daemon is configured only through environment variables (OCI_REGISTRY is required);
 see the configuration table in README.md or packaging/vk-cocoon.env.example.
+The sandbox and the fake cocoon are a separate binary, vk-cocoon-sandbox.
 
 Exit status: 0 clean stop, 1 runtime failure (and `log setup: ...`), 2 configuration error.
 ";
@@ -31,10 +28,6 @@ fn real_main() -> i32 {
     let args: Vec<String> = std::env::args_os()
         .map(|a| a.to_string_lossy().into_owned())
         .collect();
-    let argv0 = args.first().map(String::as_str).unwrap_or("vk-cocoon");
-    if Path::new(argv0).file_name().is_some_and(|n| n == "cocoon") {
-        return sandbox::fake_cocoon::main_as_cocoon(Path::new(argv0), args[1..].to_vec());
-    }
     match args.get(1).map(String::as_str) {
         None | Some("run") => run_daemon(),
         Some("-h" | "--help" | "help") => {
@@ -45,8 +38,6 @@ fn real_main() -> i32 {
             println!("{}", version::long_version());
             0
         }
-        Some("fake-cocoon") => sandbox::fake_cocoon::main(args[2..].to_vec()),
-        Some("sandbox") => sandbox::run_sandbox(args[2..].to_vec()),
         Some(other) => {
             eprintln!("vk-cocoon: unknown command {other:?}; see vk-cocoon --help");
             2

@@ -8,6 +8,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_vk-cocoon");
+/// The fake cocoon lives in the sandbox binary; the daemon binary no longer contains it.
+const SANDBOX_BIN: &str = env!("CARGO_BIN_EXE_vk-cocoon-sandbox");
 
 use vk_cocoon::sandbox::apiserver::{ApiServer, ApiServerHandle, ApiServerOptions, KubeconfigAuth};
 
@@ -45,7 +47,7 @@ fn base_command(dir: &std::path::Path, api: &Api) -> Command {
     }
     let cocoon = dir.join("cocoon");
     if !cocoon.exists() {
-        std::os::unix::fs::symlink(BIN, &cocoon).unwrap();
+        std::os::unix::fs::symlink(SANDBOX_BIN, &cocoon).unwrap();
     }
     // The node's storage capacity is statfs(COCOON_ROOT_DIR): it must exist.
     std::fs::create_dir_all(dir.join("root")).unwrap();
@@ -364,11 +366,38 @@ fn version_and_help() {
     let out = Command::new(BIN).arg("--help").output().unwrap();
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
-    for word in ["run", "sandbox", "fake-cocoon", "README.md"] {
+    for word in ["run", "vk-cocoon-sandbox", "README.md"] {
         assert!(text.contains(word), "help lacks {word}: {text}");
     }
-    let out = Command::new(BIN).arg("frobnicate").output().unwrap();
+    // The daemon binary carries no sandbox and no fake cocoon: those words are unknown commands.
+    for word in ["frobnicate", "sandbox", "fake-cocoon"] {
+        let out = Command::new(BIN).arg(word).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{word}");
+    }
+}
+
+#[test]
+fn the_daemon_binary_does_not_turn_into_cocoon_through_a_symlink() {
+    let dir = tempfile::tempdir().unwrap();
+    let cocoon = dir.path().join("cocoon");
+    std::os::unix::fs::symlink(BIN, &cocoon).unwrap();
+    let out = Command::new(&cocoon).args(["vm", "list"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown command"));
+    // The sandbox binary does answer as the fake cocoon, under either name.
+    std::fs::remove_file(&cocoon).unwrap();
+    std::os::unix::fs::symlink(SANDBOX_BIN, &cocoon).unwrap();
+    for mut cmd in [Command::new(&cocoon), Command::new(SANDBOX_BIN)] {
+        if cmd.get_program() == SANDBOX_BIN {
+            cmd.arg("fake-cocoon");
+        }
+        let out = cmd
+            .arg("version")
+            .env("FAKE_COCOON_STATE", dir.path())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+    }
 }
 
 fn proc_field(pid: u32, file: &str, field: &str) -> u64 {

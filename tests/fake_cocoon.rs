@@ -16,13 +16,13 @@ struct Fake {
 impl Fake {
     /// `None` (test skipped) when the binary does not dispatch to the fake yet.
     fn new() -> Option<Fake> {
-        let bin = PathBuf::from(env!("CARGO_BIN_EXE_vk-cocoon"));
+        let bin = PathBuf::from(env!("CARGO_BIN_EXE_vk-cocoon-sandbox"));
         let probe = Command::new(&bin)
             .args(["fake-cocoon", "version"])
             .output()
             .ok()?;
         if !String::from_utf8_lossy(&probe.stdout).contains("cocoon fake") {
-            eprintln!("SKIP: vk-cocoon does not dispatch `fake-cocoon` yet (main.rs)");
+            eprintln!("SKIP: vk-cocoon-sandbox does not dispatch `fake-cocoon` yet (main.rs)");
             return None;
         }
         Some(Fake {

@@ -19,7 +19,7 @@ impl Fake {
     fn new() -> Fake {
         Fake {
             dir: tempfile::tempdir().expect("tempdir"),
-            bin: PathBuf::from(env!("CARGO_BIN_EXE_vk-cocoon")),
+            bin: PathBuf::from(env!("CARGO_BIN_EXE_vk-cocoon-sandbox")),
         }
     }
 

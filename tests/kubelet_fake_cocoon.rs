@@ -1,4 +1,4 @@
-//! exec through the kubelet API against the project's fake cocoon (`vk-cocoon fake-cocoon`), whose
+//! exec through the kubelet API against the project's fake cocoon (`vk-cocoon-sandbox fake-cocoon`), whose
 //! `vm exec` interprets the guest command: stdin reaches `cat`, `exit N` becomes the exit status.
 
 mod kubelet_support;
@@ -11,7 +11,7 @@ use tungstenite::client::IntoClientRequest;
 use tungstenite::Message;
 
 fn fake(state: &std::path::Path, args: &[String]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_vk-cocoon"))
+    Command::new(env!("CARGO_BIN_EXE_vk-cocoon-sandbox"))
         .arg("fake-cocoon")
         .args(args)
         .env("FAKE_COCOON_STATE", state)
@@ -21,13 +21,13 @@ fn fake(state: &std::path::Path, args: &[String]) -> std::process::Output {
 
 #[test]
 fn websocket_exec_through_the_fake_cocoon() {
-    let bin = PathBuf::from(env!("CARGO_BIN_EXE_vk-cocoon"));
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_vk-cocoon-sandbox"));
     let probe = Command::new(&bin)
         .args(["fake-cocoon", "version"])
         .output()
         .unwrap();
     if !String::from_utf8_lossy(&probe.stdout).contains("cocoon fake") {
-        eprintln!("SKIP: vk-cocoon does not dispatch `fake-cocoon`");
+        eprintln!("SKIP: vk-cocoon-sandbox does not dispatch `fake-cocoon`");
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -60,7 +60,7 @@ fn websocket_exec_through_the_fake_cocoon() {
         pods: vec![pod("ns1", "web", Some((&id, 0)))],
         tweak: |c| {
             c.cocoon = vec![
-                env!("CARGO_BIN_EXE_vk-cocoon").to_string(),
+                env!("CARGO_BIN_EXE_vk-cocoon-sandbox").to_string(),
                 "fake-cocoon".to_string(),
             ];
             c.cocoon_env = vec![(

@@ -71,13 +71,13 @@ fn write_export(path: &Path, size: u64) {
     w.finish().unwrap();
 }
 
-const VK_COCOON: &str = env!("CARGO_BIN_EXE_vk-cocoon");
+const FAKE_COCOON: &str = env!("CARGO_BIN_EXE_vk-cocoon-sandbox");
 
 /// The fake cocoon behind `<dir>/bin/cocoon`, its state in `bin/fake-cocoon-state`.
 fn fake_cocoon(dir: &Path) -> PathBuf {
     fs::create_dir_all(dir.join("bin/fake-cocoon-state")).unwrap();
     let bin = dir.join("bin/cocoon");
-    std::os::unix::fs::symlink(VK_COCOON, &bin).unwrap();
+    std::os::unix::fs::symlink(FAKE_COCOON, &bin).unwrap();
     bin
 }
 

@@ -65,13 +65,13 @@ struct FakeCocoon {
     dir: tempfile::TempDir,
 }
 
-const VK_COCOON: &str = env!("CARGO_BIN_EXE_vk-cocoon");
+const FAKE_COCOON: &str = env!("CARGO_BIN_EXE_vk-cocoon-sandbox");
 
 impl FakeCocoon {
     fn new() -> FakeCocoon {
         let dir = tempfile::tempdir().expect("tempdir");
         fs::create_dir_all(dir.path().join("bin/fake-cocoon-state")).expect("state dir");
-        std::os::unix::fs::symlink(VK_COCOON, dir.path().join("bin/cocoon")).expect("symlink");
+        std::os::unix::fs::symlink(FAKE_COCOON, dir.path().join("bin/cocoon")).expect("symlink");
         FakeCocoon { dir }
     }
     fn bin(&self) -> PathBuf {

@@ -9,7 +9,7 @@ use vk_cocoon::sandbox::fake_cocoon;
 use vk_cocoon::vm::*;
 
 fn fake_bin() -> Option<String> {
-    let bin = env!("CARGO_BIN_EXE_vk-cocoon").to_string();
+    let bin = env!("CARGO_BIN_EXE_vk-cocoon-sandbox").to_string();
     let probe = Command::new(&bin)
         .args(["fake-cocoon", "version"])
         .output()

@@ -18,13 +18,13 @@ struct Env {
 
 impl Env {
     fn new(no_process: bool) -> Option<Env> {
-        let bin = env!("CARGO_BIN_EXE_vk-cocoon").to_string();
+        let bin = env!("CARGO_BIN_EXE_vk-cocoon-sandbox").to_string();
         let probe = Command::new(&bin)
             .args(["fake-cocoon", "version"])
             .output()
             .ok()?;
         if !String::from_utf8_lossy(&probe.stdout).contains("cocoon fake") {
-            eprintln!("SKIP: vk-cocoon does not dispatch `fake-cocoon` yet (main.rs)");
+            eprintln!("SKIP: vk-cocoon-sandbox does not dispatch `fake-cocoon` yet (main.rs)");
             return None;
         }
         let dir = tempfile::tempdir().ok()?;

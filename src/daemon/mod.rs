@@ -258,8 +258,8 @@ impl Daemon {
             node_name: config.node_name.clone(),
             cpu_class: config.snapshot_cpu_class.clone(),
             registry: registry.is_some(),
-            orphan_policy: startup::orphan_policy(&config),
-            restore_mode: config.restore_mode.as_str().to_string(),
+            orphan_policy: config.orphan_policy,
+            restore_mode: config.restore_mode,
             lease_release: config.cocoon_net_control_socket.is_some(),
         });
         let mut watch = PodWatch::new(&config.node_name, WatchConfig::default());

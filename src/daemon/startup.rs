@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{ChildRole, Daemon, OwnTimer, StartError, Work};
-use crate::config::{self, Config};
+use crate::config::Config;
 use crate::kube::watch::WatchOutput;
 use crate::kube::Client;
 use crate::kubelet::tls::TlsState;
@@ -18,7 +18,7 @@ use crate::kubelet::{KubeletConfig, KubeletServer};
 use crate::metrics::stats::StatsHub;
 use crate::node::{compute_resources, detect_node_ip, HostFacts, NodeAgent, NodeOptions};
 use crate::provider::cocoon::parse_vm_list;
-use crate::provider::{Input, OrphanPolicy};
+use crate::provider::Input;
 use crate::reactor::{sd_notify, ChildExit, Reactor};
 
 const RETRY_FIRST: Duration = Duration::from_secs(1);
@@ -131,14 +131,6 @@ impl Daemon {
 }
 
 /// VK_ORPHAN_POLICY as the provider knows it.
-pub(super) fn orphan_policy(config: &Config) -> OrphanPolicy {
-    match config.orphan_policy {
-        config::OrphanPolicy::Destroy => OrphanPolicy::Destroy,
-        config::OrphanPolicy::Alert => OrphanPolicy::Alert,
-        config::OrphanPolicy::Keep => OrphanPolicy::Keep,
-    }
-}
-
 /// The node's options and capacity (behaviour §2.4 / §2.5). Errors are fatal.
 pub(super) fn node_agent(config: &Config, now: Instant) -> Result<NodeAgent, StartError> {
     let ip = match config.node_ip {

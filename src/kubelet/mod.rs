@@ -28,7 +28,7 @@ pub use server::{AuthId, KubeletServer};
 pub struct KubeletConfig {
     pub node_name: String,
     /// argv prefix that runs cocoon: normally `[VK_COCOON_BIN]`; the sandbox uses
-    /// `[<vk-cocoon>, "fake-cocoon"]`.
+    /// `[<vk-cocoon-sandbox>, "fake-cocoon"]`.
     pub cocoon: Vec<String>,
     /// Extra environment for cocoon children (the sandbox passes its fake's state directory).
     pub cocoon_env: Vec<(String, String)>,

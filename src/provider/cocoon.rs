@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::vm::RestoreMode;
+
 /// A cocoon invocation the core wants performed. `argv()` is the argument vector after the
 /// binary (`VK_COCOON_BIN`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,7 +39,7 @@ pub struct CloneArgs {
     pub no_direct_io: bool,
     pub pull: bool,
     /// None for firecracker.
-    pub restore_mode: Option<String>,
+    pub restore_mode: Option<RestoreMode>,
     pub cpu: CpuPolicy,
     pub source: CloneSource,
 }
@@ -124,10 +126,8 @@ impl CocoonCmd {
                 if a.pull || matches!(a.source, CloneSource::FromDir(_)) {
                     v.push(s("--pull"));
                 }
-                if let Some(m) = &a.restore_mode {
-                    if !m.is_empty() {
-                        v.extend([s("--restore-mode"), m.clone()]);
-                    }
+                if let Some(m) = a.restore_mode {
+                    v.extend([s("--restore-mode"), s(m.as_str())]);
                 }
                 push_cpu(&mut v, &a.cpu);
                 match &a.source {
@@ -467,7 +467,7 @@ mod tests {
             network: "net1".into(),
             no_direct_io: true,
             pull: true,
-            restore_mode: Some("mmap".into()),
+            restore_mode: Some(RestoreMode::Mmap),
             cpu: CpuPolicy {
                 weight: 79,
                 quota_us: 200000,

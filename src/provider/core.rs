@@ -1638,7 +1638,7 @@ impl Provider {
             restore_mode: if spec.firecracker() {
                 None
             } else {
-                Some(self.cfg.restore_mode.clone())
+                Some(self.cfg.restore_mode)
             },
             cpu: spec.resources.cpu_policy(),
             source,

@@ -86,27 +86,11 @@ impl std::fmt::Display for PodKey {
 /// Correlates an effect with the input that answers it. Unique for the provider's lifetime.
 pub type OpId = u64;
 
-/// What the orphan policy (VK_ORPHAN_POLICY) does with a VM no pod claims at startup.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OrphanPolicy {
-    Destroy,
-    Alert,
-    Keep,
-}
-
-impl OrphanPolicy {
-    /// Trimmed, case-insensitive; anything else is an error (startup fails).
-    pub fn parse(raw: &str) -> Result<Self, String> {
-        match raw.trim().to_ascii_lowercase().as_str() {
-            "" | "destroy" => Ok(OrphanPolicy::Destroy),
-            "alert" => Ok(OrphanPolicy::Alert),
-            "keep" => Ok(OrphanPolicy::Keep),
-            other => Err(format!(
-                "VK_ORPHAN_POLICY must be destroy, alert or keep, got {other:?}"
-            )),
-        }
-    }
-}
+/// What the orphan policy (VK_ORPHAN_POLICY) does with a VM no pod claims at startup; the
+/// configuration parses it, the core reads it.
+pub use crate::config::OrphanPolicy;
+/// `--restore-mode` of CH clones (VK_RESTORE_MODE), the cocoon contract's type.
+pub use crate::vm::RestoreMode;
 
 #[derive(Debug, Clone)]
 pub struct ProviderConfig {
@@ -117,7 +101,7 @@ pub struct ProviderConfig {
     pub registry: bool,
     pub orphan_policy: OrphanPolicy,
     /// VK_RESTORE_MODE (`mmap` default); passed as `--restore-mode` on CH clones.
-    pub restore_mode: String,
+    pub restore_mode: RestoreMode,
     /// Whether lease release is enabled (VK_COCOON_NET_CONTROL_SOCKET not set-but-empty).
     pub lease_release: bool,
 }
@@ -129,7 +113,7 @@ impl Default for ProviderConfig {
             cpu_class: None,
             registry: false,
             orphan_policy: OrphanPolicy::Destroy,
-            restore_mode: "mmap".into(),
+            restore_mode: RestoreMode::Mmap,
             lease_release: true,
         }
     }
@@ -423,13 +407,6 @@ mod tests {
         assert_eq!(pod_backoff(1), Duration::from_millis(10));
         assert_eq!(pod_backoff(10), Duration::from_millis(5120));
         assert_eq!(pod_backoff(40), Duration::from_secs(1000));
-    }
-
-    #[test]
-    fn orphan_policy_parses_trimmed_case_insensitive() {
-        assert_eq!(OrphanPolicy::parse(" Alert ").unwrap(), OrphanPolicy::Alert);
-        assert_eq!(OrphanPolicy::parse("").unwrap(), OrphanPolicy::Destroy);
-        assert!(OrphanPolicy::parse("nuke").is_err());
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The embedded sandbox: a fake Kubernetes API server and a fake cocoon for tests and demos.
 //! Test infrastructure that follows the specs; the daemon itself never depends on it.
 //!
-//! `vk-cocoon sandbox` runs the real daemon code in this process against the fake API server
+//! `vk-cocoon-sandbox` (its own binary; the daemon binary links none of this) runs the real
+//! daemon code in this process against the fake API server
 //! (HTTPS on loopback, threads of this process) and the fake cocoon (this binary re-executed as
 //! `cocoon` through a symlink), writes a kubeconfig that kubectl can use, creates a few demo pods
 //! and prints what to run. Every address involved is on loopback.
@@ -17,8 +18,10 @@ use k8s_openapi::api::core::v1::Pod;
 use self::apiserver::{ApiServer, ApiServerOptions, KubeconfigAuth};
 
 const USAGE: &str = "\
-Usage: vk-cocoon sandbox [--dir DIR] [--pods N] [--api-port PORT] [--metrics-addr ADDR]
+Usage: vk-cocoon-sandbox [--dir DIR] [--pods N] [--api-port PORT] [--metrics-addr ADDR]
                          [--kubelet-port PORT] [--registry HOST[:PORT][/PREFIX]]
+       vk-cocoon-sandbox fake-cocoon ARGS   (the fake `cocoon` CLI; also when run as `cocoon`)
+       vk-cocoon-sandbox --version
 
 Runs vk-cocoon against an in-process fake Kubernetes API server and the fake cocoon, all on
 loopback. DIR (default: a fresh directory under /tmp) holds the kubeconfig, the fake cocoon's
@@ -88,7 +91,7 @@ pub fn parse_args(args: &[String]) -> Result<SandboxOptions, String> {
     Ok(o)
 }
 
-/// Entry point of `vk-cocoon sandbox ...`: `args` are the arguments after `sandbox`.
+/// Entry point of `vk-cocoon-sandbox ...`: `args` are the arguments after the program name.
 /// Returns the process exit code.
 pub fn run_sandbox(args: Vec<String>) -> i32 {
     let opts = match parse_args(&args) {
@@ -98,7 +101,7 @@ pub fn run_sandbox(args: Vec<String>) -> i32 {
             return 0;
         }
         Err(e) => {
-            eprintln!("vk-cocoon sandbox: {e}\n{USAGE}");
+            eprintln!("vk-cocoon-sandbox: {e}\n{USAGE}");
             return 2;
         }
     };
@@ -110,7 +113,7 @@ pub fn run_sandbox(args: Vec<String>) -> i32 {
     match Sandbox::prepare(&opts) {
         Ok(sandbox) => sandbox.run(&opts),
         Err(e) => {
-            eprintln!("vk-cocoon sandbox: {e}");
+            eprintln!("vk-cocoon-sandbox: {e}");
             1
         }
     }
@@ -268,7 +271,7 @@ impl Sandbox {
         let mut config = match crate::config::Config::from_process_env() {
             Ok(c) => c,
             Err(e) => {
-                eprintln!("vk-cocoon sandbox: configuration error: {e}");
+                eprintln!("vk-cocoon-sandbox: configuration error: {e}");
                 return 2;
             }
         };
@@ -276,12 +279,12 @@ impl Sandbox {
             config.oci_registry.clear();
         }
         if let Err(e) = self.create_demo_pods(opts.pods) {
-            eprintln!("vk-cocoon sandbox: {e}");
+            eprintln!("vk-cocoon-sandbox: {e}");
             return 1;
         }
         let k = self.kubeconfig.display();
         println!(
-            "\nvk-cocoon sandbox is up (state in {dir})\n\
+            "\nvk-cocoon-sandbox is up (state in {dir})\n\
              \n  kubectl --kubeconfig {k} get nodes,pods -o wide\
              \n  kubectl --kubeconfig {k} get events\
              \n  kubectl --kubeconfig {k} delete pod demo-0\

@@ -19,6 +19,8 @@ use vk_cocoon::snapshots::{push_snapshot, PushKnobs, PushRequest, RegistryClient
 
 pub const NODE: &str = "cocoon-sandbox";
 pub const BIN: &str = env!("CARGO_BIN_EXE_vk-cocoon");
+/// The fake cocoon: a binary of its own, so the daemon binary carries none of it.
+pub const SANDBOX_BIN: &str = env!("CARGO_BIN_EXE_vk-cocoon-sandbox");
 pub struct World {
     pub api: ApiServerHandle,
     pub registry: Registry,
@@ -51,7 +53,7 @@ impl World {
         for d in ["state", "root", "bin", "net"] {
             std::fs::create_dir_all(dir.path().join(d)).expect("mkdir");
         }
-        std::os::unix::fs::symlink(BIN, dir.path().join("bin/cocoon")).expect("symlink");
+        std::os::unix::fs::symlink(SANDBOX_BIN, dir.path().join("bin/cocoon")).expect("symlink");
         // The fake finds its state beside the symlink when the environment names none, as for
         // the snapshot transfers this test process runs itself.
         std::os::unix::fs::symlink(
