@@ -54,41 +54,8 @@ pub struct NodeOptions {
 
 /// Parse a Kubernetes quantity ("16", "500m", "64Gi", "1e3") into its numeric value.
 pub fn parse_quantity(s: &str) -> Result<f64, String> {
-    let t = s.trim();
-    let bad = || format!("{s:?} is not a Kubernetes quantity");
-    let end = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '+' || c == '-'))
-        .unwrap_or(t.len());
-    let (num, suffix) = t.split_at(end);
-    let n: f64 = num.parse().map_err(|_| bad())?;
-    let mult = match suffix {
-        "" => 1.0,
-        "Ki" => 1024f64,
-        "Mi" => 1024f64.powi(2),
-        "Gi" => 1024f64.powi(3),
-        "Ti" => 1024f64.powi(4),
-        "Pi" => 1024f64.powi(5),
-        "Ei" => 1024f64.powi(6),
-        "n" => 1e-9,
-        "u" => 1e-6,
-        "m" => 1e-3,
-        "k" => 1e3,
-        "M" => 1e6,
-        "G" => 1e9,
-        "T" => 1e12,
-        "P" => 1e15,
-        "E" => 1e18,
-        e if e.starts_with(['e', 'E']) => {
-            let x: i32 = e[1..].parse().map_err(|_| bad())?;
-            10f64.powi(x)
-        }
-        _ => return Err(bad()),
-    };
-    let v = n * mult;
-    if !v.is_finite() || v < 0.0 {
-        return Err(bad());
-    }
-    Ok(v)
+    crate::vm::resources::parse_quantity_f64(s)
+        .ok_or_else(|| format!("{s:?} is not a Kubernetes quantity"))
 }
 
 /// A byte count as the shortest exact binary quantity ("2Mi", "1Gi", else plain bytes).

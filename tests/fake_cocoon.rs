@@ -463,7 +463,7 @@ fn exec_logs_net_and_stop_semantics() {
     let log = std::fs::read_to_string(f.state().join("exec.log")).unwrap();
     assert_eq!(log.lines().count(), 4);
 
-    let (call, out) = f.call(argv::vm_logs("seed", 1));
+    let (call, out) = f.call(argv::vm_logs("seed", 1, false));
     call.check(&out).unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 1);
 

@@ -134,8 +134,10 @@ fn simple_verbs() {
     assert_eq!(argv::vm_list(), v("vm list -o json"));
     assert_eq!(argv::vm_rm("X"), v("vm rm --force X"));
     assert_eq!(argv::vm_start("X"), v("vm start X"));
-    assert_eq!(argv::vm_logs("X", 0), v("vm logs X"));
-    assert_eq!(argv::vm_logs("X", 50), v("vm logs --tail 50 X"));
+    assert_eq!(argv::vm_logs("X", 0, false), v("vm logs X"));
+    assert_eq!(argv::vm_logs("X", 50, false), v("vm logs --tail 50 X"));
+    assert_eq!(argv::vm_logs("X", 50, true), v("vm logs --tail 50 -f X"));
+    assert_eq!(argv::vm_logs("X", 0, true), v("vm logs -f X"));
     assert_eq!(argv::vm_net("X", 2), v("vm net --nics 2 X"));
     assert_eq!(
         argv::vm_reconcile_stale_create("X"),
@@ -198,11 +200,14 @@ fn every_verb_round_trips_through_of_argv_and_has_a_sane_call() {
         let call = CocoonCall::new(verb, words, &d);
         match verb {
             Verb::VmStatusEvents => assert_eq!(call.deadline, None),
-            Verb::VmInspect | Verb::VmList => {
-                assert_eq!(call.deadline, Some(Duration::from_secs(30)))
+            Verb::VmInspect => assert_eq!(call.deadline, Some(Duration::from_secs(30))),
+            Verb::VmList => assert_eq!(call.deadline, Some(Duration::from_secs(120))),
+            Verb::VmClone | Verb::VmRun => {
+                assert_eq!(call.deadline, Some(Duration::from_secs(600)))
             }
-            Verb::VmClone | Verb::VmRun | Verb::SnapshotSave | Verb::SnapshotImport => {
-                assert!(call.deadline.unwrap() >= Duration::from_secs(600))
+            // Saving or moving a snapshot is big data: one hour, for every caller.
+            Verb::SnapshotSave | Verb::SnapshotImport | Verb::SnapshotExport | Verb::ImagePull => {
+                assert_eq!(call.deadline, Some(Duration::from_secs(3600)))
             }
             _ => {}
         }
@@ -532,4 +537,72 @@ fn run_fallback_rule() {
     )
     .unwrap();
     assert!(run_needs_inspect(&zero_pid));
+}
+
+#[test]
+fn the_provider_commands_are_the_contract_builders_and_deadlines() {
+    use vk_cocoon::provider::CocoonCmd;
+    let cases = [
+        (
+            CocoonCmd::VmInspect {
+                reference: "X".into(),
+            },
+            argv::vm_inspect("X"),
+        ),
+        (CocoonCmd::VmRm { id: "X".into() }, argv::vm_rm("X")),
+        (CocoonCmd::VmStart { id: "X".into() }, argv::vm_start("X")),
+        (
+            CocoonCmd::ReconcileStaleCreate { id: "X".into() },
+            argv::vm_reconcile_stale_create("X"),
+        ),
+        (
+            CocoonCmd::SnapshotSave {
+                name: "s".into(),
+                vm_id: "X".into(),
+            },
+            argv::snapshot_save("s", "X"),
+        ),
+        (
+            CocoonCmd::ImagePull {
+                reference: "reg:5000/os/ubuntu:24.04".into(),
+                force: true,
+            },
+            argv::image_pull("reg:5000/os/ubuntu:24.04", true),
+        ),
+    ];
+    let d = Deadlines::default();
+    for (cmd, expected) in cases {
+        assert_eq!(cmd.argv(), expected);
+        assert_eq!(Verb::of_argv(&cmd.argv()), Some(cmd.verb()));
+        assert_eq!(Some(cmd.deadline()), d.for_verb(cmd.verb()), "{cmd:?}");
+    }
+    // The two copies used to disagree: snapshot save is bounded by the one-hour transfer budget.
+    let save = CocoonCmd::SnapshotSave {
+        name: "s".into(),
+        vm_id: "X".into(),
+    };
+    assert_eq!(save.deadline(), Duration::from_secs(3600));
+}
+
+#[test]
+fn failed_results_are_classified_by_the_contract() {
+    use vk_cocoon::provider::CocoonResult;
+    let gone = CocoonResult::failed("Error: inspect: vm x: VM not found");
+    assert_eq!(
+        gone.error_kind(Verb::VmInspect),
+        Some(ErrorKind::VmNotFound)
+    );
+    assert!(gone.vm_not_found());
+    let hung = CocoonResult {
+        timed_out: true,
+        ..CocoonResult::failed("")
+    };
+    assert_eq!(hung.error_kind(Verb::VmRm), Some(ErrorKind::TimedOut));
+    assert!(!hung.vm_not_found());
+    assert_eq!(
+        CocoonResult::ok("vm not found").error_kind(Verb::VmRm),
+        None
+    );
+    let taken = CocoonResult::failed("Error: snapshot name \"s\" already in use by ABC");
+    assert!(taken.name_taken());
 }

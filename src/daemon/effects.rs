@@ -26,10 +26,12 @@ use crate::provider::{
     CocoonResult, Effect, EventType, Input, KubeError, MetricUpdate, OpId, PodKey,
 };
 use crate::reactor::{ChildExit, ChildSpec, OutputMode, StdinMode};
+use crate::snapshots::reference::split_image_ref;
 use crate::snapshots::{
     manifest_info, pull_cloud_image, pull_snapshot, push_snapshot, ArtifactKind, CloudImageRequest,
     PullRequest, PushKnobs, PushRequest, RegistryClient,
 };
+use crate::vm::{argv, classify, Verb};
 
 /// A registry job waiting in the daemon's transfer queue.
 pub(super) type TransferJob = Box<dyn FnOnce(&RegistryClient) -> Result<String, String> + Send>;
@@ -420,11 +422,12 @@ fn materialise_image(
     if image.starts_with("http://") || image.starts_with("https://") {
         return image_pull(cocoon, image, force);
     }
-    let (repo, tag) = split_image(image);
+    let (repo, tag) = split_image_ref(image);
     match manifest_info(registry, &repo, &tag) {
         Ok(Some(info)) if info.kind == ArtifactKind::CloudImage => {
-            let local = format!("{repo}:{tag}");
-            if !force && cocoon_ok(cocoon, &["image", "inspect", &local])? {
+            let sep = if tag.starts_with("sha256:") { '@' } else { ':' };
+            let local = format!("{repo}{sep}{tag}");
+            if !force && cocoon_ok(cocoon, Verb::ImageInspect, &argv::image_inspect(&local))? {
                 return Ok(local);
             }
             let req = CloudImageRequest {
@@ -450,34 +453,18 @@ fn materialise_image(
     }
 }
 
-/// `repo[:tag]` split at the last `:` after the last `/` (a registry port is not a tag).
-fn split_image(image: &str) -> (String, String) {
-    let slash = image.rfind('/').map_or(0, |i| i + 1);
-    match image[slash..].rfind(':') {
-        Some(i) => (
-            image[..slash + i].to_string(),
-            image[slash + i + 1..].to_string(),
-        ),
-        None => (image.to_string(), "latest".to_string()),
-    }
-}
-
 fn image_pull(cocoon: &Path, image: &str, force: bool) -> Result<String, String> {
-    let mut args = vec!["image", "pull"];
-    if force {
-        args.push("--force");
-    }
-    args.push(image);
-    if cocoon_ok(cocoon, &args)? {
+    if cocoon_ok(cocoon, Verb::ImagePull, &argv::image_pull(image, force))? {
         Ok(image.to_string())
     } else {
         Err(format!("cocoon image pull {image} failed"))
     }
 }
 
-/// Runs a short cocoon command on a worker thread: Ok(true) on exit 0, Ok(false) on a
-/// "not found", Err on anything else.
-fn cocoon_ok(cocoon: &Path, args: &[&str]) -> Result<bool, String> {
+/// Runs a short cocoon command (argv from the vm room's builders) on a worker thread: Ok(true)
+/// on exit 0, Ok(false) when the contract's classification says the object is absent, Err on
+/// anything else.
+fn cocoon_ok(cocoon: &Path, verb: Verb, args: &[String]) -> Result<bool, String> {
     let out = std::process::Command::new(cocoon)
         .args(args)
         .stdin(std::process::Stdio::null())
@@ -486,8 +473,8 @@ fn cocoon_ok(cocoon: &Path, args: &[&str]) -> Result<bool, String> {
     if out.status.success() {
         return Ok(true);
     }
-    let text = String::from_utf8_lossy(&out.stderr).to_ascii_lowercase();
-    if text.contains("not found") || text.contains("no such") {
+    let text = String::from_utf8_lossy(&out.stderr);
+    if classify(verb, &text).is_not_found() {
         return Ok(false);
     }
     Err(format!(
@@ -603,19 +590,6 @@ pub(super) fn authorize(kube: &Arc<Client>, req: &AuthRequest) -> AuthAnswer {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn image_references_split_at_the_tag_not_the_port() {
-        assert_eq!(
-            split_image("reg:5000/os/ubuntu:24.04"),
-            ("reg:5000/os/ubuntu".into(), "24.04".into())
-        );
-        assert_eq!(
-            split_image("reg:5000/os/ubuntu"),
-            ("reg:5000/os/ubuntu".into(), "latest".into())
-        );
-        assert_eq!(split_image("ubuntu"), ("ubuntu".into(), "latest".into()));
-    }
 
     #[test]
     fn annotation_patches_delete_with_null_and_guard_with_uid() {

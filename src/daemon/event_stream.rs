@@ -9,31 +9,11 @@
 use std::collections::HashSet;
 
 use super::{ChildRole, Daemon};
-use crate::provider::cocoon::{parse_vm_list, NicInfo, VmInfo};
+use crate::provider::cocoon::{parse_vm_list, VmInfo};
 use crate::provider::{Input, VmEventKind};
 use crate::reactor::ChildExit;
 use crate::vm::runner::StreamOutput;
-use crate::vm::types::{EventKind, Vm};
-
-/// The provider's record of a VM from the vm room's type.
-fn vm_info(vm: &Vm) -> VmInfo {
-    VmInfo {
-        id: vm.id.clone(),
-        name: vm.config.name.clone(),
-        hypervisor: vm.hypervisor.clone(),
-        state: vm.state.clone(),
-        pid: vm.pid,
-        nics: vm
-            .network_configs
-            .iter()
-            .map(|n| NicInfo {
-                tap: n.tap.clone(),
-                mac: n.mac.to_ascii_lowercase(),
-                static_ip: n.network.as_ref().map(|a| a.ip.clone()).unwrap_or_default(),
-            })
-            .collect(),
-    }
-}
+use crate::vm::types::EventKind;
 
 impl Daemon {
     /// What one reactor event meant for the stream: events for the provider, logs, a re-sync.
@@ -53,7 +33,7 @@ impl Daemon {
             };
             self.pending.push_back(Input::VmEvent {
                 kind,
-                vm: vm_info(&event.vm),
+                vm: VmInfo::from(event.vm),
             });
         }
         if let Some((exit, stderr)) = out.ended {

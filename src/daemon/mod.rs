@@ -47,6 +47,7 @@ use crate::reactor::{
 };
 use crate::snapshots::RegistryClient;
 use crate::vm::runner::EventStream;
+use crate::vm::{argv, CocoonCall, Deadlines, Verb};
 
 use self::startup::Startup;
 
@@ -86,9 +87,6 @@ const EVENTS_PER_TURN: usize = 10;
 const EVENT_RETRY: Duration = Duration::from_secs(1);
 /// The kubelet view (pods and VMs for logs, exec, stats) trails the provider by at most this.
 const VIEW_REFRESH: Duration = Duration::from_millis(200);
-
-/// `cocoon vm list` of a dense host can take a while; it is still bounded.
-const VM_LIST_DEADLINE: Duration = Duration::from_secs(120);
 
 /// The daemon's own reactor timer keys carry this top byte (the probe engine tags its own,
 /// the kubelet and metrics servers recognise theirs by timer id).
@@ -648,15 +646,10 @@ impl Daemon {
 
     /// Starts `cocoon vm list -o json` (startup reconcile or event-stream re-sync).
     fn spawn_vm_list(&mut self, role: ChildRole) -> std::io::Result<()> {
-        let argv = vec![
-            self.config.cocoon_bin.to_string_lossy().into_owned(),
-            "vm".into(),
-            "list".into(),
-            "-o".into(),
-            "json".into(),
-        ];
+        let call = CocoonCall::new(Verb::VmList, argv::vm_list(), &Deadlines::default());
+        let argv = call.full_argv(&self.config.cocoon_bin.to_string_lossy());
         let spec = ChildSpec::new(argv)
-            .deadline(VM_LIST_DEADLINE)
+            .deadline(call.deadline.unwrap_or(Deadlines::default().control))
             .stdin(StdinMode::Null)
             .stdout(OutputMode::Capture { limit: 64 << 20 })
             .stderr(OutputMode::Capture { limit: 64 << 10 });

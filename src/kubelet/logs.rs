@@ -54,18 +54,12 @@ pub fn parse_options(req: &Request) -> Result<LogOptions, String> {
     Ok(o)
 }
 
-/// `cocoon vm logs [--tail N] [-f] <id>` (cocoon-cli §3.17). `--tail` only when N > 0.
-/// sinceSeconds / sinceTime / previous have no cocoon equivalent and are ignored.
+/// `cocoon vm logs [--tail N] [-f] <id>` (cocoon-cli §3.17), built by the vm room's argv
+/// builder. sinceSeconds / sinceTime / previous have no cocoon equivalent and are ignored.
 pub fn logs_argv(cocoon_bin: &str, vm_id: &str, o: &LogOptions) -> Vec<String> {
-    let mut a = vec![cocoon_bin.to_string(), "vm".into(), "logs".into()];
-    if let Some(n) = o.tail_lines.filter(|n| *n > 0) {
-        a.push("--tail".into());
-        a.push(n.to_string());
-    }
-    if o.follow {
-        a.push("-f".into());
-    }
-    a.push(vm_id.to_string());
+    let mut a = vec![cocoon_bin.to_string()];
+    let tail = o.tail_lines.unwrap_or(0);
+    a.extend(crate::vm::argv::vm_logs(vm_id, tail, o.follow));
     a
 }
 

@@ -3,17 +3,19 @@
 
 use std::time::Duration;
 
-use serde::Deserialize;
+use crate::vm::argv;
+pub use crate::vm::{
+    Backend, CloneOptions, CloneSource, CpuPolicy, Deadlines, ErrorKind, RunOptions,
+    StaleCreateOutcome, Verb,
+};
 
-use crate::vm::RestoreMode;
-
-/// A cocoon invocation the core wants performed. `argv()` is the argument vector after the
-/// binary (`VK_COCOON_BIN`).
+/// A cocoon invocation the core wants performed: the core's vocabulary, mapped one to one onto
+/// the vm room's argv builders and deadlines (the only place that spells cocoon's argv).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CocoonCmd {
     VmInspect { reference: String },
-    VmClone(CloneArgs),
-    VmRun(RunArgs),
+    VmClone(CloneOptions),
+    VmRun(RunOptions),
     VmStart { id: String },
     VmRm { id: String },
     ReconcileStaleCreate { id: String },
@@ -24,161 +26,46 @@ pub enum CocoonCmd {
     ImagePull { reference: String, force: bool },
 }
 
-/// CPU policy flags shared by clone and run (§5.3); 0 ⇒ flag omitted.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct CpuPolicy {
-    pub weight: u64,
-    pub quota_us: u64,
-    pub period_us: u64,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CloneArgs {
-    pub name: String,
-    pub network: String,
-    pub no_direct_io: bool,
-    pub pull: bool,
-    /// None for firecracker.
-    pub restore_mode: Option<RestoreMode>,
-    pub cpu: CpuPolicy,
-    pub source: CloneSource,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum CloneSource {
-    Snapshot(String),
-    FromDir(String),
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RunArgs {
-    pub name: String,
-    pub cpu_count: u64,
-    pub cpu: CpuPolicy,
-    /// Bytes, or a verbatim string; empty ⇒ omitted.
-    pub memory: String,
-    pub storage: String,
-    pub network: String,
-    pub windows: bool,
-    pub firecracker: bool,
-    pub no_direct_io: bool,
-    pub image: String,
-}
-
-fn push_cpu(argv: &mut Vec<String>, cpu: &CpuPolicy) {
-    for (flag, v) in [
-        ("--cpu-weight", cpu.weight),
-        ("--cpu-quota-us", cpu.quota_us),
-        ("--cpu-period-us", cpu.period_us),
-    ] {
-        if v > 0 {
-            argv.push(flag.into());
-            argv.push(v.to_string());
-        }
-    }
-}
-
 impl CocoonCmd {
-    pub fn argv(&self) -> Vec<String> {
-        let s = |x: &str| x.to_string();
+    /// The cocoon verb, which decides the deadline and the error classification.
+    pub fn verb(&self) -> Verb {
         match self {
-            CocoonCmd::VmInspect { reference } => vec![s("vm"), s("inspect"), reference.clone()],
-            CocoonCmd::VmStart { id } => vec![s("vm"), s("start"), id.clone()],
-            CocoonCmd::VmRm { id } => vec![s("vm"), s("rm"), s("--force"), id.clone()],
-            CocoonCmd::ReconcileStaleCreate { id } => vec![
-                s("vm"),
-                s("reconcile-stale-create"),
-                id.clone(),
-                s("-o"),
-                s("json"),
-            ],
-            CocoonCmd::SnapshotInspect { name } => vec![s("snapshot"), s("inspect"), name.clone()],
-            CocoonCmd::SnapshotSave { name, vm_id } => vec![
-                s("snapshot"),
-                s("save"),
-                s("--name"),
-                name.clone(),
-                vm_id.clone(),
-            ],
-            CocoonCmd::SnapshotRm { name } => vec![s("snapshot"), s("rm"), name.clone()],
-            CocoonCmd::ImageInspect { reference } => {
-                vec![s("image"), s("inspect"), reference.clone()]
-            }
-            CocoonCmd::ImagePull { reference, force } => {
-                let mut v = vec![s("image"), s("pull")];
-                if *force {
-                    v.push(s("--force"));
-                }
-                v.push(reference.clone());
-                v
-            }
-            CocoonCmd::VmClone(a) => {
-                let mut v = vec![s("vm"), s("clone"), s("--output"), s("json")];
-                if !a.name.is_empty() {
-                    v.extend([s("--name"), a.name.clone()]);
-                }
-                if !a.network.is_empty() {
-                    v.extend([s("--network"), a.network.clone()]);
-                }
-                if a.no_direct_io {
-                    v.push(s("--no-direct-io"));
-                }
-                if a.pull || matches!(a.source, CloneSource::FromDir(_)) {
-                    v.push(s("--pull"));
-                }
-                if let Some(m) = a.restore_mode {
-                    v.extend([s("--restore-mode"), s(m.as_str())]);
-                }
-                push_cpu(&mut v, &a.cpu);
-                match &a.source {
-                    CloneSource::Snapshot(n) => v.push(n.clone()),
-                    CloneSource::FromDir(d) => v.extend([s("--from-dir"), d.clone()]),
-                }
-                v
-            }
-            CocoonCmd::VmRun(a) => {
-                let mut v = vec![s("vm"), s("run"), s("--output"), s("json")];
-                if !a.name.is_empty() {
-                    v.extend([s("--name"), a.name.clone()]);
-                }
-                if a.cpu_count > 0 {
-                    v.extend([s("--cpu"), a.cpu_count.to_string()]);
-                }
-                push_cpu(&mut v, &a.cpu);
-                if !a.memory.is_empty() {
-                    v.extend([s("--memory"), a.memory.clone()]);
-                }
-                if !a.storage.is_empty() {
-                    v.extend([s("--storage"), a.storage.clone()]);
-                }
-                if !a.network.is_empty() {
-                    v.extend([s("--network"), a.network.clone()]);
-                }
-                if a.windows {
-                    v.push(s("--windows"));
-                }
-                if a.firecracker {
-                    v.push(s("--fc"));
-                }
-                if a.no_direct_io {
-                    v.push(s("--no-direct-io"));
-                }
-                v.push(a.image.clone());
-                v
-            }
+            CocoonCmd::VmInspect { .. } => Verb::VmInspect,
+            CocoonCmd::VmClone(_) => Verb::VmClone,
+            CocoonCmd::VmRun(_) => Verb::VmRun,
+            CocoonCmd::VmStart { .. } => Verb::VmStart,
+            CocoonCmd::VmRm { .. } => Verb::VmRm,
+            CocoonCmd::ReconcileStaleCreate { .. } => Verb::VmReconcileStaleCreate,
+            CocoonCmd::SnapshotInspect { .. } => Verb::SnapshotInspect,
+            CocoonCmd::SnapshotSave { .. } => Verb::SnapshotSave,
+            CocoonCmd::SnapshotRm { .. } => Verb::SnapshotRm,
+            CocoonCmd::ImageInspect { .. } => Verb::ImageInspect,
+            CocoonCmd::ImagePull { .. } => Verb::ImagePull,
         }
     }
 
-    /// How long the daemon lets the child run before killing it.
-    pub fn deadline(&self) -> Duration {
+    /// The argument vector after the binary (`VK_COCOON_BIN`).
+    pub fn argv(&self) -> Vec<String> {
         match self {
-            CocoonCmd::VmClone(_) | CocoonCmd::VmRun(_) | CocoonCmd::ImagePull { .. } => {
-                Duration::from_secs(600)
-            }
-            CocoonCmd::SnapshotSave { .. } => Duration::from_secs(600),
-            CocoonCmd::VmRm { .. } | CocoonCmd::VmStart { .. } => Duration::from_secs(120),
-            _ => Duration::from_secs(30),
+            CocoonCmd::VmInspect { reference } => argv::vm_inspect(reference),
+            CocoonCmd::VmClone(o) => argv::vm_clone(o),
+            CocoonCmd::VmRun(o) => argv::vm_run(o),
+            CocoonCmd::VmStart { id } => argv::vm_start(id),
+            CocoonCmd::VmRm { id } => argv::vm_rm(id),
+            CocoonCmd::ReconcileStaleCreate { id } => argv::vm_reconcile_stale_create(id),
+            CocoonCmd::SnapshotInspect { name } => argv::snapshot_inspect(name),
+            CocoonCmd::SnapshotSave { name, vm_id } => argv::snapshot_save(name, vm_id),
+            CocoonCmd::SnapshotRm { name } => argv::snapshot_rm(name),
+            CocoonCmd::ImageInspect { reference } => argv::image_inspect(reference),
+            CocoonCmd::ImagePull { reference, force } => argv::image_pull(reference, *force),
         }
+    }
+
+    /// How long the daemon lets the child run before killing it: the contract's per-verb
+    /// deadline (every verb the core runs has one).
+    pub fn deadline(&self) -> Duration {
+        let d = Deadlines::default();
+        d.for_verb(self.verb()).unwrap_or(d.control)
     }
 }
 
@@ -228,34 +115,42 @@ impl CocoonResult {
         }
     }
 
-    fn err_lower(&self) -> String {
-        format!("{}\n{}", self.stderr, self.stdout).to_ascii_lowercase()
+    /// What a failed call means, by the cocoon contract's classification for `verb` (the
+    /// error texts are known only to the vm room); `None` when the call succeeded.
+    pub fn error_kind(&self, verb: Verb) -> Option<ErrorKind> {
+        if self.success {
+            return None;
+        }
+        if self.timed_out {
+            return Some(ErrorKind::TimedOut);
+        }
+        Some(crate::vm::classify(
+            verb,
+            &format!("{}\n{}", self.stderr, self.stdout),
+        ))
     }
 
-    /// `vm not found` / `no such vm` (case-insensitive) on a failed call.
+    /// The VM is authoritatively absent (`vm not found` / `no such vm`).
     pub fn vm_not_found(&self) -> bool {
-        !self.success && {
-            let e = self.err_lower();
-            e.contains("vm not found") || e.contains("no such vm")
-        }
+        self.error_kind(Verb::VmInspect) == Some(ErrorKind::VmNotFound)
     }
 
+    /// The snapshot is authoritatively absent.
     pub fn snapshot_not_found(&self) -> bool {
-        !self.success && {
-            let e = self.err_lower();
-            e.contains("snapshot not found") || e.contains("no such snapshot")
-        }
+        self.error_kind(Verb::SnapshotInspect) == Some(ErrorKind::SnapshotNotFound)
     }
 
+    /// The image is authoritatively absent.
     pub fn image_not_found(&self) -> bool {
-        !self.success && self.err_lower().contains("not found in any backend")
+        self.error_kind(Verb::ImageInspect) == Some(ErrorKind::ImageNotFound)
     }
 
+    /// A create or save collided with an existing name.
     pub fn name_taken(&self) -> bool {
-        !self.success && {
-            let e = self.err_lower();
-            e.contains("already exists") || e.contains("already in use by")
-        }
+        matches!(
+            self.error_kind(Verb::SnapshotSave),
+            Some(ErrorKind::SnapshotNameTaken { .. })
+        )
     }
 }
 
@@ -309,75 +204,36 @@ impl VmInfo {
     }
 }
 
-#[derive(Deserialize, Default)]
-struct RawNet {
-    #[serde(default)]
-    ip: Option<String>,
-}
-
-#[derive(Deserialize, Default)]
-struct RawNic {
-    #[serde(default)]
-    tap: Option<String>,
-    #[serde(default)]
-    mac: Option<String>,
-    #[serde(default)]
-    network: Option<RawNet>,
-}
-
-#[derive(Deserialize, Default)]
-struct RawConfig {
-    #[serde(default)]
-    name: Option<String>,
-}
-
-#[derive(Deserialize, Default)]
-struct RawVm {
-    #[serde(default)]
-    id: Option<String>,
-    #[serde(default)]
-    hypervisor: Option<String>,
-    #[serde(default)]
-    state: Option<String>,
-    #[serde(default)]
-    pid: Option<i64>,
-    #[serde(default)]
-    config: Option<RawConfig>,
-    #[serde(default)]
-    network_configs: Option<Vec<RawNic>>,
-}
-
-impl From<RawVm> for VmInfo {
-    fn from(r: RawVm) -> Self {
+impl From<crate::vm::Vm> for VmInfo {
+    fn from(vm: crate::vm::Vm) -> Self {
         VmInfo {
-            id: r.id.unwrap_or_default(),
-            name: r.config.and_then(|c| c.name).unwrap_or_default(),
-            hypervisor: r.hypervisor.unwrap_or_default(),
-            state: r.state.unwrap_or_default(),
-            pid: r.pid.unwrap_or(0),
-            nics: r
+            id: vm.id,
+            name: vm.config.name,
+            hypervisor: vm.hypervisor,
+            state: vm.state,
+            pid: vm.pid,
+            nics: vm
                 .network_configs
-                .unwrap_or_default()
                 .into_iter()
                 .map(|n| NicInfo {
-                    tap: n.tap.unwrap_or_default(),
-                    mac: n.mac.unwrap_or_default().to_ascii_lowercase(),
-                    static_ip: n.network.and_then(|x| x.ip).unwrap_or_default(),
+                    tap: n.tap,
+                    mac: n.mac.to_ascii_lowercase(),
+                    static_ip: n.network.map(|a| a.ip).unwrap_or_default(),
                 })
                 .collect(),
         }
     }
 }
 
-/// Parse one VM object (inspect / clone / run output). Empty id ⇒ error.
+/// Parse one VM object (inspect / clone / run output) with the contract's types. Empty id ⇒
+/// error.
 pub fn parse_vm(json: &str) -> Result<VmInfo, String> {
-    let raw: RawVm =
+    let vm: crate::vm::Vm =
         serde_json::from_str(json.trim()).map_err(|e| format!("bad VM JSON from cocoon: {e}"))?;
-    let vm = VmInfo::from(raw);
     if vm.id.is_empty() {
         return Err("empty VM record in JSON payload".into());
     }
-    Ok(vm)
+    Ok(VmInfo::from(vm))
 }
 
 /// Parse `vm list -o json`: empty output, `No VMs found.`, or an array (entries without id skipped).
@@ -386,74 +242,48 @@ pub fn parse_vm_list(out: &str) -> Result<Vec<VmInfo>, String> {
     if t.is_empty() || t == "No VMs found." || t == "null" {
         return Ok(Vec::new());
     }
-    let raw: Vec<RawVm> =
+    let vms: Vec<crate::vm::Vm> =
         serde_json::from_str(t).map_err(|e| format!("bad VM list JSON from cocoon: {e}"))?;
-    Ok(raw
+    Ok(vms
         .into_iter()
-        .map(VmInfo::from)
         .filter(|v| !v.id.is_empty())
+        .map(VmInfo::from)
         .collect())
 }
 
-/// Parse one event-stream line: `{"event": ..., "vm": {...}}`. Events without id and name are dropped.
-pub fn parse_event_line(line: &str) -> Result<Option<(super::VmEventKind, VmInfo)>, String> {
-    #[derive(Deserialize)]
-    struct Line {
-        event: String,
-        vm: RawVm,
-    }
-    let t = line.trim();
-    if t.is_empty() {
-        return Ok(None);
-    }
-    let l: Line = serde_json::from_str(t).map_err(|e| format!("bad event line: {e}"))?;
-    let kind = match l.event.as_str() {
-        "ADDED" => super::VmEventKind::Added,
-        "MODIFIED" => super::VmEventKind::Modified,
-        "DELETED" => super::VmEventKind::Deleted,
-        other => return Err(format!("unknown event kind {other:?}")),
-    };
-    let vm = VmInfo::from(l.vm);
-    if vm.id.is_empty() && vm.name.is_empty() {
-        return Ok(None);
-    }
-    Ok(Some((kind, vm)))
-}
-
 /// `snapshot inspect` fields the provider reads.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SnapshotInfo {
-    #[serde(default)]
     pub id: String,
-    #[serde(default)]
     pub name: String,
-    #[serde(default)]
     pub image: String,
-    #[serde(default)]
     pub image_digest: String,
-    #[serde(default)]
     pub image_type: String,
-    #[serde(default)]
     pub hypervisor: String,
 }
 
+/// Parse `snapshot inspect` with the contract's types.
 pub fn parse_snapshot(json: &str) -> Result<SnapshotInfo, String> {
-    serde_json::from_str(json.trim()).map_err(|e| format!("bad snapshot JSON from cocoon: {e}"))
+    let s: crate::vm::Snapshot = serde_json::from_str(json.trim())
+        .map_err(|e| format!("bad snapshot JSON from cocoon: {e}"))?;
+    Ok(SnapshotInfo {
+        id: s.id,
+        name: s.name,
+        image: s.image,
+        image_digest: s.image_digest,
+        image_type: s.image_type,
+        hypervisor: s.hypervisor,
+    })
 }
 
-/// `vm reconcile-stale-create` outcome; empty ⇒ error.
-pub fn parse_stale_outcome(json: &str) -> Result<String, String> {
-    #[derive(Deserialize)]
-    struct Out {
-        #[serde(default)]
-        outcome: String,
-    }
-    let o: Out = serde_json::from_str(json.trim())
+/// `vm reconcile-stale-create` outcome as the contract's type; an empty outcome is an error.
+pub fn parse_stale_outcome(json: &str) -> Result<StaleCreateOutcome, String> {
+    let report: crate::vm::types::StaleCreateReport = serde_json::from_str(json.trim())
         .map_err(|e| format!("bad reconcile-stale-create JSON: {e}"))?;
-    if o.outcome.is_empty() {
+    if report.outcome.is_empty() {
         return Err("reconcile-stale-create returned an empty outcome".into());
     }
-    Ok(o.outcome)
+    Ok(StaleCreateOutcome::parse(&report.outcome))
 }
 
 #[cfg(test)]
@@ -462,18 +292,18 @@ mod tests {
 
     #[test]
     fn clone_argv_follows_the_n_generation_order() {
-        let cmd = CocoonCmd::VmClone(CloneArgs {
+        let cmd = CocoonCmd::VmClone(CloneOptions {
             name: "vk-ns-demo-0".into(),
             network: "net1".into(),
             no_direct_io: true,
             pull: true,
-            restore_mode: Some(RestoreMode::Mmap),
+            restore_mode: Some(crate::vm::RestoreMode::Mmap),
             cpu: CpuPolicy {
                 weight: 79,
                 quota_us: 200000,
                 period_us: 100000,
             },
-            source: CloneSource::Snapshot("team/agent:v3".into()),
+            ..CloneOptions::from_snapshot("team/agent:v3")
         });
         assert_eq!(
             cmd.argv().join(" "),
@@ -484,17 +314,14 @@ mod tests {
 
     #[test]
     fn clone_from_dir_implies_pull_and_ends_with_the_dir() {
-        let cmd = CocoonCmd::VmClone(CloneArgs {
+        let cmd = CocoonCmd::VmClone(CloneOptions {
             name: "a".into(),
-            network: String::new(),
-            no_direct_io: false,
-            pull: false,
-            restore_mode: None,
             cpu: CpuPolicy {
                 weight: 1,
                 ..Default::default()
             },
             source: CloneSource::FromDir("/srv/snap".into()),
+            ..CloneOptions::from_snapshot("")
         });
         assert_eq!(
             cmd.argv().join(" "),
@@ -504,20 +331,17 @@ mod tests {
 
     #[test]
     fn run_argv_has_flags_before_image() {
-        let cmd = CocoonCmd::VmRun(RunArgs {
+        let cmd = CocoonCmd::VmRun(RunOptions {
             name: "v".into(),
-            cpu_count: 2,
-            cpu: CpuPolicy {
+            cpu: 2,
+            cpu_policy: CpuPolicy {
                 weight: 79,
                 ..Default::default()
             },
             memory: "4294967296".into(),
-            storage: String::new(),
-            network: String::new(),
-            windows: false,
-            firecracker: true,
-            no_direct_io: false,
+            backend: Backend::Firecracker,
             image: "ubuntu:24.04".into(),
+            ..Default::default()
         });
         assert_eq!(
             cmd.argv().join(" "),
@@ -561,23 +385,10 @@ mod tests {
     }
 
     #[test]
-    fn event_lines_parse_and_drop_anonymous() {
-        let (k, vm) = parse_event_line(r#"{"event":"DELETED","vm":{"id":"Q","state":"stopped"}}"#)
-            .unwrap()
-            .unwrap();
-        assert_eq!(k, crate::provider::VmEventKind::Deleted);
-        assert_eq!(vm.id, "Q");
-        assert!(parse_event_line(r#"{"event":"ADDED","vm":{}}"#)
-            .unwrap()
-            .is_none());
-        assert!(parse_event_line("{").is_err());
-    }
-
-    #[test]
     fn stale_outcome_requires_value() {
         assert_eq!(
             parse_stale_outcome(r#"{"id":"a","outcome":"busy"}"#).unwrap(),
-            "busy"
+            StaleCreateOutcome::Busy
         );
         assert!(parse_stale_outcome(r#"{"id":"a"}"#).is_err());
     }

@@ -24,8 +24,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::chrono::{DateTime, Utc};
 
 use super::cocoon::{
-    parse_snapshot, parse_stale_outcome, parse_vm, CloneArgs, CloneSource, CocoonCmd, CocoonResult,
-    RunArgs, VmInfo,
+    parse_snapshot, parse_stale_outcome, parse_vm, CloneOptions, CloneSource, CocoonCmd,
+    CocoonResult, RunOptions, StaleCreateOutcome, VmInfo,
 };
 use super::lifecycle::{self, Intent, State};
 use super::spec::{self, Mode, Os, SpecError, VmSpec, ANN_VM_ID, ANN_VM_IP};
@@ -1424,7 +1424,7 @@ impl Provider {
                         );
                         return self.fail_create(key, &c.uid, &msg, true);
                     }
-                    let (repo, tag) = spec::split_image(&spec.image);
+                    let (repo, tag) = crate::snapshots::reference::split_image_ref(&spec.image);
                     set_step(self, CreateStep::PullSnapshot);
                     let local = c.local_snapshot.clone();
                     return self.pod_effect(key, |op| Effect::PullSnapshot {
@@ -1521,10 +1521,10 @@ impl Provider {
                     };
                     set_step(self, CreateStep::Boot);
                     let r = &spec.resources;
-                    let args = RunArgs {
+                    let args = RunOptions {
                         name: spec.vm_name.clone(),
-                        cpu_count: r.vcpus(),
-                        cpu: r.cpu_policy(),
+                        cpu: r.vcpus(),
+                        cpu_policy: r.cpu_policy(),
                         memory: r.memory_bytes().map(|b| b.to_string()).unwrap_or_default(),
                         storage: spec
                             .storage_bytes
@@ -1532,7 +1532,7 @@ impl Provider {
                             .unwrap_or_default(),
                         network: spec.network.clone(),
                         windows: spec.os == Os::Windows,
-                        firecracker: spec.firecracker(),
+                        backend: spec.backend_kind(),
                         no_direct_io: spec.no_direct_io,
                         image: boot,
                     };
@@ -1629,8 +1629,8 @@ impl Provider {
         }
     }
 
-    fn clone_args(&self, spec: &VmSpec, source: CloneSource, pull: bool) -> CloneArgs {
-        CloneArgs {
+    fn clone_args(&self, spec: &VmSpec, source: CloneSource, pull: bool) -> CloneOptions {
+        CloneOptions {
             name: spec.vm_name.clone(),
             network: spec.network.clone(),
             no_direct_io: spec.no_direct_io,
@@ -1640,7 +1640,9 @@ impl Provider {
             } else {
                 Some(self.cfg.restore_mode)
             },
+            nics: None,
             cpu: spec.resources.cpu_policy(),
+            backend: spec.backend_kind(),
             source,
         }
     }
@@ -3119,23 +3121,27 @@ impl Provider {
             return;
         };
         let outcome = if r.success {
-            parse_stale_outcome(&r.stdout)
+            parse_stale_outcome(&r.stdout).ok()
         } else {
-            Err(r.error_text())
+            None
         };
-        let label = outcome.clone().unwrap_or_else(|_| "error".into());
+        let label = outcome.as_ref().map_or("error", StaleCreateOutcome::as_str);
         self.metric(MetricUpdate::StaleCreateReconcile {
-            outcome: label.clone(),
+            outcome: label.to_string(),
         });
+        let name_free = matches!(
+            outcome,
+            Some(StaleCreateOutcome::Collected | StaleCreateOutcome::NotFound)
+        );
         if watcher {
-            if label == "collected" || label == "not-found" {
+            if name_free {
                 return;
             }
             return self.stale_inspect(vm, true);
         }
-        match label.as_str() {
-            "collected" | "not-found" => self.stale_done(None, None),
-            "not-creating" => self.stale_inspect(vm, false),
+        match outcome {
+            _ if name_free => self.stale_done(None, None),
+            Some(StaleCreateOutcome::NotCreating) => self.stale_inspect(vm, false),
             _ => self.stale_done(None, Some(vm)),
         }
     }

@@ -6,6 +6,8 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::Pod;
 use sha2::{Digest, Sha256};
 
+use crate::snapshots::reference::split_image_ref;
+
 pub const ANN_VM_NAME: &str = "vm.cocoonstack.io/name";
 pub const ANN_IMAGE: &str = "cocoonset.cocoonstack.io/image";
 pub const ANN_MODE: &str = "cocoonset.cocoonstack.io/mode";
@@ -98,6 +100,15 @@ impl VmSpec {
     pub fn firecracker(&self) -> bool {
         self.backend == BACKEND_FC
     }
+
+    /// The backend as the cocoon contract's type.
+    pub fn backend_kind(&self) -> crate::vm::Backend {
+        if self.firecracker() {
+            crate::vm::Backend::Firecracker
+        } else {
+            crate::vm::Backend::CloudHypervisor
+        }
+    }
 }
 
 /// First container's resources, parsed (§5.3).
@@ -112,10 +123,7 @@ pub struct Resources {
 impl Resources {
     /// `--cpu` for run: ceil(milli(limit else request)/1000); 0 ⇒ omitted.
     pub fn vcpus(&self) -> u64 {
-        self.cpu_limit_milli
-            .or(self.cpu_request_milli)
-            .map(|m| m.div_ceil(1000))
-            .unwrap_or(0)
+        crate::vm::vcpu_count(self.cpu_request_milli, self.cpu_limit_milli)
     }
 
     /// `--memory` for run: request, else limit.
@@ -123,20 +131,9 @@ impl Resources {
         self.mem_request_bytes.or(self.mem_limit_bytes)
     }
 
-    /// CPU policy for every clone and run path.
-    pub fn cpu_policy(&self) -> crate::provider::cocoon::CpuPolicy {
-        let (quota_us, period_us) = match self.cpu_limit_milli {
-            Some(l) => ((l * 100).max(1000), 100_000),
-            None => (0, 0),
-        };
-        let milli = self.cpu_request_milli.or(self.cpu_limit_milli).unwrap_or(0);
-        let shares = (milli.saturating_mul(1024) / 1000).clamp(2, 262_144);
-        let weight = 1 + (shares - 2) * 9999 / 262_142;
-        crate::provider::cocoon::CpuPolicy {
-            weight,
-            quota_us,
-            period_us,
-        }
+    /// CPU policy for every clone and run path (saturating: a huge limit cannot overflow).
+    pub fn cpu_policy(&self) -> crate::vm::CpuPolicy {
+        crate::vm::cpu_policy(self.cpu_request_milli, self.cpu_limit_milli)
     }
 }
 
@@ -374,18 +371,10 @@ pub fn should_snapshot(policy: &str, role: &str) -> bool {
     }
 }
 
-/// Split `repo[:tag]` at the first `:` (no `:` ⇒ `latest`).
-pub fn split_image(image: &str) -> (String, String) {
-    match image.split_once(':') {
-        Some((r, t)) => (r.to_string(), t.to_string()),
-        None => (image.to_string(), "latest".to_string()),
-    }
-}
-
 /// Tag-aware local snapshot name (§5 clone): repo when the tag is empty or `latest`, else
 /// `repo:tag`; longer than 63 chars ⇒ first 50 chars + `-` + 12 hex of SHA-256(full name).
 pub fn local_snapshot_name(image: &str) -> String {
-    let (repo, tag) = split_image(image);
+    let (repo, tag) = split_image_ref(image);
     let full = if tag.is_empty() || tag == "latest" {
         repo
     } else {
@@ -433,86 +422,14 @@ fn parse_resources(pod: &Pod) -> Result<Resources, String> {
     })
 }
 
-/// A Kubernetes quantity as a rational value: (numerator, denominator) avoided; we compute in
-/// milli-units with u128 to keep exactness for the suffixes used in practice.
-fn quantity_milli_u128(q: &str) -> Result<u128, String> {
-    let q = q.trim();
-    if q.is_empty() {
-        return Err("empty quantity".into());
-    }
-    let num_end = q
-        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '+' || c == '-'))
-        .unwrap_or(q.len());
-    let (num, suffix) = q.split_at(num_end);
-    let num = num.strip_prefix('+').unwrap_or(num);
-    if num.starts_with('-') {
-        return Err("negative quantity".into());
-    }
-    let (int_part, frac_part) = match num.split_once('.') {
-        Some((i, f)) => (i, f),
-        None => (num, ""),
-    };
-    if (int_part.is_empty() && frac_part.is_empty())
-        || !int_part.bytes().all(|b| b.is_ascii_digit())
-        || !frac_part.bytes().all(|b| b.is_ascii_digit())
-        || int_part.len() + frac_part.len() > 30
-    {
-        return Err("malformed quantity".into());
-    }
-    // value = digits / 10^frac_len, scaled to milli.
-    let digits: u128 = format!("{int_part}{frac_part}")
-        .parse::<u128>()
-        .map_err(|_| "malformed quantity".to_string())?;
-    let frac_len = frac_part.len() as u32;
-    // multiplier in milli-units as (mul, div)
-    let (mul, div): (u128, u128) = match suffix {
-        "" => (1000, 1),
-        "m" => (1, 1),
-        "u" => (1, 1000),
-        "n" => (1, 1_000_000),
-        "k" => (1000 * 1000, 1),
-        "M" => (1000 * 1_000_000, 1),
-        "G" => (1000 * 1_000_000_000, 1),
-        "T" => (1000 * 1_000_000_000_000, 1),
-        "P" => (1000 * 1_000_000_000_000_000, 1),
-        "E" => (1000 * 1_000_000_000_000_000_000, 1),
-        "Ki" => (1000 << 10, 1),
-        "Mi" => (1000 << 20, 1),
-        "Gi" => (1000 << 30, 1),
-        "Ti" => (1000 << 40, 1),
-        "Pi" => (1000 << 50, 1),
-        "Ei" => (1000 << 60, 1),
-        s if s.starts_with(['e', 'E']) => {
-            let exp: i32 = s[1..]
-                .parse()
-                .map_err(|_| "malformed quantity exponent".to_string())?;
-            if !(-9..=18).contains(&exp) {
-                return Err("quantity exponent out of range".into());
-            }
-            if exp >= 0 {
-                (1000 * 10u128.pow(exp as u32), 1)
-            } else {
-                (1000, 10u128.pow((-exp) as u32))
-            }
-        }
-        other => return Err(format!("unknown quantity suffix {other:?}")),
-    };
-    let scaled = digits
-        .checked_mul(mul)
-        .ok_or_else(|| "quantity too large".to_string())?;
-    let denom = div * 10u128.pow(frac_len);
-    // Kubernetes rounds up to the next representable unit.
-    Ok(scaled.div_ceil(denom))
-}
-
-/// Quantity in milli-units (CPU), rounded up.
+/// Quantity in milli-units (CPU), rounded up: the vm room's one quantity parser.
 pub fn quantity_milli(q: &str) -> Result<u64, String> {
-    u64::try_from(quantity_milli_u128(q)?).map_err(|_| "quantity too large".into())
+    crate::vm::parse_milli(q).ok_or_else(|| "not a Kubernetes quantity (or too large)".into())
 }
 
-/// Quantity as a whole count (bytes), rounded up.
+/// Quantity as a whole count (bytes), rounded up: the vm room's one quantity parser.
 pub fn quantity_bytes(q: &str) -> Result<u64, String> {
-    u64::try_from(quantity_milli_u128(q)?.div_ceil(1000)).map_err(|_| "quantity too large".into())
+    crate::vm::parse_quantity(q).ok_or_else(|| "not a Kubernetes quantity (or too large)".into())
 }
 
 #[cfg(test)]

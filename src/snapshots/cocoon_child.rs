@@ -8,6 +8,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::thread::JoinHandle;
 
 use super::TransferError;
+use crate::vm::{argv, classify, ErrorKind, Verb};
 
 const STDERR_LIMIT: u64 = 64 << 10;
 const PIPE_SIZE: usize = 8 << 20;
@@ -20,10 +21,11 @@ pub struct CocoonChild {
 }
 
 impl CocoonChild {
-    /// Spawns `bin args...`; `stdin_piped` / `stdout_piped` choose the streaming side.
+    /// Spawns `bin args...` (`args` from the vm room's argv builders); `stdin_piped` /
+    /// `stdout_piped` choose the streaming side.
     pub fn spawn(
         bin: &Path,
-        args: &[&str],
+        args: &[String],
         stdin_piped: bool,
         stdout_piped: bool,
     ) -> Result<Self, TransferError> {
@@ -122,7 +124,7 @@ impl CocoonChild {
 }
 
 /// Runs a short cocoon command to completion, returning combined output on failure.
-pub fn run(bin: &Path, args: &[&str]) -> Result<(), String> {
+pub fn run(bin: &Path, args: &[String]) -> Result<(), String> {
     let out = Command::new(bin)
         .args(args)
         .stdin(Stdio::null())
@@ -142,11 +144,10 @@ pub fn run(bin: &Path, args: &[&str]) -> Result<(), String> {
 
 /// `cocoon snapshot rm NAME`, treating "not found" as success (§3.10).
 pub fn remove_snapshot(bin: &Path, name: &str) -> Result<(), TransferError> {
-    match run(bin, &["snapshot", "rm", name]) {
+    match run(bin, &argv::snapshot_rm(name)) {
         Ok(()) => Ok(()),
         Err(out) => {
-            let lower = out.to_ascii_lowercase();
-            if lower.contains("snapshot not found") || lower.contains("no such snapshot") {
+            if classify(Verb::SnapshotRm, &out) == ErrorKind::SnapshotNotFound {
                 Ok(())
             } else {
                 Err(TransferError::Cocoon(format!(

@@ -427,7 +427,7 @@ pub fn pull_snapshot(
     remove_snapshot(&req.cocoon_bin, &req.local_name)?;
     let mut child = CocoonChild::spawn(
         &req.cocoon_bin,
-        &["snapshot", "import", "--name", &req.local_name],
+        &crate::vm::argv::snapshot_import(&req.local_name, None),
         true,
         false,
     )?;
@@ -1059,7 +1059,7 @@ pub fn pull_cloud_image(
     let _gate = gate_pull(client, &r, &what);
     let mut child = CocoonChild::spawn(
         &req.cocoon_bin,
-        &["image", "import", &req.local_name],
+        &crate::vm::argv::image_import(&req.local_name),
         true,
         false,
     )?;

@@ -182,7 +182,7 @@ pub fn push_snapshot(
     };
     let mut child = CocoonChild::spawn(
         &req.cocoon_bin,
-        &["snapshot", "export", &req.name, "-o", "-"],
+        &crate::vm::argv::snapshot_export(&req.name),
         false,
         true,
     )?;

@@ -136,12 +136,24 @@ impl fmt::Display for Reference {
     }
 }
 
-/// `ParseRef` (§12): split at the first `:`; no colon or empty name part → tag `latest`.
-pub fn parse_relative_ref(s: &str) -> (String, String) {
-    match s.split_once(':') {
-        Some((name, tag)) if !name.is_empty() => {
+/// The one image-reference splitter: `repo[:tag]` or `repo@sha256:<hex>` into the repository
+/// and the tag (or the digest, which [`RegistryBase::reference`] recognises by its `sha256:`).
+/// The tag is the part after the last `:` that follows the last `/`, so a registry port is
+/// never a tag; no tag, an empty tag or an empty name part means `latest`. For the
+/// registry-relative refs `IsRelativeRef` admits (no port, one colon at most) this is the same
+/// split as `ParseRef`'s first colon.
+pub fn split_image_ref(s: &str) -> (String, String) {
+    if let Some((name, digest)) = s.split_once('@') {
+        if !name.is_empty() && !digest.is_empty() {
+            return (name.to_string(), digest.to_string());
+        }
+    }
+    let slash = s.rfind('/').map_or(0, |i| i + 1);
+    match s[slash..].rfind(':') {
+        Some(i) if slash + i > 0 => {
+            let tag = &s[slash + i + 1..];
             let tag = if tag.is_empty() { "latest" } else { tag };
-            (name.to_string(), tag.to_string())
+            (s[..slash + i].to_string(), tag.to_string())
         }
         _ => (s.to_string(), "latest".to_string()),
     }
@@ -307,15 +319,29 @@ mod tests {
 
     #[test]
     fn relative_refs() {
+        let split = |s: &str| split_image_ref(s);
+        let pair = |a: &str, b: &str| (a.to_string(), b.to_string());
+        assert_eq!(split("team/agent:v3"), pair("team/agent", "v3"));
+        assert_eq!(split("team/agent"), pair("team/agent", "latest"));
+        assert_eq!(split("team/agent:"), pair("team/agent", "latest"));
+        assert_eq!(split(":x"), pair(":x", "latest"));
+        // A registry port is not a tag; the tag follows the last `/`.
         assert_eq!(
-            parse_relative_ref("team/agent:v3"),
-            ("team/agent".into(), "v3".into())
+            split("reg:5000/os/ubuntu:24.04"),
+            pair("reg:5000/os/ubuntu", "24.04")
         );
         assert_eq!(
-            parse_relative_ref("team/agent"),
-            ("team/agent".into(), "latest".into())
+            split("reg:5000/os/ubuntu"),
+            pair("reg:5000/os/ubuntu", "latest")
         );
-        assert_eq!(parse_relative_ref(":x"), (":x".into(), "latest".into()));
+        assert_eq!(split("ubuntu"), pair("ubuntu", "latest"));
+        // A digest reference keeps its `sha256:` so the registry client fetches by digest.
+        let digest = format!("sha256:{}", "a".repeat(64));
+        assert_eq!(
+            split(&format!("reg:5000/os/ubuntu@{digest}")),
+            pair("reg:5000/os/ubuntu", &digest)
+        );
+        assert_eq!(split("@x"), pair("@x", "latest"));
         assert!(is_relative_ref("team/agent:v3"));
         assert!(is_relative_ref("a__b/c-d--e.f"));
         assert!(!is_relative_ref("a:b:c"));

@@ -242,11 +242,15 @@ pub fn vm_exec(o: &ExecOptions) -> Vec<String> {
     a
 }
 
-/// `vm logs [--tail N] VMID` (`--tail` only when N > 0; never `-f`).
-pub fn vm_logs(vm_id: &str, tail: u64) -> Vec<String> {
+/// `vm logs [--tail N] [-f] VMID` (`--tail` only when N > 0; `-f` only when following, as the
+/// kubelet API's `follow=true` asks).
+pub fn vm_logs(vm_id: &str, tail: u64, follow: bool) -> Vec<String> {
     let mut a = strs(&["vm", "logs"]);
     if tail > 0 {
         a.extend(["--tail".into(), tail.to_string()]);
+    }
+    if follow {
+        a.push("-f".into());
     }
     a.push(vm_id.into());
     a

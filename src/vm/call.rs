@@ -141,9 +141,9 @@ pub enum CallMode {
 /// Per-verb deadlines. cocoon itself has none; these stop a hung child from wedging the daemon.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Deadlines {
-    /// inspect, list, snapshot/image inspect, snapshot list, reconcile-stale-create.
+    /// inspect, snapshot/image inspect, snapshot list, reconcile-stale-create.
     pub query: Duration,
-    /// rm (Windows guests can take ~30 s to stop), start, net, snapshot rm, logs.
+    /// vm list, rm (Windows guests can take ~30 s to stop), start, net, snapshot rm, logs.
     pub control: Duration,
     /// clone and run.
     pub create: Duration,
@@ -170,14 +170,17 @@ impl Deadlines {
     pub fn for_verb(&self, verb: Verb) -> Option<Duration> {
         match verb {
             Verb::VmInspect
-            | Verb::VmList
             | Verb::SnapshotInspect
             | Verb::SnapshotList
             | Verb::ImageInspect
             | Verb::VmReconcileStaleCreate => Some(self.query),
-            Verb::VmRm | Verb::VmStart | Verb::VmNet | Verb::SnapshotRm | Verb::VmLogs => {
-                Some(self.control)
-            }
+            // `vm list` of a dense host can take a while; it is still bounded.
+            Verb::VmList
+            | Verb::VmRm
+            | Verb::VmStart
+            | Verb::VmNet
+            | Verb::SnapshotRm
+            | Verb::VmLogs => Some(self.control),
             Verb::VmClone | Verb::VmRun => Some(self.create),
             Verb::SnapshotSave
             | Verb::SnapshotImport

@@ -42,6 +42,16 @@ pub enum ErrorKind {
     Other,
 }
 
+impl ErrorKind {
+    /// Authoritative absence of the object the verb was about.
+    pub fn is_not_found(&self) -> bool {
+        matches!(
+            self,
+            ErrorKind::VmNotFound | ErrorKind::SnapshotNotFound | ErrorKind::ImageNotFound
+        )
+    }
+}
+
 /// A failed cocoon call: which command, how it ended, the trimmed stderr, and what it means.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CocoonError {
@@ -59,10 +69,7 @@ pub struct CocoonError {
 impl CocoonError {
     /// Authoritative absence of the object the verb was about.
     pub fn is_not_found(&self) -> bool {
-        matches!(
-            self.kind,
-            ErrorKind::VmNotFound | ErrorKind::SnapshotNotFound | ErrorKind::ImageNotFound
-        )
+        self.kind.is_not_found()
     }
 
     /// Anything that is not an authoritative answer (behaviour 19: "inconclusive").

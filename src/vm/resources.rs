@@ -14,10 +14,10 @@ pub struct CpuPolicy {
     pub period_us: u64,
 }
 
-/// Parses a Kubernetes quantity (`500m`, `2`, `1.5Gi`, `4G`, `1e3`) and returns
-/// `ceil(value × scale)`, where `scale` is 1 for a plain count or 1000 for milli-units.
-/// `None` when the text is not a quantity or the result does not fit a `u64`.
-fn quantity_scaled(text: &str, scale: u128) -> Option<u64> {
+/// The one Kubernetes quantity parser (`500m`, `2`, `1.5Gi`, `4G`, `1e3`): the exact value as
+/// `numerator / denominator`. `None` when the text is not a non-negative quantity or does not
+/// fit the arithmetic. Pod resources, node capacity and cocoon flags all read quantities here.
+fn quantity_ratio(text: &str) -> Option<(u128, u128)> {
     let s = text.trim();
     if s.is_empty() {
         return None;
@@ -79,9 +79,22 @@ fn quantity_scaled(text: &str, scale: u128) -> Option<u64> {
     if negative && digits != 0 {
         return None;
     }
-    let scaled = num.checked_mul(scale)?;
-    let value = scaled.div_ceil(den);
-    u64::try_from(value).ok()
+    Some((num, den))
+}
+
+/// `ceil(value × scale)`, where `scale` is 1 for a plain count or 1000 for milli-units; `None`
+/// when the text is not a quantity or the result does not fit a `u64`.
+fn quantity_scaled(text: &str, scale: u128) -> Option<u64> {
+    let (num, den) = quantity_ratio(text)?;
+    u64::try_from(num.checked_mul(scale)?.div_ceil(den)).ok()
+}
+
+/// A quantity as a real number (node capacity keeps fractions such as `3100m`); `None` if
+/// unparsable.
+pub fn parse_quantity_f64(text: &str) -> Option<f64> {
+    let (num, den) = quantity_ratio(text)?;
+    let v = num as f64 / den as f64;
+    v.is_finite().then_some(v)
 }
 
 /// A quantity as a whole number, rounded up (`4Gi` → 4294967296, `1.5` → 2). `None` if unparsable.
@@ -131,7 +144,8 @@ pub fn cpu_weight(request_milli: Option<u64>, limit_milli: Option<u64>) -> u64 {
 /// and always a weight.
 pub fn cpu_policy(request_milli: Option<u64>, limit_milli: Option<u64>) -> CpuPolicy {
     let (quota_us, period_us) = match limit_milli {
-        Some(l) if l > 0 => (l.saturating_mul(100).max(CPU_QUOTA_MIN_US), CPU_PERIOD_US),
+        // Any set limit, even 0, gets a quota (the daemon's behaviour since the start).
+        Some(l) => (l.saturating_mul(100).max(CPU_QUOTA_MIN_US), CPU_PERIOD_US),
         _ => (0, 0),
     };
     CpuPolicy {
@@ -163,6 +177,18 @@ mod tests {
         assert_eq!(parse_milli("2"), Some(2000));
         assert_eq!(parse_milli("0.25"), Some(250));
         assert_eq!(parse_milli("1500u"), Some(2));
+        assert_eq!(parse_quantity_f64("3100m"), Some(3.1));
+        assert_eq!(parse_quantity_f64("1Ei"), Some(1_152_921_504_606_846_976.0));
+        assert_eq!(parse_quantity_f64("12 cores"), None);
+    }
+
+    #[test]
+    fn a_huge_cpu_limit_saturates_the_quota_instead_of_overflowing() {
+        let ten_peta_milli = parse_milli("10P");
+        assert_eq!(ten_peta_milli, Some(10_000_000_000_000_000_000));
+        let p = cpu_policy(None, ten_peta_milli);
+        assert_eq!(p.quota_us, u64::MAX);
+        assert_eq!(p.weight, 10_000);
     }
 
     #[test]
