@@ -29,12 +29,18 @@ use crate::reactor::{ChildExit, ChildSpec, OutputMode, StdinMode};
 use crate::snapshots::reference::split_image_ref;
 use crate::snapshots::{
     manifest_info, pull_cloud_image, pull_snapshot, push_snapshot, ArtifactKind, CloudImageRequest,
-    PullRequest, PushKnobs, PushRequest, RegistryClient,
+    PullRequest, PushKnobs, PushRequest, RegistryClient, TransferError,
 };
 use crate::vm::{argv, classify, Verb};
 
 /// A registry job waiting in the daemon's transfer queue.
-pub(super) type TransferJob = Box<dyn FnOnce(&RegistryClient) -> Result<String, String> + Send>;
+pub(super) type TransferJob =
+    Box<dyn FnOnce(&RegistryClient) -> Result<String, TransferError> + Send>;
+
+/// The answer to a registry effect when OCI_REGISTRY is not set.
+fn no_registry() -> TransferError {
+    TransferError::Invalid("no OCI registry is configured (OCI_REGISTRY)".into())
+}
 
 /// cocoon's JSON answers are small; a `vm list` of a dense host is the largest.
 const STDOUT_LIMIT: usize = 16 << 20;
@@ -56,7 +62,7 @@ impl Daemon {
                         if self.leases.should_log(&e) {
                             log::warn!("lease file: {e}");
                         }
-                        Err(e.to_string())
+                        Err(e)
                     }
                 };
                 self.pending.push_back(Input::LeaseLooked { op, result });
@@ -176,7 +182,7 @@ impl Daemon {
                     metrics
                         .snapshot_pull_duration_seconds
                         .observe(started.elapsed().as_secs_f64());
-                    r.map_err(|e| e.to_string())
+                    r
                 });
             }
             Effect::PushSnapshot {
@@ -209,7 +215,7 @@ impl Daemon {
                         .snapshot_push_duration_seconds
                         .with_label_values(&[&namespace])
                         .observe(started.elapsed().as_secs_f64());
-                    r.map_err(|e| e.to_string())
+                    r
                 });
             }
             Effect::MaterialiseImage { op, image, force } => {
@@ -227,19 +233,18 @@ impl Daemon {
     /// must not wait for unrelated multi-GiB pulls to learn whether its VM was hibernated.
     fn check_evidence(&mut self, op: OpId, vm_name: String) {
         let Some(registry) = self.registry.clone() else {
-            let result = Err("no OCI registry is configured (OCI_REGISTRY)".to_string());
+            let result = Err(no_registry());
             self.pending
                 .push_back(Input::HibernateEvidence { op, result });
             return;
         };
         let job = move || {
             let result = manifest_info(&registry, &vm_name, "hibernate")
-                .map(|found| found.map(|info| info.base_image().unwrap_or("").to_string()))
-                .map_err(|e| e.to_string());
+                .map(|found| found.map(|info| info.base_image().unwrap_or("").to_string()));
             Work::Evidence { op, result }
         };
         if self.reactor.submit(job).is_err() {
-            let result = Err("worker queue full".to_string());
+            let result = Err(TransferError::Transient("worker queue full".into()));
             self.pending
                 .push_back(Input::HibernateEvidence { op, result });
         }
@@ -288,12 +293,12 @@ impl Daemon {
     fn transfer(
         &mut self,
         op: OpId,
-        job: impl FnOnce(&RegistryClient) -> Result<String, String> + Send + 'static,
+        job: impl FnOnce(&RegistryClient) -> Result<String, TransferError> + Send + 'static,
     ) {
         if self.registry.is_none() {
             self.pending.push_back(Input::TransferDone {
                 op,
-                result: Err("no OCI registry is configured (OCI_REGISTRY)".into()),
+                result: Err(no_registry()),
             });
             return;
         }
@@ -317,7 +322,9 @@ impl Daemon {
             if submitted.is_err() {
                 self.pending.push_back(Input::TransferDone {
                     op,
-                    result: Err("transfer queue full; retrying later".into()),
+                    result: Err(TransferError::Transient(
+                        "transfer queue full; retrying later".into(),
+                    )),
                 });
             } else {
                 self.transfers_running += 1;
@@ -418,7 +425,10 @@ fn materialise_image(
     cocoon: &Path,
     image: &str,
     force: bool,
-) -> Result<String, String> {
+) -> Result<String, TransferError> {
+    let image_pull = |cocoon: &Path, image: &str, force: bool| {
+        image_pull(cocoon, image, force).map_err(TransferError::Cocoon)
+    };
     if image.starts_with("http://") || image.starts_with("https://") {
         return image_pull(cocoon, image, force);
     }
@@ -427,7 +437,9 @@ fn materialise_image(
         Ok(Some(info)) if info.kind == ArtifactKind::CloudImage => {
             let sep = if tag.starts_with("sha256:") { '@' } else { ':' };
             let local = format!("{repo}{sep}{tag}");
-            if !force && cocoon_ok(cocoon, Verb::ImageInspect, &argv::image_inspect(&local))? {
+            let present = cocoon_ok(cocoon, Verb::ImageInspect, &argv::image_inspect(&local))
+                .map_err(TransferError::Cocoon)?;
+            if !force && present {
                 return Ok(local);
             }
             let req = CloudImageRequest {
@@ -436,13 +448,11 @@ fn materialise_image(
                 local_name: local.clone(),
                 cocoon_bin: cocoon.to_path_buf(),
             };
-            pull_cloud_image(registry, &req)
-                .map(|_| local)
-                .map_err(|e| e.to_string())
+            pull_cloud_image(registry, &req).map(|_| local)
         }
-        Ok(Some(info)) if info.kind.is_snapshot() => Err(format!(
+        Ok(Some(info)) if info.kind.is_snapshot() => Err(TransferError::WrongArtifact(format!(
             "image {image} is a snapshot artifact; use mode=clone instead of mode=run"
-        )),
+        ))),
         Ok(_) => image_pull(cocoon, image, force),
         Err(e) => {
             log::info!(

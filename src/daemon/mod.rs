@@ -45,7 +45,7 @@ use crate::provider::{Effect, Input, OpId, PodKey, Provider, ProviderConfig};
 use crate::reactor::{
     sd_notify, ChildId, ChildSpec, Event, OutputMode, Reactor, StdinMode, TimerId,
 };
-use crate::snapshots::RegistryClient;
+use crate::snapshots::{RegistryClient, TransferError};
 use crate::vm::runner::EventStream;
 use crate::vm::{argv, CocoonCall, Deadlines, Verb};
 
@@ -56,12 +56,12 @@ pub enum Work {
     /// A registry transfer (pull, push, image materialisation) finished.
     Transfer {
         op: OpId,
-        result: Result<String, String>,
+        result: Result<String, TransferError>,
     },
     /// The hibernate-evidence lookup of a create (§5 step 6) finished.
     Evidence {
         op: OpId,
-        result: Result<Option<String>, String>,
+        result: Result<Option<String>, TransferError>,
     },
     /// DHCP lease releases after a VM removal; (mac, error) per failure.
     LeasesReleased {

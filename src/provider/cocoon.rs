@@ -6,7 +6,7 @@ use std::time::Duration;
 use crate::vm::argv;
 pub use crate::vm::{
     Backend, CloneOptions, CloneSource, CpuPolicy, Deadlines, ErrorKind, RunOptions,
-    StaleCreateOutcome, Verb,
+    StaleCreateOutcome, Verb, VmState,
 };
 
 /// A cocoon invocation the core wants performed: the core's vocabulary, mapped one to one onto
@@ -169,7 +169,7 @@ pub struct VmInfo {
     pub id: String,
     pub name: String,
     pub hypervisor: String,
-    pub state: String,
+    pub state: VmState,
     pub pid: i64,
     pub nics: Vec<NicInfo>,
 }
@@ -188,7 +188,7 @@ impl VmInfo {
     }
 
     pub fn running(&self) -> bool {
-        self.state == "running"
+        self.state == VmState::Running
     }
 
     /// MACs to release after removal: every non-static NIC (trimmed, lower-cased, de-duplicated).
@@ -210,7 +210,7 @@ impl From<crate::vm::Vm> for VmInfo {
             id: vm.id,
             name: vm.config.name,
             hypervisor: vm.hypervisor,
-            state: vm.state,
+            state: VmState::parse(&vm.state),
             pid: vm.pid,
             nics: vm
                 .network_configs

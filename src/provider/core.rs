@@ -25,7 +25,7 @@ use k8s_openapi::chrono::{DateTime, Utc};
 
 use super::cocoon::{
     parse_snapshot, parse_stale_outcome, parse_vm, CloneOptions, CloneSource, CocoonCmd,
-    CocoonResult, RunOptions, StaleCreateOutcome, VmInfo,
+    CocoonResult, RunOptions, StaleCreateOutcome, VmInfo, VmState,
 };
 use super::lifecycle::{self, Intent, State};
 use super::spec::{self, Mode, Os, SpecError, VmSpec, ANN_VM_ID, ANN_VM_IP};
@@ -34,6 +34,7 @@ use super::{
     pod_backoff, truncate_bytes, Effect, EventType, EvictReason, Input, KubeError, MetricUpdate,
     OpId, OrphanPolicy, PodKey, ProviderConfig, VmEventKind,
 };
+use super::{LeaseError, TransferError};
 
 const DRIFT_FIRST: Duration = Duration::from_secs(10);
 const DRIFT_EVERY: Duration = Duration::from_secs(30);
@@ -1161,7 +1162,7 @@ impl Provider {
             let vm = VmInfo {
                 id: spec.vm_id.clone(),
                 name: spec.vm_name.clone(),
-                state: "running".into(),
+                state: VmState::Running,
                 ..Default::default()
             };
             self.slot(key).op = Some(Op::Create(Box::new(CreateOp {
@@ -1228,7 +1229,7 @@ impl Provider {
         &mut self,
         key: &PodKey,
         c: &CreateOp,
-        found: Result<Option<String>, String>,
+        found: Result<Option<String>, TransferError>,
     ) {
         let vm = &c.spec.vm_name;
         let (place, remedy) = if self.cfg.registry {
@@ -1373,13 +1374,15 @@ impl Provider {
                 // No registry: a local snapshot named after the VM is the evidence. A failed
                 // inspect means there is none; one that hung says nothing, so fail closed.
                 let found = if r.success {
-                    parse_snapshot(&r.stdout).map(|s| Some(s.image))
+                    parse_snapshot(&r.stdout)
+                        .map(|s| Some(s.image))
+                        .map_err(TransferError::Cocoon)
                 } else if r.timed_out {
-                    Err(format!(
+                    Err(TransferError::Cocoon(format!(
                         "snapshot inspect {}: {}",
                         spec.vm_name,
                         r.error_text()
-                    ))
+                    )))
                 } else {
                     Ok(None)
                 };
@@ -1937,7 +1940,7 @@ impl Provider {
         self.pod_effect(key, |op| Effect::LookupLease { op, mac });
     }
 
-    fn ready_wait_result(&mut self, key: &PodKey, r: Result<Option<String>, String>) {
+    fn ready_wait_result(&mut self, key: &PodKey, r: Result<Option<String>, LeaseError>) {
         if let Ok(Some(ip)) = r {
             if !ip.is_empty() {
                 self.set_ip(key, &ip);
@@ -3054,7 +3057,7 @@ impl Provider {
 
     fn startup(&mut self, pods: Vec<Pod>, vms: Vec<VmInfo>) {
         let (stale, ready): (Vec<VmInfo>, Vec<VmInfo>) =
-            vms.into_iter().partition(|v| v.state == "creating");
+            vms.into_iter().partition(|v| v.state == VmState::Creating);
         self.startup = Some(Startup {
             pods,
             vms: ready,
@@ -3182,7 +3185,7 @@ impl Provider {
             match parsed {
                 None => V::Watch,
                 Some(v) if v.running() => V::Keep(v),
-                Some(v) if v.state == "creating" || v.state == "created" => V::Watch,
+                Some(v) if matches!(v.state, VmState::Creating | VmState::Created) => V::Watch,
                 Some(v) => V::Orphan(v),
             }
         };
@@ -3253,7 +3256,7 @@ impl Provider {
                     "provider: orphan vm name={} id={} state={} ip={}",
                     vm.name,
                     vm.id,
-                    vm.state,
+                    vm.state.as_str(),
                     vm.primary_ip()
                 );
                 if !vm.name.is_empty() {
@@ -3308,7 +3311,7 @@ impl Provider {
                     VmInfo {
                         id: spec.vm_id.clone(),
                         name: spec.vm_name.clone(),
-                        state: "running".into(),
+                        state: VmState::Running,
                         ..Default::default()
                     }
                 }
@@ -3421,20 +3424,25 @@ impl Provider {
             return self.push_status(key, false);
         }
         let ann = pod.metadata.annotations.clone().unwrap_or_default();
-        let state = ann
+        let recorded = ann
             .get(spec::ANN_LIFECYCLE_STATE)
-            .cloned()
-            .unwrap_or_default();
+            .map(String::as_str)
+            .unwrap_or("");
+        // An unknown text is a record too, just not one this build acts on.
+        let unrecorded = recorded.is_empty();
+        let state = State::parse(recorded);
         let pcs = ann.get(spec::ANN_POST_CLONE_STATE).cloned();
         // Adopted by name (the pod had no VM id): a create made this VM but the daemon stopped
         // before recording it, so a `failed` on the pod is an earlier attempt's and stale.
-        let stale_failure = t.spec.vm_id.is_empty() && state == "failed" && pcs.is_none();
+        let stale_failure =
+            t.spec.vm_id.is_empty() && state == Some(State::Failed) && pcs.is_none();
         if stale_failure && t.spec.managed {
             self.set_lifecycle(key, State::Creating, "");
         }
-        let creating = state == "creating" || (state.is_empty() && pcs.is_some()) || stale_failure;
+        let creating =
+            state == Some(State::Creating) || (unrecorded && pcs.is_some()) || stale_failure;
         if !creating || !t.spec.managed {
-            if state.is_empty() && t.spec.managed {
+            if unrecorded && t.spec.managed {
                 // Adopted without any lifecycle record: publish Ready as an adoption does.
                 return self.publish_ready(key);
             }
@@ -3494,17 +3502,17 @@ fn initial_probe(ip: &str) -> (bool, String) {
 #[derive(Debug)]
 enum Res {
     Cocoon(CocoonResult),
-    Lease(Result<Option<String>, String>),
+    Lease(Result<Option<String>, LeaseError>),
     Kube(Result<(), KubeError>),
-    Transfer(Result<String, String>),
-    Evidence(Result<Option<String>, String>),
+    Transfer(Result<String, TransferError>),
+    Evidence(Result<Option<String>, TransferError>),
 }
 
 impl Res {
     /// For steps that accept either a cocoon `image pull` or a MaterialiseImage transfer.
     fn transfer_or_cocoon(self) -> Result<String, String> {
         match self {
-            Res::Transfer(r) => r,
+            Res::Transfer(r) => r.map_err(|e| e.to_string()),
             Res::Cocoon(r) if r.success => Ok(String::new()),
             Res::Cocoon(r) => Err(r.error_text()),
             other => Err(format!("unexpected result {other:?}")),

@@ -1483,7 +1483,9 @@ fn hibernate_tag_in_the_registry_never_gets_a_fresh_boot() {
     let op = evidence_check(&mut h, &managed("a", "vk-ns-demo-0"));
     let e = h.feed(Input::HibernateEvidence {
         op,
-        result: Err("get manifest vk-ns-demo-0:hibernate: HTTP 503".into()),
+        result: Err(TransferError::Transient(
+            "get manifest vk-ns-demo-0:hibernate: HTTP 503".into(),
+        )),
     });
     evidence_failed(&e, "unavailable", "HTTP 503");
     assert!(events(&e)

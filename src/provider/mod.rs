@@ -89,6 +89,10 @@ pub type OpId = u64;
 /// What the orphan policy (VK_ORPHAN_POLICY) does with a VM no pod claims at startup; the
 /// configuration parses it, the core reads it.
 pub use crate::config::OrphanPolicy;
+/// Why the lease file could not answer a lookup (the network room's typed error).
+pub use crate::network::leases::LeaseError;
+/// Why a registry transfer or question failed (the snapshots room's typed error).
+pub use crate::snapshots::TransferError;
 /// `--restore-mode` of CH clones (VK_RESTORE_MODE), the cocoon contract's type.
 pub use crate::vm::RestoreMode;
 
@@ -256,7 +260,7 @@ pub enum Input {
     LeaseLooked {
         op: OpId,
         /// Ok(None) = no (unexpired) lease; Err = the lease file could not be read.
-        result: Result<Option<String>, String>,
+        result: Result<Option<String>, LeaseError>,
     },
     KubeDone {
         op: OpId,
@@ -265,13 +269,13 @@ pub enum Input {
     TransferDone {
         op: OpId,
         /// For MaterialiseImage: Ok(boot reference to pass to `vm run`). Others: Ok(String::new()).
-        result: Result<String, String>,
+        result: Result<String, TransferError>,
     },
     /// Answer to [`Effect::CheckHibernateEvidence`]: Ok(None) = no `hibernate` tag (404),
     /// Ok(Some(base image annotation, may be empty)) = the tag exists, Err = registry error.
     HibernateEvidence {
         op: OpId,
-        result: Result<Option<String>, String>,
+        result: Result<Option<String>, TransferError>,
     },
     VmEvent {
         kind: VmEventKind,

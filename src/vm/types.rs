@@ -124,6 +124,13 @@ pub enum VmState {
     Other(String),
 }
 
+/// No state text at all (a record that has not said yet).
+impl Default for VmState {
+    fn default() -> Self {
+        VmState::Other(String::new())
+    }
+}
+
 impl VmState {
     pub fn parse(text: &str) -> VmState {
         match text {
