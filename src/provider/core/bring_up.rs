@@ -1,0 +1,324 @@
+//! After a create's VM exists: settle it (adopt, IP, lifecycle), fail a create cleanly, wait
+//! for the lease and publish Ready; probe results (readiness) land here too.
+
+use super::*;
+
+impl Provider {
+    /// The VM exists (booted or adopted): resolve its IP, then finish.
+    pub(super) fn vm_up(&mut self, key: &PodKey, vm: VmInfo, adopted: bool) {
+        let Some(c) = self.create_op(key) else {
+            return;
+        };
+        let spec = c.spec.clone();
+        let started = c.started;
+        if !adopted {
+            let mode = if spec.mode_raw.is_empty() {
+                "clone".to_string()
+            } else {
+                spec.mode_raw.clone()
+            };
+            let secs = self.now.saturating_duration_since(started).as_secs_f64();
+            self.metric(MetricUpdate::VmBootDuration {
+                namespace: key.namespace.clone(),
+                mode,
+                backend: spec.backend.clone(),
+                seconds: secs,
+            });
+        }
+        let cloned = !(adopted || spec.mode == Mode::Run && spec.clone_from_dir.is_none());
+        let ip = vm.primary_ip();
+        if ip.is_empty() && !vm.primary_mac().is_empty() {
+            if let Some(c) = self.create_op(key) {
+                c.vm = Some(vm.clone());
+                c.step = CreateStep::Lease;
+            }
+            let mac = vm.primary_mac();
+            if adopted {
+                // Adoption publishes Ready now (§5 step 5): mark as not cloned.
+                if let Some(c) = self.create_op(key) {
+                    c.spec.mode = Mode::Run;
+                    c.spec.clone_from_dir = None;
+                }
+            }
+            return self.pod_effect(key, |op| Effect::LookupLease { op, mac });
+        }
+        self.finish_create(key, vm, cloned, &ip)
+    }
+
+    /// Steps 10–17 of §5, then the VM event that arrived meanwhile, if any.
+    pub(super) fn finish_create(&mut self, key: &PodKey, vm: VmInfo, cloned: bool, ip: &str) {
+        self.settle_create(key, vm, cloned, ip);
+        if let Some((kind, vm)) = self.slot(key).vm_event_during_create.take() {
+            self.vm_event(kind, vm);
+        }
+    }
+
+    /// Steps 10–17 of §5: id/ip annotations, track the VM, probe, Running, Ready.
+    pub(super) fn settle_create(&mut self, key: &PodKey, vm: VmInfo, cloned: bool, ip: &str) {
+        let Some(c) = self.create_op(key) else {
+            return;
+        };
+        let (uid, spec) = (c.uid.clone(), c.spec.clone());
+        let ip = if ip.is_empty() {
+            self.slot(key)
+                .tracked
+                .as_ref()
+                .map(|t| t.ip.clone())
+                .unwrap_or_default()
+        } else {
+            ip.to_string()
+        };
+        let mut ann = BTreeMap::new();
+        ann.insert(ANN_VM_ID.to_string(), Some(vm.id.clone()));
+        ann.insert(ANN_VM_IP.to_string(), Some(ip.clone()));
+        if spec.managed {
+            // The id/ip patch carries this attempt's lifecycle triple too, so the API never
+            // shows this VM beside an earlier attempt's `failed` that a restart would trust.
+            if let Some(intent) = self.slot(key).intent.as_ref().filter(|i| i.uid == uid) {
+                ann.extend(intent.patch());
+            }
+            self.send_annotations(key, &uid, ann, false);
+        }
+        if spec.managed {
+            self.by_name.insert(spec.vm_name.clone(), vm.clone());
+        }
+        let deleting_now = self
+            .slot(key)
+            .latest
+            .as_ref()
+            .map(|p| deleting(p))
+            .unwrap_or(false);
+        {
+            let slot = self.slot(key);
+            slot.failures = 0;
+            slot.retry_at = None;
+            if let Some(t) = slot.tracked.as_mut() {
+                t.vm = Some(vm.clone());
+                t.ip = ip.clone();
+                t.spec.vm_id = vm.id.clone();
+                t.spec.vm_ip = ip.clone();
+                t.probe = Some(initial_probe(&ip));
+            }
+        }
+        if !deleting_now {
+            self.out.push(Effect::StartProbe {
+                key: key.clone(),
+                uid: uid.clone(),
+                vm_id: vm.id.clone(),
+                ip: ip.clone(),
+                mac: vm.primary_mac(),
+                probe_port: spec.probe_port,
+            });
+        }
+        self.event(
+            key,
+            &uid,
+            EventType::Normal,
+            "ProviderCreateSuccess",
+            "Create pod in provider successfully",
+        );
+        let needs_fixup = cloned
+            && (vm.hypervisor == spec::BACKEND_FC
+                || vm.nics.iter().any(|n| !n.static_ip.is_empty()));
+        if needs_fixup {
+            let kind = if vm.hypervisor == spec::BACKEND_FC {
+                "linux_fc"
+            } else {
+                "linux_static"
+            };
+            let msg = format!(
+                "clone {}: post-clone fix-up (kind={kind}) is not supported yet; the guest network may be stale",
+                spec.vm_name
+            );
+            self.lifecycle_metric("create", "failed", "postclone_unsupported");
+            self.event(key, &uid, EventType::Warning, "PostCloneUnsupported", &msg);
+            self.set_lifecycle(key, State::Failed, &msg);
+            self.slot(key).op = None;
+            self.push_status(key, false);
+            return self.reconcile_slot(key);
+        }
+        self.lifecycle_metric("create", "ok", "");
+        if cloned {
+            if ip.is_empty() {
+                // Just looked the lease up: poll again in 200 ms.
+                self.slot(key).op = Some(Op::ReadyWait {
+                    uid,
+                    vm_id: vm.id.clone(),
+                    until: self.now + IP_WAIT,
+                });
+                self.push_status(key, false);
+                let at = self.now + IP_POLL;
+                return self.set_pod_timer(key, at);
+            }
+            return self.start_ready_wait(key, uid, vm.id);
+        }
+        self.slot(key).op = None;
+        self.publish_ready(key);
+        self.reconcile_slot(key);
+    }
+
+    /// Create failed at bring-up: Warning CreateBringUpFailed + lifecycle failed + drop the row;
+    /// then the framework's ProviderFailed status + Warning and a backoff retry.
+    pub(super) fn fail_create(&mut self, key: &PodKey, uid: &str, err: &str, retry: bool) {
+        self.fail_create_as(key, uid, "CreateBringUpFailed", err, retry)
+    }
+
+    /// A failed create: Warning `reason`, lifecycle `failed`, ProviderFailed status, and a
+    /// retry with the pod's backoff when `retry`.
+    pub(super) fn fail_create_as(
+        &mut self,
+        key: &PodKey,
+        uid: &str,
+        reason: &'static str,
+        err: &str,
+        retry: bool,
+    ) {
+        // The retry looks the VM up by name again; an event about it says nothing more.
+        self.slot(key).vm_event_during_create = None;
+        self.lifecycle_metric("create", "failed", "");
+        self.event(
+            key,
+            uid,
+            EventType::Warning,
+            reason,
+            &format!("create: {err}"),
+        );
+        self.set_lifecycle(key, State::Failed, err);
+        self.event(key, uid, EventType::Warning, "ProviderCreateFailed", err);
+        let pod = self.slot(key).tracked.as_ref().map(|t| t.pod.clone());
+        let never = pod.as_deref().map(restart_never).unwrap_or(false);
+        let st = status::provider_failed(never, err);
+        let sum = status::summary(&st);
+        let now = self.now;
+        let (failures, send) = {
+            let slot = self.slot(key);
+            slot.tracked = None;
+            slot.op = None;
+            slot.awaiting = None;
+            let send = slot.last_pushed.as_ref() != Some(&sum);
+            slot.last_pushed = Some(sum);
+            if !retry {
+                slot.rejected = pod.clone();
+            }
+            slot.failures += 1;
+            (slot.failures, send)
+        };
+        if send {
+            self.send_status(key, uid, st, false);
+        }
+        if retry {
+            let at = now + pod_backoff(failures - 1);
+            self.slot(key).retry_at = Some(at);
+            self.set_pod_timer(key, at);
+        }
+        self.reconcile_slot(key);
+    }
+
+    pub(super) fn ready_wait_poll(&mut self, key: &PodKey) {
+        let Some(slot) = self.slots.get(key) else {
+            return;
+        };
+        let (Some(Op::ReadyWait { until, uid, vm_id }), Some(t)) = (&slot.op, &slot.tracked) else {
+            return;
+        };
+        let until = *until;
+        let vm = t.vm.clone().unwrap_or_default();
+        // Only while the pod still tracks the same incarnation and VM (§14.3).
+        if *uid != t.uid || *vm_id != vm.id || t.spec.hibernate {
+            return self.end_op(key);
+        }
+        if !t.ip.is_empty() {
+            self.metric(MetricUpdate::WakeIpWait {
+                namespace: key.namespace.clone(),
+                result: "ok",
+            });
+            self.slot(key).op = None;
+            self.publish_ready(key);
+            return self.reconcile_slot(key);
+        }
+        if self.now >= until {
+            let (uid, name) = (t.uid.clone(), t.spec.vm_name.clone());
+            self.metric(MetricUpdate::WakeIpWait {
+                namespace: key.namespace.clone(),
+                result: "timeout",
+            });
+            let msg = format!("clone {name}: dhcp lease not observed within 45s");
+            self.event(
+                key,
+                &uid,
+                EventType::Warning,
+                "PostCloneIPWaitTimeout",
+                &msg,
+            );
+            self.set_lifecycle(key, State::Failed, &msg);
+            self.slot(key).op = None;
+            self.push_status(key, false);
+            return self.reconcile_slot(key);
+        }
+        let mac = vm.primary_mac();
+        if mac.is_empty() {
+            let at = self.now + IP_POLL;
+            return self.set_pod_timer(key, at.min(until));
+        }
+        self.pod_effect(key, |op| Effect::LookupLease { op, mac });
+    }
+
+    pub(super) fn ready_wait_result(
+        &mut self,
+        key: &PodKey,
+        r: Result<Option<String>, LeaseError>,
+    ) {
+        if let Ok(Some(ip)) = r {
+            if !ip.is_empty() {
+                self.set_ip(key, &ip);
+                return self.ready_wait_poll(key);
+            }
+        }
+        let until = match self.slots.get(key).and_then(|s| s.op.as_ref()) {
+            Some(Op::ReadyWait { until, .. }) => *until,
+            _ => return,
+        };
+        let at = (self.now + IP_POLL).min(until);
+        self.set_pod_timer(key, at);
+    }
+
+    /// A newly learned IP: remember it, re-write the ip annotation, refresh the probe default.
+    pub(super) fn set_ip(&mut self, key: &PodKey, ip: &str) {
+        let slot = self.slot(key);
+        let Some(t) = slot.tracked.as_mut() else {
+            return;
+        };
+        if t.ip == ip {
+            return;
+        }
+        t.ip = ip.to_string();
+        t.spec.vm_ip = ip.to_string();
+        if let Some(vm) = t.vm.as_mut() {
+            let _ = vm;
+        }
+        if matches!(&t.probe, Some((false, m)) if m == "waiting for dhcp lease")
+            || t.probe.is_none()
+        {
+            t.probe = Some(initial_probe(ip));
+        }
+        let (uid, managed, vm_id) = (
+            t.uid.clone(),
+            t.spec.managed,
+            t.vm.as_ref().map(|v| v.id.clone()).unwrap_or_default(),
+        );
+        if managed {
+            let mut ann = BTreeMap::new();
+            ann.insert(ANN_VM_ID.to_string(), Some(vm_id));
+            ann.insert(ANN_VM_IP.to_string(), Some(ip.to_string()));
+            self.send_annotations(key, &uid, ann, false);
+        }
+    }
+
+    /// Wait for the guest IP, then publish Ready (§14.3).
+    pub(super) fn start_ready_wait(&mut self, key: &PodKey, uid: String, vm_id: String) {
+        let until = self.now + IP_WAIT;
+        self.slot(key).op = Some(Op::ReadyWait { uid, vm_id, until });
+        self.push_status(key, false);
+        self.ready_wait_poll(key);
+    }
+}

@@ -1,0 +1,234 @@
+//! Check: what a VM event or a recheck finds (inspect, restart, refresh), the cooldown and
+//! the deferred rechecks of transient errors; eviction starts from here.
+
+use super::*;
+
+impl Provider {
+    pub(super) fn vm_event(&mut self, kind: VmEventKind, vm: VmInfo) {
+        match kind {
+            VmEventKind::Deleted => {
+                if self
+                    .by_name
+                    .get(&vm.name)
+                    .map(|v| v.id == vm.id)
+                    .unwrap_or(false)
+                {
+                    self.by_name.remove(&vm.name);
+                }
+            }
+            VmEventKind::Added | VmEventKind::Modified => {}
+        }
+        let gone = kind == VmEventKind::Deleted || (kind == VmEventKind::Modified && !vm.running());
+        if !gone {
+            return;
+        }
+        let Some(key) = self.find_by_vm(&vm) else {
+            return;
+        };
+        let slot = &self.slots[&key];
+        if matches!(slot.op, Some(Op::Create(_))) {
+            // The create in flight may be making this very VM: look once it is done.
+            self.slot(&key).vm_event_during_create = Some((kind, vm));
+            return;
+        }
+        let Some(t) = slot.tracked.as_ref() else {
+            return;
+        };
+        if !t.spec.managed || t.spec.hibernate {
+            return;
+        }
+        let (uid, vm_id) = (
+            t.uid.clone(),
+            t.vm.as_ref().map(|v| v.id.clone()).unwrap_or_default(),
+        );
+        match &slot.op {
+            None => {}
+            Some(op) if op.preemptible() => {}
+            Some(_) => return,
+        }
+        self.start_check(&key, uid, vm_id, CheckStep::Inspect { attempt: 1 });
+    }
+
+    pub(super) fn start_check(
+        &mut self,
+        key: &PodKey,
+        uid: String,
+        vm_id: String,
+        step: CheckStep,
+    ) {
+        let slot = self.slot(key);
+        slot.op = Some(Op::Check(CheckOp {
+            uid,
+            vm_id: vm_id.clone(),
+            step,
+        }));
+        slot.awaiting = None;
+        slot.timer = None;
+        self.pod_cocoon(key, CocoonCmd::VmInspect { reference: vm_id });
+    }
+
+    /// Start the deferred recheck of §11.4 (1 s doubling to 30 s, 30 min budget).
+    pub(super) fn defer_check(&mut self, key: &PodKey, uid: String, vm_id: String) {
+        let step = CheckStep::Deferred {
+            delay: RECHECK_FIRST,
+            until: self.now + RECHECK_BUDGET,
+        };
+        let slot = self.slot(key);
+        slot.op = Some(Op::Check(CheckOp { uid, vm_id, step }));
+        slot.awaiting = None;
+        let at = self.now + RECHECK_FIRST;
+        self.set_pod_timer(key, at);
+    }
+
+    pub(super) fn set_check_step(&mut self, key: &PodKey, step: CheckStep) {
+        if let Some(Op::Check(c)) = self.slots.get_mut(key).and_then(|s| s.op.as_mut()) {
+            c.step = step;
+        }
+    }
+
+    pub(super) fn check_step(&mut self, key: &PodKey, res: Res) {
+        let Some(Op::Check(c)) = self.slots.get(key).and_then(|s| s.op.clone()) else {
+            return;
+        };
+        let Res::Cocoon(r) = res else {
+            return;
+        };
+        match c.step {
+            CheckStep::Inspect { attempt } => {
+                if r.vm_not_found() {
+                    return self.start_evict(
+                        key,
+                        EvictReason::VmGone,
+                        "vm no longer exists",
+                        false,
+                    );
+                }
+                let vm = if r.success {
+                    parse_vm(&r.stdout).ok()
+                } else {
+                    None
+                };
+                match vm {
+                    None if attempt < 2 => {
+                        self.set_check_step(
+                            key,
+                            CheckStep::Inspect {
+                                attempt: attempt + 1,
+                            },
+                        );
+                        let at = self.now + INSPECT_RETRY * attempt;
+                        self.set_pod_timer(key, at);
+                    }
+                    None => {
+                        self.metric(MetricUpdate::VmInspectTransientFail);
+                        self.defer_check(key, c.uid, c.vm_id);
+                    }
+                    Some(vm) => self.check_state(key, &c, vm),
+                }
+            }
+            CheckStep::DeferredInspect { delay, until } => {
+                if r.vm_not_found() {
+                    return self.start_evict(
+                        key,
+                        EvictReason::VmGone,
+                        "vm no longer exists",
+                        false,
+                    );
+                }
+                match if r.success {
+                    parse_vm(&r.stdout).ok()
+                } else {
+                    None
+                } {
+                    None if self.now >= until => self.start_evict(
+                        key,
+                        EvictReason::VmInspectTimeout,
+                        "vm inspect did not resolve within budget",
+                        true,
+                    ),
+                    None => {
+                        let delay = (delay * 2).min(RECHECK_MAX);
+                        self.set_check_step(key, CheckStep::Deferred { delay, until });
+                        let at = self.now + delay;
+                        self.set_pod_timer(key, at);
+                    }
+                    Some(vm) => self.check_state(key, &c, vm),
+                }
+            }
+            CheckStep::Start => {
+                if !r.success {
+                    let msg = r.error_text();
+                    return self.start_evict(key, EvictReason::RestartFailed, &msg, true);
+                }
+                self.set_check_step(key, CheckStep::Refresh);
+                self.pod_cocoon(
+                    key,
+                    CocoonCmd::VmInspect {
+                        reference: c.vm_id.clone(),
+                    },
+                );
+            }
+            CheckStep::Refresh => {
+                if let (true, Ok(vm)) = (r.success, parse_vm(&r.stdout)) {
+                    if let Some(t) = self.slot(key).tracked.as_mut() {
+                        if let Some(v) = t.vm.as_mut() {
+                            v.pid = vm.pid;
+                            v.nics = vm.nics;
+                            v.state = vm.state;
+                        }
+                    }
+                }
+                self.check_done(key, &c);
+            }
+            CheckStep::Deferred { .. } => {}
+        }
+    }
+
+    /// The VM runs (false alarm or restarted). A check may have preempted the wait for Ready
+    /// of a fresh create; the intent still says `creating` then, so the wait resumes.
+    pub(super) fn check_done(&mut self, key: &PodKey, c: &CheckOp) {
+        let creating = self
+            .slot(key)
+            .intent
+            .as_ref()
+            .map(|i| i.uid == c.uid && i.state == State::Creating)
+            .unwrap_or(false);
+        if creating {
+            return self.start_ready_wait(key, c.uid.clone(), c.vm_id.clone());
+        }
+        self.end_op(key)
+    }
+
+    pub(super) fn check_state(&mut self, key: &PodKey, c: &CheckOp, vm: VmInfo) {
+        if vm.running() {
+            if let Some(t) = self.slot(key).tracked.as_mut() {
+                if let Some(v) = t.vm.as_mut() {
+                    v.state = vm.state;
+                    v.pid = vm.pid;
+                }
+            }
+            return self.check_done(key, c);
+        }
+        let recent = self
+            .last_restart
+            .get(&c.vm_id)
+            .map(|t| self.now.saturating_duration_since(*t) < RESTART_COOLDOWN)
+            .unwrap_or(false);
+        if recent {
+            return self.start_evict(
+                key,
+                EvictReason::RestartCooldown,
+                "restart cooldown not elapsed",
+                true,
+            );
+        }
+        self.last_restart.insert(c.vm_id.clone(), self.now);
+        self.set_check_step(key, CheckStep::Start);
+        self.pod_cocoon(
+            key,
+            CocoonCmd::VmStart {
+                id: c.vm_id.clone(),
+            },
+        );
+    }
+}

@@ -1,0 +1,617 @@
+//! Create: spec checks, hibernate evidence, snapshot / image inspection and pulls, up to the
+//! clone or run. The bring-up after the VM exists is in `bring_up`.
+
+use super::*;
+
+impl Provider {
+    // ----- create ---------------------------------------------------------------------------
+
+    pub(super) fn start_create(&mut self, key: &PodKey, pod: Arc<Pod>) {
+        let uid = pod_uid(&pod);
+        let spec = match spec::parse(&pod) {
+            Ok(s) => s,
+            Err(e) => return self.reject(key, &pod, e),
+        };
+        if !spec::cpu_class_ok(&spec, self.cfg.cpu_class.as_deref()) {
+            let e = SpecError {
+                reason: "snapshot_cpu_class_mismatch",
+                message: format!(
+                    "pod {key} requires snapshot CPU class {:?} but node has {:?}",
+                    spec.cpu_class,
+                    self.cfg.cpu_class.clone().unwrap_or_default()
+                ),
+            };
+            return self.reject(key, &pod, e);
+        }
+        // Unsupported paths fail before anything is tracked or run.
+        let unsupported = if spec.managed && spec.os == Os::Macos {
+            Some("managed macOS guests are not supported yet")
+        } else if spec.managed && spec.os == Os::Windows {
+            Some("managed Windows guests are not supported yet")
+        } else if spec.managed && spec.restore_from_hibernate {
+            Some("restore-from-hibernate is not supported yet")
+        } else if spec.managed && !spec.fork_from.is_empty() {
+            Some("fork-from is not supported yet")
+        } else if spec.managed
+            && spec.mode != Mode::Run
+            && spec.clone_from_dir.is_none()
+            && spec.firecracker()
+        {
+            Some("cloning onto firecracker needs the post-clone fix-up, which is not supported yet")
+        } else {
+            None
+        };
+        if let Some(msg) = unsupported {
+            let e = SpecError {
+                reason: "unsupported",
+                message: format!("pod {key}: {msg}"),
+            };
+            return self.reject(key, &pod, e);
+        }
+        let start_time = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.start_time.clone())
+            .unwrap_or_else(|| self.wall.clone());
+        let failures = {
+            let slot = self.slot(key);
+            slot.rejected = None;
+            slot.tracked = Some(Tracked {
+                uid: uid.clone(),
+                pod: pod.clone(),
+                spec: spec.clone(),
+                vm: None,
+                ip: String::new(),
+                start_time: Some(start_time),
+                probe: None,
+            });
+            slot.failures
+        };
+        self.set_lifecycle(key, State::Creating, "");
+        // Adopt by name (§5 step 5).
+        if let Some(vm) = self.by_name.get(&spec.vm_name).cloned() {
+            self.slot(key).op = Some(Op::Create(Box::new(CreateOp {
+                uid: uid.clone(),
+                spec: spec.clone(),
+                step: CreateStep::Boot,
+                started: self.now,
+                local_snapshot: String::new(),
+                snapshot_image: String::new(),
+                vm: None,
+            })));
+            self.lifecycle_metric("create", "ok", "adopted");
+            return self.vm_up(key, vm, true);
+        }
+        if !spec.managed {
+            if spec.vm_id.is_empty() || spec.vm_ip.is_empty() {
+                let msg = format!("unmanaged vm {} missing pre-assigned IP/VMID", spec.vm_name);
+                self.slot(key).op = None;
+                return self.fail_create(key, &uid, &msg, false);
+            }
+            let vm = VmInfo {
+                id: spec.vm_id.clone(),
+                name: spec.vm_name.clone(),
+                state: VmState::Running,
+                ..Default::default()
+            };
+            self.slot(key).op = Some(Op::Create(Box::new(CreateOp {
+                uid,
+                spec: spec.clone(),
+                step: CreateStep::Boot,
+                started: self.now,
+                local_snapshot: String::new(),
+                snapshot_image: String::new(),
+                vm: None,
+            })));
+            if let Some(t) = self.slot(key).tracked.as_mut() {
+                t.ip = spec.vm_ip.clone();
+            }
+            return self.finish_create(key, vm, false, "");
+        }
+        let op = CreateOp {
+            uid,
+            spec: spec.clone(),
+            step: if failures > 0 {
+                CreateStep::InspectByName
+            } else {
+                CreateStep::Evidence
+            },
+            started: self.now,
+            local_snapshot: spec::local_snapshot_name(&spec.image),
+            snapshot_image: String::new(),
+            vm: None,
+        };
+        let first = op.step.clone();
+        self.slot(key).op = Some(Op::Create(Box::new(op)));
+        match first {
+            // A retry after a failure: a previous attempt may have left a VM (hung clone).
+            CreateStep::InspectByName => self.pod_cocoon(
+                key,
+                CocoonCmd::VmInspect {
+                    reference: spec.vm_name.clone(),
+                },
+            ),
+            _ => self.check_evidence(key, &spec.vm_name),
+        }
+    }
+
+    /// §5 step 6: ask whether the VM was hibernated before booting it fresh. With a registry the
+    /// evidence is the tag `<vm>:hibernate`; without one, a local snapshot named after the VM.
+    pub(super) fn check_evidence(&mut self, key: &PodKey, vm_name: &str) {
+        if let Some(c) = self.create_op(key) {
+            c.step = CreateStep::Evidence;
+        }
+        let vm_name = vm_name.to_string();
+        if self.cfg.registry {
+            self.pod_effect(key, |op| Effect::CheckHibernateEvidence { op, vm_name })
+        } else {
+            self.pod_cocoon(key, CocoonCmd::SnapshotInspect { name: vm_name })
+        }
+    }
+
+    /// The verdict on the evidence (§5 step 6). No evidence: the fresh bring-up starts (with
+    /// the `fork-<vm>` removal of step 7). Evidence fails the create, retried with backoff so
+    /// that removing the tag lets the pod boot: a conflicting clone source or image is the
+    /// user's to settle, and the restore the Go daemon would do is not built yet; a fresh boot
+    /// would silently lose the hibernated state. An unreadable registry fails closed.
+    pub(super) fn evidence_verdict(
+        &mut self,
+        key: &PodKey,
+        c: &CreateOp,
+        found: Result<Option<String>, TransferError>,
+    ) {
+        let vm = &c.spec.vm_name;
+        let (place, remedy) = if self.cfg.registry {
+            (
+                format!("registry tag {vm}:hibernate"),
+                format!("delete the tag {vm}:hibernate"),
+            )
+        } else {
+            (
+                format!("local snapshot {vm}"),
+                format!("remove the local snapshot {vm}"),
+            )
+        };
+        let base = match found {
+            Ok(None) => {
+                if let Some(c) = self.create_op(key) {
+                    c.step = CreateStep::RmFork;
+                }
+                let name = format!("fork-{vm}");
+                return self.pod_cocoon(key, CocoonCmd::SnapshotRm { name });
+            }
+            Err(e) => {
+                self.metric(MetricUpdate::HibernateEvidence {
+                    verdict: "unavailable",
+                });
+                let msg = format!("hibernate evidence for vm {vm} unavailable ({place}): {e}");
+                self.event(
+                    key,
+                    &c.uid,
+                    EventType::Warning,
+                    "HibernateEvidenceUnavailable",
+                    &msg,
+                );
+                return self.fail_create_as(key, &c.uid, "HibernateEvidenceFailed", &msg, true);
+            }
+            Ok(Some(base)) => base,
+        };
+        let explicit_source = c.spec.clone_from_dir.is_some() || !c.spec.fork_from.is_empty();
+        let (verdict, msg) = if explicit_source {
+            (
+                "source_conflict",
+                format!(
+                    "vm {vm} has a hibernate snapshot ({place}) but the pod names an explicit \
+                     clone source; {remedy} to boot from that source"
+                ),
+            )
+        } else if !base.is_empty() && base != c.spec.image {
+            (
+                "image_conflict",
+                format!(
+                    "vm {vm} has a hibernate snapshot ({place}) of image {base} but the pod asks \
+                     for {}; {remedy} to boot the new image",
+                    c.spec.image
+                ),
+            )
+        } else {
+            let msg = format!(
+                "vm {vm} has a hibernate snapshot ({place}); restoring it is not supported yet \
+                 by this vk-cocoon and a fresh boot would lose its state; {remedy} to boot fresh"
+            );
+            self.event(
+                key,
+                &c.uid,
+                EventType::Warning,
+                "HibernateSnapshotExists",
+                &msg,
+            );
+            ("restore_unsupported", msg)
+        };
+        self.metric(MetricUpdate::HibernateEvidence { verdict });
+        self.fail_create_as(key, &c.uid, "HibernateEvidenceFailed", &msg, true)
+    }
+
+    /// Bad input / unsupported request: failure status + Warning, counter; no VM touched.
+    pub(super) fn reject(&mut self, key: &PodKey, pod: &Arc<Pod>, e: SpecError) {
+        let uid = pod_uid(pod);
+        let result = if e.reason == "missing_vmname" {
+            "skipped"
+        } else {
+            "failed"
+        };
+        self.lifecycle_metric("create", result, e.reason);
+        self.event(
+            key,
+            &uid,
+            EventType::Warning,
+            "ProviderCreateFailed",
+            &e.message,
+        );
+        let st = status::provider_failed(restart_never(pod), &e.message);
+        let sum = status::summary(&st);
+        let slot = self.slot(key);
+        slot.rejected = Some(pod.clone());
+        let already = slot.last_pushed.as_ref() == Some(&sum);
+        slot.last_pushed = Some(sum);
+        if !already {
+            self.send_status(key, &uid, st, false);
+        }
+    }
+
+    pub(super) fn create_op(&mut self, key: &PodKey) -> Option<&mut CreateOp> {
+        match self.slots.get_mut(key)?.op.as_mut()? {
+            Op::Create(c) => Some(c),
+            _ => None,
+        }
+    }
+
+    pub(super) fn create_step(&mut self, key: &PodKey, res: Res) {
+        let Some(c) = self.create_op(key) else {
+            return;
+        };
+        let c = c.clone();
+        let spec = &c.spec;
+        let set_step = |p: &mut Self, step: CreateStep| {
+            if let Some(c) = p.create_op(key) {
+                c.step = step;
+            }
+        };
+        match (c.step.clone(), res) {
+            (CreateStep::InspectByName, Res::Cocoon(r)) => {
+                if r.success {
+                    if let Ok(vm) = parse_vm(&r.stdout) {
+                        if vm.running() {
+                            self.lifecycle_metric("create", "ok", "adopted");
+                            return self.vm_up(key, vm, true);
+                        }
+                        set_step(self, CreateStep::RmStaleByName);
+                        return self.pod_cocoon(key, CocoonCmd::VmRm { id: vm.id });
+                    }
+                }
+                self.check_evidence(key, &spec.vm_name)
+            }
+            (CreateStep::RmStaleByName, Res::Cocoon(r)) => {
+                if !r.success && !r.vm_not_found() {
+                    let msg = format!("remove leftover vm {}: {}", spec.vm_name, r.error_text());
+                    return self.fail_create(key, &c.uid, &msg, true);
+                }
+                self.check_evidence(key, &spec.vm_name)
+            }
+            (CreateStep::Evidence, Res::Evidence(found)) => self.evidence_verdict(key, &c, found),
+            (CreateStep::Evidence, Res::Cocoon(r)) => {
+                // No registry: a local snapshot named after the VM is the evidence. A failed
+                // inspect means there is none; one that hung says nothing, so fail closed.
+                let found = if r.success {
+                    parse_snapshot(&r.stdout)
+                        .map(|s| Some(s.image))
+                        .map_err(TransferError::Cocoon)
+                } else if r.timed_out {
+                    Err(TransferError::Cocoon(format!(
+                        "snapshot inspect {}: {}",
+                        spec.vm_name,
+                        r.error_text()
+                    )))
+                } else {
+                    Ok(None)
+                };
+                self.evidence_verdict(key, &c, found)
+            }
+            (CreateStep::RmFork, Res::Cocoon(_)) => {
+                // Failure only logged (§5 step 7).
+                if let Some(dir) = spec.clone_from_dir.clone() {
+                    set_step(self, CreateStep::Boot);
+                    let args = self.clone_args(spec, CloneSource::FromDir(dir), true);
+                    self.pod_cocoon(key, CocoonCmd::VmClone(args))
+                } else if spec.mode == Mode::Run {
+                    set_step(self, CreateStep::MaterialiseRun);
+                    self.materialise(key, &spec.image.clone(), spec.force_pull)
+                } else {
+                    set_step(self, CreateStep::SnapInspect { pulled: false });
+                    self.pod_cocoon_read(
+                        key,
+                        CocoonCmd::SnapshotInspect {
+                            name: c.local_snapshot.clone(),
+                        },
+                    )
+                }
+            }
+            (CreateStep::SnapInspect { pulled }, Res::Cocoon(r)) => {
+                if !r.success {
+                    if pulled {
+                        self.metric(MetricUpdate::SnapshotPull { result: "failed" });
+                        let msg = format!(
+                            "snapshot {} still missing after pull: {}",
+                            c.local_snapshot,
+                            r.error_text()
+                        );
+                        return self.fail_create(key, &c.uid, &msg, true);
+                    }
+                    if !self.cfg.registry {
+                        self.metric(MetricUpdate::SnapshotPull { result: "failed" });
+                        let msg = format!(
+                            "snapshot {} not found locally and no registry is configured: {}",
+                            c.local_snapshot,
+                            r.error_text()
+                        );
+                        return self.fail_create(key, &c.uid, &msg, true);
+                    }
+                    let (repo, tag) = crate::snapshots::reference::split_image_ref(&spec.image);
+                    set_step(self, CreateStep::PullSnapshot);
+                    let local = c.local_snapshot.clone();
+                    return self.pod_effect(key, |op| Effect::PullSnapshot {
+                        op,
+                        repo,
+                        tag,
+                        local_name: local,
+                    });
+                }
+                if !pulled {
+                    self.metric(MetricUpdate::SnapshotPull { result: "ok" });
+                }
+                let snap = match parse_snapshot(&r.stdout) {
+                    Ok(s) => s,
+                    Err(e) => return self.fail_create(key, &c.uid, &e, true),
+                };
+                let want = if spec.backend.is_empty() {
+                    spec::BACKEND_CH
+                } else {
+                    spec.backend.as_str()
+                };
+                if !snap.hypervisor.is_empty()
+                    && !spec.backend.is_empty()
+                    && snap.hypervisor != want
+                {
+                    let msg = format!(
+                        "snapshot {} was taken with {} but CocoonSet requests {}",
+                        c.local_snapshot, snap.hypervisor, spec.backend
+                    );
+                    return self.fail_create(key, &c.uid, &msg, false);
+                }
+                if snap.hypervisor == spec::BACKEND_FC {
+                    let msg = format!(
+                        "snapshot {} is a firecracker snapshot; cloning it needs the post-clone fix-up, which is not supported yet",
+                        c.local_snapshot
+                    );
+                    return self.fail_create(key, &c.uid, &msg, false);
+                }
+                if let Some(c) = self.create_op(key) {
+                    c.snapshot_image = snap.image.clone();
+                }
+                if !snap.image.is_empty()
+                    && !spec::is_http_url(&snap.image)
+                    && !snap.image_digest.is_empty()
+                {
+                    set_step(self, CreateStep::ImageInspect);
+                    return self.pod_cocoon_read(
+                        key,
+                        CocoonCmd::ImageInspect {
+                            reference: snap.image_digest.clone(),
+                        },
+                    );
+                }
+                self.do_clone(key)
+            }
+            (CreateStep::PullSnapshot, Res::Transfer(r)) => match r {
+                Ok(_) => {
+                    self.metric(MetricUpdate::SnapshotPull { result: "ok" });
+                    set_step(self, CreateStep::SnapInspect { pulled: true });
+                    self.pod_cocoon(
+                        key,
+                        CocoonCmd::SnapshotInspect {
+                            name: c.local_snapshot.clone(),
+                        },
+                    )
+                }
+                Err(e) => {
+                    self.metric(MetricUpdate::SnapshotPull { result: "failed" });
+                    let msg = format!("pull snapshot {}: {e}", spec.image);
+                    self.fail_create(key, &c.uid, &msg, true)
+                }
+            },
+            (CreateStep::ImageInspect, Res::Cocoon(r)) => {
+                if r.success {
+                    return self.do_clone(key);
+                }
+                set_step(self, CreateStep::MaterialiseBase);
+                let img = c.snapshot_image.clone();
+                self.materialise(key, &img, false)
+            }
+            (CreateStep::MaterialiseBase, res) => match res.transfer_or_cocoon() {
+                Ok(_) => self.do_clone(key),
+                Err(e) => {
+                    let msg = format!("make base image {} available: {e}", c.snapshot_image);
+                    self.fail_create(key, &c.uid, &msg, true)
+                }
+            },
+            (CreateStep::MaterialiseRun, res) => match res.transfer_or_cocoon() {
+                Ok(boot) => {
+                    let boot = if boot.is_empty() {
+                        spec.image.clone()
+                    } else {
+                        boot
+                    };
+                    set_step(self, CreateStep::Boot);
+                    let r = &spec.resources;
+                    let args = RunOptions {
+                        name: spec.vm_name.clone(),
+                        cpu: r.vcpus(),
+                        cpu_policy: r.cpu_policy(),
+                        memory: r.memory_bytes().map(|b| b.to_string()).unwrap_or_default(),
+                        storage: spec
+                            .storage_bytes
+                            .map(|b| b.to_string())
+                            .unwrap_or_default(),
+                        network: spec.network.clone(),
+                        windows: spec.os == Os::Windows,
+                        backend: spec.backend_kind(),
+                        no_direct_io: spec.no_direct_io,
+                        image: boot,
+                    };
+                    self.pod_cocoon(key, CocoonCmd::VmRun(args))
+                }
+                Err(e) => {
+                    let msg = format!("make image {} available: {e}", spec.image);
+                    self.fail_create(key, &c.uid, &msg, true)
+                }
+            },
+            (CreateStep::Boot, Res::Cocoon(r)) => {
+                if spec.clone_from_dir.is_some() {
+                    self.metric(MetricUpdate::CloneFromDir {
+                        result: if r.success { "ok" } else { "failed" },
+                    });
+                }
+                if !r.success {
+                    let what = if spec.mode == Mode::Run && spec.clone_from_dir.is_none() {
+                        "vm run"
+                    } else {
+                        "vm clone"
+                    };
+                    // A clone killed at its deadline (or failing half-way) can leave a VM
+                    // record behind; if the pod is deleted before the retry, nothing would
+                    // ever remove it. Look before reporting the failure.
+                    let error = format!("{what} {}: {}", spec.vm_name, r.error_text());
+                    set_step(self, CreateStep::BootFailedInspect { error });
+                    return self.pod_cocoon(
+                        key,
+                        CocoonCmd::VmInspect {
+                            reference: spec.vm_name.clone(),
+                        },
+                    );
+                }
+                let vm = match parse_vm(&r.stdout) {
+                    Ok(v) => v,
+                    Err(e) => return self.fail_create(key, &c.uid, &e, true),
+                };
+                self.by_name.insert(spec.vm_name.clone(), vm.clone());
+                if spec.mode == Mode::Run
+                    && spec.clone_from_dir.is_none()
+                    && (!vm.running() || vm.pid == 0)
+                {
+                    if let Some(c) = self.create_op(key) {
+                        c.vm = Some(vm.clone());
+                        c.step = CreateStep::RunInspect;
+                    }
+                    return self.pod_cocoon(key, CocoonCmd::VmInspect { reference: vm.id });
+                }
+                self.vm_up(key, vm, false)
+            }
+            (CreateStep::BootFailedInspect { error }, Res::Cocoon(r)) => {
+                match (r.success, parse_vm(&r.stdout)) {
+                    // The bring-up finished after all (a slow clone past its deadline).
+                    (true, Ok(vm)) if vm.running() => {
+                        self.by_name.insert(spec.vm_name.clone(), vm.clone());
+                        self.vm_up(key, vm, false)
+                    }
+                    (true, Ok(vm)) => {
+                        set_step(self, CreateStep::BootFailedRm { error });
+                        self.pod_cocoon(key, CocoonCmd::VmRm { id: vm.id })
+                    }
+                    _ => self.fail_create(key, &c.uid, &error, true),
+                }
+            }
+            (CreateStep::BootFailedRm { error }, Res::Cocoon(r)) => {
+                if !r.success && !r.vm_not_found() {
+                    log::warn!(
+                        "provider: {key}: remove leftover of failed bring-up: {}",
+                        r.error_text()
+                    );
+                }
+                self.fail_create(key, &c.uid, &error, true)
+            }
+            (CreateStep::RunInspect, Res::Cocoon(r)) => {
+                let vm = match (r.success, parse_vm(&r.stdout)) {
+                    (true, Ok(v)) => v,
+                    _ => c.vm.clone().unwrap_or_default(),
+                };
+                self.vm_up(key, vm, false)
+            }
+            (CreateStep::Lease, Res::Lease(r)) => {
+                let ip = match r {
+                    Ok(Some(ip)) => ip,
+                    _ => String::new(),
+                };
+                let vm = c.vm.clone().unwrap_or_default();
+                let cloned = !(spec.mode == Mode::Run && spec.clone_from_dir.is_none());
+                self.finish_create(key, vm, cloned, &ip)
+            }
+            (step, res) => {
+                log::warn!("provider: {key}: unexpected result {res:?} in create step {step:?}");
+            }
+        }
+    }
+
+    pub(super) fn clone_args(
+        &self,
+        spec: &VmSpec,
+        source: CloneSource,
+        pull: bool,
+    ) -> CloneOptions {
+        CloneOptions {
+            name: spec.vm_name.clone(),
+            network: spec.network.clone(),
+            no_direct_io: spec.no_direct_io,
+            pull,
+            restore_mode: if spec.firecracker() {
+                None
+            } else {
+                Some(self.cfg.restore_mode)
+            },
+            nics: None,
+            cpu: spec.resources.cpu_policy(),
+            backend: spec.backend_kind(),
+            source,
+        }
+    }
+
+    pub(super) fn do_clone(&mut self, key: &PodKey) {
+        let Some(c) = self.create_op(key) else {
+            return;
+        };
+        c.step = CreateStep::Boot;
+        let (spec, local, img) = (
+            c.spec.clone(),
+            c.local_snapshot.clone(),
+            c.snapshot_image.clone(),
+        );
+        let args = self.clone_args(&spec, CloneSource::Snapshot(local), !img.is_empty());
+        self.pod_cocoon(key, CocoonCmd::VmClone(args));
+    }
+
+    /// §5.2: with a registry and an OCI ref the snapshots room decides (cloud image import,
+    /// snapshot artifact refusal, pull fallback); otherwise `cocoon image pull`.
+    pub(super) fn materialise(&mut self, key: &PodKey, image: &str, force: bool) {
+        if self.cfg.registry && !spec::is_http_url(image) {
+            let image = image.to_string();
+            self.pod_effect(key, |op| Effect::MaterialiseImage { op, image, force });
+        } else {
+            self.pod_cocoon(
+                key,
+                CocoonCmd::ImagePull {
+                    reference: image.to_string(),
+                    force,
+                },
+            );
+        }
+    }
+}

@@ -1,0 +1,357 @@
+//! Delete: the API-first / snapshot save, push, rm / API-last steps of a pod's deletion, and
+//! the DELETE of API objects the core no longer tracks.
+
+use super::*;
+
+impl Provider {
+    // ----- delete ---------------------------------------------------------------------------
+
+    pub(super) fn start_api_delete(&mut self, key: &PodKey, uid: &str) {
+        let uid = uid.to_string();
+        self.slot(key).op = Some(Op::ApiDelete { uid: uid.clone() });
+        self.pod_effect(key, |op| Effect::DeletePod {
+            op,
+            key: key.clone(),
+            uid,
+            grace: Some(0),
+        });
+    }
+
+    pub(super) fn start_delete(&mut self, key: &PodKey) {
+        let now = self.now;
+        let slot = self.slot(key);
+        let Some(t) = slot.tracked.clone() else {
+            return;
+        };
+        if let Some(at) = slot.retry_at {
+            if at > now {
+                return;
+            }
+        }
+        // keep-snapshot-on-delete refreshed from the latest copy of the same incarnation.
+        let latest_same = slot.latest.clone().filter(|p| pod_uid(p) == t.uid);
+        let keep = latest_same
+            .as_ref()
+            .and_then(|p| spec::parse(p).ok())
+            .map(|s| s.keep_snapshot_on_delete)
+            .unwrap_or(t.spec.keep_snapshot_on_delete);
+        let api_first = latest_same
+            .as_ref()
+            .map(|p| {
+                deleting(p)
+                    && !status::has_running_container(p.status.as_ref())
+                    && slot.api_deleted.as_deref() != Some(t.uid.as_str())
+            })
+            .unwrap_or(false);
+        slot.op = Some(Op::Delete(DeleteOp {
+            uid: t.uid.clone(),
+            step: DeleteStep::ApiFirst,
+            vm_name: t.spec.vm_name.clone(),
+            keep,
+        }));
+        if api_first {
+            let uid = t.uid.clone();
+            self.slot(key).api_deleted = Some(uid.clone());
+            return self.pod_effect(key, |op| Effect::DeletePod {
+                op,
+                key: key.clone(),
+                uid,
+                grace: Some(0),
+            });
+        }
+        self.delete_after_api_first(key);
+    }
+
+    pub(super) fn set_delete_step(&mut self, key: &PodKey, step: DeleteStep) {
+        if let Some(Op::Delete(d)) = self.slots.get_mut(key).and_then(|s| s.op.as_mut()) {
+            d.step = step;
+        }
+    }
+
+    pub(super) fn delete_after_api_first(&mut self, key: &PodKey) {
+        let slot = self.slot(key);
+        let Some(t) = slot.tracked.clone() else {
+            return;
+        };
+        let Some(Op::Delete(d)) = slot.op.clone() else {
+            return;
+        };
+        if !t.spec.managed {
+            self.forget(key, true);
+            self.lifecycle_metric("delete", "ok", "");
+            return self.delete_done(key, &t, &d);
+        }
+        let Some(vm) = t.vm.clone() else {
+            if d.keep {
+                self.lifecycle_metric("delete", "skipped", "seat_release");
+                self.forget(key, true);
+                return self.delete_done(key, &t, &d);
+            }
+            self.lifecycle_metric("delete", "skipped", "no_vm");
+            self.set_delete_step(key, DeleteStep::RmSnapshot);
+            return self.pod_cocoon(key, CocoonCmd::SnapshotRm { name: d.vm_name });
+        };
+        let role = spec::role(&key.namespace, &t.spec.owner_cocoonset, &t.spec.vm_name);
+        if self.cfg.registry && spec::should_snapshot(&t.spec.snapshot_policy, role) {
+            self.set_delete_step(key, DeleteStep::Inspect);
+            return self.pod_cocoon(key, CocoonCmd::VmInspect { reference: vm.id });
+        }
+        self.set_delete_step(key, DeleteStep::Rm);
+        self.pod_cocoon(key, CocoonCmd::VmRm { id: vm.id })
+    }
+
+    pub(super) fn delete_step(&mut self, key: &PodKey, res: Res) {
+        let Some(slot) = self.slots.get(key) else {
+            return;
+        };
+        let (Some(Op::Delete(d)), Some(t)) = (slot.op.clone(), slot.tracked.clone()) else {
+            // Tracking vanished (forgotten): only ApiLast can remain.
+            if let Some(Op::Delete(d)) = slot.op.clone() {
+                self.api_delete_result(key, d.uid, res);
+            }
+            return;
+        };
+        let vm = t.vm.clone().unwrap_or_default();
+        match (d.step, res) {
+            (DeleteStep::ApiFirst, Res::Kube(r)) => {
+                if matches!(r, Err(KubeError::Other(_))) {
+                    // Not deleted: the final grace-0 delete after the VM is gone retries it.
+                    self.slot(key).api_deleted = None;
+                }
+                self.delete_after_api_first(key)
+            }
+            (DeleteStep::Inspect, Res::Cocoon(r)) => {
+                if r.vm_not_found() {
+                    self.set_delete_step(key, DeleteStep::Rm);
+                    return self.pod_cocoon(key, CocoonCmd::VmRm { id: vm.id });
+                }
+                let parsed = if r.success {
+                    parse_vm(&r.stdout).ok()
+                } else {
+                    None
+                };
+                match parsed {
+                    None => self.delete_failed(
+                        key,
+                        &format!("inspect vm {} before delete: {}", vm.id, r.error_text()),
+                    ),
+                    Some(v) if v.running() => {
+                        self.set_delete_step(key, DeleteStep::Save { retried: false });
+                        self.pod_cocoon(
+                            key,
+                            CocoonCmd::SnapshotSave {
+                                name: d.vm_name.clone(),
+                                vm_id: vm.id,
+                            },
+                        )
+                    }
+                    Some(_) => {
+                        self.set_delete_step(key, DeleteStep::Rm);
+                        self.pod_cocoon(key, CocoonCmd::VmRm { id: vm.id })
+                    }
+                }
+            }
+            (DeleteStep::Save { retried }, Res::Cocoon(r)) => {
+                if r.success {
+                    self.metric(MetricUpdate::SnapshotSave { result: "ok" });
+                    self.set_delete_step(key, DeleteStep::Push);
+                    let (name, image) = (d.vm_name.clone(), t.spec.image.clone());
+                    return self.pod_effect(key, |op| Effect::PushSnapshot {
+                        op,
+                        local_name: name.clone(),
+                        repo: name,
+                        tag: "latest".into(),
+                        base_image: image,
+                    });
+                }
+                if r.name_taken() && !retried {
+                    self.set_delete_step(key, DeleteStep::RmHolder);
+                    return self.pod_cocoon(
+                        key,
+                        CocoonCmd::SnapshotRm {
+                            name: d.vm_name.clone(),
+                        },
+                    );
+                }
+                self.metric(MetricUpdate::SnapshotSave { result: "failed" });
+                self.delete_failed(
+                    key,
+                    &format!(
+                        "snapshot save {} before delete: {}",
+                        d.vm_name,
+                        r.error_text()
+                    ),
+                )
+            }
+            (DeleteStep::RmHolder, Res::Cocoon(_)) => {
+                self.set_delete_step(key, DeleteStep::Save { retried: true });
+                self.pod_cocoon(
+                    key,
+                    CocoonCmd::SnapshotSave {
+                        name: d.vm_name.clone(),
+                        vm_id: vm.id,
+                    },
+                )
+            }
+            (DeleteStep::Push, Res::Transfer(r)) => match r {
+                Ok(_) => {
+                    self.metric(MetricUpdate::SnapshotPush { result: "ok" });
+                    self.set_delete_step(key, DeleteStep::Rm);
+                    self.pod_cocoon(key, CocoonCmd::VmRm { id: vm.id })
+                }
+                Err(e) => {
+                    self.metric(MetricUpdate::SnapshotPush { result: "failed" });
+                    self.delete_failed(
+                        key,
+                        &format!("push snapshot {} before delete: {e}", d.vm_name),
+                    )
+                }
+            },
+            (DeleteStep::Rm, Res::Cocoon(r)) => {
+                if !r.success && !r.vm_not_found() {
+                    return self
+                        .delete_failed(key, &format!("vm rm {}: {}", vm.id, r.error_text()));
+                }
+                self.release_leases(&vm);
+                if self
+                    .by_name
+                    .get(&d.vm_name)
+                    .map(|v| v.id == vm.id)
+                    .unwrap_or(false)
+                {
+                    self.by_name.remove(&d.vm_name);
+                }
+                self.last_restart.remove(&vm.id);
+                if d.keep {
+                    return self.delete_vm_gone(key, &t, &d);
+                }
+                self.set_delete_step(key, DeleteStep::RmSnapshot);
+                self.pod_cocoon(key, CocoonCmd::SnapshotRm { name: d.vm_name })
+            }
+            (DeleteStep::RmSnapshot, Res::Cocoon(_)) => {
+                self.set_delete_step(key, DeleteStep::RmForkSnapshot);
+                self.pod_cocoon(
+                    key,
+                    CocoonCmd::SnapshotRm {
+                        name: format!("fork-{}", d.vm_name),
+                    },
+                )
+            }
+            (DeleteStep::RmForkSnapshot, Res::Cocoon(_)) => {
+                if t.vm.is_none() {
+                    self.forget(key, true);
+                    return self.delete_done(key, &t, &d);
+                }
+                self.delete_vm_gone(key, &t, &d)
+            }
+            (DeleteStep::ApiLast, res) => self.api_delete_result(key, d.uid, res),
+            (step, res) => {
+                log::warn!("provider: {key}: unexpected result {res:?} in delete step {step:?}")
+            }
+        }
+    }
+
+    /// VM removed: forget, report Succeeded, count, then delete the API object.
+    pub(super) fn delete_vm_gone(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp) {
+        self.forget(key, true);
+        self.lifecycle_metric("delete", "ok", "");
+        self.delete_done(key, t, d);
+    }
+
+    pub(super) fn delete_done(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp) {
+        self.event(
+            key,
+            &t.uid,
+            EventType::Normal,
+            "ProviderDeleteSuccess",
+            "Delete pod in provider successfully",
+        );
+        self.slot(key).failures = 0;
+        self.slot(key).retry_at = None;
+        let latest = self.slot(key).latest.clone();
+        match latest {
+            Some(p) if pod_uid(&p) == d.uid && deleting(&p) => {
+                // Terminal status, then delete at once (kubelet-duties §6 fix 3).
+                let st = status::succeeded(t.start_time.as_ref(), &self.wall);
+                self.send_status(key, &d.uid, st, false);
+                if self.slot(key).api_deleted.as_deref() == Some(d.uid.as_str()) {
+                    return self.end_op(key);
+                }
+                self.slot(key).api_deleted = Some(d.uid.clone());
+                self.set_delete_step(key, DeleteStep::ApiLast);
+                // The op stays until the API answers so the slot is not re-driven meanwhile.
+                let uid = d.uid.clone();
+                self.slot(key).op = Some(Op::Delete(DeleteOp {
+                    step: DeleteStep::ApiLast,
+                    ..d.clone()
+                }));
+                self.pod_effect(key, |op| Effect::DeletePod {
+                    op,
+                    key: key.clone(),
+                    uid,
+                    grace: Some(0),
+                });
+            }
+            _ => self.end_op(key),
+        }
+    }
+
+    /// Answer of a grace-0 DELETE of the pod object: done unless the API failed transiently,
+    /// in which case it is retried with the pod's backoff.
+    pub(super) fn api_delete_result(&mut self, key: &PodKey, uid: String, res: Res) {
+        let failed = matches!(res, Res::Kube(Err(KubeError::Other(_))));
+        let now = self.now;
+        let failures = {
+            let slot = self.slot(key);
+            slot.op = None;
+            slot.awaiting = None;
+            if failed {
+                slot.api_deleted = None;
+                slot.failures += 1;
+            } else {
+                slot.api_deleted = Some(uid);
+                slot.failures = 0;
+            }
+            slot.failures
+        };
+        if failed {
+            let at = now + pod_backoff(failures - 1);
+            return self.set_pod_timer(key, at);
+        }
+        self.reconcile_slot(key);
+    }
+
+    /// "VM kept": Warning, counter, unbounded retry with backoff capped at 1000 s.
+    pub(super) fn delete_failed(&mut self, key: &PodKey, err: &str) {
+        let uid = self
+            .slot(key)
+            .tracked
+            .as_ref()
+            .map(|t| t.uid.clone())
+            .unwrap_or_default();
+        let msg = format!("{err} (VM kept)");
+        self.lifecycle_metric("delete", "failed", "");
+        self.event(key, &uid, EventType::Warning, "ProviderDeleteFailed", &msg);
+        let now = self.now;
+        let failures = {
+            let slot = self.slot(key);
+            slot.op = None;
+            slot.awaiting = None;
+            slot.failures += 1;
+            slot.failures
+        };
+        let at = now + pod_backoff(failures - 1);
+        self.slot(key).retry_at = Some(at);
+        self.set_pod_timer(key, at);
+    }
+
+    pub(super) fn release_leases(&mut self, vm: &VmInfo) {
+        if !self.cfg.lease_release {
+            return;
+        }
+        let macs = vm.lease_macs();
+        if !macs.is_empty() {
+            self.out.push(Effect::ReleaseLeases { macs });
+        }
+    }
+}

@@ -1,0 +1,139 @@
+//! Evict: remove the VM, write the Failed status with the eviction reason, delete the pod.
+//! One op per pod, retried on the pod's backoff.
+
+use super::*;
+
+impl Provider {
+    pub(super) fn start_evict(
+        &mut self,
+        key: &PodKey,
+        reason: EvictReason,
+        message: &str,
+        remove: bool,
+    ) {
+        let Some(t) = self.slot(key).tracked.clone() else {
+            return self.end_op(key);
+        };
+        let vm = t.vm.clone().unwrap_or_default();
+        self.slot(key).op = Some(Op::Evict(EvictOp {
+            uid: t.uid.clone(),
+            reason,
+            message: message.to_string(),
+            step: EvictStep::Remove,
+            attempts: 0,
+        }));
+        if remove {
+            return self.pod_cocoon(key, CocoonCmd::VmRm { id: vm.id });
+        }
+        self.release_leases(&vm);
+        self.evict_status(key);
+    }
+
+    pub(super) fn evict_status(&mut self, key: &PodKey) {
+        let slot = self.slot(key);
+        let (Some(Op::Evict(e)), Some(t)) = (slot.op.clone(), slot.tracked.clone()) else {
+            return;
+        };
+        if let Some(Op::Evict(x)) = slot.op.as_mut() {
+            x.step = EvictStep::Status;
+        }
+        let st = status::evicted(
+            e.reason.as_str(),
+            &e.message,
+            t.start_time.as_ref(),
+            &self.wall,
+        );
+        let st = Arc::new(st);
+        let slot = self.slot(key);
+        slot.last_pushed = Some(status::summary(&st));
+        slot.shown = Some((e.uid.clone(), st.clone()));
+        let (uid, k) = (e.uid.clone(), key.clone());
+        self.pod_effect(key, |op| Effect::PatchPodStatus {
+            op,
+            key: k,
+            uid,
+            status: st,
+        });
+    }
+
+    pub(super) fn evict_delete(&mut self, key: &PodKey) {
+        let Some(Op::Evict(e)) = self.slot(key).op.clone() else {
+            return;
+        };
+        if let Some(Op::Evict(x)) = self.slot(key).op.as_mut() {
+            x.step = EvictStep::Delete;
+            x.attempts += 1;
+        }
+        let uid = e.uid.clone();
+        self.pod_effect(key, |op| Effect::DeletePod {
+            op,
+            key: key.clone(),
+            uid,
+            grace: None,
+        });
+    }
+
+    pub(super) fn evict_step(&mut self, key: &PodKey, res: Res) {
+        let Some(Op::Evict(e)) = self.slot(key).op.clone() else {
+            return;
+        };
+        match (e.step, res) {
+            (EvictStep::Remove, Res::Cocoon(r)) => {
+                if !r.success && !r.vm_not_found() {
+                    // §11.3 keeps the pod; the Go daemon then never looks again and the pod
+                    // stays Running on a dead VM. Re-check it on the deferred schedule instead:
+                    // a later round restarts or removes it.
+                    log::warn!(
+                        "provider: {key}: vm rm before eviction failed (rechecking): {}",
+                        r.error_text()
+                    );
+                    let vm_id = vm_id_of(self.slot(key));
+                    return self.defer_check(key, e.uid, vm_id);
+                }
+                let vm = self
+                    .slot(key)
+                    .tracked
+                    .as_ref()
+                    .and_then(|t| t.vm.clone())
+                    .unwrap_or_default();
+                self.release_leases(&vm);
+                self.evict_status(key)
+            }
+            (EvictStep::Status, Res::Kube(_)) => self.evict_delete(key),
+            (EvictStep::Delete, Res::Kube(r)) => match r {
+                Ok(()) | Err(KubeError::NotFound) | Err(KubeError::Conflict) => {
+                    let vm = self
+                        .slot(key)
+                        .tracked
+                        .as_ref()
+                        .and_then(|t| t.vm.clone())
+                        .unwrap_or_default();
+                    if self
+                        .by_name
+                        .get(&vm.name)
+                        .map(|v| v.id == vm.id)
+                        .unwrap_or(false)
+                    {
+                        self.by_name.remove(&vm.name);
+                    }
+                    let uid = e.uid.clone();
+                    self.slot(key).evicted = Some(uid);
+                    self.forget(key, true);
+                    self.end_op(key);
+                }
+                Err(_) => {
+                    self.metric(MetricUpdate::PodEvictFailure);
+                    let delay = if e.attempts < 2 {
+                        Duration::from_millis(200 * e.attempts as u64)
+                    } else {
+                        pod_backoff(e.attempts + 6)
+                    };
+                    let at = self.now + delay;
+                    self.slot(key).awaiting = None;
+                    self.set_pod_timer(key, at);
+                }
+            },
+            (step, res) => log::warn!("provider: {key}: unexpected {res:?} in evict {step:?}"),
+        }
+    }
+}

@@ -1,0 +1,290 @@
+//! Kube writes: pod status and annotation patches with their retries, lifecycle records,
+//! the Ready publication, and the periodic drift and lifecycle re-flush.
+
+use super::*;
+
+impl Provider {
+    pub(super) fn send_status(
+        &mut self,
+        key: &PodKey,
+        uid: &str,
+        st: PodStatus,
+        ready_publication: bool,
+    ) {
+        let op = self.op_id();
+        let st = Arc::new(st);
+        self.slot(key).shown = Some((uid.to_string(), st.clone()));
+        let effect = Effect::PatchPodStatus {
+            op,
+            key: key.clone(),
+            uid: uid.to_string(),
+            status: st,
+        };
+        self.waiters.insert(
+            op,
+            Waiter::Status {
+                key: key.clone(),
+                uid: uid.to_string(),
+                ready_publication,
+                attempt: 1,
+                effect: effect.clone(),
+            },
+        );
+        self.out.push(effect);
+    }
+
+    pub(super) fn send_annotations(
+        &mut self,
+        key: &PodKey,
+        uid: &str,
+        ann: BTreeMap<String, Option<String>>,
+        lifecycle: bool,
+    ) {
+        let op = self.op_id();
+        let effect = Effect::PatchPodAnnotations {
+            op,
+            key: key.clone(),
+            uid: Some(uid.to_string()),
+            annotations: ann,
+        };
+        self.waiters.insert(
+            op,
+            Waiter::Annotations {
+                key: key.clone(),
+                uid: uid.to_string(),
+                lifecycle,
+                attempt: 1,
+                effect: effect.clone(),
+            },
+        );
+        self.out.push(effect);
+    }
+
+    pub(super) fn reissue(&mut self, waiter: Waiter) {
+        // §9: a lifecycle flush is retried only while the intent is unchanged; a newer state
+        // written meanwhile must not be overwritten by this older one.
+        // Other patches that carry the triple (the id/ip write) carry the current one.
+        let mut waiter = waiter;
+        if let Waiter::Annotations {
+            key,
+            uid,
+            lifecycle,
+            effect,
+            ..
+        } = &mut waiter
+        {
+            if *lifecycle && !self.lifecycle_current(key, uid, effect) {
+                return;
+            }
+            let intent = self.slots.get(key).and_then(|s| s.intent.as_ref());
+            if let (false, Effect::PatchPodAnnotations { annotations, .. }) = (*lifecycle, effect) {
+                if annotations.contains_key(spec::ANN_LIFECYCLE_STATE) {
+                    match intent.filter(|i| i.uid == *uid) {
+                        Some(i) => annotations.extend(i.patch()),
+                        None => {
+                            for k in [
+                                spec::ANN_LIFECYCLE_STATE,
+                                spec::ANN_LIFECYCLE_GEN,
+                                spec::ANN_LIFECYCLE_MSG,
+                            ] {
+                                annotations.remove(k);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let op = self.op_id();
+        let effect = match &waiter {
+            Waiter::Status { effect, .. } | Waiter::Annotations { effect, .. } => {
+                with_op(effect, op)
+            }
+            _ => return,
+        };
+        self.waiters.insert(op, waiter);
+        self.out.push(effect);
+    }
+
+    /// Whether a lifecycle patch still says what the pod's intent says (same incarnation).
+    pub(super) fn lifecycle_current(&self, key: &PodKey, uid: &str, effect: &Effect) -> bool {
+        let Effect::PatchPodAnnotations { annotations, .. } = effect else {
+            return false;
+        };
+        self.slots
+            .get(key)
+            .and_then(|s| s.intent.as_ref())
+            .map(|i| i.uid == uid && i.patch().iter().all(|(k, v)| annotations.get(k) == Some(v)))
+            .unwrap_or(false)
+    }
+
+    // ----- lifecycle triple -----------------------------------------------------------------
+
+    /// Set the lifecycle state (§9) and flush it. Returns whether it was accepted.
+    pub(super) fn set_lifecycle(&mut self, key: &PodKey, state: State, message: &str) -> bool {
+        let slot = self.slot(key);
+        let Some(t) = slot.tracked.as_ref() else {
+            return false;
+        };
+        let uid = t.uid.clone();
+        let gen = spec::generation(&t.pod).max(
+            slot.latest
+                .as_ref()
+                .filter(|p| pod_uid(p) == uid)
+                .map(|p| spec::generation(p))
+                .unwrap_or(0),
+        );
+        let Some(next) = lifecycle::apply(slot.intent.as_ref(), &uid, state, gen, message) else {
+            return false;
+        };
+        let unchanged = next.flushed;
+        let patch = next.patch();
+        slot.intent = Some(next);
+        if !unchanged {
+            self.send_annotations(key, &uid, patch, true);
+        }
+        true
+    }
+
+    /// markReadyPublished (§8.4): intent `ready` in memory, status patch first, annotation after.
+    pub(super) fn publish_ready(&mut self, key: &PodKey) {
+        let slot = self.slot(key);
+        let Some(t) = slot.tracked.clone() else {
+            return;
+        };
+        let gen = spec::generation(&t.pod);
+        match lifecycle::apply(slot.intent.as_ref(), &t.uid, State::Ready, gen, "") {
+            Some(next) => {
+                let already = next.flushed;
+                slot.intent = Some(next);
+                let st = self.compute_status(self.slots.get(key).unwrap_or(&Slot::default()), &t);
+                self.slot(key).last_pushed = Some(status::summary(&st));
+                if already {
+                    self.send_status(key, &t.uid, st, false);
+                } else {
+                    self.send_status(key, &t.uid, st, true);
+                }
+            }
+            None => self.push_status(key, false),
+        }
+    }
+
+    // ----- status ---------------------------------------------------------------------------
+
+    pub(super) fn compute_status(&self, slot: &Slot, t: &Tracked) -> PodStatus {
+        if t.vm.is_none() {
+            return status::pending(t.start_time.as_ref());
+        }
+        let lifecycle_ready = slot
+            .intent
+            .as_ref()
+            .map(|i| i.uid == t.uid && i.state == State::Ready)
+            .unwrap_or(false);
+        let (probe_ready, msg) = match &t.probe {
+            Some((r, m)) => (*r, Some(m.as_str())),
+            None => (false, None),
+        };
+        status::running(
+            &t.ip,
+            probe_ready && lifecycle_ready,
+            msg,
+            t.start_time.as_ref(),
+            &self.wall,
+        )
+    }
+
+    /// Push the computed status if it differs from the last one pushed (or always when `force`).
+    pub(super) fn push_status(&mut self, key: &PodKey, force: bool) {
+        let Some(slot) = self.slots.get(key) else {
+            return;
+        };
+        let Some(t) = slot.tracked.as_ref() else {
+            return;
+        };
+        let st = self.compute_status(slot, t);
+        let sum = status::summary(&st);
+        if !force && slot.last_pushed.as_ref() == Some(&sum) {
+            return;
+        }
+        let uid = t.uid.clone();
+        self.slot(key).last_pushed = Some(sum);
+        self.send_status(key, &uid, st, false);
+    }
+
+    /// Status reconciler (§8.4): republish drifted statuses and repair the ip annotation.
+    pub(super) fn drift(&mut self) {
+        let at = self.now + DRIFT_EVERY;
+        self.arm(at, TimerEntry::Drift);
+        let keys: Vec<PodKey> = self.slots.keys().cloned().collect();
+        for key in keys {
+            let slot = &self.slots[&key];
+            let (Some(t), Some(api)) = (slot.tracked.as_ref(), slot.latest.as_ref()) else {
+                continue;
+            };
+            if t.uid != pod_uid(api) || t.vm.is_none() || deleting(api) {
+                continue;
+            }
+            if matches!(
+                slot.op,
+                Some(Op::Create(_)) | Some(Op::Evict(_)) | Some(Op::Delete(_))
+            ) {
+                continue;
+            }
+            let computed = status::summary(&self.compute_status(slot, t));
+            let current = api.status.as_ref().map(status::summary).unwrap_or_default();
+            let ann_ip = api
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(ANN_VM_IP).cloned());
+            let (uid, ip, managed, vm_id) = (
+                t.uid.clone(),
+                t.ip.clone(),
+                t.spec.managed,
+                t.vm.as_ref().map(|v| v.id.clone()).unwrap_or_default(),
+            );
+            if managed && ann_ip.as_deref() != Some(ip.as_str()) {
+                let mut ann = BTreeMap::new();
+                ann.insert(ANN_VM_ID.to_string(), Some(vm_id));
+                ann.insert(ANN_VM_IP.to_string(), Some(ip));
+                self.send_annotations(&key, &uid, ann, false);
+            }
+            if computed != current {
+                log::info!("provider: {key}: republishing drifted status");
+                self.push_status(&key, true);
+            }
+            self.refresh_ip(&key);
+        }
+    }
+
+    /// Lifecycle reconciler (§9): re-flush unflushed intents; `ready` redoes status first.
+    pub(super) fn lifecycle_reflush(&mut self) {
+        let at = self.now + LIFECYCLE_EVERY;
+        self.arm(at, TimerEntry::Lifecycle);
+        let keys: Vec<PodKey> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| {
+                s.intent.as_ref().map(|i| !i.flushed).unwrap_or(false)
+                    && s.tracked
+                        .as_ref()
+                        .map(|t| Some(&t.uid) == s.intent.as_ref().map(|i| &i.uid))
+                        .unwrap_or(false)
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in keys {
+            let Some(i) = self.slots[&key].intent.clone() else {
+                continue;
+            };
+            if i.state == State::Ready {
+                let slot = &self.slots[&key];
+                if let Some(t) = slot.tracked.clone() {
+                    let st = self.compute_status(slot, &t);
+                    self.send_status(&key, &i.uid, st, true);
+                }
+            } else {
+                self.send_annotations(&key, &i.uid, i.patch(), true);
+            }
+        }
+    }
+}

@@ -1,0 +1,440 @@
+//! Startup reconcile: adopt VMs by ID and name, settle stale `creating` records, apply the
+//! orphan policy, and resume the work each adopted pod still owes.
+
+use super::*;
+
+impl Provider {
+    // ----- startup reconcile ----------------------------------------------------------------
+
+    pub(super) fn startup(&mut self, pods: Vec<Pod>, vms: Vec<VmInfo>) {
+        let (stale, ready): (Vec<VmInfo>, Vec<VmInfo>) =
+            vms.into_iter().partition(|v| v.state == VmState::Creating);
+        self.startup = Some(Startup {
+            pods,
+            vms: ready,
+            queue: stale,
+            in_flight: 0,
+            watched: Vec::new(),
+        });
+        self.pump_stale();
+    }
+
+    pub(super) fn pump_stale(&mut self) {
+        loop {
+            let Some(s) = self.startup.as_mut() else {
+                return;
+            };
+            if s.queue.is_empty() && s.in_flight == 0 {
+                return self.finish_startup();
+            }
+            if s.in_flight >= STALE_FANOUT || s.queue.is_empty() {
+                return;
+            }
+            let vm = s.queue.remove(0);
+            s.in_flight += 1;
+            let op = self.op_id();
+            self.waiters.insert(
+                op,
+                Waiter::StaleCreate {
+                    vm: vm.clone(),
+                    watcher: false,
+                },
+            );
+            self.out.push(Effect::Cocoon {
+                op,
+                cmd: CocoonCmd::ReconcileStaleCreate { id: vm.id },
+            });
+        }
+    }
+
+    pub(super) fn stale_done(&mut self, vm: Option<VmInfo>, watch: Option<VmInfo>) {
+        if let Some(s) = self.startup.as_mut() {
+            s.in_flight = s.in_flight.saturating_sub(1);
+            if let Some(v) = vm {
+                s.vms.push(v);
+            }
+            if let Some(v) = watch {
+                s.watched.push(v.clone());
+                let at = self.now + RECHECK_FIRST;
+                let until = self.now + RECHECK_BUDGET;
+                self.arm(
+                    at,
+                    TimerEntry::StaleWatch {
+                        vm: v,
+                        delay: RECHECK_FIRST,
+                        until,
+                    },
+                );
+            }
+        }
+        self.pump_stale();
+    }
+
+    pub(super) fn stale_result(&mut self, vm: VmInfo, watcher: bool, res: Res) {
+        let Res::Cocoon(r) = res else {
+            return;
+        };
+        let outcome = if r.success {
+            parse_stale_outcome(&r.stdout).ok()
+        } else {
+            None
+        };
+        let label = outcome.as_ref().map_or("error", StaleCreateOutcome::as_str);
+        self.metric(MetricUpdate::StaleCreateReconcile {
+            outcome: label.to_string(),
+        });
+        let name_free = matches!(
+            outcome,
+            Some(StaleCreateOutcome::Collected | StaleCreateOutcome::NotFound)
+        );
+        if watcher {
+            if name_free {
+                return;
+            }
+            return self.stale_inspect(vm, true);
+        }
+        match outcome {
+            _ if name_free => self.stale_done(None, None),
+            Some(StaleCreateOutcome::NotCreating) => self.stale_inspect(vm, false),
+            _ => self.stale_done(None, Some(vm)),
+        }
+    }
+
+    pub(super) fn stale_inspect(&mut self, vm: VmInfo, watcher: bool) {
+        let op = self.op_id();
+        self.waiters.insert(
+            op,
+            Waiter::StaleInspect {
+                vm: vm.clone(),
+                watcher,
+            },
+        );
+        self.out.push(Effect::Cocoon {
+            op,
+            cmd: CocoonCmd::VmInspect { reference: vm.id },
+        });
+    }
+
+    pub(super) fn stale_inspect_result(&mut self, vm: VmInfo, watcher: bool, res: Res) {
+        let Res::Cocoon(r) = res else {
+            return;
+        };
+        let parsed = if r.success {
+            parse_vm(&r.stdout).ok()
+        } else {
+            None
+        };
+        enum V {
+            Drop,
+            Keep(VmInfo),
+            Watch,
+            Orphan(VmInfo),
+        }
+        let verdict = if r.vm_not_found() {
+            V::Drop
+        } else {
+            match parsed {
+                None => V::Watch,
+                Some(v) if v.running() => V::Keep(v),
+                Some(v) if matches!(v.state, VmState::Creating | VmState::Created) => V::Watch,
+                Some(v) => V::Orphan(v),
+            }
+        };
+        if watcher {
+            match verdict {
+                V::Drop => {}
+                V::Keep(v) => {
+                    self.by_name.insert(v.name.clone(), v);
+                }
+                V::Orphan(v) => self.orphan(v),
+                V::Watch => self.rearm_stale_watch(vm),
+            }
+            return;
+        }
+        match verdict {
+            V::Drop => self.stale_done(None, None),
+            V::Keep(v) => self.stale_done(Some(v), None),
+            V::Watch => self.stale_done(None, Some(vm)),
+            V::Orphan(v) => {
+                self.orphan(v);
+                self.stale_done(None, None)
+            }
+        }
+    }
+
+    pub(super) fn rearm_stale_watch(&mut self, vm: VmInfo) {
+        // The watch entry carries its own delay; the latest one was stored on the vm key.
+        if let Some((delay, until)) = self.stale_watch_state.remove(&vm.id) {
+            let delay = (delay * 2).min(RECHECK_MAX);
+            if self.now + delay > until {
+                log::warn!(
+                    "provider: stale creating vm {} unresolved after 30 min",
+                    vm.id
+                );
+                return;
+            }
+            let at = self.now + delay;
+            self.arm(at, TimerEntry::StaleWatch { vm, delay, until });
+        }
+    }
+
+    pub(super) fn stale_watch_tick(&mut self, vm: VmInfo, delay: Duration, until: Instant) {
+        self.stale_watch_state.insert(vm.id.clone(), (delay, until));
+        let op = self.op_id();
+        self.waiters.insert(
+            op,
+            Waiter::StaleCreate {
+                vm: vm.clone(),
+                watcher: true,
+            },
+        );
+        self.out.push(Effect::Cocoon {
+            op,
+            cmd: CocoonCmd::ReconcileStaleCreate { id: vm.id },
+        });
+    }
+
+    pub(super) fn orphan(&mut self, vm: VmInfo) {
+        match self.cfg.orphan_policy {
+            OrphanPolicy::Destroy => {
+                log::warn!("provider: destroying orphan vm {} ({})", vm.name, vm.id);
+                self.fire_and_forget_cocoon(CocoonCmd::VmRm { id: vm.id.clone() });
+                self.release_leases(&vm);
+            }
+            OrphanPolicy::Alert => {
+                self.metric(MetricUpdate::OrphanVm);
+                log::warn!(
+                    "provider: orphan vm name={} id={} state={} ip={}",
+                    vm.name,
+                    vm.id,
+                    vm.state.as_str(),
+                    vm.primary_ip()
+                );
+                if !vm.name.is_empty() {
+                    self.by_name.insert(vm.name.clone(), vm);
+                }
+            }
+            OrphanPolicy::Keep => {
+                if !vm.name.is_empty() {
+                    self.by_name.insert(vm.name.clone(), vm);
+                }
+            }
+        }
+    }
+
+    pub(super) fn finish_startup(&mut self) {
+        let Some(s) = self.startup.take() else {
+            return;
+        };
+        self.started = true;
+        let by_id: BTreeMap<String, VmInfo> =
+            s.vms.iter().map(|v| (v.id.clone(), v.clone())).collect();
+        let by_name: BTreeMap<String, VmInfo> = s
+            .vms
+            .iter()
+            .filter(|v| !v.name.is_empty())
+            .map(|v| (v.name.clone(), v.clone()))
+            .collect();
+        let mut claimed: std::collections::HashSet<String> = Default::default();
+        let mut adopted = 0usize;
+        for pod in s.pods {
+            let pod = Arc::new(pod);
+            let key = PodKey::of(&pod);
+            self.slot(&key).latest = Some(pod.clone());
+            if terminal(&pod) {
+                continue;
+            }
+            let Ok(spec) = spec::parse(&pod) else {
+                continue;
+            };
+            let vm = if !spec.vm_id.is_empty() {
+                by_id.get(&spec.vm_id).cloned()
+            } else {
+                let v = by_name.get(&spec.vm_name).cloned();
+                if v.is_some() {
+                    self.metric(MetricUpdate::ReconcileAdoptByName);
+                }
+                v
+            };
+            let vm = match vm {
+                Some(v) => v,
+                None if !spec.managed && !spec.vm_id.is_empty() && !spec.vm_ip.is_empty() => {
+                    VmInfo {
+                        id: spec.vm_id.clone(),
+                        name: spec.vm_name.clone(),
+                        state: VmState::Running,
+                        ..Default::default()
+                    }
+                }
+                None => continue,
+            };
+            if claimed.contains(&vm.id) {
+                continue;
+            }
+            claimed.insert(vm.id.clone());
+            adopted += 1;
+            self.adopt_at_startup(&key, &pod, spec, vm);
+        }
+        let mut orphans = 0usize;
+        for vm in s.vms.iter() {
+            if claimed.contains(&vm.id) {
+                continue;
+            }
+            orphans += 1;
+            self.orphan(vm.clone());
+        }
+        log::info!("provider: startup reconcile: {adopted} pods adopted, {orphans} orphan VMs");
+        let first = self.now + DRIFT_FIRST;
+        self.arm(first, TimerEntry::Drift);
+        let lc = self.now + LIFECYCLE_EVERY;
+        self.arm(lc, TimerEntry::Lifecycle);
+        let keys: Vec<PodKey> = self.slots.keys().cloned().collect();
+        for key in keys {
+            self.owed_work(&key);
+            self.kick(&key);
+        }
+        for input in std::mem::take(&mut self.buffered) {
+            self.dispatch(input);
+        }
+    }
+
+    pub(super) fn adopt_at_startup(
+        &mut self,
+        key: &PodKey,
+        pod: &Arc<Pod>,
+        spec: VmSpec,
+        vm: VmInfo,
+    ) {
+        let uid = pod_uid(pod);
+        let ann = pod.metadata.annotations.clone().unwrap_or_default();
+        let ip = if !vm.primary_ip().is_empty() {
+            vm.primary_ip()
+        } else {
+            spec.vm_ip.clone()
+        };
+        if spec.managed && (spec.vm_id != vm.id || spec.vm_ip != ip) {
+            let mut a = BTreeMap::new();
+            a.insert(ANN_VM_ID.to_string(), Some(vm.id.clone()));
+            a.insert(ANN_VM_IP.to_string(), Some(ip.clone()));
+            self.send_annotations(key, &uid, a, false);
+        }
+        if spec.managed && !vm.name.is_empty() {
+            self.by_name.insert(vm.name.clone(), vm.clone());
+        }
+        let start_time = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.start_time.clone())
+            .or_else(|| Some(self.wall.clone()));
+        let probe_port = spec.probe_port;
+        let slot = self.slot(key);
+        slot.intent = Intent::seed(&uid, &ann);
+        slot.tracked = Some(Tracked {
+            uid: uid.clone(),
+            pod: pod.clone(),
+            spec,
+            vm: Some(vm.clone()),
+            ip: ip.clone(),
+            start_time,
+            probe: Some(initial_probe(&ip)),
+        });
+        if !deleting(pod) {
+            self.out.push(Effect::StartProbe {
+                key: key.clone(),
+                uid,
+                vm_id: vm.id.clone(),
+                ip,
+                mac: vm.primary_mac(),
+                probe_port,
+            });
+            self.refresh_ip(key);
+        }
+    }
+
+    /// §12 owed work for in-scope ops: `creating` pods with a VM resume the IP wait (CH all-DHCP)
+    /// or fail clearly when they need an unsupported fix-up; `ready` pods get their status pushed.
+    pub(super) fn owed_work(&mut self, key: &PodKey) {
+        let Some(slot) = self.slots.get(key) else {
+            return;
+        };
+        let (Some(t), Some(pod)) = (slot.tracked.clone(), slot.latest.clone()) else {
+            return;
+        };
+        if deleting(&pod) || t.vm.is_none() {
+            return;
+        }
+        let vm = t.vm.clone().unwrap_or_default();
+        if t.spec.managed && !t.spec.hibernate && !vm.running() {
+            // Adopted a VM that is not running (its crash event went to the previous process):
+            // handle it as §11.2 would (restart, or evict when it is gone).
+            return self.start_check(key, t.uid.clone(), vm.id, CheckStep::Inspect { attempt: 1 });
+        }
+        if t.spec.hibernate && t.spec.managed {
+            self.event(
+                key,
+                &t.uid,
+                EventType::Warning,
+                "HibernateUnsupported",
+                "hibernate is not supported yet by this vk-cocoon; the VM keeps running",
+            );
+            self.slot(key).warned_hibernate = true;
+            return self.push_status(key, false);
+        }
+        let ann = pod.metadata.annotations.clone().unwrap_or_default();
+        let recorded = ann
+            .get(spec::ANN_LIFECYCLE_STATE)
+            .map(String::as_str)
+            .unwrap_or("");
+        // An unknown text is a record too, just not one this build acts on.
+        let unrecorded = recorded.is_empty();
+        let state = State::parse(recorded);
+        let pcs = ann.get(spec::ANN_POST_CLONE_STATE).cloned();
+        // Adopted by name (the pod had no VM id): a create made this VM but the daemon stopped
+        // before recording it, so a `failed` on the pod is an earlier attempt's and stale.
+        let stale_failure =
+            t.spec.vm_id.is_empty() && state == Some(State::Failed) && pcs.is_none();
+        if stale_failure && t.spec.managed {
+            self.set_lifecycle(key, State::Creating, "");
+        }
+        let creating =
+            state == Some(State::Creating) || (unrecorded && pcs.is_some()) || stale_failure;
+        if !creating || !t.spec.managed {
+            if unrecorded && t.spec.managed {
+                // Adopted without any lifecycle record: publish Ready as an adoption does.
+                return self.publish_ready(key);
+            }
+            return self.push_status(key, false);
+        }
+        if pcs.as_deref() == Some("failed") {
+            return self.push_status(key, false);
+        }
+        let cloned = !(t.spec.mode == Mode::Run && t.spec.clone_from_dir.is_none());
+        let needs_fixup = cloned
+            && (vm.hypervisor == spec::BACKEND_FC
+                || vm.nics.iter().any(|n| !n.static_ip.is_empty()));
+        if needs_fixup {
+            let msg = format!(
+                "resume {}: post-clone fix-up is not supported yet",
+                t.spec.vm_name
+            );
+            self.event(
+                key,
+                &t.uid,
+                EventType::Warning,
+                "PostCloneUnsupported",
+                &msg,
+            );
+            self.set_lifecycle(key, State::Failed, &msg);
+            return self.push_status(key, false);
+        }
+        self.metric(MetricUpdate::StartupResume { op: "ready_wait" });
+        self.event(
+            key,
+            &t.uid,
+            EventType::Normal,
+            "ResumedAfterRestart",
+            "op=ready_wait",
+        );
+        self.start_ready_wait(key, t.uid.clone(), vm.id);
+    }
+}

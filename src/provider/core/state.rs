@@ -1,0 +1,246 @@
+//! The per-pod state the core keeps: the tracked incarnation, the running op and its step,
+//! what an outstanding effect answer is for, and timers. Data only; transitions live per op.
+
+use super::*;
+
+/// The provider's copy of a pod incarnation it owns.
+#[derive(Debug, Clone)]
+pub(super) struct Tracked {
+    pub(super) uid: String,
+    /// The API copy this incarnation was last reconciled with, shared with `Slot::latest` (a
+    /// dense node holds a thousand of these; copies were most of the daemon's memory).
+    pub(super) pod: Arc<Pod>,
+    pub(super) spec: VmSpec,
+    pub(super) vm: Option<VmInfo>,
+    pub(super) ip: String,
+    pub(super) start_time: Option<Time>,
+    /// Latest probe result (ready, message).
+    pub(super) probe: Option<(bool, String)>,
+}
+
+#[derive(Debug, Clone)]
+pub(super) enum CreateStep {
+    InspectByName,
+    RmStaleByName,
+    /// §5 step 6: was this VM hibernated (registry tag, or local snapshot without a registry)?
+    Evidence,
+    RmFork,
+    SnapInspect {
+        pulled: bool,
+    },
+    PullSnapshot,
+    ImageInspect,
+    MaterialiseBase,
+    MaterialiseRun,
+    Boot,
+    /// The bring-up failed: look for a record it may have left under the VM name.
+    BootFailedInspect {
+        error: String,
+    },
+    /// Removing that leftover before the failure is reported (and retried).
+    BootFailedRm {
+        error: String,
+    },
+    RunInspect,
+    Lease,
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct CreateOp {
+    pub(super) uid: String,
+    pub(super) spec: VmSpec,
+    pub(super) step: CreateStep,
+    pub(super) started: Instant,
+    pub(super) local_snapshot: String,
+    pub(super) snapshot_image: String,
+    pub(super) vm: Option<VmInfo>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum DeleteStep {
+    ApiFirst,
+    Inspect,
+    Save { retried: bool },
+    RmHolder,
+    Push,
+    Rm,
+    RmSnapshot,
+    RmForkSnapshot,
+    ApiLast,
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct DeleteOp {
+    pub(super) uid: String,
+    pub(super) step: DeleteStep,
+    pub(super) vm_name: String,
+    pub(super) keep: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum EvictStep {
+    Remove,
+    Status,
+    Delete,
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct EvictOp {
+    pub(super) uid: String,
+    pub(super) reason: EvictReason,
+    pub(super) message: String,
+    pub(super) step: EvictStep,
+    pub(super) attempts: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum CheckStep {
+    Inspect {
+        attempt: u32,
+    },
+    Start,
+    Refresh,
+    /// Deferred recheck: waiting on the slot timer.
+    Deferred {
+        delay: Duration,
+        until: Instant,
+    },
+    DeferredInspect {
+        delay: Duration,
+        until: Instant,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct CheckOp {
+    pub(super) uid: String,
+    pub(super) vm_id: String,
+    pub(super) step: CheckStep,
+}
+
+#[derive(Debug, Clone)]
+pub(super) enum Op {
+    Create(Box<CreateOp>),
+    /// Poll the lease until the VM has an IP, then publish Ready (§14.3). Preemptible.
+    ReadyWait {
+        uid: String,
+        vm_id: String,
+        until: Instant,
+    },
+    Delete(DeleteOp),
+    Evict(EvictOp),
+    Check(CheckOp),
+    /// DELETE of the API object for a pod being deleted that we do not track.
+    ApiDelete {
+        uid: String,
+    },
+}
+
+impl Op {
+    pub(super) fn preemptible(&self) -> bool {
+        matches!(
+            self,
+            Op::ReadyWait { .. }
+                | Op::Check(CheckOp {
+                    step: CheckStep::Deferred { .. },
+                    ..
+                })
+        )
+    }
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Slot {
+    /// Latest copy from the API (None once deleted there).
+    pub(super) latest: Option<Arc<Pod>>,
+    pub(super) tracked: Option<Tracked>,
+    pub(super) intent: Option<Intent>,
+    pub(super) op: Option<Op>,
+    pub(super) awaiting: Option<OpId>,
+    /// (due, token); a fired timer whose token differs is stale.
+    pub(super) timer: Option<(Instant, u64)>,
+    /// Consecutive failures of create / delete (backoff exponent).
+    pub(super) failures: u32,
+    pub(super) retry_at: Option<Instant>,
+    /// The pod copy whose create failed permanently (bad input): retried only when it changes.
+    pub(super) rejected: Option<Arc<Pod>>,
+    /// UID whose API object we already asked to delete with grace 0.
+    pub(super) api_deleted: Option<String>,
+    /// UID we evicted: never re-created; its graceful deletion is finished with grace 0.
+    pub(super) evicted: Option<String>,
+    /// A VM-gone event that arrived while a create was in flight, replayed when it ends.
+    pub(super) vm_event_during_create: Option<(VmEventKind, VmInfo)>,
+    pub(super) last_pushed: Option<StatusSummary>,
+    /// The last status written for an incarnation (uid): what the cluster shows, and what the
+    /// kubelet view serves without building a copy per pod.
+    pub(super) shown: Option<(String, Arc<PodStatus>)>,
+    /// Updates that asked for unsupported changes, so the Warning is emitted once per change.
+    pub(super) warned_hibernate: bool,
+}
+
+/// What an outstanding effect result is for.
+#[derive(Debug, Clone)]
+pub(super) enum Waiter {
+    PodStep(PodKey),
+    /// A read-only cocoon call several pods' steps wait on (`pod_cocoon_read`).
+    SharedRead {
+        argv: Vec<String>,
+        keys: Vec<PodKey>,
+    },
+    Status {
+        key: PodKey,
+        uid: String,
+        ready_publication: bool,
+        attempt: u32,
+        effect: Effect,
+    },
+    Annotations {
+        key: PodKey,
+        uid: String,
+        lifecycle: bool,
+        attempt: u32,
+        effect: Effect,
+    },
+    /// A background lease lookup for a tracked pod with no IP yet.
+    Lease {
+        key: PodKey,
+        uid: String,
+    },
+    StaleCreate {
+        vm: VmInfo,
+        watcher: bool,
+    },
+    StaleInspect {
+        vm: VmInfo,
+        watcher: bool,
+    },
+    Ignore,
+}
+
+#[derive(Debug, Clone)]
+pub(super) enum TimerEntry {
+    Pod {
+        key: PodKey,
+        token: u64,
+    },
+    Drift,
+    Lifecycle,
+    Reissue {
+        waiter: Waiter,
+    },
+    StaleWatch {
+        vm: VmInfo,
+        delay: Duration,
+        until: Instant,
+    },
+}
+
+pub(super) struct Startup {
+    pub(super) pods: Vec<Pod>,
+    pub(super) vms: Vec<VmInfo>,
+    /// Stale `creating` VMs still waiting for the verb.
+    pub(super) queue: Vec<VmInfo>,
+    pub(super) in_flight: usize,
+    /// Stale VMs handed to a background watcher (never adopted nor treated as orphans now).
+    pub(super) watched: Vec<VmInfo>,
+}
