@@ -419,6 +419,3 @@ mod tests {
         assert_eq!(truncate_bytes("abc", 10), "abc");
     }
 }
-
-#[cfg(test)]
-mod core_tests;

@@ -50,6 +50,8 @@ mod evict;
 mod kube_writes;
 mod startup;
 mod state;
+#[cfg(test)]
+mod tests;
 
 use self::state::*;
 

@@ -1,0 +1,214 @@
+//! Transition tests of check and evict: VM gone, restart and cooldown, deferred rechecks,
+//! VM events that arrive during a create.
+
+use super::*;
+
+#[test]
+fn vm_gone_evicts_with_failed_status_then_deletes() {
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
+    create_clone(&mut h, p, "VM1");
+    let e = h.feed(Input::VmEvent {
+        kind: VmEventKind::Deleted,
+        vm: vm_info("VM1", "vk-ns-demo-0", "stopped"),
+    });
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm inspect VM1");
+    let e = h.cocoon(op, CocoonResult::failed("vm not found"));
+    assert!(e.iter().any(|x| matches!(x, Effect::ReleaseLeases { .. })));
+    let st = statuses(&e);
+    assert_eq!(st.len(), 1);
+    let s = &st[0].1;
+    assert_eq!(s.phase.as_deref(), Some("Failed"));
+    let term = s.container_statuses.as_ref().unwrap()[0]
+        .state
+        .as_ref()
+        .unwrap()
+        .terminated
+        .clone()
+        .unwrap();
+    assert_eq!(
+        (term.exit_code, term.reason.as_deref()),
+        (1, Some("VMGone"))
+    );
+    assert!(
+        deletes(&e).is_empty(),
+        "status is written before the delete"
+    );
+    let e = h.kube_ok(st[0].0);
+    let d = deletes(&e);
+    assert_eq!(d.len(), 1);
+    assert_eq!(d[0].1, None);
+    let e = h.feed(Input::KubeDone {
+        op: d[0].0,
+        result: Err(KubeError::Other("500".into())),
+    });
+    assert!(has_metric(&e, &MetricUpdate::PodEvictFailure));
+    let e = h.advance(Duration::from_millis(200));
+    let d = deletes(&e);
+    assert_eq!(d.len(), 1, "eviction delete retried");
+    h.kube_ok(d[0].0);
+    assert!(h.p.get_pod(&PodKey::new("ns", "a")).is_none());
+}
+
+#[test]
+fn stopped_vm_is_restarted_then_cooldown_evicts() {
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
+    create_clone(&mut h, p, "VM1");
+    let stopped = vm_info("VM1", "vk-ns-demo-0", "stopped");
+    let e = h.feed(Input::VmEvent {
+        kind: VmEventKind::Modified,
+        vm: stopped.clone(),
+    });
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(vm_json(
+            "VM1",
+            "vk-ns-demo-0",
+            "stopped",
+            "02:00:00:00:00:01",
+        )),
+    );
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm start VM1");
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm inspect VM1");
+    h.cocoon(
+        op,
+        CocoonResult::ok(vm_json(
+            "VM1",
+            "vk-ns-demo-0",
+            "running",
+            "02:00:00:00:00:01",
+        )),
+    );
+    h.advance(Duration::from_secs(10));
+    let e = h.feed(Input::VmEvent {
+        kind: VmEventKind::Modified,
+        vm: stopped,
+    });
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(vm_json("VM1", "vk-ns-demo-0", "error", "02:00:00:00:00:01")),
+    );
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm rm --force VM1");
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let st = statuses(&e);
+    assert_eq!(st[0].1.reason.as_deref(), Some("RestartCooldown"));
+}
+
+#[test]
+fn transient_inspect_errors_defer_a_recheck() {
+    let mut h = H::new(ProviderConfig::default());
+    create_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")), "VM1");
+    let e = h.feed(Input::VmEvent {
+        kind: VmEventKind::Deleted,
+        vm: vm_info("VM1", "", ""),
+    });
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::failed("connection refused"));
+    assert!(cocoon_ops(&e).is_empty());
+    let e = h.advance(Duration::from_millis(200));
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::failed("connection refused"));
+    assert!(has_metric(&e, &MetricUpdate::VmInspectTransientFail));
+    let e = h.advance(Duration::from_secs(1));
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm inspect VM1");
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(vm_json(
+            "VM1",
+            "vk-ns-demo-0",
+            "running",
+            "02:00:00:00:00:01",
+        )),
+    );
+    assert!(statuses(&e).is_empty());
+    assert!(h
+        .advance(Duration::from_secs(5))
+        .iter()
+        .all(|x| !matches!(x, Effect::Cocoon { .. })));
+}
+
+#[test]
+fn failed_rm_before_eviction_rechecks_instead_of_giving_up() {
+    let mut h = H::new(ProviderConfig::default());
+    create_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")), "VM1");
+    let stopped = || vm_json("VM1", "vk-ns-demo-0", "stopped", "02:00:00:00:00:01");
+    let e = h.feed(Input::VmEvent {
+        kind: VmEventKind::Modified,
+        vm: vm_info("VM1", "vk-ns-demo-0", "stopped"),
+    });
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(stopped()));
+    let e = answer(
+        &mut h,
+        &e,
+        "vm start VM1",
+        CocoonResult::failed("backend busy"),
+    );
+    let e = answer(
+        &mut h,
+        &e,
+        "vm rm --force VM1",
+        CocoonResult::failed("backend busy"),
+    );
+    assert!(statuses(&e).is_empty(), "no eviction while the VM is kept");
+    // One second later the deferred recheck looks again; the cooldown now removes and evicts.
+    let e = h.advance(Duration::from_secs(1));
+    let e = answer(&mut h, &e, "vm inspect VM1", CocoonResult::ok(stopped()));
+    let e = answer(&mut h, &e, "vm rm --force VM1", CocoonResult::ok(""));
+    assert_eq!(statuses(&e)[0].1.reason.as_deref(), Some("RestartCooldown"));
+}
+
+#[test]
+fn vm_event_during_a_create_is_looked_at_once_the_create_is_done() {
+    let mut h = H::new(ProviderConfig::default());
+    let (op, _) = drive_to_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")));
+    let running = || vm_json("VM1", "vk-ns-demo-0", "running", "02:00:00:00:00:01");
+    let e = h.cocoon(op, CocoonResult::ok(running()));
+    let lop = lookup(&e).expect("lease lookup");
+    // The fresh VM crashes while the lease lookup is in flight: nothing to look at yet.
+    let e = h.feed(Input::VmEvent {
+        kind: VmEventKind::Modified,
+        vm: vm_info("VM1", "vk-ns-demo-0", "stopped"),
+    });
+    assert!(cocoon_ops(&e).is_empty());
+    // No lease yet: the create settles into its wait for Ready, then the event is looked at.
+    let e = h.feed(Input::LeaseLooked {
+        op: lop,
+        result: Ok(None),
+    });
+    assert!(statuses(&e).iter().all(|(_, s)| !status::is_ready(s)));
+    let e = answer(
+        &mut h,
+        &e,
+        "vm inspect VM1",
+        CocoonResult::ok(vm_json(
+            "VM1",
+            "vk-ns-demo-0",
+            "stopped",
+            "02:00:00:00:00:01",
+        )),
+    );
+    let e = answer(&mut h, &e, "vm start VM1", CocoonResult::ok(""));
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(running()));
+    // The check preempted the wait for Ready; it resumes, and the lease brings Ready.
+    let lop = lookup(&e).expect("the wait for Ready resumed");
+    let e = h.feed(Input::LeaseLooked {
+        op: lop,
+        result: Ok(Some("10.0.0.9".into())),
+    });
+    let (_, st) = statuses(&e)
+        .into_iter()
+        .find(|(_, s)| status::is_ready(s))
+        .expect("ready published after the restart");
+    assert_eq!(st.pod_ip.as_deref(), Some("10.0.0.9"));
+}

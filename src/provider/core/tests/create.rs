@@ -1,0 +1,755 @@
+//! Transition tests of create: spec checks, evidence, snapshot and image steps, clone / run,
+//! bring-up failures, adoption of a preassigned VM.
+
+use super::*;
+
+#[test]
+fn clone_create_publishes_running_then_ready_status_before_annotation() {
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
+    let e = create_clone(&mut h, p, "VM1");
+    let ann = annotation_patches(&e);
+    assert!(ann
+        .iter()
+        .any(|(_, a)| a.get(ANN_VM_ID) == Some(&Some("VM1".into()))
+            && a.get(ANN_VM_IP) == Some(&Some("10.0.0.9".into()))));
+    assert!(e
+        .iter()
+        .any(|x| matches!(x, Effect::StartProbe { ip, .. } if ip == "10.0.0.9")));
+    assert!(has_metric(
+        &e,
+        &MetricUpdate::PodLifecycle {
+            op: "create",
+            result: "ok",
+            reason: ""
+        }
+    ));
+    // Ready publication: status patch first, the lifecycle=ready annotation only after it landed.
+    let st = statuses(&e);
+    let (sop, ready) = st
+        .iter()
+        .find(|(_, s)| status::is_ready(s))
+        .cloned()
+        .expect("ready status");
+    assert_eq!(ready.pod_ip.as_deref(), Some("10.0.0.9"));
+    assert_eq!(ready.phase.as_deref(), Some("Running"));
+    assert!(!annotation_patches(&e)
+        .iter()
+        .any(|(_, a)| a.get(ANN_LIFECYCLE_STATE) == Some(&Some("ready".into()))));
+    let e = h.kube_ok(sop);
+    let ann = annotation_patches(&e);
+    assert_eq!(ann.len(), 1);
+    assert_eq!(ann[0].1[ANN_LIFECYCLE_STATE].as_deref(), Some("ready"));
+    let got = h.p.get_pod(&PodKey::new("ns", "a")).unwrap();
+    assert!(status::is_ready(got.status.as_ref().unwrap()));
+}
+
+#[test]
+fn clone_waits_for_the_lease_before_ready() {
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
+    let e = h.feed(Input::PodUpserted(Box::new(p)));
+    let e = no_evidence(&mut h, &e);
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"S","name":"x"}"#));
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(vm_json(
+            "VM1",
+            "vk-ns-demo-0",
+            "running",
+            "02:00:00:00:00:01",
+        )),
+    );
+    let lop = lookup(&e).unwrap();
+    let e = h.feed(Input::LeaseLooked {
+        op: lop,
+        result: Ok(None),
+    });
+    // Running but not ready, waiting for the lease.
+    let st = statuses(&e);
+    assert_eq!(st.len(), 1);
+    assert_eq!(st[0].1.phase.as_deref(), Some("Running"));
+    assert!(!status::is_ready(&st[0].1));
+    assert!(lookup(&e).is_none());
+    let e = h.advance(Duration::from_millis(200));
+    let lop = lookup(&e).expect("polls the lease again");
+    let e = h.feed(Input::LeaseLooked {
+        op: lop,
+        result: Ok(Some("10.1.1.1".into())),
+    });
+    assert!(statuses(&e).iter().any(|(_, s)| status::is_ready(s)));
+    // The lease never coming: 45 s later it fails clearly.
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk("b", "u2", &managed("b", "vk-ns-demo-1"));
+    let e = h.feed(Input::PodUpserted(Box::new(p)));
+    let e = no_evidence(&mut h, &e);
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"S","name":"x"}"#));
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(vm_json(
+            "VM2",
+            "vk-ns-demo-1",
+            "running",
+            "02:00:00:00:00:02",
+        )),
+    );
+    let all_lookups = |e: &[Effect]| -> Vec<OpId> {
+        e.iter()
+            .filter_map(|x| match x {
+                Effect::LookupLease { op, .. } => Some(*op),
+                _ => None,
+            })
+            .collect()
+    };
+    let mut lops = all_lookups(&e);
+    let mut all = Vec::new();
+    for _ in 0..300 {
+        for op in std::mem::take(&mut lops) {
+            all.extend(h.feed(Input::LeaseLooked {
+                op,
+                result: Ok(None),
+            }));
+        }
+        let e = h.advance(Duration::from_millis(200));
+        lops = all_lookups(&e);
+        all.extend(e);
+    }
+    assert!(events(&all)
+        .iter()
+        .any(|(r, _)| *r == "PostCloneIPWaitTimeout"));
+    assert!(annotation_patches(&all)
+        .iter()
+        .any(|(_, a)| a.get(ANN_LIFECYCLE_STATE) == Some(&Some("failed".into()))));
+}
+
+#[test]
+fn bad_input_fails_clearly_without_touching_cocoon() {
+    let cases: Vec<(Vec<(&'static str, String)>, &str)> = vec![
+        (vec![(ANN_MANAGED, "true".into())], "missing_vmname"),
+        (
+            vec![(ANN_VM_NAME, "v".into()), (ANN_MODE, "boot".into())],
+            "bad_mode",
+        ),
+        (
+            vec![(ANN_VM_NAME, "v".into()), (ANN_BACKEND, "qemu".into())],
+            "bad_backend",
+        ),
+        (
+            vec![
+                (ANN_VM_NAME, "v".into()),
+                (ANN_MODE, "run".into()),
+                (ANN_CLONE_FROM_DIR, "/x".into()),
+            ],
+            "conflicting_annotations",
+        ),
+        (
+            vec![
+                (ANN_VM_NAME, "v".into()),
+                (ANN_CLONE_FROM_DIR, "rel/dir".into()),
+            ],
+            "bad_clone_from_dir",
+        ),
+        (
+            vec![
+                (ANN_VM_NAME, "v".into()),
+                (ANN_CLONE_FROM_DIR, "/a/./b".into()),
+            ],
+            "bad_clone_from_dir",
+        ),
+        (
+            vec![(ANN_VM_NAME, "v".into()), (ANN_STORAGE, "ten gigs".into())],
+            "bad_quantity",
+        ),
+    ];
+    for (ann, reason) in cases {
+        let mut h = H::new(ProviderConfig::default());
+        let p = mk("a", "u1", &ann);
+        let e = h.feed(Input::PodUpserted(Box::new(p.clone())));
+        assert!(cocoon_ops(&e).is_empty(), "{reason}: {e:?}");
+        let st = statuses(&e);
+        assert_eq!(st.len(), 1, "{reason}");
+        assert_eq!(st[0].1.reason.as_deref(), Some("ProviderFailed"));
+        assert!(
+            events(&e).iter().any(|(r, _)| *r == "ProviderCreateFailed"),
+            "{reason}"
+        );
+        let result = if reason == "missing_vmname" {
+            "skipped"
+        } else {
+            "failed"
+        };
+        assert!(
+            has_metric(
+                &e,
+                &MetricUpdate::PodLifecycle {
+                    op: "create",
+                    result,
+                    reason
+                }
+            ),
+            "{reason}: {e:?}"
+        );
+        // The same pod again changes nothing; no retry storm either.
+        assert!(h.feed(Input::PodUpserted(Box::new(p))).is_empty());
+        assert!(h
+            .advance(Duration::from_secs(60))
+            .iter()
+            .all(|e| !matches!(e, Effect::Cocoon { .. })));
+    }
+}
+
+#[test]
+fn unsupported_requests_fail_create_clearly() {
+    for extra in [
+        (ANN_FORK_FROM, "vk-ns-demo-0"),
+        (ANN_RESTORE, "true"),
+        (ANN_OS, "windows"),
+        (ANN_BACKEND, "firecracker"),
+    ] {
+        let mut h = H::new(ProviderConfig::default());
+        let mut ann = managed("a", "vk-ns-demo-1");
+        ann.push((extra.0, extra.1.into()));
+        let e = h.feed(Input::PodUpserted(Box::new(mk("a", "u", &ann))));
+        assert!(cocoon_ops(&e).is_empty(), "{extra:?}");
+        assert!(
+            events(&e)
+                .iter()
+                .any(|(r, m)| *r == "ProviderCreateFailed" && m.contains("not supported yet")),
+            "{extra:?}"
+        );
+        assert!(has_metric(
+            &e,
+            &MetricUpdate::PodLifecycle {
+                op: "create",
+                result: "failed",
+                reason: "unsupported"
+            }
+        ));
+    }
+}
+
+#[test]
+fn missing_snapshot_is_pulled_with_registry_and_fails_without() {
+    let mut h = H::new(ProviderConfig::default());
+    let e = h.feed(Input::PodUpserted(Box::new(mk(
+        "a",
+        "u1",
+        &managed("a", "vk-ns-demo-0"),
+    ))));
+    let e = no_evidence(&mut h, &e);
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(
+        op,
+        CocoonResult::failed("Error: inspect: snapshot not found"),
+    );
+    assert!(events(&e)
+        .iter()
+        .any(|(r, m)| *r == "CreateBringUpFailed" && m.contains("no registry")));
+    assert!(statuses(&e)
+        .iter()
+        .any(|(_, s)| s.reason.as_deref() == Some("ProviderFailed")));
+    // Retried with backoff: 5 ms later the create runs again (first inspecting the name).
+    let e = h.advance(Duration::from_millis(5));
+    let (_, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm inspect vk-ns-demo-0");
+
+    let mut h = H::new(ProviderConfig {
+        registry: true,
+        ..Default::default()
+    });
+    let e = h.feed(Input::PodUpserted(Box::new(mk(
+        "a",
+        "u1",
+        &managed("a", "vk-ns-demo-0"),
+    ))));
+    let e = no_evidence(&mut h, &e);
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::failed("snapshot not found"));
+    let pull = e.iter().find_map(|x| match x {
+        Effect::PullSnapshot {
+            op,
+            repo,
+            tag,
+            local_name,
+        } => Some((*op, repo.clone(), tag.clone(), local_name.clone())),
+        _ => None,
+    });
+    let (pop, repo, tag, local) = pull.expect("pull");
+    assert_eq!(
+        (repo.as_str(), tag.as_str(), local.as_str()),
+        ("team/agent", "v3", "team/agent:v3")
+    );
+    let e = h.feed(Input::TransferDone {
+        op: pop,
+        result: Ok(String::new()),
+    });
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "snapshot inspect team/agent:v3");
+    // Recorded OCI base image whose digest is present ⇒ clone with --pull.
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(
+            r#"{"id":"S","name":"x","image":"ubuntu:24.04","image_digest":"sha256:ab"}"#,
+        ),
+    );
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "image inspect sha256:ab");
+    let e = h.cocoon(op, CocoonResult::ok("{}"));
+    let (_, cmd) = one_cocoon(&e);
+    assert!(argv(&cmd).contains(" --pull "), "{}", argv(&cmd));
+}
+
+#[test]
+fn backend_mismatch_refuses_to_clone() {
+    let mut h = H::new(ProviderConfig::default());
+    let mut ann = managed("a", "vk-ns-demo-0");
+    ann.push((ANN_BACKEND, "cloud-hypervisor".into()));
+    let e = h.feed(Input::PodUpserted(Box::new(mk("a", "u1", &ann))));
+    let e = no_evidence(&mut h, &e);
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(r#"{"id":"S","name":"x","hypervisor":"firecracker"}"#),
+    );
+    assert!(cocoon_ops(&e).is_empty());
+    assert!(events(&e)
+        .iter()
+        .any(|(_, m)| m
+            .contains("was taken with firecracker but CocoonSet requests cloud-hypervisor")));
+}
+
+#[test]
+fn run_mode_pulls_the_image_then_runs_with_resources() {
+    use k8s_openapi::api::core::v1::ResourceRequirements;
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    let mut h = H::new(ProviderConfig::default());
+    let mut ann = managed("a", "vk-ns-tb-shell");
+    ann.push((ANN_MODE, "run".into()));
+    ann.push((ANN_FORCE_PULL, "true".into()));
+    ann.push((ANN_STORAGE, "20Gi".into()));
+    let mut p = mk("a", "u1", &ann);
+    p.spec.as_mut().unwrap().containers[0].resources = Some(ResourceRequirements {
+        limits: Some([("cpu".to_string(), Quantity("2".into()))].into()),
+        requests: Some([("memory".to_string(), Quantity("4Gi".into()))].into()),
+        ..Default::default()
+    });
+    let e = h.feed(Input::PodUpserted(Box::new(p)));
+    let e = no_evidence(&mut h, &e);
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "image pull --force team/agent:v3");
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(
+        argv(&cmd),
+        "vm run --output json --name vk-ns-tb-shell --cpu 2 --cpu-weight 79 --cpu-quota-us 200000 \
+         --cpu-period-us 100000 --memory 4294967296 --storage 21474836480 team/agent:v3"
+    );
+    // Not running / pid 0 ⇒ one extra inspect.
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(r#"{"id":"R1","state":"created","pid":0}"#),
+    );
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm inspect R1");
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(vm_json(
+            "R1",
+            "vk-ns-tb-shell",
+            "running",
+            "02:00:00:00:00:09",
+        )),
+    );
+    let lop = lookup(&e).unwrap();
+    assert!(e.iter().any(
+        |x| matches!(x, Effect::Metric(MetricUpdate::VmBootDuration { mode, .. }) if mode == "run")
+    ));
+    let e = h.feed(Input::LeaseLooked {
+        op: lop,
+        result: Ok(Some("10.0.0.3".into())),
+    });
+    // Not cloned ⇒ Ready published at once.
+    assert!(statuses(&e).iter().any(|(_, s)| status::is_ready(s)));
+}
+
+#[test]
+fn clone_from_dir_uses_from_dir_and_counts() {
+    let mut h = H::new(ProviderConfig::default());
+    let mut ann = managed("a", "vk-ns-demo-0");
+    ann.push((ANN_CLONE_FROM_DIR, "/srv/snap".into()));
+    let e = h.feed(Input::PodUpserted(Box::new(mk("a", "u1", &ann))));
+    let e = no_evidence(&mut h, &e);
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let (op, cmd) = one_cocoon(&e);
+    let a = argv(&cmd);
+    assert!(a.ends_with("--from-dir /srv/snap"), "{a}");
+    assert!(a.contains("--pull"));
+    let e = h.cocoon(op, CocoonResult::failed("boom"));
+    assert!(has_metric(
+        &e,
+        &MetricUpdate::CloneFromDir { result: "failed" }
+    ));
+}
+
+#[test]
+fn unmanaged_pod_adopts_preassigned_vm_without_cocoon() {
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk(
+        "s",
+        "u1",
+        &[
+            (ANN_VM_NAME, "vk-ns-static".into()),
+            (ANN_VM_ID, "PRE".into()),
+            (ANN_VM_IP, "10.9.9.9".into()),
+        ],
+    );
+    let e = h.feed(Input::PodUpserted(Box::new(p)));
+    assert!(cocoon_ops(&e).is_empty());
+    assert!(statuses(&e)
+        .iter()
+        .any(|(_, s)| status::is_ready(s) && s.pod_ip.as_deref() == Some("10.9.9.9")));
+    // Missing IP ⇒ error.
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk(
+        "s",
+        "u1",
+        &[
+            (ANN_VM_NAME, "vk-ns-static".into()),
+            (ANN_VM_ID, "PRE".into()),
+        ],
+    );
+    let e = h.feed(Input::PodUpserted(Box::new(p)));
+    assert!(events(&e)
+        .iter()
+        .any(|(_, m)| m.contains("missing pre-assigned IP/VMID")));
+}
+
+#[test]
+fn hibernate_request_changes_nothing_but_warns_once() {
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
+    create_clone(&mut h, p.clone(), "VM1");
+    let mut q = p.clone();
+    q.metadata
+        .annotations
+        .as_mut()
+        .unwrap()
+        .insert(ANN_HIBERNATE.into(), "true".into());
+    let e = h.feed(Input::PodUpserted(Box::new(q.clone())));
+    assert!(cocoon_ops(&e).is_empty());
+    assert!(events(&e)
+        .iter()
+        .any(|(r, m)| *r == "HibernateUnsupported" && m.contains("not supported yet")));
+    q.metadata.labels = Some([("x".to_string(), "y".to_string())].into());
+    let e = h.feed(Input::PodUpserted(Box::new(q)));
+    assert!(events(&e).is_empty());
+    assert!(h.p.pod_vm(&PodKey::new("ns", "a")).is_some());
+}
+
+#[test]
+fn same_name_recreate_adopts_the_vm_for_the_new_incarnation() {
+    let mut h = H::new(ProviderConfig::default());
+    create_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")), "VM1");
+    let e = h.feed(Input::PodUpserted(Box::new(mk(
+        "a",
+        "u2",
+        &managed("a", "vk-ns-demo-0"),
+    ))));
+    assert!(cocoon_ops(&e).is_empty());
+    assert!(has_metric(
+        &e,
+        &MetricUpdate::PodLifecycle {
+            op: "create",
+            result: "ok",
+            reason: "adopted"
+        }
+    ));
+}
+
+#[test]
+fn cpu_class_mismatch_is_rejected() {
+    let mut h = H::new(ProviderConfig {
+        cpu_class: Some("x86-v3".into()),
+        ..Default::default()
+    });
+    let mut p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
+    p.spec.as_mut().unwrap().node_selector =
+        Some([(SELECTOR_CPU_CLASS.to_string(), "arm-v9".to_string())].into());
+    let e = h.feed(Input::PodUpserted(Box::new(p)));
+    assert!(cocoon_ops(&e).is_empty());
+    assert!(has_metric(
+        &e,
+        &MetricUpdate::PodLifecycle {
+            op: "create",
+            result: "failed",
+            reason: "snapshot_cpu_class_mismatch"
+        }
+    ));
+}
+
+#[test]
+fn failed_bring_up_removes_the_record_it_left_or_adopts_a_finished_one() {
+    let mut h = H::new(ProviderConfig::default());
+    let (op, _) = drive_to_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")));
+    let timed_out = CocoonResult {
+        timed_out: true,
+        ..Default::default()
+    };
+    let e = h.cocoon(op, timed_out.clone());
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm inspect vk-ns-demo-0");
+    assert!(
+        statuses(&e).is_empty(),
+        "failure reported only after the look"
+    );
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(vm_json(
+            "VM7",
+            "vk-ns-demo-0",
+            "creating",
+            "02:00:00:00:00:01",
+        )),
+    );
+    let e = answer(&mut h, &e, "vm rm --force VM7", CocoonResult::ok(""));
+    let st = statuses(&e);
+    assert_eq!(st[0].1.reason.as_deref(), Some("ProviderFailed"));
+    assert!(events(&e).iter().any(|(r, _)| *r == "ProviderCreateFailed"));
+
+    // Second pod: the clone timed out but finished anyway: adopted, no second clone.
+    let (op, _) = drive_to_clone(&mut h, mk("b", "u2", &managed("b", "vk-ns-demo-1")));
+    let e = h.cocoon(op, timed_out);
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(vm_json(
+            "VM8",
+            "vk-ns-demo-1",
+            "running",
+            "02:00:00:00:00:02",
+        )),
+    );
+    let lop = lookup(&e).expect("lease lookup of the adopted VM");
+    let e = h.feed(Input::LeaseLooked {
+        op: lop,
+        result: Ok(Some("10.0.0.8".into())),
+    });
+    assert!(cocoon_ops(&e).is_empty());
+    assert!(annotation_patches(&e)
+        .iter()
+        .any(|(_, a)| a.get(ANN_VM_ID) == Some(&Some("VM8".into()))));
+}
+
+/// The effects of a fresh managed create of `ann` up to its evidence check, and that check's op.
+fn evidence_check(h: &mut H, ann: &[(&'static str, String)]) -> OpId {
+    let e = h.feed(Input::PodUpserted(Box::new(mk("a", "u1", ann))));
+    assert!(
+        cocoon_ops(&e).is_empty(),
+        "nothing runs before the evidence"
+    );
+    e.iter()
+        .find_map(|x| match x {
+            Effect::CheckHibernateEvidence { op, vm_name } if vm_name == "vk-ns-demo-0" => {
+                Some(*op)
+            }
+            _ => None,
+        })
+        .expect("evidence check")
+}
+
+fn evidence_failed(e: &[Effect], verdict: &'static str, says: &str) {
+    assert!(cocoon_ops(e).is_empty(), "no VM is touched: {e:?}");
+    assert!(has_metric(e, &MetricUpdate::HibernateEvidence { verdict }));
+    assert!(
+        events(e)
+            .iter()
+            .any(|(r, m)| *r == "HibernateEvidenceFailed" && m.contains(says)),
+        "{:?}",
+        events(e)
+    );
+    assert!(!events(e).iter().any(|(r, _)| *r == "CreateBringUpFailed"));
+    assert!(statuses(e)
+        .iter()
+        .any(|(_, s)| s.reason.as_deref() == Some("ProviderFailed")));
+}
+
+#[test]
+fn hibernate_tag_in_the_registry_never_gets_a_fresh_boot() {
+    let registry = ProviderConfig {
+        registry: true,
+        ..Default::default()
+    };
+    // Same image (or none recorded): the Go daemon would restore; that is not built, so the
+    // create fails clearly instead of booting a blank VM over the hibernated state.
+    for recorded in ["", "team/agent:v3"] {
+        let mut h = H::new(registry.clone());
+        let op = evidence_check(&mut h, &managed("a", "vk-ns-demo-0"));
+        let e = h.feed(Input::HibernateEvidence {
+            op,
+            result: Ok(Some(recorded.into())),
+        });
+        evidence_failed(
+            &e,
+            "restore_unsupported",
+            "delete the tag vk-ns-demo-0:hibernate",
+        );
+        assert!(events(&e)
+            .iter()
+            .any(|(r, _)| *r == "HibernateSnapshotExists"));
+        // Retried with backoff; once the tag is gone the fresh bring-up starts.
+        let e = h.advance(Duration::from_millis(5));
+        let e = answer(
+            &mut h,
+            &e,
+            "vm inspect vk-ns-demo-0",
+            CocoonResult::failed("Error: vm not found"),
+        );
+        let e = no_evidence(&mut h, &e);
+        let (_, cmd) = one_cocoon(&e);
+        assert_eq!(argv(&cmd), "snapshot rm fork-vk-ns-demo-0");
+    }
+
+    // Another base image: image_conflict.
+    let mut h = H::new(registry.clone());
+    let op = evidence_check(&mut h, &managed("a", "vk-ns-demo-0"));
+    let e = h.feed(Input::HibernateEvidence {
+        op,
+        result: Ok(Some("team/agent:v2".into())),
+    });
+    evidence_failed(
+        &e,
+        "image_conflict",
+        "of image team/agent:v2 but the pod asks for team/agent:v3",
+    );
+
+    // An explicit clone source: source_conflict.
+    let mut h = H::new(registry.clone());
+    let mut ann = managed("a", "vk-ns-demo-0");
+    ann.push((ANN_CLONE_FROM_DIR, "/srv/snap".into()));
+    let op = evidence_check(&mut h, &ann);
+    let e = h.feed(Input::HibernateEvidence {
+        op,
+        result: Ok(Some(String::new())),
+    });
+    evidence_failed(&e, "source_conflict", "explicit clone source");
+
+    // The registry cannot answer: fail closed.
+    let mut h = H::new(registry);
+    let op = evidence_check(&mut h, &managed("a", "vk-ns-demo-0"));
+    let e = h.feed(Input::HibernateEvidence {
+        op,
+        result: Err(TransferError::Transient(
+            "get manifest vk-ns-demo-0:hibernate: HTTP 503".into(),
+        )),
+    });
+    evidence_failed(&e, "unavailable", "HTTP 503");
+    assert!(events(&e)
+        .iter()
+        .any(|(r, _)| *r == "HibernateEvidenceUnavailable"));
+}
+
+#[test]
+fn without_a_registry_a_local_snapshot_named_after_the_vm_is_the_evidence() {
+    let mut h = H::new(ProviderConfig::default());
+    let e = h.feed(Input::PodUpserted(Box::new(mk(
+        "a",
+        "u1",
+        &managed("a", "vk-ns-demo-0"),
+    ))));
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot inspect vk-ns-demo-0",
+        CocoonResult::ok(r#"{"id":"S9","name":"vk-ns-demo-0","image":"team/agent:v3"}"#),
+    );
+    evidence_failed(
+        &e,
+        "restore_unsupported",
+        "remove the local snapshot vk-ns-demo-0",
+    );
+
+    // An inspect that hangs says nothing either way: fail closed.
+    let mut h = H::new(ProviderConfig::default());
+    let e = h.feed(Input::PodUpserted(Box::new(mk(
+        "a",
+        "u1",
+        &managed("a", "vk-ns-demo-0"),
+    ))));
+    let hung = CocoonResult {
+        timed_out: true,
+        ..CocoonResult::failed("")
+    };
+    let e = answer(&mut h, &e, "snapshot inspect vk-ns-demo-0", hung);
+    evidence_failed(&e, "unavailable", "timed out");
+}
+
+/// Pods cloning one snapshot at the same time share one `snapshot inspect` (and one image
+/// inspect): the later pods wait on the running read and all go on with its answer.
+#[test]
+fn concurrent_clones_of_one_snapshot_share_the_source_inspect() {
+    let mut h = H::new(ProviderConfig::default());
+    let mut at_inspect = Vec::new();
+    for (i, name) in ["a", "b", "c"].iter().enumerate() {
+        let vm = format!("vk-ns-demo-{i}");
+        let e = h.feed(Input::PodUpserted(Box::new(mk(
+            name,
+            &format!("u{i}"),
+            &managed(name, &vm),
+        ))));
+        let e = no_evidence(&mut h, &e);
+        let (op, cmd) = one_cocoon(&e);
+        assert_eq!(argv(&cmd), format!("snapshot rm fork-{vm}"));
+        at_inspect.push(h.cocoon(op, CocoonResult::failed("snapshot not found")));
+    }
+    // One inspect process for the three pods.
+    let (inspect, cmd) = one_cocoon(&at_inspect[0]);
+    assert_eq!(argv(&cmd), "snapshot inspect team/agent:v3");
+    assert!(cocoon_ops(&at_inspect[1]).is_empty());
+    assert!(cocoon_ops(&at_inspect[2]).is_empty());
+
+    let snap = r#"{"id":"S","name":"team/agent:v3","hypervisor":"cloud-hypervisor",
+        "image":"ubuntu:24.04","image_digest":"sha256:ab"}"#;
+    let e = h.cocoon(inspect, CocoonResult::ok(snap));
+    let image_inspects: Vec<_> = cocoon_ops(&e)
+        .into_iter()
+        .filter(|(_, c)| argv(c) == "image inspect sha256:ab")
+        .collect();
+    assert_eq!(image_inspects.len(), 1, "{e:?}");
+    let e = h.cocoon(image_inspects[0].0, CocoonResult::ok("{}"));
+    let mut clones: Vec<String> = cocoon_ops(&e)
+        .iter()
+        .map(|(_, c)| argv(c))
+        .filter(|a| a.starts_with("vm clone"))
+        .map(|a| a.split(' ').nth(5).unwrap_or_default().to_string())
+        .collect();
+    clones.sort();
+    assert_eq!(clones, ["vk-ns-demo-0", "vk-ns-demo-1", "vk-ns-demo-2"]);
+    // The next pod after the read ended starts a read of its own.
+    let e = h.feed(Input::PodUpserted(Box::new(mk(
+        "d",
+        "u3",
+        &managed("d", "vk-ns-demo-3"),
+    ))));
+    let e = no_evidence(&mut h, &e);
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let (_, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "snapshot inspect team/agent:v3");
+}

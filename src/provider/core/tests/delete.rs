@@ -1,0 +1,151 @@
+//! Transition tests of delete: snapshot save / push / rm, the API-first and API-last steps,
+//! deletes that arrive while the watch was down.
+
+use super::*;
+
+fn deleting_pod(mut p: Pod, running: bool) -> Pod {
+    p.metadata.deletion_timestamp = Some(Time(
+        k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap(),
+    ));
+    p.metadata.deletion_grace_period_seconds = Some(30);
+    if running {
+        p.status = Some(status::running(
+            "10.0.0.9",
+            true,
+            None,
+            None,
+            &Time(k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap()),
+        ));
+    }
+    p
+}
+
+#[test]
+fn delete_snapshots_pushes_removes_then_deletes_the_object() {
+    let mut h = H::new(ProviderConfig {
+        registry: true,
+        ..Default::default()
+    });
+    let mut p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
+    p.metadata.owner_references = Some(vec![OwnerReference {
+        kind: "CocoonSet".into(),
+        name: "demo".into(),
+        ..Default::default()
+    }]);
+    let mut ann = p.metadata.annotations.clone().unwrap();
+    ann.insert(ANN_SNAPSHOT_POLICY.into(), "main-only".into());
+    p.metadata.annotations = Some(ann);
+    create_clone(&mut h, p.clone(), "VM1");
+    let e = h.feed(Input::PodUpserted(Box::new(deleting_pod(p, true))));
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm inspect VM1");
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(vm_json(
+            "VM1",
+            "vk-ns-demo-0",
+            "running",
+            "02:00:00:00:00:01",
+        )),
+    );
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "snapshot save --name vk-ns-demo-0 VM1");
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let push = e.iter().find_map(|x| match x {
+        Effect::PushSnapshot {
+            op,
+            repo,
+            tag,
+            base_image,
+            ..
+        } => Some((*op, repo.clone(), tag.clone(), base_image.clone())),
+        _ => None,
+    });
+    let (pop, repo, tag, base) = push.unwrap();
+    assert_eq!(
+        (repo.as_str(), tag.as_str(), base.as_str()),
+        ("vk-ns-demo-0", "latest", "team/agent:v3")
+    );
+    let e = h.feed(Input::TransferDone {
+        op: pop,
+        result: Ok(String::new()),
+    });
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm rm --force VM1");
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    assert!(e.iter().any(|x| matches!(x, Effect::ReleaseLeases { macs } if macs == &vec!["02:00:00:00:00:01".to_string()])));
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "snapshot rm vk-ns-demo-0");
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "snapshot rm fork-vk-ns-demo-0");
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    assert!(statuses(&e)
+        .iter()
+        .any(|(_, s)| s.phase.as_deref() == Some("Succeeded")));
+    assert_eq!(deletes(&e).len(), 1);
+    assert_eq!(deletes(&e)[0].1, Some(0));
+    assert!(has_metric(
+        &e,
+        &MetricUpdate::PodLifecycle {
+            op: "delete",
+            result: "ok",
+            reason: ""
+        }
+    ));
+    assert!(h.p.get_pod(&PodKey::new("ns", "a")).is_none());
+}
+
+#[test]
+fn delete_of_sub_agent_under_main_only_skips_snapshot_and_failure_keeps_vm_and_retries() {
+    let mut h = H::new(ProviderConfig {
+        registry: true,
+        ..Default::default()
+    });
+    let mut ann = managed("b", "vk-ns-demo-2");
+    ann.push((ANN_SNAPSHOT_POLICY, "main-only".into()));
+    let mut p = mk("b", "u2", &ann);
+    p.metadata.owner_references = Some(vec![OwnerReference {
+        kind: "CocoonSet".into(),
+        name: "demo".into(),
+        ..Default::default()
+    }]);
+    create_clone(&mut h, p.clone(), "VM2");
+    let e = h.feed(Input::PodUpserted(Box::new(deleting_pod(p, true))));
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm rm --force VM2");
+    let e = h.cocoon(op, CocoonResult::failed("device busy"));
+    assert!(events(&e)
+        .iter()
+        .any(|(r, m)| *r == "ProviderDeleteFailed" && m.contains("VM kept")));
+    assert!(deletes(&e).is_empty());
+    let e = h.advance(Duration::from_millis(5));
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm rm --force VM2");
+    // Already absent counts as removed.
+    let e = h.cocoon(op, CocoonResult::failed("Error: vm VM2: VM not found"));
+    let (_, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "snapshot rm vk-ns-demo-2");
+}
+
+#[test]
+fn pod_deleted_while_watch_was_down_still_loses_its_vm() {
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
+    create_clone(&mut h, p, "VM1");
+    // Relist without the pod.
+    let e = h.feed(Input::PodsRelisted(vec![]));
+    let (_, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm rm --force VM1");
+}
+
+#[test]
+fn not_running_pod_being_deleted_is_force_deleted_at_once() {
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk("a", "u1", &[(ANN_MANAGED, "true".into())]); // bad pod, never tracked
+    h.feed(Input::PodUpserted(Box::new(p.clone())));
+    let e = h.feed(Input::PodUpserted(Box::new(deleting_pod(p, false))));
+    assert_eq!(deletes(&e).len(), 1);
+    assert_eq!(deletes(&e)[0].1, Some(0));
+    assert!(cocoon_ops(&e).is_empty());
+}

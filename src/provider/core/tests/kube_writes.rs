@@ -1,0 +1,103 @@
+//! Transition tests of the kube writes: drift re-publication, readiness updates, lifecycle
+//! retries that must not overwrite a newer state.
+
+use super::*;
+
+#[test]
+fn drift_republishes_a_clobbered_status_and_readiness_updates_flow() {
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
+    let e = create_clone(&mut h, p.clone(), "VM1");
+    let (sop, _) = statuses(&e)
+        .into_iter()
+        .find(|(_, s)| status::is_ready(s))
+        .unwrap();
+    h.kube_ok(sop);
+    // Someone marks the API pod NotReady: the 10 s reconciler republishes.
+    let mut q = p.clone();
+    q.status = Some(status::running(
+        "10.0.0.9",
+        false,
+        None,
+        None,
+        &Time(k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap()),
+    ));
+    q.metadata
+        .annotations
+        .as_mut()
+        .unwrap()
+        .insert(ANN_VM_IP.into(), "10.0.0.9".into());
+    q.metadata
+        .annotations
+        .as_mut()
+        .unwrap()
+        .insert(ANN_VM_ID.into(), "VM1".into());
+    h.feed(Input::PodUpserted(Box::new(q)));
+    let e = h.advance(Duration::from_secs(10));
+    assert!(
+        statuses(&e).iter().any(|(_, s)| status::is_ready(s)),
+        "{e:?}"
+    );
+    // Probe says not ready ⇒ status flips.
+    let e = h.feed(Input::Readiness {
+        key: PodKey::new("ns", "a"),
+        uid: "u1".into(),
+        ready: false,
+        message: "ping failed: timeout".into(),
+        ip: None,
+    });
+    let st = statuses(&e);
+    assert_eq!(st.len(), 1);
+    assert!(!status::is_ready(&st[0].1));
+    // Stale uid is ignored.
+    let e = h.feed(Input::Readiness {
+        key: PodKey::new("ns", "a"),
+        uid: "old".into(),
+        ready: true,
+        message: "ping ok".into(),
+        ip: None,
+    });
+    assert!(e.is_empty());
+}
+
+#[test]
+fn a_lifecycle_retry_never_overwrites_a_newer_state() {
+    let mut h = H::new(ProviderConfig::default());
+    let (op, first) = drive_to_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")));
+    let (creating, a) = annotation_patches(&first)[0].clone();
+    assert_eq!(a[ANN_LIFECYCLE_STATE].as_deref(), Some("creating"));
+    // The `creating` flush fails at once: its retry was due in 500 ms.
+    h.feed(Input::KubeDone {
+        op: creating,
+        result: Err(KubeError::Other("500".into())),
+    });
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(vm_json(
+            "VM1",
+            "vk-ns-demo-0",
+            "running",
+            "02:00:00:00:00:01",
+        )),
+    );
+    let lop = lookup(&e).expect("lease lookup");
+    let e = h.feed(Input::LeaseLooked {
+        op: lop,
+        result: Ok(Some("10.0.0.9".into())),
+    });
+    let (sop, _) = statuses(&e)
+        .into_iter()
+        .find(|(_, s)| status::is_ready(s))
+        .expect("ready status");
+    let e = h.kube_ok(sop);
+    let (rop, _) = annotation_patches(&e)[0].clone();
+    h.kube_ok(rop);
+    // Ready is published before the retry is due: the retry must not go out.
+    let e = h.advance(Duration::from_secs(2));
+    assert!(
+        annotation_patches(&e)
+            .iter()
+            .all(|(_, a)| a.get(ANN_LIFECYCLE_STATE) != Some(&Some("creating".into()))),
+        "{e:?}"
+    );
+}

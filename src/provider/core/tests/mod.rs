@@ -1,0 +1,257 @@
+//! Transition tests of the provider core: drive `Provider::handle` with virtual time and
+//! answer its effects by hand. This file is the harness; each operation's tests sit beside it.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant, SystemTime};
+
+use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, PodStatus};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
+
+use crate::provider::cocoon::{CocoonCmd, CocoonResult, VmInfo};
+use crate::provider::spec::*;
+use crate::provider::status;
+use crate::provider::*;
+
+mod check;
+mod create;
+mod delete;
+mod kube_writes;
+mod startup;
+
+struct H {
+    p: Provider,
+    now: Instant,
+    wall: SystemTime,
+}
+
+impl H {
+    fn new(cfg: ProviderConfig) -> Self {
+        let mut h = H {
+            p: Provider::new(cfg),
+            now: Instant::now(),
+            wall: SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000),
+        };
+        let e = h.feed(Input::StartupListed {
+            pods: vec![],
+            vms: vec![],
+        });
+        assert!(e.is_empty(), "{e:?}");
+        h
+    }
+
+    fn feed(&mut self, i: Input) -> Vec<Effect> {
+        self.p.handle(i, self.now, self.wall)
+    }
+
+    fn advance(&mut self, d: Duration) -> Vec<Effect> {
+        self.now += d;
+        self.wall += d;
+        let mut out = Vec::new();
+        while let Some(t) = self.p.poll_timeout() {
+            if t > self.now {
+                break;
+            }
+            out.extend(self.feed(Input::Tick));
+        }
+        out
+    }
+
+    fn cocoon(&mut self, op: OpId, r: CocoonResult) -> Vec<Effect> {
+        self.feed(Input::CocoonDone { op, result: r })
+    }
+
+    fn kube_ok(&mut self, op: OpId) -> Vec<Effect> {
+        self.feed(Input::KubeDone { op, result: Ok(()) })
+    }
+}
+
+fn pod(name: &str, uid: &str, ann: &[(&str, &str)]) -> Pod {
+    Pod {
+        metadata: ObjectMeta {
+            namespace: Some("ns".into()),
+            name: Some(name.into()),
+            uid: Some(uid.into()),
+            annotations: Some(
+                ann.iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            ),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            containers: vec![Container {
+                name: "agent".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        status: Some(PodStatus {
+            phase: Some("Pending".into()),
+            ..Default::default()
+        }),
+    }
+}
+
+fn managed(name: &str, vm: &str) -> Vec<(&'static str, String)> {
+    let _ = name;
+    vec![
+        (ANN_VM_NAME, vm.to_string()),
+        (ANN_MANAGED, "true".into()),
+        (ANN_IMAGE, "team/agent:v3".into()),
+    ]
+}
+
+fn mk(name: &str, uid: &str, ann: &[(&'static str, String)]) -> Pod {
+    let a: Vec<(&str, &str)> = ann.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    pod(name, uid, &a)
+}
+
+fn vm_json(id: &str, name: &str, state: &str, mac: &str) -> String {
+    format!(
+        r#"{{"id":"{id}","hypervisor":"cloud-hypervisor","state":"{state}","pid":42,"config":{{"name":"{name}"}},"network_configs":[{{"tap":"t","mac":"{mac}"}}]}}"#
+    )
+}
+
+fn vm_info(id: &str, name: &str, state: &str) -> VmInfo {
+    crate::provider::cocoon::parse_vm(&vm_json(id, name, state, "02:00:00:00:00:01")).unwrap()
+}
+
+fn cocoon_ops(e: &[Effect]) -> Vec<(OpId, CocoonCmd)> {
+    e.iter()
+        .filter_map(|x| match x {
+            Effect::Cocoon { op, cmd } => Some((*op, cmd.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn one_cocoon(e: &[Effect]) -> (OpId, CocoonCmd) {
+    let c = cocoon_ops(e);
+    assert_eq!(c.len(), 1, "expected one cocoon call in {e:?}");
+    c[0].clone()
+}
+
+fn argv(cmd: &CocoonCmd) -> String {
+    cmd.argv().join(" ")
+}
+
+fn statuses(e: &[Effect]) -> Vec<(OpId, PodStatus)> {
+    e.iter()
+        .filter_map(|x| match x {
+            Effect::PatchPodStatus { op, status, .. } => Some((*op, (**status).clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn annotation_patches(e: &[Effect]) -> Vec<(OpId, BTreeMap<String, Option<String>>)> {
+    e.iter()
+        .filter_map(|x| match x {
+            Effect::PatchPodAnnotations {
+                op, annotations, ..
+            } => Some((*op, annotations.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn events(e: &[Effect]) -> Vec<(&'static str, String)> {
+    e.iter()
+        .filter_map(|x| match x {
+            Effect::Event {
+                reason, message, ..
+            } => Some((*reason, message.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn deletes(e: &[Effect]) -> Vec<(OpId, Option<i64>)> {
+    e.iter()
+        .filter_map(|x| match x {
+            Effect::DeletePod { op, grace, .. } => Some((*op, *grace)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn has_metric(e: &[Effect], m: &MetricUpdate) -> bool {
+    e.iter().any(|x| matches!(x, Effect::Metric(y) if y == m))
+}
+
+fn lookup(e: &[Effect]) -> Option<OpId> {
+    e.iter().find_map(|x| match x {
+        Effect::LookupLease { op, .. } => Some(*op),
+        _ => None,
+    })
+}
+
+/// Answer the hibernate-evidence check (§5 step 6) that opens a fresh managed create with
+/// "none": without a registry the `snapshot inspect <vm>` fails, with one the tag is absent.
+fn no_evidence(h: &mut H, e: &[Effect]) -> Vec<Effect> {
+    let check = e.iter().find_map(|x| match x {
+        Effect::CheckHibernateEvidence { op, .. } => Some(*op),
+        _ => None,
+    });
+    if let Some(op) = check {
+        return h.feed(Input::HibernateEvidence {
+            op,
+            result: Ok(None),
+        });
+    }
+    let (op, cmd) = one_cocoon(e);
+    assert!(
+        argv(&cmd).starts_with("snapshot inspect vk-"),
+        "{}",
+        argv(&cmd)
+    );
+    h.cocoon(op, CocoonResult::failed("Error: snapshot not found"))
+}
+
+/// Drive a managed clone create of `p` to its ReadyWait; returns (effects so far, vm id).
+fn create_clone(h: &mut H, p: Pod, vm_id: &str) -> Vec<Effect> {
+    let vm_name = p.metadata.annotations.as_ref().unwrap()[ANN_VM_NAME].clone();
+    let e = h.feed(Input::PodUpserted(Box::new(p)));
+    let e = no_evidence(h, &e);
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), format!("snapshot rm fork-{vm_name}"));
+    let e = h.cocoon(op, CocoonResult::failed("snapshot not found"));
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "snapshot inspect team/agent:v3");
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(r#"{"id":"S","name":"team/agent:v3","hypervisor":"cloud-hypervisor"}"#),
+    );
+    let (op, cmd) = one_cocoon(&e);
+    assert!(argv(&cmd).starts_with(&format!("vm clone --output json --name {vm_name}")));
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(vm_json(vm_id, &vm_name, "running", "02:00:00:00:00:01")),
+    );
+    let lop = lookup(&e).expect("lease lookup");
+    h.feed(Input::LeaseLooked {
+        op: lop,
+        result: Ok(Some("10.0.0.9".into())),
+    })
+}
+
+/// Expect exactly one cocoon call with this argv in `e`, answer it with `r`.
+fn answer(h: &mut H, e: &[Effect], want: &str, r: CocoonResult) -> Vec<Effect> {
+    let (op, cmd) = one_cocoon(e);
+    assert_eq!(argv(&cmd), want);
+    h.cocoon(op, r)
+}
+
+/// Feed a managed clone pod and answer `snapshot rm fork-*` and `snapshot inspect`; returns the
+/// op of the `vm clone` call and the effects of the pod's arrival.
+fn drive_to_clone(h: &mut H, p: Pod) -> (OpId, Vec<Effect>) {
+    let first = h.feed(Input::PodUpserted(Box::new(p)));
+    let e = no_evidence(h, &first);
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"S","name":"x"}"#));
+    let (op, cmd) = one_cocoon(&e);
+    assert!(argv(&cmd).starts_with("vm clone"));
+    (op, first)
+}

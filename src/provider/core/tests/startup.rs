@@ -1,0 +1,129 @@
+//! Transition tests of the startup reconcile: adoption by ID and name, the orphan policy,
+//! pods an interrupted eviction left behind.
+
+use super::*;
+
+#[test]
+fn startup_adopts_by_id_and_name_and_destroys_orphans() {
+    let mut h = H {
+        p: Provider::new(ProviderConfig::default()),
+        now: Instant::now(),
+        wall: SystemTime::UNIX_EPOCH,
+    };
+    let mut by_id = managed("a", "vk-ns-demo-0");
+    by_id.push((ANN_VM_ID, "V1".into()));
+    by_id.push((ANN_LIFECYCLE_STATE, "ready".into()));
+    let by_name = managed("b", "vk-ns-demo-1");
+    let pods = vec![mk("a", "u1", &by_id), mk("b", "u2", &by_name)];
+    let vms = vec![
+        vm_info("V1", "vk-ns-demo-0", "running"),
+        vm_info("V2", "vk-ns-demo-1", "running"),
+        vm_info("V3", "vk-ns-gone-0", "running"),
+        vm_info("V4", "vk-ns-half-0", "creating"),
+    ];
+    // A pod event before startup is buffered.
+    assert!(h
+        .feed(Input::PodUpserted(Box::new(mk(
+            "c",
+            "u3",
+            &managed("c", "vk-ns-demo-2")
+        ))))
+        .is_empty());
+    let e = h.feed(Input::StartupListed { pods, vms });
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm reconcile-stale-create V4 -o json");
+    let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"V4","outcome":"collected"}"#));
+    assert!(has_metric(
+        &e,
+        &MetricUpdate::StaleCreateReconcile {
+            outcome: "collected".into()
+        }
+    ));
+    assert!(has_metric(&e, &MetricUpdate::ReconcileAdoptByName));
+    let cmds: Vec<String> = cocoon_ops(&e).iter().map(|(_, c)| argv(c)).collect();
+    assert!(cmds.contains(&"vm rm --force V3".to_string()), "{cmds:?}");
+    assert!(!cmds
+        .iter()
+        .any(|c| c.contains("V1") || c.contains("V2") || c.contains("V4")));
+    // The buffered pod is created after the reconcile.
+    assert!(
+        cmds.contains(&"snapshot inspect vk-ns-demo-2".to_string()),
+        "{cmds:?}"
+    );
+    assert!(annotation_patches(&e)
+        .iter()
+        .any(|(_, a)| a.get(ANN_VM_ID) == Some(&Some("V2".into()))));
+    assert_eq!(
+        e.iter()
+            .filter(|x| matches!(x, Effect::StartProbe { .. }))
+            .count(),
+        2
+    );
+    assert!(h.p.pod_vm(&PodKey::new("ns", "a")).is_some());
+    assert_eq!(h.p.vm_table_sizes().get("ns"), Some(&2));
+}
+
+#[test]
+fn orphan_alert_counts_and_keeps_for_adoption() {
+    let mut h = H {
+        p: Provider::new(ProviderConfig {
+            orphan_policy: OrphanPolicy::Alert,
+            ..Default::default()
+        }),
+        now: Instant::now(),
+        wall: SystemTime::UNIX_EPOCH,
+    };
+    let e = h.feed(Input::StartupListed {
+        pods: vec![],
+        vms: vec![vm_info("V9", "vk-ns-demo-0", "running")],
+    });
+    assert!(has_metric(&e, &MetricUpdate::OrphanVm));
+    assert!(cocoon_ops(&e).is_empty());
+    // A later create for that name adopts it, no clone.
+    let e = h.feed(Input::PodUpserted(Box::new(mk(
+        "a",
+        "u1",
+        &managed("a", "vk-ns-demo-0"),
+    ))));
+    assert!(cocoon_ops(&e).is_empty());
+    assert!(has_metric(
+        &e,
+        &MetricUpdate::PodLifecycle {
+            op: "create",
+            result: "ok",
+            reason: "adopted"
+        }
+    ));
+    let lop = lookup(&e).unwrap();
+    let e = h.feed(Input::LeaseLooked {
+        op: lop,
+        result: Ok(Some("10.0.0.1".into())),
+    });
+    assert!(statuses(&e).iter().any(|(_, s)| status::is_ready(s)));
+}
+
+#[test]
+fn failed_pod_left_by_an_interrupted_eviction_is_deleted_after_restart() {
+    let mut h = H::new(ProviderConfig::default());
+    let mut p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
+    p.status = Some(status::evicted(
+        "VMGone",
+        "vm no longer exists",
+        None,
+        &Time(k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap()),
+    ));
+    let e = h.feed(Input::PodUpserted(Box::new(p.clone())));
+    assert_eq!(deletes(&e), vec![(deletes(&e)[0].0, Some(0))]);
+    assert!(cocoon_ops(&e).is_empty());
+
+    // A Failed pod that is not ours to finish (a create rejected under restartPolicy Never)
+    // stays as it is.
+    let mut other = mk("b", "u2", &managed("b", "vk-ns-demo-1"));
+    other.status = Some(PodStatus {
+        phase: Some("Failed".into()),
+        reason: Some("ProviderFailed".into()),
+        ..Default::default()
+    });
+    let e = h.feed(Input::PodUpserted(Box::new(other)));
+    assert!(e.is_empty(), "{e:?}");
+}
