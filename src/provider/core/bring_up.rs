@@ -30,7 +30,6 @@ impl Provider {
         if ip.is_empty() && !vm.primary_mac().is_empty() {
             if let Some(c) = self.create_op(key) {
                 c.vm = Some(vm.clone());
-                c.step = CreateStep::Lease;
             }
             let mac = vm.primary_mac();
             if adopted {
@@ -40,7 +39,8 @@ impl Provider {
                     c.spec.clone_from_dir = None;
                 }
             }
-            return self.pod_effect(key, |op| Effect::LookupLease { op, mac });
+            let ask = Ask::effect(|op| Effect::LookupLease { op, mac });
+            return self.advance(key, CreateStep::Lease, ask);
         }
         self.finish_create(key, vm, cloned, &ip)
     }

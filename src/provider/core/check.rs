@@ -80,12 +80,6 @@ impl Provider {
         self.set_pod_timer(key, at);
     }
 
-    pub(super) fn set_check_step(&mut self, key: &PodKey, step: CheckStep) {
-        if let Some(Op::Check(c)) = self.slots.get_mut(key).and_then(|s| s.op.as_mut()) {
-            c.step = step;
-        }
-    }
-
     pub(super) fn check_step(&mut self, key: &PodKey, res: Res) {
         let Some(Op::Check(c)) = self.slots.get(key).and_then(|s| s.op.clone()) else {
             return;
@@ -110,14 +104,11 @@ impl Provider {
                 };
                 match vm {
                     None if attempt < 2 => {
-                        self.set_check_step(
-                            key,
-                            CheckStep::Inspect {
-                                attempt: attempt + 1,
-                            },
-                        );
                         let at = self.now + INSPECT_RETRY * attempt;
-                        self.set_pod_timer(key, at);
+                        let step = CheckStep::Inspect {
+                            attempt: attempt + 1,
+                        };
+                        self.advance(key, step, Ask::Timer(at));
                     }
                     None => {
                         self.metric(MetricUpdate::VmInspectTransientFail);
@@ -148,9 +139,8 @@ impl Provider {
                     ),
                     None => {
                         let delay = (delay * 2).min(RECHECK_MAX);
-                        self.set_check_step(key, CheckStep::Deferred { delay, until });
                         let at = self.now + delay;
-                        self.set_pod_timer(key, at);
+                        self.advance(key, CheckStep::Deferred { delay, until }, Ask::Timer(at));
                     }
                     Some(vm) => self.check_state(key, &c, vm),
                 }
@@ -160,12 +150,12 @@ impl Provider {
                     let msg = r.error_text();
                     return self.start_evict(key, EvictReason::RestartFailed, &msg, true);
                 }
-                self.set_check_step(key, CheckStep::Refresh);
-                self.pod_cocoon(
+                self.advance(
                     key,
-                    CocoonCmd::VmInspect {
+                    CheckStep::Refresh,
+                    Ask::Cocoon(CocoonCmd::VmInspect {
                         reference: c.vm_id.clone(),
-                    },
+                    }),
                 );
             }
             CheckStep::Refresh => {
@@ -223,12 +213,12 @@ impl Provider {
             );
         }
         self.last_restart.insert(c.vm_id.clone(), self.now);
-        self.set_check_step(key, CheckStep::Start);
-        self.pod_cocoon(
+        self.advance(
             key,
-            CocoonCmd::VmStart {
+            CheckStep::Start,
+            Ask::Cocoon(CocoonCmd::VmStart {
                 id: c.vm_id.clone(),
-            },
+            }),
         );
     }
 }

@@ -125,11 +125,12 @@ impl Provider {
         self.slot(key).op = Some(Op::Create(Box::new(op)));
         match first {
             // A retry after a failure: a previous attempt may have left a VM (hung clone).
-            CreateStep::InspectByName => self.pod_cocoon(
+            CreateStep::InspectByName => self.advance(
                 key,
-                CocoonCmd::VmInspect {
+                CreateStep::InspectByName,
+                Ask::Cocoon(CocoonCmd::VmInspect {
                     reference: spec.vm_name.clone(),
-                },
+                }),
             ),
             _ => self.check_evidence(key, &spec.vm_name),
         }
@@ -138,15 +139,13 @@ impl Provider {
     /// §5 step 6: ask whether the VM was hibernated before booting it fresh. With a registry the
     /// evidence is the tag `<vm>:hibernate`; without one, a local snapshot named after the VM.
     pub(super) fn check_evidence(&mut self, key: &PodKey, vm_name: &str) {
-        if let Some(c) = self.create_op(key) {
-            c.step = CreateStep::Evidence;
-        }
         let vm_name = vm_name.to_string();
-        if self.cfg.registry {
-            self.pod_effect(key, |op| Effect::CheckHibernateEvidence { op, vm_name })
+        let ask = if self.cfg.registry {
+            Ask::effect(|op| Effect::CheckHibernateEvidence { op, vm_name })
         } else {
-            self.pod_cocoon(key, CocoonCmd::SnapshotInspect { name: vm_name })
-        }
+            Ask::Cocoon(CocoonCmd::SnapshotInspect { name: vm_name })
+        };
+        self.advance(key, CreateStep::Evidence, ask)
     }
 
     /// The verdict on the evidence (§5 step 6). No evidence: the fresh bring-up starts (with
@@ -174,11 +173,12 @@ impl Provider {
         };
         let base = match found {
             Ok(None) => {
-                if let Some(c) = self.create_op(key) {
-                    c.step = CreateStep::RmFork;
-                }
                 let name = format!("fork-{vm}");
-                return self.pod_cocoon(key, CocoonCmd::SnapshotRm { name });
+                return self.advance(
+                    key,
+                    CreateStep::RmFork,
+                    Ask::Cocoon(CocoonCmd::SnapshotRm { name }),
+                );
             }
             Err(e) => {
                 self.metric(MetricUpdate::HibernateEvidence {
@@ -272,11 +272,6 @@ impl Provider {
         };
         let c = c.clone();
         let spec = &c.spec;
-        let set_step = |p: &mut Self, step: CreateStep| {
-            if let Some(c) = p.create_op(key) {
-                c.step = step;
-            }
-        };
         match (c.step.clone(), res) {
             (CreateStep::InspectByName, Res::Cocoon(r)) => {
                 if r.success {
@@ -285,8 +280,11 @@ impl Provider {
                             self.lifecycle_metric("create", "ok", "adopted");
                             return self.vm_up(key, vm, true);
                         }
-                        set_step(self, CreateStep::RmStaleByName);
-                        return self.pod_cocoon(key, CocoonCmd::VmRm { id: vm.id });
+                        return self.advance(
+                            key,
+                            CreateStep::RmStaleByName,
+                            Ask::Cocoon(CocoonCmd::VmRm { id: vm.id }),
+                        );
                     }
                 }
                 self.check_evidence(key, &spec.vm_name)
@@ -320,19 +318,18 @@ impl Provider {
             (CreateStep::RmFork, Res::Cocoon(_)) => {
                 // Failure only logged (§5 step 7).
                 if let Some(dir) = spec.clone_from_dir.clone() {
-                    set_step(self, CreateStep::Boot);
                     let args = self.clone_args(spec, CloneSource::FromDir(dir), true);
-                    self.pod_cocoon(key, CocoonCmd::VmClone(args))
+                    self.advance(key, CreateStep::Boot, Ask::Cocoon(CocoonCmd::VmClone(args)))
                 } else if spec.mode == Mode::Run {
-                    set_step(self, CreateStep::MaterialiseRun);
-                    self.materialise(key, &spec.image.clone(), spec.force_pull)
+                    let ask = self.materialise(&spec.image, spec.force_pull);
+                    self.advance(key, CreateStep::MaterialiseRun, ask)
                 } else {
-                    set_step(self, CreateStep::SnapInspect { pulled: false });
-                    self.pod_cocoon_read(
+                    self.advance(
                         key,
-                        CocoonCmd::SnapshotInspect {
+                        CreateStep::SnapInspect { pulled: false },
+                        Ask::SharedRead(CocoonCmd::SnapshotInspect {
                             name: c.local_snapshot.clone(),
-                        },
+                        }),
                     )
                 }
             }
@@ -357,14 +354,14 @@ impl Provider {
                         return self.fail_create(key, &c.uid, &msg, true);
                     }
                     let (repo, tag) = crate::snapshots::reference::split_image_ref(&spec.image);
-                    set_step(self, CreateStep::PullSnapshot);
                     let local = c.local_snapshot.clone();
-                    return self.pod_effect(key, |op| Effect::PullSnapshot {
+                    let ask = Ask::effect(|op| Effect::PullSnapshot {
                         op,
                         repo,
                         tag,
                         local_name: local,
                     });
+                    return self.advance(key, CreateStep::PullSnapshot, ask);
                 }
                 if !pulled {
                     self.metric(MetricUpdate::SnapshotPull { result: "ok" });
@@ -402,12 +399,12 @@ impl Provider {
                     && !spec::is_http_url(&snap.image)
                     && !snap.image_digest.is_empty()
                 {
-                    set_step(self, CreateStep::ImageInspect);
-                    return self.pod_cocoon_read(
+                    return self.advance(
                         key,
-                        CocoonCmd::ImageInspect {
+                        CreateStep::ImageInspect,
+                        Ask::SharedRead(CocoonCmd::ImageInspect {
                             reference: snap.image_digest.clone(),
-                        },
+                        }),
                     );
                 }
                 self.do_clone(key)
@@ -415,12 +412,12 @@ impl Provider {
             (CreateStep::PullSnapshot, Res::Transfer(r)) => match r {
                 Ok(_) => {
                     self.metric(MetricUpdate::SnapshotPull { result: "ok" });
-                    set_step(self, CreateStep::SnapInspect { pulled: true });
-                    self.pod_cocoon(
+                    self.advance(
                         key,
-                        CocoonCmd::SnapshotInspect {
+                        CreateStep::SnapInspect { pulled: true },
+                        Ask::Cocoon(CocoonCmd::SnapshotInspect {
                             name: c.local_snapshot.clone(),
-                        },
+                        }),
                     )
                 }
                 Err(e) => {
@@ -433,9 +430,8 @@ impl Provider {
                 if r.success {
                     return self.do_clone(key);
                 }
-                set_step(self, CreateStep::MaterialiseBase);
-                let img = c.snapshot_image.clone();
-                self.materialise(key, &img, false)
+                let ask = self.materialise(&c.snapshot_image, false);
+                self.advance(key, CreateStep::MaterialiseBase, ask)
             }
             (CreateStep::MaterialiseBase, res) => match res.transfer_or_cocoon() {
                 Ok(_) => self.do_clone(key),
@@ -451,7 +447,6 @@ impl Provider {
                     } else {
                         boot
                     };
-                    set_step(self, CreateStep::Boot);
                     let r = &spec.resources;
                     let args = RunOptions {
                         name: spec.vm_name.clone(),
@@ -468,7 +463,7 @@ impl Provider {
                         no_direct_io: spec.no_direct_io,
                         image: boot,
                     };
-                    self.pod_cocoon(key, CocoonCmd::VmRun(args))
+                    self.advance(key, CreateStep::Boot, Ask::Cocoon(CocoonCmd::VmRun(args)))
                 }
                 Err(e) => {
                     let msg = format!("make image {} available: {e}", spec.image);
@@ -491,12 +486,12 @@ impl Provider {
                     // record behind; if the pod is deleted before the retry, nothing would
                     // ever remove it. Look before reporting the failure.
                     let error = format!("{what} {}: {}", spec.vm_name, r.error_text());
-                    set_step(self, CreateStep::BootFailedInspect { error });
-                    return self.pod_cocoon(
+                    return self.advance(
                         key,
-                        CocoonCmd::VmInspect {
+                        CreateStep::BootFailedInspect { error },
+                        Ask::Cocoon(CocoonCmd::VmInspect {
                             reference: spec.vm_name.clone(),
-                        },
+                        }),
                     );
                 }
                 let vm = match parse_vm(&r.stdout) {
@@ -510,9 +505,9 @@ impl Provider {
                 {
                     if let Some(c) = self.create_op(key) {
                         c.vm = Some(vm.clone());
-                        c.step = CreateStep::RunInspect;
                     }
-                    return self.pod_cocoon(key, CocoonCmd::VmInspect { reference: vm.id });
+                    let ask = Ask::Cocoon(CocoonCmd::VmInspect { reference: vm.id });
+                    return self.advance(key, CreateStep::RunInspect, ask);
                 }
                 self.vm_up(key, vm, false)
             }
@@ -524,8 +519,8 @@ impl Provider {
                         self.vm_up(key, vm, false)
                     }
                     (true, Ok(vm)) => {
-                        set_step(self, CreateStep::BootFailedRm { error });
-                        self.pod_cocoon(key, CocoonCmd::VmRm { id: vm.id })
+                        let ask = Ask::Cocoon(CocoonCmd::VmRm { id: vm.id });
+                        self.advance(key, CreateStep::BootFailedRm { error }, ask)
                     }
                     _ => self.fail_create(key, &c.uid, &error, true),
                 }
@@ -588,30 +583,26 @@ impl Provider {
         let Some(c) = self.create_op(key) else {
             return;
         };
-        c.step = CreateStep::Boot;
         let (spec, local, img) = (
             c.spec.clone(),
             c.local_snapshot.clone(),
             c.snapshot_image.clone(),
         );
         let args = self.clone_args(&spec, CloneSource::Snapshot(local), !img.is_empty());
-        self.pod_cocoon(key, CocoonCmd::VmClone(args));
+        self.advance(key, CreateStep::Boot, Ask::Cocoon(CocoonCmd::VmClone(args)));
     }
 
     /// §5.2: with a registry and an OCI ref the snapshots room decides (cloud image import,
     /// snapshot artifact refusal, pull fallback); otherwise `cocoon image pull`.
-    pub(super) fn materialise(&mut self, key: &PodKey, image: &str, force: bool) {
-        if self.cfg.registry && !spec::is_http_url(image) {
-            let image = image.to_string();
-            self.pod_effect(key, |op| Effect::MaterialiseImage { op, image, force });
+    pub(super) fn materialise(&self, image: &str, force: bool) -> Ask {
+        let image = image.to_string();
+        if self.cfg.registry && !spec::is_http_url(&image) {
+            Ask::effect(move |op| Effect::MaterialiseImage { op, image, force })
         } else {
-            self.pod_cocoon(
-                key,
-                CocoonCmd::ImagePull {
-                    reference: image.to_string(),
-                    force,
-                },
-            );
+            Ask::Cocoon(CocoonCmd::ImagePull {
+                reference: image,
+                force,
+            })
         }
     }
 }

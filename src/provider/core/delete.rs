@@ -62,12 +62,6 @@ impl Provider {
         self.delete_after_api_first(key);
     }
 
-    pub(super) fn set_delete_step(&mut self, key: &PodKey, step: DeleteStep) {
-        if let Some(Op::Delete(d)) = self.slots.get_mut(key).and_then(|s| s.op.as_mut()) {
-            d.step = step;
-        }
-    }
-
     pub(super) fn delete_after_api_first(&mut self, key: &PodKey) {
         let slot = self.slot(key);
         let Some(t) = slot.tracked.clone() else {
@@ -88,16 +82,25 @@ impl Provider {
                 return self.delete_done(key, &t, &d);
             }
             self.lifecycle_metric("delete", "skipped", "no_vm");
-            self.set_delete_step(key, DeleteStep::RmSnapshot);
-            return self.pod_cocoon(key, CocoonCmd::SnapshotRm { name: d.vm_name });
+            return self.advance(
+                key,
+                DeleteStep::RmSnapshot,
+                Ask::Cocoon(CocoonCmd::SnapshotRm { name: d.vm_name }),
+            );
         };
         let role = spec::role(&key.namespace, &t.spec.owner_cocoonset, &t.spec.vm_name);
         if self.cfg.registry && spec::should_snapshot(&t.spec.snapshot_policy, role) {
-            self.set_delete_step(key, DeleteStep::Inspect);
-            return self.pod_cocoon(key, CocoonCmd::VmInspect { reference: vm.id });
+            return self.advance(
+                key,
+                DeleteStep::Inspect,
+                Ask::Cocoon(CocoonCmd::VmInspect { reference: vm.id }),
+            );
         }
-        self.set_delete_step(key, DeleteStep::Rm);
-        self.pod_cocoon(key, CocoonCmd::VmRm { id: vm.id })
+        self.advance(
+            key,
+            DeleteStep::Rm,
+            Ask::Cocoon(CocoonCmd::VmRm { id: vm.id }),
+        )
     }
 
     pub(super) fn delete_step(&mut self, key: &PodKey, res: Res) {
@@ -122,8 +125,11 @@ impl Provider {
             }
             (DeleteStep::Inspect, Res::Cocoon(r)) => {
                 if r.vm_not_found() {
-                    self.set_delete_step(key, DeleteStep::Rm);
-                    return self.pod_cocoon(key, CocoonCmd::VmRm { id: vm.id });
+                    return self.advance(
+                        key,
+                        DeleteStep::Rm,
+                        Ask::Cocoon(CocoonCmd::VmRm { id: vm.id }),
+                    );
                 }
                 let parsed = if r.success {
                     parse_vm(&r.stdout).ok()
@@ -135,42 +141,41 @@ impl Provider {
                         key,
                         &format!("inspect vm {} before delete: {}", vm.id, r.error_text()),
                     ),
-                    Some(v) if v.running() => {
-                        self.set_delete_step(key, DeleteStep::Save { retried: false });
-                        self.pod_cocoon(
-                            key,
-                            CocoonCmd::SnapshotSave {
-                                name: d.vm_name.clone(),
-                                vm_id: vm.id,
-                            },
-                        )
-                    }
-                    Some(_) => {
-                        self.set_delete_step(key, DeleteStep::Rm);
-                        self.pod_cocoon(key, CocoonCmd::VmRm { id: vm.id })
-                    }
+                    Some(v) if v.running() => self.advance(
+                        key,
+                        DeleteStep::Save { retried: false },
+                        Ask::Cocoon(CocoonCmd::SnapshotSave {
+                            name: d.vm_name.clone(),
+                            vm_id: vm.id,
+                        }),
+                    ),
+                    Some(_) => self.advance(
+                        key,
+                        DeleteStep::Rm,
+                        Ask::Cocoon(CocoonCmd::VmRm { id: vm.id }),
+                    ),
                 }
             }
             (DeleteStep::Save { retried }, Res::Cocoon(r)) => {
                 if r.success {
                     self.metric(MetricUpdate::SnapshotSave { result: "ok" });
-                    self.set_delete_step(key, DeleteStep::Push);
                     let (name, image) = (d.vm_name.clone(), t.spec.image.clone());
-                    return self.pod_effect(key, |op| Effect::PushSnapshot {
+                    let ask = Ask::effect(|op| Effect::PushSnapshot {
                         op,
                         local_name: name.clone(),
                         repo: name,
                         tag: "latest".into(),
                         base_image: image,
                     });
+                    return self.advance(key, DeleteStep::Push, ask);
                 }
                 if r.name_taken() && !retried {
-                    self.set_delete_step(key, DeleteStep::RmHolder);
-                    return self.pod_cocoon(
+                    return self.advance(
                         key,
-                        CocoonCmd::SnapshotRm {
+                        DeleteStep::RmHolder,
+                        Ask::Cocoon(CocoonCmd::SnapshotRm {
                             name: d.vm_name.clone(),
-                        },
+                        }),
                     );
                 }
                 self.metric(MetricUpdate::SnapshotSave { result: "failed" });
@@ -183,21 +188,22 @@ impl Provider {
                     ),
                 )
             }
-            (DeleteStep::RmHolder, Res::Cocoon(_)) => {
-                self.set_delete_step(key, DeleteStep::Save { retried: true });
-                self.pod_cocoon(
-                    key,
-                    CocoonCmd::SnapshotSave {
-                        name: d.vm_name.clone(),
-                        vm_id: vm.id,
-                    },
-                )
-            }
+            (DeleteStep::RmHolder, Res::Cocoon(_)) => self.advance(
+                key,
+                DeleteStep::Save { retried: true },
+                Ask::Cocoon(CocoonCmd::SnapshotSave {
+                    name: d.vm_name.clone(),
+                    vm_id: vm.id,
+                }),
+            ),
             (DeleteStep::Push, Res::Transfer(r)) => match r {
                 Ok(_) => {
                     self.metric(MetricUpdate::SnapshotPush { result: "ok" });
-                    self.set_delete_step(key, DeleteStep::Rm);
-                    self.pod_cocoon(key, CocoonCmd::VmRm { id: vm.id })
+                    self.advance(
+                        key,
+                        DeleteStep::Rm,
+                        Ask::Cocoon(CocoonCmd::VmRm { id: vm.id }),
+                    )
                 }
                 Err(e) => {
                     self.metric(MetricUpdate::SnapshotPush { result: "failed" });
@@ -225,18 +231,19 @@ impl Provider {
                 if d.keep {
                     return self.delete_vm_gone(key, &t, &d);
                 }
-                self.set_delete_step(key, DeleteStep::RmSnapshot);
-                self.pod_cocoon(key, CocoonCmd::SnapshotRm { name: d.vm_name })
-            }
-            (DeleteStep::RmSnapshot, Res::Cocoon(_)) => {
-                self.set_delete_step(key, DeleteStep::RmForkSnapshot);
-                self.pod_cocoon(
+                self.advance(
                     key,
-                    CocoonCmd::SnapshotRm {
-                        name: format!("fork-{}", d.vm_name),
-                    },
+                    DeleteStep::RmSnapshot,
+                    Ask::Cocoon(CocoonCmd::SnapshotRm { name: d.vm_name }),
                 )
             }
+            (DeleteStep::RmSnapshot, Res::Cocoon(_)) => self.advance(
+                key,
+                DeleteStep::RmForkSnapshot,
+                Ask::Cocoon(CocoonCmd::SnapshotRm {
+                    name: format!("fork-{}", d.vm_name),
+                }),
+            ),
             (DeleteStep::RmForkSnapshot, Res::Cocoon(_)) => {
                 if t.vm.is_none() {
                     self.forget(key, true);
@@ -278,19 +285,16 @@ impl Provider {
                     return self.end_op(key);
                 }
                 self.slot(key).api_deleted = Some(d.uid.clone());
-                self.set_delete_step(key, DeleteStep::ApiLast);
                 // The op stays until the API answers so the slot is not re-driven meanwhile.
-                let uid = d.uid.clone();
-                self.slot(key).op = Some(Op::Delete(DeleteOp {
-                    step: DeleteStep::ApiLast,
-                    ..d.clone()
-                }));
-                self.pod_effect(key, |op| Effect::DeletePod {
+                let (uid, pod) = (d.uid.clone(), key.clone());
+                self.slot(key).op = Some(Op::Delete(d.clone()));
+                let ask = Ask::effect(move |op| Effect::DeletePod {
                     op,
-                    key: key.clone(),
+                    key: pod,
                     uid,
                     grace: Some(0),
                 });
+                self.advance(key, DeleteStep::ApiLast, ask);
             }
             _ => self.end_op(key),
         }

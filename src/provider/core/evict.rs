@@ -34,9 +34,6 @@ impl Provider {
         let (Some(Op::Evict(e)), Some(t)) = (slot.op.clone(), slot.tracked.clone()) else {
             return;
         };
-        if let Some(Op::Evict(x)) = slot.op.as_mut() {
-            x.step = EvictStep::Status;
-        }
         let st = status::evicted(
             e.reason.as_str(),
             &e.message,
@@ -48,12 +45,13 @@ impl Provider {
         slot.last_pushed = Some(status::summary(&st));
         slot.shown = Some((e.uid.clone(), st.clone()));
         let (uid, k) = (e.uid.clone(), key.clone());
-        self.pod_effect(key, |op| Effect::PatchPodStatus {
+        let ask = Ask::effect(move |op| Effect::PatchPodStatus {
             op,
             key: k,
             uid,
             status: st,
         });
+        self.advance(key, EvictStep::Status, ask);
     }
 
     pub(super) fn evict_delete(&mut self, key: &PodKey) {
@@ -61,16 +59,16 @@ impl Provider {
             return;
         };
         if let Some(Op::Evict(x)) = self.slot(key).op.as_mut() {
-            x.step = EvictStep::Delete;
             x.attempts += 1;
         }
-        let uid = e.uid.clone();
-        self.pod_effect(key, |op| Effect::DeletePod {
+        let (uid, k) = (e.uid.clone(), key.clone());
+        let ask = Ask::effect(move |op| Effect::DeletePod {
             op,
-            key: key.clone(),
+            key: k,
             uid,
             grace: None,
         });
+        self.advance(key, EvictStep::Delete, ask);
     }
 
     pub(super) fn evict_step(&mut self, key: &PodKey, res: Res) {

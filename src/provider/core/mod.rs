@@ -313,6 +313,43 @@ impl Provider {
     }
 
     /// Issue a cocoon call the pod's op waits for.
+    /// Moves the pod's op to `step` and issues the effect that step waits on, in one call: a
+    /// step is never set without its question, nor a question asked for a step not set.
+    fn advance(&mut self, key: &PodKey, step: impl Into<Step>, ask: Ask) {
+        let step = step.into();
+        let set = match (self.slot(key).op.as_mut(), step) {
+            (Some(Op::Create(c)), Step::Create(s)) => {
+                c.step = s;
+                true
+            }
+            (Some(Op::Delete(d)), Step::Delete(s)) => {
+                d.step = s;
+                true
+            }
+            (Some(Op::Evict(e)), Step::Evict(s)) => {
+                e.step = s;
+                true
+            }
+            (Some(Op::Check(c)), Step::Check(s)) => {
+                c.step = s;
+                true
+            }
+            (_, step) => {
+                log::warn!("provider: {key}: step {step:?} does not belong to the running op");
+                false
+            }
+        };
+        if !set {
+            return;
+        }
+        match ask {
+            Ask::Cocoon(cmd) => self.pod_cocoon(key, cmd),
+            Ask::SharedRead(cmd) => self.pod_cocoon_read(key, cmd),
+            Ask::Effect(mk) => self.pod_effect(key, mk),
+            Ask::Timer(at) => self.set_pod_timer(key, at),
+        }
+    }
+
     fn pod_cocoon(&mut self, key: &PodKey, cmd: CocoonCmd) {
         let op = self.op_id();
         self.waiters.insert(op, Waiter::PodStep(key.clone()));
@@ -930,8 +967,11 @@ impl Provider {
                     if !tracked {
                         return self.end_op(key);
                     }
-                    self.set_check_step(key, CheckStep::DeferredInspect { delay, until });
-                    self.pod_cocoon(key, CocoonCmd::VmInspect { reference: c.vm_id })
+                    self.advance(
+                        key,
+                        CheckStep::DeferredInspect { delay, until },
+                        Ask::Cocoon(CocoonCmd::VmInspect { reference: c.vm_id }),
+                    )
                 }
                 _ => {}
             },

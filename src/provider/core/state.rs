@@ -244,3 +244,55 @@ pub(super) struct Startup {
     /// Stale VMs handed to a background watcher (never adopted nor treated as orphans now).
     pub(super) watched: Vec<VmInfo>,
 }
+
+/// The step an op moves to. [`Provider::advance`] sets it together with the effect it waits on.
+#[derive(Debug, Clone)]
+pub(super) enum Step {
+    Create(CreateStep),
+    Delete(DeleteStep),
+    Evict(EvictStep),
+    Check(CheckStep),
+}
+
+impl From<CreateStep> for Step {
+    fn from(s: CreateStep) -> Step {
+        Step::Create(s)
+    }
+}
+
+impl From<DeleteStep> for Step {
+    fn from(s: DeleteStep) -> Step {
+        Step::Delete(s)
+    }
+}
+
+impl From<EvictStep> for Step {
+    fn from(s: EvictStep) -> Step {
+        Step::Evict(s)
+    }
+}
+
+impl From<CheckStep> for Step {
+    fn from(s: CheckStep) -> Step {
+        Step::Check(s)
+    }
+}
+
+/// What a step waits on: the effect issued when the step is set.
+pub(super) enum Ask {
+    /// A cocoon call of this pod alone.
+    Cocoon(CocoonCmd),
+    /// A read-only cocoon call that concurrent pods asking the same share.
+    SharedRead(CocoonCmd),
+    /// Any other effect, built around the op id that will carry its answer.
+    Effect(Box<dyn FnOnce(OpId) -> Effect>),
+    /// No effect: the pod's timer at this instant (a retry or a deferred recheck).
+    Timer(Instant),
+}
+
+impl Ask {
+    /// An effect other than a cocoon call.
+    pub(super) fn effect(mk: impl FnOnce(OpId) -> Effect + 'static) -> Ask {
+        Ask::Effect(Box::new(mk))
+    }
+}
