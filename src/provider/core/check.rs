@@ -84,8 +84,9 @@ impl Provider {
         let Some(Op::Check(c)) = self.slots.get(key).and_then(|s| s.op.clone()) else {
             return;
         };
-        let Res::Cocoon(r) = res else {
-            return;
+        let r = match res {
+            Res::Cocoon(r) => r,
+            other => return self.unexpected_answer(key, &c.step, &other),
         };
         match c.step {
             CheckStep::Inspect { attempt } => {
@@ -170,7 +171,8 @@ impl Provider {
                 }
                 self.check_done(key, &c);
             }
-            CheckStep::Deferred { .. } => {}
+            // Waiting on the timer, not on an answer.
+            CheckStep::Deferred { .. } => self.unexpected_answer(key, &c.step, &Res::Cocoon(r)),
         }
     }
 

@@ -550,9 +550,7 @@ impl Provider {
                 let cloned = !(spec.mode == Mode::Run && spec.clone_from_dir.is_none());
                 self.finish_create(key, vm, cloned, &ip)
             }
-            (step, res) => {
-                log::warn!("provider: {key}: unexpected result {res:?} in create step {step:?}");
-            }
+            (step, res) => self.unexpected_answer(key, &step, &res),
         }
     }
 

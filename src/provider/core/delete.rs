@@ -251,10 +251,8 @@ impl Provider {
                 }
                 self.delete_vm_gone(key, &t, &d)
             }
-            (DeleteStep::ApiLast, res) => self.api_delete_result(key, d.uid, res),
-            (step, res) => {
-                log::warn!("provider: {key}: unexpected result {res:?} in delete step {step:?}")
-            }
+            (DeleteStep::ApiLast, res @ Res::Kube(_)) => self.api_delete_result(key, d.uid, res),
+            (step, res) => self.unexpected_answer(key, &step, &res),
         }
     }
 

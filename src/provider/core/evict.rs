@@ -131,7 +131,7 @@ impl Provider {
                     self.set_pod_timer(key, at);
                 }
             },
-            (step, res) => log::warn!("provider: {key}: unexpected {res:?} in evict {step:?}"),
+            (step, res) => self.unexpected_answer(key, &step, &res),
         }
     }
 }

@@ -350,6 +350,45 @@ impl Provider {
         }
     }
 
+    /// An answer the pod's op does not expect at its step (a mixed-up effect, or a bug): never
+    /// a silent stall. A Warning `UnexpectedAnswer`, and the op fails the way that retries it:
+    /// a create or delete on the pod's backoff, a check or eviction by a deferred recheck, a
+    /// wait for Ready by its next poll.
+    fn unexpected_answer(&mut self, key: &PodKey, step: &dyn std::fmt::Debug, res: &Res) {
+        let Some(op) = self.slots.get(key).and_then(|s| s.op.clone()) else {
+            return;
+        };
+        let msg = format!(
+            "step {step:?} got an unexpected {} answer; retrying",
+            res.kind()
+        );
+        log::warn!("provider: {key}: {msg}");
+        let warn = |p: &mut Self, uid: &str| {
+            p.event(key, uid, EventType::Warning, "UnexpectedAnswer", &msg);
+        };
+        match op {
+            Op::Create(c) => self.fail_create_as(key, &c.uid, "UnexpectedAnswer", &msg, true),
+            Op::Delete(d) => {
+                warn(self, &d.uid);
+                self.delete_failed(key, &msg)
+            }
+            Op::Evict(EvictOp { uid, .. }) | Op::Check(CheckOp { uid, .. }) => {
+                warn(self, &uid);
+                let vm_id = vm_id_of(self.slot(key));
+                self.defer_check(key, uid, vm_id)
+            }
+            Op::ReadyWait { uid, .. } => {
+                warn(self, &uid);
+                self.ready_wait_poll(key)
+            }
+            Op::ApiDelete { uid } => {
+                warn(self, &uid);
+                let failed = Res::Kube(Err(KubeError::Other(msg.clone())));
+                self.api_delete_result(key, uid, failed)
+            }
+        }
+    }
+
     fn pod_cocoon(&mut self, key: &PodKey, cmd: CocoonCmd) {
         let op = self.op_id();
         self.waiters.insert(op, Waiter::PodStep(key.clone()));
@@ -777,10 +816,12 @@ impl Provider {
             Some(Op::Delete(_)) => self.delete_step(key, res),
             Some(Op::Evict(_)) => self.evict_step(key, res),
             Some(Op::Check(_)) => self.check_step(key, res),
-            Some(Op::ReadyWait { .. }) => {
-                if let Res::Lease(r) = res {
-                    self.ready_wait_result(key, r);
-                }
+            Some(Op::ReadyWait { .. }) => match res {
+                Res::Lease(r) => self.ready_wait_result(key, r),
+                other => self.unexpected_answer(key, &"ReadyWait", &other),
+            },
+            Some(Op::ApiDelete { .. }) if !matches!(res, Res::Kube(_)) => {
+                self.unexpected_answer(key, &"ApiDelete", &res)
             }
             Some(Op::ApiDelete { uid }) => self.api_delete_result(key, uid, res),
             None => {}
@@ -1000,6 +1041,17 @@ enum Res {
 }
 
 impl Res {
+    /// Which kind of answer this is, for messages.
+    fn kind(&self) -> &'static str {
+        match self {
+            Res::Cocoon(_) => "cocoon",
+            Res::Lease(_) => "lease lookup",
+            Res::Kube(_) => "Kubernetes API",
+            Res::Transfer(_) => "registry transfer",
+            Res::Evidence(_) => "hibernate evidence",
+        }
+    }
+
     /// For steps that accept either a cocoon `image pull` or a MaterialiseImage transfer.
     fn transfer_or_cocoon(self) -> Result<String, String> {
         match self {

@@ -212,3 +212,23 @@ fn vm_event_during_a_create_is_looked_at_once_the_create_is_done() {
         .expect("ready published after the restart");
     assert_eq!(st.pod_ip.as_deref(), Some("10.0.0.9"));
 }
+
+#[test]
+fn an_answer_the_check_does_not_expect_defers_a_recheck_instead_of_stalling() {
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
+    create_clone(&mut h, p, "VM1");
+    let e = h.feed(Input::VmEvent {
+        kind: VmEventKind::Deleted,
+        vm: vm_info("VM1", "vk-ns-demo-0", "stopped"),
+    });
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm inspect VM1");
+    let e = h.feed(Input::KubeDone { op, result: Ok(()) });
+    assert!(events(&e).iter().any(|(r, _)| *r == "UnexpectedAnswer"));
+    assert!(statuses(&e).is_empty(), "no eviction on a wrong answer");
+    // The deferred recheck inspects again after its first delay.
+    let e = h.advance(Duration::from_secs(1));
+    let (_, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm inspect VM1");
+}

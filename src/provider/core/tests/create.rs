@@ -753,3 +753,30 @@ fn concurrent_clones_of_one_snapshot_share_the_source_inspect() {
     let (_, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "snapshot inspect team/agent:v3");
 }
+
+#[test]
+fn an_answer_the_create_step_does_not_expect_fails_it_with_a_warning_and_a_retry() {
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
+    let e = h.feed(Input::PodUpserted(Box::new(p)));
+    let e = no_evidence(&mut h, &e);
+    // The step waits on `snapshot rm fork-*`; a lease answer arrives under its op id instead.
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "snapshot rm fork-vk-ns-demo-0");
+    let e = h.feed(Input::LeaseLooked {
+        op,
+        result: Ok(None),
+    });
+    let warned = events(&e);
+    assert!(
+        warned
+            .iter()
+            .any(|(r, m)| *r == "UnexpectedAnswer" && m.contains("RmFork")),
+        "{warned:?}"
+    );
+    assert!(cocoon_ops(&e).is_empty(), "no step runs on a wrong answer");
+    // The create is retried on the pod's backoff: it begins again with the evidence check.
+    let e = h.advance(Duration::from_secs(2));
+    let (_, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm inspect vk-ns-demo-0");
+}

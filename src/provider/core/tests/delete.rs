@@ -149,3 +149,27 @@ fn not_running_pod_being_deleted_is_force_deleted_at_once() {
     assert_eq!(deletes(&e)[0].1, Some(0));
     assert!(cocoon_ops(&e).is_empty());
 }
+
+#[test]
+fn an_answer_the_delete_step_does_not_expect_keeps_the_vm_and_retries() {
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
+    create_clone(&mut h, p.clone(), "VM1");
+    let e = h.feed(Input::PodUpserted(Box::new(deleting_pod(p, true))));
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm rm --force VM1");
+    let e = h.feed(Input::TransferDone {
+        op,
+        result: Ok(String::new()),
+    });
+    let warned: Vec<&str> = events(&e).iter().map(|(r, _)| *r).collect();
+    assert!(warned.contains(&"UnexpectedAnswer"), "{warned:?}");
+    assert!(warned.contains(&"ProviderDeleteFailed"), "{warned:?}");
+    assert!(
+        deletes(&e).is_empty(),
+        "the pod object stays while its VM may run"
+    );
+    let e = h.advance(Duration::from_secs(2));
+    let (_, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm rm --force VM1");
+}
