@@ -47,8 +47,11 @@ impl Provider {
 
     /// Steps 10–17 of §5, then the VM event that arrived meanwhile, if any.
     pub(super) fn finish_create(&mut self, key: &PodKey, vm: VmInfo, cloned: bool, ip: &str) {
+        let meanwhile = self
+            .create_op(key)
+            .and_then(|c| c.vm_event_meanwhile.take());
         self.settle_create(key, vm, cloned, ip);
-        if let Some((kind, vm)) = self.slot(key).vm_event_during_create.take() {
+        if let Some((kind, vm)) = meanwhile {
             self.vm_event(kind, vm);
         }
     }
@@ -173,8 +176,8 @@ impl Provider {
         err: &str,
         retry: bool,
     ) {
-        // The retry looks the VM up by name again; an event about it says nothing more.
-        self.slot(key).vm_event_during_create = None;
+        // The retry looks the VM up by name again; an event about it says nothing more (it
+        // ends with the op).
         self.lifecycle_metric("create", "failed", "");
         self.event(
             key,
@@ -198,7 +201,10 @@ impl Provider {
             let send = slot.last_pushed.as_ref() != Some(&sum);
             slot.last_pushed = Some(sum);
             if !retry {
-                slot.rejected = pod.clone();
+                match pod.clone() {
+                    Some(p) => slot.idle = Idle::Rejected(p),
+                    None => slot.idle.clear_rejection(),
+                }
             }
             slot.failures += 1;
             (slot.failures, send)

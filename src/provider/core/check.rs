@@ -25,12 +25,12 @@ impl Provider {
         let Some(key) = self.find_by_vm(&vm) else {
             return;
         };
-        let slot = &self.slots[&key];
-        if matches!(slot.op, Some(Op::Create(_))) {
+        if let Some(c) = self.create_op(&key) {
             // The create in flight may be making this very VM: look once it is done.
-            self.slot(&key).vm_event_during_create = Some((kind, vm));
+            c.vm_event_meanwhile = Some((kind, vm));
             return;
         }
+        let slot = &self.slots[&key];
         let Some(t) = slot.tracked.as_ref() else {
             return;
         };

@@ -55,7 +55,7 @@ impl Provider {
             .unwrap_or_else(|| self.wall.clone());
         let failures = {
             let slot = self.slot(key);
-            slot.rejected = None;
+            slot.idle.clear_rejection();
             slot.tracked = Some(Tracked {
                 uid: uid.clone(),
                 pod: pod.clone(),
@@ -78,6 +78,7 @@ impl Provider {
                 local_snapshot: String::new(),
                 snapshot_image: String::new(),
                 vm: None,
+                vm_event_meanwhile: None,
             })));
             self.lifecycle_metric("create", "ok", "adopted");
             return self.vm_up(key, vm, true);
@@ -102,6 +103,7 @@ impl Provider {
                 local_snapshot: String::new(),
                 snapshot_image: String::new(),
                 vm: None,
+                vm_event_meanwhile: None,
             })));
             if let Some(t) = self.slot(key).tracked.as_mut() {
                 t.ip = spec.vm_ip.clone();
@@ -120,6 +122,7 @@ impl Provider {
             local_snapshot: spec::local_snapshot_name(&spec.image),
             snapshot_image: String::new(),
             vm: None,
+            vm_event_meanwhile: None,
         };
         let first = op.step.clone();
         self.slot(key).op = Some(Op::Create(Box::new(op)));
@@ -251,7 +254,7 @@ impl Provider {
         let st = status::provider_failed(restart_never(pod), &e.message);
         let sum = status::summary(&st);
         let slot = self.slot(key);
-        slot.rejected = Some(pod.clone());
+        slot.idle = Idle::Rejected(pod.clone());
         let already = slot.last_pushed.as_ref() == Some(&sum);
         slot.last_pushed = Some(sum);
         if !already {

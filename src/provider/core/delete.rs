@@ -40,7 +40,7 @@ impl Provider {
             .map(|p| {
                 deleting(p)
                     && !status::has_running_container(p.status.as_ref())
-                    && slot.api_deleted.as_deref() != Some(t.uid.as_str())
+                    && !slot.idle.api_deleted(&t.uid)
             })
             .unwrap_or(false);
         slot.op = Some(Op::Delete(DeleteOp {
@@ -51,7 +51,7 @@ impl Provider {
         }));
         if api_first {
             let uid = t.uid.clone();
-            self.slot(key).api_deleted = Some(uid.clone());
+            self.slot(key).idle = Idle::ApiDeleted(uid.clone());
             return self.pod_effect(key, |op| Effect::DeletePod {
                 op,
                 key: key.clone(),
@@ -119,7 +119,7 @@ impl Provider {
             (DeleteStep::ApiFirst, Res::Kube(r)) => {
                 if matches!(r, Err(KubeError::Other(_))) {
                     // Not deleted: the final grace-0 delete after the VM is gone retries it.
-                    self.slot(key).api_deleted = None;
+                    self.slot(key).idle.undo_api_delete();
                 }
                 self.delete_after_api_first(key)
             }
@@ -279,10 +279,10 @@ impl Provider {
                 // Terminal status, then delete at once (kubelet-duties §6 fix 3).
                 let st = status::succeeded(t.start_time.as_ref(), &self.wall);
                 self.send_status(key, &d.uid, st, false);
-                if self.slot(key).api_deleted.as_deref() == Some(d.uid.as_str()) {
+                if self.slot(key).idle.api_deleted(&d.uid) {
                     return self.end_op(key);
                 }
-                self.slot(key).api_deleted = Some(d.uid.clone());
+                self.slot(key).idle = Idle::ApiDeleted(d.uid.clone());
                 // The op stays until the API answers so the slot is not re-driven meanwhile.
                 let (uid, pod) = (d.uid.clone(), key.clone());
                 self.slot(key).op = Some(Op::Delete(d.clone()));
@@ -308,10 +308,10 @@ impl Provider {
             slot.op = None;
             slot.awaiting = None;
             if failed {
-                slot.api_deleted = None;
+                slot.idle.undo_api_delete();
                 slot.failures += 1;
             } else {
-                slot.api_deleted = Some(uid);
+                slot.idle = Idle::ApiDeleted(uid);
                 slot.failures = 0;
             }
             slot.failures

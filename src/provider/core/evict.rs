@@ -115,7 +115,7 @@ impl Provider {
                         self.by_name.remove(&vm.name);
                     }
                     let uid = e.uid.clone();
-                    self.slot(key).evicted = Some(uid);
+                    self.slot(key).idle = Idle::Evicted(uid);
                     self.forget(key, true);
                     self.end_op(key);
                 }

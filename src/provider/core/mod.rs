@@ -606,14 +606,12 @@ impl Provider {
             if tracked_uid.is_some() {
                 return self.start_delete(key);
             }
-            if slot.api_deleted.as_deref() != Some(uid.as_str()) {
+            if !slot.idle.api_deleted(&uid) {
                 return self.start_api_delete(key, &uid);
             }
             return;
         }
-        if slot.api_deleted.as_deref() == Some(uid.as_str())
-            || slot.evicted.as_deref() == Some(uid.as_str())
-        {
+        if slot.idle.ended(&uid) {
             // We deleted this incarnation and wait for its DELETED.
             return;
         }
@@ -628,7 +626,7 @@ impl Provider {
             return;
         }
         if tracked_uid.is_none() {
-            if let Some(rej) = &slot.rejected {
+            if let Some(rej) = slot.idle.rejected() {
                 if pod_uid(rej) == uid && !changed(rej, &pod) {
                     return;
                 }

@@ -54,6 +54,8 @@ pub(super) struct CreateOp {
     pub(super) local_snapshot: String,
     pub(super) snapshot_image: String,
     pub(super) vm: Option<VmInfo>,
+    /// A VM-gone event that arrived while this create was in flight, looked at once it ends.
+    pub(super) vm_event_meanwhile: Option<(VmEventKind, VmInfo)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -149,6 +151,55 @@ impl Op {
     }
 }
 
+/// The idle sub-state of a pod: what the core settled about one of its incarnations, which
+/// decides what the next reconcile may do with it.
+#[derive(Debug, Clone, Default)]
+pub(super) enum Idle {
+    /// Nothing settled: the next reconcile acts on the latest copy.
+    #[default]
+    Open,
+    /// This pod copy's create failed for good (bad input): retried only when the pod changes.
+    Rejected(Arc<Pod>),
+    /// We asked the API to delete this UID with grace 0 and wait for its DELETED.
+    ApiDeleted(String),
+    /// We evicted this UID: never re-created; its graceful deletion is finished with grace 0.
+    Evicted(String),
+}
+
+impl Idle {
+    /// We already deleted the API object of `uid` (grace 0).
+    pub(super) fn api_deleted(&self, uid: &str) -> bool {
+        matches!(self, Idle::ApiDeleted(u) if u == uid)
+    }
+
+    /// We ended `uid` ourselves (API delete or eviction) and only its DELETED is owed.
+    pub(super) fn ended(&self, uid: &str) -> bool {
+        matches!(self, Idle::ApiDeleted(u) | Idle::Evicted(u) if u == uid)
+    }
+
+    /// The rejected copy, if the last create failed for good.
+    pub(super) fn rejected(&self) -> Option<&Arc<Pod>> {
+        match self {
+            Idle::Rejected(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    /// Forgets an API delete that did not happen.
+    pub(super) fn undo_api_delete(&mut self) {
+        if matches!(self, Idle::ApiDeleted(_)) {
+            *self = Idle::Open;
+        }
+    }
+
+    /// Forgets a rejection (a create starts).
+    pub(super) fn clear_rejection(&mut self) {
+        if matches!(self, Idle::Rejected(_)) {
+            *self = Idle::Open;
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 pub(super) struct Slot {
     /// Latest copy from the API (None once deleted there).
@@ -161,15 +212,11 @@ pub(super) struct Slot {
     pub(super) timer: Option<(Instant, u64)>,
     /// Consecutive failures of create / delete (backoff exponent).
     pub(super) failures: u32,
+    /// When the next create or delete attempt may start after a failure. Independent of
+    /// `idle`: a delete that failed after its API-first DELETE retries with that still known.
     pub(super) retry_at: Option<Instant>,
-    /// The pod copy whose create failed permanently (bad input): retried only when it changes.
-    pub(super) rejected: Option<Arc<Pod>>,
-    /// UID whose API object we already asked to delete with grace 0.
-    pub(super) api_deleted: Option<String>,
-    /// UID we evicted: never re-created; its graceful deletion is finished with grace 0.
-    pub(super) evicted: Option<String>,
-    /// A VM-gone event that arrived while a create was in flight, replayed when it ends.
-    pub(super) vm_event_during_create: Option<(VmEventKind, VmInfo)>,
+    /// What the core last settled about an incarnation of this pod while no op runs for it.
+    pub(super) idle: Idle,
     pub(super) last_pushed: Option<StatusSummary>,
     /// The last status written for an incarnation (uid): what the cluster shows, and what the
     /// kubelet view serves without building a copy per pod.
