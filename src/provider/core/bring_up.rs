@@ -327,4 +327,35 @@ impl Provider {
         self.push_status(key, false);
         self.ready_wait_poll(key);
     }
+
+    // ----- readiness ------------------------------------------------------------------------
+
+    pub(super) fn readiness(
+        &mut self,
+        key: &PodKey,
+        uid: &str,
+        ready: bool,
+        message: String,
+        ip: Option<String>,
+    ) {
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        let Some(t) = slot.tracked.as_mut() else {
+            return;
+        };
+        if t.uid != uid || t.vm.is_none() {
+            return;
+        }
+        t.probe = Some((ready, message));
+        if let Some(ip) = ip {
+            if !ip.is_empty() && ip != t.ip {
+                self.set_ip(key, &ip);
+                if let Some(Some(Op::ReadyWait { .. })) = self.slots.get(key).map(|s| &s.op) {
+                    return self.ready_wait_poll(key);
+                }
+            }
+        }
+        self.push_status(key, false);
+    }
 }

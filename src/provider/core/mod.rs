@@ -7,11 +7,14 @@
 //! ends, the slot is re-evaluated against the latest API copy (`reconcile_slot`), which is where
 //! the framework's create/update/delete dispatch lives.
 //!
-//! Files: this one holds the provider's tables, the input dispatch, the per-pod helpers and the
-//! routing of answers to the op that waits; [`state`] the per-pod state types; one file per
-//! operation holds its transitions: `create` (up to clone / run), `bring_up` (the VM exists:
-//! settle, IP, Ready), `delete`, `check` (VM events and rechecks), `evict`, `startup`
-//! (reconcile and adoption) and `kube_writes` (status / annotation patches, drift).
+//! Files: this one holds the provider's tables, the input dispatch, the per-pod helpers
+//! (`advance` sets a step with the effect it waits on) and the slot reconcile; `state` the
+//! per-pod state types (ops, steps, the idle sub-state); `answers` routes each effect's answer
+//! to the op that waits and handles answers no step expects. One file per operation holds its
+//! transitions: `create` (up to clone / run), `bring_up` (the VM exists: settle, IP, Ready),
+//! `delete`, `check` (VM events and rechecks), `evict`, `startup` (reconcile and adoption)
+//! and `kube_writes` (status / annotation patches, drift). A new transition touches its
+//! operation's file and, for a new step, the step enum in `state`.
 //!
 //! Decisions for out-of-scope features (issue 5): fork-from, restore-from-hibernate, managed
 //! Windows/macOS guests fail the create clearly (Warning event, ProviderFailed status, counter)
@@ -42,6 +45,7 @@ use super::{
 };
 use super::{LeaseError, TransferError};
 
+mod answers;
 mod bring_up;
 mod check;
 mod create;
@@ -53,6 +57,7 @@ mod state;
 #[cfg(test)]
 mod tests;
 
+use self::answers::Res;
 use self::state::*;
 
 const DRIFT_FIRST: Duration = Duration::from_secs(10);
@@ -347,45 +352,6 @@ impl Provider {
             Ask::SharedRead(cmd) => self.pod_cocoon_read(key, cmd),
             Ask::Effect(mk) => self.pod_effect(key, mk),
             Ask::Timer(at) => self.set_pod_timer(key, at),
-        }
-    }
-
-    /// An answer the pod's op does not expect at its step (a mixed-up effect, or a bug): never
-    /// a silent stall. A Warning `UnexpectedAnswer`, and the op fails the way that retries it:
-    /// a create or delete on the pod's backoff, a check or eviction by a deferred recheck, a
-    /// wait for Ready by its next poll.
-    fn unexpected_answer(&mut self, key: &PodKey, step: &dyn std::fmt::Debug, res: &Res) {
-        let Some(op) = self.slots.get(key).and_then(|s| s.op.clone()) else {
-            return;
-        };
-        let msg = format!(
-            "step {step:?} got an unexpected {} answer; retrying",
-            res.kind()
-        );
-        log::warn!("provider: {key}: {msg}");
-        let warn = |p: &mut Self, uid: &str| {
-            p.event(key, uid, EventType::Warning, "UnexpectedAnswer", &msg);
-        };
-        match op {
-            Op::Create(c) => self.fail_create_as(key, &c.uid, "UnexpectedAnswer", &msg, true),
-            Op::Delete(d) => {
-                warn(self, &d.uid);
-                self.delete_failed(key, &msg)
-            }
-            Op::Evict(EvictOp { uid, .. }) | Op::Check(CheckOp { uid, .. }) => {
-                warn(self, &uid);
-                let vm_id = vm_id_of(self.slot(key));
-                self.defer_check(key, uid, vm_id)
-            }
-            Op::ReadyWait { uid, .. } => {
-                warn(self, &uid);
-                self.ready_wait_poll(key)
-            }
-            Op::ApiDelete { uid } => {
-                warn(self, &uid);
-                let failed = Res::Kube(Err(KubeError::Other(msg.clone())));
-                self.api_delete_result(key, uid, failed)
-            }
         }
     }
 
@@ -766,258 +732,6 @@ impl Provider {
             })
             .map(|(k, _)| k.clone())
     }
-
-    // ----- readiness ------------------------------------------------------------------------
-
-    fn readiness(
-        &mut self,
-        key: &PodKey,
-        uid: &str,
-        ready: bool,
-        message: String,
-        ip: Option<String>,
-    ) {
-        let Some(slot) = self.slots.get_mut(key) else {
-            return;
-        };
-        let Some(t) = slot.tracked.as_mut() else {
-            return;
-        };
-        if t.uid != uid || t.vm.is_none() {
-            return;
-        }
-        t.probe = Some((ready, message));
-        if let Some(ip) = ip {
-            if !ip.is_empty() && ip != t.ip {
-                self.set_ip(key, &ip);
-                if let Some(Some(Op::ReadyWait { .. })) = self.slots.get(key).map(|s| &s.op) {
-                    return self.ready_wait_poll(key);
-                }
-            }
-        }
-        self.push_status(key, false);
-    }
-
-    // ----- results and timers ---------------------------------------------------------------
-
-    /// Hands a result to the op of the pod that waits on it, unless the op moved on.
-    fn pod_step_result(&mut self, key: &PodKey, op: OpId, res: Res) {
-        let Some(slot) = self.slots.get_mut(key) else {
-            return;
-        };
-        if slot.awaiting != Some(op) {
-            return; // stale (op was preempted)
-        }
-        slot.awaiting = None;
-        match slot.op.clone() {
-            Some(Op::Create(_)) => self.create_step(key, res),
-            Some(Op::Delete(_)) => self.delete_step(key, res),
-            Some(Op::Evict(_)) => self.evict_step(key, res),
-            Some(Op::Check(_)) => self.check_step(key, res),
-            Some(Op::ReadyWait { .. }) => match res {
-                Res::Lease(r) => self.ready_wait_result(key, r),
-                other => self.unexpected_answer(key, &"ReadyWait", &other),
-            },
-            Some(Op::ApiDelete { .. }) if !matches!(res, Res::Kube(_)) => {
-                self.unexpected_answer(key, &"ApiDelete", &res)
-            }
-            Some(Op::ApiDelete { uid }) => self.api_delete_result(key, uid, res),
-            None => {}
-        }
-    }
-
-    fn on_result(&mut self, op: OpId, res: Res) {
-        let Some(waiter) = self.waiters.remove(&op) else {
-            return;
-        };
-        match waiter {
-            Waiter::Ignore => {}
-            Waiter::PodStep(key) => self.pod_step_result(&key, op, res),
-            Waiter::SharedRead { argv, keys } => {
-                self.shared_reads.remove(&argv);
-                if let Res::Cocoon(r) = res {
-                    for key in keys {
-                        self.pod_step_result(&key, op, Res::Cocoon(r.clone()));
-                    }
-                }
-            }
-            Waiter::Status {
-                key,
-                uid,
-                ready_publication,
-                attempt,
-                effect,
-            } => {
-                let r = match res {
-                    Res::Kube(r) => r,
-                    _ => return,
-                };
-                match r {
-                    Ok(()) => {
-                        if ready_publication {
-                            let patch = {
-                                let slot = self.slot(&key);
-                                match slot.intent.as_ref() {
-                                    Some(i) if i.uid == uid && i.state == State::Ready => {
-                                        Some(i.patch())
-                                    }
-                                    _ => None,
-                                }
-                            };
-                            if let Some(p) = patch {
-                                self.send_annotations(&key, &uid, p, true);
-                            }
-                        }
-                    }
-                    Err(e) if e.superseded() => {}
-                    Err(_) if attempt < KUBE_ATTEMPTS => {
-                        let at = self.now + KUBE_RETRY;
-                        self.arm(
-                            at,
-                            TimerEntry::Reissue {
-                                waiter: Waiter::Status {
-                                    key,
-                                    uid,
-                                    ready_publication,
-                                    attempt: attempt + 1,
-                                    effect,
-                                },
-                            },
-                        );
-                    }
-                    Err(_) => {
-                        // Let the drift / lifecycle reconcilers re-publish.
-                        if let Some(s) = self.slots.get_mut(&key) {
-                            s.last_pushed = None;
-                        }
-                    }
-                }
-            }
-            Waiter::Annotations {
-                key,
-                uid,
-                lifecycle,
-                attempt,
-                effect,
-            } => {
-                let r = match res {
-                    Res::Kube(r) => r,
-                    _ => return,
-                };
-                let still_current = |p: &Self| p.lifecycle_current(&key, &uid, &effect);
-                match r {
-                    Ok(()) => {
-                        if lifecycle && still_current(self) {
-                            if let Some(i) = self.slot(&key).intent.as_mut() {
-                                i.flushed = true;
-                            }
-                        }
-                    }
-                    Err(e) if e.superseded() => {
-                        if lifecycle && still_current(self) {
-                            self.slot(&key).intent = None;
-                        }
-                    }
-                    Err(_) if attempt < KUBE_ATTEMPTS && (!lifecycle || still_current(self)) => {
-                        let at = self.now + KUBE_RETRY;
-                        self.arm(
-                            at,
-                            TimerEntry::Reissue {
-                                waiter: Waiter::Annotations {
-                                    key,
-                                    uid,
-                                    lifecycle,
-                                    attempt: attempt + 1,
-                                    effect,
-                                },
-                            },
-                        );
-                    }
-                    Err(_) => {}
-                }
-            }
-            Waiter::Lease { key, uid } => {
-                if let Res::Lease(Ok(Some(ip))) = res {
-                    let same = self
-                        .slots
-                        .get(&key)
-                        .and_then(|s| s.tracked.as_ref())
-                        .map(|t| t.uid == uid && t.vm.is_some())
-                        .unwrap_or(false);
-                    if same && !ip.is_empty() {
-                        self.set_ip(&key, &ip);
-                        self.push_status(&key, false);
-                    }
-                }
-            }
-            Waiter::StaleCreate { vm, watcher } => self.stale_result(vm, watcher, res),
-            Waiter::StaleInspect { vm, watcher } => self.stale_inspect_result(vm, watcher, res),
-        }
-    }
-
-    fn tick(&mut self) {
-        while let Some((&(at, seq), _)) = self.timers.iter().next() {
-            if at > self.now {
-                break;
-            }
-            let Some(entry) = self.timers.remove(&(at, seq)) else {
-                break;
-            };
-            match entry {
-                TimerEntry::Pod { key, token } => self.pod_timer(&key, token),
-                TimerEntry::Drift => self.drift(),
-                TimerEntry::Lifecycle => self.lifecycle_reflush(),
-                TimerEntry::Reissue { waiter } => self.reissue(waiter),
-                TimerEntry::StaleWatch { vm, delay, until } => {
-                    self.stale_watch_tick(vm, delay, until)
-                }
-            }
-        }
-    }
-
-    fn pod_timer(&mut self, key: &PodKey, token: u64) {
-        let Some(slot) = self.slots.get_mut(key) else {
-            return;
-        };
-        if slot.timer.map(|(_, t)| t) != Some(token) {
-            return;
-        }
-        slot.timer = None;
-        if slot.retry_at.map(|t| t <= self.now).unwrap_or(false) {
-            slot.retry_at = None;
-        }
-        match slot.op.clone() {
-            None => self.reconcile_slot(key),
-            Some(Op::ReadyWait { .. }) => self.ready_wait_poll(key),
-            Some(Op::Check(c)) => match c.step {
-                CheckStep::Inspect { .. } => {
-                    self.pod_cocoon(key, CocoonCmd::VmInspect { reference: c.vm_id })
-                }
-                CheckStep::Deferred { delay, until } => {
-                    // Stop if no pod tracks the ID any more.
-                    let tracked = self
-                        .slots
-                        .get(key)
-                        .and_then(|s| s.tracked.as_ref())
-                        .filter(|t| t.uid == c.uid)
-                        .and_then(|t| t.vm.as_ref())
-                        .map(|v| v.id == c.vm_id)
-                        .unwrap_or(false);
-                    if !tracked {
-                        return self.end_op(key);
-                    }
-                    self.advance(
-                        key,
-                        CheckStep::DeferredInspect { delay, until },
-                        Ask::Cocoon(CocoonCmd::VmInspect { reference: c.vm_id }),
-                    )
-                }
-                _ => {}
-            },
-            Some(Op::Evict(e)) if e.step == EvictStep::Delete => self.evict_delete(key),
-            Some(_) => {}
-        }
-    }
 }
 
 fn initial_probe(ip: &str) -> (bool, String) {
@@ -1026,37 +740,5 @@ fn initial_probe(ip: &str) -> (bool, String) {
         (false, "waiting for dhcp lease".into())
     } else {
         (true, "ip resolved".into())
-    }
-}
-
-#[derive(Debug)]
-enum Res {
-    Cocoon(CocoonResult),
-    Lease(Result<Option<String>, LeaseError>),
-    Kube(Result<(), KubeError>),
-    Transfer(Result<String, TransferError>),
-    Evidence(Result<Option<String>, TransferError>),
-}
-
-impl Res {
-    /// Which kind of answer this is, for messages.
-    fn kind(&self) -> &'static str {
-        match self {
-            Res::Cocoon(_) => "cocoon",
-            Res::Lease(_) => "lease lookup",
-            Res::Kube(_) => "Kubernetes API",
-            Res::Transfer(_) => "registry transfer",
-            Res::Evidence(_) => "hibernate evidence",
-        }
-    }
-
-    /// For steps that accept either a cocoon `image pull` or a MaterialiseImage transfer.
-    fn transfer_or_cocoon(self) -> Result<String, String> {
-        match self {
-            Res::Transfer(r) => r.map_err(|e| e.to_string()),
-            Res::Cocoon(r) if r.success => Ok(String::new()),
-            Res::Cocoon(r) => Err(r.error_text()),
-            other => Err(format!("unexpected result {other:?}")),
-        }
     }
 }
