@@ -1,5 +1,5 @@
 //! vk-cocoon: a virtual kubelet that turns Kubernetes pods into cocoon MicroVMs.
-//! The module map follows ../shared/design.md; `daemon` is where the rooms meet.
+//! The module map follows the design notes (one room per concern); `daemon` is where they meet.
 
 pub mod config;
 pub mod daemon;

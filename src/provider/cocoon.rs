@@ -8,6 +8,7 @@ pub use crate::vm::{
     Backend, CloneOptions, CloneSource, CpuPolicy, Deadlines, ErrorKind, RunOptions,
     StaleCreateOutcome, Verb, VmState,
 };
+use crate::vm::{CallOutcome, CocoonCall};
 
 /// A cocoon invocation the core wants performed: the core's vocabulary, mapped one to one onto
 /// the vm room's argv builders and deadlines (the only place that spells cocoon's argv).
@@ -225,30 +226,37 @@ impl From<crate::vm::Vm> for VmInfo {
     }
 }
 
-/// Parse one VM object (inspect / clone / run output) with the contract's types. Empty id ⇒
-/// error.
-pub fn parse_vm(json: &str) -> Result<VmInfo, String> {
-    let vm: crate::vm::Vm =
-        serde_json::from_str(json.trim()).map_err(|e| format!("bad VM JSON from cocoon: {e}"))?;
-    if vm.id.is_empty() {
-        return Err("empty VM record in JSON payload".into());
-    }
-    Ok(VmInfo::from(vm))
+/// The successful output of a `verb` call, as the contract's parsers take it.
+fn succeeded(verb: Verb, argv: Vec<String>, stdout: &str) -> (CocoonCall, CallOutcome) {
+    let call = CocoonCall::new(verb, argv, &Deadlines::default());
+    (call, CallOutcome::ok(stdout.as_bytes()))
 }
 
-/// Parse `vm list -o json`: empty output, `No VMs found.`, or an array (entries without id skipped).
-pub fn parse_vm_list(out: &str) -> Result<Vec<VmInfo>, String> {
-    let t = out.trim();
-    if t.is_empty() || t == "No VMs found." || t == "null" {
-        return Ok(Vec::new());
+/// The message of a parse failure, as the provider reports it.
+fn parse_failure(what: &str, e: crate::vm::CocoonError) -> String {
+    match e.kind {
+        ErrorKind::InvalidJson(why) => format!("bad {what} JSON from cocoon: {why}"),
+        ErrorKind::EmptyRecord => "empty VM record in JSON payload".into(),
+        _ => e.to_string(),
     }
-    let vms: Vec<crate::vm::Vm> =
-        serde_json::from_str(t).map_err(|e| format!("bad VM list JSON from cocoon: {e}"))?;
-    Ok(vms
-        .into_iter()
-        .filter(|v| !v.id.is_empty())
+}
+
+/// Parse one VM object (inspect / clone / run output) with the contract's parser. Empty id ⇒
+/// error.
+pub fn parse_vm(json: &str) -> Result<VmInfo, String> {
+    let (call, out) = succeeded(Verb::VmInspect, argv::vm_inspect("-"), json);
+    crate::vm::parse_vm(&call, &out)
         .map(VmInfo::from)
-        .collect())
+        .map_err(|e| parse_failure("VM", e))
+}
+
+/// Parse `vm list -o json` with the contract's parser: empty output, `null`, B's
+/// `No VMs found.`, or an array (entries without id, or undecodable, skipped).
+pub fn parse_vm_list(out: &str) -> Result<Vec<VmInfo>, String> {
+    let (call, out) = succeeded(Verb::VmList, argv::vm_list(), out);
+    crate::vm::parse_vm_list(&call, &out)
+        .map(|vms| vms.into_iter().map(VmInfo::from).collect())
+        .map_err(|e| parse_failure("VM list", e))
 }
 
 /// `snapshot inspect` fields the provider reads.

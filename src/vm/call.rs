@@ -356,7 +356,8 @@ fn parse_array_lenient<T: DeserializeOwned>(
     }
     let text = String::from_utf8_lossy(&out.stdout);
     let t = text.trim();
-    if t.is_empty() || t == empty_line {
+    // A Go nil slice prints `null`.
+    if t.is_empty() || t == empty_line || t == "null" {
         return Ok(Vec::new());
     }
     let values: Vec<serde_json::Value> =

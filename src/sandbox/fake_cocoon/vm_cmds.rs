@@ -1021,6 +1021,13 @@ pub fn stop_on_its_own(store: &Store, r: &str, stale: bool) -> Result<(), String
     let mut sv = resolve(store, r)?;
     if stale {
         kill_pid(sv.vm.pid);
+        // SIGKILL lands asynchronously: on a loaded host the process can still read alive a
+        // moment later, and the "stale" record would show running. Wait (bounded) until it
+        // reads dead, as a crashed hypervisor would by the time anyone looks.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while pid_alive(sv.vm.pid) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
         // Make sure the dead PID reads dead even when process backing is off.
         if sv.vm.pid == 0 {
             sv.vm.pid = i32::MAX as i64;
