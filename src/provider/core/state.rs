@@ -343,3 +343,34 @@ impl Ask {
         Ask::Effect(Box::new(mk))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_idle_sub_state_answers_for_its_own_uid_only() {
+        let api = Idle::ApiDeleted("u1".into());
+        assert!(api.api_deleted("u1") && api.ended("u1"));
+        assert!(!api.api_deleted("u2") && !api.ended("u2"));
+        let evicted = Idle::Evicted("u1".into());
+        assert!(evicted.ended("u1") && !evicted.api_deleted("u1"));
+        assert!(evicted.rejected().is_none());
+
+        // Undoing an API delete never forgets an eviction or a rejection, and the reverse.
+        let mut s = evicted.clone();
+        s.undo_api_delete();
+        assert!(s.ended("u1"));
+        let mut s = api.clone();
+        s.clear_rejection();
+        assert!(s.api_deleted("u1"));
+        s.undo_api_delete();
+        assert!(matches!(s, Idle::Open));
+        let mut s = Idle::Rejected(Arc::new(Pod::default()));
+        assert!(s.rejected().is_some() && !s.ended(""));
+        s.undo_api_delete();
+        assert!(s.rejected().is_some());
+        s.clear_rejection();
+        assert!(matches!(s, Idle::Open));
+    }
+}
