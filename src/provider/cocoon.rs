@@ -1,5 +1,5 @@
-//! The cocoon calls the provider core asks for, their argv (cocoon-cli.md, N generation), and
-//! the parsing/classification of their raw results. Builds and parses only; never runs a child.
+//! The core's view of cocoon: the calls it asks for, mapped onto the vm room's argv builders,
+//! deadlines, parsers and error classification (vm alone spells the CLI). Never runs a child.
 
 use std::time::Duration;
 

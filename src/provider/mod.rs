@@ -23,9 +23,9 @@
 //! Effects and the result each one owes back (same `op` id):
 //! * [`Effect::Cocoon`] `{op, cmd}`: run `cocoon` with `cmd.argv()` (deadline `cmd.deadline()`),
 //!   answer [`Input::CocoonDone`] `{op, result}` with the raw exit (success, stdout, stderr,
-//!   timed_out). The core parses and classifies it.
+//!   timed_out). The core reads it through the vm room's parsers and classification.
 //! * [`Effect::LookupLease`] `{op, mac}`: look the MAC up in the cocoon-net lease file, answer
-//!   [`Input::LeaseLooked`].
+//!   [`Input::LeaseLooked`] (a [`LeaseError`] when the file cannot answer).
 //! * [`Effect::PatchPodStatus`], [`Effect::PatchPodAnnotations`], [`Effect::DeletePod`]: kube
 //!   calls (status: JSON merge patch on pods/status with `{"metadata":{"uid":..},"status":..}`;
 //!   annotations: merge patch of `metadata.annotations` (None = null = delete) carrying
@@ -33,7 +33,7 @@
 //!   Answer [`Input::KubeDone`] `{op, result}` mapping 404/409/422 to [`KubeError`] variants.
 //!   The daemon performs no retries itself; the core retries.
 //! * [`Effect::PullSnapshot`], [`Effect::PushSnapshot`], [`Effect::MaterialiseImage`]: worker
-//!   pool jobs (snapshots room); answer [`Input::TransferDone`].
+//!   pool jobs (snapshots room); answer [`Input::TransferDone`] (a [`TransferError`] on failure).
 //! * [`Effect::CheckHibernateEvidence`] `{op, vm_name}`: look the registry tag
 //!   `<vm_name>:hibernate` up (a worker job); answer [`Input::HibernateEvidence`].
 //! * Fire-and-forget (no answer): [`Effect::Event`], [`Effect::StartProbe`],

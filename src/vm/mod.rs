@@ -1,5 +1,5 @@
-//! The cocoon CLI contract: argv builders, JSON types, error classification, the event-stream parser.
-//! Builds and parses; running the child is the reactor's job.
+//! The cocoon CLI contract, the one place that spells it: argv builders, JSON types, error
+//! classification, deadlines, quantities, the event stream. Running children is the reactor's.
 //!
 //! Flow of one call: build argv with [`argv`] (e.g. `argv::vm_clone(&CloneOptions)`), wrap it in
 //! [`CocoonCall::new`] (verb → mode, deadline, capture limits), spawn with

@@ -1,8 +1,8 @@
 //! The provider state machine: per-pod create / update / delete / status / eviction, VM events
 //! and startup reconcile. Pure: `handle(input, now, wall)` returns effects; no I/O here.
 //!
-//! Shape: one [`Slot`] per pod key holds the latest API copy, the tracked incarnation, the
-//! lifecycle intent and at most one running [`Op`] (work is serialised per pod, pods run in
+//! Shape: one `Slot` per pod key holds the latest API copy, the tracked incarnation, the
+//! lifecycle intent and at most one running `Op` (work is serialised per pod, pods run in
 //! parallel). An op waits on one effect result (`awaiting`) or on the slot's timer. When an op
 //! ends, the slot is re-evaluated against the latest API copy (`reconcile_slot`), which is where
 //! the framework's create/update/delete dispatch lives.

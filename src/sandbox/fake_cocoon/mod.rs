@@ -1,5 +1,5 @@
 //! A fake `cocoon` CLI that keeps VMs, snapshots and images as files under a state directory.
-//! Run when the `vk-cocoon-sandbox` binary is invoked as `cocoon` (argv[0]) or as
+//! Run when the `vk-cocoon-sandbox` binary is invoked as `cocoon` (its argv 0) or as
 //! `vk-cocoon-sandbox fake-cocoon ...`; the daemon binary never contains it.
 //!
 //! It follows cocoon-cli.md section 10: the command lines of both generations (union of B and N
