@@ -321,31 +321,16 @@ impl Provider {
     /// Moves the pod's op to `step` and issues the effect that step waits on, in one call: a
     /// step is never set without its question, nor a question asked for a step not set.
     fn advance(&mut self, key: &PodKey, step: impl Into<Step>, ask: Ask) {
-        let step = step.into();
-        let set = match (self.slot(key).op.as_mut(), step) {
-            (Some(Op::Create(c)), Step::Create(s)) => {
-                c.step = s;
-                true
-            }
-            (Some(Op::Delete(d)), Step::Delete(s)) => {
-                d.step = s;
-                true
-            }
-            (Some(Op::Evict(e)), Step::Evict(s)) => {
-                e.step = s;
-                true
-            }
-            (Some(Op::Check(c)), Step::Check(s)) => {
-                c.step = s;
-                true
-            }
+        match (self.slot(key).op.as_mut(), step.into()) {
+            (Some(Op::Create(c)), Step::Create(s)) => c.step = s,
+            (Some(Op::Delete(d)), Step::Delete(s)) => d.step = s,
+            (Some(Op::Evict(e)), Step::Evict(s)) => e.step = s,
+            (Some(Op::Check(c)), Step::Check(s)) => c.step = s,
+            // A bug, not an input. The question is still asked: whichever op its answer then
+            // reaches fails through `unexpected_answer` with a retry instead of stalling.
             (_, step) => {
-                log::warn!("provider: {key}: step {step:?} does not belong to the running op");
-                false
+                log::warn!("provider: {key}: step {step:?} does not belong to the running op")
             }
-        };
-        if !set {
-            return;
         }
         match ask {
             Ask::Cocoon(cmd) => self.pod_cocoon(key, cmd),
