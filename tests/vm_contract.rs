@@ -343,7 +343,8 @@ fn spec_snapshot_image_and_stale_create_examples_parse() {
 #[test]
 fn list_accepts_b_quirks_and_skips_idless_entries() {
     let c = call(Verb::VmList, "vm list -o json");
-    for empty in [&b""[..], b"No VMs found.\n", b"[]\n", b"  \n"] {
+    // A Go nil slice prints `null`.
+    for empty in [&b""[..], b"No VMs found.\n", b"[]\n", b"  \n", b"null\n"] {
         assert!(parse_vm_list(&c, &CallOutcome::ok(empty))
             .unwrap()
             .is_empty());
