@@ -312,6 +312,7 @@ impl<M: Send + 'static> Reactor<M> {
                 cmd.stderr(stdio);
             }
         }
+        child::die_with_parent(&mut cmd);
         let mut child = cmd.spawn()?;
         let id = ChildId(self.next_child);
         self.next_child += 1;
