@@ -233,6 +233,8 @@ pub(crate) struct OutPipe {
     pub(crate) limit: usize,
     pub(crate) kept: Vec<u8>,
     pub(crate) truncated: bool,
+    /// Deregistered by `Reactor::pause_output`: the child blocks on a full pipe until resumed.
+    pub(crate) paused: bool,
 }
 
 /// What one bounded read pass found.
