@@ -249,6 +249,9 @@ pub(crate) enum ReadOutcome {
 
 /// Bytes read per pipe per wake-up before other sources get their turn.
 pub(crate) const READ_BUDGET: usize = 1 << 20;
+/// The same for streamed output, smaller: it is the most a consumer that paused the child
+/// (`Reactor::pause_output`) can still receive in the pass that made it pause.
+pub(crate) const STREAM_READ_BUDGET: usize = 256 << 10;
 
 impl OutPipe {
     /// Reads up to `READ_BUDGET` bytes. Captured data is kept up to the limit;
@@ -260,7 +263,13 @@ impl OutPipe {
     ) -> ReadOutcome {
         let mut total = 0;
         loop {
-            if total >= READ_BUDGET {
+            if total
+                >= if self.stream {
+                    STREAM_READ_BUDGET
+                } else {
+                    READ_BUDGET
+                }
+            {
                 return ReadOutcome::More;
             }
             match self.pipe.read(scratch) {
