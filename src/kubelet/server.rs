@@ -6,7 +6,7 @@
 //! buffers, every phase has a deadline, and TokenReview / SubjectAccessReview are left to the daemon.
 //!
 //! Nobody exhausts the server: connections are capped in total, per peer address and while
-//! unauthenticated (short deadlines; the oldest unauthenticated one makes room); a connection
+//! unauthenticated (short deadlines; the oldest silent unauthenticated one makes room); a connection
 //! with `output_pause_at` bytes queued is not read (no more requests, stdin or pings) and its
 //! child's output is not read (the child blocks) until half of it is delivered; exec stdin is
 //! taken (and SPDY window granted) only as fast as the child consumes it; a client that reads
@@ -101,7 +101,8 @@ struct Conn {
     /// The peer's verified certificate user, computed once after the handshake.
     cert_user: Option<Option<UserInfo>>,
     peer: PeerKey,
-    accepted: Instant,
+    /// The client has sent something (a TLS ClientHello at least).
+    spoke: bool,
     /// A request on it proved who the caller is (or authentication is off and one was served).
     authenticated: bool,
     /// The socket is not read: too much output or exec stdin is queued.
@@ -135,6 +136,9 @@ pub struct KubeletServer {
     /// Open connections per peer, and those not yet authenticated.
     peers: PeerCounts,
     unauthenticated: PeerCounts,
+    /// Unauthenticated connections in accept order (entries of closed or authenticated ones
+    /// are skipped when met, and swept when they outnumber the live ones).
+    unauth_order: std::collections::VecDeque<Token>,
     refusals: RefusalLog,
     /// When an authorisation error was last logged (they are logged once a minute).
     auth_error_logged: Option<Instant>,
@@ -165,6 +169,7 @@ impl KubeletServer {
             timer: None,
             peers: PeerCounts::default(),
             unauthenticated: PeerCounts::default(),
+            unauth_order: std::collections::VecDeque::new(),
             refusals: RefusalLog::new("kubelet"),
             auth_error_logged: None,
             resource_text: None,
@@ -177,7 +182,7 @@ impl KubeletServer {
         r: &mut Reactor<M>,
         addr: SocketAddr,
     ) -> io::Result<SocketAddr> {
-        let mut l = TcpListener::bind(addr)?;
+        let mut l = crate::metrics::admission::listen(addr)?;
         let token = r.token();
         r.registry().register(&mut l, token, Interest::READABLE)?;
         let local = l.local_addr()?;
@@ -489,6 +494,13 @@ impl KubeletServer {
                     let peer = PeerKey::of(addr.ip());
                     self.peers.add(peer);
                     self.unauthenticated.add(peer);
+                    self.unauth_order.push_back(token);
+                    if self.unauth_order.len() > 2 * self.unauthenticated.total() + 64 {
+                        let conns = &self.conns;
+                        self.unauth_order.retain(|t| {
+                            *t == token || conns.get(t).is_some_and(|c| !c.authenticated)
+                        });
+                    }
                     self.conns.insert(
                         token,
                         Conn {
@@ -502,7 +514,7 @@ impl KubeletServer {
                             keep_alive: true,
                             cert_user: None,
                             peer,
-                            accepted: now,
+                            spoke: false,
                             authenticated: false,
                             read_paused: false,
                             child_paused: false,
@@ -542,20 +554,52 @@ impl KubeletServer {
         if self.conns.len() < limit && self.unauthenticated.total() < cfg.max_unauthenticated {
             return Ok(());
         }
-        let oldest = self
-            .conns
-            .iter()
-            .filter(|(_, c)| !c.authenticated)
-            .min_by_key(|(_, c)| c.accepted)
-            .map(|(t, _)| *t);
-        match oldest {
+        match self.evictable() {
             Some(t) => {
-                log::debug!("kubelet: connection limit reached; closing the oldest unauthenticated connection");
+                log::debug!(
+                    "kubelet: connection limit reached; closing an unauthenticated connection"
+                );
                 self.close(r, t);
                 Ok(())
             }
             None => Err((Refusal::Global, limit)),
         }
+    }
+
+    /// The unauthenticated connection to close for a newcomer: the oldest silent one (nothing
+    /// read from it and nothing waiting in its socket), else the oldest. A client busy with
+    /// its handshake thus survives a flood of sockets that never say anything, even when it
+    /// was accepted in the same batch as thousands of them.
+    fn evictable(&mut self) -> Option<Token> {
+        const LOOK_AT: usize = 32;
+        let mut talking = Vec::new();
+        let mut victim = None;
+        while talking.len() < LOOK_AT {
+            let Some(t) = self.unauth_order.pop_front() else {
+                break;
+            };
+            // Closed or authenticated since: a stale entry.
+            let Some(c) = self.conns.get(&t).filter(|c| !c.authenticated) else {
+                continue;
+            };
+            let mut probe = [0u8; 1];
+            let waiting = matches!(c.sock.peek(&mut probe), Ok(n) if n > 0);
+            if c.spoke || waiting {
+                talking.push(t);
+            } else {
+                victim = Some(t);
+                break;
+            }
+        }
+        // Those that talk keep their place at the front, oldest first.
+        for t in talking.iter().rev() {
+            self.unauth_order.push_front(*t);
+        }
+        victim.or_else(|| {
+            let t = *talking.first()?;
+            self.unauth_order.pop_front();
+            Some(t)
+        })
     }
 
     /// The caller proved who it is: the connection leaves the unauthenticated budget.
@@ -592,7 +636,10 @@ impl KubeletServer {
                         eof = true;
                         break;
                     }
-                    Ok(n) => total += n,
+                    Ok(n) => {
+                        total += n;
+                        c.spoke = true;
+                    }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                     Err(_) => {

@@ -15,6 +15,22 @@ use super::PREFIX;
 /// A refusal is logged at most this often per listener; the counter has every one.
 pub const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(60);
 
+/// Pending connections the kernel queues for a listener before it drops SYNs (the standard
+/// library's 128 overflows under a connection flood and costs legitimate clients a 1 s SYN
+/// retransmit; the kernel caps it at net.core.somaxconn).
+pub const LISTEN_BACKLOG: i32 = 4096;
+
+/// A non-blocking listener on `addr` with `LISTEN_BACKLOG`.
+pub fn listen(addr: std::net::SocketAddr) -> std::io::Result<mio::net::TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let s = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    s.set_reuse_address(true)?;
+    s.set_nonblocking(true)?;
+    s.bind(&addr.into())?;
+    s.listen(LISTEN_BACKLOG)?;
+    Ok(mio::net::TcpListener::from_std(s.into()))
+}
+
 /// The address connections are counted under: the IPv4 address, or the /64 of an IPv6 one
 /// (one host commonly owns a whole /64).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

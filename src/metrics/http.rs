@@ -75,7 +75,7 @@ impl MetricsServer {
             format!("{addr}: no address"),
         );
         for sa in addr.socket_addrs()? {
-            match TcpListener::bind(sa) {
+            match super::admission::listen(sa) {
                 Ok(mut listener) => {
                     let listen_token = reactor.token();
                     reactor
@@ -155,13 +155,14 @@ impl MetricsServer {
         true
     }
 
-    /// Makes room for a new connection: the oldest one still waiting for its head goes.
+    /// Makes room for a new connection: one still waiting for its head goes, a silent one first.
     fn evict_idle<M: Send + 'static>(&mut self, reactor: &mut Reactor<M>) -> bool {
+        // Silent sockets go first, then the oldest.
         let oldest = self
             .conns
             .iter()
             .filter(|(_, c)| c.response.is_none())
-            .min_by_key(|(_, c)| c.accepted)
+            .min_by_key(|(_, c)| (!c.head.is_empty(), c.accepted))
             .map(|(t, _)| *t);
         match oldest {
             Some(t) => {
