@@ -851,3 +851,87 @@ fn bench_floods() {
         }
     }
 }
+
+// ----- deadlines, in process ----------------------------------------------------------------
+
+use kubelet_support::{Harness, Options};
+
+/// Waits (bounded) until the server holds no connection and no child; returns how long it took.
+fn until_idle(h: &Harness, within: Duration) -> Option<Duration> {
+    let t = Instant::now();
+    while t.elapsed() < within {
+        let c = h.counters();
+        if c.connections == 0 && c.reactor_children == 0 {
+            return Some(t.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+#[test]
+fn a_client_that_reads_nothing_of_its_exec_output_is_closed() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let h = Harness::start(Options {
+        pods: vec![pod("ns1", "web", Some(("vm-web", 0)))],
+        tweak: |c| c.write_stall_timeout = Duration::from_secs(1),
+        ..Default::default()
+    });
+    let admin = h.pki.issue("admin", &["system:masters"], false);
+    let s = ws_session(
+        h.addr,
+        h.client_config(Some(&admin), &h.pki.ca_pem),
+        "command=yes&output=1",
+    )
+    .unwrap();
+    // The command runs (paused once 256 KiB wait) until a second passes with nothing read.
+    let t = Instant::now();
+    let mut started = false;
+    while t.elapsed() < Duration::from_secs(5) && !started {
+        started = h.counters().reactor_children == 1;
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(started, "the exec command started");
+    let took = until_idle(&h, Duration::from_secs(20)).expect("closed, its command killed");
+    assert!(
+        took >= Duration::from_millis(900),
+        "not before the stall timeout: {took:?}"
+    );
+    drop(s);
+}
+
+#[test]
+fn unauthenticated_connections_get_a_short_deadline_and_one_answer() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let h = Harness::start(Options {
+        tweak: |c| c.unauthenticated_timeout = Duration::from_secs(1),
+        ..Default::default()
+    });
+    // A socket that never starts its handshake is closed after the short deadline.
+    let mut idle = TcpStream::connect(h.addr).unwrap();
+    idle.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let t = Instant::now();
+    let mut b = [0u8; 16];
+    let closed = matches!(idle.read(&mut b), Ok(0) | Err(_));
+    assert!(
+        closed && t.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        t.elapsed()
+    );
+    assert!(
+        t.elapsed() >= Duration::from_millis(900),
+        "{:?}",
+        t.elapsed()
+    );
+    // An anonymous request on a keep-alive connection gets its 401, then the connection ends.
+    let mut s = h.connect(h.client_config(None, &h.pki.ca_pem)).unwrap();
+    s.write_all(b"GET /pods HTTP/1.1\r\nHost: x\r\n\r\nGET /pods HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let text = String::from_utf8_lossy(&raw);
+    assert!(text.starts_with("HTTP/1.1 401 "), "{text}");
+    assert_eq!(text.matches("HTTP/1.1 ").count(), 1, "one answer: {text}");
+    assert!(until_idle(&h, Duration::from_secs(10)).is_some());
+}

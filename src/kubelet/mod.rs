@@ -83,7 +83,7 @@ impl KubeletConfig {
             max_connections: 1024,
             max_connections_per_peer: 512,
             max_unauthenticated: 256,
-            max_unauthenticated_per_peer: 32,
+            max_unauthenticated_per_peer: 64,
             unauthenticated_timeout: Duration::from_secs(5),
             output_pause_at: 256 * 1024,
             max_queued_stdin: 256 * 1024,
