@@ -33,7 +33,7 @@ pub const HEAD_TIMEOUT: Duration = Duration::from_secs(3);
 /// Open connections at most.
 pub const MAX_CONNECTIONS: usize = 256;
 /// Open connections from one address at most (a scraper holds one per scrape).
-pub const MAX_PER_PEER: usize = 16;
+pub const MAX_PER_PEER: usize = 32;
 
 struct Conn {
     stream: TcpStream,
