@@ -282,15 +282,49 @@ fn quantity(env: Lookup, name: &'static str) -> Result<Option<String>, ConfigErr
         return Ok(None);
     };
     let q = raw.trim();
-    if is_quantity(q) {
+    // Syntax alone lets `1e400` (infinite) and `-5` through; the node capacity would then fail
+    // at start-up as a runtime error instead of a configuration one.
+    let in_range = is_quantity(q) && crate::node::parse_quantity(q).is_ok_and(|v| v < MAX_QUANTITY);
+    if in_range {
         Ok(Some(q.to_string()))
     } else {
         Err(invalid(
             name,
             &raw,
-            "a Kubernetes quantity such as 16, 500m, 64Gi or 1e3",
+            "a Kubernetes quantity such as 16, 500m, 64Gi or 1e3, not negative and below 2^63",
         ))
     }
+}
+
+/// Largest capacity value accepted: what an int64 Kubernetes quantity can hold.
+const MAX_QUANTITY: f64 = 9.2e18;
+
+/// VK_CLIENT_CA_FILE must name a readable PEM bundle of at least one usable CA certificate:
+/// checked here so a bad file is a configuration error, not a failure after start-up.
+fn client_ca_file(env: Lookup) -> Result<Option<PathBuf>, ConfigError> {
+    const NAME: &str = "VK_CLIENT_CA_FILE";
+    let Some(raw) = get(env, NAME) else {
+        return Ok(None);
+    };
+    let allowed = |why: String| {
+        invalid(
+            NAME,
+            &raw,
+            format!("a readable PEM file of CA certificates ({why})"),
+        )
+    };
+    let pem = std::fs::read(&raw).map_err(|e| allowed(format!("cannot read: {e}")))?;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
+        let cert = cert.map_err(|e| allowed(format!("bad PEM: {e}")))?;
+        roots
+            .add(cert)
+            .map_err(|e| allowed(format!("bad certificate: {e}")))?;
+    }
+    if roots.is_empty() {
+        return Err(allowed("no CERTIFICATE block".into()));
+    }
+    Ok(Some(PathBuf::from(raw)))
 }
 
 /// Kubernetes resource.Quantity syntax: signed decimal number with an optional
@@ -534,7 +568,7 @@ impl Config {
             tls_key: path_or(env, "VK_TLS_KEY", "/etc/cocoon/vk/tls/vk-kubelet.key"),
             kubelet_port,
             kubelet_auth,
-            client_ca_file: get(env, "VK_CLIENT_CA_FILE").map(PathBuf::from),
+            client_ca_file: client_ca_file(env)?,
             metrics_addr: listen_addr(env, "VK_METRICS_ADDR", ":9091")?,
             reserve_percent: int_in(
                 env,
@@ -851,6 +885,14 @@ mod tests {
             ("VK_NODE_STORAGE", "1.2.3", "a Kubernetes quantity"),
             ("VK_NODE_HUGEPAGES", "e3", "a Kubernetes quantity"),
             ("VK_NODE_PODS", "many", "a Kubernetes quantity"),
+            ("VK_NODE_PODS", "-5", "a Kubernetes quantity"),
+            ("VK_NODE_MEM", "1e400", "a Kubernetes quantity"),
+            ("VK_NODE_CPU", "1e19", "a Kubernetes quantity"),
+            (
+                "VK_CLIENT_CA_FILE",
+                "/nonexistent/ca.crt",
+                "a readable PEM file of CA certificates (cannot read",
+            ),
             ("COCOON_CGROUP_PARENT", "../escape", "a cgroup path"),
             ("SNAPSHOT_ZSTD_LEVEL", "23", "0 (off) or a zstd level 1-22"),
             (
@@ -878,6 +920,36 @@ mod tests {
                 "got {line:?}, want prefix {want_prefix:?}"
             );
         }
+    }
+
+    #[test]
+    fn client_ca_file_must_hold_a_certificate() {
+        let dir = tempfile::tempdir().unwrap();
+        let empty = dir.path().join("empty.pem");
+        std::fs::write(&empty, "not a certificate\n").unwrap();
+        let garbage = dir.path().join("garbage.pem");
+        std::fs::write(
+            &garbage,
+            "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+        )
+        .unwrap();
+        for (path, why) in [
+            (&empty, "no CERTIFICATE block"),
+            (&garbage, "bad certificate"),
+        ] {
+            let p = path.display().to_string();
+            let line = err(&[("VK_CLIENT_CA_FILE", p.as_str())]);
+            assert!(line.starts_with("VK_CLIENT_CA_FILE="), "{line}");
+            assert!(line.contains(why), "{line}");
+        }
+        let good = dir.path().join("ca.pem");
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(vec!["ca".to_string()]).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        std::fs::write(&good, params.self_signed(&key).unwrap().pem()).unwrap();
+        let p = good.display().to_string();
+        let c = ok(&[("VK_CLIENT_CA_FILE", p.as_str())]);
+        assert_eq!(c.client_ca_file.as_deref(), Some(good.as_path()));
     }
 
     #[test]

@@ -83,6 +83,11 @@ fn callers_without_rights_are_refused_on_every_route() {
             )
             .unwrap();
         assert_eq!(r.status, 500, "{method} {path} when the TokenReview fails");
+        assert!(
+            !r.text().contains("connection refused"),
+            "the API server's error text stays in the log: {}",
+            r.text()
+        );
         // A certificate from another CA does not get through the handshake at all.
         let refused = h.request(wrong_ca.clone(), method, path, &[]);
         assert!(

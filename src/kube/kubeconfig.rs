@@ -272,11 +272,83 @@ fn yaml_to_json(y: &yaml_rust2::Yaml) -> serde_json::Value {
     }
 }
 
+/// Largest kubeconfig accepted (real ones, certificates inlined, are tens of KiB).
+pub const MAX_KUBECONFIG_BYTES: usize = 4 << 20;
+/// Nodes a kubeconfig may hold once its aliases are expanded; the YAML loader copies the
+/// anchored node for every alias, so nested aliases ("billion laughs") grow exponentially.
+pub const MAX_YAML_NODES: u64 = 100_000;
+/// Deepest nesting accepted: the JSON conversion and the tree's drop are recursive.
+pub const MAX_YAML_DEPTH: usize = 64;
+
+/// Walks the parser's events and sizes the document as the loader would build it, aliases
+/// expanded, without building it: refuses bombs and deep nests before they cost memory or stack.
+fn check_yaml_budget(text: &str) -> Result<(), String> {
+    use yaml_rust2::parser::{Event, Parser};
+    let mut parser = Parser::new_from_str(text);
+    // Per anchor id: nodes in the anchored subtree (aliases inside counted expanded).
+    let mut anchored: std::collections::HashMap<usize, u64> = std::collections::HashMap::new();
+    // Open collections: (anchor id, nodes so far).
+    let mut open: Vec<(usize, u64)> = Vec::new();
+    let mut total: u64 = 0;
+    loop {
+        let (event, mark) = parser.next_token().map_err(|e| e.to_string())?;
+        let leaf = match event {
+            Event::StreamEnd => return Ok(()),
+            Event::SequenceStart(anchor, _) | Event::MappingStart(anchor, _) => {
+                if open.len() >= MAX_YAML_DEPTH {
+                    return Err(format!(
+                        "nested deeper than {MAX_YAML_DEPTH} levels (line {})",
+                        mark.line()
+                    ));
+                }
+                open.push((anchor, 1));
+                continue;
+            }
+            Event::SequenceEnd | Event::MappingEnd => {
+                let Some((anchor, nodes)) = open.pop() else {
+                    continue;
+                };
+                if anchor > 0 {
+                    anchored.insert(anchor, nodes);
+                }
+                nodes
+            }
+            Event::Scalar(_, _, anchor, _) => {
+                if anchor > 0 {
+                    anchored.insert(anchor, 1);
+                }
+                1
+            }
+            Event::Alias(id) => anchored.get(&id).copied().unwrap_or(1),
+            _ => continue,
+        };
+        let into = match open.last_mut() {
+            Some((_, nodes)) => nodes,
+            None => &mut total,
+        };
+        *into = into.saturating_add(leaf);
+        if *into > MAX_YAML_NODES {
+            return Err(format!(
+                "more than {MAX_YAML_NODES} nodes once aliases are expanded (line {}); \
+                 refusing a YAML alias bomb",
+                mark.line()
+            ));
+        }
+    }
+}
+
 fn parse_file(path: &Path, text: &str) -> Result<RawKubeconfig, KubeConfigError> {
     let parse_err = |message: String| KubeConfigError::Parse {
         path: path.to_path_buf(),
         message,
     };
+    if text.len() > MAX_KUBECONFIG_BYTES {
+        return Err(parse_err(format!(
+            "{} bytes; at most {MAX_KUBECONFIG_BYTES} are accepted",
+            text.len()
+        )));
+    }
+    check_yaml_budget(text).map_err(parse_err)?;
     let docs = yaml_rust2::YamlLoader::load_from_str(text).map_err(|e| parse_err(e.to_string()))?;
     let Some(doc) = docs.first() else {
         return Ok(RawKubeconfig::default());
@@ -471,13 +543,24 @@ fn resolve(raw: RawKubeconfig, source: String) -> Result<ClusterConfig, KubeConf
     })
 }
 
+/// Reads at most one byte past `MAX_KUBECONFIG_BYTES` (a device or huge file cannot fill memory;
+/// `parse_file` then refuses the oversize text).
+fn read_bounded(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(path)?
+        .take(MAX_KUBECONFIG_BYTES as u64 + 1)
+        .read_to_string(&mut text)?;
+    Ok(text)
+}
+
 /// Load and merge the given kubeconfig files (missing ones are skipped, as kubectl does).
 /// Returns None when none of them exists.
 pub fn load_files(paths: &[PathBuf]) -> Result<Option<ClusterConfig>, KubeConfigError> {
     let mut parsed = Vec::new();
     let mut names = Vec::new();
     for p in paths {
-        let text = match std::fs::read_to_string(p) {
+        let text = match read_bounded(p) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(error) => {
@@ -656,6 +739,29 @@ users:
             load_files(std::slice::from_ref(&p)),
             Err(KubeConfigError::Parse { .. })
         ));
+        // Nine levels of ten aliases each: a billion nodes if the loader expanded them.
+        let mut bomb = String::from("a: &a [x, x, x, x, x, x, x, x, x, x]\n");
+        for (prev, name) in ["a", "b", "c", "d", "e", "f", "g", "h", "i"]
+            .windows(2)
+            .map(|w| (w[0], w[1]))
+        {
+            let refs = vec![format!("*{prev}"); 10].join(", ");
+            bomb.push_str(&format!("{name}: &{name} [{refs}]\n"));
+        }
+        bomb.push_str("clusters: []\n");
+        std::fs::write(&p, &bomb).unwrap();
+        let e = load_files(std::slice::from_ref(&p)).unwrap_err();
+        assert!(e.to_string().contains("alias bomb"), "{e}");
+        std::fs::write(&p, format!("x: {}1{}\n", "[".repeat(200), "]".repeat(200))).unwrap();
+        let e = load_files(std::slice::from_ref(&p)).unwrap_err();
+        assert!(e.to_string().contains("nested deeper"), "{e}");
+        std::fs::write(&p, "x".repeat(MAX_KUBECONFIG_BYTES + 10)).unwrap();
+        let e = load_files(std::slice::from_ref(&p)).unwrap_err();
+        assert!(e.to_string().contains("at most"), "{e}");
+        // Aliases within budget still load (kubeconfigs use them for shared users).
+        let shared = A.to_string() + "extra: &u {name: u}\nmore: [*u, *u]\n";
+        std::fs::write(&p, shared).unwrap();
+        assert!(load_files(std::slice::from_ref(&p)).is_ok());
         std::fs::write(&p, "current-context: nope\ncontexts: []\n").unwrap();
         let e = load_files(std::slice::from_ref(&p)).unwrap_err();
         assert!(e.to_string().contains("context \"nope\" not found"), "{e}");

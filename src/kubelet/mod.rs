@@ -42,8 +42,29 @@ pub struct KubeletConfig {
     pub stream_setup_timeout: Duration,
     /// An exec or attach session with no traffic in either direction for this long is closed.
     pub stream_idle_timeout: Duration,
-    /// Connections beyond this are accepted and closed at once.
+    /// Connections beyond this are accepted and closed at once (unless an unauthenticated
+    /// one can make room).
     pub max_connections: usize,
+    /// Connections from one address (IPv6: one /64) at most. The API server proxies every
+    /// kubectl exec / logs through its own address, so this stays generous.
+    pub max_connections_per_peer: usize,
+    /// Connections that have not authenticated yet, in total: beyond it the oldest makes room.
+    pub max_unauthenticated: usize,
+    /// Connections that have not authenticated yet, from one address.
+    pub max_unauthenticated_per_peer: usize,
+    /// TLS handshake and request head of a connection that has not authenticated (and its
+    /// keep-alive idle time): short, so idle sockets give their slot back quickly.
+    pub unauthenticated_timeout: Duration,
+    /// Output queued for one connection above which its socket is no longer read (no new
+    /// requests, stdin or pings are taken) and its child's output is no longer read (the child
+    /// blocks); both resume below half of it.
+    pub output_pause_at: usize,
+    /// Exec stdin queued for the child above which the socket is no longer read; SPDY stdin
+    /// window is granted as the child consumes what was queued.
+    pub max_queued_stdin: usize,
+    /// A connection whose queued output stays above `output_pause_at` with nothing delivered
+    /// for this long is closed (a client that does not read).
+    pub write_stall_timeout: Duration,
     /// Output queued for a slow client beyond this ends the request (the child is killed).
     pub max_buffered_output: usize,
 }
@@ -60,6 +81,13 @@ impl KubeletConfig {
             stream_setup_timeout: Duration::from_secs(30),
             stream_idle_timeout: Duration::from_secs(4 * 3600),
             max_connections: 1024,
+            max_connections_per_peer: 512,
+            max_unauthenticated: 256,
+            max_unauthenticated_per_peer: 64,
+            unauthenticated_timeout: Duration::from_secs(5),
+            output_pause_at: 256 * 1024,
+            max_queued_stdin: 256 * 1024,
+            write_stall_timeout: Duration::from_secs(60),
             max_buffered_output: 8 * 1024 * 1024,
         }
     }

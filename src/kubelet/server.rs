@@ -2,14 +2,21 @@
 //! ServerConnection per connection driven by readiness, request heads through `routes`, auth, and
 //! logs / exec children run by the reactor with their streams wired to the connection.
 //!
-//! No thread per connection and no blocking call: slow clients only cost their own buffers, every
-//! phase has a deadline, and TokenReview / SubjectAccessReview are left to the daemon.
+//! No thread per connection and no blocking call: slow clients only cost their own bounded
+//! buffers, every phase has a deadline, and TokenReview / SubjectAccessReview are left to the daemon.
+//!
+//! Nobody exhausts the server: connections are capped in total, per peer address and while
+//! unauthenticated (short deadlines; the oldest silent unauthenticated one makes room); a connection
+//! with `output_pause_at` bytes queued is not read (no more requests, stdin or pings) and its
+//! child's output is not read (the child blocks) until half of it is delivered; exec stdin is
+//! taken (and SPDY window granted) only as fast as the child consumes it; a client that reads
+//! nothing for `write_stall_timeout` is closed.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use mio::net::{TcpListener, TcpStream};
 use mio::{Interest, Token};
@@ -25,6 +32,7 @@ use super::routes::{self, HeadError, Request, Route};
 use super::stats::{build_summary, resource_metrics_text, CONTAINER_NAME};
 use super::tls::{cert_identity, TlsState};
 use super::{KubeletConfig, KubeletView, PodInfo};
+use crate::metrics::admission::{PeerCounts, PeerKey, Refusal, RefusalLog};
 use crate::metrics::stats::{Sample, StatsHub, TrackedVm};
 use crate::reactor::{
     ChildExit, ChildId, ChildSpec, IoReady, OutputMode, Reactor, StdinMode, Stream, TimerId,
@@ -40,6 +48,12 @@ const MAX_IDLE_INPUT: usize = 64 * 1024;
 const STDERR_KEEP: usize = 4096;
 /// `kubectl attach` shows the VM console: the last lines of the log, then new ones.
 pub const ATTACH_TAIL_LINES: u64 = 50;
+/// Pipelined requests answered per connection and turn of the loop.
+const PIPELINE_BATCH: usize = 32;
+/// First and longest pause between checks of how much queued exec stdin the child consumed
+/// (the reactor writes stdin on its own; the wait doubles while nothing is consumed).
+const STDIN_CHECK_FIRST: Duration = Duration::from_millis(5);
+const STDIN_CHECK_MAX: Duration = Duration::from_millis(320);
 
 /// Identifies one pending authorisation request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -66,6 +80,8 @@ enum Phase {
         attach: bool,
         stdin_buf: Vec<Vec<u8>>,
         stdin_eof: bool,
+        /// Stdin bytes the client sent so far (queued, written or dropped).
+        stdin_handed: u64,
         /// The command ended and `finish` ran, but output still waits for the peer's window.
         ended: bool,
     },
@@ -80,11 +96,28 @@ struct Conn {
     out: Vec<u8>,
     phase: Phase,
     deadline: Option<Instant>,
-    writable_interest: bool,
+    /// What the socket is registered for.
+    interest: Interest,
     /// Keep the connection for another request after the current response.
     keep_alive: bool,
     /// The peer's verified certificate user, computed once after the handshake.
     cert_user: Option<Option<UserInfo>>,
+    peer: PeerKey,
+    /// The client has sent something (a TLS ClientHello at least).
+    spoke: bool,
+    /// A request on it proved who the caller is (or authentication is off and one was served).
+    authenticated: bool,
+    /// The socket is not read: too much output or exec stdin is queued.
+    read_paused: bool,
+    /// The child's output pipes are not read: too much output is queued.
+    child_paused: bool,
+    /// Output over `output_pause_at` and nothing delivered since: closed at this instant.
+    stall_deadline: Option<Instant>,
+    /// Exec stdin waits for the child: look again at this instant, then wait `recheck_every`.
+    recheck: Option<Instant>,
+    recheck_every: Duration,
+    /// Stdin the child had consumed at the last check.
+    stdin_seen: u64,
 }
 
 /// The kubelet API server. See the module documentation of `kubelet` for the wiring.
@@ -102,6 +135,15 @@ pub struct KubeletServer {
     next_auth: u64,
     cache: AuthCache,
     timer: Option<(TimerId, Instant)>,
+    /// Open connections per peer, and those not yet authenticated.
+    peers: PeerCounts,
+    unauthenticated: PeerCounts,
+    /// Unauthenticated connections in accept order (entries of closed or authenticated ones
+    /// are skipped when met, and swept when they outnumber the live ones).
+    unauth_order: std::collections::VecDeque<Token>,
+    refusals: RefusalLog,
+    /// When an authorisation error was last logged (they are logged once a minute).
+    auth_error_logged: Option<Instant>,
     /// `/metrics/resource` rendered from the sample it was made of.
     resource_text: Option<(Arc<Sample>, Arc<String>)>,
 }
@@ -127,6 +169,11 @@ impl KubeletServer {
             next_auth: 1,
             cache: AuthCache::default(),
             timer: None,
+            peers: PeerCounts::default(),
+            unauthenticated: PeerCounts::default(),
+            unauth_order: std::collections::VecDeque::new(),
+            refusals: RefusalLog::new("kubelet"),
+            auth_error_logged: None,
             resource_text: None,
         }
     }
@@ -137,7 +184,7 @@ impl KubeletServer {
         r: &mut Reactor<M>,
         addr: SocketAddr,
     ) -> io::Result<SocketAddr> {
-        let mut l = TcpListener::bind(addr)?;
+        let mut l = crate::metrics::admission::listen(addr)?;
         let token = r.token();
         r.registry().register(&mut l, token, Interest::READABLE)?;
         let local = l.local_addr()?;
@@ -201,8 +248,13 @@ impl KubeletServer {
     pub fn on_io<M: Send + 'static>(&mut self, r: &mut Reactor<M>, ev: IoReady) {
         if self.listener.as_ref().is_some_and(|(_, t)| *t == ev.token) {
             self.accept(r);
-        } else if self.conns.contains_key(&ev.token) {
-            if ev.readable || ev.read_closed || ev.error {
+        } else if let Some(c) = self.conns.get(&ev.token) {
+            if c.read_paused {
+                // Not reading: only a broken socket matters now.
+                if ev.error {
+                    self.close(r, ev.token);
+                }
+            } else if ev.readable || ev.read_closed || ev.error {
                 self.read_conn(r, ev.token);
             }
             if ev.writable {
@@ -218,6 +270,30 @@ impl KubeletServer {
         }
         self.timer = None;
         let now = r.now();
+        let stalled: Vec<Token> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.stall_deadline.is_some_and(|d| d <= now))
+            .map(|(t, _)| *t)
+            .collect();
+        for t in stalled {
+            log::debug!("kubelet: closing a client that reads nothing of its queued output");
+            self.close(r, t);
+        }
+        let recheck: Vec<Token> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.recheck.is_some_and(|d| d <= now))
+            .map(|(t, _)| *t)
+            .collect();
+        for t in recheck {
+            if let Some(c) = self.conns.get_mut(&t) {
+                c.recheck = None;
+            }
+            self.flush(r, t);
+            // Pipelined requests left waiting by the previous batch.
+            self.after_input(r, t);
+        }
         let due: Vec<Token> = self
             .conns
             .iter()
@@ -342,6 +418,9 @@ impl KubeletServer {
         if waiting != id {
             return;
         }
+        if matches!(answer, AuthAnswer::Decided { .. }) {
+            self.mark_authenticated(r, token);
+        }
         match answer {
             AuthAnswer::Decided { allowed: true, .. } => self.dispatch(r, token, http),
             AuthAnswer::Decided {
@@ -354,18 +433,29 @@ impl KubeletServer {
                 );
                 self.respond(r, token, routes::text(403, &msg, false), http.wants_close());
             }
-            AuthAnswer::Unauthenticated => self.respond(
-                r,
-                token,
-                routes::text(401, "Unauthorized", false),
-                http.wants_close(),
-            ),
+            // Who failed to authenticate gets no second try on this connection.
+            AuthAnswer::Unauthenticated => {
+                self.respond(r, token, routes::text(401, "Unauthorized", false), true)
+            }
             AuthAnswer::Error(e) => {
-                log::warn!("kubelet: authorisation failed: {e}");
+                // The API server's text may name internals: it goes to the log (once a minute,
+                // callers can trigger it at will), the caller gets a generic body.
+                let now = r.now();
+                if self
+                    .auth_error_logged
+                    .is_none_or(|t| now.saturating_duration_since(t) >= Duration::from_secs(60))
+                {
+                    log::warn!("kubelet: authorisation failed (logged once a minute): {e}");
+                    self.auth_error_logged = Some(now);
+                }
                 self.respond(
                     r,
                     token,
-                    routes::text(500, &format!("Authorization error: {e}"), true),
+                    routes::text(
+                        500,
+                        "Internal Server Error: authorization check failed",
+                        true,
+                    ),
                     true,
                 )
             }
@@ -384,12 +474,9 @@ impl KubeletServer {
                 return;
             };
             match l.accept() {
-                Ok((mut sock, _)) => {
-                    if self.conns.len() >= self.cfg.max_connections {
-                        log::warn!(
-                            "kubelet: connection limit {} reached; refusing a connection",
-                            self.cfg.max_connections
-                        );
+                Ok((mut sock, addr)) => {
+                    if let Err((why, limit)) = self.admit(r, addr.ip()) {
+                        self.refusals.refused(why, addr.ip(), limit, now);
                         drop(sock);
                         continue;
                     }
@@ -408,6 +495,16 @@ impl KubeletServer {
                         continue;
                     }
                     let _ = sock.set_nodelay(true);
+                    let peer = PeerKey::of(addr.ip());
+                    self.peers.add(peer);
+                    self.unauthenticated.add(peer);
+                    self.unauth_order.push_back(token);
+                    if self.unauth_order.len() > 2 * self.unauthenticated.total() + 64 {
+                        let conns = &self.conns;
+                        self.unauth_order.retain(|t| {
+                            *t == token || conns.get(t).is_some_and(|c| !c.authenticated)
+                        });
+                    }
                     self.conns.insert(
                         token,
                         Conn {
@@ -416,10 +513,19 @@ impl KubeletServer {
                             inbuf: Vec::new(),
                             out: Vec::new(),
                             phase: Phase::Head,
-                            deadline: Some(now + self.cfg.head_timeout),
-                            writable_interest: false,
+                            deadline: Some(now + self.cfg.unauthenticated_timeout),
+                            interest: Interest::READABLE,
                             keep_alive: true,
                             cert_user: None,
+                            peer,
+                            spoke: false,
+                            authenticated: false,
+                            read_paused: false,
+                            child_paused: false,
+                            stall_deadline: None,
+                            recheck: None,
+                            recheck_every: STDIN_CHECK_FIRST,
+                            stdin_seen: 0,
                         },
                     );
                 }
@@ -433,11 +539,95 @@ impl KubeletServer {
         }
     }
 
+    /// Whether a new connection from `ip` may be kept, making room by closing the oldest
+    /// unauthenticated connection when a global cap is reached. Err: why not, and the limit.
+    fn admit<M: Send + 'static>(
+        &mut self,
+        r: &mut Reactor<M>,
+        ip: IpAddr,
+    ) -> Result<(), (Refusal, usize)> {
+        let peer = PeerKey::of(ip);
+        let cfg = &self.cfg;
+        if self.peers.of(peer) >= cfg.max_connections_per_peer {
+            return Err((Refusal::PerPeer, cfg.max_connections_per_peer));
+        }
+        if self.unauthenticated.of(peer) >= cfg.max_unauthenticated_per_peer {
+            return Err((Refusal::PerPeer, cfg.max_unauthenticated_per_peer));
+        }
+        let limit = cfg.max_connections;
+        if self.conns.len() < limit && self.unauthenticated.total() < cfg.max_unauthenticated {
+            return Ok(());
+        }
+        match self.evictable() {
+            Some(t) => {
+                log::debug!(
+                    "kubelet: connection limit reached; closing an unauthenticated connection"
+                );
+                self.close(r, t);
+                Ok(())
+            }
+            None => Err((Refusal::Global, limit)),
+        }
+    }
+
+    /// The unauthenticated connection to close for a newcomer: the oldest silent one (nothing
+    /// read from it and nothing waiting in its socket), else the oldest. A client busy with
+    /// its handshake thus survives a flood of sockets that never say anything, even when it
+    /// was accepted in the same batch as thousands of them.
+    fn evictable(&mut self) -> Option<Token> {
+        const LOOK_AT: usize = 32;
+        let mut talking = Vec::new();
+        let mut victim = None;
+        while talking.len() < LOOK_AT {
+            let Some(t) = self.unauth_order.pop_front() else {
+                break;
+            };
+            // Closed or authenticated since: a stale entry.
+            let Some(c) = self.conns.get(&t).filter(|c| !c.authenticated) else {
+                continue;
+            };
+            let mut probe = [0u8; 1];
+            let waiting = matches!(c.sock.peek(&mut probe), Ok(n) if n > 0);
+            if c.spoke || waiting {
+                talking.push(t);
+            } else {
+                victim = Some(t);
+                break;
+            }
+        }
+        // Those that talk keep their place at the front, oldest first.
+        for t in talking.iter().rev() {
+            self.unauth_order.push_front(*t);
+        }
+        victim.or_else(|| {
+            let t = *talking.first()?;
+            self.unauth_order.pop_front();
+            Some(t)
+        })
+    }
+
+    /// The caller proved who it is: the connection leaves the unauthenticated budget.
+    fn mark_authenticated<M: Send + 'static>(&mut self, r: &mut Reactor<M>, token: Token) {
+        let head_timeout = self.cfg.head_timeout;
+        let Some(c) = self.conns.get_mut(&token) else {
+            return;
+        };
+        if c.authenticated {
+            return;
+        }
+        c.authenticated = true;
+        self.unauthenticated.remove(c.peer);
+        if matches!(c.phase, Phase::Head) {
+            c.deadline = Some(r.now() + head_timeout);
+        }
+    }
+
     fn read_conn<M: Send + 'static>(&mut self, r: &mut Reactor<M>, token: Token) {
         let mut plain = Vec::new();
         let mut eof = false;
         let mut failed = false;
         let mut budget_hit = false;
+        let mut verified = false;
         {
             let Some(c) = self.conns.get_mut(&token) else {
                 return;
@@ -450,7 +640,10 @@ impl KubeletServer {
                         eof = true;
                         break;
                     }
-                    Ok(n) => total += n,
+                    Ok(n) => {
+                        total += n;
+                        c.spoke = true;
+                    }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                     Err(_) => {
@@ -494,7 +687,11 @@ impl KubeletServer {
                         .and_then(|leaf| cert_identity(leaf))
                         .and_then(|id| auth::user_from_cert(&id)),
                 );
+                verified = c.cert_user.as_ref().is_some_and(Option::is_some);
             }
+        }
+        if verified {
+            self.mark_authenticated(r, token);
         }
         if failed {
             self.close(r, token);
@@ -513,12 +710,10 @@ impl KubeletServer {
             // Re-arming makes epoll report the socket again if it is still readable, so the
             // remainder is read on a later turn without starving other connections.
             if let Some(c) = self.conns.get_mut(&token) {
-                let interest = if c.writable_interest {
-                    Interest::READABLE | Interest::WRITABLE
-                } else {
-                    Interest::READABLE
-                };
-                let _ = r.registry().reregister(&mut c.sock, token, interest);
+                let want = interest_of(c);
+                if r.registry().reregister(&mut c.sock, token, want).is_ok() {
+                    c.interest = want;
+                }
             }
         }
     }
@@ -551,6 +746,7 @@ impl KubeletServer {
                 child,
                 stdin_buf,
                 stdin_eof,
+                stdin_handed,
                 ended,
                 ..
             } => {
@@ -563,12 +759,16 @@ impl KubeletServer {
                 for e in events {
                     match e {
                         SessionEvent::Ready => ready = true,
-                        SessionEvent::Stdin(d) => match child {
-                            Some(id) => {
-                                let _ = r.write_stdin(id, &d);
+                        // Bounded by the caller: the socket is not read while too much waits.
+                        SessionEvent::Stdin(d) => {
+                            *stdin_handed += d.len() as u64;
+                            match child {
+                                Some(id) => {
+                                    let _ = r.write_stdin(id, &d);
+                                }
+                                None => stdin_buf.push(d),
                             }
-                            None => stdin_buf.push(d),
-                        },
+                        }
                         SessionEvent::StdinEof => match child {
                             Some(id) => r.close_stdin(id),
                             None => *stdin_eof = true,
@@ -611,11 +811,21 @@ impl KubeletServer {
 
     /// Parses and handles complete request heads waiting in the input buffer.
     fn after_input<M: Send + 'static>(&mut self, r: &mut Reactor<M>, token: Token) {
-        loop {
+        for handled in 0.. {
+            let now = r.now();
             let Some(c) = self.conns.get_mut(&token) else {
                 return;
             };
-            if !matches!(c.phase, Phase::Head) || c.inbuf.is_empty() {
+            // Answers the client has not read yet: take no more requests until it does.
+            if !matches!(c.phase, Phase::Head)
+                || c.inbuf.is_empty()
+                || c.out.len() >= self.cfg.output_pause_at
+            {
+                return;
+            }
+            // A pipelining client gets a batch per turn of the loop, then the others their turn.
+            if handled == PIPELINE_BATCH {
+                c.recheck = Some(now);
                 return;
             }
             match routes::parse_head(&c.inbuf) {
@@ -654,6 +864,7 @@ impl KubeletServer {
 
     fn authenticate<M: Send + 'static>(&mut self, r: &mut Reactor<M>, token: Token, req: Request) {
         if !self.cfg.auth_enabled {
+            self.mark_authenticated(r, token);
             return self.dispatch(r, token, req);
         }
         let Some(c) = self.conns.get_mut(&token) else {
@@ -672,23 +883,26 @@ impl KubeletServer {
         let (token_for_review, user) = match (cert_user, bearer) {
             (Some(u), _) => (None, Some(u)),
             (None, Some(t)) => (Some(t), None),
+            // No credentials: no second try on this connection.
             (None, None) => {
-                let close = req.wants_close();
-                return self.respond(r, token, routes::text(401, "Unauthorized", false), close);
+                return self.respond(r, token, routes::text(401, "Unauthorized", false), true);
             }
         };
         match self
             .cache
             .lookup(token_for_review.as_deref(), user.as_ref(), &attrs, r.now())
         {
-            Cached::Allowed => self.dispatch(r, token, req),
+            Cached::Allowed => {
+                self.mark_authenticated(r, token);
+                self.dispatch(r, token, req)
+            }
             Cached::Denied => {
+                self.mark_authenticated(r, token);
                 let close = req.wants_close();
                 self.respond(r, token, routes::text(403, "Forbidden", false), close)
             }
             Cached::Unauthenticated => {
-                let close = req.wants_close();
-                self.respond(r, token, routes::text(401, "Unauthorized", false), close)
+                self.respond(r, token, routes::text(401, "Unauthorized", false), true)
             }
             Cached::Miss => {
                 let id = AuthId(self.next_auth);
@@ -971,6 +1185,7 @@ impl KubeletServer {
             attach,
             stdin_buf: Vec::new(),
             stdin_eof: false,
+            stdin_handed: 0,
             ended: false,
         };
         c.deadline = Some(
@@ -1006,6 +1221,7 @@ impl KubeletServer {
             attach,
             session,
             ended,
+            ..
         } = &mut c.phase
         else {
             return;
@@ -1095,6 +1311,7 @@ impl KubeletServer {
                         attach,
                         stdin_buf: Vec::new(),
                         stdin_eof: true,
+                        stdin_handed: 0,
                         ended: true,
                     };
                 }
@@ -1112,7 +1329,11 @@ impl KubeletServer {
         resp: Vec<u8>,
         close: bool,
     ) {
-        let head_timeout = self.cfg.head_timeout;
+        let head_timeout = if self.conns.get(&token).is_some_and(|c| c.authenticated) {
+            self.cfg.head_timeout
+        } else {
+            self.cfg.unauthenticated_timeout
+        };
         let Some(c) = self.conns.get_mut(&token) else {
             return;
         };
@@ -1171,9 +1392,11 @@ impl KubeletServer {
         }
     }
 
-    /// Pushes queued plaintext through TLS to the socket and adjusts write interest.
+    /// Pushes queued plaintext through TLS to the socket, then re-decides what is read.
     fn flush<M: Send + 'static>(&mut self, r: &mut Reactor<M>, token: Token) {
+        self.ack_stdin(r, token);
         let mut failed = false;
+        let mut delivered = false;
         {
             let Some(c) = self.conns.get_mut(&token) else {
                 return;
@@ -1202,7 +1425,7 @@ impl KubeletServer {
                             failed = true;
                             break;
                         }
-                        Ok(_) => {}
+                        Ok(_) => delivered = true,
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                             blocked = true;
                             break;
@@ -1225,28 +1448,113 @@ impl KubeletServer {
                 }
             }
             c.out.drain(..taken);
-            if !failed {
-                let want = c.tls.wants_write() || !c.out.is_empty();
-                if want != c.writable_interest {
-                    let interest = if want {
-                        Interest::READABLE | Interest::WRITABLE
-                    } else {
-                        Interest::READABLE
-                    };
-                    if r.registry()
-                        .reregister(&mut c.sock, token, interest)
-                        .is_ok()
-                    {
-                        c.writable_interest = want;
-                    }
-                }
-            }
         }
         if failed {
             self.close(r, token);
-        } else {
-            self.close_if_done(r, token);
+            return;
         }
+        let resumed = self.pace(r, token, delivered);
+        if resumed {
+            // Requests that waited in the input buffer while the client was not reading.
+            self.after_input(r, token);
+        }
+        self.close_if_done(r, token);
+    }
+
+    /// Exec stdin: tells the session how much the child consumed (SPDY grants that much window
+    /// back) and, while some still waits in the pipe, schedules another look (the reactor
+    /// writes stdin on its own and reports nothing), backing off while the child reads nothing.
+    fn ack_stdin<M: Send + 'static>(&mut self, r: &mut Reactor<M>, token: Token) {
+        let now = r.now();
+        let Some(c) = self.conns.get_mut(&token) else {
+            return;
+        };
+        let Phase::Exec {
+            session,
+            child,
+            stdin_buf,
+            stdin_handed,
+            ..
+        } = &mut c.phase
+        else {
+            return;
+        };
+        let queued = stdin_buf.iter().map(Vec::len).sum::<usize>()
+            + child.map_or(0, |id| r.stdin_queued(id));
+        let consumed = stdin_handed.saturating_sub(queued as u64);
+        session.stdin_consumed(consumed, &mut c.out);
+        if consumed > c.stdin_seen {
+            c.stdin_seen = consumed;
+            c.recheck_every = STDIN_CHECK_FIRST;
+        }
+        if queued == 0 {
+            c.recheck = None;
+            c.recheck_every = STDIN_CHECK_FIRST;
+        } else if c.recheck.is_none() {
+            c.recheck = Some(now + c.recheck_every);
+            c.recheck_every = (c.recheck_every * 2).min(STDIN_CHECK_MAX);
+        }
+    }
+
+    /// Decides from what is queued whether the socket and the child's output are read, and
+    /// whether the client is stalling; registers the socket accordingly. `delivered`: bytes
+    /// reached the socket just now. Returns true when reading the socket resumed.
+    fn pace<M: Send + 'static>(
+        &mut self,
+        r: &mut Reactor<M>,
+        token: Token,
+        delivered: bool,
+    ) -> bool {
+        let cap = self.cfg.output_pause_at;
+        let stdin_cap = self.cfg.max_queued_stdin;
+        let stall = self.cfg.write_stall_timeout;
+        let now = r.now();
+        let Some(c) = self.conns.get_mut(&token) else {
+            return false;
+        };
+        let (held, child, stdin_queued) = match &c.phase {
+            Phase::Exec {
+                session,
+                child,
+                stdin_buf,
+                ..
+            } => (
+                session.pending_output(),
+                *child,
+                stdin_buf.iter().map(Vec::len).sum::<usize>()
+                    + child.map_or(0, |id| r.stdin_queued(id)),
+            ),
+            Phase::Logs { child, .. } => (0, *child, 0),
+            _ => (0, None, 0),
+        };
+        let backlog = c.out.len() + held;
+        if let Some(id) = child {
+            if !c.child_paused && backlog >= cap {
+                r.pause_output(id);
+                c.child_paused = true;
+            } else if c.child_paused && backlog <= cap / 2 {
+                r.resume_output(id);
+                c.child_paused = false;
+            }
+        }
+        // Output held for the peer's SPDY window does not stop reading: the window update
+        // that releases it arrives on this socket.
+        let was_paused = c.read_paused;
+        c.read_paused = if was_paused {
+            c.out.len() > cap / 2 || stdin_queued > stdin_cap / 2
+        } else {
+            c.out.len() >= cap || stdin_queued >= stdin_cap
+        };
+        c.stall_deadline = match c.stall_deadline {
+            _ if backlog < cap => None,
+            Some(d) if !delivered => Some(d),
+            _ => Some(now + stall),
+        };
+        let want = interest_of(c);
+        if want != c.interest && r.registry().reregister(&mut c.sock, token, want).is_ok() {
+            c.interest = want;
+        }
+        was_paused && !c.read_paused
     }
 
     fn close_if_done<M: Send + 'static>(&mut self, r: &mut Reactor<M>, token: Token) {
@@ -1266,6 +1574,10 @@ impl KubeletServer {
         let Some(mut c) = self.conns.remove(&token) else {
             return;
         };
+        self.peers.remove(c.peer);
+        if !c.authenticated {
+            self.unauthenticated.remove(c.peer);
+        }
         let _ = r.registry().deregister(&mut c.sock);
         match c.phase {
             Phase::Logs {
@@ -1282,7 +1594,12 @@ impl KubeletServer {
     }
 
     fn rearm<M: Send + 'static>(&mut self, r: &mut Reactor<M>) {
-        let next = self.conns.values().filter_map(|c| c.deadline).min();
+        let next = self
+            .conns
+            .values()
+            .flat_map(|c| [c.deadline, c.stall_deadline, c.recheck])
+            .flatten()
+            .min();
         match (next, self.timer) {
             (None, Some((id, _))) => {
                 r.cancel_timer(id);
@@ -1297,6 +1614,18 @@ impl KubeletServer {
             }
             (None, None) => {}
         }
+    }
+}
+
+/// What a connection's socket should be registered for: readable unless reading is paused,
+/// writable while anything waits to be sent (mio needs one of the two: a paused, idle
+/// connection waits on writable, which reports once and costs nothing).
+fn interest_of(c: &Conn) -> Interest {
+    let write = c.tls.wants_write() || !c.out.is_empty();
+    match (c.read_paused, write) {
+        (false, false) => Interest::READABLE,
+        (false, true) => Interest::READABLE | Interest::WRITABLE,
+        (true, _) => Interest::WRITABLE,
     }
 }
 

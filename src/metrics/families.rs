@@ -117,6 +117,8 @@ impl Metrics {
     /// programming error (duplicate or invalid name), which tests catch.
     pub fn new() -> prometheus::Result<Metrics> {
         let r = Registry::new();
+        // Incremented by the HTTP listeners themselves (issue: connection-slot exhaustion).
+        r.register(Box::new(super::admission::refused_total().clone()))?;
         let result = |name: &str, help: &str| counter_vec(&r, name, help, &["result"]);
         Ok(Metrics {
             pod_lifecycle_total: counter_vec(
@@ -329,6 +331,12 @@ mod tests {
             &["op", "result", "reason"],
             &[],
         ),
+        (
+            "connections_refused_total",
+            MetricType::COUNTER,
+            &["listener", "reason"],
+            &[],
+        ),
         ("snapshot_pull_total", MetricType::COUNTER, &["result"], &[]),
         ("snapshot_save_total", MetricType::COUNTER, &["result"], &[]),
         ("snapshot_push_total", MetricType::COUNTER, &["result"], &[]),
@@ -487,6 +495,7 @@ mod tests {
                     &m.hibernate_total,
                     &m.wake_ip_wait_total,
                     &m.postclone_total,
+                    crate::metrics::admission::refused_total(),
                 ];
                 let vecs_h = [
                     &m.vm_boot_duration_seconds,

@@ -2,21 +2,24 @@
 //! Owns its listener and connections; it never blocks: non-blocking accept, bounded reads, timeouts.
 //!
 //! Each connection is a small state machine: read the request head (at most
-//! `MAX_HEAD` bytes) -> write one response -> close (`Connection: close`). A client that
-//! does not finish within `CLIENT_TIMEOUT` is dropped by a reactor timer, so slow or
-//! stalled clients only ever hold their own socket. `GET /metrics` answers the registry in
-//! the text format; every other path is 404 (`/debug/pprof/` of the Go daemon is not
-//! served); other methods get 405. At most `MAX_CONNECTIONS` are open at once; beyond that
-//! new connections are closed at accept.
+//! `MAX_HEAD` bytes) -> write one response -> close (`Connection: close`). The head must
+//! arrive within `HEAD_TIMEOUT` and the whole exchange end within `CLIENT_TIMEOUT`, so idle
+//! sockets give their slot back quickly. `GET /metrics` answers the registry in the text
+//! format; every other path is 404 (`/debug/pprof/` of the Go daemon is not served); other
+//! methods get 405. At most `MAX_CONNECTIONS` are open at once and `MAX_PER_PEER` from one
+//! address; when the listener is full, the oldest connection still waiting for its head makes
+//! room, so idle sockets from many addresses cannot lock scrapers out either. Refusals are
+//! counted in `vk_cocoon_connections_refused_total{listener="metrics"}` and logged once a minute.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use mio::net::{TcpListener, TcpStream};
 use mio::{Interest, Token};
 
+use super::admission::{PeerCounts, PeerKey, Refusal, RefusalLog};
 use super::Metrics;
 use crate::config::ListenAddr;
 use crate::reactor::{IoReady, Reactor, TimerId};
@@ -25,15 +28,22 @@ use crate::reactor::{IoReady, Reactor, TimerId};
 pub const MAX_HEAD: usize = 16 * 1024;
 /// Time a client has to send its request and read the answer (the Go server's read-header timeout).
 pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Time a client has to send its request head: a scraper sends it at once.
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(3);
 /// Open connections at most.
 pub const MAX_CONNECTIONS: usize = 256;
+/// Open connections from one address at most (a scraper holds one per scrape).
+pub const MAX_PER_PEER: usize = 32;
 
 struct Conn {
     stream: TcpStream,
     head: Vec<u8>,
     /// Some once the response is built: bytes and how many were written.
     response: Option<(Vec<u8>, usize)>,
+    /// The head deadline first, then the end of `CLIENT_TIMEOUT`.
     timer: TimerId,
+    peer: PeerKey,
+    accepted: Instant,
 }
 
 /// The listener and its connections.
@@ -43,6 +53,8 @@ pub struct MetricsServer {
     local_addr: SocketAddr,
     conns: HashMap<Token, Conn>,
     timers: HashMap<TimerId, Token>,
+    peers: PeerCounts,
+    refusals: RefusalLog,
     metrics: Metrics,
 }
 
@@ -63,7 +75,7 @@ impl MetricsServer {
             format!("{addr}: no address"),
         );
         for sa in addr.socket_addrs()? {
-            match TcpListener::bind(sa) {
+            match super::admission::listen(sa) {
                 Ok(mut listener) => {
                     let listen_token = reactor.token();
                     reactor
@@ -76,6 +88,8 @@ impl MetricsServer {
                         local_addr,
                         conns: HashMap::new(),
                         timers: HashMap::new(),
+                        peers: PeerCounts::default(),
+                        refusals: RefusalLog::new("metrics"),
                         metrics,
                     });
                 }
@@ -124,12 +138,35 @@ impl MetricsServer {
         reactor: &mut Reactor<M>,
         id: TimerId,
     ) -> bool {
-        match self.timers.remove(&id) {
-            Some(token) => {
-                log::debug!(
-                    "metrics: closing a client that did not finish within {CLIENT_TIMEOUT:?}"
-                );
-                self.close(reactor, token);
+        let Some(token) = self.timers.remove(&id) else {
+            return false;
+        };
+        // Past the head deadline with the answer built: the rest of CLIENT_TIMEOUT to read it.
+        if let Some(conn) = self.conns.get_mut(&token) {
+            let end = conn.accepted + CLIENT_TIMEOUT;
+            if conn.response.is_some() && reactor.now() < end {
+                conn.timer = reactor.timer_at(end, 0);
+                self.timers.insert(conn.timer, token);
+                return true;
+            }
+        }
+        log::debug!("metrics: closing a client that did not finish in time");
+        self.close(reactor, token);
+        true
+    }
+
+    /// Makes room for a new connection: one still waiting for its head goes, a silent one first.
+    fn evict_idle<M: Send + 'static>(&mut self, reactor: &mut Reactor<M>) -> bool {
+        // Silent sockets go first, then the oldest.
+        let oldest = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.response.is_none())
+            .min_by_key(|(_, c)| (!c.head.is_empty(), c.accepted))
+            .map(|(t, _)| *t);
+        match oldest {
+            Some(t) => {
+                self.close(reactor, t);
                 true
             }
             None => false,
@@ -139,10 +176,22 @@ impl MetricsServer {
     fn accept<M: Send + 'static>(&mut self, reactor: &mut Reactor<M>) {
         loop {
             match self.listener.accept() {
-                Ok((mut stream, _peer)) => {
-                    if self.conns.len() >= MAX_CONNECTIONS {
-                        log::warn!("metrics: {MAX_CONNECTIONS} connections open; refusing one");
+                Ok((mut stream, peer_addr)) => {
+                    let now = reactor.now();
+                    let peer = PeerKey::of(peer_addr.ip());
+                    if self.peers.of(peer) >= MAX_PER_PEER {
+                        self.refusals
+                            .refused(Refusal::PerPeer, peer_addr.ip(), MAX_PER_PEER, now);
                         continue; // dropped: closed
+                    }
+                    if self.conns.len() >= MAX_CONNECTIONS && !self.evict_idle(reactor) {
+                        self.refusals.refused(
+                            Refusal::Global,
+                            peer_addr.ip(),
+                            MAX_CONNECTIONS,
+                            now,
+                        );
+                        continue;
                     }
                     let token = reactor.token();
                     if let Err(e) = reactor.registry().register(
@@ -153,22 +202,24 @@ impl MetricsServer {
                         log::warn!("metrics: cannot register connection: {e}");
                         continue;
                     }
-                    let timer = reactor.timer_after(CLIENT_TIMEOUT, 0);
-                    self.timers.insert(timer, token);
+                    let timer = reactor.timer_after(HEAD_TIMEOUT, 0);
                     let mut conn = Conn {
                         stream,
                         head: Vec::new(),
                         response: None,
                         timer,
+                        peer,
+                        accepted: now,
                     };
                     // The request may already be waiting.
                     match drive(&mut conn, &self.metrics) {
                         Step::Keep => {
+                            self.timers.insert(timer, token);
+                            self.peers.add(peer);
                             self.conns.insert(token, conn);
                         }
                         Step::Close => {
                             reactor.cancel_timer(timer);
-                            self.timers.remove(&timer);
                             let _ = reactor.registry().deregister(&mut conn.stream);
                         }
                     }
@@ -188,6 +239,7 @@ impl MetricsServer {
         if let Some(mut conn) = self.conns.remove(&token) {
             reactor.cancel_timer(conn.timer);
             self.timers.remove(&conn.timer);
+            self.peers.remove(conn.peer);
             let _ = reactor.registry().deregister(&mut conn.stream);
         }
     }

@@ -1,6 +1,7 @@
 //! The Prometheus registry, every metric family, and the plain-HTTP /metrics endpoint.
 //! Collectors read /proc and sysfs through procfs; nothing here forks.
 
+pub mod admission;
 pub mod collectors;
 pub mod families;
 pub mod http;

@@ -312,6 +312,7 @@ impl<M: Send + 'static> Reactor<M> {
                 cmd.stderr(stdio);
             }
         }
+        child::die_with_parent(&mut cmd);
         let mut child = cmd.spawn()?;
         let id = ChildId(self.next_child);
         self.next_child += 1;
@@ -435,6 +436,7 @@ impl<M: Send + 'static> Reactor<M> {
                 limit,
                 kept: Vec::new(),
                 truncated: false,
+                paused: false,
             };
             if part == ChildPart::Stdout {
                 state.stdout = Some(out);
@@ -479,6 +481,58 @@ impl<M: Send + 'static> Reactor<M> {
         stdin.buf.extend(data);
         self.flush_stdin(id);
         Ok(())
+    }
+
+    /// Bytes queued for a child's stdin and not yet taken by the pipe (0 for unknown children
+    /// and closed stdin): callers bound their own input with it, the reactor does not.
+    pub fn stdin_queued(&self, id: ChildId) -> usize {
+        self.children
+            .get(&id)
+            .and_then(|c| c.stdin.as_ref())
+            .map_or(0, |s| s.buf.len())
+    }
+
+    /// Stops reading a streamed child's stdout and stderr: once its pipes are full the child
+    /// blocks, which is how a slow consumer slows the producer. Output is still drained when the
+    /// child exits (one pipe's worth at most). Unknown children are ignored.
+    pub fn pause_output(&mut self, id: ChildId) {
+        let Some(state) = self.children.get_mut(&id) else {
+            return;
+        };
+        for pipe in [state.stdout.as_mut(), state.stderr.as_mut()]
+            .into_iter()
+            .flatten()
+        {
+            if !pipe.paused && pipe.stream {
+                pipe.paused = true;
+                let _ = self.poll.registry().deregister(&mut pipe.pipe);
+            }
+        }
+    }
+
+    /// Undoes `pause_output`; what waits in the pipes is read on this turn of the loop.
+    pub fn resume_output(&mut self, id: ChildId) {
+        let Some(state) = self.children.get_mut(&id) else {
+            return;
+        };
+        for (pipe, part) in [
+            (state.stdout.as_mut(), ChildPart::Stdout),
+            (state.stderr.as_mut(), ChildPart::Stderr),
+        ] {
+            let Some(pipe) = pipe else { continue };
+            if !pipe.paused {
+                continue;
+            }
+            pipe.paused = false;
+            if self
+                .poll
+                .registry()
+                .register(&mut pipe.pipe, pipe.token, Interest::READABLE)
+                .is_ok()
+            {
+                self.again.push((id, part));
+            }
+        }
     }
 
     /// Closes a child's stdin once everything queued has been written.
@@ -718,6 +772,9 @@ impl<M: Send + 'static> Reactor<M> {
             _ => return,
         };
         let Some(pipe) = pipe else { return };
+        if pipe.paused && state.reaped.is_none() {
+            return;
+        }
         let outcome = pipe.read_some(&mut self.scratch, &mut |data| {
             out.push(Event::ChildOutput { id, stream, data });
         });

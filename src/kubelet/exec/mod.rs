@@ -206,6 +206,13 @@ impl Session {
             Session::Spdy(s) => s.send_stderr(data, out),
         }
     }
+    /// The child has consumed `total` stdin bytes of this session so far: SPDY grants that
+    /// much receive window back (WebSocket has no windows; its reading simply pauses).
+    pub fn stdin_consumed(&mut self, total: u64, out: &mut Vec<u8>) {
+        if let Session::Spdy(s) = self {
+            s.stdin_consumed(total, out);
+        }
+    }
     /// Output held back by flow control (SPDY windows); WebSocket holds nothing.
     pub fn pending_output(&self) -> usize {
         match self {

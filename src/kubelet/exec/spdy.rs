@@ -2,7 +2,9 @@
 //! blocks with the SPDY/3 dictionary, client-created streams typed by `streamType`, raw payloads.
 //!
 //! Pure bytes in, bytes and events out. Flow control (SPDY/3.1): stdin is acknowledged with
-//! stream and session WINDOW_UPDATEs as it is handed on; output honours the peer's windows.
+//! stream and session WINDOW_UPDATEs as the child consumes it (`stdin_consumed`), not as it
+//! arrives, so a peer that honours windows never has more than one window queued; other
+//! streams' data is acknowledged on arrival (it is dropped). Output honours the peer's windows.
 //! spdystream (the Go peer) sends no WINDOW_UPDATE at all, so a session whose output is stalled
 //! on an exhausted window before the peer ever sent one probes with a PING: a PING answer
 //! without any WINDOW_UPDATE marks a peer that does no flow control, and output flows freely.
@@ -216,6 +218,9 @@ struct Flow {
     /// Received data not yet acknowledged, per client stream and for the session.
     recv_stream: HashMap<u32, i64>,
     recv_session: i64,
+    /// Stdin bytes received, and those the child consumed (as last reported).
+    stdin_received: u64,
+    stdin_consumed: u64,
 }
 
 impl Flow {
@@ -229,6 +234,8 @@ impl Flow {
             finishing: false,
             recv_stream: HashMap::new(),
             recv_session: 0,
+            stdin_received: 0,
+            stdin_consumed: 0,
         }
     }
 
@@ -412,7 +419,14 @@ impl SpdySession {
                 self.control_in(kind, flags, payload, out, ev);
             } else {
                 let id = u32::from_be_bytes([frame[0], frame[1], frame[2], frame[3]]) & 0x7fff_ffff;
-                self.received(id, payload.len(), flags & FLAG_FIN != 0, out);
+                let to_child = self.streams.get(&id) == Some(&Kind::Stdin) && self.stdin_open;
+                if to_child {
+                    // Acknowledged once the child has consumed it (after a FIN too: the
+                    // stream window then tells the peer how far the child has read).
+                    self.flow.stdin_received += payload.len() as u64;
+                } else {
+                    self.received(id, payload.len(), flags & FLAG_FIN != 0, out);
+                }
                 match self.streams.get(&id) {
                     Some(Kind::Stdin) if self.stdin_open => {
                         if !payload.is_empty() {
@@ -585,6 +599,24 @@ impl SpdySession {
                 *pending = 0;
             }
         }
+    }
+
+    /// The child has consumed `total` stdin bytes so far: that much window goes back to the
+    /// peer (stream and session), in steps of at least half a window.
+    pub fn stdin_consumed(&mut self, total: u64, out: &mut Vec<u8>) {
+        let total = total.min(self.flow.stdin_received);
+        let delta = total.saturating_sub(self.flow.stdin_consumed);
+        if delta == 0 || self.closed {
+            return;
+        }
+        self.flow.stdin_consumed = total;
+        let stdin = self.ids.get("stdin").copied().unwrap_or(0);
+        self.received(stdin, delta as usize, false, out);
+    }
+
+    /// Stdin bytes received and not yet consumed by the child (what the peer's window holds).
+    pub fn stdin_unacknowledged(&self) -> u64 {
+        self.flow.stdin_received - self.flow.stdin_consumed
     }
 
     fn send_on(&mut self, name: &str, data: &[u8], out: &mut Vec<u8>) {
@@ -767,6 +799,66 @@ mod tests {
         s.finish(Some("{}"), &mut out);
         assert_eq!(&out[..4], &1u32.to_be_bytes());
         assert_eq!(&out[8..10], b"{}");
+    }
+
+    /// Kinds and stream ids of the control frames in `out`.
+    fn window_updates(out: &[u8]) -> Vec<(u32, u32)> {
+        let mut at = 0;
+        let mut ups = Vec::new();
+        while at + 8 <= out.len() {
+            let len = u32::from_be_bytes([0, out[at + 5], out[at + 6], out[at + 7]]) as usize;
+            if out[at] & 0x80 != 0
+                && u16::from_be_bytes([out[at + 2], out[at + 3]]) == WINDOW_UPDATE
+            {
+                let p = &out[at + 8..at + 16];
+                ups.push((
+                    u32::from_be_bytes([p[0], p[1], p[2], p[3]]),
+                    u32::from_be_bytes([p[4], p[5], p[6], p[7]]),
+                ));
+            }
+            at += 8 + len;
+        }
+        ups
+    }
+
+    #[test]
+    fn stdin_window_is_granted_as_the_child_consumes_it() {
+        let mut c = Compress::new(Compression::default(), true);
+        c.set_dictionary(&dictionary()).unwrap();
+        let mut s = SpdySession::new(
+            "v4.channel.k8s.io",
+            Expected {
+                stdin: true,
+                stdout: true,
+                stderr: false,
+                resize: false,
+            },
+        );
+        let (mut out, mut ev) = (Vec::new(), Vec::new());
+        let mut bytes = syn(&mut c, 1, "error", 0);
+        bytes.extend(syn(&mut c, 3, "stdin", 0));
+        bytes.extend(syn(&mut c, 5, "stdout", 0));
+        for _ in 0..2 {
+            data_frame(3, 0, &[7u8; 30_000], &mut bytes);
+        }
+        s.feed(&bytes, &mut out, &mut ev);
+        assert_eq!(window_updates(&out), vec![], "nothing granted on arrival");
+        assert_eq!(s.stdin_unacknowledged(), 60_000);
+        out.clear();
+        s.stdin_consumed(20_000, &mut out);
+        assert_eq!(
+            window_updates(&out),
+            vec![],
+            "less than half a window consumed"
+        );
+        s.stdin_consumed(40_000, &mut out);
+        assert_eq!(window_updates(&out), vec![(0, 40_000), (3, 40_000)]);
+        out.clear();
+        // Reports beyond what arrived are clamped; repeated reports grant nothing twice.
+        s.stdin_consumed(1_000_000, &mut out);
+        s.stdin_consumed(1_000_000, &mut out);
+        assert_eq!(s.stdin_unacknowledged(), 0);
+        assert_eq!(window_updates(&out), vec![]);
     }
 
     #[test]
