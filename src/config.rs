@@ -7,7 +7,7 @@
 //! is a `ConfigError` naming the variable, the value and what is allowed (main exits 2).
 //! `VK_KUBELET_PORT`, `COCOON_K8S_QPS` and `COCOON_K8S_BURST` fall back to their defaults on a
 //! malformed value as the Go daemon does, with a warning in `Config::warnings`.
-//! `VK_LOG_LEVEL` is validated by `logging` (spec: `log setup: ...`, exit 1), not here.
+//! `VK_LOG_LEVEL` is validated by `logging`; main reports it with these errors (exit 2).
 //! Beyond spec 2.1: `VK_KUBELET_AUTH` and `VK_CLIENT_CA_FILE` (the kubelet API is authenticated,
 //! unlike the Go daemon's). The environment knobs of kubelet-duties section 0 (`KUBELET_PORT`,
 //! `DEFAULT_NODE_NAME`, `VKUBELET_TAINT_*`, `APISERVER_*_LOCATION`) belong to the
@@ -72,8 +72,8 @@ pub const VARIABLES: &[Variable] = &[
     var("SNAPSHOT_TRANSFER_CONCURRENCY", "8", "Parallel blob transfers, 1-256."),
     var("SNAPSHOT_MEMORY_BUDGET_MIB", "9216", "Push buffer cap in MiB (at least 1)."),
     var("SNAPSHOT_PULL_BUDGET_MIB", "2048", "Pull prefetch cap in MiB (at least 1)."),
-    var("COCOON_K8S_QPS", "50", "Kubernetes client requests per second; malformed = default."),
-    var("COCOON_K8S_BURST", "100", "Kubernetes client burst; malformed = default."),
+    var("COCOON_K8S_QPS", "50", "Kubernetes client requests per second; 0 or malformed = default."),
+    var("COCOON_K8S_BURST", "100", "Kubernetes client burst; 0 or malformed = default."),
 ];
 
 /// What to do with VMs that have no pod at startup reconcile.
@@ -601,6 +601,28 @@ impl Config {
     pub fn from_process_env() -> Result<Config, ConfigError> {
         Config::from_env(&|name| std::env::var(name).ok())
     }
+
+    /// Like [`Config::from_env`], but finds every invalid variable, not just the first: each
+    /// one found is read as unset (a missing required one as a placeholder) and the rest
+    /// validated again, so an operator fixes the whole file in one go.
+    pub fn from_env_all(env: &dyn Fn(&str) -> Option<String>) -> Result<Config, Vec<ConfigError>> {
+        let mut errors: Vec<ConfigError> = Vec::new();
+        // Each round masks one more variable, so this ends within one round per variable.
+        for _ in 0..=VARIABLES.len() {
+            let masked = |name: &str| match errors.iter().find(|e| e.variable == name) {
+                Some(_) if name == "OCI_REGISTRY" => Some("placeholder.invalid".to_string()),
+                Some(_) => None,
+                None => env(name),
+            };
+            match Config::from_env(&masked) {
+                Ok(c) if errors.is_empty() => return Ok(c),
+                Ok(_) => break,
+                Err(e) if errors.iter().any(|seen| seen.variable == e.variable) => break,
+                Err(e) => errors.push(e),
+            }
+        }
+        Err(errors)
+    }
 }
 
 /// Names starting with `VK_` that this daemon does not know (typos, removed settings),
@@ -643,6 +665,33 @@ mod tests {
                 line
             }
         }
+    }
+
+    #[test]
+    fn every_invalid_variable_is_reported_at_once() {
+        let env: HashMap<&str, &str> = [
+            ("VK_NODE_NAME", "Bad_Name"),
+            ("VK_RESTORE_MODE", "mmap   # copy, ondemand or mmap"),
+            ("VK_ORPHAN_POLICY", "sometimes"),
+            ("VK_RESERVE_PERCENT", "200"),
+        ]
+        .into_iter()
+        .collect();
+        let errors = Config::from_env_all(&|k| env.get(k).map(|v| v.to_string())).unwrap_err();
+        let names: Vec<&str> = errors.iter().map(|e| e.variable).collect();
+        for want in [
+            "OCI_REGISTRY",
+            "VK_NODE_NAME",
+            "VK_RESTORE_MODE",
+            "VK_ORPHAN_POLICY",
+            "VK_RESERVE_PERCENT",
+        ] {
+            assert!(names.contains(&want), "{want} missing from {names:?}");
+        }
+        assert_eq!(names.len(), 5, "{names:?}");
+        let good =
+            Config::from_env_all(&|k| (k == "OCI_REGISTRY").then(|| "r.example".to_string()));
+        assert!(good.is_ok());
     }
 
     #[test]
