@@ -178,6 +178,12 @@ pub(super) fn kubelet_server(
             .map_err(|e| StartError::new(1, format!("kubelet client CA: {e}")))?;
     let tls =
         TlsState::new(settings).map_err(|e| StartError::new(1, format!("kubelet TLS: {e}")))?;
+    if *tls.source() == crate::kubelet::tls::CertSource::SelfSigned {
+        log::warn!(
+            "kubelet TLS: {} not found; serving a self-signed certificate (kubectl logs/exec through an API server that verifies kubelets will fail)",
+            config.tls_cert.display()
+        );
+    }
     let cfg = KubeletConfig::from_config(config);
     // VK_KUBELET_AUTH=off is warned about loudly by the configuration.
     let mut server = KubeletServer::new(cfg, tls, stats);
