@@ -113,6 +113,27 @@ fn env_example_lists_every_variable_and_its_active_lines_are_valid() {
         from_example, defaults,
         "the example's active lines are the defaults"
     );
+    // Every host needs its own node name: the example must not fix one.
+    assert!(!active.contains_key("VK_NODE_NAME"));
+    // Uncommenting any line keeps a valid configuration: no comment after a value, which
+    // systemd would keep as part of the value.
+    for line in example.lines() {
+        let Some((k, v)) = line.trim_start_matches('#').split_once('=') else {
+            continue;
+        };
+        if k.contains(' ') {
+            continue;
+        }
+        assert!(!v.contains('#'), "comment after a value: {line:?}");
+        let uncommented = |name: &str| match name {
+            "OCI_REGISTRY" => Some(active["OCI_REGISTRY"].clone()),
+            n if n == k => Some(v.to_string()),
+            _ => None,
+        };
+        if let Err(e) = Config::from_env(&uncommented) {
+            panic!("uncommented {line:?} is invalid: {e}");
+        }
+    }
 }
 
 #[test]
