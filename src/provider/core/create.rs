@@ -85,7 +85,11 @@ impl Provider {
         }
         if !spec.managed {
             if spec.vm_id.is_empty() || spec.vm_ip.is_empty() {
-                let msg = format!("unmanaged vm {} missing pre-assigned IP/VMID", spec.vm_name);
+                let msg = format!(
+                    "unmanaged vm {} missing pre-assigned IP/VMID {}",
+                    spec.vm_name,
+                    spec::CONTRACT_HINT
+                );
                 self.slot(key).op = None;
                 return self.fail_create(key, &uid, &msg, false);
             }
