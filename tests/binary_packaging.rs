@@ -152,3 +152,39 @@ fn readme_documents_every_variable_with_its_default() {
         );
     }
 }
+
+#[test]
+fn readme_documents_every_pod_annotation_the_daemon_reads_or_writes() {
+    let readme = repo_file("README.md");
+    let spec = repo_file("src/provider/spec.rs");
+    let keys: Vec<&str> = spec
+        .lines()
+        .filter(|l| l.starts_with("pub const ANN_"))
+        .filter_map(|l| l.split('"').nth(1))
+        .collect();
+    assert!(keys.len() >= 20, "annotation constants not found: {keys:?}");
+    for key in keys {
+        let row = format!("`{key}`");
+        assert!(
+            readme
+                .lines()
+                .any(|l| l.starts_with("| ") && l.contains(&row)),
+            "README pod contract lacks {key}"
+        );
+    }
+}
+
+#[test]
+fn example_pods_carry_the_required_annotations() {
+    for file in ["clone-pod.yaml", "run-pod.yaml"] {
+        let text = repo_file(&format!("packaging/examples/{file}"));
+        for needed in [
+            "vm.cocoonstack.io/name:",
+            "cocoonset.cocoonstack.io/mode:",
+            "cocoonset.cocoonstack.io/image:",
+            "cocoonset.cocoonstack.io/managed: \"true\"",
+        ] {
+            assert!(text.contains(needed), "{file} lacks {needed}");
+        }
+    }
+}
