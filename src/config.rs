@@ -2,14 +2,14 @@
 //! Owns parsing only; never touches the network, the runtime or the clock.
 //!
 //! `Config::from_env(&lookup)` takes the lookup as a function so tests never touch the
-//! process environment. Rules (behaviour spec 2.1): an empty value counts as unset, except
+//! process environment. Rules (those of the Go daemon): an empty value counts as unset, except
 //! `VK_COCOON_NET_CONTROL_SOCKET`, where set-but-empty disables lease release. An invalid value
 //! is a `ConfigError` naming the variable, the value and what is allowed (main exits 2).
 //! `VK_KUBELET_PORT`, `COCOON_K8S_QPS` and `COCOON_K8S_BURST` fall back to their defaults on a
 //! malformed value as the Go daemon does, with a warning in `Config::warnings`.
 //! `VK_LOG_LEVEL` is validated by `logging`; main reports it with these errors (exit 2).
-//! Beyond spec 2.1: `VK_KUBELET_AUTH` and `VK_CLIENT_CA_FILE` (the kubelet API is authenticated,
-//! unlike the Go daemon's). The environment knobs of kubelet-duties section 0 (`KUBELET_PORT`,
+//! Beyond the Go daemon: `VK_KUBELET_AUTH` and `VK_CLIENT_CA_FILE` (the kubelet API is authenticated,
+//! unlike the Go daemon's). The virtual-kubelet CLI's environment knobs (`KUBELET_PORT`,
 //! `DEFAULT_NODE_NAME`, `VKUBELET_TAINT_*`, `APISERVER_*_LOCATION`) belong to the
 //! virtual-kubelet CLI, which the Go vk-cocoon never used, so they are not read.
 

@@ -738,7 +738,7 @@ pub fn update_object(
         .and_then(Value::as_str)
         == Some("0")
     {
-        // Kubernetes 1.35+ rejects the blind "0" version VK used to send (kubelet-duties 5.4).
+        // Kubernetes 1.35+ rejects the blind "0" version VK used to send.
         return Err(ApiError::invalid(
             def.kind,
             name,
