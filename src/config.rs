@@ -72,7 +72,7 @@ pub const VARIABLES: &[Variable] = &[
     var("SNAPSHOT_TRANSFER_CONCURRENCY", "8", "Parallel blob transfers, 1-256."),
     var("SNAPSHOT_MEMORY_BUDGET_MIB", "9216", "Push buffer cap in MiB (at least 1)."),
     var("SNAPSHOT_PULL_BUDGET_MIB", "2048", "Pull prefetch cap in MiB (at least 1)."),
-    var("COCOON_K8S_QPS", "50", "Kubernetes client requests per second; 0 or malformed = default."),
+    var("COCOON_K8S_QPS", "50", "Kubernetes client requests per second; 0 = no limit; malformed = default."),
     var("COCOON_K8S_BURST", "100", "Kubernetes client burst; 0 or malformed = default."),
 ];
 
@@ -467,9 +467,16 @@ impl Config {
             None => 50.0,
             Some(raw) => match raw.trim().parse::<f64>() {
                 Ok(q) if q.is_finite() && q > 0.0 => q,
+                // As the client reads it: no rate limit at all (what tests and benches want).
+                Ok(0.0) => {
+                    warnings.push(
+                        "COCOON_K8S_QPS=0: Kubernetes API requests are not rate limited".into(),
+                    );
+                    0.0
+                }
                 _ => {
                     warnings.push(format!(
-                        "COCOON_K8S_QPS={raw:?} is not a positive number; using 50"
+                        "COCOON_K8S_QPS={raw:?} is not a number >= 0; using 50"
                     ));
                     50.0
                 }
@@ -952,6 +959,10 @@ mod tests {
         assert_eq!((c.kubelet_port, c.k8s_qps, c.k8s_burst), (10250, 50.0, 100));
         assert_eq!(c.warnings.len(), 3, "{:?}", c.warnings);
         assert!(c.warnings[0].contains("VK_KUBELET_PORT=\"0\""));
+        // 0 is no limit, as the Kubernetes client reads it, and said so.
+        let unlimited = ok(&[("COCOON_K8S_QPS", "0")]);
+        assert_eq!(unlimited.k8s_qps, 0.0);
+        assert!(unlimited.warnings[0].contains("not rate limited"));
         assert_eq!(ok(&[("VK_KUBELET_PORT", "70000")]).kubelet_port, 10250);
         let off = ok(&[("VK_KUBELET_AUTH", "OFF")]);
         assert_eq!(off.kubelet_auth, KubeletAuth::Off);

@@ -60,8 +60,8 @@ impl KubeOptions {
             ..KubeOptions::default()
         };
         if let Some(q) = var("COCOON_K8S_QPS").and_then(|v| v.trim().parse::<f64>().ok()) {
-            // 0 means the default, as in the configuration table and client-go.
-            if q > 0.0 && q.is_finite() {
+            // 0 turns rate limiting off, as the configuration table says.
+            if q >= 0.0 && q.is_finite() {
                 o.qps = q;
             }
         }
