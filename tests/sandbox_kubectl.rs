@@ -131,6 +131,41 @@ impl Sandbox {
     }
 }
 
+/// The local addresses of every TCP socket `pid` listens on (from /proc: its socket inodes,
+/// matched against the kernel's IPv4 and IPv6 tables).
+fn listening_addresses(pid: u32) -> Vec<String> {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|dir| {
+            dir.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+                .filter_map(|l| {
+                    let l = l.to_string_lossy().into_owned();
+                    Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut out = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let text = std::fs::read_to_string(table).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            // local_address, state 0A = LISTEN, inode.
+            if f.len() > 9 && f[3] == "0A" && inodes.iter().any(|i| i == f[9]) {
+                out.push(f[1].to_string());
+            }
+        }
+    }
+    out
+}
+
+/// 127.0.0.1 in /proc/net/tcp's byte order, or ::1 / ::ffff:127.0.0.1 in tcp6's.
+fn is_loopback_hex(addr: &str) -> bool {
+    let ip = addr.split(':').next().unwrap_or("");
+    ip == "0100007F"
+        || ip == "00000000000000000000000001000000"
+        || ip == "0000000000000000FFFF00000100007F"
+}
+
 fn kubectl_present() -> bool {
     if Path::new(KUBECTL).exists() {
         return true;
@@ -149,6 +184,13 @@ fn kubectl_logs_exec_and_top_reach_the_vms_through_the_fake_api_server() {
     // demo-0 is a clone (pid 0 in the clone answer), demo-1 a fresh run.
     sandbox.wait_running("demo-0");
     sandbox.wait_running("demo-1");
+
+    // Everything the sandbox listens on is on loopback: API server, kubelet, metrics, peers.
+    let listening = listening_addresses(sandbox.child.id());
+    assert!(listening.len() >= 3, "listening sockets: {listening:?}");
+    for addr in &listening {
+        assert!(is_loopback_hex(addr), "listening beyond loopback: {addr}");
+    }
 
     // logs: the fake guest's console, through pods/log -> /containerLogs.
     let logs = sandbox.kubectl_until(&["logs", "demo-0"], |out| out.contains("vk-default-demo-0"));

@@ -186,6 +186,8 @@ impl Sandbox {
             ("FAKE_COCOON_LEASES", p(&self.dir.join("net/leases.json"))),
             ("VK_COCOON_NET_CONTROL_SOCKET", String::new()),
             ("VK_METRICS_ADDR", opts.metrics_addr.clone()),
+            // The snapshot peer server listens on every interface by default.
+            ("VK_PEER_ADDR", "127.0.0.1:0".to_string()),
             ("VK_KUBELET_PORT", opts.kubelet_port.to_string()),
             ("VK_TLS_CERT", String::new()),
             ("VK_TLS_KEY", String::new()),
