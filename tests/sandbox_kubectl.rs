@@ -256,8 +256,17 @@ fn the_example_manifests_run_and_ctrl_c_removes_the_fake_vms() {
     }
     let dir = tempfile::tempdir().expect("temp dir");
     let sandbox = Sandbox::start(dir.path(), 0);
-    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/examples");
+    // The copies the sandbox writes beside its kubeconfig, which its banner names.
+    let examples = dir.path().join("examples");
     for file in ["clone-pod.yaml", "run-pod.yaml"] {
+        let repo_copy = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("packaging/examples")
+            .join(file);
+        assert_eq!(
+            std::fs::read_to_string(examples.join(file)).ok(),
+            std::fs::read_to_string(repo_copy).ok(),
+            "{file}: the sandbox writes the repository's example"
+        );
         let out = sandbox.kubectl(
             &["apply", "-f", &examples.join(file).to_string_lossy()],
             &[],

@@ -17,6 +17,19 @@ use k8s_openapi::api::core::v1::Pod;
 
 use self::apiserver::{ApiServer, ApiServerOptions, KubeconfigAuth};
 
+/// The example pods of packaging/examples, written into the sandbox directory so the printed
+/// `kubectl apply` lines work from any working directory.
+const EXAMPLES: [(&str, &str); 2] = [
+    (
+        "clone-pod.yaml",
+        include_str!("../../packaging/examples/clone-pod.yaml"),
+    ),
+    (
+        "run-pod.yaml",
+        include_str!("../../packaging/examples/run-pod.yaml"),
+    ),
+];
+
 const USAGE: &str = "\
 Usage: vk-cocoon-sandbox [--dir DIR] [--pods N] [--api-port PORT] [--metrics-addr ADDR]
                          [--kubelet-port PORT] [--registry HOST[:PORT][/PREFIX]]
@@ -137,8 +150,20 @@ impl Sandbox {
         };
         let state = dir.join("cocoon-state");
         let bin = dir.join("bin");
-        for d in [&dir, &state, &bin, &dir.join("root"), &dir.join("net")] {
+        let examples = dir.join("examples");
+        for d in [
+            &dir,
+            &state,
+            &bin,
+            &dir.join("root"),
+            &dir.join("net"),
+            &examples,
+        ] {
             std::fs::create_dir_all(d).map_err(|e| format!("create {}: {e}", d.display()))?;
+        }
+        for (name, text) in EXAMPLES {
+            let path = examples.join(name);
+            std::fs::write(&path, text).map_err(|e| format!("write {}: {e}", path.display()))?;
         }
         let exe = std::env::current_exe().map_err(|e| format!("own executable: {e}"))?;
         let cocoon = bin.join("cocoon");
@@ -316,10 +341,11 @@ impl Sandbox {
              \n  curl -s http://{metrics}/metrics | grep vk_cocoon_\
              \n  FAKE_COCOON_STATE={state} {cocoon} vm list -o json\
              \n\nMake your own pod (the annotations are the pod contract; see README.md):\
-             \n  {k} apply -f packaging/examples/clone-pod.yaml\
-             \n  {k} apply -f packaging/examples/run-pod.yaml\
+             \n  {k} apply -f {examples}/clone-pod.yaml\
+             \n  {k} apply -f {examples}/run-pod.yaml\
              \n\nCtrl-C stops the daemon and removes the fake VMs.\n",
             dir = self.dir.display(),
+            examples = self.dir.join("examples").display(),
             metrics = opts.metrics_addr,
             state = self.state.display(),
             cocoon = self.cocoon.display(),
