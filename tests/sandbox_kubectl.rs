@@ -233,6 +233,24 @@ fn kubectl_logs_exec_and_top_reach_the_vms_through_the_fake_api_server() {
     });
     assert!(node.contains('%'), "{node}");
 
+    // nodes/proxy reaches the kubelet's own paths; a pod that does not exist is the API's 404.
+    let summary = sandbox.kubectl_until(
+        &[
+            "get",
+            "--raw",
+            "/api/v1/nodes/cocoon-sandbox/proxy/stats/summary",
+        ],
+        |out| {
+            out.contains("\"nodeName\": \"cocoon-sandbox\"")
+                || out.contains("\"nodeName\":\"cocoon-sandbox\"")
+        },
+    );
+    assert!(summary.contains("demo-1"), "{summary}");
+    let missing = sandbox.kubectl(&["logs", "no-such-pod"], &[]);
+    assert!(!missing.status.success());
+    let stderr = String::from_utf8_lossy(&missing.stderr);
+    assert!(stderr.contains("NotFound"), "{stderr}");
+
     // Bodies the fake does not speak get 415, as from a real API server.
     let debug = sandbox.kubectl(
         &[
