@@ -185,6 +185,13 @@ fn kubectl_logs_exec_and_top_reach_the_vms_through_the_fake_api_server() {
     sandbox.wait_running("demo-0");
     sandbox.wait_running("demo-1");
 
+    // The sandbox has no kubelet certificate files: the daemon says it serves a self-signed one.
+    assert!(
+        sandbox.log().contains("serving a self-signed certificate"),
+        "{}",
+        sandbox.log()
+    );
+
     // Everything the sandbox listens on is on loopback: API server, kubelet, metrics, peers.
     let listening = listening_addresses(sandbox.child.id());
     assert!(listening.len() >= 3, "listening sockets: {listening:?}");
