@@ -265,14 +265,12 @@ fn dispatch(shared: &Shared, req: &http::Request, cert: Option<&CertIdentity>) -
     let open = matches!(target, Ok(Target::Health | Target::Version));
     let metrics = super::metrics::metrics_target(&req.path);
     let user = authenticate(shared, req, cert);
-    let reply = match (&target, &user) {
-        (_, None) if !open => error_reply(&ApiError::unauthorized()),
-        _ if metrics.is_some() => match &metrics {
-            Some(m) => Reply::Response(super::metrics::handle(shared, req, m)),
-            None => error_reply(&ApiError::unauthorized()),
-        },
-        (Err(e), _) => error_reply(e),
-        (Ok(Target::Resource(rp)), _) => match shared.faults.take(&verb, &resource) {
+    let reply = match (&target, &user, &metrics) {
+        (_, None, _) if !open => error_reply(&ApiError::unauthorized()),
+        // metrics.k8s.io is computed from the kubelets, not kept in the store.
+        (_, _, Some(m)) => Reply::Response(super::metrics::handle(shared, req, m)),
+        (Err(e), _, _) => error_reply(e),
+        (Ok(Target::Resource(rp)), _, _) => match shared.faults.take(&verb, &resource) {
             Some(fault) if verb == "watch" => {
                 match handlers::handle_resource(shared, req, rp, &verb) {
                     Ok(Reply::Watch(mut spec)) => match watch::injected(&mut spec, fault) {
@@ -289,7 +287,7 @@ fn dispatch(shared: &Shared, req: &http::Request, cert: Option<&CertIdentity>) -
                 Err(e) => error_reply(&e),
             },
         },
-        (Ok(t), _) => match handlers::handle_meta(shared, t) {
+        (Ok(t), _, _) => match handlers::handle_meta(shared, t) {
             Ok(r) => r,
             Err(e) => error_reply(&e),
         },
