@@ -305,6 +305,11 @@ fn the_example_manifests_run_and_ctrl_c_removes_the_fake_vms() {
     sandbox.wait_running("my-clone");
     sandbox.wait_running("my-run");
     assert_eq!(sandbox.fake_vms().len(), 2);
+    // top selects by label, as metrics-server does.
+    let top = sandbox.kubectl_until(&["top", "pod", "-l", "app=my-run", "--no-headers"], |out| {
+        out.contains("my-run")
+    });
+    assert!(!top.contains("my-clone"), "{top}");
 
     // SIGINT, as Ctrl-C in a terminal: the daemon stops and the sandbox removes its VMs.
     let pid = sandbox.child.id().to_string();

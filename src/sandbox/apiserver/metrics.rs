@@ -7,6 +7,7 @@
 use super::discovery::{METRICS_GROUP, METRICS_VERSION};
 use super::http::{self, Request, Response};
 use super::meta::{self, ApiError};
+use super::select::Selector;
 use super::{lock, proxy, resources, Shared};
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -296,6 +297,11 @@ pub fn handle(shared: &Shared, req: &Request, target: &MetricsTarget) -> Respons
         return error(&ApiError::method_not_allowed());
     }
     let api_version = format!("{METRICS_GROUP}/{METRICS_VERSION}");
+    // `kubectl top pod -l app=x` selects on the objects' labels, as metrics-server does.
+    let selector = match Selector::parse(None, req.query("labelSelector")) {
+        Ok(s) => s,
+        Err(e) => return error(&e),
+    };
     let (nodes, _) = shared.store.list(resources::nodes(), None);
     let wanted_node = match target {
         MetricsTarget::Nodes(Some(n)) => Some(n.as_str()),
@@ -310,6 +316,10 @@ pub fn handle(shared: &Shared, req: &Request, target: &MetricsTarget) -> Respons
         MetricsTarget::Nodes(one) => {
             let items: Vec<Value> = readings
                 .iter()
+                .filter(|r| {
+                    let node = shared.store.get(resources::nodes(), "", &r.node);
+                    node.is_some_and(|n| selector.matches(&n))
+                })
                 .filter_map(|r| {
                     let (cpu, mem) = r.node_usage?;
                     Some(json!({
@@ -331,6 +341,11 @@ pub fn handle(shared: &Shared, req: &Request, target: &MetricsTarget) -> Respons
                     if ns.as_ref().is_some_and(|n| n != pod_ns)
                         || one.as_ref().is_some_and(|p| p != pod)
                     {
+                        continue;
+                    }
+                    // Only pods the API knows (a VM outliving its pod is not a pod's usage).
+                    let known = shared.store.get(resources::pods(), pod_ns, pod);
+                    if !known.is_some_and(|p| selector.matches(&p)) {
                         continue;
                     }
                     let mut cs: Vec<Value> = containers
