@@ -2,14 +2,14 @@
 //! Owns parsing only; never touches the network, the runtime or the clock.
 //!
 //! `Config::from_env(&lookup)` takes the lookup as a function so tests never touch the
-//! process environment. Rules (behaviour spec 2.1): an empty value counts as unset, except
+//! process environment. Rules (those of the Go daemon): an empty value counts as unset, except
 //! `VK_COCOON_NET_CONTROL_SOCKET`, where set-but-empty disables lease release. An invalid value
 //! is a `ConfigError` naming the variable, the value and what is allowed (main exits 2).
 //! `VK_KUBELET_PORT`, `COCOON_K8S_QPS` and `COCOON_K8S_BURST` fall back to their defaults on a
 //! malformed value as the Go daemon does, with a warning in `Config::warnings`.
-//! `VK_LOG_LEVEL` is validated by `logging` (spec: `log setup: ...`, exit 1), not here.
-//! Beyond spec 2.1: `VK_KUBELET_AUTH` and `VK_CLIENT_CA_FILE` (the kubelet API is authenticated,
-//! unlike the Go daemon's). The environment knobs of kubelet-duties section 0 (`KUBELET_PORT`,
+//! `VK_LOG_LEVEL` is validated by `logging`; main reports it with these errors (exit 2).
+//! Beyond the Go daemon: `VK_KUBELET_AUTH` and `VK_CLIENT_CA_FILE` (the kubelet API is authenticated,
+//! unlike the Go daemon's). The virtual-kubelet CLI's environment knobs (`KUBELET_PORT`,
 //! `DEFAULT_NODE_NAME`, `VKUBELET_TAINT_*`, `APISERVER_*_LOCATION`) belong to the
 //! virtual-kubelet CLI, which the Go vk-cocoon never used, so they are not read.
 
@@ -72,8 +72,8 @@ pub const VARIABLES: &[Variable] = &[
     var("SNAPSHOT_TRANSFER_CONCURRENCY", "8", "Parallel blob transfers, 1-256."),
     var("SNAPSHOT_MEMORY_BUDGET_MIB", "9216", "Push buffer cap in MiB (at least 1)."),
     var("SNAPSHOT_PULL_BUDGET_MIB", "2048", "Pull prefetch cap in MiB (at least 1)."),
-    var("COCOON_K8S_QPS", "50", "Kubernetes client requests per second; malformed = default."),
-    var("COCOON_K8S_BURST", "100", "Kubernetes client burst; malformed = default."),
+    var("COCOON_K8S_QPS", "50", "Kubernetes client requests per second; 0 = no limit; malformed = default."),
+    var("COCOON_K8S_BURST", "100", "Kubernetes client burst; 0 or malformed = default."),
 ];
 
 /// What to do with VMs that have no pod at startup reconcile.
@@ -501,9 +501,16 @@ impl Config {
             None => 50.0,
             Some(raw) => match raw.trim().parse::<f64>() {
                 Ok(q) if q.is_finite() && q > 0.0 => q,
+                // As the client reads it: no rate limit at all (what tests and benches want).
+                Ok(0.0) => {
+                    warnings.push(
+                        "COCOON_K8S_QPS=0: Kubernetes API requests are not rate limited".into(),
+                    );
+                    0.0
+                }
                 _ => {
                     warnings.push(format!(
-                        "COCOON_K8S_QPS={raw:?} is not a positive number; using 50"
+                        "COCOON_K8S_QPS={raw:?} is not a number >= 0; using 50"
                     ));
                     50.0
                 }
@@ -635,6 +642,28 @@ impl Config {
     pub fn from_process_env() -> Result<Config, ConfigError> {
         Config::from_env(&|name| std::env::var(name).ok())
     }
+
+    /// Like [`Config::from_env`], but finds every invalid variable, not just the first: each
+    /// one found is read as unset (a missing required one as a placeholder) and the rest
+    /// validated again, so an operator fixes the whole file in one go.
+    pub fn from_env_all(env: &dyn Fn(&str) -> Option<String>) -> Result<Config, Vec<ConfigError>> {
+        let mut errors: Vec<ConfigError> = Vec::new();
+        // Each round masks one more variable, so this ends within one round per variable.
+        for _ in 0..=VARIABLES.len() {
+            let masked = |name: &str| match errors.iter().find(|e| e.variable == name) {
+                Some(_) if name == "OCI_REGISTRY" => Some("placeholder.invalid".to_string()),
+                Some(_) => None,
+                None => env(name),
+            };
+            match Config::from_env(&masked) {
+                Ok(c) if errors.is_empty() => return Ok(c),
+                Ok(_) => break,
+                Err(e) if errors.iter().any(|seen| seen.variable == e.variable) => break,
+                Err(e) => errors.push(e),
+            }
+        }
+        Err(errors)
+    }
 }
 
 /// Names starting with `VK_` that this daemon does not know (typos, removed settings),
@@ -677,6 +706,33 @@ mod tests {
                 line
             }
         }
+    }
+
+    #[test]
+    fn every_invalid_variable_is_reported_at_once() {
+        let env: HashMap<&str, &str> = [
+            ("VK_NODE_NAME", "Bad_Name"),
+            ("VK_RESTORE_MODE", "mmap   # copy, ondemand or mmap"),
+            ("VK_ORPHAN_POLICY", "sometimes"),
+            ("VK_RESERVE_PERCENT", "200"),
+        ]
+        .into_iter()
+        .collect();
+        let errors = Config::from_env_all(&|k| env.get(k).map(|v| v.to_string())).unwrap_err();
+        let names: Vec<&str> = errors.iter().map(|e| e.variable).collect();
+        for want in [
+            "OCI_REGISTRY",
+            "VK_NODE_NAME",
+            "VK_RESTORE_MODE",
+            "VK_ORPHAN_POLICY",
+            "VK_RESERVE_PERCENT",
+        ] {
+            assert!(names.contains(&want), "{want} missing from {names:?}");
+        }
+        assert_eq!(names.len(), 5, "{names:?}");
+        let good =
+            Config::from_env_all(&|k| (k == "OCI_REGISTRY").then(|| "r.example".to_string()));
+        assert!(good.is_ok());
     }
 
     #[test]
@@ -975,6 +1031,10 @@ mod tests {
         assert_eq!((c.kubelet_port, c.k8s_qps, c.k8s_burst), (10250, 50.0, 100));
         assert_eq!(c.warnings.len(), 3, "{:?}", c.warnings);
         assert!(c.warnings[0].contains("VK_KUBELET_PORT=\"0\""));
+        // 0 is no limit, as the Kubernetes client reads it, and said so.
+        let unlimited = ok(&[("COCOON_K8S_QPS", "0")]);
+        assert_eq!(unlimited.k8s_qps, 0.0);
+        assert!(unlimited.warnings[0].contains("not rate limited"));
         assert_eq!(ok(&[("VK_KUBELET_PORT", "70000")]).kubelet_port, 10250);
         let off = ok(&[("VK_KUBELET_AUTH", "OFF")]);
         assert_eq!(off.kubelet_auth, KubeletAuth::Off);

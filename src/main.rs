@@ -1,22 +1,47 @@
 //! vk-cocoon entry point: parse the command line, run the daemon or a tool mode.
 //! Exit codes: 0 clean stop, 1 runtime failure, 2 configuration error.
 
-use vk_cocoon::config::{self, Config};
-use vk_cocoon::{daemon, logging, version};
+use vk_cocoon::config::{self, Config, ConfigError};
+use vk_cocoon::{daemon, kube, kubelet, logging, version};
 
 const HELP: &str = "\
 vk-cocoon: a virtual kubelet that turns Kubernetes pods into cocoon MicroVMs.
 
 Usage:
   vk-cocoon [run]              run the daemon (the default)
+  vk-cocoon check-config       validate the environment and the kubeconfig, print every problem
+  vk-cocoon env                list every environment variable with its default and meaning
   vk-cocoon --version          print version, git revision and build time
-  vk-cocoon --help             print this help
+  vk-cocoon COMMAND --help     help for one command, without running it
 
-The daemon is configured only through environment variables (OCI_REGISTRY is required);
-see the configuration table in README.md or packaging/vk-cocoon.env.example.
-The sandbox and the fake cocoon are a separate binary, vk-cocoon-sandbox.
+The daemon is configured only through environment variables (OCI_REGISTRY is required; under
+systemd, /etc/cocoon/vk-cocoon.env). The sandbox and the fake cocoon are a separate binary,
+vk-cocoon-sandbox.
 
-Exit status: 0 clean stop, 1 runtime failure (and `log setup: ...`), 2 configuration error.
+Exit status: 0 clean stop, 1 runtime failure, 2 configuration error.
+";
+
+const RUN_HELP: &str = "\
+Usage: vk-cocoon [run]
+
+Runs the daemon in the foreground until SIGTERM or SIGINT (the VMs keep running and are
+re-adopted at the next start). Configuration comes from the environment only; every invalid
+variable is reported at once, at error priority, and the exit status is then 2.
+`vk-cocoon env` lists the variables; `vk-cocoon check-config` checks them without starting.
+";
+
+const CHECK_HELP: &str = "\
+Usage: vk-cocoon check-config
+
+Validates every environment variable (VK_LOG_LEVEL included), loads the kubeconfig the daemon
+would use and the kubelet API's TLS files, and prints every problem found, one per line.
+Contacts nothing. Exit status: 0 when the daemon would start with this configuration, 2 if not.
+";
+
+const ENV_HELP: &str = "\
+Usage: vk-cocoon env
+
+Prints every environment variable the daemon reads, its default and its meaning.
 ";
 
 fn main() {
@@ -28,28 +53,82 @@ fn real_main() -> i32 {
     let args: Vec<String> = std::env::args_os()
         .map(|a| a.to_string_lossy().into_owned())
         .collect();
-    match args.get(1).map(String::as_str) {
-        None | Some("run") => run_daemon(),
-        Some("-h" | "--help" | "help") => {
-            print!("{HELP}");
-            0
-        }
-        Some("-V" | "--version" | "version") => {
+    let command = args.get(1).map(String::as_str);
+    let wants_help = args
+        .get(2..)
+        .unwrap_or_default()
+        .iter()
+        .any(|a| matches!(a.as_str(), "-h" | "--help"));
+    let known = matches!(command, None | Some("run" | "check-config" | "env"));
+    if let Some(extra) = args.get(2).filter(|_| known && !wants_help) {
+        eprintln!("vk-cocoon: unexpected argument {extra:?}; see vk-cocoon --help");
+        return 2;
+    }
+    match (command, wants_help) {
+        (None | Some("run"), false) => run_daemon(),
+        (Some("run"), true) => print_help(RUN_HELP),
+        (Some("check-config"), false) => check_config(),
+        (Some("check-config"), true) => print_help(CHECK_HELP),
+        (Some("env"), false) => print_variables(),
+        (Some("env"), true) => print_help(ENV_HELP),
+        (None | Some("-h" | "--help" | "help"), _) => print_help(HELP),
+        (Some("-V" | "--version" | "version"), _) => {
             println!("{}", version::long_version());
             0
         }
-        Some(other) => {
+        (Some(other), _) => {
             eprintln!("vk-cocoon: unknown command {other:?}; see vk-cocoon --help");
             2
         }
     }
 }
 
-fn run_daemon() -> i32 {
+fn print_help(text: &str) -> i32 {
+    print!("{text}");
+    0
+}
+
+fn print_variables() -> i32 {
+    for v in config::VARIABLES {
+        println!(
+            "{}\n    default: {}\n    {}\n",
+            v.name, v.default, v.meaning
+        );
+    }
+    0
+}
+
+/// VK_LOG_LEVEL and every other variable: the configuration, or every problem with it.
+fn read_config() -> Result<Config, Vec<String>> {
+    let mut problems = Vec::new();
     let level = std::env::var("VK_LOG_LEVEL").ok();
-    if let Err(e) = logging::init(level.as_deref()) {
+    if let Err(e) = logging::parse_level(level.as_deref().unwrap_or("")) {
+        problems.push(e.to_string());
+    }
+    match Config::from_env_all(&|name| std::env::var(name).ok()) {
+        Ok(c) if problems.is_empty() => Ok(c),
+        Ok(_) => Err(problems),
+        Err(errors) => {
+            problems.extend(errors.iter().map(ConfigError::to_string));
+            Err(problems)
+        }
+    }
+}
+
+/// Installs the logger at VK_LOG_LEVEL, or at the default level when that value is itself
+/// invalid (it is then reported with the other configuration errors).
+fn init_logging() -> Result<(), i32> {
+    let level = std::env::var("VK_LOG_LEVEL").ok();
+    let usable = level.as_deref().filter(|l| logging::parse_level(l).is_ok());
+    logging::init(usable).map(drop).map_err(|e| {
         eprintln!("log setup: {e}");
-        return 1;
+        1
+    })
+}
+
+fn run_daemon() -> i32 {
+    if let Err(code) = init_logging() {
+        return code;
     }
     log::info!(
         "vk-cocoon {} starting (rev={} built={})",
@@ -57,21 +136,119 @@ fn run_daemon() -> i32 {
         version::GIT_REVISION,
         version::build_time()
     );
-    let config = match Config::from_process_env() {
+    let config = match read_config() {
         Ok(c) => c,
-        Err(e) => {
-            eprintln!("vk-cocoon: configuration error: {e}");
+        Err(problems) => {
+            for p in &problems {
+                report_error(&format!("configuration error: {p}"));
+            }
+            log::info!("vk-cocoon check-config lists the same problems; vk-cocoon env lists every variable");
             return 2;
         }
     };
     for w in &config.warnings {
         log::warn!("{w}");
     }
+    for name in unknown_variables() {
+        log::warn!("unknown variable {name} is ignored (vk-cocoon env lists the known ones)");
+    }
+    daemon::run(config)
+}
+
+/// A fatal error line: through the logger (error priority under journald), or straight to
+/// stderr when VK_LOG_LEVEL=off would swallow the reason the daemon exits.
+fn report_error(message: &str) {
+    if log::log_enabled!(log::Level::Error) {
+        log::error!("{message}");
+    } else {
+        let priority = if std::env::var_os("JOURNAL_STREAM").is_some() {
+            "<3>"
+        } else {
+            ""
+        };
+        eprintln!("{priority}vk-cocoon: {message}");
+    }
+}
+
+fn unknown_variables() -> Vec<String> {
     let names: Vec<String> = std::env::vars_os()
         .filter_map(|(k, _)| k.into_string().ok())
         .collect();
-    for name in config::unknown_vk_variables(names.iter().map(String::as_str)) {
-        log::warn!("unknown variable {name} is ignored (see the configuration table in README.md)");
+    config::unknown_vk_variables(names.iter().map(String::as_str))
+}
+
+/// `vk-cocoon check-config`: every problem on its own line (stdout), then a verdict.
+fn check_config() -> i32 {
+    let mut problems = Vec::new();
+    let mut notes = Vec::new();
+    let config = match read_config() {
+        Ok(c) => Some(c),
+        Err(p) => {
+            problems.extend(p);
+            None
+        }
+    };
+    if let Some(c) = &config {
+        notes.extend(c.warnings.iter().cloned());
     }
-    daemon::run(config)
+    notes.extend(
+        unknown_variables()
+            .into_iter()
+            .map(|n| format!("unknown variable {n} is ignored")),
+    );
+    let cluster = match kube::kubeconfig::load(&kube::kubeconfig::KubeOptions::from_process_env()) {
+        Ok(cluster) => {
+            let tls = kube::tls::client_config(&kube::tls::TlsParams {
+                ca_pem: cluster.ca_pem.as_deref(),
+                insecure_skip_tls_verify: cluster.insecure_skip_tls_verify,
+                tls_server_name: cluster.tls_server_name.as_deref(),
+                client_cert: cluster
+                    .client_cert
+                    .as_ref()
+                    .map(|(c, k)| (c.as_slice(), k.as_slice())),
+            });
+            if let Err(e) = tls {
+                problems.push(format!("kubeconfig ({}): {e}", cluster.source));
+            }
+            Some(cluster)
+        }
+        Err(e) => {
+            problems.push(format!("kubeconfig: {e}"));
+            None
+        }
+    };
+    if let (Some(c), Some(cluster)) = (&config, &cluster) {
+        match kubelet::tls_settings(c, c.node_ip, cluster.ca_pem.clone()) {
+            Err(e) => problems.push(format!("kubelet client CA: {e}")),
+            Ok(settings) => match kubelet::tls::TlsState::new(settings) {
+                Err(e) => problems.push(format!("kubelet TLS: {e}")),
+                Ok(state) if *state.source() == kubelet::tls::CertSource::SelfSigned => {
+                    notes.push(format!(
+                        "kubelet TLS: {} not found; a self-signed certificate would be used",
+                        c.tls_cert.display()
+                    ))
+                }
+                Ok(_) => {}
+            },
+        }
+        if !c.cocoon_bin.is_file() {
+            problems.push(format!(
+                "VK_COCOON_BIN: {} does not exist",
+                c.cocoon_bin.display()
+            ));
+        }
+    }
+    for n in &notes {
+        println!("warning: {n}");
+    }
+    for p in &problems {
+        println!("error: {p}");
+    }
+    if problems.is_empty() {
+        println!("configuration OK");
+        0
+    } else {
+        println!("{} problem(s) found", problems.len());
+        2
+    }
 }

@@ -68,7 +68,7 @@ pub fn binary_quantity(bytes: u64) -> String {
         ("Mi", 20),
         ("Ki", 10),
     ] {
-        if bytes != 0 && bytes % (1u64 << shift) == 0 {
+        if bytes != 0 && bytes.is_multiple_of(1u64 << shift) {
             return format!("{}{suffix}", bytes >> shift);
         }
     }

@@ -1,4 +1,4 @@
-//! Per-pod readiness probe schedules and their bookkeeping (spec §10).
+//! Per-pod readiness probe schedules and their bookkeeping.
 //! Decides when to probe and what a result means; the pinger and sockets live in network.
 //!
 //! Two layers:
@@ -6,7 +6,7 @@
 //!   results together with the current time, and it answers with [`ProbeAction`]s (arm or
 //!   cancel a timer, start or abort a ping / TCP connect, hand a readiness change or an IP
 //!   change to the provider). It reads no clock and owns no socket; the only I/O it does is
-//!   the lease-file `stat` of §10.2 step 2, which is a single syscall per probe.
+//!   the lease-file `stat` done before each probe, which is a single syscall per probe.
 //! * [`ProbeEngine`] performs those actions against the loop through the small [`ProbeHost`]
 //!   interface (registry, tokens, timers), owns the shared pinger and the TCP connects, and
 //!   gives the daemon back only what the provider must see. The daemon routes events to it.
@@ -21,7 +21,7 @@ use crate::network::leases::LeaseFile;
 use crate::network::tcp::TcpProbes;
 use crate::reactor::{Event, Reactor, TimerId};
 
-/// `vk_cocoon_probe_duration_seconds` buckets (spec §22.2).
+/// `vk_cocoon_probe_duration_seconds` buckets.
 pub const PROBE_DURATION_BUCKETS: [f64; 8] = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0];
 
 /// The histogram the probe manager observes, unregistered; the metrics room registers it.
@@ -36,7 +36,7 @@ pub fn probe_duration_histogram() -> prometheus::HistogramVec {
     prometheus::HistogramVec::new(opts, &["namespace"]).expect("valid histogram options")
 }
 
-/// The schedule's numbers. `Default` is exactly spec §10.1 / §27; tests of real sockets
+/// The schedule's numbers. `Default` holds the Go daemon's timings; tests of real sockets
 /// may scale them down so that a failure sequence does not take half a minute.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ProbeConfig {
@@ -153,7 +153,7 @@ pub enum ProbeAction {
 /// What the provider must hear about.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ProbeEvent {
-    /// The lease file gave the VM a different IP (spec §10.2 step 2): update the tracked VM,
+    /// The lease file gave the VM a different IP: update the tracked VM,
     /// unless it no longer has this `vm_id` (then the update is dropped).
     IpChanged {
         pod: String,
@@ -164,7 +164,7 @@ pub enum ProbeEvent {
     /// Readiness for the provider (`Input::Readiness`). `first` marks the first result after
     /// `start`, which the Go daemon never notifies because its caller publishes the status
     /// itself right after the synchronous first probe; here the first probe is asynchronous,
-    /// so the provider publishes it when it arrives. `first == false` is the onUpdate of §10.1
+    /// so the provider publishes it when it arrives. `first == false` is the Go daemon's onUpdate
     /// (not-ready→ready, or the failure that flips ready→not-ready): push the pod status.
     /// `message` and `ip` are those of the probe that produced it.
     Readiness {
@@ -214,7 +214,7 @@ pub struct ProbeManager {
 }
 
 impl ProbeManager {
-    /// `leases: None` means "no lease parser" (§10.2: the tracked IP is used as is).
+    /// `leases: None` means "no lease parser": the tracked IP is used as is.
     pub fn new(config: ProbeConfig, leases: Option<LeaseFile>) -> ProbeManager {
         ProbeManager {
             config,
@@ -236,7 +236,7 @@ impl ProbeManager {
         &self.config
     }
 
-    /// The lease file, for the provider's post-clone / wake IP wait (§14.3).
+    /// The lease file, for the provider's post-clone / wake IP wait.
     pub fn leases_mut(&mut self) -> Option<&mut LeaseFile> {
         self.leases.as_mut()
     }
@@ -374,7 +374,7 @@ impl ProbeManager {
         out
     }
 
-    /// §10.2: resolve the IP, then either settle the result at once or start a network probe.
+    /// Resolve the IP, then either settle the result at once or start a network probe.
     fn run_probe(&mut self, pod: &str, now: Instant, wall: SystemTime, out: &mut Vec<ProbeAction>) {
         let Some(agent) = self.agents.get_mut(pod) else {
             return;
@@ -451,7 +451,7 @@ impl ProbeManager {
         self.settle(pod, ready, message, probe.started, now, out);
     }
 
-    /// Store a probe's result, apply §10.1's transitions and arm the next probe's timer.
+    /// Store a probe's result, apply the readiness transitions and arm the next probe's timer.
     fn settle(
         &mut self,
         pod: &str,
@@ -469,7 +469,7 @@ impl ProbeManager {
             let secs = now.saturating_duration_since(started).as_secs_f64();
             h.with_label_values(&[t.namespace.as_str()]).observe(secs);
         }
-        // Which notification, if any, this result produces (§10.1).
+        // Which notification, if any, this result produces.
         let notify = if !agent.started {
             agent.started = true;
             agent.ready = ready;
@@ -531,8 +531,8 @@ impl ProbeManager {
     }
 }
 
-/// §10.2 step 2. Returns the IP to probe and, when the lease file could not answer, a short
-/// note for the not-ready message. Lease-file errors are logged once per file version.
+/// Which IP to probe: the lease file's, else the tracked one. Returns the IP to probe and,
+/// when the lease file could not answer, a short note for the not-ready message. Lease-file errors are logged once per file version.
 pub fn resolve_ip(
     target: &ProbeTarget,
     leases: Option<&mut LeaseFile>,

@@ -328,14 +328,23 @@ fn invalid_configuration_exits_2_with_one_line() {
 }
 
 #[test]
-fn invalid_log_level_exits_1_with_log_setup() {
+fn invalid_log_level_is_a_configuration_error_reported_with_the_others() {
     let dir = tempfile::tempdir().unwrap();
     let out = base_command(dir.path(), &Api::Unreachable)
         .env("VK_LOG_LEVEL", "chatty")
+        .env("VK_ORPHAN_POLICY", "nuke")
+        .env("JOURNAL_STREAM", "8:1")
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).starts_with("log setup: "));
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("<3>")).collect();
+    assert_eq!(errors.len(), 2, "{stderr}");
+    assert!(
+        errors[0].contains("invalid VK_LOG_LEVEL \"chatty\""),
+        "{stderr}"
+    );
+    assert!(errors[1].contains("VK_ORPHAN_POLICY=\"nuke\""), "{stderr}");
 }
 
 #[test]
@@ -366,8 +375,28 @@ fn version_and_help() {
     let out = Command::new(BIN).arg("--help").output().unwrap();
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
-    for word in ["run", "vk-cocoon-sandbox", "README.md"] {
+    for word in ["run", "check-config", "vk-cocoon-sandbox", "vk-cocoon env"] {
         assert!(text.contains(word), "help lacks {word}: {text}");
+    }
+    // Per-command help starts nothing: without any configuration it still answers at once.
+    for (command, first) in [
+        ("run", "Usage: vk-cocoon [run]"),
+        ("check-config", "Usage: vk-cocoon check-config"),
+        ("env", "Usage: vk-cocoon env"),
+    ] {
+        let out = Command::new(BIN)
+            .args([command, "--help"])
+            .env_clear()
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{command} --help: {out:?}");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.starts_with(first), "{command} --help: {text}");
+    }
+    let out = Command::new(BIN).arg("env").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    for name in ["OCI_REGISTRY", "VK_TLS_CERT", "COCOON_K8S_QPS"] {
+        assert!(text.contains(name), "env lacks {name}");
     }
     // The daemon binary carries no sandbox and no fake cocoon: those words are unknown commands.
     for word in ["frobnicate", "sandbox", "fake-cocoon"] {
@@ -446,4 +475,72 @@ fn bench_idle_daemon_rss_and_wakeups() {
         (after - before) as f64 / window.as_secs_f64()
     );
     stop_and_check(&mut d);
+}
+
+#[test]
+fn check_config_lists_every_problem_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = base_command(dir.path(), &Api::Unreachable)
+        .arg("check-config")
+        .stdout(Stdio::piped())
+        .env_remove("OCI_REGISTRY")
+        .env("VK_LOG_LEVEL", "chatty")
+        .env("VK_RESTORE_MODE", "mmap   # copy, ondemand or mmap")
+        .env("VK_NODE_NAME", "Not_A_Name")
+        .env("VK_RESERVE_PERCENT", "150")
+        .env(
+            "KUBECONFIG",
+            dir.path().join("absent").to_string_lossy().as_ref(),
+        )
+        .env(
+            "HOME",
+            dir.path().join("no-home").to_string_lossy().as_ref(),
+        )
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let errors: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.starts_with("error: "))
+        .collect();
+    for want in [
+        "OCI_REGISTRY must be set",
+        "VK_LOG_LEVEL \"chatty\"",
+        "VK_RESTORE_MODE=",
+        "VK_NODE_NAME=\"Not_A_Name\"",
+        "VK_RESERVE_PERCENT=\"150\"",
+        "kubeconfig: ",
+    ] {
+        assert!(
+            errors.iter().any(|l| l.contains(want)),
+            "{want} missing from:\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    assert_eq!(errors.len(), 6, "{stdout}");
+    assert!(stdout.ends_with("6 problem(s) found\n"), "{stdout}");
+
+    // A configuration the daemon would start with passes, noting the self-signed fallback.
+    let out = base_command(dir.path(), &Api::Unreachable)
+        .arg("check-config")
+        .stdout(Stdio::piped())
+        .env(
+            "VK_TLS_CERT",
+            dir.path().join("absent.crt").to_string_lossy().as_ref(),
+        )
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("self-signed certificate would be used"),
+        "{stdout}"
+    );
+    assert!(stdout.ends_with("configuration OK\n"), "{stdout}");
 }

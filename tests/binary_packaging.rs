@@ -113,6 +113,27 @@ fn env_example_lists_every_variable_and_its_active_lines_are_valid() {
         from_example, defaults,
         "the example's active lines are the defaults"
     );
+    // Every host needs its own node name: the example must not fix one.
+    assert!(!active.contains_key("VK_NODE_NAME"));
+    // Uncommenting any line keeps a valid configuration: no comment after a value, which
+    // systemd would keep as part of the value.
+    for line in example.lines() {
+        let Some((k, v)) = line.trim_start_matches('#').split_once('=') else {
+            continue;
+        };
+        if k.contains(' ') {
+            continue;
+        }
+        assert!(!v.contains('#'), "comment after a value: {line:?}");
+        let uncommented = |name: &str| match name {
+            "OCI_REGISTRY" => Some(active["OCI_REGISTRY"].clone()),
+            n if n == k => Some(v.to_string()),
+            _ => None,
+        };
+        if let Err(e) = Config::from_env(&uncommented) {
+            panic!("uncommented {line:?} is invalid: {e}");
+        }
+    }
 }
 
 #[test]
@@ -129,5 +150,41 @@ fn readme_documents_every_variable_with_its_default() {
             v.name,
             v.default
         );
+    }
+}
+
+#[test]
+fn readme_documents_every_pod_annotation_the_daemon_reads_or_writes() {
+    let readme = repo_file("README.md");
+    let spec = repo_file("src/provider/spec.rs");
+    let keys: Vec<&str> = spec
+        .lines()
+        .filter(|l| l.starts_with("pub const ANN_"))
+        .filter_map(|l| l.split('"').nth(1))
+        .collect();
+    assert!(keys.len() >= 20, "annotation constants not found: {keys:?}");
+    for key in keys {
+        let row = format!("`{key}`");
+        assert!(
+            readme
+                .lines()
+                .any(|l| l.starts_with("| ") && l.contains(&row)),
+            "README pod contract lacks {key}"
+        );
+    }
+}
+
+#[test]
+fn example_pods_carry_the_required_annotations() {
+    for file in ["clone-pod.yaml", "run-pod.yaml"] {
+        let text = repo_file(&format!("packaging/examples/{file}"));
+        for needed in [
+            "vm.cocoonstack.io/name:",
+            "cocoonset.cocoonstack.io/mode:",
+            "cocoonset.cocoonstack.io/image:",
+            "cocoonset.cocoonstack.io/managed: \"true\"",
+        ] {
+            assert!(text.contains(needed), "{file} lacks {needed}");
+        }
     }
 }

@@ -284,7 +284,7 @@ fn the_kubelet_api_follows_pods_coming_and_going() {
 fn a_hibernated_vm_is_never_fresh_booted_over_its_snapshot() {
     let mut w = World::new();
     w.seed_snapshot("base");
-    // What a hibernate leaves behind (§6.2): the VM's snapshot under the `hibernate` tag.
+    // What a hibernate leaves behind: the VM's snapshot under the `hibernate` tag.
     w.seed_snapshot("vk-default-sleeper");
     w.push_snapshot("vk-default-sleeper", "hibernate", "base");
     assert!(w.cocoon(&["snapshot", "rm", "vk-default-sleeper"]).0);

@@ -1,5 +1,5 @@
 //! Conformance of the fake cocoon: its outputs parse with the `vm` room's types, its errors
-//! classify as section 9 says, archives round-trip, faults fire, parallel copies stay consistent.
+//! classify as cocoon's error texts do, archives round-trip, faults fire, parallel copies stay consistent.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};

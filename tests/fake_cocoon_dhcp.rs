@@ -1,4 +1,4 @@
-//! The fake cocoon's DHCP mode: NICs carry no static address and the §20 lease file follows the
+//! The fake cocoon's DHCP mode: NICs carry no static address and cocoon-net's lease file follows the
 //! running VMs (rows appear on start, go on rm / vanish / stop) and parses with `LeaseFile`.
 
 use std::net::Ipv4Addr;

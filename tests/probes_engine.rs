@@ -11,7 +11,7 @@ use probes_support::{is_child, TestLoop, VethPair, GUEST_SIDE};
 use vk_cocoon::network::icmp::{Pinger, PingerMode};
 use vk_cocoon::probes::{ProbeConfig, ProbeEngine, ProbeEvent, ProbeManager, ProbeTarget};
 
-/// The §10.1 schedule scaled down ×~10 so that three failures take about two seconds.
+/// The readiness schedule scaled down ×~10 so that three failures take about two seconds.
 fn fast() -> ProbeConfig {
     ProbeConfig {
         timeout: Duration::from_millis(300),

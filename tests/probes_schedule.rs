@@ -1,4 +1,4 @@
-//! The §10.1 schedule of the pure probe manager, driven in virtual time: the test plays the
+//! The readiness schedule of the pure probe manager, driven in virtual time: the test plays the
 //! event loop (a timer wheel and a network whose reachability it controls) and checks when
 //! probes run, when readiness flips and that nothing is left armed after a pod is forgotten.
 

@@ -183,7 +183,7 @@ fn fill(seed: u64, offset: u64, buf: &mut [u8]) {
     let mut x = seed ^ 0x9E37_79B9_7F4A_7C15 ^ offset.wrapping_mul(0x2545_F491_4F6C_DD1D);
     for (i, chunk) in buf.chunks_mut(8).enumerate() {
         let pos = offset + (i as u64) * 8;
-        if (pos / MIB) % 2 == 0 {
+        if (pos / MIB).is_multiple_of(2) {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;

@@ -1,4 +1,4 @@
-//! The `vm` room against cocoon-cli.md: argv for each option combination, the spec's JSON
+//! The `vm` room against the cocoon CLI contract: argv for each option combination, the spec's JSON
 //! examples, error classification and hostile output. Pure; no processes.
 
 use std::time::Duration;

@@ -178,10 +178,21 @@ pub(super) fn kubelet_server(
             .map_err(|e| StartError::new(1, format!("kubelet client CA: {e}")))?;
     let tls =
         TlsState::new(settings).map_err(|e| StartError::new(1, format!("kubelet TLS: {e}")))?;
+    if *tls.source() == crate::kubelet::tls::CertSource::SelfSigned {
+        log::warn!(
+            "kubelet TLS: {} not found; serving a self-signed certificate (kubectl logs/exec through an API server that verifies kubelets will fail)",
+            config.tls_cert.display()
+        );
+    }
     let cfg = KubeletConfig::from_config(config);
     // VK_KUBELET_AUTH=off is warned about loudly by the configuration.
     let mut server = KubeletServer::new(cfg, tls, stats);
-    let addr = SocketAddr::from(([0, 0, 0, 0], config.kubelet_port));
+    // A node advertised on loopback (the sandbox) is only reachable there: do not listen wider.
+    let ip = match config.node_ip {
+        Some(ip) if ip.is_loopback() => ip,
+        _ => std::net::IpAddr::from([0, 0, 0, 0]),
+    };
+    let addr = SocketAddr::new(ip, config.kubelet_port);
     let bound = server
         .listen(reactor, addr)
         .map_err(|e| StartError::new(1, format!("kubelet API listener on {addr}: {e}")))?;

@@ -60,12 +60,13 @@ impl KubeOptions {
             ..KubeOptions::default()
         };
         if let Some(q) = var("COCOON_K8S_QPS").and_then(|v| v.trim().parse::<f64>().ok()) {
+            // 0 turns rate limiting off, as the configuration table says.
             if q >= 0.0 && q.is_finite() {
                 o.qps = q;
             }
         }
         if let Some(b) = var("COCOON_K8S_BURST").and_then(|v| v.trim().parse::<u32>().ok()) {
-            o.burst = b;
+            o.burst = if b == 0 { o.burst } else { b };
         }
         o
     }

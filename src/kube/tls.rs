@@ -131,6 +131,26 @@ impl ServerCertVerifier for NameOverride {
     }
 }
 
+/// A client configuration that presents a client certificate and accepts any server
+/// certificate, for callers that verify the peer some other way or, like kube-apiserver
+/// talking to kubelets without a kubelet CA, deliberately not at all.
+pub fn unverified_client_config(
+    cert_pem: &[u8],
+    key_pem: &[u8],
+) -> Result<Arc<ClientConfig>, String> {
+    let provider = provider();
+    let certs = parse_certs(cert_pem).map_err(|e| format!("client certificate: {e}"))?;
+    let key = parse_key(key_pem).map_err(|e| format!("client key: {e}"))?;
+    let config = ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS setup: {e}"))?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(NoVerify(provider)))
+        .with_client_auth_cert(certs, key)
+        .map_err(|e| format!("client certificate: {e}"))?;
+    Ok(Arc::new(config))
+}
+
 /// Build the client TLS configuration (HTTP/1.1 only, no ALPN).
 pub fn client_config(p: &TlsParams<'_>) -> Result<Arc<ClientConfig>, String> {
     let provider = provider();

@@ -9,13 +9,13 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-/// TokenReview results are reused this long (spec §3.1: 2 min).
+/// TokenReview results are reused this long.
 pub const TOKEN_CACHE_TTL: Duration = Duration::from_secs(120);
 /// Rejected tokens are remembered this long.
 pub const TOKEN_NEGATIVE_TTL: Duration = Duration::from_secs(30);
-/// Allowed SubjectAccessReviews are reused this long (spec §3.1: 5 min).
+/// Allowed SubjectAccessReviews are reused this long.
 pub const ALLOW_CACHE_TTL: Duration = Duration::from_secs(300);
-/// Denied SubjectAccessReviews are reused this long (spec §3.1: 30 s).
+/// Denied SubjectAccessReviews are reused this long.
 pub const DENY_CACHE_TTL: Duration = Duration::from_secs(30);
 /// Bound on each cache, so a flood of distinct tokens cannot grow memory without limit.
 pub const CACHE_CAP: usize = 4096;

@@ -1,4 +1,4 @@
-//! `/containerLogs` (duties §3.3, behaviour §22.1): query parsing, the `cocoon vm logs` argv, and the
+//! `/containerLogs`: query parsing, the `cocoon vm logs` argv, and the
 //! shaping of the child's stdout (limitBytes, timestamps) into the response body.
 //!
 //! Pure: the server feeds child output in and writes what comes out.
@@ -20,7 +20,7 @@ pub struct LogOptions {
     pub timestamps: bool,
 }
 
-/// Parses the query (duties §3.3). Errors are 400 texts.
+/// Parses the query as the kubelet does. Errors are 400 texts.
 pub fn parse_options(req: &Request) -> Result<LogOptions, String> {
     let mut o = LogOptions::default();
     let int = |name: &str, min: u64| -> Result<Option<u64>, String> {
@@ -54,7 +54,7 @@ pub fn parse_options(req: &Request) -> Result<LogOptions, String> {
     Ok(o)
 }
 
-/// `cocoon vm logs [--tail N] [-f] <id>` (cocoon-cli §3.17), built by the vm room's argv
+/// `cocoon vm logs [--tail N] [-f] <id>`, built by the vm room's argv
 /// builder. sinceSeconds / sinceTime / previous have no cocoon equivalent and are ignored.
 pub fn logs_argv(cocoon_bin: &str, vm_id: &str, o: &LogOptions) -> Vec<String> {
     let mut a = vec![cocoon_bin.to_string()];

@@ -1,5 +1,5 @@
 //! HTTP/1.1 request heads (httparse, with size and header-count limits), query strings, the kubelet
-//! route table (duties §3.2) and plain responses. No I/O: bytes in, parsed values and bytes out.
+//! kubelet route table and plain responses. No I/O: bytes in, parsed values and bytes out.
 //!
 //! Bodies are not accepted: the kubelet API has none on the routes we serve.
 

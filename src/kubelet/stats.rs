@@ -1,7 +1,7 @@
 //! The kubelet `stats/v1alpha1.Summary` types and the two stats renderings of the kubelet API:
 //! `/stats/summary` JSON and `/metrics/resource` Prometheus text, both from the shared sample.
 //!
-//! Reads nothing itself: it formats a `metrics::stats::Sample` (behaviour spec §23, duties §3.6/3.7).
+//! Reads nothing itself: it formats a `metrics::stats::Sample` in the kubelet's shapes.
 
 use std::fmt::Write as _;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -185,7 +185,7 @@ fn civil(secs: u64) -> (i64, u32, u32, u64, u64, u64) {
     (y, m, d, rem / 3600, (rem % 3600) / 60, rem % 60)
 }
 
-/// Builds the Summary of §23: node CPU (cumulative) and memory working set; per pod one
+/// Builds the kubelet Summary: node CPU (cumulative) and memory working set; per pod one
 /// container `agent` with CPU and memory; pod network only when rx or tx is non-zero.
 pub fn build_summary(
     sample: &Sample,
@@ -303,7 +303,7 @@ type Family = (
 pub use crate::metrics::escape_label;
 
 /// `/metrics/resource` in the text exposition format (version 0.0.4), every sample stamped with
-/// the sample time in milliseconds (§23, duties §3.7).
+/// the sample time in milliseconds, as the kubelet does.
 pub fn resource_metrics_text(sample: &Sample) -> String {
     let ts = sample
         .taken_at

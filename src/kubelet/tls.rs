@@ -1,4 +1,4 @@
-//! The kubelet API's TLS: serving certificate from VK_TLS_CERT / VK_TLS_KEY or self-signed (spec §2.3),
+//! The kubelet API's TLS: serving certificate from VK_TLS_CERT / VK_TLS_KEY or self-signed,
 //! re-read when the files change, optional client-certificate verification against the cluster CA.
 //!
 //! Also a minimal DER reader for the two facts we need from certificates: the subject (CN → user,
@@ -93,7 +93,7 @@ fn stamp_of(cert: &Path, key: &Path) -> Option<FileStamp> {
 }
 
 impl TlsState {
-    /// Loads or generates the serving certificate (spec §2.3). A present but unreadable or
+    /// Loads or generates the serving certificate. A present but unreadable or
     /// invalid pair is an error (fatal at start-up); an expired one falls back to self-signed.
     pub fn new(settings: TlsSettings) -> Result<Self, TlsError> {
         let (config, source) = build_config(&settings)?;
@@ -229,7 +229,7 @@ fn load_from_disk(s: &TlsSettings) -> Result<Option<Pair>, TlsError> {
 }
 
 /// ECDSA P-256, serial 1, CN = node name, valid today .. +10 years, digitalSignature +
-/// keyEncipherment, serverAuth, SANs node name, localhost, node IP, 127.0.0.1 (spec §2.3).
+/// keyEncipherment, serverAuth, SANs node name, localhost, node IP, 127.0.0.1.
 pub fn self_signed(
     node_name: &str,
     node_ip: Option<IpAddr>,

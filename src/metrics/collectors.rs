@@ -1,8 +1,8 @@
-//! Prometheus collectors for the per-VM and node families of behaviour spec §22.2 (prefix
+//! Prometheus collectors for the per-VM and node families (prefix
 //! `vk_cocoon_`), computed at scrape from the shared 2-second sample; never forks or calls cocoon.
 //!
 //! Add with `metrics.add_text_source(Arc::new(VmCollector::new(hub)))`: the families are written
-//! as text directly, next to the registry's. The other families of §22.2 (lifecycle counters,
+//! as text directly, next to the registry's. The other families (lifecycle counters,
 //! histograms) belong to `metrics::families`, not here.
 
 use std::collections::BTreeMap;

@@ -1,4 +1,4 @@
-//! Every event-counted metric family of behaviour spec section 22.2, registered once.
+//! Every event-counted metric family the Go daemon exports, registered once.
 //! Owns names, labels and buckets; the per-VM and node collectors (scrape-time) live elsewhere.
 
 use std::sync::{Arc, RwLock};
@@ -323,7 +323,7 @@ mod tests {
     use super::*;
     use prometheus::proto::MetricType;
 
-    /// Section 22.2 of the behaviour spec, transcribed: name, type, labels, buckets.
+    /// The Go daemon's families, transcribed: name, type, labels, buckets.
     const TABLE: &[(&str, MetricType, &[&str], &[f64])] = &[
         (
             "pod_lifecycle_total",

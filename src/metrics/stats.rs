@@ -1,4 +1,4 @@
-//! The shared per-VM and node resource sample (behaviour spec §23): cgroup cpu.stat, /proc/<pid>/stat,
+//! The shared per-VM and node resource sample: cgroup cpu.stat, /proc/<pid>/stat,
 //! COW file blocks, /proc/<pid>/net/dev, /proc/stat, /proc/meminfo, statfs. Reads files only; never forks.
 //!
 //! One `StatsHub` is shared by the kubelet API (/stats/summary, /metrics/resource) and the 9091
@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-/// How long a sample is reused before the files are read again (spec §27: stats sample TTL).
+/// How long a sample is reused before the files are read again.
 pub const SAMPLE_TTL: Duration = Duration::from_secs(2);
 
 /// Where the sample reads from. Injectable so tests can point at fixture trees.
@@ -55,7 +55,7 @@ pub struct TrackedVm {
 }
 
 impl TrackedVm {
-    /// The run-dir name for this backend: `firecracker` or `cloudhypervisor` (cocoon-cli §7).
+    /// The run-dir name for this backend: `firecracker` or `cloudhypervisor`.
     pub fn backend_dir(&self) -> &'static str {
         if self.backend == "firecracker" {
             "firecracker"
@@ -125,7 +125,7 @@ pub struct Sample {
     pub errors: u32,
 }
 
-/// Reads one sample from the files under `paths`. Missing per-VM files count as 0 (spec §23).
+/// Reads one sample from the files under `paths`. Missing per-VM files count as 0.
 pub fn read_sample(paths: &StatsPaths, vms: &[TrackedVm], now: Instant) -> Sample {
     let mut errors = 0u32;
     let mut buf = String::with_capacity(4096);

@@ -1,4 +1,4 @@
-//! The ICMPv4 echo pinger (spec §21): one non-blocking socket shared by every probe, with
+//! The ICMPv4 echo pinger: one non-blocking socket shared by every probe, with
 //! sequence matching so thousands of echoes can be in flight. It never arms timers or decides readiness.
 //!
 //! Socket choice, in order: a raw `SOCK_RAW`/`IPPROTO_ICMP` socket (needs CAP_NET_RAW); the

@@ -1,4 +1,4 @@
-//! The cocoon-net lease file (spec §20): stat on every lookup, re-parse only when it changed.
+//! The cocoon-net lease file: stat on every lookup, re-parse only when it changed.
 //! Parsing and lookups only; it never writes the file and never talks to cocoon-net.
 
 use std::collections::HashMap;

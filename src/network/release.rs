@@ -1,4 +1,4 @@
-//! DHCP lease release through cocoon-net's control socket (spec §20): `DELETE /v1/leases/<mac>`.
+//! DHCP lease release through cocoon-net's control socket: `DELETE /v1/leases/<mac>`.
 //! Blocking with a 5 s deadline, so the daemon runs it on the worker pool; never on the loop.
 
 use std::fmt;
@@ -13,7 +13,7 @@ use super::leases::normalize_mac;
 
 /// cocoon-net's control socket when `VK_COCOON_NET_CONTROL_SOCKET` is unset.
 pub const DEFAULT_CONTROL_SOCKET: &str = "/run/cocoon-net/control.sock";
-/// Dial plus request deadline (spec §20 / §27).
+/// Dial plus request deadline.
 pub const RELEASE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Error bodies are quoted in the error up to this many bytes.
 const MAX_RESPONSE_BYTES: usize = 64 * 1024;
@@ -145,7 +145,7 @@ impl LeaseReleaser {
     }
 }
 
-/// The MACs to release for a removed VM (spec §20): every non-static NIC's MAC, trimmed,
+/// The MACs to release for a removed VM: every non-static NIC's MAC, trimmed,
 /// lower-cased and de-duplicated in NIC order; the primary MAC when the VM has no NIC list.
 /// `nics` yields `(mac, has_static_ip)`.
 pub fn macs_to_release<'a>(

@@ -1,4 +1,4 @@
-//! TCP connect probes (spec §10.2 step 4): non-blocking connects registered with the poll.
+//! TCP connect probes: non-blocking connects registered with the poll.
 //! Only connects and reports; timeouts are armed by the caller, readiness decided in probes.
 
 use std::collections::HashMap;

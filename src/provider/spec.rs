@@ -33,6 +33,8 @@ pub const ANN_LIFECYCLE_STATE: &str = "vm.cocoonstack.io/lifecycle-state";
 pub const ANN_LIFECYCLE_GEN: &str = "vm.cocoonstack.io/lifecycle-observed-generation";
 pub const ANN_LIFECYCLE_MSG: &str = "vm.cocoonstack.io/lifecycle-state-message";
 pub const SELECTOR_CPU_CLASS: &str = "cocoonstack.io/snapshot-cpu-class";
+/// Appended to the Failed message of a pod that lacks the annotations, for the user who wrote it.
+pub const CONTRACT_HINT: &str = "(the pod annotations vk-cocoon reads are listed in its README; packaging/examples has working pods)";
 
 pub const BACKEND_CH: &str = "cloud-hypervisor";
 pub const BACKEND_FC: &str = "firecracker";
@@ -178,7 +180,7 @@ pub fn parse(pod: &Pod) -> Result<VmSpec, SpecError> {
     if vm_name.is_empty() {
         return Err(SpecError::new(
             "missing_vmname",
-            format!("pod {key} missing {ANN_VM_NAME} annotation"),
+            format!("pod {key} missing {ANN_VM_NAME} annotation {CONTRACT_HINT}"),
         ));
     }
     let mode_raw = get(ANN_MODE);
@@ -520,7 +522,7 @@ pub(crate) mod tests {
         let e = parse(&pod_with(&[])).unwrap_err();
         assert_eq!(
             e.message,
-            "pod ns/p missing vm.cocoonstack.io/name annotation"
+            format!("pod ns/p missing vm.cocoonstack.io/name annotation {CONTRACT_HINT}")
         );
     }
 

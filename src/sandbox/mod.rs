@@ -17,6 +17,19 @@ use k8s_openapi::api::core::v1::Pod;
 
 use self::apiserver::{ApiServer, ApiServerOptions, KubeconfigAuth};
 
+/// The example pods of packaging/examples, written into the sandbox directory so the printed
+/// `kubectl apply` lines work from any working directory.
+const EXAMPLES: [(&str, &str); 2] = [
+    (
+        "clone-pod.yaml",
+        include_str!("../../packaging/examples/clone-pod.yaml"),
+    ),
+    (
+        "run-pod.yaml",
+        include_str!("../../packaging/examples/run-pod.yaml"),
+    ),
+];
+
 const USAGE: &str = "\
 Usage: vk-cocoon-sandbox [--dir DIR] [--pods N] [--api-port PORT] [--metrics-addr ADDR]
                          [--kubelet-port PORT] [--registry HOST[:PORT][/PREFIX]]
@@ -137,8 +150,20 @@ impl Sandbox {
         };
         let state = dir.join("cocoon-state");
         let bin = dir.join("bin");
-        for d in [&dir, &state, &bin, &dir.join("root"), &dir.join("net")] {
+        let examples = dir.join("examples");
+        for d in [
+            &dir,
+            &state,
+            &bin,
+            &dir.join("root"),
+            &dir.join("net"),
+            &examples,
+        ] {
             std::fs::create_dir_all(d).map_err(|e| format!("create {}: {e}", d.display()))?;
+        }
+        for (name, text) in EXAMPLES {
+            let path = examples.join(name);
+            std::fs::write(&path, text).map_err(|e| format!("write {}: {e}", path.display()))?;
         }
         let exe = std::env::current_exe().map_err(|e| format!("own executable: {e}"))?;
         let cocoon = bin.join("cocoon");
@@ -186,6 +211,8 @@ impl Sandbox {
             ("FAKE_COCOON_LEASES", p(&self.dir.join("net/leases.json"))),
             ("VK_COCOON_NET_CONTROL_SOCKET", String::new()),
             ("VK_METRICS_ADDR", opts.metrics_addr.clone()),
+            // The snapshot peer server listens on every interface by default.
+            ("VK_PEER_ADDR", "127.0.0.1:0".to_string()),
             ("VK_KUBELET_PORT", opts.kubelet_port.to_string()),
             ("VK_TLS_CERT", String::new()),
             ("VK_TLS_KEY", String::new()),
@@ -198,7 +225,8 @@ impl Sandbox {
             ),
         ];
         // The sandbox kubeconfig's client certificate is in system:masters; the kubelet API
-        // still authenticates callers, and kubectl logs/exec go through the fake API server.
+        // still authenticates callers: kubectl logs/exec/top reach it through the fake API
+        // server, which presents its own kubelet client certificate.
         env.push(("VK_KUBELET_AUTH", "on".to_string()));
         env.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
     }
@@ -282,24 +310,81 @@ impl Sandbox {
             eprintln!("vk-cocoon-sandbox: {e}");
             return 1;
         }
-        let k = self.kubeconfig.display();
+        println!("{}", self.banner(opts));
+        let status = crate::daemon::run(config);
+        self.api.stop();
+        // The daemon leaves VMs running on purpose (a restart re-adopts them); the sandbox's
+        // fake VMs are processes of this run and must not outlive it.
+        let stopped = self.remove_vms();
         println!(
-            "\nvk-cocoon-sandbox is up (state in {dir})\n\
-             \n  kubectl --kubeconfig {k} get nodes,pods -o wide\
-             \n  kubectl --kubeconfig {k} get events\
-             \n  kubectl --kubeconfig {k} delete pod demo-0\
+            "\nvk-cocoon-sandbox stopped ({stopped} fake VMs removed). Its files stay in {dir};\n\
+             remove them with: rm -r {dir}",
+            dir = self.dir.display()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+        status
+    }
+
+    /// What to run against the sandbox, printed once it is up.
+    pub fn banner(&self, opts: &SandboxOptions) -> String {
+        let k = format!("kubectl --kubeconfig {}", self.kubeconfig.display());
+        let clone_pod = if opts.pods > 0 { "demo-0" } else { "POD" };
+        format!(
+            "\nvk-cocoon-sandbox is up (files in {dir})\n\
+             \n  {k} get nodes,pods -o wide\
+             \n  {k} logs {clone_pod}\
+             \n  {k} exec {clone_pod} -- uname -a\
+             \n  {k} top pod        (the first answer takes a few seconds)\
+             \n  {k} top node\
+             \n  {k} get events\
+             \n  {k} delete pod {clone_pod}\
              \n  curl -s http://{metrics}/metrics | grep vk_cocoon_\
              \n  FAKE_COCOON_STATE={state} {cocoon} vm list -o json\
-             \n\nCtrl-C stops the daemon (VMs of the fake keep their state in {dir}).\n",
+             \n\nMake your own pod (the annotations are the pod contract; see README.md):\
+             \n  {k} apply -f {examples}/clone-pod.yaml\
+             \n  {k} apply -f {examples}/run-pod.yaml\
+             \n\nCtrl-C stops the daemon and removes the fake VMs.\n",
             dir = self.dir.display(),
+            examples = self.dir.join("examples").display(),
             metrics = opts.metrics_addr,
             state = self.state.display(),
             cocoon = self.cocoon.display(),
-        );
-        let status = crate::daemon::run(config);
-        self.api.stop();
-        std::thread::sleep(Duration::from_millis(50));
-        status
+        )
+    }
+
+    /// Removes every VM the fake cocoon knows; returns how many went.
+    fn remove_vms(&self) -> usize {
+        let cocoon = |args: &[&str]| {
+            std::process::Command::new(&self.cocoon)
+                .args(args)
+                .env("FAKE_COCOON_STATE", &self.state)
+                .env("COCOON_ROOT_DIR", self.dir.join("root"))
+                .output()
+        };
+        let listed = match cocoon(&["vm", "list", "-o", "json"]) {
+            Ok(out) if out.status.success() => out.stdout,
+            Ok(out) => {
+                eprintln!(
+                    "vk-cocoon-sandbox: listing fake VMs: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                );
+                return 0;
+            }
+            Err(e) => {
+                eprintln!("vk-cocoon-sandbox: listing fake VMs: {e}");
+                return 0;
+            }
+        };
+        let ids: Vec<String> = serde_json::from_slice::<Vec<serde_json::Value>>(&listed)
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|vm| vm["id"].as_str().map(str::to_string))
+            .collect();
+        ids.iter()
+            .filter(|id| {
+                matches!(cocoon(&["vm", "rm", "--force", id.as_str()]), Ok(out) if out.status.success())
+            })
+            .count()
     }
 }
 

@@ -1,4 +1,4 @@
-//! Registry credentials (spec §16.4): Google ADC, docker config `auths` / credential helpers,
+//! Registry credentials: Google ADC, docker config `auths` / credential helpers,
 //! anonymous; plus `WWW-Authenticate` challenge parsing. No HTTP to the registry itself here.
 
 use std::collections::BTreeMap;
@@ -74,7 +74,7 @@ pub struct AuthSettings {
 }
 
 impl AuthSettings {
-    /// The resolution order of VK-N (§16.4) from the process environment.
+    /// The resolution order of VK-N from the process environment.
     pub fn from_env() -> Self {
         let env = |k: &str| {
             std::env::var_os(k)

@@ -1,4 +1,4 @@
-//! Blocking OCI distribution client (spec §16.2–16.4): ping, scheme choice, auth sessions,
+//! Blocking OCI distribution client: ping, scheme choice, auth sessions,
 //! manifests, verified blob reads, uploads and retries. Knows nothing about snapshot layouts.
 
 use std::collections::{HashMap, HashSet};
@@ -15,18 +15,18 @@ use super::auth::{self, AuthSettings, Challenge, Credential};
 use super::reference::{allows_plain_http, hex_lower, strip_port, Reference, RegistryBase};
 use super::TransferError;
 
-/// Accept header for manifest GET / HEAD (§16.2).
+/// Accept header for manifest GET / HEAD.
 pub const MANIFEST_ACCEPT: &str = "application/vnd.docker.distribution.manifest.v1+json,application/vnd.docker.distribution.manifest.v1+prettyjws,application/vnd.docker.distribution.manifest.v2+json,application/vnd.oci.image.manifest.v1+json,application/vnd.docker.distribution.manifest.list.v2+json,application/vnd.oci.image.index.v1+json";
 /// Manifest bodies above this are refused.
 pub const MANIFEST_LIMIT: u64 = 100 << 20;
 /// Open blob downloads per client (the pull session's job count).
 pub const MAX_DOWNLOADS: usize = 4;
-/// Node-wide: registry pulls of v2 snapshots (or of image indexes) at once (behaviour §18).
+/// Node-wide: registry pulls of v2 snapshots (or of image indexes) at once.
 pub const MAX_V2_PULLS: usize = 2;
-/// Node-wide: pushes with zstd or chunking enabled at once (behaviour §18).
+/// Node-wide: pushes with zstd or chunking enabled at once.
 pub const MAX_PIPELINED_PUSHES: usize = 1;
 const USER_AGENT: &str = "go-containerregistry/v0.21.7";
-/// Statuses the transport retry treats as transient (§16.3).
+/// Statuses the transport retry treats as transient.
 const RETRY_STATUSES: [u16; 8] = [408, 429, 499, 500, 502, 503, 504, 522];
 
 /// Attempts and sleeps between them (±10 % jitter is added).
@@ -274,7 +274,7 @@ impl RegistryClient {
     pub fn new(base: RegistryBase, auth: AuthSettings, retry: RetryPolicy) -> Self {
         let agent = ureq::AgentBuilder::new()
             .timeout_connect(Duration::from_secs(30))
-            // No overall timeout (§16.2), but a stalled socket must not pin a worker forever.
+            // No overall timeout, but a stalled socket must not pin a worker forever.
             .timeout_read(Duration::from_secs(300))
             .timeout_write(Duration::from_secs(300))
             .max_idle_connections(100)
@@ -324,7 +324,7 @@ impl RegistryClient {
         if let Some(s) = lock(&self.schemes).get(host) {
             return Ok(s);
         }
-        // HTTPS first; plain HTTP only for loopback / private hosts (§16.2).
+        // HTTPS first; plain HTTP only for loopback / private hosts.
         let https = self
             .agent
             .get(&format!("https://{host}/v2/"))
@@ -890,7 +890,7 @@ impl RegistryClient {
     }
 
     /// Uploads a blob unless present: HEAD, POST, PATCH (whole body), PUT ?digest=, retried
-    /// as a unit on transient failures (§16.3). Body must be re-readable (bytes or a file).
+    /// as a unit on transient failures. Body must be re-readable (bytes or a file).
     pub fn put_blob(
         &self,
         repository: &str,
@@ -1193,7 +1193,7 @@ impl RegistryClient {
     }
 }
 
-/// Temporary for a whole-sequence upload retry (§16.3): network errors, or status in
+/// Temporary for a whole-sequence upload retry: network errors, or status in
 /// {408, 429, 500, 502, 503, 504} without error codes, or only retryable codes.
 fn upload_failure_is_temporary(f: &HttpFailure) -> bool {
     match f {

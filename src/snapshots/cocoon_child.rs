@@ -47,7 +47,7 @@ impl CocoonChild {
             .stderr(Stdio::piped())
             .spawn()
             .map_err(|e| TransferError::Cocoon(format!("spawn {what}: {e}")))?;
-        // Widen the streaming pipes to 8 MiB where the kernel permits (behaviour §18); fewer
+        // Widen the streaming pipes to 8 MiB where the kernel permits; fewer
         // wake-ups per GiB. Failure (e.g. over /proc/sys/fs/pipe-max-size) is harmless.
         if let Some(s) = child.stdin.as_ref() {
             let _ = rustix::pipe::fcntl_setpipe_size(s, PIPE_SIZE);
@@ -142,7 +142,7 @@ pub fn run(bin: &Path, args: &[String]) -> Result<(), String> {
     .to_string())
 }
 
-/// `cocoon snapshot rm NAME`, treating "not found" as success (§3.10).
+/// `cocoon snapshot rm NAME`, treating "not found" as success.
 pub fn remove_snapshot(bin: &Path, name: &str) -> Result<(), TransferError> {
     match run(bin, &argv::snapshot_rm(name)) {
         Ok(()) => Ok(()),

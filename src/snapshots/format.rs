@@ -1,4 +1,4 @@
-//! Snapshot and cloud-image artifact formats (spec Part B §13–14): media types, config blob,
+//! Snapshot and cloud-image artifact formats: media types, config blob,
 //! `snapshot.json` envelope, classification and manifest building. Pure data, no I/O.
 
 use std::collections::{BTreeMap, HashMap};
@@ -41,7 +41,7 @@ pub const SNAPSHOT_LAYER_TYPES: [&str; 7] = [
     "application/octet-stream",
 ];
 
-/// Cloud-image disk layer types (§14); other layers are ignored.
+/// Cloud-image disk layer types; other layers are ignored.
 pub const DISK_LAYER_TYPES: [&str; 8] = [
     "application/vnd.cocoonstack.disk.qcow2",
     "application/vnd.cocoonstack.disk.qcow2.part",
@@ -53,7 +53,7 @@ pub const DISK_LAYER_TYPES: [&str; 8] = [
     "application/vnd.cocoonstack.windows.disk.raw.part",
 ];
 
-/// Base media type for an export file name (§13.4).
+/// Base media type for an export file name.
 pub fn media_type_for(name: &str) -> &'static str {
     let base = name.rsplit('/').next().unwrap_or(name);
     match base {
@@ -67,7 +67,7 @@ pub fn media_type_for(name: &str) -> &'static str {
     }
 }
 
-/// What a manifest is (§13.1 classification, first match wins).
+/// What a manifest is (first match wins).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ArtifactKind {
     CloudImage,
@@ -154,7 +154,7 @@ fn is_false(v: &bool) -> bool {
     !*v
 }
 
-/// Config blob (§13.3), compact JSON in this field order.
+/// Config blob, compact JSON in this field order.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
 pub struct SnapshotConfig {
@@ -190,7 +190,7 @@ pub struct SnapshotConfig {
     pub created_at: String,
 }
 
-/// Per-file metadata in the config (§13.3); all keys omitted when zero.
+/// Per-file metadata in the config; all keys omitted when zero.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
 pub struct SnapshotFile {
@@ -206,7 +206,7 @@ pub struct SnapshotFile {
     pub chunks: Vec<String>,
 }
 
-/// Fills the config's cocoon fields from an export `snapshot.json` body (§13.6 export side).
+/// Fills the config's cocoon fields from an export `snapshot.json` body.
 pub fn config_from_envelope(body: &[u8]) -> Result<SnapshotConfig, TransferError> {
     let mut de = serde_json::Deserializer::from_slice(body).into_iter::<serde_json::Value>();
     let v = match de.next() {
@@ -246,7 +246,7 @@ pub fn config_from_envelope(body: &[u8]) -> Result<SnapshotConfig, TransferError
     })
 }
 
-/// The import-side `snapshot.json` (§13.6): version 1, keys in order, empties omitted except
+/// The import-side `snapshot.json`: version 1, keys in order, empties omitted except
 /// `name`, 2-space indentation and a trailing newline.
 pub fn envelope_for_import(cfg: &SnapshotConfig, local_name: &str) -> Vec<u8> {
     let mut m = serde_json::Map::new();
@@ -344,7 +344,7 @@ fn descriptor(
     Ok(desc)
 }
 
-/// Builds the snapshot manifest (§13.1/13.2) as 2-space-indented JSON bytes.
+/// Builds the snapshot manifest as 2-space-indented JSON bytes.
 pub fn build_manifest(
     v2: bool,
     config_digest: &str,
@@ -417,7 +417,7 @@ pub fn parse_manifest(body: &[u8], what: &str) -> Result<ImageManifest, Transfer
         .map_err(|e| TransferError::Format(format!("{what}: bad manifest: {e}")))
 }
 
-/// Parses an index and picks the child (§15.1 step 2): first linux/amd64, else the first
+/// Parses an index and picks the child: first linux/amd64, else the first
 /// platform whose architecture is not `unknown`.
 pub fn pick_index_child(body: &[u8], what: &str) -> Result<String, TransferError> {
     let idx: ImageIndex = serde_json::from_slice(body)

@@ -1,4 +1,4 @@
-//! Snapshot and cloud-image pull (spec §15, §14): manifest, classification, verified blobs,
+//! Snapshot and cloud-image pull: manifest, classification, verified blobs,
 //! reassembled import tar streamed into cocoon. Any failure imports nothing.
 
 use std::collections::{BTreeMap, HashMap};
@@ -25,7 +25,7 @@ const COPY_BUF: usize = 1 << 20;
 const PIPELINE_DEPTH: usize = 4;
 /// Bytes of fetched and decoded chunks in flight during a parallel pull, whatever the budget.
 const PREFETCH_CAP: u64 = 32 * MIB;
-/// The import tar goes out through a 256 KiB buffer (§13.7).
+/// The import tar goes out through a 256 KiB buffer.
 const TAR_BUF: usize = 256 << 10;
 
 /// What to pull.
@@ -238,7 +238,7 @@ pub fn manifest_info(
     Ok(Some(info))
 }
 
-/// One import-tar entry planned from the layers (§15.2).
+/// One import-tar entry planned from the layers.
 enum PlanEntry {
     Raw {
         title: String,
@@ -260,7 +260,7 @@ fn title_of(d: &Descriptor) -> Option<String> {
         .cloned()
 }
 
-/// Validation (§15.1 step 5) and planning (§15.2).
+/// Validation and planning.
 fn plan(
     m: &ImageManifest,
     cfg: &SnapshotConfig,
@@ -362,7 +362,7 @@ fn stride(size: u64, n: u64) -> u64 {
     }
 }
 
-/// Prefetch window and per-chunk output cap (§15.4); window < 2 means sequential.
+/// Prefetch window and per-chunk output cap; window < 2 means sequential.
 fn window(entries: &[PlanEntry], concurrency: usize, budget: u64) -> (usize, u64) {
     let (mut out_cap, mut in_cap) = (0u64, 0u64);
     for e in entries {
@@ -421,7 +421,7 @@ pub fn pull_snapshot(
     if req.local_name.is_empty() {
         return Err(TransferError::Invalid("pull: local name required".into()));
     }
-    // Node-wide gate (behaviour §18): v2 snapshots and image indexes, taken before the
+    // Node-wide gate: v2 snapshots and image indexes, taken before the
     // import child starts and held until it has exited.
     let _gate = gate_pull(client, &r, &what);
     remove_snapshot(&req.cocoon_bin, &req.local_name)?;
@@ -776,7 +776,7 @@ impl Read for ChunkChain<'_> {
     }
 }
 
-/// Parallel mode (§15.3): up to `win` chunks fetched and decoded ahead, written in order.
+/// Parallel mode: up to `win` chunks fetched and decoded ahead, written in order.
 #[allow(clippy::too_many_arguments)]
 fn parallel_chunks<W: Write>(
     client: &RegistryClient,

@@ -1,4 +1,4 @@
-//! Snapshot push (spec §16.1, §13.4): stream `cocoon snapshot export NAME -o -`, turn tar
+//! Snapshot push: stream `cocoon snapshot export NAME -o -`, turn tar
 //! entries into blobs (v1 raw, v2 chunked / zstd), then config and manifest. Memory bounded.
 
 use std::collections::BTreeMap;
@@ -20,14 +20,14 @@ use super::TransferError;
 
 const MIB: u64 = 1 << 20;
 const READ_BUF: usize = 1 << 20;
-/// Files at least this big are compressed when zstd is on (§13.4).
+/// Files at least this big are compressed when zstd is on.
 const COMPRESS_MIN: u64 = MIB;
 const MAX_CHUNKS: u64 = 1 << 20;
 const PROGRESS_STEP: u64 = 1 << 30;
 /// Raw files at least this big are streamed into the upload instead of spooled first.
 const STREAM_MIN: u64 = 4 * MIB;
 
-/// The SNAPSHOT_* knobs (§16.1). All-zero zstd and chunk = the exact v1 writer.
+/// The SNAPSHOT_* knobs. All-zero zstd and chunk = the exact v1 writer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PushKnobs {
     /// `SNAPSHOT_ZSTD_LEVEL`; 0 = no compression.
@@ -52,7 +52,7 @@ impl Default for PushKnobs {
 }
 
 fn env_nonneg(name: &str) -> Option<u64> {
-    // Invalid or negative → 0 (§16.1).
+    // Invalid or negative → 0.
     std::env::var(name)
         .ok()
         .map(|v| v.trim().parse::<i64>().ok().filter(|n| *n > 0).unwrap_or(0) as u64)
@@ -170,7 +170,7 @@ pub fn push_snapshot(
     }
     req.knobs.validate()?;
     let reference = client.reference(&req.name, &req.tag)?;
-    // Node-wide gate (behaviour §18): one zstd/chunked push at a time; plain v1 is not gated.
+    // Node-wide gate: one zstd/chunked push at a time; plain v1 is not gated.
     let _gate = if req.knobs.pipelined() {
         let gate = client.pipelined_push_gate();
         if gate.in_use() >= MAX_PIPELINED_PUSHES {
@@ -227,7 +227,7 @@ pub fn push_snapshot(
         Ok(())
     })();
     drop(tar);
-    // A read error wins over the subprocess error (§16.1 step 4).
+    // A read error wins over the subprocess error.
     if let Err(e) = read_result {
         let stderr = child.kill();
         return Err(match e {
@@ -520,7 +520,7 @@ impl PushState<'_> {
     ) -> Result<LayerDesc, TransferError> {
         let blob = if compress {
             // One complete frame per chunk; the content size is pledged so the window never
-            // exceeds the chunk (§13.4).
+            // exceeds the chunk.
             let mut enc = zstd::bulk::Compressor::new(level)
                 .map_err(|e| TransferError::Io(format!("zstd: {e}")))?;
             let _ = enc.include_contentsize(true);

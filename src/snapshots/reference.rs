@@ -1,4 +1,4 @@
-//! Registry references: `<OCI_REGISTRY>/<repo>:<tag>` and `@sha256:` digests (spec Part B §12).
+//! Registry references: `<OCI_REGISTRY>/<repo>:<tag>` and `@sha256:` digests.
 //! Pure parsing and formatting; no network, no auth.
 
 use std::fmt;
@@ -53,7 +53,7 @@ impl std::error::Error for RefError {}
 
 impl RegistryBase {
     /// Parses `OCI_REGISTRY`: `host[:port][/prefix...]`, an optional `http://` / `https://`
-    /// scheme is tolerated and dropped (the scheme is chosen by the ping, §16.2).
+    /// scheme is tolerated and dropped (the scheme is chosen by the ping).
     pub fn parse(raw: &str) -> Result<Self, RefError> {
         let trimmed = raw.trim();
         let no_scheme = trimmed
@@ -159,7 +159,7 @@ pub fn split_image_ref(s: &str) -> (String, String) {
     }
 }
 
-/// `IsRelativeRef` (§12): repo matches the lower-case component grammar and the tag the tag grammar.
+/// `IsRelativeRef`: repo matches the lower-case component grammar and the tag the tag grammar.
 pub fn is_relative_ref(s: &str) -> bool {
     let Some((name, tag)) = s.split_once(':') else {
         return valid_repository(s);
@@ -230,7 +230,7 @@ pub fn valid_digest(d: &str) -> bool {
     }
 }
 
-/// Local snapshot name for a clone-mode image ref (§12, behaviour §5 step 7): `repo` when the tag
+/// Local snapshot name for a clone-mode image ref: `repo` when the tag
 /// is empty or `latest`, else `repo:tag`; names over 63 chars become 50 chars + `-` + 12 hex.
 pub fn local_snapshot_name(repo: &str, tag: &str) -> String {
     use sha2::{Digest, Sha256};
@@ -261,7 +261,7 @@ pub fn hex_lower(bytes: &[u8]) -> String {
     s
 }
 
-/// True for hosts where plain HTTP may be tried (§16.2): `localhost[:*]`, `*.localhost`,
+/// True for hosts where plain HTTP may be tried: `localhost[:*]`, `*.localhost`,
 /// `127.0.0.1`, `::1`, and RFC 1918 IPv4 literals.
 pub fn allows_plain_http(host_port: &str) -> bool {
     let host = strip_port(host_port);

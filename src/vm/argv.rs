@@ -1,4 +1,4 @@
-//! One argv builder per cocoon command vk-cocoon runs (cocoon-cli.md sections 2-3, generation N).
+//! One argv builder per cocoon command vk-cocoon runs.
 //! Each returns the arguments after the binary; the caller prefixes the binary path. No shell, ever.
 
 use super::resources::CpuPolicy;

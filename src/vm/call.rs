@@ -6,7 +6,7 @@ use super::types::{Image, Snapshot, StaleCreateOutcome, StaleCreateReport, Vm};
 use serde::de::DeserializeOwned;
 use std::time::Duration;
 
-/// Every cocoon command vk-cocoon runs (cocoon-cli.md section 2).
+/// Every cocoon command vk-cocoon runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Verb {
     VmClone,
@@ -95,7 +95,7 @@ impl Verb {
         self.as_str().starts_with("snapshot ")
     }
 
-    /// How vk-cocoon captures this verb's output (cocoon-cli.md 1.3).
+    /// How vk-cocoon captures this verb's output.
     pub fn mode(self) -> CallMode {
         match self {
             Verb::VmClone
@@ -127,7 +127,7 @@ impl Verb {
     }
 }
 
-/// Capture mode (cocoon-cli.md 1.3).
+/// Capture mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CallMode {
     /// stdout and stderr captured separately; stdout parsed as JSON on success.

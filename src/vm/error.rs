@@ -1,4 +1,4 @@
-//! Typed cocoon failures and the substring classification of cocoon-cli.md section 9.
+//! Typed cocoon failures and their classification by substrings of cocoon's error text.
 //! Classifies finished calls; it never retries or decides what the provider does next.
 
 use super::call::{CallMode, CallOutcome, ExitKind, Verb};
@@ -158,7 +158,7 @@ fn holder_id(text: &str) -> Option<String> {
     None
 }
 
-/// Classifies the error text of a failed call by the substrings of section 9 (case-insensitive).
+/// Classifies the error text of a failed call by the substrings cocoon is known to print (case-insensitive).
 /// The verb decides which object a "not found" is about when the text is ambiguous.
 pub fn classify(verb: Verb, text: &str) -> ErrorKind {
     let lower = text.to_ascii_lowercase();

@@ -1,4 +1,4 @@
-//! Serde types for cocoon's JSON (cocoon-cli.md section 4): VM, NICs, disks, snapshots, images, events.
+//! Serde types for cocoon's JSON: VM, NICs, disks, snapshots, images, events.
 //! Tolerant on read (unknown fields ignored, `null` read as empty); it never runs or parses processes.
 
 use serde::{Deserialize, Deserializer, Serialize};
@@ -110,7 +110,7 @@ pub struct Vm {
     pub hints: Vec<String>,
 }
 
-/// The typed view of a VM's `state` text (section 5).
+/// The typed view of a VM's `state` text.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum VmState {
     Creating,
@@ -188,7 +188,7 @@ impl Vm {
         self.hypervisor == "firecracker"
     }
 
-    /// Run-dir component: `firecracker` for FC, `cloudhypervisor` for anything else (section 7).
+    /// Run-dir component: `firecracker` for FC, `cloudhypervisor` for anything else.
     pub fn backend_dir(&self) -> &'static str {
         if self.is_firecracker() {
             "firecracker"

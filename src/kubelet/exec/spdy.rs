@@ -466,7 +466,7 @@ impl SpdySession {
                 let Some(headers) = Self::parse_headers(&block) else {
                     return self.fail("malformed header block".into(), out, ev);
                 };
-                if id == 0 || id % 2 == 0 || id <= self.last_client_stream {
+                if id == 0 || id.is_multiple_of(2) || id <= self.last_client_stream {
                     return self.fail(format!("bad client stream id {id}"), out, ev);
                 }
                 self.last_client_stream = id;

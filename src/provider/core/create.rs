@@ -85,7 +85,11 @@ impl Provider {
         }
         if !spec.managed {
             if spec.vm_id.is_empty() || spec.vm_ip.is_empty() {
-                let msg = format!("unmanaged vm {} missing pre-assigned IP/VMID", spec.vm_name);
+                let msg = format!(
+                    "unmanaged vm {} missing pre-assigned IP/VMID {}",
+                    spec.vm_name,
+                    spec::CONTRACT_HINT
+                );
                 self.slot(key).op = None;
                 return self.fail_create(key, &uid, &msg, false);
             }
@@ -502,10 +506,10 @@ impl Provider {
                     Err(e) => return self.fail_create(key, &c.uid, &e, true),
                 };
                 self.by_name.insert(spec.vm_name.clone(), vm.clone());
-                if spec.mode == Mode::Run
-                    && spec.clone_from_dir.is_none()
-                    && (!vm.running() || vm.pid == 0)
-                {
+                // A clone answers with pid 0 too; without the inspect its VM would have no
+                // stats until a restart re-adopted it (stats skip pid-0 VMs).
+                let fresh_run = spec.mode == Mode::Run && spec.clone_from_dir.is_none();
+                if (fresh_run && !vm.running()) || vm.pid == 0 {
                     if let Some(c) = self.create_op(key) {
                         c.vm = Some(vm.clone());
                     }

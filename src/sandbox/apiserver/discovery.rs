@@ -38,8 +38,18 @@ fn group_doc(group: &str, version: &str) -> Value {
     })
 }
 
+/// The resource metrics API, served from the kubelets (see `metrics.rs`), not from the store.
+pub const METRICS_GROUP: &str = "metrics.k8s.io";
+pub const METRICS_VERSION: &str = "v1beta1";
+
+fn served_groups() -> Vec<(&'static str, &'static str)> {
+    let mut groups = resources::groups();
+    groups.push((METRICS_GROUP, METRICS_VERSION));
+    groups
+}
+
 pub fn group_list() -> Value {
-    let groups: Vec<Value> = resources::groups()
+    let groups: Vec<Value> = served_groups()
         .into_iter()
         .map(|(g, v)| group_doc(g, v))
         .collect();
@@ -48,7 +58,7 @@ pub fn group_list() -> Value {
 
 /// The APIGroup document for one group, if served.
 pub fn group(name: &str) -> Option<Value> {
-    let (g, v) = resources::groups().into_iter().find(|(g, _)| *g == name)?;
+    let (g, v) = served_groups().into_iter().find(|(g, _)| *g == name)?;
     let mut doc = group_doc(g, v);
     doc["kind"] = json!("APIGroup");
     doc["apiVersion"] = json!("v1");
@@ -57,6 +67,18 @@ pub fn group(name: &str) -> Option<Value> {
 
 /// The APIResourceList for a group/version ("" is core), if served.
 pub fn resource_list(group: &str, version: &str) -> Option<Value> {
+    if (group, version) == (METRICS_GROUP, METRICS_VERSION) {
+        let r = |name: &str, kind: &str, namespaced: bool| {
+            json!({"name": name, "singularName": "", "namespaced": namespaced, "kind": kind,
+                   "verbs": ["get", "list"]})
+        };
+        return Some(json!({
+            "kind": "APIResourceList",
+            "apiVersion": "v1",
+            "groupVersion": format!("{METRICS_GROUP}/{METRICS_VERSION}"),
+            "resources": [r("nodes", "NodeMetrics", false), r("pods", "PodMetrics", true)],
+        }));
+    }
     let mut out = Vec::new();
     for r in RESOURCES
         .iter()
@@ -207,6 +229,10 @@ mod tests {
         assert!(resource_list("coordination.k8s.io", "v1").is_some());
         assert!(resource_list("apps", "v1").is_none());
         assert!(group("authorization.k8s.io").is_some());
-        assert_eq!(group_list()["groups"].as_array().unwrap().len(), 3);
+        // Three stored groups and the resource metrics API that `kubectl top` looks for.
+        assert_eq!(group_list()["groups"].as_array().unwrap().len(), 4);
+        assert!(group(METRICS_GROUP).is_some());
+        let metrics = resource_list(METRICS_GROUP, METRICS_VERSION).unwrap();
+        assert_eq!(metrics["resources"][1]["kind"], "PodMetrics");
     }
 }

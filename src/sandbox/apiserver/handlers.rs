@@ -149,6 +149,22 @@ fn ok(status: u16, v: &Value) -> Result<Reply, ApiError> {
 }
 
 fn parse_body(req: &Request) -> Result<Value, ApiError> {
+    // Protobuf, YAML and CBOR bodies are valid to a real API server; this one speaks JSON only,
+    // so it answers as the real one does for a media type it does not serve.
+    let ct = req.header("content-type").unwrap_or("");
+    let mime = ct
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    if !mime.is_empty() && mime != "application/json" && !mime.ends_with("+json") {
+        return Err(ApiError::new(
+            415,
+            "UnsupportedMediaType",
+            format!("the body of the request was in an unknown format - accepted media types include: application/json (got {ct:?})"),
+        ));
+    }
     let v: Value = serde_json::from_slice(&req.body)
         .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
     if !v.is_object() && !v.is_array() {
@@ -722,7 +738,7 @@ pub fn update_object(
         .and_then(Value::as_str)
         == Some("0")
     {
-        // Kubernetes 1.35+ rejects the blind "0" version VK used to send (kubelet-duties 5.4).
+        // Kubernetes 1.35+ rejects the blind "0" version VK used to send.
         return Err(ApiError::invalid(
             def.kind,
             name,

@@ -329,9 +329,66 @@ pub fn encode_chunk(out: &mut Vec<u8>, data: &[u8]) {
 
 pub const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
 
+/// Splits a complete HTTP/1.1 response read to the end of the connection into its status and
+/// body (Content-Length, chunked, or everything after the head).
+pub fn parse_response(raw: &[u8]) -> Result<(u16, Vec<u8>), String> {
+    let mut headers = [httparse::EMPTY_HEADER; 64];
+    let mut parsed = httparse::Response::new(&mut headers);
+    let head_len = match parsed.parse(raw) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Err("truncated response head".into()),
+        Err(e) => return Err(format!("bad response head: {e}")),
+    };
+    let status = parsed.code.unwrap_or(0);
+    let header = |name: &str| {
+        parsed
+            .headers
+            .iter()
+            .find(|h| h.name.eq_ignore_ascii_case(name))
+            .map(|h| String::from_utf8_lossy(h.value).to_ascii_lowercase())
+    };
+    let rest = &raw[head_len..];
+    if header("transfer-encoding").is_some_and(|v| v.contains("chunked")) {
+        let mut body = Vec::new();
+        let mut at = 0;
+        loop {
+            let line_end = rest[at..]
+                .windows(2)
+                .position(|w| w == b"\r\n")
+                .ok_or("truncated chunk size")?;
+            let size_text = String::from_utf8_lossy(&rest[at..at + line_end]).to_string();
+            let size = usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
+                .map_err(|_| format!("bad chunk size {size_text:?}"))?;
+            at += line_end + 2;
+            if size == 0 {
+                return Ok((status, body));
+            }
+            let chunk = rest.get(at..at + size).ok_or("truncated chunk")?;
+            body.extend_from_slice(chunk);
+            at += size + 2;
+        }
+    }
+    match header("content-length").and_then(|v| v.trim().parse::<usize>().ok()) {
+        Some(n) => Ok((status, rest.get(..n).ok_or("truncated body")?.to_vec())),
+        None => Ok((status, rest.to_vec())),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn responses_split_into_status_and_body() {
+        let chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n";
+        assert_eq!(parse_response(chunked).unwrap(), (200, b"abcde".to_vec()));
+        let sized = b"HTTP/1.1 404 Not Found\r\nContent-Length: 2\r\n\r\nnoextra";
+        assert_eq!(parse_response(sized).unwrap(), (404, b"no".to_vec()));
+        assert!(
+            parse_response(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n").is_err()
+        );
+        assert!(parse_response(b"HTTP/1.1 20").is_err());
+    }
 
     /// A Read + Write test double: reads from a script, records what is written.
     struct Duplex<'a> {

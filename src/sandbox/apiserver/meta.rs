@@ -4,7 +4,7 @@
 use serde_json::{json, Value};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-/// An API error answered as a `kind: Status` body (kubelet-duties.md 5.4).
+/// An API error answered as a `kind: Status` body, as the real API server does.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
     pub code: u16,

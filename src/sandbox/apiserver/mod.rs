@@ -9,7 +9,9 @@ mod faults;
 mod handlers;
 mod http;
 mod meta;
+mod metrics;
 mod patch;
+mod proxy;
 mod resources;
 mod select;
 mod server;
@@ -147,6 +149,10 @@ pub(crate) struct Shared {
     open_watches: AtomicUsize,
     requests: Mutex<VecDeque<RequestRecord>>,
     addr: Mutex<SocketAddr>,
+    /// TLS to kubelets with the fake's kubelet client certificate, made on first use.
+    kubelet_client: std::sync::OnceLock<Result<Arc<rustls::ClientConfig>, String>>,
+    /// The last CPU counters read from each node, to turn them into usage rates.
+    cpu_samples: Mutex<metrics::CpuSamples>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -177,6 +183,21 @@ impl Shared {
             Some(f) => f(spec),
             None => (true, "the fake API server allows everything".to_string()),
         }
+    }
+
+    /// The client configuration for kubelet connections (kube-apiserver's kubelet client cert).
+    fn kubelet_client(&self) -> Result<Arc<rustls::ClientConfig>, String> {
+        self.kubelet_client
+            .get_or_init(|| {
+                let (cert, key) = self
+                    .authority
+                    .issue_client_cert(proxy::KUBELET_CLIENT_USER, &["system:masters"])
+                    .map_err(|e| e.to_string())?;
+                // kube-apiserver without --kubelet-certificate-authority does not verify the
+                // kubelet's serving certificate either.
+                crate::kube::tls::unverified_client_config(cert.as_bytes(), key.as_bytes())
+            })
+            .clone()
     }
 
     fn bookmark_interval(&self) -> Duration {
@@ -250,6 +271,8 @@ impl ApiServer {
             open_watches: AtomicUsize::new(0),
             requests: Mutex::new(VecDeque::new()),
             addr: Mutex::new(requested),
+            kubelet_client: std::sync::OnceLock::new(),
+            cpu_samples: Mutex::new(metrics::CpuSamples::default()),
         });
         for ns in ["default", "kube-system", "kube-public", "kube-node-lease"] {
             ensure_namespace(&shared, ns);

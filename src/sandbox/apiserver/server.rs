@@ -6,7 +6,7 @@ use super::http::{self, HttpError, Response};
 use super::meta::ApiError;
 use super::tls::CertIdentity;
 use super::watch::{self, WatchEnd};
-use super::{RequestRecord, Shared, TokenPolicy};
+use super::{proxy, RequestRecord, Shared, TokenPolicy};
 use rustls::{ServerConnection, StreamOwned};
 use std::io::{self, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -120,6 +120,10 @@ fn serve_connection(shared: &Shared, tcp: TcpStream) -> io::Result<()> {
                 break;
             }
         };
+        if let Some(target) = proxy::kubelet_target(&req.path) {
+            // The connection belongs to the kubelet exchange from here on (upgrades included).
+            return serve_kubelet(shared, tls, &req, &buf, &target, cert_identity.as_ref());
+        }
         let keep_alive = !req.wants_close();
         match dispatch(shared, &req, cert_identity.as_ref()) {
             Reply::Response(resp) => {
@@ -137,6 +141,69 @@ fn serve_connection(shared: &Shared, tcp: TcpStream) -> io::Result<()> {
             }
         }
     }
+    tls.conn.send_close_notify();
+    let _ = tls.flush();
+    let _ = tls.sock.shutdown(Shutdown::Both);
+    Ok(())
+}
+
+/// Forwards a pods/log, exec, attach, portforward or nodes/proxy request to the kubelet and
+/// pumps bytes until either side is done; errors before that get an API Status answer.
+fn serve_kubelet(
+    shared: &Shared,
+    mut tls: StreamOwned<ServerConnection, TcpStream>,
+    req: &http::Request,
+    pending: &[u8],
+    target: &proxy::KubeletTarget,
+    cert: Option<&CertIdentity>,
+) -> io::Result<()> {
+    let started = Instant::now();
+    let (verb, resource) = target.verb_and_resource(&req.method);
+    let user = authenticate(shared, req, cert);
+    let upstream = match &user {
+        None => Err(ApiError::unauthorized()),
+        Some(_) => proxy::resolve(shared, target, req),
+    };
+    let connected = upstream.and_then(|up| {
+        let unavailable = |e: String| ApiError::new(503, "ServiceUnavailable", e);
+        let config = shared.kubelet_client().map_err(unavailable)?;
+        let mut kubelet = proxy::connect(config, up.addr)
+            .map_err(|e| unavailable(format!("error dialing kubelet {}: {e}", up.addr)))?;
+        kubelet
+            .write_all(&proxy::request_bytes(req, &up))
+            .map_err(|e| unavailable(format!("kubelet {}: {e}", up.addr)))?;
+        Ok(kubelet)
+    });
+    let status = match connected {
+        Ok(mut kubelet) => {
+            if let Err(e) = proxy::pump(&mut tls, &mut kubelet, pending) {
+                log::debug!("fake apiserver: kubelet proxy ended: {e}");
+            }
+            // The kubelet's status line went to the client unread; 101 and 200 are the usual.
+            if req.header("upgrade").is_some() {
+                101
+            } else {
+                200
+            }
+        }
+        Err(e) => {
+            let resp = Response::json(e.code, &e.status());
+            http::write_response(&mut tls, &resp, false)?;
+            e.code
+        }
+    };
+    shared.record(RequestRecord {
+        method: req.method.clone(),
+        path: req.path.clone(),
+        query: req.query.clone(),
+        verb,
+        resource,
+        user: user.unwrap_or_default(),
+        status,
+        content_type: req.header("content-type").map(str::to_string),
+        user_agent: req.header("user-agent").map(str::to_string),
+        duration: started.elapsed(),
+    });
     tls.conn.send_close_notify();
     let _ = tls.flush();
     let _ = tls.sock.shutdown(Shutdown::Both);
@@ -196,11 +263,14 @@ fn dispatch(shared: &Shared, req: &http::Request, cert: Option<&CertIdentity>) -
         _ => ("get".to_string(), String::new()),
     };
     let open = matches!(target, Ok(Target::Health | Target::Version));
+    let metrics = super::metrics::metrics_target(&req.path);
     let user = authenticate(shared, req, cert);
-    let reply = match (&target, &user) {
-        (_, None) if !open => error_reply(&ApiError::unauthorized()),
-        (Err(e), _) => error_reply(e),
-        (Ok(Target::Resource(rp)), _) => match shared.faults.take(&verb, &resource) {
+    let reply = match (&target, &user, &metrics) {
+        (_, None, _) if !open => error_reply(&ApiError::unauthorized()),
+        // metrics.k8s.io is computed from the kubelets, not kept in the store.
+        (_, _, Some(m)) => Reply::Response(super::metrics::handle(shared, req, m)),
+        (Err(e), _, _) => error_reply(e),
+        (Ok(Target::Resource(rp)), _, _) => match shared.faults.take(&verb, &resource) {
             Some(fault) if verb == "watch" => {
                 match handlers::handle_resource(shared, req, rp, &verb) {
                     Ok(Reply::Watch(mut spec)) => match watch::injected(&mut spec, fault) {
@@ -217,7 +287,7 @@ fn dispatch(shared: &Shared, req: &http::Request, cert: Option<&CertIdentity>) -
                 Err(e) => error_reply(&e),
             },
         },
-        (Ok(t), _) => match handlers::handle_meta(shared, t) {
+        (Ok(t), _, _) => match handlers::handle_meta(shared, t) {
             Ok(r) => r,
             Err(e) => error_reply(&e),
         },

@@ -43,7 +43,7 @@ pub const fn flag_s(long: &'static str, short: char) -> Flag {
     }
 }
 
-/// Persistent flags every command accepts (cocoon-cli.md 1.5).
+/// Persistent flags every cocoon command accepts.
 pub const GLOBAL: &[Flag] = &[
     val("config"),
     val("root-dir"),

@@ -1,4 +1,4 @@
-//! The fake's DHCP mode: it plays cocoon-net and keeps the lease file (spec §20) in step with
+//! The fake's DHCP mode: it plays cocoon-net and keeps cocoon-net's lease file in step with
 //! the VM records. It owns only the lease file; it must not touch VM records or the journal.
 //!
 //! Selected by `FAKE_COCOON_DHCP=1` with the file at `FAKE_COCOON_LEASES`; the choice is also
@@ -20,7 +20,7 @@ use std::time::{Duration, SystemTime};
 /// How long a fresh lease lasts.
 const LEASE_TTL: Duration = Duration::from_secs(3600);
 
-/// One row of the lease file, exactly the §20 shape.
+/// One row of the lease file, in the shape cocoon-net writes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LeaseRow {
     pub mac: String,

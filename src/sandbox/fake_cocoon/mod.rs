@@ -2,9 +2,9 @@
 //! Run when the `vk-cocoon-sandbox` binary is invoked as `cocoon` (its argv 0) or as
 //! `vk-cocoon-sandbox fake-cocoon ...`; the daemon binary never contains it.
 //!
-//! It follows cocoon-cli.md section 10: the command lines of both generations (union of B and N
-//! flags), JSON on stdout only, `Error: <msg>` on stderr with exit 1, the states of section 5,
-//! IDs/MACs/TAP names of section 6, and a `vm status --event --format json` stream fed by a
+//! It follows the cocoon CLI contract: the command lines of both cocoon generations (the union of
+//! their flags), JSON on stdout only, `Error: <msg>` on stderr with exit 1, cocoon's VM states,
+//! its ID, MAC and TAP name formats, and a `vm status --event --format json` stream fed by a
 //! journal of changes. Many copies may run at once: every read-modify-write holds an `flock` on
 //! `<state>/lock`, and records are replaced by atomic renames so readers need no lock.
 //!
@@ -25,7 +25,7 @@
 //!   stats are real; it exits by itself once its record is gone, and `vm rm`/`vm stop` kill it.
 //! - `FAKE_COCOON_DHCP=1` with `FAKE_COCOON_LEASES=<path>`: DHCP mode, as with cocoon-net. NICs
 //!   have no static `network` address; after every invocation the fake rewrites the lease file
-//!   (§20 format, atomic rename, 0644) with one row per NIC of each running VM (127.88.x.y,
+//!   (cocoon-net's JSON lease format, atomic rename, 0644) with one row per NIC of each running VM (127.88.x.y,
 //!   expiry now + 1 h) and drops rows of VMs that stopped, were removed or vanished. The mode is
 //!   remembered in `<state>/dhcp_leases`, so later invocations without the env keep it.
 //! - `FAKE_COCOON_SNAPSHOT_BYTES`: size of the memory file of a saved snapshot (default 256 KiB).

@@ -44,7 +44,7 @@ pub struct VerbFault {
     /// run: print the pre-start record (`created`, pid 0) to exercise the fallback inspect.
     pub print_created: bool,
     /// vm status --event: the first N refreshes after start see a failed (empty) listing, so
-    /// every VM is reported `DELETED` and then `ADDED` again (cocoon-cli.md 3.7).
+    /// every VM is reported `DELETED` and then `ADDED` again, as cocoon's event stream does.
     pub blank_lists: u64,
     /// snapshot export: the stream stops after this many bytes and the command fails, like a
     /// cocoon that died mid-export (0 = off).
@@ -419,7 +419,7 @@ pub fn random_bytes(n: usize) -> Vec<u8> {
     buf
 }
 
-/// A 26-character ID from the base32 alphabet `A-Z2-7` (section 6).
+/// A 26-character ID from the base32 alphabet `A-Z2-7`, like cocoon's VM IDs.
 pub fn new_id() -> String {
     const ALPHABET: &[u8; 32] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
     random_bytes(26)
@@ -437,7 +437,7 @@ pub fn new_mac() -> String {
     )
 }
 
-/// `tap<first 8 ID chars>-<index>` (section 4.2).
+/// `tap<first 8 ID chars>-<index>`, cocoon's TAP device names.
 pub fn tap_name(id: &str, index: usize) -> String {
     let head: String = id.chars().take(8).collect();
     format!("tap{head}-{index}")

@@ -1,5 +1,5 @@
 //! The fake's `vm status --event` stream: ADDED for every VM at start, then MODIFIED/DELETED by
-//! the diff rules of cocoon-cli.md 3.7, woken by the journal (polled every 5 ms) and an interval.
+//! cocoon's event-stream diff rules, woken by the journal (polled every 5 ms) and an interval.
 //! With a `blank_lists` fault, listings after the first one come back empty (a failed listing).
 
 use super::store::{display_state, Store, VerbFault};
@@ -113,7 +113,7 @@ pub fn run(store: &Store, interval: Duration, _json: bool, fault: &VerbFault) ->
     }
 }
 
-/// The cocoon-cli.md 3.7 diff of a full listing against what was last told.
+/// The event-stream diff of a full listing against what was last told.
 fn full_diff(known: &mut Known, listing: Vec<Vm>) -> Vec<(&'static str, Vm)> {
     let mut current = Known::new();
     for mut vm in listing {

@@ -1,4 +1,4 @@
-//! Minimal ustar writer and reader for snapshot archives of the fake cocoon (cocoon-cli.md 4.6).
+//! Minimal ustar writer and reader for snapshot archives of the fake cocoon (the ustar layout cocoon's snapshot export uses).
 //! Regular files only, flat names; streams data without holding whole files in memory.
 
 use std::io::{self, Read, Write};
