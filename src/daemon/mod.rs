@@ -19,6 +19,7 @@
 
 mod effects;
 mod event_stream;
+pub mod lane;
 mod startup;
 mod view;
 
