@@ -59,40 +59,13 @@ impl Daemon {
                 };
                 self.pending.push_back(Input::LeaseLooked { op, result });
             }
-            Effect::PatchPodStatus {
-                op,
-                key,
-                uid,
-                status,
-            } => {
-                let result =
-                    self.kube
-                        .patch_pod_status(&key.namespace, &key.name, Some(&uid), &status);
-                self.kube_done(op, "patch status", &key, result.map(|_| ()));
-            }
-            Effect::PatchPodAnnotations {
-                op,
-                key,
-                uid,
-                annotations,
-            } => {
-                let result = self.kube.patch_pod(
-                    &key.namespace,
-                    &key.name,
-                    &annotation_patch(uid, annotations),
-                );
-                self.kube_done(op, "patch annotations", &key, result.map(|_| ()));
-            }
-            Effect::DeletePod {
-                op,
-                key,
-                uid,
-                grace,
-            } => {
-                let result = self
-                    .kube
-                    .delete_pod(&key.namespace, &key.name, grace, Some(&uid));
-                self.kube_done(op, "delete pod", &key, result);
+            Effect::PatchPodStatus { .. }
+            | Effect::PatchPodAnnotations { .. }
+            | Effect::DeletePod { .. } => {
+                // Answered with `KubeDone` when the kube lane has written it (kube_jobs.rs).
+                if let Some(write) = super::lane::PodWrite::from_effect(&effect, Instant::now()) {
+                    self.queue_pod_write(write);
+                }
             }
             Effect::Event {
                 key,
@@ -322,17 +295,6 @@ impl Daemon {
             }
         }
     }
-
-    fn kube_done(&mut self, op: OpId, what: &str, key: &PodKey, result: Result<(), ApiError>) {
-        let result = result.map_err(|e| {
-            let mapped = map_kube_error(&e);
-            if !mapped.superseded() {
-                log::warn!("{what} {key}: {e}");
-            }
-            mapped
-        });
-        self.pending.push_back(Input::KubeDone { op, result });
-    }
 }
 
 /// The provider's view of a finished cocoon child.
@@ -356,7 +318,7 @@ pub(super) fn cocoon_result(exit: &ChildExit) -> CocoonResult {
     }
 }
 
-fn map_kube_error(e: &ApiError) -> KubeError {
+pub(super) fn map_kube_error(e: &ApiError) -> KubeError {
     match e {
         ApiError::NotFound(_) => KubeError::NotFound,
         ApiError::Conflict(_) => KubeError::Conflict,
@@ -366,7 +328,7 @@ fn map_kube_error(e: &ApiError) -> KubeError {
 }
 
 /// `{"metadata":{"uid":..,"annotations":{k: v | null}}}` for a merge of annotations.
-fn annotation_patch(
+pub(super) fn annotation_patch(
     uid: Option<String>,
     annotations: BTreeMap<String, Option<String>>,
 ) -> serde_json::Value {

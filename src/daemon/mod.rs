@@ -19,6 +19,7 @@
 
 mod effects;
 mod event_stream;
+mod kube_jobs;
 pub mod lane;
 mod startup;
 mod view;
@@ -70,6 +71,23 @@ pub enum Work {
     },
     /// TokenReview / SubjectAccessReview verdict for a kubelet API request.
     KubeletAuth { id: AuthId, answer: AuthAnswer },
+    /// A kube lane write of a pod came back (its ops all get this answer).
+    PodWritten {
+        write: Box<lane::PodWrite>,
+        result: Result<(), crate::kube::KubeError>,
+    },
+    /// A kube lane Event write came back.
+    EventWritten {
+        event: Box<crate::kube::events::QueuedEvent>,
+        result: Box<Result<k8s_openapi::api::core::v1::Event, crate::kube::KubeError>>,
+    },
+    /// The node agent is back from its tick on the node thread.
+    NodeTicked(Box<NodeAgent>),
+    /// The node's pods as listed on a lane worker (startup reconcile or watch relist).
+    PodsListed {
+        startup: bool,
+        result: Result<crate::kube::PodList, crate::kube::KubeError>,
+    },
 }
 
 /// Worker threads for blocking jobs (blob transfers, lease releases) and their queue bound.
@@ -80,11 +98,6 @@ const WORK_QUEUE: usize = 1024;
 const MAX_TRANSFER_JOBS: usize = WORKERS - 1;
 /// Kubernetes Events waiting to be written; the oldest is dropped beyond this.
 const EVENT_QUEUE: usize = 1000;
-/// Events written per loop turn (a blocking API call each, about 1 ms under load), so a backlog
-/// never stalls the loop for long; the next turn comes at once while any are queued.
-const EVENTS_PER_TURN: usize = 10;
-/// Retry delay of event writes while the API server is unavailable.
-const EVENT_RETRY: Duration = Duration::from_secs(1);
 /// The kubelet view (pods and VMs for logs, exec, stats) trails the provider by at most this.
 const VIEW_REFRESH: Duration = Duration::from_millis(200);
 
@@ -106,14 +119,14 @@ enum OwnTimer {
     Node = 3,
     Startup = 5,
     Watchdog = 6,
-    Events = 7,
+    Lane = 7,
     View = 8,
 }
 
 impl OwnTimer {
     fn from_key(key: u64) -> Option<OwnTimer> {
         use OwnTimer::*;
-        [Provider, Watch, Node, Startup, Watchdog, Events, View]
+        [Provider, Watch, Node, Startup, Watchdog, Lane, View]
             .into_iter()
             .find(|t| KEY_OWN | *t as u64 == key)
     }
@@ -141,8 +154,23 @@ pub struct Daemon {
     pending: VecDeque<Input>,
     startup: Option<Startup>,
     watch: PodWatch,
-    node: NodeAgent,
+    /// A pod list for the watch is running on a lane worker.
+    relisting: bool,
+    /// None while the agent is away ticking on the node thread.
+    node: Option<Box<NodeAgent>>,
+    node_registered: bool,
+    /// The node Lease / status thread (see `kube_jobs.rs`).
+    node_pool: crate::reactor::WorkerPool<Work>,
+    /// Pod writes and Events waiting for a token and a worker, and the workers.
+    lane: lane::KubeLane,
+    lane_pool: crate::reactor::WorkerPool<Work>,
+    /// The lane's client handle: the loop took the token before handing a call over.
+    lane_kube: Arc<Client>,
+    lane_metrics: kube_jobs::LaneMetrics,
+    lane_gauges_at: Option<Instant>,
     events: EventRecorder,
+    /// Event writes pause until then after a transient failure.
+    events_hold: Option<Instant>,
     kubelet: KubeletServer,
     probes: ProbeEngine<TimerId>,
     leases: LeaseFile,
@@ -264,6 +292,19 @@ impl Daemon {
             lease_release: config.cocoon_net_control_socket.is_some(),
         });
         let mut watch = PodWatch::new(&config.node_name, WatchConfig::default());
+        watch.relist_by_caller();
+        let lane_pool = reactor
+            .extra_pool(
+                "vk-kube",
+                kube_jobs::LANE_WORKERS,
+                kube_jobs::LANE_WORKERS * 4,
+            )
+            .map_err(|e| StartError::new(1, format!("kube lane workers: {e}")))?;
+        let node_pool = reactor
+            .extra_pool("vk-node", 1, 4)
+            .map_err(|e| StartError::new(1, format!("node lease thread: {e}")))?;
+        let lane_metrics = kube_jobs::LaneMetrics::register(metrics.registry())
+            .map_err(|e| StartError::new(1, format!("metrics: {e}")))?;
         let watch_token = reactor.token();
         watch
             .register(reactor.registry(), watch_token)
@@ -297,13 +338,25 @@ impl Daemon {
             reactor,
             metrics,
             metrics_server: Some(metrics_server),
+            lane_kube: Arc::new(kube.paced_by_caller()),
             kube,
             registry,
             provider,
             pending: VecDeque::new(),
             watch,
-            node,
+            relisting: false,
+            node: Some(Box::new(node)),
+            node_registered: false,
+            node_pool,
+            lane: lane::KubeLane::new(lane::LaneLimits {
+                slots: kube_jobs::LANE_WORKERS - 2,
+                ..lane::LaneLimits::default()
+            }),
+            lane_pool,
+            lane_metrics,
+            lane_gauges_at: None,
             events,
+            events_hold: None,
             kubelet,
             probes,
             leases,
@@ -373,6 +426,7 @@ impl Daemon {
                 if ready.token == self.watch.token() {
                     let out = self.watch.on_ready(&self.kube, now);
                     self.watch_outputs(out);
+                    self.watch_relist();
                 } else if self.kubelet.owns_token(ready.token) {
                     self.kubelet.on_io(&mut self.reactor, ready);
                     self.kubelet_auth();
@@ -448,8 +502,9 @@ impl Daemon {
             OwnTimer::Watch => {
                 let out = self.watch.on_timer(&self.kube, now);
                 self.watch_outputs(out);
+                self.watch_relist();
             }
-            OwnTimer::Node => self.node.tick(&self.kube, now),
+            OwnTimer::Node => self.node_tick(),
             OwnTimer::Startup => self.startup_step(),
             OwnTimer::Watchdog => {
                 let _ = sd_notify::notify("WATCHDOG=1");
@@ -457,7 +512,7 @@ impl Daemon {
                     self.arm(OwnTimer::Watchdog, now + every);
                 }
             }
-            OwnTimer::Events => self.flush_events(),
+            OwnTimer::Lane => {}
             OwnTimer::View => self.refresh_view(),
         }
     }
@@ -486,6 +541,10 @@ impl Daemon {
                 self.kubelet.on_auth_answer(&mut self.reactor, id, answer);
                 self.kubelet_auth();
             }
+            Work::PodWritten { write, result } => self.pod_written(*write, result),
+            Work::EventWritten { event, result } => self.event_written(*event, *result),
+            Work::NodeTicked(agent) => self.node_ticked(agent),
+            Work::PodsListed { startup, result } => self.pods_listed(startup, result),
         }
     }
 
@@ -566,11 +625,12 @@ impl Daemon {
             if let Some(at) = self.watch.next_due() {
                 self.arm(OwnTimer::Watch, at);
             }
-            self.arm(OwnTimer::Node, self.node.next_due());
+            if let Some(node) = &self.node {
+                self.arm(OwnTimer::Node, node.next_due());
+            }
         }
-        if self.events.pending() > 0 && !self.timers.contains_key(&OwnTimer::Events) {
-            self.arm(OwnTimer::Events, self.reactor.now());
-        }
+        self.pump_lane();
+        self.lane_gauges();
         if self.view_dirty && !self.timers.contains_key(&OwnTimer::View) {
             let due = self
                 .view_built
@@ -620,16 +680,6 @@ impl Daemon {
                     AuthAnswer::Error("authorisation queue full".into()),
                 );
             }
-        }
-    }
-
-    fn flush_events(&mut self) {
-        let now = self.reactor.now();
-        let pending = self.events.pending();
-        let written = self.events.flush(&self.kube, EVENTS_PER_TURN, now);
-        if written < pending.min(EVENTS_PER_TURN) {
-            // A write failed: try again later instead of spinning on an unavailable API.
-            self.arm(OwnTimer::Events, now + EVENT_RETRY);
         }
     }
 

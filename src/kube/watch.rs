@@ -593,6 +593,10 @@ pub struct PodWatch {
     /// When to (re)connect or relist next; None while connected.
     retry_at: Option<Instant>,
     need_relist: bool,
+    /// Relists are left to the caller (`wants_relist` / `relisted`) instead of blocking here.
+    relist_by_caller: bool,
+    /// A relist is due and the caller has not answered it yet.
+    relist_wanted: bool,
     failures: u32,
     rng: u64,
     /// Counters for logs and tests.
@@ -624,6 +628,8 @@ impl PodWatch {
             resource_version: String::new(),
             retry_at: None,
             need_relist: true,
+            relist_by_caller: false,
+            relist_wanted: false,
             failures: 0,
             rng: seed | 1,
             stats: WatchStats::default(),
@@ -670,13 +676,54 @@ impl PodWatch {
     pub fn relist(&mut self, client: &Client, now: Instant) -> Result<Vec<WatchOutput>, KubeError> {
         self.drop_conn();
         let list = client.list_pods_on_node(&self.node)?;
+        Ok(self.apply_list(list, now))
+    }
+
+    /// From now on the watch never lists on the calling thread: when a relist is due,
+    /// `wants_relist` says so and the caller lists elsewhere and hands the answer to
+    /// `relisted` (the daemon's loop must not wait for a big list).
+    pub fn relist_by_caller(&mut self) {
+        self.relist_by_caller = true;
+    }
+
+    /// The node this watch lists pods of (the caller's list call needs it).
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// True once when a relist became due (the caller then lists and calls `relisted`).
+    pub fn wants_relist(&mut self) -> bool {
+        std::mem::take(&mut self.relist_wanted)
+    }
+
+    /// The caller's list answer: on success like `relist` (the stream reconnects at the next
+    /// `on_timer`); a failure backs off and asks again later.
+    pub fn relisted(
+        &mut self,
+        list: Result<super::client::PodList, KubeError>,
+        now: Instant,
+    ) -> Result<Vec<WatchOutput>, KubeError> {
+        match list {
+            Ok(list) => {
+                self.drop_conn();
+                Ok(self.apply_list(list, now))
+            }
+            Err(e) => {
+                self.need_relist = true;
+                self.fail_backoff(now, None);
+                Err(e)
+            }
+        }
+    }
+
+    fn apply_list(&mut self, list: super::client::PodList, now: Instant) -> Vec<WatchOutput> {
         self.stats.relists += 1;
         let mut out = Vec::new();
         self.known.replace(list.items, &mut out);
         self.resource_version = list.resource_version;
         self.need_relist = false;
         self.retry_at = Some(now);
-        Ok(out)
+        out
     }
 
     /// Timer: reconnect / relist when due, or abandon a stalled connection.
@@ -701,6 +748,10 @@ impl PodWatch {
         }
         if self.retry_at.is_some_and(|t| now >= t) {
             self.retry_at = None;
+            if self.need_relist && self.relist_by_caller {
+                self.relist_wanted = true;
+                return out;
+            }
             if self.need_relist {
                 match self.relist(client, now) {
                     Ok(o) => out = o,
