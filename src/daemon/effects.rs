@@ -38,13 +38,21 @@ pub(super) type TransferJob = Box<dyn FnOnce(&RegistryClient) -> Result<String, 
 const STDOUT_LIMIT: usize = 16 << 20;
 const STDERR_LIMIT: usize = 64 << 10;
 /// cocoon calls the provider may have running at once; the rest wait in order.
-const MAX_COCOON_CALLS: usize = 32;
+pub(super) const MAX_COCOON_CALLS: usize = 32;
 
 impl Daemon {
     pub(super) fn perform(&mut self, effect: Effect) {
         match effect {
             Effect::Cocoon { op, cmd } => {
-                self.cocoon_queue.push_back((op, cmd));
+                if matches!(cmd, crate::provider::CocoonCmd::VmInspect { .. }) {
+                    // A liveness check (is the VM gone?) must not wait behind a burst of
+                    // creates: inspects go ahead of the queue, first-in first-out among them.
+                    self.cocoon_queue
+                        .insert(self.cocoon_inspects_queued, (op, cmd));
+                    self.cocoon_inspects_queued += 1;
+                } else {
+                    self.cocoon_queue.push_back((op, cmd));
+                }
                 self.start_cocoon_calls();
             }
             Effect::LookupLease { op, mac } => {
@@ -221,9 +229,13 @@ impl Daemon {
     /// lock there). A call's deadline counts from its start, not from its queueing.
     pub(super) fn start_cocoon_calls(&mut self) {
         while self.cocoon_running < MAX_COCOON_CALLS {
+            if self.spawned_this_turn > 0 && self.turn_started.elapsed() >= super::SPAWN_BUDGET {
+                return; // after_turn arms the next turn for the rest
+            }
             let Some((op, cmd)) = self.cocoon_queue.pop_front() else {
                 return;
             };
+            self.cocoon_inspects_queued = self.cocoon_inspects_queued.saturating_sub(1);
             let mut argv = vec![self.cocoon_bin().to_string_lossy().into_owned()];
             argv.extend(cmd.argv());
             log::debug!("cocoon op {op}: {}", argv.join(" "));
@@ -240,6 +252,7 @@ impl Daemon {
                 Ok(id) => {
                     self.children.insert(id, ChildRole::Op(op));
                     self.cocoon_running += 1;
+                    self.spawned_this_turn += 1;
                 }
                 Err(e) => self.pending.push_back(Input::CocoonDone {
                     op,

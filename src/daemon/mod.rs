@@ -98,6 +98,15 @@ const WORK_QUEUE: usize = 1024;
 const MAX_TRANSFER_JOBS: usize = WORKERS - 1;
 /// Kubernetes Events waiting to be written; the oldest is dropped beyond this.
 const EVENT_QUEUE: usize = 1000;
+/// Loop time one turn spends feeding inputs to the provider at most (see `drain_inputs`).
+const INPUT_BUDGET: Duration = Duration::from_millis(20);
+/// Loop time one turn spends starting cocoon children at most, past its first: a spawn waits
+/// for the child's exec (milliseconds on a busy host), so a burst's calls start over a few
+/// turns rather than in one long one.
+const SPAWN_BUDGET: Duration = Duration::from_millis(10);
+/// The watch reads on only while fewer provider inputs than this wait: a burst stays in the
+/// socket rather than piling up here as decoded pods.
+const PENDING_HIGH: usize = 256;
 /// The kubelet view (pods and VMs for logs, exec, stats) trails the provider by at most this.
 const VIEW_REFRESH: Duration = Duration::from_millis(200);
 
@@ -117,18 +126,24 @@ enum OwnTimer {
     Provider = 1,
     Watch = 2,
     Node = 3,
+    /// The watch stopped at its read budget: read on (see `PodWatch::read_more`).
+    WatchRead = 4,
     Startup = 5,
     Watchdog = 6,
     Lane = 7,
     View = 8,
+    /// Queued cocoon calls wait for the next turn's spawn budget.
+    Cocoon = 9,
 }
 
 impl OwnTimer {
     fn from_key(key: u64) -> Option<OwnTimer> {
         use OwnTimer::*;
-        [Provider, Watch, Node, Startup, Watchdog, Lane, View]
-            .into_iter()
-            .find(|t| KEY_OWN | *t as u64 == key)
+        [
+            Provider, Watch, Node, WatchRead, Startup, Watchdog, Lane, View, Cocoon,
+        ]
+        .into_iter()
+        .find(|t| KEY_OWN | *t as u64 == key)
     }
 }
 
@@ -179,7 +194,12 @@ pub struct Daemon {
     children: HashMap<ChildId, ChildRole>,
     /// Provider cocoon calls waiting for a slot, and how many run (see `start_cocoon_calls`).
     cocoon_queue: VecDeque<(OpId, crate::provider::CocoonCmd)>,
+    /// How many `vm inspect` calls lead the queue (they go ahead of creates).
+    cocoon_inspects_queued: usize,
     cocoon_running: usize,
+    /// When this loop turn began and how many children it started (see `SPAWN_BUDGET`).
+    turn_started: Instant,
+    spawned_this_turn: usize,
     /// Registry transfer jobs waiting for a worker, and how many run (see `start_transfers`).
     transfer_queue: VecDeque<(OpId, effects::TransferJob)>,
     transfers_running: usize,
@@ -363,7 +383,10 @@ impl Daemon {
             releaser,
             children: HashMap::new(),
             cocoon_queue: VecDeque::new(),
+            cocoon_inspects_queued: 0,
             cocoon_running: 0,
+            turn_started: now,
+            spawned_this_turn: 0,
             transfer_queue: VecDeque::new(),
             transfers_running: 0,
             timers: HashMap::new(),
@@ -389,6 +412,9 @@ impl Daemon {
                 return 1;
             }
             let turn = Instant::now();
+            self.turn_started = turn;
+            self.spawned_this_turn = 0;
+            let n_events = events.len();
             for event in events.drain(..) {
                 self.route(event);
                 if self.stopping {
@@ -396,14 +422,19 @@ impl Daemon {
                     return 0;
                 }
             }
+            let routed = turn.elapsed();
             self.drain_inputs();
+            let drained = turn.elapsed();
             self.after_turn();
             let took = turn.elapsed().as_secs_f64();
             if took > self.longest_turn.get() {
                 self.longest_turn.set(took);
-                if took > 0.1 {
-                    log::debug!("event loop turn took {took:.3}s");
-                }
+            }
+            if took > 0.05 {
+                log::debug!(
+                    "event loop turn took {took:.3}s ({n_events} events routed in {routed:?}, \
+                     inputs done at {drained:?})"
+                );
             }
         }
     }
@@ -424,9 +455,7 @@ impl Daemon {
         match event {
             Event::Io(ready) => {
                 if ready.token == self.watch.token() {
-                    let out = self.watch.on_ready(&self.kube, now);
-                    self.watch_outputs(out);
-                    self.watch_relist();
+                    self.watch_read(now);
                 } else if self.kubelet.owns_token(ready.token) {
                     self.kubelet.on_io(&mut self.reactor, ready);
                     self.kubelet_auth();
@@ -505,6 +534,11 @@ impl Daemon {
                 self.watch_relist();
             }
             OwnTimer::Node => self.node_tick(),
+            OwnTimer::WatchRead if self.pending.len() >= PENDING_HIGH => {
+                self.arm(OwnTimer::WatchRead, now);
+            }
+            OwnTimer::WatchRead => self.watch_read(now),
+            OwnTimer::Cocoon => self.start_cocoon_calls(),
             OwnTimer::Startup => self.startup_step(),
             OwnTimer::Watchdog => {
                 let _ = sd_notify::notify("WATCHDOG=1");
@@ -545,6 +579,16 @@ impl Daemon {
             Work::EventWritten { event, result } => self.event_written(*event, *result),
             Work::NodeTicked(agent) => self.node_ticked(agent),
             Work::PodsListed { startup, result } => self.pods_listed(startup, result),
+        }
+    }
+
+    /// Reads what the watch socket holds, up to the watch's budget; the rest on a later turn.
+    fn watch_read(&mut self, now: Instant) {
+        let out = self.watch.on_ready(&self.kube, now);
+        self.watch_outputs(out);
+        self.watch_relist();
+        if self.watch.read_more() {
+            self.arm(OwnTimer::WatchRead, now);
         }
     }
 
@@ -594,11 +638,11 @@ impl Daemon {
         }
     }
 
-    /// Feeds every queued input through the provider and performs the effects.
+    /// Feeds queued inputs through the provider and performs the effects, for at most
+    /// `INPUT_BUDGET` of loop time: the rest waits for the next turn, which comes at once
+    /// (so probes, the kubelet API and /metrics get their turn in between).
     fn drain_inputs(&mut self) {
-        // Bounded so that a feedback loop (an effect answering itself forever) cannot wedge the
-        // loop; the rest waits for the next turn.
-        let mut budget = 100_000;
+        let started = Instant::now();
         while let Some(input) = self.pending.pop_front() {
             let now = self.reactor.now();
             let effects = self.provider.handle(input, now, SystemTime::now());
@@ -608,9 +652,7 @@ impl Daemon {
             for effect in effects {
                 self.perform(effect);
             }
-            budget -= 1;
-            if budget == 0 {
-                log::warn!("input queue still busy; continuing next turn");
+            if started.elapsed() >= INPUT_BUDGET {
                 break;
             }
         }
@@ -639,6 +681,9 @@ impl Daemon {
         }
         if !self.pending.is_empty() {
             self.arm(OwnTimer::Provider, self.reactor.now());
+        }
+        if !self.cocoon_queue.is_empty() && self.cocoon_running < effects::MAX_COCOON_CALLS {
+            self.arm(OwnTimer::Cocoon, self.reactor.now());
         }
     }
 

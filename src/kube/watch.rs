@@ -519,6 +519,11 @@ impl KnownPods {
     }
 }
 
+/// Plaintext bytes one `on_ready` call decodes at most (about 30 pods of watch events): a
+/// burst of thousands of pods is spread over many short loop turns instead of one long one,
+/// and the rest waits in the socket, not as decoded pods in memory.
+const READ_BUDGET: usize = 128 * 1024;
+
 // ------------------------------------------------------------------------------------------
 // The connection state machine.
 // ------------------------------------------------------------------------------------------
@@ -597,6 +602,9 @@ pub struct PodWatch {
     relist_by_caller: bool,
     /// A relist is due and the caller has not answered it yet.
     relist_wanted: bool,
+    /// The last `on_ready` stopped at its read budget with bytes left: call it again without
+    /// waiting for readiness (the socket is edge-triggered and will not report them again).
+    read_more: bool,
     failures: u32,
     rng: u64,
     /// Counters for logs and tests.
@@ -630,6 +638,7 @@ impl PodWatch {
             need_relist: true,
             relist_by_caller: false,
             relist_wanted: false,
+            read_more: false,
             failures: 0,
             rng: seed | 1,
             stats: WatchStats::default(),
@@ -689,6 +698,12 @@ impl PodWatch {
     /// The node this watch lists pods of (the caller's list call needs it).
     pub fn node(&self) -> &str {
         &self.node
+    }
+
+    /// True when `on_ready` left bytes unread (its per-call budget): call it again soon, from
+    /// a timer, even though no readiness will be reported for them.
+    pub fn read_more(&self) -> bool {
+        self.read_more
     }
 
     /// True once when a relist became due (the caller then lists and calls `relisted`).
@@ -776,6 +791,7 @@ impl PodWatch {
     /// Socket readiness for `token()`: read, decode and apply everything available.
     pub fn on_ready(&mut self, client: &Client, now: Instant) -> Vec<WatchOutput> {
         let mut out = Vec::new();
+        self.read_more = false;
         let Some(mut conn) = self.conn.take() else {
             return out;
         };
@@ -947,6 +963,7 @@ impl PodWatch {
         let mut buf = [0u8; 32 * 1024];
         let mut plain: Vec<u8> = Vec::new();
         let mut eof = false;
+        let mut more = false;
         match &mut c.transport {
             Transport::Plain => {
                 while !c.out.is_empty() {
@@ -961,6 +978,10 @@ impl PodWatch {
                     }
                 }
                 loop {
+                    if plain.len() >= READ_BUDGET {
+                        more = true;
+                        break;
+                    }
                     match c.stream.read(&mut buf) {
                         Ok(0) => {
                             eof = true;
@@ -1011,6 +1032,10 @@ impl PodWatch {
                 if state.peer_has_closed() {
                     eof = true;
                 }
+                if !eof && got > 0 && plain.len() >= READ_BUDGET {
+                    more = true;
+                    break;
+                }
                 if got == 0 || eof {
                     // Flush again: processing may have queued alerts or key updates.
                     while tls.wants_write() {
@@ -1023,6 +1048,7 @@ impl PodWatch {
                 }
             },
         }
+        self.read_more = more;
         if !plain.is_empty() {
             self.consume(c, &plain, now, out)?;
         }
