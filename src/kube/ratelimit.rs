@@ -54,7 +54,9 @@ impl TokenBucket {
         if tokens >= 1.0 {
             now
         } else {
-            now + Duration::from_secs_f64((1.0 - tokens) / self.qps)
+            // One microsecond past the exact instant: float rounding must not leave the token
+            // a hair short there (a caller would wake, find none, and wake again at once).
+            now + Duration::from_secs_f64((1.0 - tokens) / self.qps) + Duration::from_micros(1)
         }
     }
 
