@@ -3,17 +3,20 @@
 //!
 //! One thread owns everything below. The loop turns reactor events into provider inputs
 //! (`route_*`), feeds them through [`Provider::handle`], and performs the effects that come
-//! back (`effects.rs`). Effects whose answer is immediate (a Kubernetes call, a lease lookup)
-//! queue their answer as the next input; long ones (cocoon children, registry transfers) answer
-//! later through `Event::ChildExit` / `Event::Work`.
+//! back (`effects.rs`). Effects whose answer is immediate (a lease lookup) queue their answer as
+//! the next input; long ones (cocoon children, registry transfers, Kubernetes writes through the
+//! kube lane of `kube_jobs.rs`) answer later through `Event::ChildExit` / `Event::Work`.
 //!
 //! Start order (behaviour §2.2): config and credentials, node capacity, the metrics endpoint,
 //! the kubelet API, then the startup reconcile (pod list + `cocoon vm list`) — retried with
 //! backoff while the API server or cocoon is unavailable, `/metrics` answering all the time —
 //! and only after it the node registration, the pod watch and the cocoon event stream.
 //!
-//! Kubernetes calls are blocking `ureq` calls with short timeouts (the design card's choice);
-//! the watch is the only long-lived connection and is driven without blocking.
+//! Kubernetes calls are blocking `ureq` calls with short timeouts (the design card's choice),
+//! made on worker threads, never on the loop: pod writes and Events by the kube lane (paced
+//! by the client's token bucket, see `lane.rs`), the node Lease and status by a node thread.
+//! The watch is the only long-lived connection and is driven without blocking. No turn does
+//! unbounded work: watch reads, provider inputs and child spawns each have a per-turn budget.
 //! SIGTERM / SIGINT stop the loop at once, VMs keep running (§25). SIGHUP is logged and ignored:
 //! every setting is read once at start, so a restart applies changes.
 
