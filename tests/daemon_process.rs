@@ -301,9 +301,13 @@ fn a_hibernated_vm_is_never_fresh_booted_over_its_snapshot() {
             (has("HibernateSnapshotExists") && has("HibernateEvidenceFailed")).then_some(())
         },
     );
-    let pod = w.pod("sleeper").expect("pod kept");
-    let reason = pod.status.as_ref().and_then(|s| s.reason.clone());
-    assert_eq!(reason.as_deref(), Some("ProviderFailed"));
+    // Events and status writes leave through the kube lane in parallel: an Event may land
+    // before the status written just ahead of it.
+    w.wait("ProviderFailed status", Duration::from_secs(5), || {
+        let pod = w.pod("sleeper")?;
+        let reason = pod.status.as_ref().and_then(|s| s.reason.clone());
+        (reason.as_deref() == Some("ProviderFailed")).then_some(())
+    });
     assert!(
         !w.vms().contains_key("vk-default-sleeper"),
         "no fresh VM over the hibernated one"
