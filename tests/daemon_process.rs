@@ -9,7 +9,7 @@ mod daemon_support;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use daemon_support::{annotation, phase, running_with_vm, World};
+use daemon_support::{annotation, lease_age, metric_value, phase, running_with_vm, World};
 use vk_cocoon::sandbox::demo_pod;
 
 #[test]
@@ -301,9 +301,13 @@ fn a_hibernated_vm_is_never_fresh_booted_over_its_snapshot() {
             (has("HibernateSnapshotExists") && has("HibernateEvidenceFailed")).then_some(())
         },
     );
-    let pod = w.pod("sleeper").expect("pod kept");
-    let reason = pod.status.as_ref().and_then(|s| s.reason.clone());
-    assert_eq!(reason.as_deref(), Some("ProviderFailed"));
+    // Events and status writes leave through the kube lane in parallel: an Event may land
+    // before the status written just ahead of it.
+    w.wait("ProviderFailed status", Duration::from_secs(5), || {
+        let pod = w.pod("sleeper")?;
+        let reason = pod.status.as_ref().and_then(|s| s.reason.clone());
+        (reason.as_deref() == Some("ProviderFailed")).then_some(())
+    });
     assert!(
         !w.vms().contains_key("vk-default-sleeper"),
         "no fresh VM over the hibernated one"
@@ -317,4 +321,128 @@ fn a_hibernated_vm_is_never_fresh_booted_over_its_snapshot() {
     w.wait("pod sleeper Running", Duration::from_secs(60), || {
         running_with_vm(&w, "sleeper")
     });
+}
+
+/// GET the kubelet API's /healthz; the request's own time (curl's, without its start-up).
+fn kubelet_healthz_time(w: &World) -> Duration {
+    let out = std::process::Command::new("curl")
+        .args([
+            "-sk",
+            "-o",
+            "/dev/null",
+            "--max-time",
+            "5",
+            "-w",
+            "%{time_total}",
+        ])
+        .arg(format!("https://127.0.0.1:{}/healthz", w.kubelet_port))
+        .output()
+        .expect("run curl");
+    let secs: f64 = String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .unwrap_or(5.0);
+    Duration::from_secs_f64(secs)
+}
+
+/// Issue 14's process test. Not yet met on the 2-core development host in a debug build: the
+/// loop still starts cocoon children itself and a spawn blocks it until the child's exec
+/// (10-50 ms each there), so turns reach ~100 ms, the kubelet's /healthz (TLS handshake
+/// included) took 120-220 ms and vanish -> Failed 0.7-1.0 s. Kept as the bar to meet; run with
+/// `--ignored`.
+#[test]
+#[ignore = "issue 14 target not met yet: child spawns still block the loop (see the comment)"]
+fn a_slow_api_server_with_a_pod_backlog_never_stalls_the_loop() {
+    let mut w = World::new();
+    w.extra_env
+        .push(("FAKE_COCOON_NO_PROCESS".into(), "1".into()));
+    w.extra_env.push(("VK_KUBELET_AUTH".into(), "off".into()));
+    // The shipped client rate limit.
+    w.extra_env.push(("COCOON_K8S_QPS".into(), "50".into()));
+    w.seed_snapshot("base");
+    w.start_daemon();
+    w.api
+        .create_pod(&demo_pod("default", "victim", "clone", "base"))
+        .expect("create pod");
+    let (pod, id) = w.wait("victim Running", Duration::from_secs(20), || {
+        running_with_vm(&w, "victim")
+    });
+    let uid = pod.metadata.uid.clone().unwrap_or_default();
+    w.wait("node Lease", Duration::from_secs(10), || lease_age(&w));
+
+    // Every pod write now takes 500 ms to answer; 200 pods arrive at once.
+    w.api.set_pod_write_latency(Duration::from_millis(500));
+    for i in 0..200 {
+        w.api
+            .create_pod(&demo_pod(
+                "default",
+                &format!("backlog-{i}"),
+                "clone",
+                "base",
+            ))
+            .expect("create pod");
+    }
+    let queued = r#"vk_cocoon_kube_lane_queued{lane="pods"}"#;
+    w.wait("a backlog of pod writes", Duration::from_secs(20), || {
+        (metric_value(&w.metrics(), queued)? >= 100.0).then_some(())
+    });
+
+    let vanished = Instant::now();
+    let (ok, out) = w.cocoon(&["fake", "vanish", &id]);
+    assert!(ok, "fake vanish: {out}");
+    let mut failed_after = None;
+    let mut slowest_metrics = Duration::ZERO;
+    let mut slowest_kubelet = Duration::ZERO;
+    let mut oldest_lease = 0.0f64;
+    let mut backlog_left = 0.0;
+    while vanished.elapsed() < Duration::from_secs(12) {
+        if failed_after.is_none() {
+            let gone = match w.pod("victim") {
+                None => true,
+                Some(p) if p.metadata.uid.as_deref() != Some(uid.as_str()) => true,
+                Some(p) => phase(&p) == "Failed",
+            };
+            if gone {
+                failed_after = Some(vanished.elapsed());
+            }
+        }
+        let t = Instant::now();
+        let text = w.metrics();
+        slowest_metrics = slowest_metrics.max(t.elapsed());
+        backlog_left = metric_value(&text, queued).unwrap_or(0.0);
+        slowest_kubelet = slowest_kubelet.max(kubelet_healthz_time(&w));
+        if let Some(age) = lease_age(&w) {
+            oldest_lease = oldest_lease.max(age);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eprintln!(
+        "vanish -> Failed {failed_after:?}; slowest /metrics {slowest_metrics:?}, kubelet \
+         {slowest_kubelet:?}; oldest Lease {oldest_lease:.1}s; pod writes still queued \
+         {backlog_left}"
+    );
+    // Long loop turns, if any, with their breakdown (the daemon logs turns over 50 ms).
+    for l in w.log().lines().filter(|l| l.contains("turn took")) {
+        eprintln!("{l}");
+    }
+    let failed_after = failed_after.expect("the victim pod was never failed");
+    assert!(
+        failed_after < Duration::from_secs(1),
+        "vanish -> Failed took {failed_after:?} behind the backlog"
+    );
+    assert!(
+        backlog_left > 0.0,
+        "the backlog must last the whole observation"
+    );
+    // The Lease is renewed every 10 s; 11 s = renewed at most 1 s late.
+    assert!(oldest_lease < 11.0, "Lease {oldest_lease:.1}s old");
+    assert!(
+        slowest_metrics < Duration::from_millis(100),
+        "/metrics took {slowest_metrics:?}"
+    );
+    assert!(
+        slowest_kubelet < Duration::from_millis(100),
+        "kubelet /healthz took {slowest_kubelet:?}"
+    );
+    w.api.set_pod_write_latency(Duration::ZERO);
 }

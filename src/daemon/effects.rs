@@ -46,13 +46,21 @@ fn no_registry() -> TransferError {
 const STDOUT_LIMIT: usize = 16 << 20;
 const STDERR_LIMIT: usize = 64 << 10;
 /// cocoon calls the provider may have running at once; the rest wait in order.
-const MAX_COCOON_CALLS: usize = 32;
+pub(super) const MAX_COCOON_CALLS: usize = 32;
 
 impl Daemon {
     pub(super) fn perform(&mut self, effect: Effect) {
         match effect {
             Effect::Cocoon { op, cmd } => {
-                self.cocoon_queue.push_back((op, cmd));
+                if matches!(cmd, crate::provider::CocoonCmd::VmInspect { .. }) {
+                    // A liveness check (is the VM gone?) must not wait behind a burst of
+                    // creates: inspects go ahead of the queue, first-in first-out among them.
+                    self.cocoon_queue
+                        .insert(self.cocoon_inspects_queued, (op, cmd));
+                    self.cocoon_inspects_queued += 1;
+                } else {
+                    self.cocoon_queue.push_back((op, cmd));
+                }
                 self.start_cocoon_calls();
             }
             Effect::LookupLease { op, mac } => {
@@ -67,40 +75,13 @@ impl Daemon {
                 };
                 self.pending.push_back(Input::LeaseLooked { op, result });
             }
-            Effect::PatchPodStatus {
-                op,
-                key,
-                uid,
-                status,
-            } => {
-                let result =
-                    self.kube
-                        .patch_pod_status(&key.namespace, &key.name, Some(&uid), &status);
-                self.kube_done(op, "patch status", &key, result.map(|_| ()));
-            }
-            Effect::PatchPodAnnotations {
-                op,
-                key,
-                uid,
-                annotations,
-            } => {
-                let result = self.kube.patch_pod(
-                    &key.namespace,
-                    &key.name,
-                    &annotation_patch(uid, annotations),
-                );
-                self.kube_done(op, "patch annotations", &key, result.map(|_| ()));
-            }
-            Effect::DeletePod {
-                op,
-                key,
-                uid,
-                grace,
-            } => {
-                let result = self
-                    .kube
-                    .delete_pod(&key.namespace, &key.name, grace, Some(&uid));
-                self.kube_done(op, "delete pod", &key, result);
+            Effect::PatchPodStatus { .. }
+            | Effect::PatchPodAnnotations { .. }
+            | Effect::DeletePod { .. } => {
+                // Answered with `KubeDone` when the kube lane has written it (kube_jobs.rs).
+                if let Some(write) = super::lane::PodWrite::from_effect(&effect, Instant::now()) {
+                    self.queue_pod_write(write);
+                }
             }
             Effect::Event {
                 key,
@@ -255,9 +236,13 @@ impl Daemon {
     /// lock there). A call's deadline counts from its start, not from its queueing.
     pub(super) fn start_cocoon_calls(&mut self) {
         while self.cocoon_running < MAX_COCOON_CALLS {
+            if self.spawned_this_turn > 0 && self.turn_started.elapsed() >= super::SPAWN_BUDGET {
+                return; // after_turn arms the next turn for the rest
+            }
             let Some((op, cmd)) = self.cocoon_queue.pop_front() else {
                 return;
             };
+            self.cocoon_inspects_queued = self.cocoon_inspects_queued.saturating_sub(1);
             let mut argv = vec![self.cocoon_bin().to_string_lossy().into_owned()];
             argv.extend(cmd.argv());
             log::debug!("cocoon op {op}: {}", argv.join(" "));
@@ -274,6 +259,7 @@ impl Daemon {
                 Ok(id) => {
                     self.children.insert(id, ChildRole::Op(op));
                     self.cocoon_running += 1;
+                    self.spawned_this_turn += 1;
                 }
                 Err(e) => self.pending.push_back(Input::CocoonDone {
                     op,
@@ -331,17 +317,6 @@ impl Daemon {
             }
         }
     }
-
-    fn kube_done(&mut self, op: OpId, what: &str, key: &PodKey, result: Result<(), ApiError>) {
-        let result = result.map_err(|e| {
-            let mapped = map_kube_error(&e);
-            if !mapped.superseded() {
-                log::warn!("{what} {key}: {e}");
-            }
-            mapped
-        });
-        self.pending.push_back(Input::KubeDone { op, result });
-    }
 }
 
 /// The provider's view of a finished cocoon child.
@@ -365,7 +340,7 @@ pub(super) fn cocoon_result(exit: &ChildExit) -> CocoonResult {
     }
 }
 
-fn map_kube_error(e: &ApiError) -> KubeError {
+pub(super) fn map_kube_error(e: &ApiError) -> KubeError {
     match e {
         ApiError::NotFound(_) => KubeError::NotFound,
         ApiError::Conflict(_) => KubeError::Conflict,
@@ -375,7 +350,7 @@ fn map_kube_error(e: &ApiError) -> KubeError {
 }
 
 /// `{"metadata":{"uid":..,"annotations":{k: v | null}}}` for a merge of annotations.
-fn annotation_patch(
+pub(super) fn annotation_patch(
     uid: Option<String>,
     annotations: BTreeMap<String, Option<String>>,
 ) -> serde_json::Value {

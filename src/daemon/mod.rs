@@ -3,22 +3,27 @@
 //!
 //! One thread owns everything below. The loop turns reactor events into provider inputs
 //! (`route_*`), feeds them through [`Provider::handle`], and performs the effects that come
-//! back (`effects.rs`). Effects whose answer is immediate (a Kubernetes call, a lease lookup)
-//! queue their answer as the next input; long ones (cocoon children, registry transfers) answer
-//! later through `Event::ChildExit` / `Event::Work`.
+//! back (`effects.rs`). Effects whose answer is immediate (a lease lookup) queue their answer as
+//! the next input; long ones (cocoon children, registry transfers, Kubernetes writes through the
+//! kube lane of `kube_jobs.rs`) answer later through `Event::ChildExit` / `Event::Work`.
 //!
 //! Start order (behaviour §2.2): config and credentials, node capacity, the metrics endpoint,
 //! the kubelet API, then the startup reconcile (pod list + `cocoon vm list`) — retried with
 //! backoff while the API server or cocoon is unavailable, `/metrics` answering all the time —
 //! and only after it the node registration, the pod watch and the cocoon event stream.
 //!
-//! Kubernetes calls are blocking `ureq` calls with short timeouts (the design card's choice);
-//! the watch is the only long-lived connection and is driven without blocking.
+//! Kubernetes calls are blocking `ureq` calls with short timeouts (the design card's choice),
+//! made on worker threads, never on the loop: pod writes and Events by the kube lane (paced
+//! by the client's token bucket, see `lane.rs`), the node Lease and status by a node thread.
+//! The watch is the only long-lived connection and is driven without blocking. No turn does
+//! unbounded work: watch reads, provider inputs and child spawns each have a per-turn budget.
 //! SIGTERM / SIGINT stop the loop at once, VMs keep running (§25). SIGHUP is logged and ignored:
 //! every setting is read once at start, so a restart applies changes.
 
 mod effects;
 mod event_stream;
+mod kube_jobs;
+pub mod lane;
 mod startup;
 mod view;
 
@@ -70,6 +75,23 @@ pub enum Work {
     },
     /// TokenReview / SubjectAccessReview verdict for a kubelet API request.
     KubeletAuth { id: AuthId, answer: AuthAnswer },
+    /// A kube lane write of a pod came back (its ops all get this answer).
+    PodWritten {
+        write: Box<lane::PodWrite>,
+        result: Result<(), crate::kube::KubeError>,
+    },
+    /// A kube lane Event write came back.
+    EventWritten {
+        event: Box<crate::kube::events::QueuedEvent>,
+        result: Box<Result<k8s_openapi::api::core::v1::Event, crate::kube::KubeError>>,
+    },
+    /// The node agent is back from its tick on the node thread.
+    NodeTicked(Box<NodeAgent>),
+    /// The node's pods as listed on a lane worker (startup reconcile or watch relist).
+    PodsListed {
+        startup: bool,
+        result: Result<crate::kube::PodList, crate::kube::KubeError>,
+    },
 }
 
 /// Worker threads for blocking jobs (blob transfers, lease releases) and their queue bound.
@@ -80,11 +102,15 @@ const WORK_QUEUE: usize = 1024;
 const MAX_TRANSFER_JOBS: usize = WORKERS - 1;
 /// Kubernetes Events waiting to be written; the oldest is dropped beyond this.
 const EVENT_QUEUE: usize = 1000;
-/// Events written per loop turn (a blocking API call each, about 1 ms under load), so a backlog
-/// never stalls the loop for long; the next turn comes at once while any are queued.
-const EVENTS_PER_TURN: usize = 10;
-/// Retry delay of event writes while the API server is unavailable.
-const EVENT_RETRY: Duration = Duration::from_secs(1);
+/// Loop time one turn spends feeding inputs to the provider at most (see `drain_inputs`).
+const INPUT_BUDGET: Duration = Duration::from_millis(20);
+/// Loop time one turn spends starting cocoon children at most, past its first: a spawn waits
+/// for the child's exec (milliseconds on a busy host), so a burst's calls start over a few
+/// turns rather than in one long one.
+const SPAWN_BUDGET: Duration = Duration::from_millis(10);
+/// The watch reads on only while fewer provider inputs than this wait: a burst stays in the
+/// socket rather than piling up here as decoded pods.
+const PENDING_HIGH: usize = 256;
 /// The kubelet view (pods and VMs for logs, exec, stats) trails the provider by at most this.
 const VIEW_REFRESH: Duration = Duration::from_millis(200);
 
@@ -101,18 +127,24 @@ enum OwnTimer {
     Provider = 1,
     Watch = 2,
     Node = 3,
+    /// The watch stopped at its read budget: read on (see `PodWatch::read_more`).
+    WatchRead = 4,
     Startup = 5,
     Watchdog = 6,
-    Events = 7,
+    Lane = 7,
     View = 8,
+    /// Queued cocoon calls wait for the next turn's spawn budget.
+    Cocoon = 9,
 }
 
 impl OwnTimer {
     fn from_key(key: u64) -> Option<OwnTimer> {
         use OwnTimer::*;
-        [Provider, Watch, Node, Startup, Watchdog, Events, View]
-            .into_iter()
-            .find(|t| KEY_OWN | *t as u64 == key)
+        [
+            Provider, Watch, Node, WatchRead, Startup, Watchdog, Lane, View, Cocoon,
+        ]
+        .into_iter()
+        .find(|t| KEY_OWN | *t as u64 == key)
     }
 }
 
@@ -138,8 +170,23 @@ pub struct Daemon {
     pending: VecDeque<Input>,
     startup: Option<Startup>,
     watch: PodWatch,
-    node: NodeAgent,
+    /// A pod list for the watch is running on a lane worker.
+    relisting: bool,
+    /// None while the agent is away ticking on the node thread.
+    node: Option<Box<NodeAgent>>,
+    node_registered: bool,
+    /// The node Lease / status thread (see `kube_jobs.rs`).
+    node_pool: crate::reactor::WorkerPool<Work>,
+    /// Pod writes and Events waiting for a token and a worker, and the workers.
+    lane: lane::KubeLane,
+    lane_pool: crate::reactor::WorkerPool<Work>,
+    /// The lane's client handle: the loop took the token before handing a call over.
+    lane_kube: Arc<Client>,
+    lane_metrics: kube_jobs::LaneMetrics,
+    lane_gauges_at: Option<Instant>,
     events: EventRecorder,
+    /// Event writes pause until then after a transient failure.
+    events_hold: Option<Instant>,
     kubelet: KubeletServer,
     probes: ProbeEngine<TimerId>,
     leases: LeaseFile,
@@ -148,7 +195,12 @@ pub struct Daemon {
     children: HashMap<ChildId, ChildRole>,
     /// Provider cocoon calls waiting for a slot, and how many run (see `start_cocoon_calls`).
     cocoon_queue: VecDeque<(OpId, crate::provider::CocoonCmd)>,
+    /// How many `vm inspect` calls lead the queue (they go ahead of creates).
+    cocoon_inspects_queued: usize,
     cocoon_running: usize,
+    /// When this loop turn began and how many children it started (see `SPAWN_BUDGET`).
+    turn_started: Instant,
+    spawned_this_turn: usize,
     /// Registry transfer jobs waiting for a worker, and how many run (see `start_transfers`).
     transfer_queue: VecDeque<(OpId, effects::TransferJob)>,
     transfers_running: usize,
@@ -261,6 +313,19 @@ impl Daemon {
             lease_release: config.cocoon_net_control_socket.is_some(),
         });
         let mut watch = PodWatch::new(&config.node_name, WatchConfig::default());
+        watch.relist_by_caller();
+        let lane_pool = reactor
+            .extra_pool(
+                "vk-kube",
+                kube_jobs::LANE_WORKERS,
+                kube_jobs::LANE_WORKERS * 4,
+            )
+            .map_err(|e| StartError::new(1, format!("kube lane workers: {e}")))?;
+        let node_pool = reactor
+            .extra_pool("vk-node", 1, 4)
+            .map_err(|e| StartError::new(1, format!("node lease thread: {e}")))?;
+        let lane_metrics = kube_jobs::LaneMetrics::register(metrics.registry())
+            .map_err(|e| StartError::new(1, format!("metrics: {e}")))?;
         let watch_token = reactor.token();
         watch
             .register(reactor.registry(), watch_token)
@@ -294,20 +359,35 @@ impl Daemon {
             reactor,
             metrics,
             metrics_server: Some(metrics_server),
+            lane_kube: Arc::new(kube.paced_by_caller()),
             kube,
             registry,
             provider,
             pending: VecDeque::new(),
             watch,
-            node,
+            relisting: false,
+            node: Some(Box::new(node)),
+            node_registered: false,
+            node_pool,
+            lane: lane::KubeLane::new(lane::LaneLimits {
+                slots: kube_jobs::LANE_WORKERS - 2,
+                ..lane::LaneLimits::default()
+            }),
+            lane_pool,
+            lane_metrics,
+            lane_gauges_at: None,
             events,
+            events_hold: None,
             kubelet,
             probes,
             leases,
             releaser,
             children: HashMap::new(),
             cocoon_queue: VecDeque::new(),
+            cocoon_inspects_queued: 0,
             cocoon_running: 0,
+            turn_started: now,
+            spawned_this_turn: 0,
             transfer_queue: VecDeque::new(),
             transfers_running: 0,
             timers: HashMap::new(),
@@ -333,6 +413,9 @@ impl Daemon {
                 return 1;
             }
             let turn = Instant::now();
+            self.turn_started = turn;
+            self.spawned_this_turn = 0;
+            let n_events = events.len();
             for event in events.drain(..) {
                 self.route(event);
                 if self.stopping {
@@ -340,14 +423,19 @@ impl Daemon {
                     return 0;
                 }
             }
+            let routed = turn.elapsed();
             self.drain_inputs();
+            let drained = turn.elapsed();
             self.after_turn();
             let took = turn.elapsed().as_secs_f64();
             if took > self.longest_turn.get() {
                 self.longest_turn.set(took);
-                if took > 0.1 {
-                    log::debug!("event loop turn took {took:.3}s");
-                }
+            }
+            if took > 0.05 {
+                log::debug!(
+                    "event loop turn took {took:.3}s ({n_events} events routed in {routed:?}, \
+                     inputs done at {drained:?})"
+                );
             }
         }
     }
@@ -368,8 +456,7 @@ impl Daemon {
         match event {
             Event::Io(ready) => {
                 if ready.token == self.watch.token() {
-                    let out = self.watch.on_ready(&self.kube, now);
-                    self.watch_outputs(out);
+                    self.watch_read(now);
                 } else if self.kubelet.owns_token(ready.token) {
                     self.kubelet.on_io(&mut self.reactor, ready);
                     self.kubelet_auth();
@@ -445,8 +532,14 @@ impl Daemon {
             OwnTimer::Watch => {
                 let out = self.watch.on_timer(&self.kube, now);
                 self.watch_outputs(out);
+                self.watch_relist();
             }
-            OwnTimer::Node => self.node.tick(&self.kube, now),
+            OwnTimer::Node => self.node_tick(),
+            OwnTimer::WatchRead if self.pending.len() >= PENDING_HIGH => {
+                self.arm(OwnTimer::WatchRead, now);
+            }
+            OwnTimer::WatchRead => self.watch_read(now),
+            OwnTimer::Cocoon => self.start_cocoon_calls(),
             OwnTimer::Startup => self.startup_step(),
             OwnTimer::Watchdog => {
                 let _ = sd_notify::notify("WATCHDOG=1");
@@ -454,7 +547,7 @@ impl Daemon {
                     self.arm(OwnTimer::Watchdog, now + every);
                 }
             }
-            OwnTimer::Events => self.flush_events(),
+            OwnTimer::Lane => {}
             OwnTimer::View => self.refresh_view(),
         }
     }
@@ -483,6 +576,20 @@ impl Daemon {
                 self.kubelet.on_auth_answer(&mut self.reactor, id, answer);
                 self.kubelet_auth();
             }
+            Work::PodWritten { write, result } => self.pod_written(*write, result),
+            Work::EventWritten { event, result } => self.event_written(*event, *result),
+            Work::NodeTicked(agent) => self.node_ticked(agent),
+            Work::PodsListed { startup, result } => self.pods_listed(startup, result),
+        }
+    }
+
+    /// Reads what the watch socket holds, up to the watch's budget; the rest on a later turn.
+    fn watch_read(&mut self, now: Instant) {
+        let out = self.watch.on_ready(&self.kube, now);
+        self.watch_outputs(out);
+        self.watch_relist();
+        if self.watch.read_more() {
+            self.arm(OwnTimer::WatchRead, now);
         }
     }
 
@@ -532,11 +639,11 @@ impl Daemon {
         }
     }
 
-    /// Feeds every queued input through the provider and performs the effects.
+    /// Feeds queued inputs through the provider and performs the effects, for at most
+    /// `INPUT_BUDGET` of loop time: the rest waits for the next turn, which comes at once
+    /// (so probes, the kubelet API and /metrics get their turn in between).
     fn drain_inputs(&mut self) {
-        // Bounded so that a feedback loop (an effect answering itself forever) cannot wedge the
-        // loop; the rest waits for the next turn.
-        let mut budget = 100_000;
+        let started = Instant::now();
         while let Some(input) = self.pending.pop_front() {
             let now = self.reactor.now();
             let effects = self.provider.handle(input, now, SystemTime::now());
@@ -546,9 +653,7 @@ impl Daemon {
             for effect in effects {
                 self.perform(effect);
             }
-            budget -= 1;
-            if budget == 0 {
-                log::warn!("input queue still busy; continuing next turn");
+            if started.elapsed() >= INPUT_BUDGET {
                 break;
             }
         }
@@ -563,11 +668,12 @@ impl Daemon {
             if let Some(at) = self.watch.next_due() {
                 self.arm(OwnTimer::Watch, at);
             }
-            self.arm(OwnTimer::Node, self.node.next_due());
+            if let Some(node) = &self.node {
+                self.arm(OwnTimer::Node, node.next_due());
+            }
         }
-        if self.events.pending() > 0 && !self.timers.contains_key(&OwnTimer::Events) {
-            self.arm(OwnTimer::Events, self.reactor.now());
-        }
+        self.pump_lane();
+        self.lane_gauges();
         if self.view_dirty && !self.timers.contains_key(&OwnTimer::View) {
             let due = self
                 .view_built
@@ -576,6 +682,9 @@ impl Daemon {
         }
         if !self.pending.is_empty() {
             self.arm(OwnTimer::Provider, self.reactor.now());
+        }
+        if !self.cocoon_queue.is_empty() && self.cocoon_running < effects::MAX_COCOON_CALLS {
+            self.arm(OwnTimer::Cocoon, self.reactor.now());
         }
     }
 
@@ -617,16 +726,6 @@ impl Daemon {
                     AuthAnswer::Error("authorisation queue full".into()),
                 );
             }
-        }
-    }
-
-    fn flush_events(&mut self) {
-        let now = self.reactor.now();
-        let pending = self.events.pending();
-        let written = self.events.flush(&self.kube, EVENTS_PER_TURN, now);
-        if written < pending.min(EVENTS_PER_TURN) {
-            // A write failed: try again later instead of spinning on an unavailable API.
-            self.arm(OwnTimer::Events, now + EVENT_RETRY);
         }
     }
 

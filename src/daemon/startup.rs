@@ -43,14 +43,25 @@ impl Startup {
 }
 
 impl Daemon {
-    /// One attempt: list the pods (a short blocking call), then start `cocoon vm list`.
+    /// One attempt: list the pods on a lane worker; `startup_pods_listed` goes on from there.
     pub(super) fn startup_step(&mut self) {
-        let now = self.reactor.now();
         let Some(startup) = self.startup.as_mut() else {
             return;
         };
         startup.attempts += 1;
-        match self.watch.relist(&self.kube, now) {
+        self.list_pods(true);
+    }
+
+    /// The startup pod list came back: keep it and start `cocoon vm list`.
+    pub(super) fn startup_pods_listed(
+        &mut self,
+        result: Result<crate::kube::PodList, crate::kube::KubeError>,
+    ) {
+        let now = self.reactor.now();
+        let Some(startup) = self.startup.as_mut() else {
+            return;
+        };
+        match self.watch.relisted(result, now) {
             Ok(out) => {
                 let pods = out
                     .into_iter()
@@ -102,12 +113,9 @@ impl Daemon {
         self.startup = None;
         self.pending.push_back(Input::StartupListed { pods, vms });
         self.drain_inputs();
-        // Register the node now (first NodeAgent tick), then watch and stream events.
-        let now = self.reactor.now();
-        self.node.tick(&self.kube, now);
-        if self.node.registered() {
-            log::info!("node {} registered", self.config.node_name);
-        }
+        // Register the node now (first NodeAgent tick, on the node thread), then watch and
+        // stream events.
+        self.node_tick();
         let _ = sd_notify::notify("READY=1");
         let out = self.stream.start(&mut self.reactor);
         self.stream_output(out);

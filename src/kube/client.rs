@@ -126,10 +126,18 @@ pub struct PodList {
 pub struct Client {
     cluster: ClusterConfig,
     target: ServerTarget,
+    shared: Arc<Shared>,
+    timeout: Duration,
+    /// False for a handle whose caller takes each call's token itself (see `paced_by_caller`).
+    throttled: bool,
+}
+
+/// What every handle of one client shares: credentials, the TLS agent and the rate limiter
+/// (one QPS budget for all of the daemon's calls, like one client-go clientset).
+struct Shared {
     creds: Credentials,
     tls: Mutex<TlsState>,
     limiter: Mutex<TokenBucket>,
-    timeout: Duration,
 }
 
 fn build_state(
@@ -152,6 +160,10 @@ fn build_state(
         .timeout(timeout)
         .timeout_connect(timeout.min(Duration::from_secs(5)))
         .user_agent(concat!("vk-cocoon/", env!("CARGO_PKG_VERSION")))
+        // The daemon's kube lane runs up to ~20 calls at once: keep their connections (and
+        // TLS sessions) for reuse instead of one handshake per call.
+        .max_idle_connections(64)
+        .max_idle_connections_per_host(32)
         .redirects(0);
     if let Some(c) = &config {
         b = b.tls_config(c.clone());
@@ -202,13 +214,39 @@ impl Client {
         .map_err(|e| KubeConfigError::Invalid(format!("{}: {e}", cluster.source)))?;
         log::info!("kubernetes API {} ({})", cluster.server, cluster.source);
         Ok(Client {
-            creds: Credentials::new(&cluster.auth),
+            shared: Arc::new(Shared {
+                creds: Credentials::new(&cluster.auth),
+                tls: Mutex::new(state),
+                limiter: Mutex::new(TokenBucket::new(opts.qps, opts.burst, Instant::now())),
+            }),
             target,
-            tls: Mutex::new(state),
-            limiter: Mutex::new(TokenBucket::new(opts.qps, opts.burst, Instant::now())),
             timeout: opts.timeout,
             cluster,
+            throttled: true,
         })
+    }
+
+    /// A handle on the same connection, credentials and rate limiter whose calls do not wait
+    /// for a token: for callers that take the token themselves before the call (the daemon's
+    /// kube lane takes it with [`Client::with_limiter`] on the loop, then hands the call to a
+    /// worker), so no thread ever sleeps on the limiter for them.
+    pub fn paced_by_caller(&self) -> Client {
+        Client {
+            cluster: self.cluster.clone(),
+            target: self.target.clone(),
+            shared: self.shared.clone(),
+            timeout: self.timeout,
+            throttled: false,
+        }
+    }
+
+    /// Runs `f` on the shared token bucket (e.g. a non-blocking `try_take`).
+    pub fn with_limiter<R>(&self, f: impl FnOnce(&mut TokenBucket) -> R) -> R {
+        f(&mut self
+            .shared
+            .limiter
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()))
     }
 
     pub fn server(&self) -> &str {
@@ -223,8 +261,8 @@ impl Client {
     fn material(
         &self,
     ) -> Result<(AuthMaterial, ureq::Agent, Option<Arc<ClientConfig>>), KubeError> {
-        let m = self.creds.current()?;
-        let mut st = self.tls.lock().unwrap_or_else(|p| p.into_inner());
+        let m = self.shared.creds.current()?;
+        let mut st = self.shared.tls.lock().unwrap_or_else(|p| p.into_inner());
         let want = m
             .client_cert
             .clone()
@@ -248,11 +286,15 @@ impl Client {
 
     /// Drop cached credentials (after the watch saw a 401).
     pub fn invalidate_credentials(&self) {
-        self.creds.invalidate();
+        self.shared.creds.invalidate();
     }
 
     fn throttle(&self) {
+        if !self.throttled {
+            return;
+        }
         let wait = self
+            .shared
             .limiter
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -303,9 +345,9 @@ impl Client {
                     let mut buf = Vec::new();
                     let _ = resp.into_reader().take(1 << 20).read_to_end(&mut buf);
                     let err = KubeError::from_response(code, &buf, retry_after);
-                    if code == 401 && !refreshed && self.creds.refreshable() {
+                    if code == 401 && !refreshed && self.shared.creds.refreshable() {
                         refreshed = true;
-                        self.creds.invalidate();
+                        self.shared.creds.invalidate();
                         continue;
                     }
                     return Err(err);

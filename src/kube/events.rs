@@ -1,5 +1,5 @@
 //! Kubernetes Events on pods: build core/v1 Events, aggregate identical ones (count, lastTimestamp),
-//! rate-limit per pod, and queue them for the daemon to flush with short blocking calls.
+//! rate-limit per pod, and queue them (bounded, oldest dropped) for the daemon to write off the loop.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant, SystemTime};
@@ -231,70 +231,130 @@ impl EventRecorder {
     pub fn flush(&mut self, client: &Client, max: usize, now: Instant) -> usize {
         let mut written = 0;
         while written < max {
-            let Some(p) = self.queue.pop_front() else {
+            let Some(p) = self.take_next() else {
                 break;
             };
-            let ns = p.key.namespace.clone();
-            let result = match &p.existing {
-                Some(name) => {
-                    let patch = serde_json::json!({
-                        "count": p.event.count,
-                        "lastTimestamp": p.event.last_timestamp,
-                    });
-                    match client.patch_event(&ns, name, &patch) {
-                        Err(KubeError::NotFound(_)) => {
-                            // Expired on the server: create it afresh.
-                            let mut fresh = p.event.clone();
-                            self.seq += 1;
-                            fresh.metadata.name = Some(format!(
-                                "{}.{:x}",
-                                fresh.involved_object.name.clone().unwrap_or_default(),
-                                self.seq
-                            ));
-                            client.create_event(&fresh)
-                        }
-                        other => other,
-                    }
-                }
-                None => client.create_event(&p.event),
-            };
-            match result {
-                Ok(ev) => {
-                    if p.existing.is_some() {
-                        self.stats.patched += 1;
-                    } else {
-                        self.stats.created += 1;
-                    }
-                    written += 1;
-                    if self.sent.len() >= MAX_TRACKED {
-                        self.sent.clear();
-                    }
-                    self.sent.insert(
-                        p.key.clone(),
-                        Sent {
-                            name: ev.metadata.name.unwrap_or_default(),
-                            count: p.event.count.unwrap_or(1),
-                            first: p
-                                .event
-                                .first_timestamp
-                                .clone()
-                                .unwrap_or_else(|| time(SystemTime::now())),
-                            at: now,
-                        },
-                    );
-                }
-                Err(e) if e.is_transient() => {
-                    log::warn!("event {} on {ns}: {e}; will retry", p.key.reason);
-                    self.queue.push_front(p);
-                    break;
-                }
-                Err(e) => {
-                    self.stats.failed += 1;
-                    log::warn!("event {} on {ns} dropped: {e}", p.key.reason);
-                }
+            let result = p.write(client);
+            match self.written(p, result, now) {
+                Written::Ok => written += 1,
+                Written::Retry => break,
+                Written::Dropped => {}
             }
         }
         written
+    }
+
+    /// The oldest queued event, to write off the loop with [`QueuedEvent::write`] and hand back
+    /// to [`EventRecorder::written`].
+    pub fn take_next(&mut self) -> Option<QueuedEvent> {
+        let p = self.queue.pop_front()?;
+        self.seq += 1;
+        Some(QueuedEvent {
+            pending: p,
+            fresh_suffix: self.seq,
+        })
+    }
+
+    /// Book the answer of a written event: remember it for aggregation, or put it back at the
+    /// front after a transient failure (the caller waits before trying again).
+    pub fn written(
+        &mut self,
+        q: QueuedEvent,
+        result: Result<Event, KubeError>,
+        now: Instant,
+    ) -> Written {
+        let p = q.pending;
+        let ns = p.key.namespace.clone();
+        match result {
+            Ok(ev) => {
+                if p.existing.is_some() {
+                    self.stats.patched += 1;
+                } else {
+                    self.stats.created += 1;
+                }
+                if self.sent.len() >= MAX_TRACKED {
+                    self.sent.clear();
+                }
+                self.sent.insert(
+                    p.key.clone(),
+                    Sent {
+                        name: ev.metadata.name.unwrap_or_default(),
+                        count: p.event.count.unwrap_or(1),
+                        first: p
+                            .event
+                            .first_timestamp
+                            .clone()
+                            .unwrap_or_else(|| time(SystemTime::now())),
+                        at: now,
+                    },
+                );
+                Written::Ok
+            }
+            Err(e) if e.is_transient() => {
+                log::warn!("event {} on {ns}: {e}; will retry", p.key.reason);
+                if self.queue.len() >= self.capacity {
+                    // Newer events filled the queue meanwhile: this one is now the oldest.
+                    self.stats.dropped += 1;
+                    return Written::Dropped;
+                }
+                self.queue.push_front(p);
+                Written::Retry
+            }
+            Err(e) => {
+                self.stats.failed += 1;
+                log::warn!("event {} on {ns} dropped: {e}", p.key.reason);
+                Written::Dropped
+            }
+        }
+    }
+}
+
+/// What became of a written event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Written {
+    Ok,
+    /// Transient failure: queued again at the front.
+    Retry,
+    /// Refused for good (or no room to queue it again); counted.
+    Dropped,
+}
+
+/// An event taken off the queue for writing.
+#[derive(Debug)]
+pub struct QueuedEvent {
+    pending: Pending,
+    /// Makes the name of a re-created event unique.
+    fresh_suffix: u64,
+}
+
+impl QueuedEvent {
+    /// The blocking API call(s): a create, or an aggregation patch that falls back to a create
+    /// when the server's copy expired. Runs on a worker thread.
+    pub fn write(&self, client: &Client) -> Result<Event, KubeError> {
+        let p = &self.pending;
+        let ns = &p.key.namespace;
+        match &p.existing {
+            Some(name) => {
+                let patch = serde_json::json!({
+                    "count": p.event.count,
+                    "lastTimestamp": p.event.last_timestamp,
+                });
+                match client.patch_event(ns, name, &patch) {
+                    Err(KubeError::NotFound(_)) => {
+                        // Expired on the server: create it afresh.
+                        let mut fresh = p.event.clone();
+                        fresh.metadata.name = Some(format!(
+                            "{}.{:x}",
+                            fresh.involved_object.name.clone().unwrap_or_default(),
+                            self.fresh_suffix
+                        ));
+                        client.create_event(&fresh)
+                    }
+                    other => other,
+                }
+            }
+            None => client.create_event(&p.event),
+        }
     }
 }
 

@@ -43,6 +43,23 @@ impl TokenBucket {
         }
     }
 
+    /// When `try_take` will next succeed: `now` when a token is there (or limiting is off).
+    /// Lets a caller arm a timer for the next token instead of sleeping for it.
+    pub fn next_token_at(&self, now: Instant) -> Instant {
+        if self.disabled() {
+            return now;
+        }
+        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+        let tokens = (self.tokens + elapsed * self.qps).min(self.burst);
+        if tokens >= 1.0 {
+            now
+        } else {
+            // One microsecond past the exact instant: float rounding must not leave the token
+            // a hair short there (a caller would wake, find none, and wake again at once).
+            now + Duration::from_secs_f64((1.0 - tokens) / self.qps) + Duration::from_micros(1)
+        }
+    }
+
     /// Take one token. Returns how long the caller must wait before sending (zero = go now).
     /// The token is reserved either way, so concurrent callers queue fairly.
     pub fn reserve(&mut self, now: Instant) -> Duration {
@@ -93,6 +110,23 @@ mod tests {
             assert!(!b.try_take(t0));
         }
         assert!(b.try_take(t0 + Duration::from_millis(1001)));
+    }
+
+    #[test]
+    fn next_token_at_is_when_try_take_succeeds() {
+        let t0 = Instant::now();
+        let mut b = TokenBucket::new(10.0, 1, t0);
+        assert_eq!(b.next_token_at(t0), t0);
+        assert!(b.try_take(t0));
+        let at = b.next_token_at(t0);
+        assert!((at - t0).as_secs_f64() > 0.099 && (at - t0).as_secs_f64() < 0.101);
+        assert!(!b.try_take(at - Duration::from_millis(2)));
+        assert!(b.try_take(at + Duration::from_micros(10)));
+        // A reservation in debt (another thread's blocking call) pushes the next token out.
+        let t1 = t0 + Duration::from_secs(5);
+        assert!(b.reserve(t1).is_zero());
+        assert!(b.reserve(t1) > Duration::ZERO);
+        assert!(b.next_token_at(t1) >= t1 + Duration::from_millis(199));
     }
 
     #[test]

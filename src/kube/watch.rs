@@ -519,6 +519,11 @@ impl KnownPods {
     }
 }
 
+/// Plaintext bytes one `on_ready` call decodes at most (about 30 pods of watch events): a
+/// burst of thousands of pods is spread over many short loop turns instead of one long one,
+/// and the rest waits in the socket, not as decoded pods in memory.
+const READ_BUDGET: usize = 128 * 1024;
+
 // ------------------------------------------------------------------------------------------
 // The connection state machine.
 // ------------------------------------------------------------------------------------------
@@ -593,6 +598,13 @@ pub struct PodWatch {
     /// When to (re)connect or relist next; None while connected.
     retry_at: Option<Instant>,
     need_relist: bool,
+    /// Relists are left to the caller (`wants_relist` / `relisted`) instead of blocking here.
+    relist_by_caller: bool,
+    /// A relist is due and the caller has not answered it yet.
+    relist_wanted: bool,
+    /// The last `on_ready` stopped at its read budget with bytes left: call it again without
+    /// waiting for readiness (the socket is edge-triggered and will not report them again).
+    read_more: bool,
     failures: u32,
     rng: u64,
     /// Counters for logs and tests.
@@ -624,6 +636,9 @@ impl PodWatch {
             resource_version: String::new(),
             retry_at: None,
             need_relist: true,
+            relist_by_caller: false,
+            relist_wanted: false,
+            read_more: false,
             failures: 0,
             rng: seed | 1,
             stats: WatchStats::default(),
@@ -670,13 +685,60 @@ impl PodWatch {
     pub fn relist(&mut self, client: &Client, now: Instant) -> Result<Vec<WatchOutput>, KubeError> {
         self.drop_conn();
         let list = client.list_pods_on_node(&self.node)?;
+        Ok(self.apply_list(list, now))
+    }
+
+    /// From now on the watch never lists on the calling thread: when a relist is due,
+    /// `wants_relist` says so and the caller lists elsewhere and hands the answer to
+    /// `relisted` (the daemon's loop must not wait for a big list).
+    pub fn relist_by_caller(&mut self) {
+        self.relist_by_caller = true;
+    }
+
+    /// The node this watch lists pods of (the caller's list call needs it).
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// True when `on_ready` left bytes unread (its per-call budget): call it again soon, from
+    /// a timer, even though no readiness will be reported for them.
+    pub fn read_more(&self) -> bool {
+        self.read_more
+    }
+
+    /// True once when a relist became due (the caller then lists and calls `relisted`).
+    pub fn wants_relist(&mut self) -> bool {
+        std::mem::take(&mut self.relist_wanted)
+    }
+
+    /// The caller's list answer: on success like `relist` (the stream reconnects at the next
+    /// `on_timer`); a failure backs off and asks again later.
+    pub fn relisted(
+        &mut self,
+        list: Result<super::client::PodList, KubeError>,
+        now: Instant,
+    ) -> Result<Vec<WatchOutput>, KubeError> {
+        match list {
+            Ok(list) => {
+                self.drop_conn();
+                Ok(self.apply_list(list, now))
+            }
+            Err(e) => {
+                self.need_relist = true;
+                self.fail_backoff(now, None);
+                Err(e)
+            }
+        }
+    }
+
+    fn apply_list(&mut self, list: super::client::PodList, now: Instant) -> Vec<WatchOutput> {
         self.stats.relists += 1;
         let mut out = Vec::new();
         self.known.replace(list.items, &mut out);
         self.resource_version = list.resource_version;
         self.need_relist = false;
         self.retry_at = Some(now);
-        Ok(out)
+        out
     }
 
     /// Timer: reconnect / relist when due, or abandon a stalled connection.
@@ -701,6 +763,10 @@ impl PodWatch {
         }
         if self.retry_at.is_some_and(|t| now >= t) {
             self.retry_at = None;
+            if self.need_relist && self.relist_by_caller {
+                self.relist_wanted = true;
+                return out;
+            }
             if self.need_relist {
                 match self.relist(client, now) {
                     Ok(o) => out = o,
@@ -725,6 +791,7 @@ impl PodWatch {
     /// Socket readiness for `token()`: read, decode and apply everything available.
     pub fn on_ready(&mut self, client: &Client, now: Instant) -> Vec<WatchOutput> {
         let mut out = Vec::new();
+        self.read_more = false;
         let Some(mut conn) = self.conn.take() else {
             return out;
         };
@@ -896,6 +963,7 @@ impl PodWatch {
         let mut buf = [0u8; 32 * 1024];
         let mut plain: Vec<u8> = Vec::new();
         let mut eof = false;
+        let mut more = false;
         match &mut c.transport {
             Transport::Plain => {
                 while !c.out.is_empty() {
@@ -910,6 +978,10 @@ impl PodWatch {
                     }
                 }
                 loop {
+                    if plain.len() >= READ_BUDGET {
+                        more = true;
+                        break;
+                    }
                     match c.stream.read(&mut buf) {
                         Ok(0) => {
                             eof = true;
@@ -960,6 +1032,10 @@ impl PodWatch {
                 if state.peer_has_closed() {
                     eof = true;
                 }
+                if !eof && got > 0 && plain.len() >= READ_BUDGET {
+                    more = true;
+                    break;
+                }
                 if got == 0 || eof {
                     // Flush again: processing may have queued alerts or key updates.
                     while tls.wants_write() {
@@ -972,6 +1048,7 @@ impl PodWatch {
                 }
             },
         }
+        self.read_more = more;
         if !plain.is_empty() {
             self.consume(c, &plain, now, out)?;
         }

@@ -21,6 +21,7 @@
 //! reactor.kill(id) / send_signal(id, sig)    SIGKILL (reported killed=true) / any signal
 //! reactor.submit(job)                        bounded worker pool; the job's return value comes back
 //!                                            as Event::Work(m); Err(QueueFull) when the queue is full
+//! reactor.extra_pool(name, n, cap)           another worker pool posting into the same loop
 //! reactor.notifier()                         Notifier<M>: post(m) from any thread -> Event::Work(m)
 //! reactor.watch_signals(&[SIGTERM, ...])     opt-in: those signals arrive as Event::Signal(n)
 //! reactor.poll(&mut out)                     blocks until at least one event was appended to `out`
@@ -69,6 +70,16 @@ use timers::Timers;
 /// After a child is reaped, how long its output pipes may stay open (held by a
 /// grandchild that inherited them) before the exit is reported anyway.
 pub const EXIT_DRAIN_GRACE: Duration = Duration::from_secs(1);
+
+/// Worker threads made by [`Reactor::extra_pool`].
+pub struct WorkerPool<M: Send + 'static>(Pool<M>);
+
+impl<M: Send + 'static> WorkerPool<M> {
+    /// Runs a blocking job on this pool; its result arrives as `Event::Work`.
+    pub fn submit(&self, job: impl FnOnce() -> M + Send + 'static) -> Result<(), QueueFull> {
+        self.0.submit(Box::new(job))
+    }
+}
 
 /// Readiness of a source registered by a user of the reactor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -156,7 +167,7 @@ impl<M: Send + 'static> Reactor<M> {
             queue: Arc::new(Mutex::new(VecDeque::new())),
             waker,
         };
-        let pool = Pool::new(workers, queue_cap, notifier.clone())?;
+        let pool = Pool::new("vk-worker", workers, queue_cap, notifier.clone())?;
         Ok(Reactor {
             poll,
             events: Events::with_capacity(256),
@@ -235,6 +246,17 @@ impl<M: Send + 'static> Reactor<M> {
     /// Runs a blocking job on the worker pool; its result arrives as `Event::Work`.
     pub fn submit(&self, job: impl FnOnce() -> M + Send + 'static) -> Result<(), QueueFull> {
         self.pool.submit(Box::new(job))
+    }
+
+    /// Another set of `workers` threads whose jobs' results also arrive as `Event::Work`: for
+    /// jobs that must never queue behind the main pool's (multi-GiB transfers there).
+    pub fn extra_pool(
+        &self,
+        name: &str,
+        workers: usize,
+        queue_cap: usize,
+    ) -> io::Result<WorkerPool<M>> {
+        Pool::new(name, workers, queue_cap, self.notifier.clone()).map(WorkerPool)
     }
 
     /// A handle other threads use to post messages into the loop.

@@ -68,6 +68,7 @@ pub(crate) struct Pool<M> {
 
 impl<M: Send + 'static> Pool<M> {
     pub(crate) fn new(
+        name: &str,
         workers: usize,
         queue_cap: usize,
         notifier: Notifier<M>,
@@ -78,7 +79,7 @@ impl<M: Send + 'static> Pool<M> {
             let receiver = Arc::clone(&receiver);
             let notifier = notifier.clone();
             thread::Builder::new()
-                .name(format!("vk-worker-{n}"))
+                .name(format!("{name}-{n}"))
                 .spawn(move || worker(&receiver, &notifier))?;
         }
         Ok(Pool {

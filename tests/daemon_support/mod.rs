@@ -317,3 +317,36 @@ pub fn running_with_vm(w: &World, name: &str) -> Option<(Pod, String)> {
     let id = annotation(&p, "vm.cocoonstack.io/id")?;
     (phase(&p) == "Running" && !id.is_empty()).then_some((p, id))
 }
+
+/// Seconds since the node Lease's renewTime (what the node lifecycle controller looks at).
+pub fn lease_age(w: &World) -> Option<f64> {
+    let v = w.api.get_object("leases", "kube-node-lease", NODE)?;
+    let lease: k8s_openapi::api::coordination::v1::Lease = serde_json::from_value(v).ok()?;
+    let renewed = lease.spec?.renew_time?.0.timestamp_micros();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()?
+        .as_micros() as i64;
+    Some((now - renewed) as f64 / 1e6)
+}
+
+/// The value of the first /metrics line starting with `name` (labels included in `name`).
+pub fn metric_value(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Writes (create, update, patch, delete) the daemon sent to pods whose name starts with
+/// `prefix`, per pod of `pods`: status, annotation and delete calls alike.
+pub fn pod_writes_per_pod(w: &World, prefix: &str, pods: usize) -> f64 {
+    let needle = format!("/pods/{prefix}");
+    let writes = w
+        .api
+        .requests()
+        .iter()
+        .filter(|r| matches!(r.verb.as_str(), "create" | "update" | "patch" | "delete"))
+        .filter(|r| r.resource.starts_with("pods") && r.path.contains(&needle))
+        .count();
+    writes as f64 / pods.max(1) as f64
+}

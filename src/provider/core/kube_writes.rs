@@ -65,6 +65,19 @@ impl Provider {
         // written meanwhile must not be overwritten by this older one.
         // Other patches that carry the triple (the id/ip write) carry the current one.
         let mut waiter = waiter;
+        // A status retry carries the status of its time: once a newer one was sent (its own
+        // retries cover its failures) this one would overwrite it with stale content.
+        if let Waiter::Status {
+            key,
+            effect: Effect::PatchPodStatus { status, .. },
+            ..
+        } = &waiter
+        {
+            let newest = self.slots.get(key).and_then(|s| s.shown.as_ref());
+            if newest.is_some_and(|(_, shown)| !Arc::ptr_eq(shown, status)) {
+                return;
+            }
+        }
         if let Waiter::Annotations {
             key,
             uid,

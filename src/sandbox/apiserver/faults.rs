@@ -72,6 +72,7 @@ struct Armed {
 struct State {
     armed: Vec<Armed>,
     latency: Duration,
+    pod_write_latency: Duration,
     drop_watches_every: Option<Duration>,
     injected: u64,
 }
@@ -101,6 +102,7 @@ impl Faults {
         let mut s = self.lock();
         s.armed.clear();
         s.latency = Duration::ZERO;
+        s.pod_write_latency = Duration::ZERO;
         s.drop_watches_every = None;
     }
 
@@ -126,8 +128,21 @@ impl Faults {
         self.lock().latency = d;
     }
 
-    pub fn latency(&self) -> Duration {
-        self.lock().latency
+    pub fn set_pod_write_latency(&self, d: Duration) {
+        self.lock().pod_write_latency = d;
+    }
+
+    /// The delay before serving a request: the global latency, plus the pod-write latency for
+    /// writes (create, update, patch, delete) of pods and their subresources.
+    pub fn delay_for(&self, verb: &str, resource: &str) -> Duration {
+        let s = self.lock();
+        let pod_write = (resource == "pods" || resource.starts_with("pods/"))
+            && matches!(verb, "create" | "update" | "patch" | "delete");
+        if pod_write {
+            s.latency + s.pod_write_latency
+        } else {
+            s.latency
+        }
     }
 
     pub fn set_drop_watches_every(&self, every: Option<Duration>) {

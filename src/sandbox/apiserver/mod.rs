@@ -484,7 +484,7 @@ impl ApiServerHandle {
         self.shared().faults.injected()
     }
 
-    /// Clears armed faults, latency and periodic watch drops.
+    /// Clears armed faults, latencies and periodic watch drops.
     pub fn clear_faults(&self) {
         self.shared().faults.clear();
     }
@@ -492,6 +492,12 @@ impl ApiServerHandle {
     /// Adds this delay before every request is served.
     pub fn set_latency(&self, d: Duration) {
         self.shared().faults.set_latency(d);
+    }
+
+    /// Adds this delay before every pod write (create, update, patch, delete of pods and
+    /// pods/status) is served: a slow API server under a pod backlog.
+    pub fn set_pod_write_latency(&self, d: Duration) {
+        self.shared().faults.set_pod_write_latency(d);
     }
 
     /// Cuts every open watch now (TCP closed mid-stream, no final chunk).

@@ -253,15 +253,15 @@ fn error_reply(e: &ApiError) -> Reply {
 /// Authenticates, applies latency and faults, serves, and records the request.
 fn dispatch(shared: &Shared, req: &http::Request, cert: Option<&CertIdentity>) -> Reply {
     let started = Instant::now();
-    let latency = shared.faults.latency();
-    if !latency.is_zero() {
-        std::thread::sleep(latency);
-    }
     let target = handlers::parse_target(&req.path);
     let (verb, resource) = match &target {
         Ok(Target::Resource(rp)) => (rp.verb(req).to_string(), rp.resource_name()),
         _ => ("get".to_string(), String::new()),
     };
+    let latency = shared.faults.delay_for(&verb, &resource);
+    if !latency.is_zero() {
+        std::thread::sleep(latency);
+    }
     let open = matches!(target, Ok(Target::Health | Target::Version));
     let metrics = super::metrics::metrics_target(&req.path);
     let user = authenticate(shared, req, cert);

@@ -101,3 +101,48 @@ fn a_lifecycle_retry_never_overwrites_a_newer_state() {
         "{e:?}"
     );
 }
+
+#[test]
+fn a_status_retry_never_overwrites_a_newer_status() {
+    let mut h = H::new(ProviderConfig::default());
+    let (op, _) = drive_to_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")));
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(vm_json(
+            "VM1",
+            "vk-ns-demo-0",
+            "running",
+            "02:00:00:00:00:01",
+        )),
+    );
+    let lop = lookup(&e).expect("lease lookup");
+    let e = h.feed(Input::LeaseLooked {
+        op: lop,
+        result: Ok(Some("10.0.0.9".into())),
+    });
+    let (ready_op, _) = statuses(&e)
+        .into_iter()
+        .find(|(_, s)| status::is_ready(s))
+        .expect("ready status");
+    // The Ready write fails (a retry is due in 500 ms); before it is due the probe reports
+    // the pod not ready, and that newer status is written.
+    h.feed(Input::KubeDone {
+        op: ready_op,
+        result: Err(KubeError::Other("429".into())),
+    });
+    let e = h.feed(Input::Readiness {
+        key: PodKey::new("ns", "a"),
+        uid: "u1".into(),
+        ready: false,
+        message: "probe failed".into(),
+        ip: None,
+    });
+    let (newer, st) = statuses(&e).into_iter().next().expect("the newer status");
+    assert!(!status::is_ready(&st));
+    h.kube_ok(newer);
+    let e = h.advance(Duration::from_secs(2));
+    assert!(
+        statuses(&e).iter().all(|(_, s)| !status::is_ready(s)),
+        "the stale Ready status was retried over the newer one: {e:?}"
+    );
+}
