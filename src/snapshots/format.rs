@@ -206,6 +206,37 @@ pub struct SnapshotFile {
     pub chunks: Vec<String>,
 }
 
+/// Whether a layer title may name a file in the import archive: a plain relative name, no
+/// `..`, no control characters (a NUL would cut the name short in the tar header), and not the
+/// envelope's own name.
+pub fn safe_layer_title(title: &str) -> bool {
+    !title.is_empty()
+        && !title.contains("..")
+        && !title.starts_with('/')
+        && title != "snapshot.json"
+        && !title.chars().any(char::is_control)
+}
+
+/// The mode a snapshot file gets in the import archive: permission bits only (a registry's
+/// setuid, setgid or sticky bits never reach the host); 0o640 when none are given.
+pub fn import_mode(mode: i64) -> u32 {
+    match (mode & 0o777) as u32 {
+        0 => 0o640,
+        m => m,
+    }
+}
+
+/// Whether a config's `snapshotId` is a plain identifier (or absent): ASCII letters, digits,
+/// `-`, `_`, `.`, not starting with `-` or `.`, at most 128 bytes.
+pub fn valid_snapshot_id(id: &str) -> bool {
+    id.is_empty()
+        || (id.len() <= 128
+            && !id.starts_with(['-', '.'])
+            && id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')))
+}
+
 /// Fills the config's cocoon fields from an export `snapshot.json` body (§13.6 export side).
 pub fn config_from_envelope(body: &[u8]) -> Result<SnapshotConfig, TransferError> {
     let mut de = serde_json::Deserializer::from_slice(body).into_iter::<serde_json::Value>();
@@ -619,5 +650,41 @@ mod tests {
         assert_eq!(classify(&v), ArtifactKind::SnapshotV1);
         let m = parse_manifest(&bytes, "t").unwrap();
         assert_eq!(m.layers().len(), 1);
+    }
+
+    #[test]
+    fn layer_titles_modes_and_snapshot_ids_are_checked_before_the_import() {
+        assert!(safe_layer_title("memory-ranges"));
+        assert!(safe_layer_title("overlay.qcow2"));
+        for bad in [
+            "",
+            "a\0b",
+            "x\n",
+            "../etc",
+            "/abs",
+            "snapshot.json",
+            "a/../b",
+        ] {
+            assert!(!safe_layer_title(bad), "{bad:?}");
+        }
+        assert_eq!(import_mode(0o644), 0o644);
+        assert_eq!(import_mode(0o4755), 0o755);
+        assert_eq!(import_mode(0o2755), 0o755);
+        assert_eq!(import_mode(0o1777), 0o777);
+        assert_eq!(import_mode(0o4000), 0o640);
+        assert_eq!(import_mode(0), 0o640);
+        assert_eq!(import_mode(-1), 0o777);
+        assert!(valid_snapshot_id(""));
+        assert!(valid_snapshot_id("3f9a-b_c.1"));
+        for bad in [
+            "-rf",
+            ".hidden",
+            "a b",
+            "a/b",
+            "a\0",
+            "x".repeat(129).as_str(),
+        ] {
+            assert!(!valid_snapshot_id(bad), "{bad:?}");
+        }
     }
 }

@@ -198,7 +198,16 @@ fn fetch_config(
         format::CONFIG_LIMIT,
         &what,
     )?;
-    serde_json::from_slice(&bytes).map_err(|e| TransferError::Format(format!("{what}: {e}")))
+    let cfg: SnapshotConfig = serde_json::from_slice(&bytes)
+        .map_err(|e| TransferError::Format(format!("{what}: {e}")))?;
+    // The id travels into cocoon's import envelope and the daemon's records.
+    if !format::valid_snapshot_id(&cfg.snapshot_id) {
+        return Err(TransferError::Format(format!(
+            "{what}: snapshotId {:?} is not a plain identifier",
+            cfg.snapshot_id
+        )));
+    }
+    Ok(cfg)
 }
 
 /// Manifest facts for a tag: `Ok(None)` when the tag does not exist (404).
@@ -291,7 +300,7 @@ fn plan(
         let title = title_of(d).ok_or_else(|| {
             TransferError::Format(format!("{what}: layer {} has no title", d.digest()))
         })?;
-        if title.contains("..") || title.starts_with('/') || title == "snapshot.json" {
+        if !format::safe_layer_title(&title) {
             return Err(TransferError::Format(format!(
                 "{what}: layer {} has an unsafe title {title:?}",
                 d.digest()
@@ -584,11 +593,7 @@ fn write_import_tar<W: Write>(
             PlanEntry::Encoded { title, size, .. } => (title, *size),
         };
         let file = cfg.files.get(title).cloned().unwrap_or_default();
-        let mode = if file.mode == 0 {
-            0o640
-        } else {
-            file.mode as u32
-        };
+        let mode = format::import_mode(file.mode);
         let mut pax = Vec::new();
         if !file.sparse_map.is_empty() {
             if file.sparse_size <= 0 {
