@@ -52,8 +52,9 @@ fn create_to_running(w: &World, name: &str) -> Duration {
     start.elapsed()
 }
 
-/// Sends batches of requests with fresh random tokens until `stop`; counts them, and their
-/// answers by code (401, 429, other) in `codes`.
+/// Sends batches of requests with fresh random tokens until `stop`, from 127.0.0.2 (another
+/// address than the legitimate caller's); counts them, and their answers by code (401, 429,
+/// other) in `codes`.
 fn flood(
     port: u16,
     dir: std::path::PathBuf,
@@ -73,7 +74,7 @@ fn flood(
                     .unwrap_or_default()
                     .subsec_nanos();
                 format!(
-                    "url = \"https://127.0.0.1:{port}/pods\"\ninsecure\nsilent\nmax-time = 5\n\
+                    "url = \"https://127.0.0.1:{port}/pods\"\ninsecure\nsilent\nmax-time = 5\ninterface = \"127.0.0.2\"\n\
                      output = \"/dev/null\"\nwrite-out = \"%{{http_code}}\\n\"\n\
                      header = \"Authorization: Bearer flood-{batch}-{i}-{salt}\"\n"
                 )
