@@ -502,3 +502,58 @@ fn idle_and_half_sent_requests_time_out() {
     );
     assert_eq!(h.wait_idle().connections, 0);
 }
+
+/// Waits (bounded) until the harness counters satisfy `f`.
+fn wait_counters(h: &Harness, what: &str, f: impl Fn(&kubelet_support::Counters) -> bool) {
+    let end = Instant::now() + Duration::from_secs(10);
+    while !f(&h.counters()) {
+        assert!(
+            Instant::now() < end,
+            "timed out waiting for {what}: {:?}",
+            h.counters()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn reviews_in_flight_per_address_are_capped_and_dropped_when_the_client_leaves() {
+    let h = Harness::start(Options::default());
+    let anon = h.client_config(None, &h.pki.ca_pem);
+    let held_request =
+        "GET /pods HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer held-token\r\n\r\n";
+    // Four reviews wait on a slow API server: the per-address cap.
+    let mut waiting = Vec::new();
+    for _ in 0..4 {
+        let mut s = h.connect(anon.clone()).unwrap();
+        s.write_all(held_request.as_bytes()).unwrap();
+        s.flush().unwrap();
+        waiting.push(s);
+    }
+    wait_counters(&h, "four held reviews", |c| c.held_reviews == 4);
+    // A fifth from the same address is turned away before any review.
+    let r = h
+        .request(
+            anon.clone(),
+            "GET",
+            "/pods",
+            &[("Authorization", &bearer("forged"))],
+        )
+        .unwrap();
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(h.counters().held_reviews, 4);
+    // The clients leave: their reviews are given up and the budget comes back.
+    drop(waiting);
+    wait_counters(&h, "reviews cancelled", |c| {
+        c.cancelled_reviews == 4 && c.held_reviews == 0
+    });
+    let r = h
+        .request(
+            anon.clone(),
+            "GET",
+            "/pods",
+            &[("Authorization", &bearer("forged"))],
+        )
+        .unwrap();
+    assert_eq!(r.status, 401, "{}", r.text());
+}

@@ -348,3 +348,37 @@ fn bench_1gib_push_pull_vs_curl() {
         rep.manifest_digest
     );
 }
+
+/// Peak RSS of reading a 30 MB manifest's head (the pull's first parse), beside the JSON tree
+/// the pull used to build. Run alone so the process peak is this test's:
+/// `cargo test --release --test snapshots_bench manifest_head_memory -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn manifest_head_memory() {
+    use vk_cocoon::snapshots::format::read_head;
+    let layer = r#"{"mediaType":"application/vnd.cocoonstack.vm.memory","digest":"sha256:0000000000000000000000000000000000000000000000000000000000000000","size":1,"annotations":{"org.opencontainers.image.title":"memory-ranges"}}"#;
+    let n = 30_000_000 / (layer.len() + 1);
+    let body = format!(
+        r#"{{"schemaVersion":2,"artifactType":"application/vnd.cocoonstack.snapshot.v1+json","layers":[{}]}}"#,
+        vec![layer; n].join(",")
+    );
+    let start = vm_hwm_kib();
+    let err = read_head(body.as_bytes(), "bench").expect_err("too many layers");
+    let head = vm_hwm_kib();
+    let tree: serde_json::Value = serde_json::from_slice(body.as_bytes()).unwrap();
+    let tree_peak = vm_hwm_kib();
+    drop(tree);
+    eprintln!(
+        "{} MB manifest, {n} layers: peak RSS {} MiB with the body, {} MiB after the head \
+         read ({err}), {} MiB after a JSON tree",
+        body.len() / 1_000_000,
+        start / 1024,
+        head / 1024,
+        tree_peak / 1024
+    );
+    assert!(
+        head - start < 16 * 1024,
+        "the head read grew RSS by {} KiB",
+        head - start
+    );
+}

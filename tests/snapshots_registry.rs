@@ -861,6 +861,55 @@ fn hand_built_manifest_from_spec_layout_pulls() {
     let err =
         pull_snapshot(&client, &pull_req(&cocoon, "hand", "bad2", "hb")).expect_err("unknown type");
     assert!(err.to_string().contains("newer reader"), "{err}");
+
+    // Hostile registry content never reaches the import.
+    let put = |tag: &str, m: &str| {
+        client
+            .put_manifest(
+                &client.reference("hand", tag).unwrap(),
+                m.as_bytes(),
+                "application/vnd.oci.image.manifest.v1+json",
+            )
+            .unwrap();
+    };
+    let with_config = |cfg: &str| {
+        let d = put_json_blob(&client, "hand", cfg.as_bytes());
+        manifest.replace(
+            &format!("\"digest\": \"{cd}\",\n    \"size\": {}", config.len()),
+            &format!("\"digest\": \"{d}\",\n    \"size\": {}", cfg.len()),
+        )
+    };
+    let text = std::str::from_utf8(config).unwrap();
+    // A NUL in a layer title would cut the member name short.
+    put(
+        "nul",
+        &manifest.replace("\"state.json\"", "\"state\\u0000.json\""),
+    );
+    let err = pull_snapshot(&client, &pull_req(&cocoon, "hand", "nul", "hn")).expect_err("NUL");
+    assert!(err.to_string().contains("unsafe title"), "{err}");
+    assert!(!cocoon.import_path("hn").exists());
+    // setuid / setgid / sticky bits are dropped: 0o6755 and 0o1777 become 0o755 and 0o777.
+    put(
+        "suid",
+        &with_config(&text.replace(
+            "\"config.json\":{\"mode\":416}",
+            "\"config.json\":{\"mode\":3565},\"state.json\":{\"mode\":1023}",
+        )),
+    );
+    pull_snapshot(&client, &pull_req(&cocoon, "hand", "suid", "hs")).expect("pull");
+    let (_, members) = read_members(&cocoon.import_path("hs"));
+    let mode = |n: &str| members.iter().find(|m| m.0 == n).unwrap().2;
+    assert_eq!(mode("config.json"), 0o755);
+    assert_eq!(mode("state.json"), 0o777);
+    // A snapshotId that is not a plain identifier is refused.
+    put(
+        "badid",
+        &with_config(&text.replace("\"01J9Z8K2Q6\"", "\"--force ../x\"")),
+    );
+    let err =
+        pull_snapshot(&client, &pull_req(&cocoon, "hand", "badid", "hi")).expect_err("bad id");
+    assert!(err.to_string().contains("snapshotId"), "{err}");
+    assert!(!cocoon.import_path("hi").exists());
 }
 
 #[test]

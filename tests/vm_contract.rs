@@ -162,8 +162,10 @@ fn simple_verbs() {
         v("snapshot import --name a --description d")
     );
     assert_eq!(argv::snapshot_export("a"), v("snapshot export a -o -"));
-    assert_eq!(argv::image_pull("r", false), v("image pull r"));
-    assert_eq!(argv::image_pull("r", true), v("image pull --force r"));
+    assert_eq!(argv::image_pull("r", false), v("image pull -- r"));
+    assert_eq!(argv::image_pull("r", true), v("image pull --force -- r"));
+    // An annotation value that looks like a flag stays an image name.
+    assert_eq!(argv::image_pull("--help", false), v("image pull -- --help"));
     assert_eq!(argv::image_inspect("r"), v("image inspect r"));
     assert_eq!(argv::image_import("r"), v("image import r"));
 }

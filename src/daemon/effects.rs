@@ -539,6 +539,7 @@ pub(super) fn authorize(kube: &Arc<Client>, req: &AuthRequest) -> AuthAnswer {
                         name: u.username.unwrap_or_default(),
                         uid: u.uid.unwrap_or_default(),
                         groups: u.groups.unwrap_or_default(),
+                        extra: u.extra.unwrap_or_default().into_iter().collect(),
                     }
                 }
                 Err(e) => return AuthAnswer::Error(format!("token review: {e}")),
@@ -546,11 +547,26 @@ pub(super) fn authorize(kube: &Arc<Client>, req: &AuthRequest) -> AuthAnswer {
         }
         (None, None) => return AuthAnswer::Unauthenticated,
     };
-    let review = SubjectAccessReview {
+    let review = access_review(&user, req);
+    match kube.create_subject_access_review(&review) {
+        Ok(r) => AuthAnswer::Decided {
+            user,
+            allowed: r.status.is_some_and(|s| s.allowed),
+        },
+        Err(e) => AuthAnswer::Error(format!("subject access review: {e}")),
+    }
+}
+
+/// The SubjectAccessReview for a caller: name, uid, groups and `extra` as the TokenReview
+/// gave them (authorisers may decide on extra, e.g. scopes), the request's attributes.
+fn access_review(user: &UserInfo, req: &AuthRequest) -> SubjectAccessReview {
+    SubjectAccessReview {
         spec: SubjectAccessReviewSpec {
             user: Some(user.name.clone()),
             uid: Some(user.uid.clone()).filter(|u| !u.is_empty()),
             groups: Some(user.groups.clone()),
+            extra: Some(user.extra.clone().into_iter().collect())
+                .filter(|e: &std::collections::BTreeMap<String, Vec<String>>| !e.is_empty()),
             resource_attributes: Some(SarAttributes {
                 verb: Some(req.attributes.verb.clone()),
                 resource: Some("nodes".into()),
@@ -562,19 +578,33 @@ pub(super) fn authorize(kube: &Arc<Client>, req: &AuthRequest) -> AuthAnswer {
             ..SubjectAccessReviewSpec::default()
         },
         ..SubjectAccessReview::default()
-    };
-    match kube.create_subject_access_review(&review) {
-        Ok(r) => AuthAnswer::Decided {
-            user,
-            allowed: r.status.is_some_and(|s| s.allowed),
-        },
-        Err(e) => AuthAnswer::Error(format!("subject access review: {e}")),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_access_review_carries_the_callers_extra() {
+        let user = UserInfo {
+            name: "sa".into(),
+            extra: [("scopes".to_string(), vec!["read".to_string()])].into(),
+            ..Default::default()
+        };
+        let req = AuthRequest {
+            token: Some("t".into()),
+            user: None,
+            attributes: crate::kubelet::auth::attributes("POST", "/exec/a/b/c", "n"),
+        };
+        let spec = access_review(&user, &req).spec;
+        assert_eq!(
+            spec.extra.unwrap_or_default().get("scopes"),
+            Some(&vec!["read".to_string()])
+        );
+        let plain = UserInfo::default();
+        assert!(access_review(&plain, &req).spec.extra.is_none());
+    }
 
     #[test]
     fn annotation_patches_delete_with_null_and_guard_with_uid() {

@@ -20,6 +20,7 @@
 //! SIGTERM / SIGINT stop the loop at once, VMs keep running (§25). SIGHUP is logged and ignored:
 //! every setting is read once at start, so a restart applies changes.
 
+mod auth_lane;
 mod effects;
 mod event_stream;
 mod kube_jobs;
@@ -188,6 +189,8 @@ pub struct Daemon {
     /// Event writes pause until then after a transient failure.
     events_hold: Option<Instant>,
     kubelet: KubeletServer,
+    /// TokenReview / SubjectAccessReview calls for the kubelet API, apart from the pool.
+    auth_lane: auth_lane::AuthLane,
     probes: ProbeEngine<TimerId>,
     leases: LeaseFile,
     releaser: Arc<LeaseReleaser>,
@@ -292,6 +295,15 @@ impl Daemon {
         );
 
         let kubelet = startup::kubelet_server(&config, &kube, node.options(), stats, &mut reactor)?;
+        let review_kube = kube.clone();
+        let auth_lane = auth_lane::AuthLane::new(
+            Arc::new(move |req: &crate::kubelet::AuthRequest| {
+                effects::authorize(&review_kube, req)
+            }),
+            reactor.notifier(),
+            reactor.now(),
+        )
+        .map_err(|e| StartError::new(1, format!("authorisation threads: {e}")))?;
 
         let mut probe_manager = ProbeManager::new(
             ProbeConfig::default(),
@@ -379,6 +391,7 @@ impl Daemon {
             events,
             events_hold: None,
             kubelet,
+            auth_lane,
             probes,
             leases,
             releaser,
@@ -573,6 +586,7 @@ impl Daemon {
                 }
             }
             Work::KubeletAuth { id, answer } => {
+                self.auth_lane.done(id);
                 self.kubelet.on_auth_answer(&mut self.reactor, id, answer);
                 self.kubelet_auth();
             }
@@ -711,20 +725,16 @@ impl Daemon {
     }
 
     /// Answers the kubelet server's pending TokenReview / SubjectAccessReview requests on the
-    /// worker pool (blocking API calls never run on the loop).
+    /// review lane (blocking API calls never run on the loop, nor on the shared pool), and
+    /// drops those whose client left.
     fn kubelet_auth(&mut self) {
+        for id in self.kubelet.take_cancelled_auth() {
+            self.auth_lane.cancel(id);
+        }
+        let now = self.reactor.now();
         for (id, req) in self.kubelet.take_auth_requests() {
-            let kube = self.kube.clone();
-            let job = move || Work::KubeletAuth {
-                id,
-                answer: effects::authorize(&kube, &req),
-            };
-            if self.reactor.submit(job).is_err() {
-                self.kubelet.on_auth_answer(
-                    &mut self.reactor,
-                    id,
-                    AuthAnswer::Error("authorisation queue full".into()),
-                );
+            if let Err(answer) = self.auth_lane.submit(id, req, now) {
+                self.kubelet.on_auth_answer(&mut self.reactor, id, answer);
             }
         }
     }

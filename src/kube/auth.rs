@@ -12,6 +12,9 @@ use super::kubeconfig::{AuthConfig, ExecConfig};
 
 /// How long an exec plugin may run before it is killed.
 const EXEC_TIMEOUT: Duration = Duration::from_secs(30);
+/// After a plugin exits, how long its output may take to reach end of file. A background
+/// process it left behind can hold the pipe open for ever; what was written by then is used.
+const EXEC_EOF_GRACE: Duration = Duration::from_secs(1);
 /// Refresh exec credentials this long before they expire.
 const EXPIRY_LEEWAY: Duration = Duration::from_secs(10);
 /// A token file is re-checked at least this often (it is also re-read whenever it changes).
@@ -185,23 +188,9 @@ fn run_exec(cfg: &ExecConfig) -> Result<ExecCredential, KubeError> {
     let mut child = cmd
         .spawn()
         .map_err(|e| fail(format!("cannot start: {e}")))?;
-    let mut stdout = child.stdout.take();
-    let mut stderr = child.stderr.take();
     // Drain both pipes on helper threads so a chatty plugin cannot block on a full pipe.
-    let out_thread = std::thread::spawn(move || {
-        let mut buf = Vec::new();
-        if let Some(s) = stdout.as_mut() {
-            let _ = s.take(1 << 20).read_to_end(&mut buf);
-        }
-        buf
-    });
-    let err_thread = std::thread::spawn(move || {
-        let mut buf = Vec::new();
-        if let Some(s) = stderr.as_mut() {
-            let _ = s.take(64 << 10).read_to_end(&mut buf);
-        }
-        buf
-    });
+    let out = drain(child.stdout.take(), 1 << 20);
+    let err = drain(child.stderr.take(), 64 << 10);
     let deadline = Instant::now() + EXEC_TIMEOUT;
     let status = loop {
         match child.try_wait() {
@@ -215,8 +204,16 @@ fn run_exec(cfg: &ExecConfig) -> Result<ExecCredential, KubeError> {
             Err(e) => return Err(fail(format!("wait: {e}"))),
         }
     };
-    let out = out_thread.join().unwrap_or_default();
-    let err = err_thread.join().unwrap_or_default();
+    let eof_by = Instant::now() + EXEC_EOF_GRACE;
+    let (out, out_closed) = out.collect(eof_by);
+    let (err, _) = err.collect(eof_by);
+    if !out_closed {
+        log::warn!(
+            "exec plugin {}: its output stayed open after it exited (a background process \
+             holds it); using what it wrote",
+            cfg.command
+        );
+    }
     if !status.success() {
         let msg = String::from_utf8_lossy(&err[..err.len().min(512)])
             .trim()
@@ -224,6 +221,45 @@ fn run_exec(cfg: &ExecConfig) -> Result<ExecCredential, KubeError> {
         return Err(fail(format!("exited with {status}: {msg}")));
     }
     parse_exec_output(&out).map_err(fail)
+}
+
+/// A pipe read to EOF (or `limit` bytes) on a helper thread.
+struct Drained {
+    buf: std::sync::Arc<Mutex<Vec<u8>>>,
+    done: std::sync::mpsc::Receiver<()>,
+}
+
+fn drain(pipe: Option<impl Read + Send + 'static>, limit: u64) -> Drained {
+    let buf = std::sync::Arc::new(Mutex::new(Vec::new()));
+    let (tx, done) = std::sync::mpsc::channel();
+    let shared = buf.clone();
+    std::thread::spawn(move || {
+        if let Some(p) = pipe {
+            let mut p = p.take(limit);
+            let mut chunk = [0u8; 8192];
+            while let Ok(n) = p.read(&mut chunk) {
+                if n == 0 {
+                    break;
+                }
+                shared
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .extend_from_slice(&chunk[..n]);
+            }
+        }
+        let _ = tx.send(());
+    });
+    Drained { buf, done }
+}
+
+impl Drained {
+    /// What was read by EOF, or by `by` if the pipe is still open then (and whether it closed).
+    fn collect(self, by: Instant) -> (Vec<u8>, bool) {
+        let wait = by.saturating_duration_since(Instant::now());
+        let closed = self.done.recv_timeout(wait).is_ok();
+        let out = std::mem::take(&mut *self.buf.lock().unwrap_or_else(|e| e.into_inner()));
+        (out, closed)
+    }
 }
 
 /// Parse a plugin's stdout (`ExecCredential` with status.token or client cert/key data).
@@ -328,6 +364,37 @@ mod tests {
         );
         std::fs::remove_file(&p).unwrap();
         assert!(matches!(c.current(), Err(KubeError::Credentials(_))));
+    }
+
+    #[test]
+    fn an_exec_plugin_that_leaves_a_child_holding_stdout_does_not_hang() {
+        let dir = tempfile::tempdir().unwrap();
+        let plugin = dir.path().join("plugin");
+        let cred = r#"{"apiVersion":"client.authentication.k8s.io/v1","kind":"ExecCredential","status":{"token":"tok-1"}}"#;
+        std::fs::write(
+            &plugin,
+            format!("#!/bin/sh\necho '{cred}'\nsleep 30 &\nexit 0\n"),
+        )
+        .unwrap();
+        std::fs::set_permissions(&plugin, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        let c = Credentials::new(&AuthConfig::Exec(ExecConfig {
+            api_version: "client.authentication.k8s.io/v1".into(),
+            command: plugin.display().to_string(),
+            args: vec![],
+            env: vec![],
+            provide_cluster_info: false,
+            cluster_server: String::new(),
+            cluster_ca_pem: None,
+        }));
+        let start = Instant::now();
+        let m = c.current().unwrap();
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "took {:?}",
+            start.elapsed()
+        );
+        assert_eq!(m.authorization.as_deref(), Some("Bearer tok-1"));
     }
 
     #[test]

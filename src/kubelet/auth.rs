@@ -4,15 +4,19 @@
 //! Pure: request attributes, decision caches, and the review JSON bodies. The blocking API calls
 //! are made by the daemon, which answers `KubeletAction::Authorize` with `on_auth_answer`.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
 
 /// TokenReview results are reused this long.
 pub const TOKEN_CACHE_TTL: Duration = Duration::from_secs(120);
 /// Rejected tokens are remembered this long.
 pub const TOKEN_NEGATIVE_TTL: Duration = Duration::from_secs(30);
+/// Bound on remembered rejected tokens, kept apart from the accepted ones so that a flood of
+/// random tokens never pushes a legitimate caller's entry out.
+pub const REJECTED_CAP: usize = 1024;
 /// Allowed SubjectAccessReviews are reused this long.
 pub const ALLOW_CACHE_TTL: Duration = Duration::from_secs(300);
 /// Denied SubjectAccessReviews are reused this long.
@@ -21,11 +25,14 @@ pub const DENY_CACHE_TTL: Duration = Duration::from_secs(30);
 pub const CACHE_CAP: usize = 4096;
 
 /// Who the caller is.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct UserInfo {
     pub name: String,
     pub uid: String,
     pub groups: Vec<String>,
+    /// `user.extra` of the TokenReview (scopes, credential ids), passed on to the
+    /// SubjectAccessReview: authorisers may decide on it.
+    pub extra: BTreeMap<String, Vec<String>>,
 }
 
 /// The SubjectAccessReview resource attributes for one request (resource `nodes`, group "",
@@ -86,6 +93,9 @@ pub enum AuthAnswer {
     Decided { user: UserInfo, allowed: bool },
     /// An API call failed; the request gets 500.
     Error(String),
+    /// The review budget is spent (reviews in flight for this caller, or the daemon's review
+    /// rate): the request gets 429 without an API call.
+    Busy,
 }
 
 /// Result of a cache lookup.
@@ -97,11 +107,35 @@ pub enum Cached {
     Miss,
 }
 
+/// The SHA-256 of a bearer token: the caches never hold a token itself.
+pub type TokenHash = [u8; 32];
+
+pub fn token_hash(token: &str) -> TokenHash {
+    Sha256::digest(token.as_bytes()).into()
+}
+
 /// The token and decision caches.
 #[derive(Default)]
 pub struct AuthCache {
-    tokens: HashMap<String, (Option<UserInfo>, Instant)>,
+    tokens: HashMap<TokenHash, (UserInfo, Instant)>,
+    rejected: HashMap<TokenHash, Instant>,
     decisions: HashMap<(UserInfo, ResourceAttributes), (bool, Instant)>,
+}
+
+/// Makes room in a bounded map: expired entries go first, then everything (a full map of live
+/// entries is a flood, not a working set).
+fn make_room<K, V>(
+    m: &mut HashMap<K, V>,
+    cap: usize,
+    now: Instant,
+    expiry: impl Fn(&V) -> Instant,
+) {
+    if m.len() >= cap {
+        m.retain(|_, v| expiry(v) > now);
+        if m.len() >= cap {
+            m.clear();
+        }
+    }
 }
 
 impl AuthCache {
@@ -116,13 +150,16 @@ impl AuthCache {
     ) -> Cached {
         let user = match (token, user) {
             (_, Some(u)) => u.clone(),
-            (Some(t), None) => match self.tokens.get(t) {
-                Some((u, exp)) if *exp > now => match u {
-                    Some(u) => u.clone(),
-                    None => return Cached::Unauthenticated,
-                },
-                _ => return Cached::Miss,
-            },
+            (Some(t), None) => {
+                let h = token_hash(t);
+                if self.rejected.get(&h).is_some_and(|exp| *exp > now) {
+                    return Cached::Unauthenticated;
+                }
+                match self.tokens.get(&h) {
+                    Some((u, exp)) if *exp > now => u.clone(),
+                    _ => return Cached::Miss,
+                }
+            }
             (None, None) => return Cached::Unauthenticated,
         };
         match self.decisions.get(&(user, attrs.clone())) {
@@ -139,30 +176,22 @@ impl AuthCache {
 
     /// Records the daemon's answer.
     pub fn record(&mut self, req: &AuthRequest, answer: &AuthAnswer, now: Instant) {
-        if self.tokens.len() >= CACHE_CAP {
-            self.tokens.retain(|_, (_, exp)| *exp > now);
-            if self.tokens.len() >= CACHE_CAP {
-                self.tokens.clear();
-            }
-        }
-        if self.decisions.len() >= CACHE_CAP {
-            self.decisions.retain(|_, (_, exp)| *exp > now);
-            if self.decisions.len() >= CACHE_CAP {
-                self.decisions.clear();
-            }
-        }
         match answer {
             AuthAnswer::Unauthenticated => {
                 if let Some(t) = &req.token {
-                    self.tokens
-                        .insert(t.clone(), (None, now + TOKEN_NEGATIVE_TTL));
+                    make_room(&mut self.rejected, REJECTED_CAP, now, |e| *e);
+                    self.rejected
+                        .insert(token_hash(t), now + TOKEN_NEGATIVE_TTL);
                 }
             }
             AuthAnswer::Decided { user, allowed } => {
                 if let Some(t) = &req.token {
-                    self.tokens
-                        .insert(t.clone(), (Some(user.clone()), now + TOKEN_CACHE_TTL));
+                    make_room(&mut self.tokens, CACHE_CAP, now, |e| e.1);
+                    let h = token_hash(t);
+                    self.rejected.remove(&h);
+                    self.tokens.insert(h, (user.clone(), now + TOKEN_CACHE_TTL));
                 }
+                make_room(&mut self.decisions, CACHE_CAP, now, |e| e.1);
                 let ttl = if *allowed {
                     ALLOW_CACHE_TTL
                 } else {
@@ -173,7 +202,7 @@ impl AuthCache {
                     (*allowed, now + ttl),
                 );
             }
-            AuthAnswer::Error(_) => {}
+            AuthAnswer::Error(_) | AuthAnswer::Busy => {}
         }
     }
 }
@@ -210,6 +239,25 @@ pub fn token_review_user(resp: &Value) -> Option<UserInfo> {
                     .collect()
             })
             .unwrap_or_default(),
+        extra: u
+            .get("extra")
+            .and_then(Value::as_object)
+            .map(|o| {
+                o.iter()
+                    .map(|(k, v)| {
+                        let vals = v
+                            .as_array()
+                            .map(|a| {
+                                a.iter()
+                                    .filter_map(|x| x.as_str().map(str::to_string))
+                                    .collect()
+                            })
+                            .unwrap_or_default();
+                        (k.clone(), vals)
+                    })
+                    .collect()
+            })
+            .unwrap_or_default(),
     })
 }
 
@@ -222,6 +270,7 @@ pub fn subject_access_review_request(user: &UserInfo, attrs: &ResourceAttributes
             "user": user.name,
             "uid": user.uid,
             "groups": user.groups,
+            "extra": user.extra,
             "resourceAttributes": {
                 "verb": attrs.verb,
                 "group": "",
@@ -249,6 +298,7 @@ pub fn user_from_cert(id: &super::tls::CertIdentity) -> Option<UserInfo> {
         name,
         uid: String::new(),
         groups: id.organizations.clone(),
+        extra: BTreeMap::new(),
     })
 }
 
@@ -293,7 +343,7 @@ mod tests {
         let user = UserInfo {
             name: "u".into(),
             uid: "1".into(),
-            groups: vec![],
+            ..Default::default()
         };
         c.record(
             &req,
@@ -346,6 +396,52 @@ mod tests {
     }
 
     #[test]
+    fn a_flood_of_rejected_tokens_never_evicts_an_accepted_one_and_no_token_is_kept() {
+        let mut c = AuthCache::default();
+        let t0 = Instant::now();
+        let attrs = attributes("GET", "/pods", "n");
+        let good = AuthRequest {
+            token: Some("good-token".into()),
+            user: None,
+            attributes: attrs.clone(),
+        };
+        let user = UserInfo {
+            name: "u".into(),
+            ..Default::default()
+        };
+        c.record(
+            &good,
+            &AuthAnswer::Decided {
+                user,
+                allowed: true,
+            },
+            t0,
+        );
+        for i in 0..3 * REJECTED_CAP {
+            let bad = AuthRequest {
+                token: Some(format!("random-{i}")),
+                user: None,
+                attributes: attrs.clone(),
+            };
+            c.record(&bad, &AuthAnswer::Unauthenticated, t0);
+        }
+        assert!(c.rejected.len() <= REJECTED_CAP);
+        assert_eq!(
+            c.lookup(Some("good-token"), None, &attrs, t0),
+            Cached::Allowed
+        );
+        // A recent rejection is answered from the cache.
+        let last = format!("random-{}", 3 * REJECTED_CAP - 1);
+        assert_eq!(
+            c.lookup(Some(&last), None, &attrs, t0),
+            Cached::Unauthenticated
+        );
+        // Keys are digests, not tokens.
+        assert!(c.tokens.contains_key(&token_hash("good-token")));
+        assert_eq!(token_hash("good-token").len(), 32);
+    }
+
+    #[test]
     fn review_bodies() {
         let r = token_review_user(&json!({"status":{"authenticated":true,"user":{"username":"sa","uid":"9","groups":["g1"]}}})).unwrap();
         assert_eq!(r.name, "sa");
@@ -355,6 +451,10 @@ mod tests {
         let body = subject_access_review_request(&r, &attributes("GET", "/stats/summary", "node1"));
         assert_eq!(body["spec"]["resourceAttributes"]["subresource"], "stats");
         assert_eq!(body["spec"]["resourceAttributes"]["name"], "node1");
+        let with_extra = token_review_user(&json!({"status":{"authenticated":true,"user":{"username":"sa","extra":{"scopes":["a","b"]}}}})).unwrap();
+        assert_eq!(with_extra.extra["scopes"], vec!["a", "b"]);
+        let body = subject_access_review_request(&with_extra, &attributes("GET", "/", "n"));
+        assert_eq!(body["spec"]["extra"]["scopes"][1], "b");
         assert!(subject_access_review_allowed(
             &json!({"status":{"allowed":true}})
         ));

@@ -52,6 +52,8 @@ pub struct KubeletConfig {
     pub max_unauthenticated: usize,
     /// Connections that have not authenticated yet, from one address.
     pub max_unauthenticated_per_peer: usize,
+    /// TokenReview / SubjectAccessReview calls in flight for one address; more get 429.
+    pub max_reviews_per_peer: usize,
     /// TLS handshake and request head of a connection that has not authenticated (and its
     /// keep-alive idle time): short, so idle sockets give their slot back quickly.
     pub unauthenticated_timeout: Duration,
@@ -84,6 +86,7 @@ impl KubeletConfig {
             max_connections_per_peer: 512,
             max_unauthenticated: 256,
             max_unauthenticated_per_peer: 64,
+            max_reviews_per_peer: 4,
             unauthenticated_timeout: Duration::from_secs(5),
             output_pause_at: 256 * 1024,
             max_queued_stdin: 256 * 1024,

@@ -130,8 +130,13 @@ pub struct KubeletServer {
     view: KubeletView,
     index: HashMap<(String, String), usize>,
     children: HashMap<ChildId, Token>,
-    auth_pending: HashMap<AuthId, (Token, AuthRequest)>,
+    auth_pending: HashMap<AuthId, (Token, AuthRequest, PeerKey)>,
     auth_out: Vec<(AuthId, AuthRequest)>,
+    /// Reviews whose client left (or timed out) before the answer: the daemon drops them
+    /// unrun if they are still queued.
+    auth_cancelled: Vec<AuthId>,
+    /// Reviews in flight per peer address (capped: each costs the API server a call).
+    reviews: PeerCounts,
     next_auth: u64,
     cache: AuthCache,
     timer: Option<(TimerId, Instant)>,
@@ -166,6 +171,8 @@ impl KubeletServer {
             children: HashMap::new(),
             auth_pending: HashMap::new(),
             auth_out: Vec::new(),
+            auth_cancelled: Vec::new(),
+            reviews: PeerCounts::default(),
             next_auth: 1,
             cache: AuthCache::default(),
             timer: None,
@@ -241,6 +248,22 @@ impl KubeletServer {
     /// Authorisation work for the daemon: for each, resolve and call `on_auth_answer`.
     pub fn take_auth_requests(&mut self) -> Vec<(AuthId, AuthRequest)> {
         std::mem::take(&mut self.auth_out)
+    }
+
+    /// Authorisation requests no longer wanted (the client left or timed out): drop them if
+    /// they have not run.
+    pub fn take_cancelled_auth(&mut self) -> Vec<AuthId> {
+        std::mem::take(&mut self.auth_cancelled)
+    }
+
+    /// Forgets a pending review; `cancelled` when nobody answered it.
+    fn drop_pending(&mut self, id: AuthId, cancelled: bool) -> Option<(Token, AuthRequest)> {
+        let (token, req, peer) = self.auth_pending.remove(&id)?;
+        self.reviews.remove(peer);
+        if cancelled {
+            self.auth_cancelled.push(id);
+        }
+        Some((token, req))
     }
 
     // ----- entry points -------------------------------------------------------------------
@@ -401,7 +424,7 @@ impl KubeletServer {
         id: AuthId,
         answer: AuthAnswer,
     ) {
-        let Some((token, req)) = self.auth_pending.remove(&id) else {
+        let Some((token, req)) = self.drop_pending(id, false) else {
             return;
         };
         self.cache.record(&req, &answer, r.now());
@@ -437,6 +460,7 @@ impl KubeletServer {
             AuthAnswer::Unauthenticated => {
                 self.respond(r, token, routes::text(401, "Unauthorized", false), true)
             }
+            AuthAnswer::Busy => self.respond(r, token, too_many_reviews(), true),
             AuthAnswer::Error(e) => {
                 // The API server's text may name internals: it goes to the log (once a minute,
                 // callers can trigger it at will), the caller gets a generic body.
@@ -905,6 +929,14 @@ impl KubeletServer {
                 self.respond(r, token, routes::text(401, "Unauthorized", false), true)
             }
             Cached::Miss => {
+                let Some(peer) = self.conns.get(&token).map(|c| c.peer) else {
+                    return;
+                };
+                // Each review is an API call the caller makes us pay for: a few at a time
+                // per address, the rest are turned away before any call.
+                if self.reviews.of(peer) >= self.cfg.max_reviews_per_peer {
+                    return self.respond(r, token, too_many_reviews(), true);
+                }
                 let id = AuthId(self.next_auth);
                 self.next_auth += 1;
                 let areq = AuthRequest {
@@ -912,7 +944,8 @@ impl KubeletServer {
                     user,
                     attributes: attrs,
                 };
-                self.auth_pending.insert(id, (token, areq.clone()));
+                self.reviews.add(peer);
+                self.auth_pending.insert(id, (token, areq.clone(), peer));
                 self.auth_out.push((id, areq));
                 let deadline = r.now() + self.cfg.auth_timeout;
                 if let Some(c) = self.conns.get_mut(&token) {
@@ -1377,7 +1410,7 @@ impl KubeletServer {
             }
             Phase::WaitAuth { id, .. } => {
                 let id = *id;
-                self.auth_pending.remove(&id);
+                self.drop_pending(id, true);
                 self.respond(
                     r,
                     token,
@@ -1587,7 +1620,7 @@ impl KubeletServer {
                 child: Some(id), ..
             } if self.children.remove(&id).is_some() => r.kill(id),
             Phase::WaitAuth { id, .. } => {
-                self.auth_pending.remove(&id);
+                self.drop_pending(id, true);
             }
             _ => {}
         }
@@ -1645,4 +1678,13 @@ struct PodOut<'a> {
     spec: Option<&'a k8s_openapi::api::core::v1::PodSpec>,
     #[serde(skip_serializing_if = "Option::is_none")]
     status: Option<&'a k8s_openapi::api::core::v1::PodStatus>,
+}
+
+/// 429 for a caller over its review budget; the connection closes (it may retry later).
+fn too_many_reviews() -> Vec<u8> {
+    routes::text(
+        429,
+        "Too Many Requests: authentication reviews in flight",
+        true,
+    )
 }

@@ -93,26 +93,164 @@ impl ArtifactKind {
     }
 }
 
-/// Classifies a raw manifest document.
-pub fn classify(doc: &serde_json::Value) -> ArtifactKind {
-    let s = |v: Option<&serde_json::Value>| v.and_then(|x| x.as_str()).unwrap_or("").to_string();
-    let artifact = s(doc.get("artifactType"));
-    match artifact.as_str() {
+/// Layers (or index children) a manifest may list. A snapshot of a 1 TiB disk in 64 MiB
+/// chunks is 16,384 layers; more is refused before the list is parsed into descriptors.
+pub const MAX_MANIFEST_ENTRIES: usize = 16_384;
+
+/// What a manifest's top level says, read in one pass without building a JSON tree: the
+/// `layers` and `manifests` lists are only counted, annotation values other than strings are
+/// skipped. The body may be up to 100 MiB; a tree of it would take several times that.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ManifestHead {
+    pub artifact_type: Option<String>,
+    pub media_type: Option<String>,
+    pub config: Option<ConfigHead>,
+    pub layers: Option<Counted>,
+    pub manifests: Option<Counted>,
+    pub annotations: Option<BTreeMap<String, StringOnly>>,
+}
+
+/// `config.mediaType` of a manifest.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ConfigHead {
+    pub media_type: Option<String>,
+}
+
+/// A JSON array seen only for its length.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Counted(pub usize);
+
+impl<'de> Deserialize<'de> for Counted {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Count;
+        impl<'de> serde::de::Visitor<'de> for Count {
+            type Value = Counted;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an array")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut a: A,
+            ) -> Result<Counted, A::Error> {
+                let mut n = 0;
+                while a.next_element::<serde::de::IgnoredAny>()?.is_some() {
+                    n += 1;
+                }
+                Ok(Counted(n))
+            }
+        }
+        d.deserialize_seq(Count)
+    }
+}
+
+/// A JSON value kept only when it is a string (annotation values).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct StringOnly(pub Option<String>);
+
+impl<'de> Deserialize<'de> for StringOnly {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Keep;
+        impl<'de> serde::de::Visitor<'de> for Keep {
+            type Value = StringOnly;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("any JSON value")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<StringOnly, E> {
+                Ok(StringOnly(Some(v.to_string())))
+            }
+            fn visit_string<E: serde::de::Error>(self, v: String) -> Result<StringOnly, E> {
+                Ok(StringOnly(Some(v)))
+            }
+            fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<StringOnly, E> {
+                Ok(StringOnly(None))
+            }
+            fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<StringOnly, E> {
+                Ok(StringOnly(None))
+            }
+            fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<StringOnly, E> {
+                Ok(StringOnly(None))
+            }
+            fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<StringOnly, E> {
+                Ok(StringOnly(None))
+            }
+            fn visit_unit<E: serde::de::Error>(self) -> Result<StringOnly, E> {
+                Ok(StringOnly(None))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut a: A,
+            ) -> Result<StringOnly, A::Error> {
+                while a.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                Ok(StringOnly(None))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut a: A,
+            ) -> Result<StringOnly, A::Error> {
+                while a
+                    .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
+                    .is_some()
+                {}
+                Ok(StringOnly(None))
+            }
+        }
+        d.deserialize_any(Keep)
+    }
+}
+
+impl ManifestHead {
+    /// The string annotations.
+    pub fn string_annotations(&self) -> BTreeMap<String, String> {
+        self.annotations
+            .iter()
+            .flatten()
+            .filter_map(|(k, v)| v.0.clone().map(|v| (k.clone(), v)))
+            .collect()
+    }
+}
+
+/// Reads a manifest's head; refuses one that lists more than `MAX_MANIFEST_ENTRIES`.
+pub fn read_head(body: &[u8], what: &str) -> Result<ManifestHead, TransferError> {
+    let head: ManifestHead = serde_json::from_slice(body)
+        .map_err(|e| TransferError::Format(format!("{what}: manifest is not JSON: {e}")))?;
+    let entries = head
+        .layers
+        .unwrap_or_default()
+        .0
+        .max(head.manifests.unwrap_or_default().0);
+    if entries > MAX_MANIFEST_ENTRIES {
+        return Err(TransferError::Format(format!(
+            "{what}: manifest lists {entries} entries, at most {MAX_MANIFEST_ENTRIES}"
+        )));
+    }
+    Ok(head)
+}
+
+/// Classifies a manifest by its head.
+pub fn classify(doc: &ManifestHead) -> ArtifactKind {
+    let artifact = doc.artifact_type.as_deref().unwrap_or("");
+    match artifact {
         OS_IMAGE | WINDOWS_IMAGE => return ArtifactKind::CloudImage,
         SNAPSHOT_V1 => return ArtifactKind::SnapshotV1,
         SNAPSHOT_V2 => return ArtifactKind::SnapshotV2,
         _ => {}
     }
-    let config_type = s(doc.get("config").and_then(|c| c.get("mediaType")));
+    let config_type = doc
+        .config
+        .as_ref()
+        .and_then(|c| c.media_type.as_deref())
+        .unwrap_or("");
     if config_type == "application/vnd.oci.image.config.v1+json"
         || config_type == "application/vnd.docker.container.image.v1+json"
     {
         return ArtifactKind::ContainerImage;
     }
-    let top = s(doc.get("mediaType"));
+    let top = doc.media_type.as_deref().unwrap_or("");
     if top == INDEX_MEDIA_TYPE
         || top == DOCKER_LIST_MEDIA_TYPE
-        || (top.is_empty() && doc.get("manifests").is_some())
+        || (top.is_empty() && doc.manifests.is_some())
     {
         return ArtifactKind::ImageIndex;
     }
@@ -204,6 +342,37 @@ pub struct SnapshotFile {
     pub size: i64,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub chunks: Vec<String>,
+}
+
+/// Whether a layer title may name a file in the import archive: a plain relative name, no
+/// `..`, no control characters (a NUL would cut the name short in the tar header), and not the
+/// envelope's own name.
+pub fn safe_layer_title(title: &str) -> bool {
+    !title.is_empty()
+        && !title.contains("..")
+        && !title.starts_with('/')
+        && title != "snapshot.json"
+        && !title.chars().any(char::is_control)
+}
+
+/// The mode a snapshot file gets in the import archive: permission bits only (a registry's
+/// setuid, setgid or sticky bits never reach the host); 0o640 when none are given.
+pub fn import_mode(mode: i64) -> u32 {
+    match (mode & 0o777) as u32 {
+        0 => 0o640,
+        m => m,
+    }
+}
+
+/// Whether a config's `snapshotId` is a plain identifier (or absent): ASCII letters, digits,
+/// `-`, `_`, `.`, not starting with `-` or `.`, at most 128 bytes.
+pub fn valid_snapshot_id(id: &str) -> bool {
+    id.is_empty()
+        || (id.len() <= 128
+            && !id.starts_with(['-', '.'])
+            && id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')))
 }
 
 /// Fills the config's cocoon fields from an export `snapshot.json` body.
@@ -513,7 +682,7 @@ mod tests {
 
     #[test]
     fn classification() {
-        let j = |s: &str| serde_json::from_str::<serde_json::Value>(s).unwrap();
+        let j = |s: &str| read_head(s.as_bytes(), "t").unwrap();
         assert_eq!(
             classify(&j(&format!(r#"{{"artifactType":"{OS_IMAGE}"}}"#))),
             ArtifactKind::CloudImage
@@ -615,9 +784,71 @@ mod tests {
         let bytes = build_manifest(false, &d, 5, &layers, &top).unwrap();
         let text = String::from_utf8(bytes.clone()).unwrap();
         assert!(text.starts_with("{\n  \"schemaVersion\": 2,\n  \"mediaType\""));
-        let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
-        assert_eq!(classify(&v), ArtifactKind::SnapshotV1);
+        assert_eq!(
+            classify(&read_head(&bytes, "t").unwrap()),
+            ArtifactKind::SnapshotV1
+        );
         let m = parse_manifest(&bytes, "t").unwrap();
         assert_eq!(m.layers().len(), 1);
+    }
+
+    #[test]
+    fn layer_titles_modes_and_snapshot_ids_are_checked_before_the_import() {
+        assert!(safe_layer_title("memory-ranges"));
+        assert!(safe_layer_title("overlay.qcow2"));
+        for bad in [
+            "",
+            "a\0b",
+            "x\n",
+            "../etc",
+            "/abs",
+            "snapshot.json",
+            "a/../b",
+        ] {
+            assert!(!safe_layer_title(bad), "{bad:?}");
+        }
+        assert_eq!(import_mode(0o644), 0o644);
+        assert_eq!(import_mode(0o4755), 0o755);
+        assert_eq!(import_mode(0o2755), 0o755);
+        assert_eq!(import_mode(0o1777), 0o777);
+        assert_eq!(import_mode(0o4000), 0o640);
+        assert_eq!(import_mode(0), 0o640);
+        assert_eq!(import_mode(-1), 0o777);
+        assert!(valid_snapshot_id(""));
+        assert!(valid_snapshot_id("3f9a-b_c.1"));
+        for bad in [
+            "-rf",
+            ".hidden",
+            "a b",
+            "a/b",
+            "a\0",
+            "x".repeat(129).as_str(),
+        ] {
+            assert!(!valid_snapshot_id(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_manifest_head_is_read_without_a_tree_and_overlong_lists_are_refused() {
+        let body = r#"{"schemaVersion":2,"artifactType":null,"layers":[{"a":[1,{"b":2}]},{}],
+            "annotations":{"k":"v","n":{"deep":[1,2,3]},"z":7}}"#;
+        let head = read_head(body.as_bytes(), "t").unwrap();
+        assert_eq!(head.layers, Some(Counted(2)));
+        assert_eq!(
+            head.string_annotations(),
+            [("k".to_string(), "v".to_string())].into()
+        );
+        let many = format!(
+            r#"{{"layers":[{}]}}"#,
+            vec!["{}"; MAX_MANIFEST_ENTRIES + 1].join(",")
+        );
+        let err = read_head(many.as_bytes(), "t").unwrap_err();
+        assert!(err.to_string().contains("entries"), "{err}");
+        let children = format!(
+            r#"{{"manifests":[{}]}}"#,
+            vec!["{}"; MAX_MANIFEST_ENTRIES + 1].join(",")
+        );
+        assert!(read_head(children.as_bytes(), "t").is_err());
+        assert!(read_head(b"[1]", "t").is_err());
     }
 }

@@ -92,7 +92,7 @@ pub struct CloudImageRequest {
 /// A resolved single-image manifest.
 struct Resolved {
     reference: Reference,
-    doc: serde_json::Value,
+    head: format::ManifestHead,
     body: Vec<u8>,
     kind: ArtifactKind,
     was_index: bool,
@@ -107,13 +107,12 @@ fn resolve_manifest(
     let reference = client.reference(repo, tag)?;
     let (body, _ctype) = client.get_manifest(&reference)?;
     let what = reference.to_string();
-    let doc: serde_json::Value = serde_json::from_slice(&body)
-        .map_err(|e| TransferError::Format(format!("{what}: manifest is not JSON: {e}")))?;
-    let kind = format::classify(&doc);
+    let head = format::read_head(&body, &what)?;
+    let kind = format::classify(&head);
     if kind != ArtifactKind::ImageIndex {
         return Ok(Resolved {
             reference,
-            doc,
+            head,
             body,
             kind,
             was_index: false,
@@ -122,12 +121,11 @@ fn resolve_manifest(
     let child = format::pick_index_child(&body, &what)?;
     let child_ref = reference.with_digest(&child);
     let (body, _) = client.get_manifest(&child_ref)?;
-    let doc: serde_json::Value = serde_json::from_slice(&body)
-        .map_err(|e| TransferError::Format(format!("{child_ref}: manifest is not JSON: {e}")))?;
-    let kind = format::classify(&doc);
+    let head = format::read_head(&body, &child_ref.to_string())?;
+    let kind = format::classify(&head);
     Ok(Resolved {
         reference: child_ref,
-        doc,
+        head,
         body,
         kind,
         was_index: true,
@@ -198,7 +196,16 @@ fn fetch_config(
         format::CONFIG_LIMIT,
         &what,
     )?;
-    serde_json::from_slice(&bytes).map_err(|e| TransferError::Format(format!("{what}: {e}")))
+    let cfg: SnapshotConfig = serde_json::from_slice(&bytes)
+        .map_err(|e| TransferError::Format(format!("{what}: {e}")))?;
+    // The id travels into cocoon's import envelope and the daemon's records.
+    if !format::valid_snapshot_id(&cfg.snapshot_id) {
+        return Err(TransferError::Format(format!(
+            "{what}: snapshotId {:?} is not a plain identifier",
+            cfg.snapshot_id
+        )));
+    }
+    Ok(cfg)
 }
 
 /// Manifest facts for a tag: `Ok(None)` when the tag does not exist (404).
@@ -212,16 +219,7 @@ pub fn manifest_info(
         Err(e) if e.is_not_found() => return Ok(None),
         Err(e) => return Err(e),
     };
-    let annotations: BTreeMap<String, String> = r
-        .doc
-        .get("annotations")
-        .and_then(|a| a.as_object())
-        .map(|a| {
-            a.iter()
-                .filter_map(|(k, v)| v.as_str().map(|s| (k.clone(), s.to_string())))
-                .collect()
-        })
-        .unwrap_or_default();
+    let annotations: BTreeMap<String, String> = r.head.string_annotations();
     let mut info = ManifestInfo {
         kind: r.kind,
         digest: super::client::sha256_digest(&r.body),
@@ -291,7 +289,7 @@ fn plan(
         let title = title_of(d).ok_or_else(|| {
             TransferError::Format(format!("{what}: layer {} has no title", d.digest()))
         })?;
-        if title.contains("..") || title.starts_with('/') || title == "snapshot.json" {
+        if !format::safe_layer_title(&title) {
             return Err(TransferError::Format(format!(
                 "{what}: layer {} has an unsafe title {title:?}",
                 d.digest()
@@ -584,11 +582,7 @@ fn write_import_tar<W: Write>(
             PlanEntry::Encoded { title, size, .. } => (title, *size),
         };
         let file = cfg.files.get(title).cloned().unwrap_or_default();
-        let mode = if file.mode == 0 {
-            0o640
-        } else {
-            file.mode as u32
-        };
+        let mode = format::import_mode(file.mode);
         let mut pax = Vec::new();
         if !file.sparse_map.is_empty() {
             if file.sparse_size <= 0 {

@@ -311,12 +311,14 @@ pub fn snapshot_list() -> Vec<String> {
     strs(&["snapshot", "list", "-o", "json"])
 }
 
-/// `image pull [--force] IMAGE`.
+/// `image pull [--force] -- IMAGE`. The image comes from a pod annotation: after `--` a
+/// value such as `--help` or `-o=x` is an image name, never a flag.
 pub fn image_pull(image: &str, force: bool) -> Vec<String> {
     let mut a = strs(&["image", "pull"]);
     if force {
         a.push("--force".into());
     }
+    a.push("--".into());
     a.push(image.into());
     a
 }

@@ -119,6 +119,10 @@ pub struct Counters {
     pub children: usize,
     pub reactor_children: usize,
     pub turns: u64,
+    /// Reviews the server gave up on because their client left (cumulative).
+    pub cancelled_reviews: usize,
+    /// Reviews of `held-token`, never answered, still waiting.
+    pub held_reviews: usize,
 }
 
 pub struct Harness {
@@ -141,11 +145,13 @@ pub fn decide(req: &AuthRequest) -> AuthAnswer {
             name: "admin".into(),
             uid: "1".into(),
             groups: vec!["system:masters".into()],
+            ..Default::default()
         },
         (None, Some("stats-token")) => UserInfo {
             name: "metrics-server".into(),
             uid: "2".into(),
             groups: vec![],
+            ..Default::default()
         },
         (None, Some("broken-token")) => {
             return AuthAnswer::Error("tokenreviews: connection refused".into())
@@ -241,6 +247,9 @@ impl Harness {
             tx.send((addr, reactor.notifier())).unwrap();
             let mut events = Vec::new();
             let mut turns = 0u64;
+            // Reviews of `held-token` stay unanswered: a slow API server.
+            let mut held = std::collections::HashSet::new();
+            let mut cancelled_reviews = 0usize;
             while !stop2.load(Ordering::SeqCst) {
                 events.clear();
                 reactor.poll(&mut events).unwrap();
@@ -262,8 +271,16 @@ impl Harness {
                             break;
                         }
                         for (id, req) in reqs {
+                            if req.token.as_deref() == Some("held-token") {
+                                held.insert(id);
+                                continue;
+                            }
                             server.on_auth_answer(&mut reactor, id, decide(&req));
                         }
+                    }
+                    for id in server.take_cancelled_auth() {
+                        held.remove(&id);
+                        cancelled_reviews += 1;
                     }
                 }
                 turns += 1;
@@ -272,6 +289,8 @@ impl Harness {
                     children: server.child_count(),
                     reactor_children: reactor.children_running(),
                     turns,
+                    cancelled_reviews,
+                    held_reviews: held.len(),
                 };
             }
         });

@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// Metric reason of a create refused because another live pod holds the VM.
+const REASON_VM_OWNED: &str = "vm_owned_by_another_pod";
+
 impl Provider {
     // ----- create ---------------------------------------------------------------------------
 
@@ -44,6 +47,13 @@ impl Provider {
         if let Some(msg) = unsupported {
             let e = SpecError {
                 reason: "unsupported",
+                message: format!("pod {key}: {msg}"),
+            };
+            return self.reject(key, &pod, e);
+        }
+        if let Some(msg) = self.vm_claimed_elsewhere(key, &uid, &spec) {
+            let e = SpecError {
+                reason: REASON_VM_OWNED,
                 message: format!("pod {key}: {msg}"),
             };
             return self.reject(key, &pod, e);
@@ -141,6 +151,63 @@ impl Provider {
             ),
             _ => self.check_evidence(key, &spec.vm_name),
         }
+    }
+
+    /// Ownership: a VM belongs to at most one live pod. Refuses a pod whose VM name, or (for
+    /// an unmanaged pod) pre-assigned VM id, is held by another tracked pod, or whose id names
+    /// a known VM of another name. The message names no other pod: it lands in the
+    /// requester's namespace.
+    pub(super) fn vm_claimed_elsewhere(
+        &self,
+        key: &PodKey,
+        uid: &str,
+        spec: &VmSpec,
+    ) -> Option<String> {
+        let held = self.slots.iter().any(|(k, s)| {
+            let Some(t) = s.tracked.as_ref().filter(|_| k != key) else {
+                return false;
+            };
+            if t.uid == uid && !uid.is_empty() {
+                return false;
+            }
+            let tracked_id = t.vm.as_ref().map(|v| v.id.as_str()).unwrap_or("");
+            t.spec.vm_name == spec.vm_name
+                || (!spec.managed
+                    && !spec.vm_id.is_empty()
+                    && (tracked_id == spec.vm_id || t.spec.vm_id == spec.vm_id))
+        });
+        if held {
+            return Some(format!(
+                "vm {} is owned by another pod; a VM belongs to one pod at a time",
+                spec.vm_name
+            ));
+        }
+        // A VM no live pod holds (kept at startup, or left by a failed create) is adopted by
+        // name only from the namespace its name was made for: operator names are
+        // `vk-<namespace>-…` or `vk-<namespace>.…` (cocoon-common §7).
+        let namespace_held_it = self.last_holder_ns.get(&spec.vm_name) == Some(&key.namespace);
+        if self.by_name.contains_key(&spec.vm_name)
+            && !namespace_held_it
+            && !named_for(&spec.vm_name, &key.namespace)
+        {
+            return Some(format!(
+                "vm {} exists and is not named for namespace {}; it is not adopted",
+                spec.vm_name, key.namespace
+            ));
+        }
+        if !spec.managed && !spec.vm_id.is_empty() {
+            let other = self
+                .by_name
+                .values()
+                .any(|v| v.id == spec.vm_id && v.name != spec.vm_name);
+            if other {
+                return Some(format!(
+                    "vm id {} belongs to a vm other than {}",
+                    spec.vm_id, spec.vm_name
+                ));
+            }
+        }
+        None
     }
 
     /// §5 step 6: ask whether the VM was hibernated before booting it fresh. With a registry the
@@ -255,7 +322,9 @@ impl Provider {
             "ProviderCreateFailed",
             &e.message,
         );
-        let st = status::provider_failed(restart_never(pod), &e.message);
+        // A VM held by another pod is a conflict no retry settles: the pod fails for good.
+        let terminal = restart_never(pod) || e.reason == REASON_VM_OWNED;
+        let st = status::provider_failed(terminal, &e.message);
         let sum = status::summary(&st);
         let slot = self.slot(key);
         slot.idle = Idle::Rejected(pod.clone());
@@ -610,4 +679,12 @@ impl Provider {
             })
         }
     }
+}
+
+/// Whether a VM name carries the operator's prefix for `namespace` (`vk-<ns>-` or `vk-<ns>.`).
+fn named_for(vm_name: &str, namespace: &str) -> bool {
+    vm_name
+        .strip_prefix("vk-")
+        .and_then(|rest| rest.strip_prefix(namespace))
+        .is_some_and(|rest| rest.starts_with('-') || rest.starts_with('.'))
 }

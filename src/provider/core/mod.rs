@@ -23,6 +23,11 @@
 //! (which need none, §14.1) wait for the IP and publish Ready; a clone onto firecracker is
 //! refused before cloning; a CH clone that comes up with a static NIC keeps its VM (so delete
 //! cleans it) but is marked lifecycle `failed` with a Warning `PostCloneUnsupported`.
+//!
+//! Ownership (issue 17): a VM belongs to at most one live pod. A create whose VM name, or
+//! unmanaged VM id, another tracked pod holds is refused for good (phase Failed, Warning,
+//! `pod_lifecycle_total{reason=vm_owned_by_another_pod}`); a VM no pod holds is adopted by
+//! name only from the namespace of its last holder or the one its `vk-<ns>-` name is for.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -90,6 +95,9 @@ pub struct Provider {
     shared_reads: BTreeMap<Vec<String>, OpId>,
     /// VM-name index: VMs we created, adopted, or orphans kept for adoption.
     by_name: BTreeMap<String, VmInfo>,
+    /// Namespace of the last pod that held each VM of `by_name` (ownership: a kept VM goes
+    /// back only to that namespace, or to the one its name is made for).
+    last_holder_ns: BTreeMap<String, String>,
     last_restart: BTreeMap<String, Instant>,
     timers: BTreeMap<(Instant, u64), TimerEntry>,
     /// Stale-create watcher state per VM ID: (current delay, budget end).
@@ -185,6 +193,7 @@ impl Provider {
             waiters: BTreeMap::new(),
             shared_reads: BTreeMap::new(),
             by_name: BTreeMap::new(),
+            last_holder_ns: BTreeMap::new(),
             last_restart: BTreeMap::new(),
             timers: BTreeMap::new(),
             stale_watch_state: BTreeMap::new(),
@@ -680,11 +689,9 @@ impl Provider {
     /// Forget the tracked incarnation (§3): VM row, probe, intent (when `drop_intent`).
     fn forget(&mut self, key: &PodKey, drop_intent: bool) {
         let slot = self.slot(key);
-        let had_vm = slot
-            .tracked
-            .as_ref()
-            .map(|t| t.vm.is_some())
-            .unwrap_or(false);
+        let held = slot.tracked.as_ref().and_then(|t| t.vm.as_ref());
+        let had_vm = held.is_some();
+        let held_name = held.map(|v| v.name.clone()).filter(|n| !n.is_empty());
         slot.tracked = None;
         slot.last_pushed = None;
         slot.warned_hibernate = false;
@@ -693,6 +700,11 @@ impl Provider {
         }
         if had_vm {
             self.out.push(Effect::StopProbe { key: key.clone() });
+        }
+        if let Some(name) = held_name {
+            let by_name = &self.by_name;
+            self.last_holder_ns.retain(|n, _| by_name.contains_key(n));
+            self.last_holder_ns.insert(name, key.namespace.clone());
         }
     }
 

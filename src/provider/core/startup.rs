@@ -237,7 +237,16 @@ impl Provider {
             .collect();
         let mut claimed: std::collections::HashSet<String> = Default::default();
         let mut adopted = 0usize;
-        for pod in s.pods {
+        // The oldest pod claims first: a VM shared by name goes back to the pod that had it,
+        // not to whichever the list returns first; the others are refused at their create.
+        let mut pods = s.pods;
+        pods.sort_by(|a, b| {
+            let at = |p: &Pod| p.metadata.creation_timestamp.as_ref().map(|t| t.0);
+            at(a)
+                .cmp(&at(b))
+                .then_with(|| PodKey::of(a).cmp(&PodKey::of(b)))
+        });
+        for pod in pods {
             let pod = Arc::new(pod);
             let key = PodKey::of(&pod);
             self.slot(&key).latest = Some(pod.clone());
@@ -248,7 +257,13 @@ impl Provider {
                 continue;
             };
             let vm = if !spec.vm_id.is_empty() {
-                by_id.get(&spec.vm_id).cloned()
+                let known = by_id.get(&spec.vm_id);
+                // An id is honoured only for the VM of the name the pod gives; the create
+                // that follows refuses the pod.
+                if known.is_some_and(|v| !v.name.is_empty() && v.name != spec.vm_name) {
+                    continue;
+                }
+                known.cloned()
             } else {
                 let v = by_name.get(&spec.vm_name).cloned();
                 if v.is_some() {

@@ -16,6 +16,7 @@ mod check;
 mod create;
 mod delete;
 mod kube_writes;
+mod ownership;
 mod startup;
 
 struct H {

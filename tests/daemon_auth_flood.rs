@@ -1,0 +1,191 @@
+//! Process tier, authentication floods: random bearer tokens from an anonymous client cost the
+//! caller, not the node: pod lifecycle keeps its pace, reviews stay bounded, answers are cached.
+//!
+//! `VK_FLOOD_SECS` sets the flood length (default 5). Waits poll; deadlines are failure bounds.
+
+mod daemon_support;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use daemon_support::{running_with_vm, World};
+use vk_cocoon::sandbox::apiserver::ReviewUser;
+use vk_cocoon::sandbox::demo_pod;
+
+fn token_reviews(w: &World) -> usize {
+    w.api
+        .requests()
+        .iter()
+        .filter(|r| r.resource == "tokenreviews")
+        .count()
+}
+
+/// Status of `GET /pods` on the kubelet API with a bearer token.
+fn kubelet_status(w: &World, token: &str) -> String {
+    let out = std::process::Command::new("curl")
+        .args([
+            "-sk",
+            "--max-time",
+            "5",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+        ])
+        .args(["-H", &format!("Authorization: Bearer {token}")])
+        .arg(format!("https://127.0.0.1:{}/pods", w.kubelet_port))
+        .output()
+        .expect("run curl");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Time from creating a pod to seeing it Running with its VM.
+fn create_to_running(w: &World, name: &str) -> Duration {
+    let start = Instant::now();
+    w.api
+        .create_pod(&demo_pod("default", name, "clone", "base"))
+        .expect("create pod");
+    w.wait(&format!("{name} Running"), Duration::from_secs(60), || {
+        running_with_vm(w, name)
+    });
+    start.elapsed()
+}
+
+/// Sends batches of requests with fresh random tokens until `stop`, from 127.0.0.2 (another
+/// address than the legitimate caller's); counts them, and their answers by code (401, 429,
+/// other) in `codes`.
+fn flood(
+    port: u16,
+    dir: std::path::PathBuf,
+    stop: Arc<AtomicBool>,
+    sent: Arc<AtomicUsize>,
+    codes: Arc<[AtomicUsize; 3]>,
+) {
+    let mut batch = 0u64;
+    let path = dir.join("flood.curlrc");
+    while !stop.load(Ordering::SeqCst) {
+        batch += 1;
+        // Options do not carry over `next`: every request block names its own.
+        let blocks: Vec<String> = (0..64)
+            .map(|i| {
+                let salt = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .subsec_nanos();
+                format!(
+                    "url = \"https://127.0.0.1:{port}/pods\"\ninsecure\nsilent\nmax-time = 5\ninterface = \"127.0.0.2\"\n\
+                     output = \"/dev/null\"\nwrite-out = \"%{{http_code}}\\n\"\n\
+                     header = \"Authorization: Bearer flood-{batch}-{i}-{salt}\"\n"
+                )
+            })
+            .collect();
+        if std::fs::write(&path, blocks.join("next\n")).is_err() {
+            return;
+        }
+        let out = std::process::Command::new("curl")
+            .args(["--parallel", "--parallel-max", "32", "-K"])
+            .arg(&path)
+            .output();
+        if let Ok(o) = out {
+            for code in String::from_utf8_lossy(&o.stdout).lines() {
+                let slot = match code {
+                    "401" => 0,
+                    "429" => 1,
+                    _ => 2,
+                };
+                codes[slot].fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        sent.fetch_add(64, Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn a_random_token_flood_leaves_lifecycle_alone_and_reviews_bounded() {
+    let flood_secs: u64 = std::env::var("VK_FLOOD_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5);
+    let mut w = World::new();
+    w.seed_snapshot("base");
+    w.api.add_token_user(
+        "ops-token",
+        ReviewUser {
+            username: "ops".into(),
+            uid: "7".into(),
+            groups: vec![],
+        },
+    );
+    w.api
+        .set_access_reviewer(|spec| (spec["user"] == "ops", "ops only".into()));
+    w.start_daemon();
+
+    let calm = create_to_running(&w, "calm");
+    // A legitimate caller: one review, then answers from the cache.
+    assert_eq!(kubelet_status(&w, "ops-token"), "200");
+    let primed = token_reviews(&w);
+    assert_eq!(kubelet_status(&w, "ops-token"), "200");
+    assert_eq!(token_reviews(&w), primed, "the second call is a cache hit");
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let sent = Arc::new(AtomicUsize::new(0));
+    let codes: Arc<[AtomicUsize; 3]> = Arc::new(Default::default());
+    let flooders: Vec<_> = (0..2)
+        .map(|n| {
+            let (stop, sent, port) = (stop.clone(), sent.clone(), w.kubelet_port);
+            let codes = codes.clone();
+            let dir = w.path(&format!("flood-{n}"));
+            let _ = std::fs::create_dir_all(&dir);
+            std::thread::spawn(move || flood(port, dir, stop, sent, codes))
+        })
+        .collect();
+    let flood_start = Instant::now();
+    // Let the flood spend the review budget before the lifecycle is measured.
+    w.wait("flood under way", Duration::from_secs(10), || {
+        (sent.load(Ordering::SeqCst) >= 128).then_some(())
+    });
+    let busy = create_to_running(&w, "busy");
+    let mut legit = Vec::new();
+    while flood_start.elapsed() < Duration::from_secs(flood_secs) {
+        let t = Instant::now();
+        assert_eq!(
+            kubelet_status(&w, "ops-token"),
+            "200",
+            "legitimate call under flood"
+        );
+        legit.push(t.elapsed());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    stop.store(true, Ordering::SeqCst);
+    for f in flooders {
+        let _ = f.join();
+    }
+    let flooded = flood_start.elapsed();
+    let reviews = token_reviews(&w) - primed;
+    let sent = sent.load(Ordering::SeqCst);
+    legit.sort();
+    let [unauthorized, too_many, other] = [0, 1, 2].map(|i| codes[i].load(Ordering::SeqCst));
+    eprintln!(
+        "create→Running: {calm:?} calm, {busy:?} under flood; {sent} flood requests in \
+         {flooded:?} ({unauthorized} × 401, {too_many} × 429, {other} other) made {reviews} \
+         TokenReviews; legitimate /pods p50 {:?} max {:?}",
+        legit.get(legit.len() / 2),
+        legit.last()
+    );
+    assert_eq!(other, 0, "every flood request is answered 401 or 429");
+    assert!(
+        busy < Duration::from_secs(5),
+        "pod create → Running took {busy:?} under the flood ({calm:?} without)"
+    );
+    // The review budget: a burst of 10, then 5 a second (two calls each at most).
+    let bound = 10 + 5 * (flooded.as_secs() as usize + 1);
+    assert!(
+        reviews <= bound,
+        "{reviews} TokenReviews for {sent} flood requests in {flooded:?} (bound {bound})"
+    );
+    assert!(
+        sent > 2 * bound,
+        "the flood was too small to show the bound: {sent}"
+    );
+}
