@@ -318,3 +318,57 @@ fn a_hibernated_vm_is_never_fresh_booted_over_its_snapshot() {
         running_with_vm(&w, "sleeper")
     });
 }
+
+/// A pod with only `vm.cocoonstack.io/name` is rejected once: our own lifecycle writes do not
+/// re-trigger its create, so its object settles, it gets one Warning, and good pods beside it
+/// come up as fast as alone.
+#[test]
+fn a_bad_pod_is_rejected_once_and_does_not_stall_good_pods() {
+    let mut w = World::new();
+    w.start_daemon();
+    let mut only_name = demo_pod("default", "onlyname", "run", "ubuntu:24.04");
+    if let Some(a) = only_name.metadata.annotations.as_mut() {
+        a.retain(|k, _| k == "vm.cocoonstack.io/name");
+    }
+    w.api.create_pod(&only_name).expect("create");
+    let start = Instant::now();
+    for name in ["good-a", "good-b", "good-c"] {
+        w.api
+            .create_pod(&demo_pod("default", name, "run", "ubuntu:24.04"))
+            .expect("create");
+    }
+    for name in ["good-a", "good-b", "good-c"] {
+        w.wait(&format!("{name} Running"), Duration::from_secs(20), || {
+            running_with_vm(&w, name)
+        });
+    }
+    let good_up = start.elapsed();
+    eprintln!("three good pods beside a bad one Running after {good_up:?}");
+    let failed_version = w.wait("onlyname failed", Duration::from_secs(20), || {
+        let p = w.pod("onlyname")?;
+        (annotation(&p, "vm.cocoonstack.io/lifecycle-state").as_deref() == Some("failed"))
+            .then(|| p.metadata.resource_version.clone().unwrap_or_default())
+    });
+    // An observation window, not a wait: nothing may be written to the bad pod in it.
+    let window_end = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < window_end {
+        let p = w.pod("onlyname").expect("bad pod still there");
+        assert_eq!(
+            p.metadata.resource_version.clone().unwrap_or_default(),
+            failed_version,
+            "the rejected pod is written again: {:?}",
+            p.metadata.annotations
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let warnings = w
+        .events_for("onlyname")
+        .iter()
+        .filter(|(r, _)| r == "ProviderCreateFailed")
+        .count();
+    assert_eq!(warnings, 1, "one Warning: {:?}", w.events_for("onlyname"));
+    assert!(
+        good_up < Duration::from_secs(10),
+        "good pods took {good_up:?} beside a bad one"
+    );
+}

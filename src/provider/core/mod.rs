@@ -141,8 +141,26 @@ fn restart_never(p: &Pod) -> bool {
     p.spec.as_ref().and_then(|s| s.restart_policy.as_deref()) == Some("Never")
 }
 
+/// The lifecycle annotations only this daemon writes. They report what it did and are never
+/// input: counting them as a change would make every write of ours a new reason to act (a
+/// rejected pod re-created, re-rejected and re-written forever).
+const OWN_ANNOTATIONS: [&str; 3] = [
+    spec::ANN_LIFECYCLE_STATE,
+    spec::ANN_LIFECYCLE_GEN,
+    spec::ANN_LIFECYCLE_MSG,
+];
+
+/// The pod's annotations without our own lifecycle ones.
+fn input_annotations(p: &Pod) -> impl Iterator<Item = (&String, &String)> {
+    p.metadata
+        .annotations
+        .iter()
+        .flatten()
+        .filter(|(k, _)| !OWN_ANNOTATIONS.contains(&k.as_str()))
+}
+
 /// Framework change detection (§4): containers, init/ephemeral containers,
-/// activeDeadlineSeconds, tolerations, labels, annotations.
+/// activeDeadlineSeconds, tolerations, labels, annotations (but not our own lifecycle ones).
 fn changed(a: &Pod, b: &Pod) -> bool {
     let empty = k8s_openapi::api::core::v1::PodSpec::default();
     let (sa, sb) = (
@@ -155,7 +173,7 @@ fn changed(a: &Pod, b: &Pod) -> bool {
         || sa.active_deadline_seconds != sb.active_deadline_seconds
         || sa.tolerations != sb.tolerations
         || a.metadata.labels != b.metadata.labels
-        || a.metadata.annotations != b.metadata.annotations
+        || !input_annotations(a).eq(input_annotations(b))
 }
 
 fn with_op(effect: &Effect, op: OpId) -> Effect {

@@ -780,3 +780,62 @@ fn an_answer_the_create_step_does_not_expect_fails_it_with_a_warning_and_a_retry
     let (_, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm inspect vk-ns-demo-0");
 }
+
+/// A pod with only a VM name is unmanaged without its pre-assigned ID / IP: rejected. Our own
+/// lifecycle writes coming back as MODIFIED are not a change, so it stays rejected with one
+/// Warning until its spec really changes.
+#[test]
+fn a_rejected_pod_stays_rejected_through_its_own_annotation_writes() {
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk("a", "u1", &[(ANN_VM_NAME, "v".into())]);
+    let e = h.feed(Input::PodUpserted(Box::new(p.clone())));
+    let warnings = |e: &[Effect]| {
+        events(e)
+            .iter()
+            .filter(|(r, _)| *r == "ProviderCreateFailed")
+            .count()
+    };
+    assert_eq!(warnings(&e), 1, "{e:?}");
+    // Play our annotation writes back as the API would, a few rounds.
+    let mut seen = p;
+    let mut e = e;
+    for _ in 0..5 {
+        for (op, ann) in annotation_patches(&e) {
+            let a = seen
+                .metadata
+                .annotations
+                .get_or_insert_with(Default::default);
+            for (k, v) in ann {
+                match v {
+                    Some(v) => a.insert(k, v),
+                    None => a.remove(&k),
+                };
+            }
+            h.kube_ok(op);
+        }
+        for (op, _) in statuses(&e) {
+            h.kube_ok(op);
+        }
+        e = h.feed(Input::PodUpserted(Box::new(seen.clone())));
+        assert_eq!(warnings(&e), 0, "a rejected pod is warned once: {e:?}");
+        assert!(
+            annotation_patches(&e).is_empty(),
+            "no lifecycle flip: {e:?}"
+        );
+    }
+    // A real change (the pre-assigned ID and IP) is looked at again.
+    let a = seen
+        .metadata
+        .annotations
+        .get_or_insert_with(Default::default);
+    a.insert(ANN_VM_ID.into(), "vm-1".into());
+    a.insert(ANN_VM_IP.into(), "10.0.0.5".into());
+    let e = h.feed(Input::PodUpserted(Box::new(seen)));
+    assert_eq!(warnings(&e), 0, "{e:?}");
+    assert!(
+        statuses(&e)
+            .iter()
+            .all(|(_, s)| s.reason.as_deref() != Some("ProviderFailed")),
+        "{e:?}"
+    );
+}
