@@ -265,6 +265,7 @@ impl Provider {
                 _ => {}
             },
             Some(Op::Evict(e)) if e.step == EvictStep::Delete => self.evict_delete(key),
+            Some(Op::Delete(_)) => self.delete_timer(key),
             Some(_) => {}
         }
     }

@@ -275,6 +275,18 @@ impl Provider {
         };
         let c = c.clone();
         let spec = &c.spec;
+        let superseded = self.slots.get(key).is_some_and(|s| {
+            s.latest
+                .as_ref()
+                .is_none_or(|p| pod_uid(p) == c.uid && deleting(p))
+        });
+        if superseded {
+            // The pod is being deleted (or gone): building its VM further only makes more to
+            // undo. The delete that follows looks the VM up by name, so whatever this create
+            // made (even the VM this very answer reports) is removed before the object goes.
+            log::info!("provider: {key}: create stopped, the pod is being deleted");
+            return self.end_op(key);
+        }
         match (c.step.clone(), res) {
             (CreateStep::InspectByName, Res::Cocoon(r)) => {
                 if r.success {

@@ -575,10 +575,13 @@ impl Provider {
             if tracked_uid.is_some() {
                 return self.start_delete(key);
             }
-            if !slot.idle.api_deleted(&uid) {
-                return self.start_api_delete(key, &uid);
+            if slot.idle.api_deleted(&uid) {
+                return;
             }
-            return;
+            if self.track_for_delete(key, &pod) {
+                return self.start_delete(key);
+            }
+            return self.start_api_delete(key, &uid);
         }
         if slot.idle.ended(&uid) {
             // We deleted this incarnation and wait for its DELETED.

@@ -143,9 +143,7 @@ impl Provider {
         if watcher {
             match verdict {
                 V::Drop => {}
-                V::Keep(v) => {
-                    self.by_name.insert(v.name.clone(), v);
-                }
+                V::Keep(v) => self.stale_vm_landed(v),
                 V::Orphan(v) => self.orphan(v),
                 V::Watch => self.rearm_stale_watch(vm),
             }
@@ -158,6 +156,41 @@ impl Provider {
             V::Orphan(v) => {
                 self.orphan(v);
                 self.stale_done(None, None)
+            }
+        }
+    }
+
+    /// A create left running by an earlier process finished after startup. A pod that names
+    /// the VM gets it (a live one adopts it, a deleting one's delete finds and removes it);
+    /// with no pod naming it, it is removed: that pod is gone and nothing else ever would.
+    pub(super) fn stale_vm_landed(&mut self, vm: VmInfo) {
+        let named_by = self
+            .slots
+            .iter()
+            .find(|(_, s)| {
+                s.latest.as_ref().is_some_and(|p| {
+                    p.metadata
+                        .annotations
+                        .as_ref()
+                        .and_then(|a| a.get(spec::ANN_VM_NAME))
+                        .is_some_and(|n| !vm.name.is_empty() && *n == vm.name)
+                })
+            })
+            .map(|(k, _)| k.clone());
+        match named_by {
+            Some(key) => {
+                self.by_name.insert(vm.name.clone(), vm);
+                self.kick(&key);
+            }
+            None if self.cfg.orphan_policy == OrphanPolicy::Keep => self.orphan(vm),
+            None => {
+                log::warn!(
+                    "provider: removing vm {} ({}): its create outlived the pod",
+                    vm.name,
+                    vm.id
+                );
+                self.fire_and_forget_cocoon(CocoonCmd::VmRm { id: vm.id.clone() });
+                self.release_leases(&vm);
             }
         }
     }
