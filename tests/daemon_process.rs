@@ -372,3 +372,46 @@ fn a_bad_pod_is_rejected_once_and_does_not_stall_good_pods() {
         "good pods took {good_up:?} beside a bad one"
     );
 }
+
+/// The daemon is killed while its `vm clone` runs, the pod is deleted meanwhile, and the clone
+/// lands after the restart: the restarted daemon finds the VM by name and removes it before
+/// the pod object goes. No VM is left.
+#[test]
+fn a_pod_deleted_while_a_killed_daemons_clone_still_runs_leaves_no_vm() {
+    let mut w = World::new();
+    w.seed_snapshot("base");
+    std::fs::write(
+        w.path("state/faults.json"),
+        r#"{"vm clone": {"slow_ms": 3000}}"#,
+    )
+    .expect("faults");
+    w.start_daemon();
+    w.api
+        .create_pod(&demo_pod("default", "web", "clone", "base"))
+        .expect("create pod");
+    w.wait(
+        "the clone's creating record",
+        Duration::from_secs(20),
+        || {
+            w.vms()
+                .get("vk-default-web")
+                .filter(|(_, state)| state == "creating")
+                .map(|_| ())
+        },
+    );
+    w.kill_daemon();
+    w.api
+        .delete_pod("default", "web", Some(30))
+        .expect("delete");
+    w.start_daemon();
+    w.wait("pod web gone", Duration::from_secs(30), || {
+        w.pod("web").is_none().then_some(())
+    });
+    // The object goes only after the VM: nothing may be left by then, nor appear later.
+    let vms = w.vms();
+    assert!(
+        !vms.contains_key("vk-default-web"),
+        "the VM outlived its pod: {vms:?}\n{}",
+        daemon_support::tail(&w.log(), 40)
+    );
+}
