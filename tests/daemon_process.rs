@@ -415,3 +415,59 @@ fn a_pod_deleted_while_a_killed_daemons_clone_still_runs_leaves_no_vm() {
         daemon_support::tail(&w.log(), 40)
     );
 }
+
+/// A Running pod whose annotations stop parsing (its VM name removed, its probe port made
+/// garbage) only gets a Warning; after a daemon restart it is still Running on the same VM.
+#[test]
+fn a_restart_keeps_vms_whose_pod_annotations_no_longer_parse() {
+    let mut w = World::new();
+    w.start_daemon();
+    let mut ids = Vec::new();
+    for name in ["noname", "badport"] {
+        w.api
+            .create_pod(&demo_pod("default", name, "run", "ubuntu:24.04"))
+            .expect("create pod");
+    }
+    for name in ["noname", "badport"] {
+        let (mut pod, id) = w.wait(&format!("{name} Running"), Duration::from_secs(20), || {
+            running_with_vm(&w, name)
+        });
+        ids.push(id);
+        if let Some(a) = pod.metadata.annotations.as_mut() {
+            if name == "noname" {
+                a.remove("vm.cocoonstack.io/name");
+            } else {
+                a.insert("vm.cocoonstack.io/probe-port".into(), "not-a-port".into());
+            }
+        }
+        w.api.update_pod(&pod).expect("update");
+        w.wait(&format!("{name} warned"), Duration::from_secs(10), || {
+            w.events_for(name)
+                .iter()
+                .any(|(r, _)| r == "ProviderUpdateFailed")
+                .then_some(())
+        });
+    }
+    w.kill_daemon();
+    w.start_daemon();
+    w.wait("the startup reconcile", Duration::from_secs(20), || {
+        w.log().contains("startup reconcile:").then_some(())
+    });
+    assert!(
+        w.log().contains("2 pods adopted, 0 orphan VMs"),
+        "{}",
+        daemon_support::tail(&w.log(), 30)
+    );
+    // Whatever the restart owes is written within a second or two; the pods must stay
+    // Running on their VMs all through and after it.
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        let vms: BTreeSet<String> = w.vms().values().map(|(id, _)| id.clone()).collect();
+        for (name, id) in ["noname", "badport"].iter().zip(&ids) {
+            assert!(vms.contains(id), "{name}'s VM {id} destroyed");
+            let pod = w.pod(name).expect("pod still there");
+            assert_eq!(phase(&pod), "Running", "{name} after the restart");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

@@ -277,8 +277,32 @@ impl Provider {
             if terminal(&pod) {
                 continue;
             }
-            let Ok(spec) = spec::parse(&pod) else {
-                continue;
+            let spec = match spec::parse(&pod) {
+                Ok(spec) => spec,
+                Err(e) => {
+                    // §2.6 step 6 matches by ID: a pod whose annotations no longer parse still
+                    // names its VM, which is claimed (never destroyed as an orphan because of
+                    // input we could not read) and kept tracked as at runtime, with a Warning.
+                    let Some(vm) = unreadable_pods_vm(&pod, &by_id, &by_name) else {
+                        continue;
+                    };
+                    if claimed.contains(&vm.id) {
+                        continue;
+                    }
+                    claimed.insert(vm.id.clone());
+                    adopted += 1;
+                    let uid = pod_uid(&pod);
+                    self.event(
+                        &key,
+                        &uid,
+                        EventType::Warning,
+                        "ProviderUpdateFailed",
+                        &e.message,
+                    );
+                    let spec = spec::salvage(&pod, &vm.name, &vm.id);
+                    self.adopt_at_startup(&key, &pod, spec, vm);
+                    continue;
+                }
             };
             let vm = if !spec.vm_id.is_empty() {
                 by_id.get(&spec.vm_id).cloned()
@@ -470,4 +494,17 @@ impl Provider {
         );
         self.start_ready_wait(key, t.uid.clone(), vm.id);
     }
+}
+
+/// The VM an unparseable pod names: by its ID annotation, else by its name annotation.
+fn unreadable_pods_vm(
+    pod: &Pod,
+    by_id: &BTreeMap<String, VmInfo>,
+    by_name: &BTreeMap<String, VmInfo>,
+) -> Option<VmInfo> {
+    let ann = pod.metadata.annotations.as_ref()?;
+    ann.get(ANN_VM_ID)
+        .and_then(|id| by_id.get(id))
+        .or_else(|| ann.get(spec::ANN_VM_NAME).and_then(|n| by_name.get(n)))
+        .cloned()
 }
