@@ -78,6 +78,8 @@ impl SimVm {
 enum Delivery {
     Input(Input),
     Watch(Input),
+    /// The probe agent of a pod probes its VM (Ready needs a probe that succeeded).
+    Probe(PodKey),
 }
 
 struct Sim {
@@ -104,6 +106,8 @@ struct Sim {
     desired: BTreeMap<String, Option<String>>,
     faults: bool,
     stats: BTreeMap<&'static str, u64>,
+    /// Probe agents the provider started: pod → (uid, VM id).
+    probes: BTreeMap<PodKey, (String, String)>,
 }
 
 fn new_pod(name: &str, uid: &str, vm: Option<&str>, generation: u64) -> Pod {
@@ -162,6 +166,7 @@ impl Sim {
             desired: BTreeMap::new(),
             faults: true,
             stats: BTreeMap::new(),
+            probes: BTreeMap::new(),
         }
     }
 
@@ -347,11 +352,17 @@ impl Sim {
                     }),
                 );
             }
-            Effect::Event { .. }
-            | Effect::StartProbe { .. }
-            | Effect::StopProbe { .. }
-            | Effect::ReleaseLeases { .. }
-            | Effect::Metric(_) => {}
+            Effect::StartProbe {
+                key, uid, vm_id, ..
+            } => {
+                self.probes.insert(key.clone(), (uid, vm_id));
+                let l = self.latency();
+                self.later(l, Delivery::Probe(key));
+            }
+            Effect::StopProbe { key } => {
+                self.probes.remove(&key);
+            }
+            Effect::Event { .. } | Effect::ReleaseLeases { .. } | Effect::Metric(_) => {}
         }
     }
 
@@ -471,6 +482,7 @@ impl Sim {
     fn restart_provider(&mut self) {
         self.count("restart");
         self.epoch += 1;
+        self.probes.clear();
         self.provider = Provider::new(ProviderConfig::default());
         let pods: Vec<Pod> = self.api.values().cloned().collect();
         let vms: Vec<VmInfo> = self.vms.values().map(|v| v.info()).collect();
@@ -628,11 +640,32 @@ impl Sim {
                             self.feed(i)
                         }
                     }
+                    Delivery::Probe(key) => self.probe(key),
                 }
             } else {
                 self.feed(Input::Tick);
             }
         }
+    }
+
+    /// One probe: ready when the pod's VM runs (its IP answers), then probe again later.
+    fn probe(&mut self, key: PodKey) {
+        let Some((uid, vm_id)) = self.probes.get(&key).cloned() else {
+            return;
+        };
+        let vm = self.vms.get(&vm_id).filter(|v| v.state == "running");
+        let (ready, message, ip) = match vm {
+            Some(v) => (true, "ping ok", v.ip()),
+            None => (false, "ping failed", String::new()),
+        };
+        self.feed(Input::Readiness {
+            key: key.clone(),
+            uid,
+            ready,
+            message: message.into(),
+            ip: Some(ip),
+        });
+        self.later(Duration::from_millis(500), Delivery::Probe(key));
     }
 
     fn advance_to(&mut self, t: Instant) {

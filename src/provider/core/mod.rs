@@ -741,10 +741,11 @@ impl Provider {
 }
 
 fn initial_probe(ip: &str) -> (bool, String) {
-    // Until the probe module reports, "IP resolved" stands in (the no-CAP_NET_RAW fallback).
+    // Not ready until the probe module reports a probe that succeeded (§10): an IP alone says
+    // nothing about the guest answering on it.
     if ip.is_empty() {
         (false, "waiting for dhcp lease".into())
     } else {
-        (true, "ip resolved".into())
+        (false, "waiting for the first probe".into())
     }
 }

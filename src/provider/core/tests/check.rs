@@ -208,7 +208,8 @@ fn vm_event_during_a_create_is_looked_at_once_the_create_is_done() {
     });
     let (_, st) = statuses(&e)
         .into_iter()
-        .find(|(_, s)| status::is_ready(s))
+        .rev()
+        .find(|(_, s)| published(s))
         .expect("ready published after the restart");
     assert_eq!(st.pod_ip.as_deref(), Some("10.0.0.9"));
 }

@@ -28,9 +28,10 @@ fn clone_create_publishes_running_then_ready_status_before_annotation() {
     let st = statuses(&e);
     let (sop, ready) = st
         .iter()
-        .find(|(_, s)| status::is_ready(s))
+        .rev()
+        .find(|(_, s)| published(s))
         .cloned()
-        .expect("ready status");
+        .expect("ready publication");
     assert_eq!(ready.pod_ip.as_deref(), Some("10.0.0.9"));
     assert_eq!(ready.phase.as_deref(), Some("Running"));
     assert!(!annotation_patches(&e)
@@ -40,6 +41,15 @@ fn clone_create_publishes_running_then_ready_status_before_annotation() {
     let ann = annotation_patches(&e);
     assert_eq!(ann.len(), 1);
     assert_eq!(ann[0].1[ANN_LIFECYCLE_STATE].as_deref(), Some("ready"));
+    // Ready only once a probe succeeded (§10): a resolved IP is not enough.
+    assert!(!status::is_ready(&ready), "{ready:?}");
+    let got = h.p.get_pod(&PodKey::new("ns", "a")).unwrap();
+    assert!(!status::is_ready(got.status.as_ref().unwrap()));
+    let e = probe_ok(&mut h, "a", "u1");
+    assert!(
+        statuses(&e).iter().any(|(_, s)| status::is_ready(s)),
+        "{e:?}"
+    );
     let got = h.p.get_pod(&PodKey::new("ns", "a")).unwrap();
     assert!(status::is_ready(got.status.as_ref().unwrap()));
 }
@@ -81,7 +91,7 @@ fn clone_waits_for_the_lease_before_ready() {
         op: lop,
         result: Ok(Some("10.1.1.1".into())),
     });
-    assert!(statuses(&e).iter().any(|(_, s)| status::is_ready(s)));
+    assert!(statuses(&e).iter().any(|(_, s)| published(s)));
     // The lease never coming: 45 s later it fails clearly.
     let mut h = H::new(ProviderConfig::default());
     let p = mk("b", "u2", &managed("b", "vk-ns-demo-1"));
@@ -385,7 +395,7 @@ fn run_mode_pulls_the_image_then_runs_with_resources() {
         result: Ok(Some("10.0.0.3".into())),
     });
     // Not cloned ⇒ Ready published at once.
-    assert!(statuses(&e).iter().any(|(_, s)| status::is_ready(s)));
+    assert!(statuses(&e).iter().any(|(_, s)| published(s)));
 }
 
 #[test]
@@ -424,7 +434,7 @@ fn unmanaged_pod_adopts_preassigned_vm_without_cocoon() {
     assert!(cocoon_ops(&e).is_empty());
     assert!(statuses(&e)
         .iter()
-        .any(|(_, s)| status::is_ready(s) && s.pod_ip.as_deref() == Some("10.9.9.9")));
+        .any(|(_, s)| published(s) && s.pod_ip.as_deref() == Some("10.9.9.9")));
     // Missing IP ⇒ error.
     let mut h = H::new(ProviderConfig::default());
     let p = mk(

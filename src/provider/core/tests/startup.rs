@@ -99,7 +99,7 @@ fn orphan_alert_counts_and_keeps_for_adoption() {
         op: lop,
         result: Ok(Some("10.0.0.1".into())),
     });
-    assert!(statuses(&e).iter().any(|(_, s)| status::is_ready(s)));
+    assert!(statuses(&e).iter().any(|(_, s)| published(s)));
 }
 
 #[test]
