@@ -421,7 +421,8 @@ impl Provider {
             return;
         }
         let vm = t.vm.clone().unwrap_or_default();
-        if t.spec.managed && !t.spec.hibernate && !vm.running() {
+        // A pod asking for hibernate included: this build never hibernates (see `vm_event`).
+        if t.spec.managed && !vm.running() {
             // Adopted a VM that is not running (its crash event went to the previous process):
             // handle it as §11.2 would (restart, or evict when it is gone).
             return self.start_check(key, t.uid.clone(), vm.id, CheckStep::Inspect { attempt: 1 });
