@@ -73,6 +73,8 @@ const RECHECK_FIRST: Duration = Duration::from_secs(1);
 const RECHECK_MAX: Duration = Duration::from_secs(30);
 const RECHECK_BUDGET: Duration = Duration::from_secs(30 * 60);
 const STALE_FANOUT: usize = 8;
+/// How often a pod waiting for another pod's pull of its snapshot looks whether it landed.
+const PULL_WAIT_POLL: Duration = Duration::from_millis(500);
 
 pub struct Provider {
     cfg: ProviderConfig,
@@ -92,6 +94,9 @@ pub struct Provider {
     by_name: BTreeMap<String, VmInfo>,
     last_restart: BTreeMap<String, Instant>,
     timers: BTreeMap<(Instant, u64), TimerEntry>,
+    /// Snapshot pulls running, by local snapshot name: the pod pulling. One pull per snapshot
+    /// at a time on the node: each pull replaces the local snapshot, so two would race.
+    pulls: BTreeMap<String, PodKey>,
     /// Stale-create watcher state per VM ID: (current delay, budget end).
     stale_watch_state: BTreeMap<String, (Duration, Instant)>,
 }
@@ -206,6 +211,7 @@ impl Provider {
             last_restart: BTreeMap::new(),
             timers: BTreeMap::new(),
             stale_watch_state: BTreeMap::new(),
+            pulls: BTreeMap::new(),
         }
     }
 

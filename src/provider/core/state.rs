@@ -29,6 +29,8 @@ pub(super) enum CreateStep {
         pulled: bool,
     },
     PullSnapshot,
+    /// Another pod is pulling this snapshot: look again when the poll timer fires.
+    PullWait,
     ImageInspect,
     MaterialiseBase,
     MaterialiseRun,

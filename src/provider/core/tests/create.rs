@@ -849,3 +849,81 @@ fn a_rejected_pod_stays_rejected_through_its_own_annotation_writes() {
         "{e:?}"
     );
 }
+
+/// Two pods cloning one snapshot the node lacks: one pull at a time (each pull replaces the
+/// local snapshot); the second pod waits and clones from the snapshot the first pulled.
+#[test]
+fn one_pull_per_snapshot_at_a_time_later_pods_wait_for_it() {
+    let mut h = H::new(ProviderConfig {
+        registry: true,
+        ..Default::default()
+    });
+    let pulls = |e: &[Effect]| {
+        e.iter()
+            .filter_map(|x| match x {
+                Effect::PullSnapshot { op, .. } => Some(*op),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    // Drive each pod to its snapshot inspect, answered "not found".
+    let mut first_pull = None;
+    for (name, vm) in [("a", "vk-ns-demo-0"), ("b", "vk-ns-demo-1")] {
+        let e = h.feed(Input::PodUpserted(Box::new(mk(
+            name,
+            &format!("u-{name}"),
+            &managed(name, vm),
+        ))));
+        let e = no_evidence(&mut h, &e);
+        let e = answer(
+            &mut h,
+            &e,
+            &format!("snapshot rm fork-{vm}"),
+            CocoonResult::ok(""),
+        );
+        let e = answer(
+            &mut h,
+            &e,
+            "snapshot inspect team/agent:v3",
+            CocoonResult::failed("snapshot not found"),
+        );
+        let p = pulls(&e);
+        if name == "a" {
+            assert_eq!(p.len(), 1, "{e:?}");
+            first_pull = p.first().copied();
+        } else {
+            assert!(p.is_empty(), "a second pull of the same snapshot: {e:?}");
+        }
+    }
+    // While the pull runs, the waiting pod looks again and waits on.
+    let e = h.advance(Duration::from_millis(500));
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot inspect team/agent:v3",
+        CocoonResult::failed("snapshot not found"),
+    );
+    assert!(pulls(&e).is_empty(), "{e:?}");
+    // The pull lands: the puller inspects, the waiter's next look finds it and clones.
+    let e = h.feed(Input::TransferDone {
+        op: first_pull.expect("first pull"),
+        result: Ok(String::new()),
+    });
+    let snap = r#"{"id":"S","name":"team/agent:v3","hypervisor":"cloud-hypervisor"}"#;
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot inspect team/agent:v3",
+        CocoonResult::ok(snap),
+    );
+    assert!(argv(&one_cocoon(&e).1).starts_with("vm clone --output json --name vk-ns-demo-0"));
+    let e = h.advance(Duration::from_millis(500));
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot inspect team/agent:v3",
+        CocoonResult::ok(snap),
+    );
+    assert!(pulls(&e).is_empty());
+    assert!(argv(&one_cocoon(&e).1).starts_with("vm clone --output json --name vk-ns-demo-1"));
+}
