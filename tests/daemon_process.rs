@@ -471,3 +471,80 @@ fn a_restart_keeps_vms_whose_pod_annotations_no_longer_parse() {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// Kills each running pod's hypervisor process with `vm start` failing: the pod is Failed
+/// (RestartFailed) within milliseconds although cocoon's event ticker runs every 5 s (the
+/// fake's default), because the daemon watches each hypervisor PID itself. Returns the
+/// kill → Failed latencies.
+fn hypervisor_kill_to_failed(pods: usize) -> Vec<Duration> {
+    let mut w = World::new();
+    w.start_daemon();
+    std::fs::write(
+        w.path("state/faults.json"),
+        r#"{"vm start": {"fail_count": 100000, "fail_message": "start: boom"}}"#,
+    )
+    .expect("faults");
+    let names: Vec<String> = (0..pods).map(|i| format!("hv{i}")).collect();
+    for name in &names {
+        w.api
+            .create_pod(&demo_pod("default", name, "run", "ubuntu:24.04"))
+            .expect("create pod");
+    }
+    let mut took = Vec::new();
+    for name in &names {
+        let (pod, id) = w.wait(&format!("{name} Running"), Duration::from_secs(30), || {
+            running_with_vm(&w, name)
+        });
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        let (ok, out) = w.cocoon(&["vm", "inspect", &id]);
+        assert!(ok, "{out}");
+        let pid = serde_json::from_str::<serde_json::Value>(&out).unwrap_or_default()["pid"]
+            .as_i64()
+            .unwrap_or(0);
+        let pid = i32::try_from(pid)
+            .ok()
+            .and_then(rustix::process::Pid::from_raw)
+            .expect("the VM has a hypervisor PID");
+        let killed = Instant::now();
+        rustix::process::kill_process(pid, rustix::process::Signal::Kill).expect("kill");
+        w.wait(
+            &format!("{name} Failed"),
+            Duration::from_secs(10),
+            || match w.pod(name) {
+                None => Some(()),
+                Some(p) if p.metadata.uid.as_deref() != Some(uid.as_str()) => Some(()),
+                Some(p) if phase(&p) == "Failed" => Some(()),
+                Some(_) => None,
+            },
+        );
+        took.push(killed.elapsed());
+    }
+    took.sort();
+    took
+}
+
+#[test]
+fn a_killed_hypervisor_fails_its_pod_in_milliseconds_whatever_cocoons_ticker() {
+    let took = hypervisor_kill_to_failed(4);
+    eprintln!("hypervisor kill → pod Failed: {took:?}");
+    let worst = took.last().copied().unwrap_or_default();
+    assert!(
+        worst < Duration::from_secs(2),
+        "kill → Failed took {worst:?} (target 100 ms; cocoon's ticker is 5 s)"
+    );
+}
+
+/// `cargo test --test daemon_process -- --ignored hypervisor_kill_bench --nocapture`
+#[test]
+#[ignore]
+fn hypervisor_kill_bench() {
+    let took = hypervisor_kill_to_failed(40);
+    let at = |q: f64| took[((took.len() as f64 - 1.0) * q).round() as usize];
+    eprintln!(
+        "hypervisor kill → pod Failed over {} kills: p50 {:?}, p99 {:?}, max {:?}",
+        took.len(),
+        at(0.5),
+        at(0.99),
+        took.last().copied().unwrap_or_default()
+    );
+}

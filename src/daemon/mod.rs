@@ -19,6 +19,7 @@
 
 mod effects;
 mod event_stream;
+mod hypervisors;
 mod startup;
 mod view;
 
@@ -155,6 +156,9 @@ pub struct Daemon {
     timers: HashMap<OwnTimer, (TimerId, Instant)>,
     watchdog: Option<Duration>,
     view_dirty: bool,
+    /// pidfds of the running VMs' hypervisors, re-synced after a turn that changed the core.
+    hypervisors: hypervisors::HypervisorWatch,
+    hypervisors_dirty: bool,
     /// When the kubelet view was last rebuilt (see `VIEW_REFRESH`).
     view_built: Option<Instant>,
     stopping: bool,
@@ -313,6 +317,8 @@ impl Daemon {
             timers: HashMap::new(),
             watchdog,
             view_dirty: true,
+            hypervisors: Default::default(),
+            hypervisors_dirty: true,
             view_built: None,
             stopping: false,
             longest_turn,
@@ -367,7 +373,14 @@ impl Daemon {
         }
         match event {
             Event::Io(ready) => {
-                if ready.token == self.watch.token() {
+                if self.hypervisors.owns(ready.token) {
+                    if let Some(vm) = self.hypervisors.exited(&mut self.reactor, ready.token) {
+                        self.pending.push_back(Input::VmEvent {
+                            kind: crate::provider::VmEventKind::Modified,
+                            vm,
+                        });
+                    }
+                } else if ready.token == self.watch.token() {
                     let out = self.watch.on_ready(&self.kube, now);
                     self.watch_outputs(out);
                 } else if self.kubelet.owns_token(ready.token) {
@@ -542,6 +555,7 @@ impl Daemon {
             let effects = self.provider.handle(input, now, SystemTime::now());
             if !effects.is_empty() {
                 self.view_dirty = true;
+                self.hypervisors_dirty = true;
             }
             for effect in effects {
                 self.perform(effect);
@@ -554,6 +568,11 @@ impl Daemon {
         }
         if let Some(at) = self.provider.poll_timeout() {
             self.arm(OwnTimer::Provider, at);
+        }
+        if self.hypervisors_dirty {
+            self.hypervisors_dirty = false;
+            self.hypervisors
+                .sync(&mut self.reactor, self.provider.tracked_vms());
         }
     }
 
