@@ -117,10 +117,11 @@ impl Provider {
                 key,
                 &format!("look up vm {reference} before delete: {}", r.error_text()),
             ),
-            Some(v) if matches!(v.state, VmState::Creating) => {
-                let at = self.now + INSPECT_RETRY;
-                self.advance(key, DeleteStep::FindVmWait { by_id }, Ask::Timer(at))
-            }
+            Some(v) if matches!(v.state, VmState::Creating) => self.advance(
+                key,
+                DeleteStep::SettleCreating { by_id },
+                Ask::Cocoon(CocoonCmd::ReconcileStaleCreate { id: v.id }),
+            ),
             Some(v) => {
                 if let Some(t) = self.slot(key).tracked.as_mut() {
                     t.vm = Some(v);
@@ -202,6 +203,26 @@ impl Provider {
         match (d.step, res) {
             (DeleteStep::FindVm { by_id }, Res::Cocoon(r)) => {
                 self.found_vm_for_delete(key, &t, by_id, r)
+            }
+            (DeleteStep::SettleCreating { by_id }, Res::Cocoon(r)) => {
+                let outcome = if r.success {
+                    parse_stale_outcome(&r.stdout).ok()
+                } else {
+                    None
+                };
+                match outcome {
+                    // The record is gone or became a VM: look again (and remove what landed).
+                    Some(
+                        StaleCreateOutcome::Collected
+                        | StaleCreateOutcome::NotFound
+                        | StaleCreateOutcome::NotCreating,
+                    ) => self.find_vm_for_delete(key, &t, by_id),
+                    // A create still runs (or cocoon could not say): wait for it.
+                    _ => {
+                        let at = self.now + INSPECT_RETRY;
+                        self.advance(key, DeleteStep::FindVmWait { by_id }, Ask::Timer(at))
+                    }
+                }
             }
             (DeleteStep::Inspect, Res::Cocoon(r)) => {
                 if r.vm_not_found() {

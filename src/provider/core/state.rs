@@ -68,7 +68,12 @@ pub(super) enum DeleteStep {
     FindVm {
         by_id: bool,
     },
-    /// The VM found is still being created (a clone of an earlier process): look again.
+    /// The VM found is still being created: ask cocoon to settle that record (collected when
+    /// no create holds it any more, busy while one runs).
+    SettleCreating {
+        by_id: bool,
+    },
+    /// A create still runs it (a clone of an earlier process): look again shortly.
     FindVmWait {
         by_id: bool,
     },

@@ -190,6 +190,13 @@ fn an_untracked_pod_being_deleted_loses_the_vm_a_killed_daemon_was_cloning() {
         "vm inspect vk-ns-demo-0",
         CocoonResult::ok(creating),
     );
+    // The clone still runs (its record is busy): wait, then look again.
+    let e = answer(
+        &mut h,
+        &e,
+        "vm reconcile-stale-create VM1 -o json",
+        CocoonResult::ok(r#"{"id":"VM1","outcome":"busy"}"#),
+    );
     assert!(cocoon_ops(&e).is_empty() && deletes(&e).is_empty(), "{e:?}");
     let e = h.advance(Duration::from_secs(1));
     let running = vm_json("VM1", "vk-ns-demo-0", "running", "02:00:00:00:00:01");
