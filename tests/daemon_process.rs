@@ -548,3 +548,116 @@ fn hypervisor_kill_bench() {
         took.last().copied().unwrap_or_default()
     );
 }
+
+/// The crash test: creates and deletes (about 300 over `CRASH_SECS`, default 120 s) while the
+/// daemon is SIGKILLed every 3–8 s and restarted at once. After the last restart everything
+/// converges within 30 s: every live pod Running with exactly one VM, no orphan VM, no pod
+/// stuck terminating.
+/// `cargo test --test daemon_process -- --ignored crash_test --nocapture`
+#[test]
+#[ignore]
+fn crash_test_creates_and_deletes_under_sigkill_converge() {
+    let secs: u64 = std::env::var("CRASH_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(120);
+    let mut seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1)
+        | 1;
+    eprintln!("crash test seed {seed}");
+    let mut rand = move |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n.max(1)
+    };
+    let mut w = World::new();
+    w.seed_snapshot("base");
+    w.start_daemon();
+    let end = Instant::now() + Duration::from_secs(secs);
+    // About 300 operations over the run: one every `secs * 1000 / 300` ms on average.
+    let op_ms = (secs * 1000 / 300).max(1);
+    let mut next_kill = Instant::now() + Duration::from_millis(3000 + rand(5000));
+    let (mut created, mut deleted, mut kills) = (0u64, 0u64, 0u64);
+    while Instant::now() < end {
+        let live: Vec<String> = w
+            .api
+            .pods()
+            .iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .filter_map(|p| p.metadata.name.clone())
+            .collect();
+        if live.len() < 5 || rand(100) < 55 {
+            let name = format!("crash-{created}");
+            created += 1;
+            let _ = w
+                .api
+                .create_pod(&demo_pod("default", &name, "clone", "base"));
+        } else {
+            let name = &live[rand(live.len() as u64) as usize];
+            if w.api.delete_pod("default", name, Some(30)).is_ok() {
+                deleted += 1;
+            }
+        }
+        if Instant::now() >= next_kill {
+            w.kill_daemon();
+            w.start_daemon();
+            kills += 1;
+            next_kill = Instant::now() + Duration::from_millis(3000 + rand(5000));
+        }
+        std::thread::sleep(Duration::from_millis(op_ms / 2 + rand(op_ms)));
+    }
+    w.kill_daemon();
+    w.start_daemon();
+    eprintln!("crash test: {created} creates, {deleted} deletes, {kills} kills");
+    let settled = Instant::now();
+    let mut last = String::new();
+    let converged = loop {
+        let pods = w.api.pods();
+        let terminating: Vec<String> = pods
+            .iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_some())
+            .filter_map(|p| p.metadata.name.clone())
+            .collect();
+        let live: BTreeSet<String> = pods
+            .iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .filter_map(|p| p.metadata.name.clone())
+            .collect();
+        let vms = w.vms();
+        let want: BTreeSet<String> = live.iter().map(|n| format!("vk-default-{n}")).collect();
+        let got: BTreeSet<String> = vms.keys().cloned().collect();
+        let not_running: Vec<&String> = live
+            .iter()
+            .filter(|n| {
+                running_with_vm(&w, n).is_none_or(|(_, id)| {
+                    vms.get(&format!("vk-default-{n}"))
+                        .is_none_or(|(vid, st)| *vid != id || st != "running")
+                })
+            })
+            .collect();
+        if terminating.is_empty() && want == got && not_running.is_empty() {
+            break true;
+        }
+        last = format!(
+            "terminating {terminating:?}; orphans {:?}; missing {:?}; not running {not_running:?}",
+            got.difference(&want).collect::<Vec<_>>(),
+            want.difference(&got).collect::<Vec<_>>()
+        );
+        if settled.elapsed() > Duration::from_secs(30) {
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    eprintln!(
+        "crash test: converged={converged} after {:?}",
+        settled.elapsed()
+    );
+    assert!(
+        converged,
+        "not converged 30 s after the last restart: {last}\n{}",
+        daemon_support::tail(&w.log(), 40)
+    );
+}
