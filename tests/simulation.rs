@@ -884,7 +884,12 @@ fn hundreds_of_pods_converge_under_random_faults() {
     let mut failed = Vec::new();
     for seed in seeds {
         println!("simulation seed {seed} (replay: SIM_SEED={seed} cargo test --test simulation)");
-        let (errs, stats) = run_seed(seed, 200);
+        // A bench seed replays with its pod count: `SIM_PODS=12 SIM_SEED=<seed>`.
+        let pods = std::env::var("SIM_PODS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(200);
+        let (errs, stats) = run_seed(seed, pods);
         println!("  faults/actions: {stats:?}");
         failed.extend(errs.into_iter().take(10));
     }
@@ -894,7 +899,7 @@ fn hundreds_of_pods_converge_under_random_faults() {
 
 /// Bench mode: `SIM_BENCH_SEEDS` fresh random seeds (default 10,000) of `SIM_BENCH_PODS` pods
 /// each (default 12), on every core, with provider restarts at random points among the chaos.
-/// Prints each failing seed (replay it with `SIM_SEED`); each one found becomes a fixed seed
+/// Prints each failing seed (replay it with `SIM_PODS=12 SIM_SEED=<seed>`); each one found becomes a fixed seed
 /// of the default list once fixed.
 /// `cargo test --release --test simulation -- --ignored --nocapture`
 #[test]
