@@ -23,6 +23,7 @@
 mod auth_lane;
 mod effects;
 mod event_stream;
+mod hypervisors;
 mod kube_jobs;
 pub mod lane;
 mod startup;
@@ -210,6 +211,9 @@ pub struct Daemon {
     timers: HashMap<OwnTimer, (TimerId, Instant)>,
     watchdog: Option<Duration>,
     view_dirty: bool,
+    /// pidfds of the running VMs' hypervisors, re-synced after a turn that changed the core.
+    hypervisors: hypervisors::HypervisorWatch,
+    hypervisors_dirty: bool,
     /// When the kubelet view was last rebuilt (see `VIEW_REFRESH`).
     view_built: Option<Instant>,
     stopping: bool,
@@ -406,6 +410,8 @@ impl Daemon {
             timers: HashMap::new(),
             watchdog,
             view_dirty: true,
+            hypervisors: Default::default(),
+            hypervisors_dirty: true,
             view_built: None,
             stopping: false,
             longest_turn,
@@ -468,7 +474,14 @@ impl Daemon {
         }
         match event {
             Event::Io(ready) => {
-                if ready.token == self.watch.token() {
+                if self.hypervisors.owns(ready.token) {
+                    if let Some(vm) = self.hypervisors.exited(&mut self.reactor, ready.token) {
+                        self.pending.push_back(Input::VmEvent {
+                            kind: crate::provider::VmEventKind::Modified,
+                            vm,
+                        });
+                    }
+                } else if ready.token == self.watch.token() {
                     self.watch_read(now);
                 } else if self.kubelet.owns_token(ready.token) {
                     self.kubelet.on_io(&mut self.reactor, ready);
@@ -663,6 +676,7 @@ impl Daemon {
             let effects = self.provider.handle(input, now, SystemTime::now());
             if !effects.is_empty() {
                 self.view_dirty = true;
+                self.hypervisors_dirty = true;
             }
             for effect in effects {
                 self.perform(effect);
@@ -673,6 +687,11 @@ impl Daemon {
         }
         if let Some(at) = self.provider.poll_timeout() {
             self.arm(OwnTimer::Provider, at);
+        }
+        if self.hypervisors_dirty {
+            self.hypervisors_dirty = false;
+            self.hypervisors
+                .sync(&mut self.reactor, self.provider.tracked_vms());
         }
     }
 

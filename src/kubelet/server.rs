@@ -29,7 +29,7 @@ use super::exec::websocket::{handshake_response, WsSession};
 use super::exec::{self, ExecOutcome, Session, SessionEvent, Upgrade};
 use super::logs::{self, LogShaper};
 use super::routes::{self, HeadError, Request, Route};
-use super::stats::{build_summary, resource_metrics_text, CONTAINER_NAME};
+use super::stats::{build_summary, resource_metrics_text};
 use super::tls::{cert_identity, TlsState};
 use super::{KubeletConfig, KubeletView, PodInfo};
 use crate::metrics::admission::{PeerCounts, PeerKey, Refusal, RefusalLog};
@@ -978,7 +978,10 @@ impl KubeletServer {
     }
 
     /// Checks pod and container of a per-pod route: Err is a ready response.
-    fn pod_for(&self, ns: &str, pod: &str, container: &str) -> Result<&PodInfo, Vec<u8>> {
+    /// The container name is not looked up: a cocoon pod is one VM whatever its spec calls
+    /// its containers, `kubectl logs` / `exec` send the pod's own container name, and the Go
+    /// daemon ignores the name in these paths (an unknown one reaches the VM too).
+    fn pod_for(&self, ns: &str, pod: &str, _container: &str) -> Result<&PodInfo, Vec<u8>> {
         let Some(p) = self.find_pod(ns, pod) else {
             return Err(routes::text(
                 404,
@@ -986,9 +989,6 @@ impl KubeletServer {
                 false,
             ));
         };
-        if container != CONTAINER_NAME {
-            return Err(routes::text(404, &format!("container {container:?} not found in pod {ns}/{pod} (the only container is {CONTAINER_NAME:?})"), false));
-        }
         Ok(p)
     }
 

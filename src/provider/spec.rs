@@ -310,6 +310,63 @@ pub fn parse(pod: &Pod) -> Result<VmSpec, SpecError> {
     })
 }
 
+/// The spec of a pod whose annotations no longer parse but whose VM (`vm_name`, `vm_id`) the
+/// daemon runs: every annotation that still reads keeps its meaning, the others take their
+/// defaults. The running daemon keeps such a pod tracked with a Warning when an update does not
+/// parse; a restart must do the same, not drop the pod and destroy its VM as an orphan.
+pub fn salvage(pod: &Pod, vm_name: &str, vm_id: &str) -> VmSpec {
+    let a = annotations(pod);
+    let get = |k: &str| a.get(k).cloned().unwrap_or_default();
+    let mode_raw = get(ANN_MODE);
+    let mode = match mode_raw.to_ascii_lowercase().as_str() {
+        "run" => Mode::Run,
+        "static" => Mode::Static,
+        _ => Mode::Clone,
+    };
+    let os = match get(ANN_OS).to_ascii_lowercase().as_str() {
+        "windows" => Os::Windows,
+        "android" => Os::Android,
+        "macos" => Os::Macos,
+        _ => Os::Linux,
+    };
+    let backend = Some(get(ANN_BACKEND))
+        .filter(|b| b == BACKEND_CH || b == BACKEND_FC)
+        .unwrap_or_default();
+    let owner_cocoonset = pod
+        .metadata
+        .owner_references
+        .as_ref()
+        .and_then(|o| o.iter().find(|r| r.kind == "CocoonSet"))
+        .map(|r| r.name.clone())
+        .unwrap_or_default();
+    VmSpec {
+        vm_name: vm_name.to_string(),
+        image: get(ANN_IMAGE),
+        mode,
+        mode_raw,
+        os,
+        storage_bytes: None,
+        network: get(ANN_NETWORK),
+        snapshot_policy: get(ANN_SNAPSHOT_POLICY),
+        managed: is_true(&a, ANN_MANAGED),
+        force_pull: is_true(&a, ANN_FORCE_PULL),
+        generation: generation(pod),
+        backend,
+        no_direct_io: is_true(&a, ANN_NO_DIRECT_IO),
+        probe_port: get(ANN_PROBE_PORT).parse::<u16>().ok().filter(|p| *p > 0),
+        fork_from: get(ANN_FORK_FROM),
+        clone_from_dir: None,
+        hibernate: is_true(&a, ANN_HIBERNATE),
+        restore_from_hibernate: is_true(&a, ANN_RESTORE),
+        keep_snapshot_on_delete: is_true(&a, ANN_KEEP_SNAPSHOT),
+        vm_id: vm_id.to_string(),
+        vm_ip: get(ANN_VM_IP),
+        cpu_class: String::new(),
+        owner_cocoonset,
+        resources: parse_resources(pod).unwrap_or_default(),
+    }
+}
+
 /// `cocoonset.cocoonstack.io/generation` (missing/garbage ⇒ 0).
 pub fn generation(pod: &Pod) -> i64 {
     pod.metadata

@@ -265,6 +265,8 @@ impl Provider {
                 _ => {}
             },
             Some(Op::Evict(e)) if e.step == EvictStep::Delete => self.evict_delete(key),
+            Some(Op::Delete(_)) => self.delete_timer(key),
+            Some(Op::Create(_)) => self.create_timer(key),
             Some(_) => {}
         }
     }

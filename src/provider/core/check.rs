@@ -34,7 +34,10 @@ impl Provider {
         let Some(t) = slot.tracked.as_ref() else {
             return;
         };
-        if !t.spec.managed || t.spec.hibernate {
+        // §11.2 ignores pods asking for hibernate because hibernating removes the VM itself;
+        // this build does not hibernate (the request changes nothing, the VM keeps running),
+        // so such a pod's VM dying is a crash like any other.
+        if !t.spec.managed {
             return;
         }
         let (uid, vm_id) = (

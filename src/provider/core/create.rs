@@ -335,6 +335,47 @@ impl Provider {
         }
     }
 
+    /// Whether another pod's pull of this local snapshot is still running (an entry whose pod
+    /// no longer pulls, its op ended by a delete, is dropped).
+    fn pull_running(&mut self, local: &str, key: &PodKey) -> bool {
+        let Some(puller) = self.pulls.get(local) else {
+            return false;
+        };
+        let pulling = puller != key
+            && self.slots.get(puller).is_some_and(|s| {
+                matches!(&s.op, Some(Op::Create(c))
+                    if matches!(c.step, CreateStep::PullSnapshot) && c.local_snapshot == local)
+            });
+        if !pulling {
+            self.pulls.remove(local);
+        }
+        pulling
+    }
+
+    /// A pull answered: the snapshot is free for the next puller.
+    fn pull_done<T>(&mut self, key: &PodKey, c: &CreateOp, r: T) -> T {
+        if self.pulls.get(&c.local_snapshot) == Some(key) {
+            self.pulls.remove(&c.local_snapshot);
+        }
+        r
+    }
+
+    /// The poll timer of a pod waiting for another pod's pull: look at the snapshot again.
+    pub(super) fn create_timer(&mut self, key: &PodKey) {
+        let Some(c) = self.create_op(key) else {
+            return;
+        };
+        if !matches!(c.step, CreateStep::PullWait) {
+            return;
+        }
+        let name = c.local_snapshot.clone();
+        self.advance(
+            key,
+            CreateStep::SnapInspect { pulled: false },
+            Ask::SharedRead(CocoonCmd::SnapshotInspect { name }),
+        )
+    }
+
     pub(super) fn create_op(&mut self, key: &PodKey) -> Option<&mut CreateOp> {
         match self.slots.get_mut(key)?.op.as_mut()? {
             Op::Create(c) => Some(c),
@@ -348,6 +389,18 @@ impl Provider {
         };
         let c = c.clone();
         let spec = &c.spec;
+        let superseded = self.slots.get(key).is_some_and(|s| {
+            s.latest
+                .as_ref()
+                .is_none_or(|p| pod_uid(p) == c.uid && deleting(p))
+        });
+        if superseded {
+            // The pod is being deleted (or gone): building its VM further only makes more to
+            // undo. The delete that follows looks the VM up by name, so whatever this create
+            // made (even the VM this very answer reports) is removed before the object goes.
+            log::info!("provider: {key}: create stopped, the pod is being deleted");
+            return self.end_op(key);
+        }
         match (c.step.clone(), res) {
             (CreateStep::InspectByName, Res::Cocoon(r)) => {
                 if r.success {
@@ -429,6 +482,11 @@ impl Provider {
                         );
                         return self.fail_create(key, &c.uid, &msg, true);
                     }
+                    if self.pull_running(&c.local_snapshot, key) {
+                        let at = self.now + PULL_WAIT_POLL;
+                        return self.advance(key, CreateStep::PullWait, Ask::Timer(at));
+                    }
+                    self.pulls.insert(c.local_snapshot.clone(), key.clone());
                     let (repo, tag) = crate::snapshots::reference::split_image_ref(&spec.image);
                     let local = c.local_snapshot.clone();
                     let ask = Ask::effect(|op| Effect::PullSnapshot {
@@ -485,7 +543,7 @@ impl Provider {
                 }
                 self.do_clone(key)
             }
-            (CreateStep::PullSnapshot, Res::Transfer(r)) => match r {
+            (CreateStep::PullSnapshot, Res::Transfer(r)) => match self.pull_done(key, &c, r) {
                 Ok(_) => {
                     self.metric(MetricUpdate::SnapshotPull { result: "ok" });
                     self.advance(

@@ -35,31 +35,121 @@ impl Provider {
             .and_then(|p| spec::parse(p).ok())
             .map(|s| s.keep_snapshot_on_delete)
             .unwrap_or(t.spec.keep_snapshot_on_delete);
-        let api_first = latest_same
-            .as_ref()
-            .map(|p| {
-                deleting(p)
-                    && !status::has_running_container(p.status.as_ref())
-                    && !slot.idle.api_deleted(&t.uid)
-            })
-            .unwrap_or(false);
+        // Departure from the framework's order (§4 deletes a pod with no running container
+        // from the API first): the VM is removed first, always. The pod object is the only
+        // record that a VM is owed removal; a crash after a force-delete and before `vm rm`
+        // would leave the VM for good (with the alert orphan policy) or to an orphan sweep
+        // that may not run. A terminating pod waiting for its VM costs only time.
         slot.op = Some(Op::Delete(DeleteOp {
             uid: t.uid.clone(),
             step: DeleteStep::ApiFirst,
             vm_name: t.spec.vm_name.clone(),
             keep,
+            looked_up: false,
         }));
-        if api_first {
-            let uid = t.uid.clone();
-            self.slot(key).idle = Idle::ApiDeleted(uid.clone());
-            return self.pod_effect(key, |op| Effect::DeletePod {
-                op,
-                key: key.clone(),
-                uid,
-                grace: Some(0),
-            });
-        }
         self.delete_after_api_first(key);
+    }
+
+    /// A pod being deleted that we do not track: when it names a VM we may own, track it with
+    /// no VM known so the delete looks the VM up and removes it before the object goes (a
+    /// killed daemon's create may have made it, or be making it). Returns whether it did.
+    /// A pod whose annotations do not parse is not tracked: no VM is removed on input we
+    /// could not read.
+    pub(super) fn track_for_delete(&mut self, key: &PodKey, pod: &Arc<Pod>) -> bool {
+        let Ok(spec) = spec::parse(pod) else {
+            return false;
+        };
+        if !spec.managed || !lookup_reference_ok(&spec.vm_name) {
+            return false;
+        }
+        // A VM another live pod holds (or one not named for this namespace) is not this pod's
+        // to remove: deleting a pod that was refused for naming it must never touch it.
+        if self
+            .vm_claimed_elsewhere(key, &pod_uid(pod), &spec)
+            .is_some()
+        {
+            return false;
+        }
+        let vm = self.by_name.get(&spec.vm_name).cloned();
+        let start_time = pod.status.as_ref().and_then(|s| s.start_time.clone());
+        self.slot(key).tracked = Some(Tracked {
+            uid: pod_uid(pod),
+            pod: pod.clone(),
+            spec,
+            vm,
+            ip: String::new(),
+            start_time,
+            probe: None,
+        });
+        true
+    }
+
+    /// Look up the VM of a delete that knows none (by name, else by the ID annotation).
+    fn find_vm_for_delete(&mut self, key: &PodKey, t: &Tracked, by_id: bool) {
+        let reference = if by_id {
+            t.spec.vm_id.clone()
+        } else {
+            t.spec.vm_name.clone()
+        };
+        self.advance(
+            key,
+            DeleteStep::FindVm { by_id },
+            Ask::Cocoon(CocoonCmd::VmInspect { reference }),
+        )
+    }
+
+    /// The answer of that lookup: a VM found is removed as the tracked one would be; one still
+    /// being created is looked at again shortly; none lets the delete finish.
+    fn found_vm_for_delete(&mut self, key: &PodKey, t: &Tracked, by_id: bool, r: CocoonResult) {
+        if r.vm_not_found() {
+            if !by_id && t.spec.vm_id != t.spec.vm_name && lookup_reference_ok(&t.spec.vm_id) {
+                return self.find_vm_for_delete(key, t, true);
+            }
+            if let Some(Op::Delete(d)) = self.slot(key).op.as_mut() {
+                d.looked_up = true;
+            }
+            return self.delete_after_api_first(key);
+        }
+        let found = if r.success {
+            parse_vm(&r.stdout).ok()
+        } else {
+            None
+        };
+        let reference = if by_id {
+            &t.spec.vm_id
+        } else {
+            &t.spec.vm_name
+        };
+        match found {
+            None => self.delete_failed(
+                key,
+                &format!("look up vm {reference} before delete: {}", r.error_text()),
+            ),
+            Some(v) if matches!(v.state, VmState::Creating) => self.advance(
+                key,
+                DeleteStep::SettleCreating { by_id },
+                Ask::Cocoon(CocoonCmd::ReconcileStaleCreate { id: v.id }),
+            ),
+            Some(v) => {
+                if let Some(t) = self.slot(key).tracked.as_mut() {
+                    t.vm = Some(v);
+                }
+                self.delete_after_api_first(key)
+            }
+        }
+    }
+
+    /// The pod timer of a delete waiting for a VM still being created.
+    pub(super) fn delete_timer(&mut self, key: &PodKey) {
+        let Some(slot) = self.slots.get(key) else {
+            return;
+        };
+        let (Some(Op::Delete(d)), Some(t)) = (slot.op.clone(), slot.tracked.clone()) else {
+            return;
+        };
+        if let DeleteStep::FindVmWait { by_id } = d.step {
+            self.find_vm_for_delete(key, &t, by_id);
+        }
     }
 
     pub(super) fn delete_after_api_first(&mut self, key: &PodKey) {
@@ -76,6 +166,9 @@ impl Provider {
             return self.delete_done(key, &t, &d);
         }
         let Some(vm) = t.vm.clone() else {
+            if !d.looked_up {
+                return self.find_vm_for_delete(key, &t, false);
+            }
             if d.keep {
                 self.lifecycle_metric("delete", "skipped", "seat_release");
                 self.forget(key, true);
@@ -116,12 +209,28 @@ impl Provider {
         };
         let vm = t.vm.clone().unwrap_or_default();
         match (d.step, res) {
-            (DeleteStep::ApiFirst, Res::Kube(r)) => {
-                if matches!(r, Err(KubeError::Other(_))) {
-                    // Not deleted: the final grace-0 delete after the VM is gone retries it.
-                    self.slot(key).idle.undo_api_delete();
+            (DeleteStep::FindVm { by_id }, Res::Cocoon(r)) => {
+                self.found_vm_for_delete(key, &t, by_id, r)
+            }
+            (DeleteStep::SettleCreating { by_id }, Res::Cocoon(r)) => {
+                let outcome = if r.success {
+                    parse_stale_outcome(&r.stdout).ok()
+                } else {
+                    None
+                };
+                match outcome {
+                    // The record is gone or became a VM: look again (and remove what landed).
+                    Some(
+                        StaleCreateOutcome::Collected
+                        | StaleCreateOutcome::NotFound
+                        | StaleCreateOutcome::NotCreating,
+                    ) => self.find_vm_for_delete(key, &t, by_id),
+                    // A create still runs (or cocoon could not say): wait for it.
+                    _ => {
+                        let at = self.now + INSPECT_RETRY;
+                        self.advance(key, DeleteStep::FindVmWait { by_id }, Ask::Timer(at))
+                    }
                 }
-                self.delete_after_api_first(key)
             }
             (DeleteStep::Inspect, Res::Cocoon(r)) => {
                 if r.vm_not_found() {
@@ -356,4 +465,14 @@ impl Provider {
             self.out.push(Effect::ReleaseLeases { macs });
         }
     }
+}
+
+/// A VM reference taken from an annotation is used on cocoon's command line only when it
+/// cannot read as an option or carry anything but a plain name.
+fn lookup_reference_ok(r: &str) -> bool {
+    !r.is_empty()
+        && !r.starts_with('-')
+        && r.len() <= 253
+        && r.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
 }

@@ -65,16 +65,30 @@ impl Provider {
         // written meanwhile must not be overwritten by this older one.
         // Other patches that carry the triple (the id/ip write) carry the current one.
         let mut waiter = waiter;
-        // A status retry carries the status of its time: once a newer one was sent (its own
-        // retries cover its failures) this one would overwrite it with stale content.
+        // A retry for an incarnation whose object we deleted (grace 0) or that is gone from
+        // the API has nothing left to write to: dropped.
+        if let Waiter::Status { key, uid, .. } | Waiter::Annotations { key, uid, .. } = &waiter {
+            let ended = self.slots.get(key).is_none_or(|s| {
+                s.idle.api_deleted(uid) || s.latest.as_ref().is_none_or(|p| pod_uid(p) != *uid)
+            });
+            if ended {
+                return;
+            }
+        }
+        // A status retry whose status is no longer the latest sent would overwrite a newer one
+        // (a Pending retried after Running was written): the newer write carries the truth.
         if let Waiter::Status {
             key,
             effect: Effect::PatchPodStatus { status, .. },
             ..
         } = &waiter
         {
-            let newest = self.slots.get(key).and_then(|s| s.shown.as_ref());
-            if newest.is_some_and(|(_, shown)| !Arc::ptr_eq(shown, status)) {
+            let newer = self
+                .slots
+                .get(key)
+                .and_then(|s| s.shown.as_ref())
+                .is_some_and(|(_, shown)| !Arc::ptr_eq(shown, status));
+            if newer {
                 return;
             }
         }

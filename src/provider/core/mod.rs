@@ -78,6 +78,8 @@ const RECHECK_FIRST: Duration = Duration::from_secs(1);
 const RECHECK_MAX: Duration = Duration::from_secs(30);
 const RECHECK_BUDGET: Duration = Duration::from_secs(30 * 60);
 const STALE_FANOUT: usize = 8;
+/// How often a pod waiting for another pod's pull of its snapshot looks whether it landed.
+const PULL_WAIT_POLL: Duration = Duration::from_millis(500);
 
 pub struct Provider {
     cfg: ProviderConfig,
@@ -100,6 +102,9 @@ pub struct Provider {
     last_holder_ns: BTreeMap<String, String>,
     last_restart: BTreeMap<String, Instant>,
     timers: BTreeMap<(Instant, u64), TimerEntry>,
+    /// Snapshot pulls running, by local snapshot name: the pod pulling. One pull per snapshot
+    /// at a time on the node: each pull replaces the local snapshot, so two would race.
+    pulls: BTreeMap<String, PodKey>,
     /// Stale-create watcher state per VM ID: (current delay, budget end).
     stale_watch_state: BTreeMap<String, (Duration, Instant)>,
 }
@@ -149,8 +154,26 @@ fn restart_never(p: &Pod) -> bool {
     p.spec.as_ref().and_then(|s| s.restart_policy.as_deref()) == Some("Never")
 }
 
+/// The lifecycle annotations only this daemon writes. They report what it did and are never
+/// input: counting them as a change would make every write of ours a new reason to act (a
+/// rejected pod re-created, re-rejected and re-written forever).
+const OWN_ANNOTATIONS: [&str; 3] = [
+    spec::ANN_LIFECYCLE_STATE,
+    spec::ANN_LIFECYCLE_GEN,
+    spec::ANN_LIFECYCLE_MSG,
+];
+
+/// The pod's annotations without our own lifecycle ones.
+fn input_annotations(p: &Pod) -> impl Iterator<Item = (&String, &String)> {
+    p.metadata
+        .annotations
+        .iter()
+        .flatten()
+        .filter(|(k, _)| !OWN_ANNOTATIONS.contains(&k.as_str()))
+}
+
 /// Framework change detection (§4): containers, init/ephemeral containers,
-/// activeDeadlineSeconds, tolerations, labels, annotations.
+/// activeDeadlineSeconds, tolerations, labels, annotations (but not our own lifecycle ones).
 fn changed(a: &Pod, b: &Pod) -> bool {
     let empty = k8s_openapi::api::core::v1::PodSpec::default();
     let (sa, sb) = (
@@ -163,7 +186,7 @@ fn changed(a: &Pod, b: &Pod) -> bool {
         || sa.active_deadline_seconds != sb.active_deadline_seconds
         || sa.tolerations != sb.tolerations
         || a.metadata.labels != b.metadata.labels
-        || a.metadata.annotations != b.metadata.annotations
+        || !input_annotations(a).eq(input_annotations(b))
 }
 
 fn with_op(effect: &Effect, op: OpId) -> Effect {
@@ -197,6 +220,7 @@ impl Provider {
             last_restart: BTreeMap::new(),
             timers: BTreeMap::new(),
             stale_watch_state: BTreeMap::new(),
+            pulls: BTreeMap::new(),
         }
     }
 
@@ -566,10 +590,13 @@ impl Provider {
             if tracked_uid.is_some() {
                 return self.start_delete(key);
             }
-            if !slot.idle.api_deleted(&uid) {
-                return self.start_api_delete(key, &uid);
+            if slot.idle.api_deleted(&uid) {
+                return;
             }
-            return;
+            if self.track_for_delete(key, &pod) {
+                return self.start_delete(key);
+            }
+            return self.start_api_delete(key, &uid);
         }
         if slot.idle.ended(&uid) {
             // We deleted this incarnation and wait for its DELETED.
@@ -732,10 +759,11 @@ impl Provider {
 }
 
 fn initial_probe(ip: &str) -> (bool, String) {
-    // Until the probe module reports, "IP resolved" stands in (the no-CAP_NET_RAW fallback).
+    // Not ready until the probe module reports a probe that succeeded (§10): an IP alone says
+    // nothing about the guest answering on it.
     if ip.is_empty() {
         (false, "waiting for dhcp lease".into())
     } else {
-        (true, "ip resolved".into())
+        (false, "waiting for the first probe".into())
     }
 }

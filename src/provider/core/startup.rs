@@ -143,9 +143,7 @@ impl Provider {
         if watcher {
             match verdict {
                 V::Drop => {}
-                V::Keep(v) => {
-                    self.by_name.insert(v.name.clone(), v);
-                }
+                V::Keep(v) => self.stale_vm_landed(v),
                 V::Orphan(v) => self.orphan(v),
                 V::Watch => self.rearm_stale_watch(vm),
             }
@@ -158,6 +156,41 @@ impl Provider {
             V::Orphan(v) => {
                 self.orphan(v);
                 self.stale_done(None, None)
+            }
+        }
+    }
+
+    /// A create left running by an earlier process finished after startup. A pod that names
+    /// the VM gets it (a live one adopts it, a deleting one's delete finds and removes it);
+    /// with no pod naming it, it is removed: that pod is gone and nothing else ever would.
+    pub(super) fn stale_vm_landed(&mut self, vm: VmInfo) {
+        let named_by = self
+            .slots
+            .iter()
+            .find(|(_, s)| {
+                s.latest.as_ref().is_some_and(|p| {
+                    p.metadata
+                        .annotations
+                        .as_ref()
+                        .and_then(|a| a.get(spec::ANN_VM_NAME))
+                        .is_some_and(|n| !vm.name.is_empty() && *n == vm.name)
+                })
+            })
+            .map(|(k, _)| k.clone());
+        match named_by {
+            Some(key) => {
+                self.by_name.insert(vm.name.clone(), vm);
+                self.kick(&key);
+            }
+            None if self.cfg.orphan_policy == OrphanPolicy::Keep => self.orphan(vm),
+            None => {
+                log::warn!(
+                    "provider: removing vm {} ({}): its create outlived the pod",
+                    vm.name,
+                    vm.id
+                );
+                self.fire_and_forget_cocoon(CocoonCmd::VmRm { id: vm.id.clone() });
+                self.release_leases(&vm);
             }
         }
     }
@@ -253,8 +286,32 @@ impl Provider {
             if terminal(&pod) {
                 continue;
             }
-            let Ok(spec) = spec::parse(&pod) else {
-                continue;
+            let spec = match spec::parse(&pod) {
+                Ok(spec) => spec,
+                Err(e) => {
+                    // §2.6 step 6 matches by ID: a pod whose annotations no longer parse still
+                    // names its VM, which is claimed (never destroyed as an orphan because of
+                    // input we could not read) and kept tracked as at runtime, with a Warning.
+                    let Some(vm) = unreadable_pods_vm(&pod, &by_id, &by_name) else {
+                        continue;
+                    };
+                    if claimed.contains(&vm.id) {
+                        continue;
+                    }
+                    claimed.insert(vm.id.clone());
+                    adopted += 1;
+                    let uid = pod_uid(&pod);
+                    self.event(
+                        &key,
+                        &uid,
+                        EventType::Warning,
+                        "ProviderUpdateFailed",
+                        &e.message,
+                    );
+                    let spec = spec::salvage(&pod, &vm.name, &vm.id);
+                    self.adopt_at_startup(&key, &pod, spec, vm);
+                    continue;
+                }
             };
             let vm = if !spec.vm_id.is_empty() {
                 let known = by_id.get(&spec.vm_id);
@@ -379,7 +436,8 @@ impl Provider {
             return;
         }
         let vm = t.vm.clone().unwrap_or_default();
-        if t.spec.managed && !t.spec.hibernate && !vm.running() {
+        // A pod asking for hibernate included: this build never hibernates (see `vm_event`).
+        if t.spec.managed && !vm.running() {
             // Adopted a VM that is not running (its crash event went to the previous process):
             // handle it as §11.2 would (restart, or evict when it is gone).
             return self.start_check(key, t.uid.clone(), vm.id, CheckStep::Inspect { attempt: 1 });
@@ -452,4 +510,17 @@ impl Provider {
         );
         self.start_ready_wait(key, t.uid.clone(), vm.id);
     }
+}
+
+/// The VM an unparseable pod names: by its ID annotation, else by its name annotation.
+fn unreadable_pods_vm(
+    pod: &Pod,
+    by_id: &BTreeMap<String, VmInfo>,
+    by_name: &BTreeMap<String, VmInfo>,
+) -> Option<VmInfo> {
+    let ann = pod.metadata.annotations.as_ref()?;
+    ann.get(ANN_VM_ID)
+        .and_then(|id| by_id.get(id))
+        .or_else(|| ann.get(spec::ANN_VM_NAME).and_then(|n| by_name.get(n)))
+        .cloned()
 }

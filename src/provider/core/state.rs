@@ -29,6 +29,8 @@ pub(super) enum CreateStep {
         pulled: bool,
     },
     PullSnapshot,
+    /// Another pod is pulling this snapshot: look again when the poll timer fires.
+    PullWait,
     ImageInspect,
     MaterialiseBase,
     MaterialiseRun,
@@ -61,8 +63,24 @@ pub(super) struct CreateOp {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum DeleteStep {
     ApiFirst,
+    /// No VM known for the pod (untracked, or its create never recorded one): look it up by
+    /// name, then by its ID annotation, before the object may go.
+    FindVm {
+        by_id: bool,
+    },
+    /// The VM found is still being created: ask cocoon to settle that record (collected when
+    /// no create holds it any more, busy while one runs).
+    SettleCreating {
+        by_id: bool,
+    },
+    /// A create still runs it (a clone of an earlier process): look again shortly.
+    FindVmWait {
+        by_id: bool,
+    },
     Inspect,
-    Save { retried: bool },
+    Save {
+        retried: bool,
+    },
     RmHolder,
     Push,
     Rm,
@@ -77,6 +95,8 @@ pub(super) struct DeleteOp {
     pub(super) step: DeleteStep,
     pub(super) vm_name: String,
     pub(super) keep: bool,
+    /// The VM lookup of a delete with no VM known has been done (found nothing).
+    pub(super) looked_up: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

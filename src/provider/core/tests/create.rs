@@ -28,9 +28,10 @@ fn clone_create_publishes_running_then_ready_status_before_annotation() {
     let st = statuses(&e);
     let (sop, ready) = st
         .iter()
-        .find(|(_, s)| status::is_ready(s))
+        .rev()
+        .find(|(_, s)| published(s))
         .cloned()
-        .expect("ready status");
+        .expect("ready publication");
     assert_eq!(ready.pod_ip.as_deref(), Some("10.0.0.9"));
     assert_eq!(ready.phase.as_deref(), Some("Running"));
     assert!(!annotation_patches(&e)
@@ -40,6 +41,15 @@ fn clone_create_publishes_running_then_ready_status_before_annotation() {
     let ann = annotation_patches(&e);
     assert_eq!(ann.len(), 1);
     assert_eq!(ann[0].1[ANN_LIFECYCLE_STATE].as_deref(), Some("ready"));
+    // Ready only once a probe succeeded (§10): a resolved IP is not enough.
+    assert!(!status::is_ready(&ready), "{ready:?}");
+    let got = h.p.get_pod(&PodKey::new("ns", "a")).unwrap();
+    assert!(!status::is_ready(got.status.as_ref().unwrap()));
+    let e = probe_ok(&mut h, "a", "u1");
+    assert!(
+        statuses(&e).iter().any(|(_, s)| status::is_ready(s)),
+        "{e:?}"
+    );
     let got = h.p.get_pod(&PodKey::new("ns", "a")).unwrap();
     assert!(status::is_ready(got.status.as_ref().unwrap()));
 }
@@ -81,7 +91,7 @@ fn clone_waits_for_the_lease_before_ready() {
         op: lop,
         result: Ok(Some("10.1.1.1".into())),
     });
-    assert!(statuses(&e).iter().any(|(_, s)| status::is_ready(s)));
+    assert!(statuses(&e).iter().any(|(_, s)| published(s)));
     // The lease never coming: 45 s later it fails clearly.
     let mut h = H::new(ProviderConfig::default());
     let p = mk("b", "u2", &managed("b", "vk-ns-demo-1"));
@@ -385,7 +395,7 @@ fn run_mode_pulls_the_image_then_runs_with_resources() {
         result: Ok(Some("10.0.0.3".into())),
     });
     // Not cloned ⇒ Ready published at once.
-    assert!(statuses(&e).iter().any(|(_, s)| status::is_ready(s)));
+    assert!(statuses(&e).iter().any(|(_, s)| published(s)));
 }
 
 #[test]
@@ -424,7 +434,7 @@ fn unmanaged_pod_adopts_preassigned_vm_without_cocoon() {
     assert!(cocoon_ops(&e).is_empty());
     assert!(statuses(&e)
         .iter()
-        .any(|(_, s)| status::is_ready(s) && s.pod_ip.as_deref() == Some("10.9.9.9")));
+        .any(|(_, s)| published(s) && s.pod_ip.as_deref() == Some("10.9.9.9")));
     // Missing IP ⇒ error.
     let mut h = H::new(ProviderConfig::default());
     let p = mk(
@@ -779,4 +789,141 @@ fn an_answer_the_create_step_does_not_expect_fails_it_with_a_warning_and_a_retry
     let e = h.advance(Duration::from_secs(2));
     let (_, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm inspect vk-ns-demo-0");
+}
+
+/// A pod with only a VM name is unmanaged without its pre-assigned ID / IP: rejected. Our own
+/// lifecycle writes coming back as MODIFIED are not a change, so it stays rejected with one
+/// Warning until its spec really changes.
+#[test]
+fn a_rejected_pod_stays_rejected_through_its_own_annotation_writes() {
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk("a", "u1", &[(ANN_VM_NAME, "v".into())]);
+    let e = h.feed(Input::PodUpserted(Box::new(p.clone())));
+    let warnings = |e: &[Effect]| {
+        events(e)
+            .iter()
+            .filter(|(r, _)| *r == "ProviderCreateFailed")
+            .count()
+    };
+    assert_eq!(warnings(&e), 1, "{e:?}");
+    // Play our annotation writes back as the API would, a few rounds.
+    let mut seen = p;
+    let mut e = e;
+    for _ in 0..5 {
+        for (op, ann) in annotation_patches(&e) {
+            let a = seen
+                .metadata
+                .annotations
+                .get_or_insert_with(Default::default);
+            for (k, v) in ann {
+                match v {
+                    Some(v) => a.insert(k, v),
+                    None => a.remove(&k),
+                };
+            }
+            h.kube_ok(op);
+        }
+        for (op, _) in statuses(&e) {
+            h.kube_ok(op);
+        }
+        e = h.feed(Input::PodUpserted(Box::new(seen.clone())));
+        assert_eq!(warnings(&e), 0, "a rejected pod is warned once: {e:?}");
+        assert!(
+            annotation_patches(&e).is_empty(),
+            "no lifecycle flip: {e:?}"
+        );
+    }
+    // A real change (the pre-assigned ID and IP) is looked at again.
+    let a = seen
+        .metadata
+        .annotations
+        .get_or_insert_with(Default::default);
+    a.insert(ANN_VM_ID.into(), "vm-1".into());
+    a.insert(ANN_VM_IP.into(), "10.0.0.5".into());
+    let e = h.feed(Input::PodUpserted(Box::new(seen)));
+    assert_eq!(warnings(&e), 0, "{e:?}");
+    assert!(
+        statuses(&e)
+            .iter()
+            .all(|(_, s)| s.reason.as_deref() != Some("ProviderFailed")),
+        "{e:?}"
+    );
+}
+
+/// Two pods cloning one snapshot the node lacks: one pull at a time (each pull replaces the
+/// local snapshot); the second pod waits and clones from the snapshot the first pulled.
+#[test]
+fn one_pull_per_snapshot_at_a_time_later_pods_wait_for_it() {
+    let mut h = H::new(ProviderConfig {
+        registry: true,
+        ..Default::default()
+    });
+    let pulls = |e: &[Effect]| {
+        e.iter()
+            .filter_map(|x| match x {
+                Effect::PullSnapshot { op, .. } => Some(*op),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    // Drive each pod to its snapshot inspect, answered "not found".
+    let mut first_pull = None;
+    for (name, vm) in [("a", "vk-ns-demo-0"), ("b", "vk-ns-demo-1")] {
+        let e = h.feed(Input::PodUpserted(Box::new(mk(
+            name,
+            &format!("u-{name}"),
+            &managed(name, vm),
+        ))));
+        let e = no_evidence(&mut h, &e);
+        let e = answer(
+            &mut h,
+            &e,
+            &format!("snapshot rm fork-{vm}"),
+            CocoonResult::ok(""),
+        );
+        let e = answer(
+            &mut h,
+            &e,
+            "snapshot inspect team/agent:v3",
+            CocoonResult::failed("snapshot not found"),
+        );
+        let p = pulls(&e);
+        if name == "a" {
+            assert_eq!(p.len(), 1, "{e:?}");
+            first_pull = p.first().copied();
+        } else {
+            assert!(p.is_empty(), "a second pull of the same snapshot: {e:?}");
+        }
+    }
+    // While the pull runs, the waiting pod looks again and waits on.
+    let e = h.advance(Duration::from_millis(500));
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot inspect team/agent:v3",
+        CocoonResult::failed("snapshot not found"),
+    );
+    assert!(pulls(&e).is_empty(), "{e:?}");
+    // The pull lands: the puller inspects, the waiter's next look finds it and clones.
+    let e = h.feed(Input::TransferDone {
+        op: first_pull.expect("first pull"),
+        result: Ok(String::new()),
+    });
+    let snap = r#"{"id":"S","name":"team/agent:v3","hypervisor":"cloud-hypervisor"}"#;
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot inspect team/agent:v3",
+        CocoonResult::ok(snap),
+    );
+    assert!(argv(&one_cocoon(&e).1).starts_with("vm clone --output json --name vk-ns-demo-0"));
+    let e = h.advance(Duration::from_millis(500));
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot inspect team/agent:v3",
+        CocoonResult::ok(snap),
+    );
+    assert!(pulls(&e).is_empty());
+    assert!(argv(&one_cocoon(&e).1).starts_with("vm clone --output json --name vk-ns-demo-1"));
 }

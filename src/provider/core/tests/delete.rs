@@ -173,3 +173,106 @@ fn an_answer_the_delete_step_does_not_expect_keeps_the_vm_and_retries() {
     let (_, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm rm --force VM1");
 }
+
+/// A pod we never tracked (a restart while a killed daemon's `vm clone` still ran) is being
+/// deleted: its VM is looked up by name and removed before the object goes; a VM still
+/// being created is waited for.
+#[test]
+fn an_untracked_pod_being_deleted_loses_the_vm_a_killed_daemon_was_cloning() {
+    let mut h = H::new(ProviderConfig::default());
+    let p = deleting_pod(mk("a", "u1", &managed("a", "vk-ns-demo-0")), false);
+    let e = h.feed(Input::PodUpserted(Box::new(p)));
+    assert!(deletes(&e).is_empty(), "no force-delete before the lookup");
+    let creating = vm_json("VM1", "vk-ns-demo-0", "creating", "02:00:00:00:00:01");
+    let e = answer(
+        &mut h,
+        &e,
+        "vm inspect vk-ns-demo-0",
+        CocoonResult::ok(creating),
+    );
+    // The clone still runs (its record is busy): wait, then look again.
+    let e = answer(
+        &mut h,
+        &e,
+        "vm reconcile-stale-create VM1 -o json",
+        CocoonResult::ok(r#"{"id":"VM1","outcome":"busy"}"#),
+    );
+    assert!(cocoon_ops(&e).is_empty() && deletes(&e).is_empty(), "{e:?}");
+    let e = h.advance(Duration::from_secs(1));
+    let running = vm_json("VM1", "vk-ns-demo-0", "running", "02:00:00:00:00:01");
+    let e = answer(
+        &mut h,
+        &e,
+        "vm inspect vk-ns-demo-0",
+        CocoonResult::ok(running),
+    );
+    assert!(deletes(&e).is_empty());
+    let e = answer(&mut h, &e, "vm rm --force VM1", CocoonResult::ok(""));
+    let e = answer(&mut h, &e, "snapshot rm vk-ns-demo-0", CocoonResult::ok(""));
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot rm fork-vk-ns-demo-0",
+        CocoonResult::ok(""),
+    );
+    assert_eq!(deletes(&e).len(), 1, "the object goes after its VM: {e:?}");
+}
+
+/// Found by neither name nor ID annotation: nothing to remove, the object goes.
+#[test]
+fn an_untracked_deleting_pod_with_no_vm_is_deleted_after_both_lookups() {
+    let mut h = H::new(ProviderConfig::default());
+    let mut ann = managed("a", "vk-ns-demo-0");
+    ann.push((ANN_VM_ID, "VM9".into()));
+    let p = deleting_pod(mk("a", "u1", &ann), false);
+    let e = h.feed(Input::PodUpserted(Box::new(p)));
+    let gone = || CocoonResult::failed("Error: vm x: VM not found");
+    let e = answer(&mut h, &e, "vm inspect vk-ns-demo-0", gone());
+    let e = answer(&mut h, &e, "vm inspect VM9", gone());
+    let e = answer(&mut h, &e, "snapshot rm vk-ns-demo-0", CocoonResult::ok(""));
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot rm fork-vk-ns-demo-0",
+        CocoonResult::ok(""),
+    );
+    assert_eq!(deletes(&e).len(), 1, "{e:?}");
+}
+
+/// A create whose pod gets a deletionTimestamp stops at its next answer; the VM that answer
+/// reports is found by name and removed, never brought up.
+#[test]
+fn a_create_stops_when_its_pod_is_being_deleted() {
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
+    let (clone_op, _) = drive_to_clone(&mut h, p.clone());
+    assert!(h
+        .feed(Input::PodUpserted(Box::new(deleting_pod(p, false))))
+        .is_empty());
+    let vm = vm_json("VM1", "vk-ns-demo-0", "running", "02:00:00:00:00:01");
+    let e = h.cocoon(clone_op, CocoonResult::ok(vm.clone()));
+    assert!(lookup(&e).is_none(), "no bring-up: {e:?}");
+    let e = answer(&mut h, &e, "vm inspect vk-ns-demo-0", CocoonResult::ok(vm));
+    let e = answer(&mut h, &e, "vm rm --force VM1", CocoonResult::ok(""));
+    assert!(deletes(&e).is_empty());
+}
+
+/// A tracked pod with no running container being deleted: the VM goes before the object (a
+/// crash between the two must not leave a VM no pod names).
+#[test]
+fn the_vm_is_removed_before_the_object_even_with_no_running_container() {
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
+    create_clone(&mut h, p.clone(), "VM1");
+    let e = h.feed(Input::PodUpserted(Box::new(deleting_pod(p, false))));
+    assert!(deletes(&e).is_empty(), "{e:?}");
+    let e = answer(&mut h, &e, "vm rm --force VM1", CocoonResult::ok(""));
+    let e = answer(&mut h, &e, "snapshot rm vk-ns-demo-0", CocoonResult::ok(""));
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot rm fork-vk-ns-demo-0",
+        CocoonResult::ok(""),
+    );
+    assert_eq!(deletes(&e).len(), 1, "{e:?}");
+}

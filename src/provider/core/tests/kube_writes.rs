@@ -10,9 +10,14 @@ fn drift_republishes_a_clobbered_status_and_readiness_updates_flow() {
     let e = create_clone(&mut h, p.clone(), "VM1");
     let (sop, _) = statuses(&e)
         .into_iter()
-        .find(|(_, s)| status::is_ready(s))
+        .rev()
+        .find(|(_, s)| published(s))
         .unwrap();
-    h.kube_ok(sop);
+    let e = h.kube_ok(sop);
+    for (op, _) in annotation_patches(&e) {
+        h.kube_ok(op);
+    }
+    probe_ok(&mut h, "a", "u1");
     // Someone marks the API pod NotReady: the 10 s reconciler republishes.
     let mut q = p.clone();
     q.status = Some(status::running(
@@ -87,7 +92,8 @@ fn a_lifecycle_retry_never_overwrites_a_newer_state() {
     });
     let (sop, _) = statuses(&e)
         .into_iter()
-        .find(|(_, s)| status::is_ready(s))
+        .rev()
+        .find(|(_, s)| published(s))
         .expect("ready status");
     let e = h.kube_ok(sop);
     let (rop, _) = annotation_patches(&e)[0].clone();
@@ -120,6 +126,10 @@ fn a_status_retry_never_overwrites_a_newer_status() {
         op: lop,
         result: Ok(Some("10.0.0.9".into())),
     });
+    for (op, _) in statuses(&e) {
+        h.kube_ok(op);
+    }
+    let e = probe_ok(&mut h, "a", "u1");
     let (ready_op, _) = statuses(&e)
         .into_iter()
         .find(|(_, s)| status::is_ready(s))

@@ -156,6 +156,23 @@ fn annotation_patches(e: &[Effect]) -> Vec<(OpId, BTreeMap<String, Option<String
         .collect()
 }
 
+/// A Ready publication's status (§8.4): Running with the pod IP. Its Ready condition waits
+/// for a probe that succeeded (§10).
+fn published(s: &PodStatus) -> bool {
+    s.phase.as_deref() == Some("Running") && s.pod_ip.as_deref().is_some_and(|ip| !ip.is_empty())
+}
+
+/// The probe module reports a probe that succeeded.
+fn probe_ok(h: &mut H, name: &str, uid: &str) -> Vec<Effect> {
+    h.feed(Input::Readiness {
+        key: PodKey::new("ns", name),
+        uid: uid.into(),
+        ready: true,
+        message: "ping ok".into(),
+        ip: None,
+    })
+}
+
 fn events(e: &[Effect]) -> Vec<(&'static str, String)> {
     e.iter()
         .filter_map(|x| match x {

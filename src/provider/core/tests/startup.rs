@@ -99,7 +99,7 @@ fn orphan_alert_counts_and_keeps_for_adoption() {
         op: lop,
         result: Ok(Some("10.0.0.1".into())),
     });
-    assert!(statuses(&e).iter().any(|(_, s)| status::is_ready(s)));
+    assert!(statuses(&e).iter().any(|(_, s)| published(s)));
 }
 
 #[test]
@@ -126,4 +126,65 @@ fn failed_pod_left_by_an_interrupted_eviction_is_deleted_after_restart() {
     });
     let e = h.feed(Input::PodUpserted(Box::new(other)));
     assert!(e.is_empty(), "{e:?}");
+}
+
+/// A Running pod whose annotations stopped parsing (name removed, probe port garbage) keeps
+/// its VM across a restart: claimed by its ID annotation, tracked, warned about; never
+/// destroyed as an orphan nor failed.
+#[test]
+fn a_restart_keeps_the_vm_of_a_pod_whose_annotations_no_longer_parse() {
+    for broken in [
+        vec![
+            (ANN_MANAGED, "true".to_string()),
+            (ANN_IMAGE, "team/agent:v3".into()),
+        ],
+        vec![
+            (ANN_VM_NAME, "vk-ns-demo-0".to_string()),
+            (ANN_MANAGED, "true".into()),
+            (ANN_PROBE_PORT, "not-a-port".into()),
+        ],
+    ] {
+        let mut h = H {
+            p: Provider::new(ProviderConfig::default()),
+            now: Instant::now(),
+            wall: SystemTime::UNIX_EPOCH,
+        };
+        let mut ann = broken.clone();
+        ann.push((ANN_VM_ID, "V1".into()));
+        ann.push((ANN_LIFECYCLE_STATE, "ready".into()));
+        let mut p = mk("a", "u1", &ann);
+        p.status = Some(status::running(
+            "10.0.0.9",
+            true,
+            None,
+            None,
+            &Time(k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap()),
+        ));
+        let e = h.feed(Input::StartupListed {
+            pods: vec![p],
+            vms: vec![vm_info("V1", "vk-ns-demo-0", "running")],
+        });
+        assert!(
+            cocoon_ops(&e).iter().all(|(_, c)| !argv(c).contains("rm")),
+            "{e:?}"
+        );
+        assert!(
+            events(&e).iter().any(|(r, _)| *r == "ProviderUpdateFailed"),
+            "{e:?}"
+        );
+        assert!(
+            statuses(&e)
+                .iter()
+                .all(|(_, s)| s.phase.as_deref() == Some("Running")),
+            "{e:?}"
+        );
+        assert_eq!(
+            h.p.pod_vm(&PodKey {
+                namespace: "ns".into(),
+                name: "a".into()
+            })
+            .map(|v| v.id.clone()),
+            Some("V1".into())
+        );
+    }
 }
