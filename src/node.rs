@@ -132,7 +132,7 @@ fn fmt_num(v: f64) -> String {
     }
 }
 
-/// Compute capacity/allocatable per vk-cocoon-behaviour.md 2.5: overrides win, allocatable is
+/// Compute capacity/allocatable at startup: overrides win, allocatable is
 /// reduced by the reserve percentage (rounded down), pods are copied unreduced.
 pub fn compute_resources(o: &NodeOptions, h: &HostFacts) -> Result<Resources, String> {
     let q = |s: String| Quantity(s);
@@ -276,7 +276,7 @@ fn condition(
     }
 }
 
-/// The fixed condition set of vk-cocoon-behaviour.md 2.4. `since` (lastTransitionTime) stays at
+/// The fixed condition set of the Node object. `since` (lastTransitionTime) stays at
 /// the agent's start; `heartbeat` is refreshed on every write.
 pub fn node_conditions(heartbeat: &Time, since: &Time) -> Vec<NodeCondition> {
     vec![
@@ -392,7 +392,7 @@ pub fn status_patch(o: &NodeOptions, r: &Resources, now: &Time, since: &Time) ->
     serde_json::json!({ "status": node_status(o, r, now, since) })
 }
 
-/// The Lease object (kubelet-duties.md 5.7).
+/// The Lease object (coordination.k8s.io/v1) as sent on the wire.
 pub fn build_lease(node: &str, node_uid: &str, now: SystemTime) -> Lease {
     Lease {
         metadata: ObjectMeta {

@@ -273,7 +273,7 @@ impl Daemon {
     }
 
     /// Queues a registry job for the worker pool; its answer comes back as `TransferDone`.
-    /// The node-wide gates (v2 pulls ≤ 2, zstd/chunked pushes ≤ 1, behaviour §18) live in the
+    /// The node-wide gates (v2 pulls ≤ 2, zstd/chunked pushes ≤ 1) live in the
     /// shared [`RegistryClient`] and are taken inside the job, so at most
     /// `MAX_TRANSFER_JOBS` jobs run at once and a gated job never pins the last worker.
     fn transfer(
@@ -392,9 +392,10 @@ fn push_knobs(config: &crate::config::Config) -> PushKnobs {
     }
 }
 
-/// Behaviour §5.2 with a registry: a cloud-image artifact streams into `cocoon image import`
-/// (unless already present and not forced), a snapshot artifact is refused, anything else (or
-/// a registry error) falls back to `cocoon image pull`. Answers the reference to boot from.
+/// `mode=run` image materialisation with a registry: a cloud-image artifact streams into
+/// `cocoon image import` (unless already present and not forced), a snapshot artifact is
+/// refused, anything else (or a registry error) falls back to `cocoon image pull`. Answers the
+/// reference to boot from.
 fn materialise_image(
     registry: &RegistryClient,
     cocoon: &Path,

@@ -3,7 +3,7 @@
 //!
 //! The PID is the one cocoon reported for the VM (clone, run, inspect, list). A pidfd turns
 //! readable when its process exits; that is reported as a `MODIFIED` event with state
-//! `stopped`, which the core handles as any VM event (§11.2 inspects before acting, so a
+//! `stopped`, which the core handles as any VM event (VM-gone handling inspects before acting, so a
 //! false alarm costs one inspect). Cocoon's event stream stays the authority beside it.
 
 use std::collections::HashMap;

@@ -7,7 +7,7 @@
 //! the next input; long ones (cocoon children, registry transfers, Kubernetes writes through the
 //! kube lane of `kube_jobs.rs`) answer later through `Event::ChildExit` / `Event::Work`.
 //!
-//! Start order (behaviour §2.2): config and credentials, node capacity, the metrics endpoint,
+//! Start order: config and credentials, node capacity, the metrics endpoint,
 //! the kubelet API, then the startup reconcile (pod list + `cocoon vm list`) — retried with
 //! backoff while the API server or cocoon is unavailable, `/metrics` answering all the time —
 //! and only after it the node registration, the pod watch and the cocoon event stream.
@@ -17,7 +17,7 @@
 //! by the client's token bucket, see `lane.rs`), the node Lease and status by a node thread.
 //! The watch is the only long-lived connection and is driven without blocking. No turn does
 //! unbounded work: watch reads, provider inputs and child spawns each have a per-turn budget.
-//! SIGTERM / SIGINT stop the loop at once, VMs keep running (§25). SIGHUP is logged and ignored:
+//! SIGTERM / SIGINT stop the loop at once, VMs keep running. SIGHUP is logged and ignored:
 //! every setting is read once at start, so a restart applies changes.
 
 mod auth_lane;
@@ -65,7 +65,7 @@ pub enum Work {
         op: OpId,
         result: Result<String, TransferError>,
     },
-    /// The hibernate-evidence lookup of a create (§5 step 6) finished.
+    /// The hibernate-evidence lookup of a create finished.
     Evidence {
         op: OpId,
         result: Result<Option<String>, TransferError>,

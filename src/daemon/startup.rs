@@ -139,7 +139,7 @@ impl Daemon {
 }
 
 /// VK_ORPHAN_POLICY as the provider knows it.
-/// The node's options and capacity (behaviour §2.4 / §2.5). Errors are fatal.
+/// The node's options and capacity (Node object, capacity and allocatable). Errors are fatal.
 pub(super) fn node_agent(config: &Config, now: Instant) -> Result<NodeAgent, StartError> {
     let ip = match config.node_ip {
         Some(ip) => ip,
@@ -173,7 +173,7 @@ pub(super) fn node_agent(config: &Config, now: Instant) -> Result<NodeAgent, Sta
     Ok(NodeAgent::new(opts, resources, now))
 }
 
-/// The kubelet API server, listening on VK_KUBELET_PORT (§2.3, §22.1).
+/// The kubelet API server, listening on VK_KUBELET_PORT (HTTPS).
 pub(super) fn kubelet_server(
     config: &Config,
     kube: &Arc<Client>,

@@ -164,7 +164,7 @@ pub struct NicInfo {
     pub static_ip: String,
 }
 
-/// The VM record fields the provider uses (cocoon-cli.md §4.1).
+/// The fields of cocoon's VM JSON object that the provider uses.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct VmInfo {
     pub id: String,

@@ -1,4 +1,4 @@
-//! The lifecycle annotation triple (behaviour spec §9, cocoon-common §5): per-pod intent,
+//! The lifecycle annotation triple (state, generation, message): per-pod intent,
 //! acceptance rules (generation, sticky failure, incarnation) and the patch it flushes to.
 
 use std::collections::BTreeMap;

@@ -16,7 +16,7 @@
 //!   before it are buffered. A provider restart = a new `Provider` fed a fresh `StartupListed`.
 //! * [`Input::PodUpserted`] / [`Input::PodDeleted`] from the watch (ADDED/MODIFIED, DELETED).
 //!   After a watch re-list send [`Input::PodsRelisted`] with the whole list: pods that vanished
-//!   meanwhile are handled as deleted (kubelet-duties §6 fix 2).
+//!   meanwhile are handled as deleted (relist tombstones count as deletions).
 //! * [`Input::VmEvent`] for each parsed line of `cocoon vm status --event --format json`.
 //! * [`Input::Readiness`] from the probe module (key, uid, ready, message, resolved ip).
 //!
@@ -166,7 +166,7 @@ pub enum VmEventKind {
     Deleted,
 }
 
-/// Metric movements; the daemon applies them to the metrics registry (prefix per §22.2).
+/// Metric movements; the daemon applies them to the metrics registry (which adds the prefix).
 #[derive(Debug, Clone, PartialEq)]
 pub enum MetricUpdate {
     /// `pod_lifecycle_total{op,result,reason}`.
@@ -212,7 +212,7 @@ pub enum MetricUpdate {
     },
 }
 
-/// Why a pod was evicted (§8.3); also the terminated container's reason.
+/// Why a pod was evicted; also the terminated container's reason.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EvictReason {
     VmGone,
@@ -242,7 +242,7 @@ impl EvictReason {
 /// Everything that happens to the provider.
 #[derive(Debug, Clone)]
 pub enum Input {
-    /// Startup reconcile material (§2.6): all pods bound to this node and `cocoon vm list`.
+    /// Startup reconcile material: all pods bound to this node and `cocoon vm list`.
     StartupListed {
         pods: Vec<Pod>,
         vms: Vec<VmInfo>,
@@ -368,14 +368,14 @@ pub enum Effect {
         tag: String,
         base_image: String,
     },
-    /// Make `image` available to `cocoon vm run` (§5.2 with a registry); answer with the
+    /// Make `image` available to `cocoon vm run` (with a registry); answer with the
     /// boot reference.
     MaterialiseImage {
         op: OpId,
         image: String,
         force: bool,
     },
-    /// Does the registry hold `<vm_name>:hibernate` (§5 step 6)? Only with a registry.
+    /// Does the registry hold `<vm_name>:hibernate` (hibernate evidence)? Only with a registry.
     CheckHibernateEvidence {
         op: OpId,
         vm_name: String,
@@ -395,7 +395,8 @@ pub fn truncate_bytes(s: &str, max: usize) -> String {
     s[..end].to_string()
 }
 
-/// Per-pod retry backoff of failed create/update (§4): 5 ms × 2^failures, capped at 1000 s.
+/// Per-pod retry backoff of failed create/update, as the framework's queue: 5 ms × 2^failures,
+/// capped at 1000 s.
 pub fn pod_backoff(failures: u32) -> Duration {
     let ms = 5u64.saturating_mul(1u64 << failures.min(30));
     Duration::from_millis(ms.min(1_000_000))

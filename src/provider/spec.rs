@@ -1,5 +1,5 @@
-//! Pod → VMSpec: the annotation contract (behaviour spec §1.1, cocoon-common Part A), its
-//! validation, roles, local snapshot names and the resource maths of §5.3. Pure functions only.
+//! Pod → VMSpec: the operator's pod annotation contract, its validation, roles, local snapshot
+//! names and the resources → VM/cgroup flag maths. Pure functions only.
 
 use std::collections::BTreeMap;
 
@@ -113,7 +113,7 @@ impl VmSpec {
     }
 }
 
-/// First container's resources, parsed (§5.3).
+/// First container's resources, parsed (they size the VM and its cgroup).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Resources {
     pub cpu_limit_milli: Option<u64>,
@@ -167,7 +167,7 @@ fn is_true(a: &BTreeMap<String, String>, k: &str) -> bool {
     a.get(k).map(|v| v == "true").unwrap_or(false)
 }
 
-/// Parse and validate a pod's VM spec (issue 5 "Bad input"; cocoon-common §2.4).
+/// Parse and validate a pod's VM spec (issue 5 "Bad input"; what makes a spec unusable).
 pub fn parse(pod: &Pod) -> Result<VmSpec, SpecError> {
     let a = annotations(pod);
     let get = |k: &str| a.get(k).cloned().unwrap_or_default();
@@ -395,7 +395,7 @@ pub fn validate_clone_dir(dir: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// CPU-class gate (§17): a non-empty selector requires the node's class to be equal.
+/// Snapshot CPU-class gate: a non-empty selector requires the node's class to be equal.
 pub fn cpu_class_ok(spec: &VmSpec, node_class: Option<&str>) -> bool {
     spec.cpu_class.is_empty() || node_class == Some(spec.cpu_class.as_str())
 }
@@ -421,7 +421,7 @@ pub fn role(namespace: &str, cocoonset: &str, vm_name: &str) -> &'static str {
     }
 }
 
-/// Snapshot-before-delete wanted (§1.1 / cocoon-common §6.1).
+/// Snapshot-before-delete wanted, from the pod's snapshot policy and role.
 pub fn should_snapshot(policy: &str, role: &str) -> bool {
     match policy {
         "never" => false,
@@ -430,7 +430,7 @@ pub fn should_snapshot(policy: &str, role: &str) -> bool {
     }
 }
 
-/// Tag-aware local snapshot name (§5 clone): repo when the tag is empty or `latest`, else
+/// Tag-aware local snapshot name (default clone path): repo when the tag is empty or `latest`, else
 /// `repo:tag`; longer than 63 chars ⇒ first 50 chars + `-` + 12 hex of SHA-256(full name).
 pub fn local_snapshot_name(image: &str) -> String {
     let (repo, tag) = split_image_ref(image);

@@ -1,5 +1,5 @@
-//! Pod status builders (behaviour spec §8.2 / §8.3, kubelet-duties §2.4) and the drift
-//! equality of §8.4. Pure: the caller passes the wall-clock time.
+//! Pod status builders (running, failure and terminal statuses) and the drift equality of
+//! status publication. Pure: the caller passes the wall-clock time.
 
 use k8s_openapi::api::core::v1::{
     ContainerState, ContainerStateRunning, ContainerStateTerminated, ContainerStatus, PodCondition,
@@ -66,7 +66,7 @@ pub fn running(
     }
 }
 
-/// Eviction status (§8.3): Failed, container `agent` terminated exit 1 with reason/message.
+/// Eviction status: Failed, container `agent` terminated exit 1 with reason/message.
 pub fn evicted(reason: &str, message: &str, start_time: Option<&Time>, now: &Time) -> PodStatus {
     PodStatus {
         phase: Some("Failed".into()),
@@ -128,7 +128,7 @@ pub fn provider_failed(restart_never: bool, message: &str) -> PodStatus {
     }
 }
 
-/// The fields that count for drift (§8.4) plus pod-level reason/message (so a ProviderFailed
+/// The fields that count for drift plus pod-level reason/message (so a ProviderFailed
 /// status is replaced once the pod recovers).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct StatusSummary {
@@ -172,7 +172,7 @@ pub fn summary(s: &PodStatus) -> StatusSummary {
     }
 }
 
-/// Whether a pod "has a running container" for the deletion flow (kubelet-duties §2.3):
+/// Whether a pod "has a running container" for the deletion flow:
 /// some container status is neither waiting nor terminated.
 pub fn has_running_container(s: Option<&PodStatus>) -> bool {
     s.and_then(|s| s.container_statuses.as_ref())
@@ -186,7 +186,7 @@ pub fn has_running_container(s: Option<&PodStatus>) -> bool {
 }
 
 /// JSON for the wire: k8s-openapi always serialises the required `image` / `imageID` of a
-/// container status; §8.2 says there are none, so empty ones are removed here. Use this for the
+/// container status; ours have none, so empty ones are removed here. Use this for the
 /// body of the pods/status patch.
 pub fn to_wire_json(s: &PodStatus) -> serde_json::Value {
     let mut v = serde_json::to_value(s).unwrap_or(serde_json::Value::Null);

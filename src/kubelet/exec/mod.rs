@@ -1,4 +1,4 @@
-//! `/exec` and `/attach` (duties §3.4): options, the `cocoon vm exec` argv, protocol negotiation
+//! Kubelet API `/exec` and `/attach`: options, the `cocoon vm exec` argv, protocol negotiation
 //! (SPDY/3.1 or WebSocket channel.k8s.io), the exit-status message, and the session wrapper.
 //!
 //! Pure byte-level protocol state machines; the server owns sockets and children.
@@ -67,7 +67,8 @@ pub fn parse_options(req: &Request, attach: bool) -> Result<ExecOptions, String>
     Ok(o)
 }
 
-/// `cocoon vm exec [-i] <id> -- <argv>` (cocoon-cli §3.16), built by the vm room's argv builder.
+/// `cocoon vm exec [-i] <id> -- <argv>` (cocoon's CLI contract), built by the vm room's argv
+/// builder.
 pub fn exec_argv(cocoon_bin: &str, vm_id: &str, o: &ExecOptions) -> Vec<String> {
     let mut a = vec![cocoon_bin.to_string()];
     a.extend(crate::vm::argv::vm_exec(&crate::vm::ExecOptions {

@@ -1,4 +1,4 @@
-//! Server side of the SPDY/3.1 remote-command transport (duties §3.4 A): frame parsing, zlib header
+//! Server side of the SPDY/3.1 remote-command transport: frame parsing, zlib header
 //! blocks with the SPDY/3 dictionary, client-created streams typed by `streamType`, raw payloads.
 //!
 //! Pure bytes in, bytes and events out. Flow control (SPDY/3.1): stdin is acknowledged with
@@ -23,7 +23,7 @@ pub const MAX_HEADER_BLOCK: usize = 64 * 1024;
 /// Outgoing data is split into frames of at most this size.
 const OUT_FRAME: usize = 32 * 1024;
 
-/// Initial flow-control window of every stream and of the session (SPDY/3.1 §2.6.8).
+/// Initial flow-control window of every stream and of the session (the SPDY/3.1 default).
 pub const INITIAL_WINDOW: i64 = 64 * 1024;
 /// Received bytes acknowledged once this many are pending (half the window).
 const ACK_AT: i64 = INITIAL_WINDOW / 2;

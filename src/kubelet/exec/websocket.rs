@@ -1,4 +1,4 @@
-//! Server side of the WebSocket remote-command transport (channel.k8s.io family, duties §3.4 B):
+//! Server side of the WebSocket remote-command transport (channel.k8s.io family):
 //! RFC 6455 framing (masked client frames, fragmentation, ping/close) and the channel byte.
 //!
 //! Pure bytes in, bytes and events out.

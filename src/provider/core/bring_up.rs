@@ -33,7 +33,7 @@ impl Provider {
             }
             let mac = vm.primary_mac();
             if adopted {
-                // Adoption publishes Ready now (§5 step 5): mark as not cloned.
+                // Adoption publishes Ready now: mark as not cloned.
                 if let Some(c) = self.create_op(key) {
                     c.spec.mode = Mode::Run;
                     c.spec.clone_from_dir = None;
@@ -45,7 +45,7 @@ impl Provider {
         self.finish_create(key, vm, cloned, &ip)
     }
 
-    /// Steps 10–17 of §5, then the VM event that arrived meanwhile, if any.
+    /// The end of a create once the VM is up, then the VM event that arrived meanwhile, if any.
     pub(super) fn finish_create(&mut self, key: &PodKey, vm: VmInfo, cloned: bool, ip: &str) {
         let meanwhile = self
             .create_op(key)
@@ -56,7 +56,8 @@ impl Provider {
         }
     }
 
-    /// Steps 10–17 of §5: id/ip annotations, track the VM, probe, Running, Ready.
+    /// The end of a create once the VM is up: id/ip annotations, track the VM, probe, Running,
+    /// Ready.
     pub(super) fn settle_create(&mut self, key: &PodKey, vm: VmInfo, cloned: bool, ip: &str) {
         let Some(c) = self.create_op(key) else {
             return;
@@ -229,7 +230,7 @@ impl Provider {
         };
         let until = *until;
         let vm = t.vm.clone().unwrap_or_default();
-        // Only while the pod still tracks the same incarnation and VM (§14.3).
+        // Only while the pod still tracks the same incarnation and VM.
         if *uid != t.uid || *vm_id != vm.id || t.spec.hibernate {
             return self.end_op(key);
         }
@@ -320,7 +321,7 @@ impl Provider {
         }
     }
 
-    /// Wait for the guest IP, then publish Ready (§14.3).
+    /// Wait for the guest IP, then publish Ready.
     pub(super) fn start_ready_wait(&mut self, key: &PodKey, uid: String, vm_id: String) {
         let until = self.now + IP_WAIT;
         self.slot(key).op = Some(Op::ReadyWait { uid, vm_id, until });

@@ -34,9 +34,9 @@ impl Provider {
         let Some(t) = slot.tracked.as_ref() else {
             return;
         };
-        // §11.2 ignores pods asking for hibernate because hibernating removes the VM itself;
-        // this build does not hibernate (the request changes nothing, the VM keeps running),
-        // so such a pod's VM dying is a crash like any other.
+        // VM-gone handling ignores pods asking for hibernate because hibernating removes the VM
+        // itself; this build does not hibernate (the request changes nothing, the VM keeps
+        // running), so such a pod's VM dying is a crash like any other.
         if !t.spec.managed {
             return;
         }
@@ -70,7 +70,7 @@ impl Provider {
         self.pod_cocoon(key, CocoonCmd::VmInspect { reference: vm_id });
     }
 
-    /// Start the deferred recheck of §11.4 (1 s doubling to 30 s, 30 min budget).
+    /// Start the deferred VM recheck (1 s doubling to 30 s, 30 min budget).
     pub(super) fn defer_check(&mut self, key: &PodKey, uid: String, vm_id: String) {
         let step = CheckStep::Deferred {
             delay: RECHECK_FIRST,

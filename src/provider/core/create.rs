@@ -78,7 +78,7 @@ impl Provider {
             slot.failures
         };
         self.set_lifecycle(key, State::Creating, "");
-        // Adopt by name (§5 step 5).
+        // Adopt an existing VM of this name.
         if let Some(vm) = self.by_name.get(&spec.vm_name).cloned() {
             self.slot(key).op = Some(Op::Create(Box::new(CreateOp {
                 uid: uid.clone(),
@@ -184,7 +184,7 @@ impl Provider {
         }
         // A VM no live pod holds (kept at startup, or left by a failed create) is adopted by
         // name only from the namespace its name was made for: operator names are
-        // `vk-<namespace>-…` or `vk-<namespace>.…` (cocoon-common §7).
+        // `vk-<namespace>-…` or `vk-<namespace>.…` (the operator's VM naming).
         let namespace_held_it = self.last_holder_ns.get(&spec.vm_name) == Some(&key.namespace);
         if self.by_name.contains_key(&spec.vm_name)
             && !namespace_held_it
@@ -210,7 +210,7 @@ impl Provider {
         None
     }
 
-    /// §5 step 6: ask whether the VM was hibernated before booting it fresh. With a registry the
+    /// Hibernate evidence: was the VM hibernated before booting it fresh. With a registry the
     /// evidence is the tag `<vm>:hibernate`; without one, a local snapshot named after the VM.
     pub(super) fn check_evidence(&mut self, key: &PodKey, vm_name: &str) {
         let vm_name = vm_name.to_string();
@@ -222,8 +222,8 @@ impl Provider {
         self.advance(key, CreateStep::Evidence, ask)
     }
 
-    /// The verdict on the evidence (§5 step 6). No evidence: the fresh bring-up starts (with
-    /// the `fork-<vm>` removal of step 7). Evidence fails the create, retried with backoff so
+    /// The verdict on the hibernate evidence. No evidence: the fresh bring-up starts (with
+    /// the `fork-<vm>` removal that opens it). Evidence fails the create, retried with backoff so
     /// that removing the tag lets the pod boot: a conflicting clone source or image is the
     /// user's to settle, and the restore the Go daemon would do is not built yet; a fresh boot
     /// would silently lose the hibernated state. An unreadable registry fails closed.
@@ -445,7 +445,7 @@ impl Provider {
                 self.evidence_verdict(key, &c, found)
             }
             (CreateStep::RmFork, Res::Cocoon(_)) => {
-                // Failure only logged (§5 step 7).
+                // Failure only logged, as the create contract says.
                 if let Some(dir) = spec.clone_from_dir.clone() {
                     let args = self.clone_args(spec, CloneSource::FromDir(dir), true);
                     self.advance(key, CreateStep::Boot, Ask::Cocoon(CocoonCmd::VmClone(args)))
@@ -724,8 +724,9 @@ impl Provider {
         self.advance(key, CreateStep::Boot, Ask::Cocoon(CocoonCmd::VmClone(args)));
     }
 
-    /// §5.2: with a registry and an OCI ref the snapshots room decides (cloud image import,
-    /// snapshot artifact refusal, pull fallback); otherwise `cocoon image pull`.
+    /// `mode=run` image materialisation: with a registry and an OCI ref the snapshots room
+    /// decides (cloud image import, snapshot artifact refusal, pull fallback); otherwise
+    /// `cocoon image pull`.
     pub(super) fn materialise(&self, image: &str, force: bool) -> Ask {
         let image = image.to_string();
         if self.cfg.registry && !spec::is_http_url(&image) {

@@ -35,7 +35,7 @@ impl Provider {
             .and_then(|p| spec::parse(p).ok())
             .map(|s| s.keep_snapshot_on_delete)
             .unwrap_or(t.spec.keep_snapshot_on_delete);
-        // Departure from the framework's order (§4 deletes a pod with no running container
+        // Departure from the framework's order (it deletes a pod with no running container
         // from the API first): the VM is removed first, always. The pod object is the only
         // record that a VM is owed removal; a crash after a force-delete and before `vm rm`
         // would leave the VM for good (with the alert orphan policy) or to an orphan sweep
@@ -385,7 +385,7 @@ impl Provider {
         let latest = self.slot(key).latest.clone();
         match latest {
             Some(p) if pod_uid(&p) == d.uid && deleting(&p) => {
-                // Terminal status, then delete at once (kubelet-duties §6 fix 3).
+                // Terminal status, then delete at once (no wait for the grace period).
                 let st = status::succeeded(t.start_time.as_ref(), &self.wall);
                 self.send_status(key, &d.uid, st, false);
                 if self.slot(key).idle.api_deleted(&d.uid) {

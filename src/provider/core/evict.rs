@@ -78,7 +78,7 @@ impl Provider {
         match (e.step, res) {
             (EvictStep::Remove, Res::Cocoon(r)) => {
                 if !r.success && !r.vm_not_found() {
-                    // §11.3 keeps the pod; the Go daemon then never looks again and the pod
+                    // Remove-then-evict keeps it; the Go daemon then never looks again and the pod
                     // stays Running on a dead VM. Re-check it on the deferred schedule instead:
                     // a later round restarts or removes it.
                     log::warn!(

@@ -61,7 +61,7 @@ impl Provider {
     }
 
     pub(super) fn reissue(&mut self, waiter: Waiter) {
-        // §9: a lifecycle flush is retried only while the intent is unchanged; a newer state
+        // A lifecycle flush is retried only while the intent is unchanged; a newer state
         // written meanwhile must not be overwritten by this older one.
         // Other patches that carry the triple (the id/ip write) carry the current one.
         let mut waiter = waiter;
@@ -146,7 +146,7 @@ impl Provider {
 
     // ----- lifecycle triple -----------------------------------------------------------------
 
-    /// Set the lifecycle state (§9) and flush it. Returns whether it was accepted.
+    /// Set the lifecycle state and flush it. Returns whether it was accepted.
     pub(super) fn set_lifecycle(&mut self, key: &PodKey, state: State, message: &str) -> bool {
         let slot = self.slot(key);
         let Some(t) = slot.tracked.as_ref() else {
@@ -172,7 +172,7 @@ impl Provider {
         true
     }
 
-    /// markReadyPublished (§8.4): intent `ready` in memory, status patch first, annotation after.
+    /// markReadyPublished: intent `ready` in memory, status patch first, annotation after.
     pub(super) fn publish_ready(&mut self, key: &PodKey) {
         let slot = self.slot(key);
         let Some(t) = slot.tracked.clone() else {
@@ -237,7 +237,7 @@ impl Provider {
         self.send_status(key, &uid, st, false);
     }
 
-    /// Status reconciler (§8.4): republish drifted statuses and repair the ip annotation.
+    /// Status reconciler: republish drifted statuses and repair the ip annotation.
     pub(super) fn drift(&mut self) {
         let at = self.now + DRIFT_EVERY;
         self.arm(at, TimerEntry::Drift);
@@ -283,7 +283,7 @@ impl Provider {
         }
     }
 
-    /// Lifecycle reconciler (§9): re-flush unflushed intents; `ready` redoes status first.
+    /// Lifecycle reconciler: re-flush unflushed intents; `ready` redoes status first.
     pub(super) fn lifecycle_reflush(&mut self) {
         let at = self.now + LIFECYCLE_EVERY;
         self.arm(at, TimerEntry::Lifecycle);

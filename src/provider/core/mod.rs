@@ -20,7 +20,7 @@
 //! Windows/macOS guests fail the create clearly (Warning event, ProviderFailed status, counter)
 //! without touching cocoon; a hibernate request on a running pod changes nothing and gets a
 //! Warning `HibernateUnsupported`. Post-clone fix-ups are not implemented: CH all-DHCP clones
-//! (which need none, §14.1) wait for the IP and publish Ready; a clone onto firecracker is
+//! (which need none) wait for the IP and publish Ready; a clone onto firecracker is
 //! refused before cloning; a CH clone that comes up with a static NIC keeps its VM (so delete
 //! cleans it) but is marked lifecycle `failed` with a Warning `PostCloneUnsupported`.
 //!
@@ -130,7 +130,7 @@ fn terminal(p: &Pod) -> bool {
     )
 }
 
-/// Phase Failed with one of the eviction reasons of §11: the status our eviction writes.
+/// Phase Failed with one of our eviction reasons: the status our eviction writes.
 fn evicted_by_us(p: &Pod) -> bool {
     let Some(st) = p.status.as_ref() else {
         return false;
@@ -172,7 +172,7 @@ fn input_annotations(p: &Pod) -> impl Iterator<Item = (&String, &String)> {
         .filter(|(k, _)| !OWN_ANNOTATIONS.contains(&k.as_str()))
 }
 
-/// Framework change detection (§4): containers, init/ephemeral containers,
+/// Framework change detection: containers, init/ephemeral containers,
 /// activeDeadlineSeconds, tolerations, labels, annotations (but not our own lifecycle ones).
 fn changed(a: &Pod, b: &Pod) -> bool {
     let empty = k8s_openapi::api::core::v1::PodSpec::default();
@@ -242,7 +242,7 @@ impl Provider {
         self.timers.keys().next().map(|(t, _)| *t)
     }
 
-    /// Stop every probe agent (shutdown §25: VMs keep running, nothing else to do).
+    /// Stop every probe agent (shutdown: VMs keep running, nothing else to do).
     pub fn shutdown(&mut self) -> Vec<Effect> {
         self.slots
             .iter()
@@ -580,7 +580,7 @@ impl Provider {
         let uid = pod_uid(&pod);
         if let Some(tu) = &tracked_uid {
             if *tu != uid {
-                // Same-name recreate (§6.1 step 4): drop the old incarnation; its VM stays in
+                // Same-name recreate: drop the old incarnation; its VM stays in
                 // the name index so the new CreatePod adopts it.
                 self.forget(key, false);
                 return self.reconcile_slot(key);
@@ -606,7 +606,7 @@ impl Provider {
             // A pod we marked Failed for eviction but never deleted (a restart or an outage
             // between the status write and the delete) is owed its delete: without it the
             // operator never replaces it. Its VM is gone, so grace 0 as for any pod with no
-            // running container (§4).
+            // running container (the framework's deletion rule).
             if evicted_by_us(&pod) {
                 return self.start_api_delete(key, &uid);
             }
@@ -628,7 +628,7 @@ impl Provider {
         self.maybe_update(key);
     }
 
-    /// UpdatePod (§6.1, in-scope part): hibernate is not supported yet (Warning, no change);
+    /// UpdatePod (in-scope part): hibernate is not supported yet (Warning, no change);
     /// a generation bump re-marks the lifecycle state; everything else is a no-op.
     fn maybe_update(&mut self, key: &PodKey) {
         let Some(slot) = self.slots.get(key) else {
@@ -713,7 +713,7 @@ impl Provider {
         self.lifecycle_metric("update", "skipped", "noop");
     }
 
-    /// Forget the tracked incarnation (§3): VM row, probe, intent (when `drop_intent`).
+    /// Forget the tracked incarnation: VM row, probe, intent (when `drop_intent`).
     fn forget(&mut self, key: &PodKey, drop_intent: bool) {
         let slot = self.slot(key);
         let held = slot.tracked.as_ref().and_then(|t| t.vm.as_ref());
@@ -759,7 +759,7 @@ impl Provider {
 }
 
 fn initial_probe(ip: &str) -> (bool, String) {
-    // Not ready until the probe module reports a probe that succeeded (§10): an IP alone says
+    // Not ready until the probe module reports a probe that succeeded: an IP alone says
     // nothing about the guest answering on it.
     if ip.is_empty() {
         (false, "waiting for dhcp lease".into())

@@ -289,8 +289,8 @@ impl Provider {
             let spec = match spec::parse(&pod) {
                 Ok(spec) => spec,
                 Err(e) => {
-                    // §2.6 step 6 matches by ID: a pod whose annotations no longer parse still
-                    // names its VM, which is claimed (never destroyed as an orphan because of
+                    // Startup reconcile matches by ID: a pod whose annotations no longer parse
+                    // still names its VM, which is claimed (never destroyed as an orphan because of
                     // input we could not read) and kept tracked as at runtime, with a Warning.
                     let Some(vm) = unreadable_pods_vm(&pod, &by_id, &by_name) else {
                         continue;
@@ -423,8 +423,9 @@ impl Provider {
         }
     }
 
-    /// §12 owed work for in-scope ops: `creating` pods with a VM resume the IP wait (CH all-DHCP)
-    /// or fail clearly when they need an unsupported fix-up; `ready` pods get their status pushed.
+    /// Owed work after a restart, in-scope ops: `creating` pods with a VM resume the IP wait
+    /// (CH all-DHCP) or fail clearly when they need an unsupported fix-up; `ready` pods get their
+    /// status pushed.
     pub(super) fn owed_work(&mut self, key: &PodKey) {
         let Some(slot) = self.slots.get(key) else {
             return;
@@ -439,7 +440,7 @@ impl Provider {
         // A pod asking for hibernate included: this build never hibernates (see `vm_event`).
         if t.spec.managed && !vm.running() {
             // Adopted a VM that is not running (its crash event went to the previous process):
-            // handle it as §11.2 would (restart, or evict when it is gone).
+            // handle it as a VM-gone event would (restart, or evict when it is gone).
             return self.start_check(key, t.uid.clone(), vm.id, CheckStep::Inspect { attempt: 1 });
         }
         if t.spec.hibernate && t.spec.managed {

@@ -22,7 +22,7 @@ pub(super) struct Tracked {
 pub(super) enum CreateStep {
     InspectByName,
     RmStaleByName,
-    /// §5 step 6: was this VM hibernated (registry tag, or local snapshot without a registry)?
+    /// Hibernate evidence: was this VM hibernated (registry tag, or local snapshot if no registry)?
     Evidence,
     RmFork,
     SnapInspect {
@@ -143,7 +143,7 @@ pub(super) struct CheckOp {
 #[derive(Debug, Clone)]
 pub(super) enum Op {
     Create(Box<CreateOp>),
-    /// Poll the lease until the VM has an IP, then publish Ready (§14.3). Preemptible.
+    /// Poll the lease until the VM has an IP, then publish Ready. Preemptible.
     ReadyWait {
         uid: String,
         vm_id: String,

@@ -41,7 +41,7 @@ fn clone_create_publishes_running_then_ready_status_before_annotation() {
     let ann = annotation_patches(&e);
     assert_eq!(ann.len(), 1);
     assert_eq!(ann[0].1[ANN_LIFECYCLE_STATE].as_deref(), Some("ready"));
-    // Ready only once a probe succeeded (§10): a resolved IP is not enough.
+    // Ready only once a probe succeeded: a resolved IP is not enough.
     assert!(!status::is_ready(&ready), "{ready:?}");
     let got = h.p.get_pod(&PodKey::new("ns", "a")).unwrap();
     assert!(!status::is_ready(got.status.as_ref().unwrap()));

@@ -156,8 +156,8 @@ fn annotation_patches(e: &[Effect]) -> Vec<(OpId, BTreeMap<String, Option<String
         .collect()
 }
 
-/// A Ready publication's status (§8.4): Running with the pod IP. Its Ready condition waits
-/// for a probe that succeeded (§10).
+/// A Ready publication's status: Running with the pod IP. Its Ready condition waits
+/// for a probe that succeeded.
 fn published(s: &PodStatus) -> bool {
     s.phase.as_deref() == Some("Running") && s.pod_ip.as_deref().is_some_and(|ip| !ip.is_empty())
 }
@@ -204,7 +204,7 @@ fn lookup(e: &[Effect]) -> Option<OpId> {
     })
 }
 
-/// Answer the hibernate-evidence check (§5 step 6) that opens a fresh managed create with
+/// Answer the hibernate-evidence check that opens a fresh managed create with
 /// "none": without a registry the `snapshot inspect <vm>` fails, with one the tag is absent.
 fn no_evidence(h: &mut H, e: &[Effect]) -> Vec<Effect> {
     let check = e.iter().find_map(|x| match x {
