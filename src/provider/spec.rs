@@ -167,7 +167,7 @@ fn is_true(a: &BTreeMap<String, String>, k: &str) -> bool {
     a.get(k).map(|v| v == "true").unwrap_or(false)
 }
 
-/// Parse and validate a pod's VM spec (issue 5 "Bad input"; what makes a spec unusable).
+/// Parse and validate a pod's VM spec: what makes a spec unusable is bad input, refused once.
 pub fn parse(pod: &Pod) -> Result<VmSpec, SpecError> {
     let a = annotations(pod);
     let get = |k: &str| a.get(k).cloned().unwrap_or_default();

@@ -16,7 +16,7 @@
 //! and `kube_writes` (status / annotation patches, drift). A new transition touches its
 //! operation's file and, for a new step, the step enum in `state`.
 //!
-//! Decisions for out-of-scope features (issue 5): fork-from, restore-from-hibernate, managed
+//! Decisions for features not built yet: fork-from, restore-from-hibernate, managed
 //! Windows/macOS guests fail the create clearly (Warning event, ProviderFailed status, counter)
 //! without touching cocoon; a hibernate request on a running pod changes nothing and gets a
 //! Warning `HibernateUnsupported`. Post-clone fix-ups are not implemented: CH all-DHCP clones
