@@ -320,7 +320,21 @@ impl Provider {
                 if known.is_some_and(|v| !v.name.is_empty() && v.name != spec.vm_name) {
                     continue;
                 }
-                known.cloned()
+                // A managed pod's id annotation can lag its VM: the write recording a re-created
+                // VM's id may be lost with a crash (queued in the kube lane). The VM of the
+                // name the pod gives is still its own; destroying it as an orphan would kill
+                // a running VM and boot it again.
+                match known {
+                    Some(v) => Some(v.clone()),
+                    None if spec.managed => {
+                        let v = by_name.get(&spec.vm_name).cloned();
+                        if v.is_some() {
+                            self.metric(MetricUpdate::ReconcileAdoptByName);
+                        }
+                        v
+                    }
+                    None => None,
+                }
             } else {
                 let v = by_name.get(&spec.vm_name).cloned();
                 if v.is_some() {
