@@ -58,13 +58,7 @@ fn clone_create_publishes_running_then_ready_status_before_annotation() {
 fn clone_waits_for_the_lease_before_ready() {
     let mut h = H::new(ProviderConfig::default());
     let p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
-    let e = h.feed(Input::PodUpserted(Box::new(p)));
-    let e = no_evidence(&mut h, &e);
-    let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(""));
-    let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"S","name":"x"}"#));
-    let (op, _) = one_cocoon(&e);
+    let (op, _) = drive_to_clone(&mut h, p);
     let e = h.cocoon(
         op,
         CocoonResult::ok(vm_json(
@@ -95,13 +89,7 @@ fn clone_waits_for_the_lease_before_ready() {
     // The lease never coming: 45 s later it fails clearly.
     let mut h = H::new(ProviderConfig::default());
     let p = mk("b", "u2", &managed("b", "vk-ns-demo-1"));
-    let e = h.feed(Input::PodUpserted(Box::new(p)));
-    let e = no_evidence(&mut h, &e);
-    let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(""));
-    let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"S","name":"x"}"#));
-    let (op, _) = one_cocoon(&e);
+    let (op, _) = drive_to_clone(&mut h, p);
     let e = h.cocoon(
         op,
         CocoonResult::ok(vm_json(
