@@ -12,11 +12,11 @@
 //! per-pod state types (ops, steps, the idle sub-state); `answers` routes each effect's answer
 //! to the op that waits and handles answers no step expects. One file per operation holds its
 //! transitions: `create` (up to clone / run), `bring_up` (the VM exists: settle, IP, Ready),
-//! `delete`, `check` (VM events and rechecks), `evict`, `startup` (reconcile and adoption)
-//! and `kube_writes` (status / annotation patches, drift). A new transition touches its
+//! `delete`, `check` (VM events and rechecks), `evict`, `startup` (reconcile and adoption),
+//! `fork` (the node-wide `fork-<source>` snapshot flight of fork-from) and `kube_writes` (status / annotation patches, drift). A new transition touches its
 //! operation's file and, for a new step, the step enum in `state`.
 //!
-//! Decisions for features not built yet: fork-from, restore-from-hibernate, managed
+//! Decisions for features not built yet: restore-from-hibernate, managed
 //! Windows/macOS guests fail the create clearly (Warning event, ProviderFailed status, counter)
 //! without touching cocoon; a hibernate request on a running pod changes nothing and gets a
 //! Warning `HibernateUnsupported`. Post-clone fix-ups are not implemented: CH all-DHCP clones
@@ -56,6 +56,7 @@ mod check;
 mod create;
 mod delete;
 mod evict;
+mod fork;
 mod kube_writes;
 mod startup;
 mod state;
@@ -105,6 +106,8 @@ pub struct Provider {
     /// Snapshot pulls running, by local snapshot name: the pod pulling. One pull per snapshot
     /// at a time on the node: each pull replaces the local snapshot, so two would race.
     pulls: BTreeMap<String, PodKey>,
+    /// Fork-snapshot flights running, by source VM name (`fork`).
+    forks: BTreeMap<String, ForkFlight>,
     /// Stale-create watcher state per VM ID: (current delay, budget end).
     stale_watch_state: BTreeMap<String, (Duration, Instant)>,
 }
@@ -221,6 +224,7 @@ impl Provider {
             timers: BTreeMap::new(),
             stale_watch_state: BTreeMap::new(),
             pulls: BTreeMap::new(),
+            forks: BTreeMap::new(),
         }
     }
 
@@ -370,6 +374,7 @@ impl Provider {
             Ask::SharedRead(cmd) => self.pod_cocoon_read(key, cmd),
             Ask::Effect(mk) => self.pod_effect(key, mk),
             Ask::Timer(at) => self.set_pod_timer(key, at),
+            Ask::Flight => {}
         }
     }
 

@@ -496,7 +496,7 @@ impl Provider {
         if pcs.as_deref() == Some("failed") {
             return self.push_status(key, false);
         }
-        let cloned = !(t.spec.mode == Mode::Run && t.spec.clone_from_dir.is_none());
+        let cloned = !t.spec.fresh_boot();
         let needs_fixup = cloned
             && (vm.hypervisor == spec::BACKEND_FC
                 || vm.nics.iter().any(|n| !n.static_ip.is_empty()));

@@ -15,6 +15,7 @@ use crate::provider::*;
 mod check;
 mod create;
 mod delete;
+mod fork;
 mod kube_writes;
 mod ownership;
 mod startup;
