@@ -677,8 +677,15 @@ impl Provider {
                 return;
             }
         };
-        if !spec::cpu_class_ok(&new_spec, self.cfg.cpu_class.as_deref()) {
-            self.lifecycle_metric("update", "failed", "snapshot_cpu_class_mismatch");
+        if let Err(msg) = self.cpu_class_gate(key, &new_spec) {
+            // Refused: nothing of the change is applied (hibernate included). This copy is
+            // kept so the same change is not refused (and reported) again on every event.
+            self.lifecycle_metric("update", "failed", create::REASON_CPU_CLASS);
+            self.event(key, &uid, EventType::Warning, "ProviderUpdateFailed", &msg);
+            if let Some(t) = self.slot(key).tracked.as_mut() {
+                t.pod = pod;
+            }
+            return;
         }
         let hib = new_spec.hibernate;
         let gen = new_spec.generation;
