@@ -528,24 +528,30 @@ impl Provider {
         let Some(slot) = self.slots.get(key) else {
             return;
         };
+        let needs = {
+            let latest = slot.latest.as_ref();
+            latest.is_none()
+                || latest.map(|p| deleting(p)).unwrap_or(false)
+                || match (&slot.tracked, latest) {
+                    (Some(t), Some(l)) => t.uid != pod_uid(l),
+                    _ => false,
+                }
+        };
         match &slot.op {
             None => self.reconcile_slot(key),
             Some(op) if op.preemptible() => {
-                let needs = {
-                    let latest = slot.latest.as_ref();
-                    latest.is_none()
-                        || latest.map(|p| deleting(p)).unwrap_or(false)
-                        || match (&slot.tracked, latest) {
-                            (Some(t), Some(l)) => t.uid != pod_uid(l),
-                            _ => false,
-                        }
-                };
                 if needs {
                     self.end_op(key);
                 } else {
                     // Updates on a pod with a background wait: apply synchronously.
                     self.maybe_update(key);
                 }
+            }
+            // A create waiting on the node's fork-snapshot flight has run nothing of its own
+            // yet: a delete need not wait for a save that may take long; the flight goes on
+            // for the pods still waiting.
+            Some(Op::Create(c)) if needs && matches!(c.step, CreateStep::ForkWait { .. }) => {
+                self.end_op(key)
             }
             Some(_) => {}
         }
