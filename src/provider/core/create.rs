@@ -750,7 +750,7 @@ impl Provider {
 }
 
 /// Whether a VM name carries the operator's prefix for `namespace` (`vk-<ns>-` or `vk-<ns>.`).
-fn named_for(vm_name: &str, namespace: &str) -> bool {
+pub(super) fn named_for(vm_name: &str, namespace: &str) -> bool {
     vm_name
         .strip_prefix("vk-")
         .and_then(|rest| rest.strip_prefix(namespace))

@@ -7,6 +7,18 @@ impl Provider {
     /// A fresh create with `fork-from` (after the `fork-<own vm>` removal): join the flight of
     /// its source, starting one when none runs. The pod waits in `ForkWait`.
     pub(super) fn fork_begin(&mut self, key: &PodKey, source: &str) {
+        if !self.fork_source_of_namespace(key, source) {
+            let uid = self
+                .create_op(key)
+                .map(|c| c.uid.clone())
+                .unwrap_or_default();
+            let msg = format!(
+                "fork-from: vm {source} is not a VM of namespace {}; a pod forks only VMs of \
+                 its own namespace (named vk-{}-… or held by a pod there)",
+                key.namespace, key.namespace
+            );
+            return self.fail_create(key, &uid, &msg, true);
+        }
         self.advance(
             key,
             CreateStep::ForkWait {
@@ -34,6 +46,19 @@ impl Provider {
             ForkStep::Inspect,
             CocoonCmd::SnapshotInspect { name },
         );
+    }
+
+    /// Ownership: a fork copies the source's memory and disk, so a pod may fork only a VM of
+    /// its own namespace: one named for it (the operator's `vk-<namespace>-` names) or one a
+    /// pod of that namespace holds or names. Never a VM of another tenant.
+    fn fork_source_of_namespace(&self, key: &PodKey, source: &str) -> bool {
+        create::named_for(source, &key.namespace)
+            || self.slots.iter().any(|(k, s)| {
+                k.namespace == key.namespace
+                    && s.tracked.as_ref().is_some_and(|t| {
+                        t.spec.vm_name == source || t.vm.as_ref().is_some_and(|v| v.name == source)
+                    })
+            })
     }
 
     /// Moves the flight of `source` to `step` and runs the cocoon call that step waits on.

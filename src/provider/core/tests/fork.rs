@@ -274,7 +274,11 @@ fn concurrent_forks_of_one_source_share_one_save_that_outlives_a_deleted_caller(
     ));
     let e = h.feed(Input::PodUpserted(Box::new(gone)));
     let (_, cmd) = one_cocoon(&e);
-    assert_eq!(argv(&cmd), "vm inspect vk-ns-a-0", "the delete looks its VM up");
+    assert_eq!(
+        argv(&cmd),
+        "vm inspect vk-ns-a-0",
+        "the delete looks its VM up"
+    );
 
     let e = h.cocoon(save_op, CocoonResult::ok(""));
     let clones: Vec<String> = cocoon_ops(&e)
@@ -436,4 +440,25 @@ fn a_restore_fork_pod_with_hibernate_evidence_is_a_source_conflict_not_a_fork() 
             verdict: "source_conflict"
         }
     ));
+}
+
+#[test]
+fn a_pod_forks_only_vms_of_its_own_namespace() {
+    let mut h = H::new(ProviderConfig::default());
+    // Another tenant's VM: refused before anything of it is inspected or saved.
+    let mut a = managed("sub", "vk-ns-sub-0");
+    a.push((ANN_FORK_FROM, "vk-other-main-0".to_string()));
+    let e = to_flight(&mut h, mk("sub", "u1", &a));
+    assert!(cocoon_ops(&e).is_empty(), "{e:?}");
+    failed_create(&e, "is not a VM of namespace ns");
+
+    // A VM of another name that a pod of the namespace holds is its own.
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk("main", "u0", &managed("main", "vk-mainvm"));
+    create_clone(&mut h, p, "VM0");
+    let mut a = managed("sub", "vk-ns-sub-0");
+    a.push((ANN_FORK_FROM, "vk-mainvm".to_string()));
+    let e = to_flight(&mut h, mk("sub", "u1", &a));
+    let (_, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "snapshot inspect fork-vk-mainvm");
 }
