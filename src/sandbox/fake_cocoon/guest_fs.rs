@@ -75,14 +75,16 @@ fn write(run_dir: &Path, path: &str, text: &str) -> i32 {
     }
 }
 
-/// Copies the guest files of the disk in `from` to `to` (snapshot save, clone).
+/// Copies the guest's disk contents in `from` to `to` (snapshot save, clone): its files, and a
+/// `guest.data` blob a test may have written into a run dir to stand for them.
 pub fn copy(from: &Path, to: &Path) -> Result<(), String> {
     let Ok(entries) = fs::read_dir(from) else {
         return Ok(());
     };
     for e in entries.flatten() {
         let name = e.file_name();
-        if name.to_string_lossy().starts_with(PREFIX) {
+        let n = name.to_string_lossy();
+        if n.starts_with(PREFIX) || n == "guest.data" {
             fs::copy(e.path(), to.join(&name))
                 .map_err(|err| format!("copy guest file {}: {err}", name.to_string_lossy()))?;
         }
@@ -113,8 +115,12 @@ mod tests {
         assert_eq!(exec(&vm, &argv(&["cat", "/root/missing"])), Some(1));
         assert_eq!(exec(&vm, &argv(&["hostname"])), None);
         assert_eq!(exec(&vm, &argv(&["sh", "-c", "echo > ../x"])), Some(2));
+        fs::write(vm.join("guest.data"), b"blob").unwrap();
+        fs::write(vm.join("cow.raw"), b"disk").unwrap();
         copy(&vm, &snap).unwrap();
         assert!(file_for(&snap, "/root/mark").unwrap().exists());
+        assert_eq!(fs::read(snap.join("guest.data")).unwrap(), b"blob");
+        assert!(!snap.join("cow.raw").exists());
         let _ = fs::remove_dir_all(&dir);
     }
 }
