@@ -37,6 +37,7 @@ impl Provider {
             ForkFlight {
                 step: ForkStep::Inspect,
                 source_id: String::new(),
+                source_hypervisor: String::new(),
                 waiting: vec![key.clone()],
             },
         );
@@ -81,7 +82,11 @@ impl Provider {
         let Some(flight) = self.forks.get(source) else {
             return;
         };
-        let (step, source_id) = (flight.step.clone(), flight.source_id.clone());
+        let (step, source_id, source_hv) = (
+            flight.step.clone(),
+            flight.source_id.clone(),
+            flight.source_hypervisor.clone(),
+        );
         let name = spec::fork_snapshot_name(source);
         let Res::Cocoon(r) = res else {
             let msg = format!("fork snapshot {name}: unexpected {} answer", res.kind());
@@ -99,8 +104,8 @@ impl Provider {
                 }
                 match self.by_name.get(source).filter(|v| !v.id.is_empty()) {
                     Some(vm) => {
-                        let id = vm.id.clone();
-                        self.fork_save(source, id, false)
+                        let (id, hv) = (vm.id.clone(), vm.hypervisor.clone());
+                        self.fork_save(source, id, hv, false)
                     }
                     None => self.fork_cocoon(
                         source,
@@ -131,17 +136,12 @@ impl Provider {
                     );
                     return self.fork_done(source, Err(msg));
                 }
-                self.fork_save(source, vm.id, false)
+                self.fork_save(source, vm.id, vm.hypervisor, false)
             }
             ForkStep::Save { retried } => {
                 if r.success {
                     self.metric(MetricUpdate::SnapshotSave { result: "ok" });
-                    let hv = self
-                        .by_name
-                        .get(source)
-                        .map(|v| v.hypervisor.clone())
-                        .unwrap_or_default();
-                    return self.fork_done(source, Ok(hv));
+                    return self.fork_done(source, Ok(source_hv));
                 }
                 if r.name_taken() && !retried {
                     let holder = taken_holder(&r.error_text(), &name);
@@ -181,14 +181,15 @@ impl Provider {
                     );
                     return self.fork_done(source, Err(msg));
                 }
-                self.fork_save(source, source_id, true)
+                self.fork_save(source, source_id, source_hv, true)
             }
         }
     }
 
-    fn fork_save(&mut self, source: &str, source_id: String, retried: bool) {
+    fn fork_save(&mut self, source: &str, source_id: String, hypervisor: String, retried: bool) {
         if let Some(f) = self.forks.get_mut(source) {
             f.source_id = source_id.clone();
+            f.source_hypervisor = hypervisor;
         }
         let name = spec::fork_snapshot_name(source);
         self.fork_cocoon(

@@ -85,6 +85,8 @@ pub(super) enum ForkStep {
 pub(super) struct ForkFlight {
     pub(super) step: ForkStep,
     pub(super) source_id: String,
+    /// The source VM's hypervisor, once known (the saved snapshot records the same).
+    pub(super) source_hypervisor: String,
     /// The pods waiting for it (each in `CreateStep::ForkWait` of this source when it lands).
     pub(super) waiting: Vec<PodKey>,
 }

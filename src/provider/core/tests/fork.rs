@@ -462,3 +462,31 @@ fn a_pod_forks_only_vms_of_its_own_namespace() {
     let (_, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "snapshot inspect fork-vk-mainvm");
 }
+
+#[test]
+fn a_firecracker_source_is_not_cloned_without_the_post_clone_fix_up() {
+    let mut h = H::new(ProviderConfig::default());
+    let e = to_flight(&mut h, fork_pod("sub", "u1", "vk-ns-sub-0"));
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot inspect fork-{SRC}"),
+        CocoonResult::failed("Error: inspect: snapshot not found"),
+    );
+    let fc = vm_json("SRCID", SRC, "running", "02:00:00:00:00:01")
+        .replace("cloud-hypervisor", "firecracker");
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("vm inspect {SRC}"),
+        CocoonResult::ok(fc),
+    );
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot save --name fork-{SRC} SRCID"),
+        CocoonResult::ok(""),
+    );
+    assert!(cocoon_ops(&e).is_empty(), "no clone: {e:?}");
+    failed_create(&e, "is a firecracker snapshot");
+}
