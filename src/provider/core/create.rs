@@ -253,6 +253,7 @@ impl Provider {
         };
         let base = match found {
             Ok(None) => {
+                self.fork_invalidate(vm);
                 let name = format!("fork-{vm}");
                 return self.advance(
                     key,

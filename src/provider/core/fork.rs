@@ -38,6 +38,7 @@ impl Provider {
                 step: ForkStep::Inspect,
                 source_id: String::new(),
                 source_hypervisor: String::new(),
+                invalidated: false,
                 waiting: vec![key.clone()],
             },
         );
@@ -202,11 +203,30 @@ impl Provider {
         )
     }
 
+    /// `fork-<vm_name>` is being removed (its VM deleted or booted afresh): a flight saving
+    /// it must not hand out what it lands.
+    pub(super) fn fork_invalidate(&mut self, vm_name: &str) {
+        if let Some(f) = self.forks.get_mut(vm_name) {
+            f.invalidated = true;
+        }
+    }
+
     /// The flight ended: every pod still waiting for it clones (or fails its create).
     /// `Ok` carries the snapshot's hypervisor when known.
     fn fork_done(&mut self, source: &str, result: Result<String, String>) {
         let Some(flight) = self.forks.remove(source) else {
             return;
+        };
+        let result = match result {
+            Ok(_) if flight.invalidated => {
+                let name = spec::fork_snapshot_name(source);
+                self.fire_and_forget_cocoon(CocoonCmd::SnapshotRm { name });
+                Err(format!(
+                    "fork-from: source vm {source} was deleted or re-created while it was being \
+                     forked; its fork snapshot is discarded"
+                ))
+            }
+            other => other,
         };
         for key in flight.waiting {
             let waits = matches!(self.create_op(&key),

@@ -87,6 +87,9 @@ pub(super) struct ForkFlight {
     pub(super) source_id: String,
     /// The source VM's hypervisor, once known (the saved snapshot records the same).
     pub(super) source_hypervisor: String,
+    /// `fork-<source>` was removed meanwhile (the source deleted or booted afresh): what this
+    /// flight lands is of a VM that no longer is, and is removed instead of cloned.
+    pub(super) invalidated: bool,
     /// The pods waiting for it (each in `CreateStep::ForkWait` of this source when it lands).
     pub(super) waiting: Vec<PodKey>,
 }

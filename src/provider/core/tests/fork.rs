@@ -490,3 +490,46 @@ fn a_firecracker_source_is_not_cloned_without_the_post_clone_fix_up() {
     assert!(cocoon_ops(&e).is_empty(), "no clone: {e:?}");
     failed_create(&e, "is a firecracker snapshot");
 }
+
+#[test]
+fn a_source_deleted_while_its_fork_snapshot_is_saved_is_not_handed_out() {
+    let mut h = H::new(ProviderConfig::default());
+    let mut main = managed("main", SRC);
+    main.push((ANN_SNAPSHOT_POLICY, "never".to_string()));
+    let main = mk("main", "u0", &main);
+    create_clone(&mut h, main.clone(), "SRCID");
+    let e = to_flight(&mut h, fork_pod("sub", "u1", "vk-ns-sub-0"));
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot inspect fork-{SRC}"),
+        CocoonResult::failed("Error: inspect: snapshot not found"),
+    );
+    let (save_op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), format!("snapshot save --name fork-{SRC} SRCID"));
+
+    // The source pod is deleted meanwhile: its delete removes the VM and fork-<source>.
+    let mut gone = main;
+    gone.metadata.deletion_timestamp = Some(Time(
+        k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap(),
+    ));
+    let mut e = h.feed(Input::PodUpserted(Box::new(gone)));
+    let mut removed_fork = false;
+    while let Some((op, cmd)) = cocoon_ops(&e).first().cloned() {
+        let a = argv(&cmd);
+        removed_fork |= a == format!("snapshot rm fork-{SRC}");
+        let r = if a.starts_with("vm inspect") {
+            CocoonResult::ok(vm_json("SRCID", SRC, "running", "02:00:00:00:00:01"))
+        } else {
+            CocoonResult::ok("")
+        };
+        e = h.cocoon(op, r);
+    }
+    assert!(removed_fork);
+
+    // The save lands after that: discarded, not cloned from.
+    let e = h.cocoon(save_op, CocoonResult::ok(""));
+    let cmds: Vec<String> = cocoon_ops(&e).iter().map(|(_, c)| argv(c)).collect();
+    assert_eq!(cmds, [format!("snapshot rm fork-{SRC}")], "{e:?}");
+    failed_create(&e, "was deleted or re-created while it was being forked");
+}
