@@ -534,3 +534,90 @@ fn symlink_named_cocoon_dispatches() {
     assert!(out.status.success());
     assert_eq!(out.stdout, b"[]\n");
 }
+
+#[test]
+fn a_clone_of_a_saved_snapshot_has_the_guest_files_and_a_half_saved_record_is_removable() {
+    let Some(f) = Fake::new() else { return };
+    f.seed();
+    let exec = |vm: &str, script: &str| {
+        let o = ExecOptions {
+            vm: vm.into(),
+            interactive: false,
+            env: vec![],
+            command: vec!["sh".into(), "-c".into(), script.into()],
+        };
+        f.run_with_stdin(&argv::vm_exec(&o), None)
+    };
+    assert_eq!(
+        exec("seed", "echo before the fork > /root/mark").exit,
+        ExitKind::Code(0)
+    );
+    f.ok(argv::snapshot_save("fork-seed", "seed"));
+    // Written after the save: not in the snapshot.
+    assert_eq!(
+        exec("seed", "echo after > /root/later").exit,
+        ExitKind::Code(0)
+    );
+    let mut o = CloneOptions::from_snapshot("fork-seed");
+    o.name = "child".into();
+    f.ok(argv::vm_clone(&o));
+    let out = exec("child", "cat /root/mark");
+    assert_eq!(out.stdout, b"before the fork\n");
+    let out = exec("child", "cat /root/later");
+    assert_eq!(out.exit, ExitKind::Code(1));
+    // The source keeps its own files.
+    assert_eq!(exec("seed", "cat /root/later").stdout, b"after\n");
+
+    // A save killed half-way leaves a record that holds the name, invisible to inspect.
+    let mut faults = FaultFile::new();
+    faults.insert(
+        "snapshot save".into(),
+        VerbFault {
+            slow_ms: 60_000,
+            ..Default::default()
+        },
+    );
+    fake_cocoon::write_faults(&f.state(), &faults).unwrap();
+    let mut saver = f
+        .cmd(&argv::snapshot_save("fork-x", "seed"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let snaps = f.state().join("snapshots");
+    let reserved = || {
+        std::fs::read_dir(&snaps)
+            .unwrap()
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().starts_with(".pending-"))
+    };
+    let t0 = std::time::Instant::now();
+    while !reserved() && t0.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(reserved());
+    // While the save runs its record is in use.
+    let (call, out) = f.call(argv::snapshot_save("fork-x", "seed"));
+    let taken = call.check(&out).unwrap_err();
+    assert!(
+        matches!(taken.kind, ErrorKind::SnapshotNameTaken { .. }),
+        "{taken:?}"
+    );
+    let holder = taken.stderr_trimmed.rsplit(' ').next().unwrap().to_string();
+    let (call, out) = f.call(argv::snapshot_rm(&holder));
+    assert!(call.check(&out).is_err(), "in use while its saver runs");
+    saver.kill().unwrap();
+    saver.wait().unwrap();
+    let (call, out) = f.call(argv::snapshot_inspect("fork-x"));
+    assert!(call.check(&out).is_err(), "half-saved is invisible");
+    std::fs::remove_file(f.state().join("faults.json")).unwrap();
+    let (call, out) = f.call(argv::snapshot_save("fork-x", "seed"));
+    assert!(
+        call.check(&out).is_err(),
+        "the half-saved record still holds the name"
+    );
+    f.ok(argv::snapshot_rm(&holder));
+    assert!(!reserved());
+    f.ok(argv::snapshot_save("fork-x", "seed"));
+    f.ok(argv::snapshot_inspect("fork-x"));
+}

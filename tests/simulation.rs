@@ -16,6 +16,10 @@
 //! one): a low client QPS, API answers taking up to 500 ms, and a check that each pod's writes
 //! reach the API server in the order the core issued them.
 //!
+//! A third run adds fork-from pods: a source pod and pods forking its VM, with fork snapshot
+//! saves that fail, hang, or leave a half-saved record holding the `fork-<source>` name; they
+//! must converge like any other pod (one VM each, Running + Ready).
+//!
 //! `SIM_SEED=<n>` replays one seed; `SIM_SEEDS=<k>` runs k fresh random seeds; by default a
 //! fixed seed list runs. `SIM_TRACE=<text>` prints each input/effect whose debug form has it.
 
@@ -28,7 +32,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use vk_cocoon::daemon::lane::{Job, KubeLane, LaneLimits, PodWrite, WriteKind};
 use vk_cocoon::kube::ratelimit::TokenBucket;
 use vk_cocoon::provider::cocoon::CocoonCmd;
-use vk_cocoon::provider::spec::{ANN_GENERATION, ANN_IMAGE, ANN_MANAGED, ANN_VM_ID, ANN_VM_NAME};
+use vk_cocoon::provider::spec::{
+    ANN_FORK_FROM, ANN_GENERATION, ANN_IMAGE, ANN_MANAGED, ANN_VM_ID, ANN_VM_NAME,
+};
 use vk_cocoon::provider::status;
 use vk_cocoon::provider::{
     CocoonResult, Effect, Input, KubeError, OpId, PodKey, Provider, ProviderConfig, VmEventKind,
@@ -128,8 +134,15 @@ struct Sim {
     // --- simulated cocoon
     vms: BTreeMap<String, SimVm>,
     next_vm: u64,
+    /// Fork snapshots (`fork-*` only; other snapshot names keep their fixed answers): name →
+    /// `None` when complete, `Some(holder id)` for the half-saved record of a save cut short.
+    fork_snaps: BTreeMap<String, Option<String>>,
+    next_snap: u64,
     // --- the "operator": desired pod names → vm name (None = bad pod without a VM name)
     desired: BTreeMap<String, Option<String>>,
+    /// Desired pods that fork another VM: pod name → source VM name. These and their source
+    /// are never deleted by the chaos (a fork of a deleted source cannot converge).
+    fork_of: BTreeMap<String, String>,
     faults: bool,
     stats: BTreeMap<&'static str, u64>,
     /// Some: pod writes go through the kube lane (see `SimLane`).
@@ -197,7 +210,10 @@ impl Sim {
             last_watch_at: now,
             vms: BTreeMap::new(),
             next_vm: 1,
+            fork_snaps: BTreeMap::new(),
+            next_snap: 1,
             desired: BTreeMap::new(),
+            fork_of: BTreeMap::new(),
             faults: true,
             stats: BTreeMap::new(),
             lane: None,
@@ -524,6 +540,29 @@ impl Sim {
     }
 
     fn cocoon(&mut self, op: OpId, cmd: CocoonCmd) {
+        // Fault kinds of fork runs: the fork snapshot save fails outright (nothing saved), or
+        // its process dies half-way (OOM-killed, or killed with a daemon that died) leaving a
+        // half-saved record that holds the name.
+        if let CocoonCmd::SnapshotSave { name, .. } = &cmd {
+            if name.starts_with("fork-") && self.faults {
+                let roll = self.rng.below(1000);
+                if roll < 200 {
+                    self.count("fork_save_fail");
+                    let result = CocoonResult::failed("Error: save: injected failure");
+                    let l = self.latency();
+                    return self.later(l, Delivery::Input(Input::CocoonDone { op, result }));
+                }
+                if roll < 350 && !self.fork_snaps.contains_key(name) {
+                    self.count("fork_save_half");
+                    self.next_snap += 1;
+                    let holder = format!("HALF{}", self.next_snap);
+                    self.fork_snaps.insert(name.clone(), Some(holder));
+                    let result = CocoonResult::failed("signal: killed");
+                    let l = self.latency();
+                    return self.later(l, Delivery::Input(Input::CocoonDone { op, result }));
+                }
+            }
+        }
         let fail = self.faults && self.rng.chance(30);
         let hang = self.faults && !fail && self.rng.chance(10);
         let result = if fail {
@@ -614,6 +653,46 @@ impl Sim {
                 Some(_) => CocoonResult::ok(format!(r#"{{"id":"{id}","outcome":"not-creating"}}"#)),
                 None => CocoonResult::ok(r#"{"outcome":"not-found"}"#),
             },
+            CocoonCmd::SnapshotInspect { name } if name.starts_with("fork-") => {
+                match self.fork_snaps.get(name) {
+                    Some(None) => CocoonResult::ok(format!(
+                        r#"{{"id":"F{name}","name":"{name}","hypervisor":"cloud-hypervisor"}}"#
+                    )),
+                    // A half-saved record is invisible.
+                    _ => CocoonResult::failed("Error: inspect: snapshot not found"),
+                }
+            }
+            CocoonCmd::SnapshotRm { name } if self.fork_snap_ref(name).is_some() => {
+                if let Some(n) = self.fork_snap_ref(name) {
+                    self.fork_snaps.remove(&n);
+                }
+                CocoonResult::ok("")
+            }
+            CocoonCmd::SnapshotSave { name, vm_id } if name.starts_with("fork-") => {
+                match self.vms.get(vm_id) {
+                    Some(v) if v.state == "running" => {}
+                    Some(_) => {
+                        return CocoonResult::failed(format!("save: vm {vm_id} is not running"))
+                    }
+                    None => return CocoonResult::failed(format!("save: vm {vm_id}: VM not found")),
+                }
+                match self.fork_snaps.get(name) {
+                    Some(None) => {
+                        return CocoonResult::failed(format!(
+                            "Error: snapshot name \"{name}\" already exists"
+                        ))
+                    }
+                    Some(Some(h)) => {
+                        return CocoonResult::failed(format!(
+                            "Error: snapshot name \"{name}\" already in use by {h}"
+                        ))
+                    }
+                    None => {}
+                }
+                self.count("fork_save");
+                self.fork_snaps.insert(name.clone(), None);
+                CocoonResult::ok("")
+            }
             CocoonCmd::SnapshotInspect { name } if name == "team/agent:v1" => CocoonResult::ok(
                 r#"{"id":"SNAP1","name":"team/agent:v1","hypervisor":"cloud-hypervisor"}"#,
             ),
@@ -622,6 +701,15 @@ impl Sim {
             CocoonCmd::SnapshotSave { .. } => CocoonResult::ok(""),
             CocoonCmd::ImageInspect { .. } | CocoonCmd::ImagePull { .. } => CocoonResult::ok("{}"),
         }
+    }
+
+    /// The fork snapshot `r` resolves to for `snapshot rm`: a complete one by name, a
+    /// half-saved one by its holder id.
+    fn fork_snap_ref(&self, r: &str) -> Option<String> {
+        self.fork_snaps
+            .iter()
+            .find(|(n, h)| (*n == r && h.is_none()) || h.as_deref() == Some(r))
+            .map(|(n, _)| n.clone())
     }
 
     // ----- world actions ------------------------------------------------------------------
@@ -657,8 +745,13 @@ impl Sim {
             if !self.api.contains_key(&key) {
                 let uid = format!("uid-{}", self.next_uid);
                 self.next_uid += 1;
-                self.api
-                    .insert(key.clone(), new_pod(&name, &uid, vm.as_deref(), 1));
+                let mut pod = new_pod(&name, &uid, vm.as_deref(), 1);
+                if let Some(source) = self.fork_of.get(&name) {
+                    if let Some(a) = pod.metadata.annotations.as_mut() {
+                        a.insert(ANN_FORK_FROM.into(), source.clone());
+                    }
+                }
+                self.api.insert(key.clone(), pod);
                 self.api_changed(&key);
             }
         }
@@ -668,7 +761,8 @@ impl Sim {
         match self.rng.below(100) {
             0..=9 => {
                 // A user deletes a pod (graceful: the API sets deletionTimestamp).
-                if let Some(name) = self.pick_desired() {
+                let pick = self.pick_desired();
+                if let Some(name) = pick.filter(|n| !self.fork_protected(n)) {
                     self.desired.remove(&name);
                     let key = PodKey::new("sim", &name);
                     if let Some(p) = self.api.get_mut(&key) {
@@ -745,8 +839,32 @@ impl Sim {
                 self.count("watch_drop");
             }
             41 => self.restart_provider(),
+            42..=44 if !self.fork_of.is_empty() => {
+                // Fork runs: the source pod is replaced (deleted, and recreated by the
+                // operator); its fresh bring-up drops `fork-<source>`, so forks save again.
+                let key = PodKey::new("sim", "src");
+                if let Some(p) = self.api.get_mut(&key) {
+                    if p.metadata.deletion_timestamp.is_none() {
+                        p.metadata.deletion_timestamp = Some(Time(
+                            k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap_or_default(),
+                        ));
+                        p.metadata.deletion_grace_period_seconds = Some(30);
+                        self.api_changed(&key);
+                        self.count("fork_source_replaced");
+                    }
+                }
+            }
             _ => {}
         }
+    }
+
+    /// A fork pod or a fork source: kept by the chaos (it still crashes their VMs).
+    fn fork_protected(&self, name: &str) -> bool {
+        self.fork_of.contains_key(name)
+            || self
+                .fork_of
+                .values()
+                .any(|src| self.desired.get(name) == Some(&Some(src.clone())))
     }
 
     fn pick_desired(&mut self) -> Option<String> {
@@ -929,6 +1047,16 @@ enum ApiPath {
 }
 
 fn run_seed(seed: u64, pods: u64, path: ApiPath) -> (Vec<String>, BTreeMap<&'static str, u64>) {
+    run_seed_with(seed, pods, path, 0)
+}
+
+/// `forks`: that many pods fork the VM of one source pod (0: no fork-from in the run).
+fn run_seed_with(
+    seed: u64,
+    pods: u64,
+    path: ApiPath,
+    forks: u64,
+) -> (Vec<String>, BTreeMap<&'static str, u64>) {
     let mut sim = Sim::new(seed);
     if let ApiPath::Lane {
         qps,
@@ -958,6 +1086,14 @@ fn run_seed(seed: u64, pods: u64, path: ApiPath) -> (Vec<String>, BTreeMap<&'sta
     for i in 0..5 {
         sim.desired.insert(format!("bad{i}"), None);
     }
+    if forks > 0 {
+        sim.desired.insert("src".into(), Some("vk-sim-src".into()));
+        for i in 0..forks {
+            sim.desired
+                .insert(format!("fork{i}"), Some(format!("vk-sim-fork{i}")));
+            sim.fork_of.insert(format!("fork{i}"), "vk-sim-src".into());
+        }
+    }
     // Chaos phase: 60 s of virtual time, a world action every ~50 ms.
     let chaos_end = sim.start + Duration::from_secs(60);
     while sim.now < chaos_end {
@@ -978,6 +1114,14 @@ fn run_seed(seed: u64, pods: u64, path: ApiPath) -> (Vec<String>, BTreeMap<&'sta
         sim.run_until(t);
     }
     let mut errs = sim.check_invariants(seed);
+    // Every half-saved fork record was cleared by the fork that next needed the name.
+    for (name, holder) in &sim.fork_snaps {
+        if let Some(h) = holder {
+            errs.push(format!(
+                "seed {seed}: half-saved fork snapshot {name} ({h}) left"
+            ));
+        }
+    }
     if let Some(l) = &sim.lane {
         let st = &l.lane.stats;
         sim.stats.insert("lane_writes", st.dispatched);
@@ -1085,6 +1229,37 @@ fn a_slow_rate_limited_api_keeps_each_pods_writes_in_order_and_converges() {
     }
     println!("kube lane simulation wall time {:?}", started.elapsed());
     assert!(failed.is_empty(), "{}", failed.join("\n"));
+}
+
+#[test]
+fn forks_of_one_source_converge_under_failing_and_half_finished_saves() {
+    let seeds: Vec<u64> = match std::env::var("SIM_SEED") {
+        Ok(s) => vec![s.parse().expect("SIM_SEED must be an integer")],
+        Err(_) => vec![42, 7, 1796209989208618451, 5, 11],
+    };
+    let mut failed = Vec::new();
+    let mut totals: BTreeMap<&'static str, u64> = BTreeMap::new();
+    for seed in seeds {
+        println!("fork simulation seed {seed} (replay: SIM_SEED={seed})");
+        let (errs, stats) = run_seed_with(seed, 40, ApiPath::Direct, 8);
+        println!("  faults/actions: {stats:?}");
+        for (k, v) in stats {
+            *totals.entry(k).or_insert(0) += v;
+        }
+        failed.extend(errs.into_iter().take(10));
+    }
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+    // The fault kinds really happened across the seeds.
+    for kind in ["fork_save", "fork_save_fail", "fork_save_half"] {
+        assert!(
+            totals.get(kind).copied().unwrap_or(0) > 0,
+            "{kind}: {totals:?}"
+        );
+    }
+    assert!(
+        totals.get("restart").copied().unwrap_or(0) > 0,
+        "{totals:?}"
+    );
 }
 
 /// Bench mode: `SIM_BENCH_SEEDS` fresh random seeds (default 10,000) of `SIM_BENCH_PODS` pods

@@ -99,6 +99,12 @@ pub struct VmSpec {
 }
 
 impl VmSpec {
+    /// The VM boots fresh from an image (`cocoon vm run`): mode `run` with no explicit clone
+    /// source (`clone-from-dir` and `fork-from` take precedence over the mode).
+    pub fn fresh_boot(&self) -> bool {
+        self.mode == Mode::Run && self.clone_from_dir.is_none() && self.fork_from.is_empty()
+    }
+
     pub fn firecracker(&self) -> bool {
         self.backend == BACKEND_FC
     }
@@ -242,6 +248,14 @@ pub fn parse(pod: &Pod) -> Result<VmSpec, SpecError> {
         }
     };
     let fork_from = get(ANN_FORK_FROM);
+    if !fork_from.is_empty() {
+        validate_fork_source(&fork_from, &vm_name).map_err(|e| {
+            SpecError::new(
+                "bad_fork_from",
+                format!("pod {key}: {ANN_FORK_FROM} {fork_from:?} {e}"),
+            )
+        })?;
+    }
     let clone_from_dir = match a.get(ANN_CLONE_FROM_DIR).map(|d| d.trim().to_string()) {
         None => None,
         Some(d) if d.is_empty() => None,
@@ -354,7 +368,10 @@ pub fn salvage(pod: &Pod, vm_name: &str, vm_id: &str) -> VmSpec {
         backend,
         no_direct_io: is_true(&a, ANN_NO_DIRECT_IO),
         probe_port: get(ANN_PROBE_PORT).parse::<u16>().ok().filter(|p| *p > 0),
-        fork_from: get(ANN_FORK_FROM),
+        // Never reaches a command line unless it is a valid fork source.
+        fork_from: Some(get(ANN_FORK_FROM))
+            .filter(|f| validate_fork_source(f, vm_name).is_ok())
+            .unwrap_or_default(),
         clone_from_dir: None,
         hibernate: is_true(&a, ANN_HIBERNATE),
         restore_from_hibernate: is_true(&a, ANN_RESTORE),
@@ -398,6 +415,61 @@ pub fn validate_clone_dir(dir: &str) -> Result<(), String> {
 /// Snapshot CPU-class gate: a non-empty selector requires the node's class to be equal.
 pub fn cpu_class_ok(spec: &VmSpec, node_class: Option<&str>) -> bool {
     spec.cpu_class.is_empty() || node_class == Some(spec.cpu_class.as_str())
+}
+
+/// The snapshot CPU-class gate with the contract's messages: a pod whose nodeSelector asks for a
+/// snapshot compatibility class runs only on a node configured with that very class (a snapshot
+/// restored on another CPU class may fault in the guest). `pod` is `<namespace>/<name>`.
+pub fn cpu_class_gate(
+    spec: &VmSpec,
+    pod: &str,
+    node_name: &str,
+    node_class: Option<&str>,
+) -> Result<(), String> {
+    if cpu_class_ok(spec, node_class) {
+        return Ok(());
+    }
+    let want = &spec.cpu_class;
+    Err(match node_class {
+        None => format!(
+            "pod {pod} requires snapshot compatibility class {want:?} but node {node_name} is unclassified"
+        ),
+        Some(have) => format!(
+            "pod {pod} requires snapshot compatibility class {want:?} but node {node_name} provides {have:?}"
+        ),
+    })
+}
+
+/// The longest VM name cocoon accepts; snapshot names share the limit.
+const NAME_MAX: usize = 63;
+
+/// A `fork-from` value names a VM on this host and reaches cocoon's argv (`vm inspect <source>`,
+/// `snapshot save --name fork-<source>`): it must be a cocoon VM name
+/// (`[a-zA-Z0-9][a-zA-Z0-9._-]*`), short enough that `fork-<source>` is a legal snapshot name,
+/// and not the pod's own VM.
+pub fn validate_fork_source(source: &str, own_vm: &str) -> Result<(), String> {
+    let mut chars = source.chars();
+    let first_ok = chars.next().is_some_and(|c| c.is_ascii_alphanumeric());
+    if !first_ok || !chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')) {
+        return Err(
+            "is not a VM name (letters, digits, '.', '_', '-'; starting with a letter or digit)"
+                .into(),
+        );
+    }
+    if fork_snapshot_name(source).len() > NAME_MAX {
+        return Err(format!(
+            "is too long: its fork snapshot name would exceed {NAME_MAX} characters"
+        ));
+    }
+    if source == own_vm {
+        return Err("names the pod's own VM".into());
+    }
+    Ok(())
+}
+
+/// The local snapshot a fork of `source` clones from (shared by every pod forking it).
+pub fn fork_snapshot_name(source: &str) -> String {
+    format!("fork-{source}")
 }
 
 /// Role for the snapshot policy: `main`, `sub-agent` or `toolbox` (CC-B naming rules).
@@ -644,6 +716,46 @@ pub(crate) mod tests {
         c.resources.as_mut().unwrap().limits =
             Some([("cpu".to_string(), Quantity("two".into()))].into());
         assert_eq!(parse(&pod).unwrap_err().reason, "bad_quantity");
+    }
+
+    #[test]
+    fn fork_sources_are_vm_names_whose_fork_snapshot_name_fits() {
+        assert!(validate_fork_source("vk-ns-main-0", "vk-ns-sub-0").is_ok());
+        assert!(validate_fork_source("a.b_c-9", "x").is_ok());
+        let longest = "v".repeat(58);
+        assert!(validate_fork_source(&longest, "x").is_ok());
+        assert!(validate_fork_source(&format!("{longest}v"), "x")
+            .unwrap_err()
+            .contains("too long"));
+        for bad in ["", "-x", ".x", "a b", "a/b", "a:b", "a;b", "é"] {
+            assert!(validate_fork_source(bad, "x").is_err(), "{bad:?}");
+        }
+        assert!(validate_fork_source("x", "x")
+            .unwrap_err()
+            .contains("own VM"));
+        let pod = pod_with(&[(ANN_VM_NAME, "v"), (ANN_FORK_FROM, "--rm")]);
+        assert_eq!(parse(&pod).unwrap_err().reason, "bad_fork_from");
+        // Salvage never keeps an invalid one.
+        assert_eq!(salvage(&pod, "v", "ID").fork_from, "");
+        let pod = pod_with(&[(ANN_VM_NAME, "v"), (ANN_FORK_FROM, "main")]);
+        assert_eq!(parse(&pod).unwrap().fork_from, "main");
+        assert!(!parse(&pod).unwrap().fresh_boot());
+    }
+
+    #[test]
+    fn the_cpu_class_gate_says_what_the_node_lacks() {
+        let mut s = parse(&pod_with(&[(ANN_VM_NAME, "v")])).unwrap();
+        assert!(super::cpu_class_gate(&s, "ns/p", "n1", None).is_ok());
+        s.cpu_class = "x86-v3".into();
+        assert_eq!(
+            super::cpu_class_gate(&s, "ns/p", "n1", None).unwrap_err(),
+            r#"pod ns/p requires snapshot compatibility class "x86-v3" but node n1 is unclassified"#
+        );
+        assert_eq!(
+            super::cpu_class_gate(&s, "ns/p", "n1", Some("x86-v4")).unwrap_err(),
+            r#"pod ns/p requires snapshot compatibility class "x86-v3" but node n1 provides "x86-v4""#
+        );
+        assert!(super::cpu_class_gate(&s, "ns/p", "n1", Some("x86-v3")).is_ok());
     }
 
     #[test]

@@ -202,6 +202,7 @@ impl Provider {
             }
             Waiter::StaleCreate { vm, watcher } => self.stale_result(vm, watcher, res),
             Waiter::StaleInspect { vm, watcher } => self.stale_inspect_result(vm, watcher, res),
+            Waiter::Fork { source } => self.fork_flight_step(&source, res),
         }
     }
 
@@ -279,6 +280,8 @@ pub(super) enum Res {
     Kube(Result<(), KubeError>),
     Transfer(Result<String, TransferError>),
     Evidence(Result<Option<String>, TransferError>),
+    /// The fork-snapshot flight landed: the snapshot's hypervisor ("" unknown), or why not.
+    Fork(Result<String, String>),
 }
 
 impl Res {
@@ -290,6 +293,7 @@ impl Res {
             Res::Kube(_) => "Kubernetes API",
             Res::Transfer(_) => "registry transfer",
             Res::Evidence(_) => "hibernate evidence",
+            Res::Fork(_) => "fork snapshot",
         }
     }
 

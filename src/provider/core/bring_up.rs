@@ -25,7 +25,7 @@ impl Provider {
                 seconds: secs,
             });
         }
-        let cloned = !(adopted || spec.mode == Mode::Run && spec.clone_from_dir.is_none());
+        let cloned = !(adopted || spec.fresh_boot());
         let ip = vm.primary_ip();
         if ip.is_empty() && !vm.primary_mac().is_empty() {
             if let Some(c) = self.create_op(key) {
@@ -37,6 +37,7 @@ impl Provider {
                 if let Some(c) = self.create_op(key) {
                     c.spec.mode = Mode::Run;
                     c.spec.clone_from_dir = None;
+                    c.spec.fork_from.clear();
                 }
             }
             let ask = Ask::effect(|op| Effect::LookupLease { op, mac });

@@ -5,6 +5,8 @@ use super::*;
 
 /// Metric reason of a create refused because another live pod holds the VM.
 const REASON_VM_OWNED: &str = "vm_owned_by_another_pod";
+/// Metric reason of a pod refused by the snapshot CPU-class gate (create, update, startup).
+pub(super) const REASON_CPU_CLASS: &str = "snapshot_cpu_class_mismatch";
 
 impl Provider {
     // ----- create ---------------------------------------------------------------------------
@@ -15,14 +17,10 @@ impl Provider {
             Ok(s) => s,
             Err(e) => return self.reject(key, &pod, e),
         };
-        if !spec::cpu_class_ok(&spec, self.cfg.cpu_class.as_deref()) {
+        if let Err(message) = self.cpu_class_gate(key, &spec) {
             let e = SpecError {
-                reason: "snapshot_cpu_class_mismatch",
-                message: format!(
-                    "pod {key} requires snapshot CPU class {:?} but node has {:?}",
-                    spec.cpu_class,
-                    self.cfg.cpu_class.clone().unwrap_or_default()
-                ),
+                reason: REASON_CPU_CLASS,
+                message,
             };
             return self.reject(key, &pod, e);
         }
@@ -33,8 +31,6 @@ impl Provider {
             Some("managed Windows guests are not supported yet")
         } else if spec.managed && spec.restore_from_hibernate {
             Some("restore-from-hibernate is not supported yet")
-        } else if spec.managed && !spec.fork_from.is_empty() {
-            Some("fork-from is not supported yet")
         } else if spec.managed
             && spec.mode != Mode::Run
             && spec.clone_from_dir.is_none()
@@ -153,6 +149,16 @@ impl Provider {
         }
     }
 
+    /// The snapshot CPU-class gate of this node for a pod (create, update and startup).
+    pub(super) fn cpu_class_gate(&self, key: &PodKey, spec: &VmSpec) -> Result<(), String> {
+        spec::cpu_class_gate(
+            spec,
+            &key.to_string(),
+            &self.cfg.node_name,
+            self.cfg.cpu_class.as_deref(),
+        )
+    }
+
     /// Ownership: a VM belongs to at most one live pod. Refuses a pod whose VM name, or (for
     /// an unmanaged pod) pre-assigned VM id, is held by another tracked pod, or whose id names
     /// a known VM of another name. The message names no other pod: it lands in the
@@ -247,6 +253,7 @@ impl Provider {
         };
         let base = match found {
             Ok(None) => {
+                self.fork_invalidate(vm);
                 let name = format!("fork-{vm}");
                 return self.advance(
                     key,
@@ -449,6 +456,8 @@ impl Provider {
                 if let Some(dir) = spec.clone_from_dir.clone() {
                     let args = self.clone_args(spec, CloneSource::FromDir(dir), true);
                     self.advance(key, CreateStep::Boot, Ask::Cocoon(CocoonCmd::VmClone(args)))
+                } else if !spec.fork_from.is_empty() {
+                    self.fork_begin(key, &spec.fork_from)
                 } else if spec.mode == Mode::Run {
                     let ask = self.materialise(&spec.image, spec.force_pull);
                     self.advance(key, CreateStep::MaterialiseRun, ask)
@@ -543,6 +552,7 @@ impl Provider {
                 }
                 self.do_clone(key)
             }
+            (CreateStep::ForkWait { .. }, Res::Fork(r)) => self.fork_landed(key, &c, r),
             (CreateStep::PullSnapshot, Res::Transfer(r)) => match self.pull_done(key, &c, r) {
                 Ok(_) => {
                     self.metric(MetricUpdate::SnapshotPull { result: "ok" });
@@ -611,7 +621,7 @@ impl Provider {
                     });
                 }
                 if !r.success {
-                    let what = if spec.mode == Mode::Run && spec.clone_from_dir.is_none() {
+                    let what = if spec.fresh_boot() {
                         "vm run"
                     } else {
                         "vm clone"
@@ -635,7 +645,7 @@ impl Provider {
                 self.by_name.insert(spec.vm_name.clone(), vm.clone());
                 // A clone answers with pid 0 too; without the inspect its VM would have no
                 // stats until a restart re-adopted it (stats skip pid-0 VMs).
-                let fresh_run = spec.mode == Mode::Run && spec.clone_from_dir.is_none();
+                let fresh_run = spec.fresh_boot();
                 if (fresh_run && !vm.running()) || vm.pid == 0 {
                     if let Some(c) = self.create_op(key) {
                         c.vm = Some(vm.clone());
@@ -681,7 +691,7 @@ impl Provider {
                     _ => String::new(),
                 };
                 let vm = c.vm.clone().unwrap_or_default();
-                let cloned = !(spec.mode == Mode::Run && spec.clone_from_dir.is_none());
+                let cloned = !spec.fresh_boot();
                 self.finish_create(key, vm, cloned, &ip)
             }
             (step, res) => self.unexpected_answer(key, &step, &res),
@@ -741,7 +751,7 @@ impl Provider {
 }
 
 /// Whether a VM name carries the operator's prefix for `namespace` (`vk-<ns>-` or `vk-<ns>.`).
-fn named_for(vm_name: &str, namespace: &str) -> bool {
+pub(super) fn named_for(vm_name: &str, namespace: &str) -> bool {
     vm_name
         .strip_prefix("vk-")
         .and_then(|rest| rest.strip_prefix(namespace))

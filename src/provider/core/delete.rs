@@ -346,13 +346,16 @@ impl Provider {
                     Ask::Cocoon(CocoonCmd::SnapshotRm { name: d.vm_name }),
                 )
             }
-            (DeleteStep::RmSnapshot, Res::Cocoon(_)) => self.advance(
-                key,
-                DeleteStep::RmForkSnapshot,
-                Ask::Cocoon(CocoonCmd::SnapshotRm {
-                    name: format!("fork-{}", d.vm_name),
-                }),
-            ),
+            (DeleteStep::RmSnapshot, Res::Cocoon(_)) => {
+                self.fork_invalidate(&d.vm_name);
+                self.advance(
+                    key,
+                    DeleteStep::RmForkSnapshot,
+                    Ask::Cocoon(CocoonCmd::SnapshotRm {
+                        name: format!("fork-{}", d.vm_name),
+                    }),
+                )
+            }
             (DeleteStep::RmForkSnapshot, Res::Cocoon(_)) => {
                 if t.vm.is_none() {
                     self.forget(key, true);

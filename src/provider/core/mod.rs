@@ -12,11 +12,12 @@
 //! per-pod state types (ops, steps, the idle sub-state); `answers` routes each effect's answer
 //! to the op that waits and handles answers no step expects. One file per operation holds its
 //! transitions: `create` (up to clone / run), `bring_up` (the VM exists: settle, IP, Ready),
-//! `delete`, `check` (VM events and rechecks), `evict`, `startup` (reconcile and adoption)
-//! and `kube_writes` (status / annotation patches, drift). A new transition touches its
-//! operation's file and, for a new step, the step enum in `state`.
+//! `delete`, `check` (VM events and rechecks), `evict`, `startup` (reconcile and adoption),
+//! `fork` (the node-wide `fork-<source>` snapshot flight of fork-from) and `kube_writes`
+//! (status / annotation patches, drift). A new transition touches its operation's file and,
+//! for a new step, the step enum in `state`.
 //!
-//! Decisions for features not built yet: fork-from, restore-from-hibernate, managed
+//! Decisions for features not built yet: restore-from-hibernate, managed
 //! Windows/macOS guests fail the create clearly (Warning event, ProviderFailed status, counter)
 //! without touching cocoon; a hibernate request on a running pod changes nothing and gets a
 //! Warning `HibernateUnsupported`. Post-clone fix-ups are not implemented: CH all-DHCP clones
@@ -56,6 +57,7 @@ mod check;
 mod create;
 mod delete;
 mod evict;
+mod fork;
 mod kube_writes;
 mod startup;
 mod state;
@@ -105,6 +107,8 @@ pub struct Provider {
     /// Snapshot pulls running, by local snapshot name: the pod pulling. One pull per snapshot
     /// at a time on the node: each pull replaces the local snapshot, so two would race.
     pulls: BTreeMap<String, PodKey>,
+    /// Fork-snapshot flights running, by source VM name (`fork`).
+    forks: BTreeMap<String, ForkFlight>,
     /// Stale-create watcher state per VM ID: (current delay, budget end).
     stale_watch_state: BTreeMap<String, (Duration, Instant)>,
 }
@@ -221,6 +225,7 @@ impl Provider {
             timers: BTreeMap::new(),
             stale_watch_state: BTreeMap::new(),
             pulls: BTreeMap::new(),
+            forks: BTreeMap::new(),
         }
     }
 
@@ -370,6 +375,7 @@ impl Provider {
             Ask::SharedRead(cmd) => self.pod_cocoon_read(key, cmd),
             Ask::Effect(mk) => self.pod_effect(key, mk),
             Ask::Timer(at) => self.set_pod_timer(key, at),
+            Ask::Flight => {}
         }
     }
 
@@ -523,24 +529,30 @@ impl Provider {
         let Some(slot) = self.slots.get(key) else {
             return;
         };
+        let needs = {
+            let latest = slot.latest.as_ref();
+            latest.is_none()
+                || latest.map(|p| deleting(p)).unwrap_or(false)
+                || match (&slot.tracked, latest) {
+                    (Some(t), Some(l)) => t.uid != pod_uid(l),
+                    _ => false,
+                }
+        };
         match &slot.op {
             None => self.reconcile_slot(key),
             Some(op) if op.preemptible() => {
-                let needs = {
-                    let latest = slot.latest.as_ref();
-                    latest.is_none()
-                        || latest.map(|p| deleting(p)).unwrap_or(false)
-                        || match (&slot.tracked, latest) {
-                            (Some(t), Some(l)) => t.uid != pod_uid(l),
-                            _ => false,
-                        }
-                };
                 if needs {
                     self.end_op(key);
                 } else {
                     // Updates on a pod with a background wait: apply synchronously.
                     self.maybe_update(key);
                 }
+            }
+            // A create waiting on the node's fork-snapshot flight has run nothing of its own
+            // yet: a delete need not wait for a save that may take long; the flight goes on
+            // for the pods still waiting.
+            Some(Op::Create(c)) if needs && matches!(c.step, CreateStep::ForkWait { .. }) => {
+                self.end_op(key)
             }
             Some(_) => {}
         }
@@ -672,8 +684,15 @@ impl Provider {
                 return;
             }
         };
-        if !spec::cpu_class_ok(&new_spec, self.cfg.cpu_class.as_deref()) {
-            self.lifecycle_metric("update", "failed", "snapshot_cpu_class_mismatch");
+        if let Err(msg) = self.cpu_class_gate(key, &new_spec) {
+            // Refused: nothing of the change is applied (hibernate included). This copy is
+            // kept so the same change is not refused (and reported) again on every event.
+            self.lifecycle_metric("update", "failed", create::REASON_CPU_CLASS);
+            self.event(key, &uid, EventType::Warning, "ProviderUpdateFailed", &msg);
+            if let Some(t) = self.slot(key).tracked.as_mut() {
+                t.pod = pod;
+            }
+            return;
         }
         let hib = new_spec.hibernate;
         let gen = new_spec.generation;

@@ -359,6 +359,7 @@ impl Provider {
             }
             claimed.insert(vm.id.clone());
             adopted += 1;
+            self.startup_cpu_class_gate(&key, &pod, &spec);
             self.adopt_at_startup(&key, &pod, spec, vm);
         }
         let mut orphans = 0usize;
@@ -382,6 +383,33 @@ impl Provider {
         for input in std::mem::take(&mut self.buffered) {
             self.dispatch(input);
         }
+    }
+
+    /// The snapshot CPU-class gate at startup, for a pod whose VM runs here. The contract makes
+    /// a mismatch fatal to startup; that would take every VM of the node out of management
+    /// (no status, probes, deletes) over one pod's selector, and a restart loop fixes nothing.
+    /// The VM is kept and adopted as any other (never destroyed as an orphan), and the mismatch
+    /// is reported loudly: error log, Warning `SnapshotCPUClassMismatch`, and
+    /// `pod_lifecycle_total{startup,failed,snapshot_cpu_class_mismatch}`. The update gate then
+    /// refuses every change of that pod (hibernate included) until the node class is fixed.
+    /// A pod with no VM here is left to its create, whose gate refuses it.
+    pub(super) fn startup_cpu_class_gate(&mut self, key: &PodKey, pod: &Pod, spec: &VmSpec) {
+        let Err(msg) = self.cpu_class_gate(key, spec) else {
+            return;
+        };
+        log::error!(
+            "provider: startup reconcile: {msg}; its vm {} is kept",
+            spec.vm_name
+        );
+        self.lifecycle_metric("startup", "failed", create::REASON_CPU_CLASS);
+        let uid = pod_uid(pod);
+        self.event(
+            key,
+            &uid,
+            EventType::Warning,
+            "SnapshotCPUClassMismatch",
+            &format!("{msg}; the running vm {} is kept", spec.vm_name),
+        );
     }
 
     pub(super) fn adopt_at_startup(
@@ -496,7 +524,7 @@ impl Provider {
         if pcs.as_deref() == Some("failed") {
             return self.push_status(key, false);
         }
-        let cloned = !(t.spec.mode == Mode::Run && t.spec.clone_from_dir.is_none());
+        let cloned = !t.spec.fresh_boot();
         let needs_fixup = cloned
             && (vm.hypervisor == spec::BACKEND_FC
                 || vm.nics.iter().any(|n| !n.static_ip.is_empty()));

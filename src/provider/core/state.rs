@@ -31,6 +31,10 @@ pub(super) enum CreateStep {
     PullSnapshot,
     /// Another pod is pulling this snapshot: look again when the poll timer fires.
     PullWait,
+    /// `fork-from`: waiting for the node's fork-snapshot flight of this source (`fork`).
+    ForkWait {
+        source: String,
+    },
     ImageInspect,
     MaterialiseBase,
     MaterialiseRun,
@@ -58,6 +62,36 @@ pub(super) struct CreateOp {
     pub(super) vm: Option<VmInfo>,
     /// A VM-gone event that arrived while this create was in flight, looked at once it ends.
     pub(super) vm_event_meanwhile: Option<(VmEventKind, VmInfo)>,
+}
+
+/// A fork-snapshot flight's step: ensuring `fork-<source>` exists.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum ForkStep {
+    /// Is `fork-<source>` already there (a complete snapshot; pending ones are invisible)?
+    Inspect,
+    /// The source VM is not in the name index: `vm inspect <source>`.
+    FindSource,
+    /// `snapshot save --name fork-<source> <source id>`.
+    Save { retried: bool },
+    /// The save found the name taken: did another save land it meanwhile?
+    TakenInspect { holder: String },
+    /// It did not: a half-saved record (an interrupted save) holds the name; remove it.
+    RmHolder,
+}
+
+/// One fork-snapshot flight per source VM on the node, shared by every pod forking that source.
+/// It belongs to no pod: a waiter deleted or failed meanwhile leaves it running for the others.
+#[derive(Debug, Clone)]
+pub(super) struct ForkFlight {
+    pub(super) step: ForkStep,
+    pub(super) source_id: String,
+    /// The source VM's hypervisor, once known (the saved snapshot records the same).
+    pub(super) source_hypervisor: String,
+    /// `fork-<source>` was removed meanwhile (the source deleted or booted afresh): what this
+    /// flight lands is of a VM that no longer is, and is removed instead of cloned.
+    pub(super) invalidated: bool,
+    /// The pods waiting for it (each in `CreateStep::ForkWait` of this source when it lands).
+    pub(super) waiting: Vec<PodKey>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -281,6 +315,10 @@ pub(super) enum Waiter {
         vm: VmInfo,
         watcher: bool,
     },
+    /// A cocoon call of the fork-snapshot flight of this source VM.
+    Fork {
+        source: String,
+    },
     Ignore,
 }
 
@@ -355,6 +393,9 @@ pub(super) enum Ask {
     Effect(Box<dyn FnOnce(OpId) -> Effect>),
     /// No effect: the pod's timer at this instant (a retry or a deferred recheck).
     Timer(Instant),
+    /// No effect of its own: the pod joined a node-wide flight that answers every pod
+    /// waiting for it when it lands (the fork-snapshot flight).
+    Flight,
 }
 
 impl Ask {

@@ -3,7 +3,7 @@
 
 use super::cli::{self, flag, flag_s, val, val_s};
 use super::store::{display_state, new_id, now_rfc3339, pid_alive, write_atomic, RefError, Store};
-use super::{tar, CmdResult, VerbFault};
+use super::{guest_fs, tar, CmdResult, VerbFault};
 use crate::vm::types::{Image, Snapshot, SnapshotEnvelope};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
@@ -27,7 +27,7 @@ fn print_json<T: serde::Serialize>(v: &T) -> CmdResult {
 pub fn snapshot(store: &Store, verb: &str, args: &[String], fault: &VerbFault) -> CmdResult {
     sweep_stale_imports(store);
     match verb {
-        "save" => save(store, args),
+        "save" => save(store, args, fault),
         "inspect" => snap_inspect(store, args),
         "rm" => snap_rm(store, args),
         "list" | "ls" => snap_list(store, args),
@@ -60,7 +60,7 @@ fn safe_member(name: &str) -> bool {
     !name.is_empty() && name != "." && name != ".." && !name.contains('/') && !name.contains('\0')
 }
 
-fn save(store: &Store, args: &[String]) -> CmdResult {
+fn save(store: &Store, args: &[String], fault: &VerbFault) -> CmdResult {
     let p = cli::parse(args, &[val("name"), val("description")], false)?;
     let [vm_ref] = p.positionals.as_slice() else {
         return Err(format!(
@@ -83,18 +83,28 @@ fn save(store: &Store, args: &[String]) -> CmdResult {
             let _ = other;
             return Err(format!("snapshot name \"{name}\" already exists"));
         }
-        // Reserve the name with a pending marker so concurrent saves collide.
+        // Reserve the name with a pending marker (`<ID> <saver pid>`) so concurrent saves
+        // collide. A save that dies half-way leaves it: the half-saved record, invisible to
+        // inspect and list, holds the name until `snapshot rm <ID>` removes it.
         let pending = store
             .snaps_dir()
             .join(format!(".pending-{}", hex_name(&name)));
-        if pending.exists() {
-            return Err(format!("snapshot name \"{name}\" already exists"));
+        if let Some((holder, _)) = read_pending(&pending) {
+            return Err(format!(
+                "snapshot name \"{name}\" already in use by {holder}"
+            ));
         }
-        fs::write(&pending, &id).map_err(io_err("reserve name"))?;
+        fs::write(&pending, format!("{id} {}", std::process::id()))
+            .map_err(io_err("reserve name"))?;
     }
     let data = store.snap_data_dir(&id);
     let result = (|| -> Result<(), String> {
         fs::create_dir_all(&data).map_err(io_err("create snapshot dir"))?;
+        if fault.slow_ms > 0 {
+            // A long save (a big memory image): the window in which a killed save is cut short.
+            std::thread::sleep(std::time::Duration::from_millis(fault.slow_ms));
+        }
+        guest_fs::copy(&store.run_dir(&sv.vm), &data)?;
         let mem = vec![0xa5u8; memory_file_size()];
         let files: Vec<(&str, Vec<u8>)> = if sv.vm.is_firecracker() {
             vec![
@@ -175,6 +185,42 @@ fn save(store: &Store, args: &[String]) -> CmdResult {
     Ok(0)
 }
 
+/// A pending save marker: the ID it reserved and the pid of its saver.
+fn read_pending(path: &Path) -> Option<(String, i64)> {
+    let text = fs::read_to_string(path).ok()?;
+    let mut words = text.split_whitespace();
+    let id = words.next()?.to_string();
+    let pid = words.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    Some((id, pid))
+}
+
+/// `snapshot rm <ID>` of a half-saved record: removed once its saver is gone; while the save
+/// still runs the record is in use. None: no pending record has this ID.
+fn rm_half_saved(store: &Store, r: &str) -> Option<Result<(), String>> {
+    let entries = fs::read_dir(store.snaps_dir()).ok()?;
+    for e in entries.flatten() {
+        if !e.file_name().to_string_lossy().starts_with(".pending-") {
+            continue;
+        }
+        let Some((id, pid)) = read_pending(&e.path()) else {
+            continue;
+        };
+        if id != r {
+            continue;
+        }
+        if pid > 0 && pid_alive(pid) {
+            return Some(Err(format!(
+                "rm: snapshot {id} is in use by an active save"
+            )));
+        }
+        let _ = fs::remove_dir_all(store.snap_data_dir(&id));
+        let _ = fs::remove_file(e.path());
+        eprintln!("removed half-saved snapshot {id}");
+        return Some(Ok(()));
+    }
+    None
+}
+
 fn hex_name(name: &str) -> String {
     name.bytes().map(|b| format!("{b:02x}")).collect()
 }
@@ -238,6 +284,12 @@ fn snap_rm(store: &Store, args: &[String]) -> CmdResult {
     let _guard = store.lock().map_err(io_err("lock"))?;
     let mut targets = Vec::new();
     for r in &p.positionals {
+        if store.resolve_snapshot(r).is_err() {
+            if let Some(done) = rm_half_saved(store, r) {
+                done?;
+                continue;
+            }
+        }
         let s = store.resolve_snapshot(r).map_err(|e| match e {
             RefError::NotFound => format!("rm: resolve \"{r}\": snapshot not found"),
             RefError::Ambiguous => format!("rm: ambiguous ref \"{r}\": multiple matches"),

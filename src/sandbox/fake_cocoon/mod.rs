@@ -73,10 +73,22 @@
 //! SCRIPT's words the same way (so `sh -c 'exit 3'` exits 3); `env` prints the `-e` variables;
 //! `hostname` prints the VM name; `sleep SECS`; `stderr TEXT` prints TEXT to stderr; anything
 //! else prints `fake-cocoon exec: <argv>` and exits 0. The VM must be running.
+//! Guest files: `echo WORDS > /path` (alone or as an `sh -c` script) writes a file on the VM's
+//! disk and `cat /path` prints it back (exit 1 when missing). `snapshot save` captures them and
+//! a clone of the snapshot has them, so a fork or a wake sees what its source wrote.
+//!
+//! # Half-saved snapshots
+//! `snapshot save` reserves its name with `snapshots/.pending-<hex name>` (`<ID> <saver pid>`)
+//! until it finishes. A save that dies half-way (killed, e.g. with the daemon that ran it)
+//! leaves that record: invisible to inspect and list, it makes a later save of the name fail
+//! with `snapshot name "<n>" already in use by <ID>` until `snapshot rm <ID>` removes it (while
+//! its saver still runs, rm answers `is in use by an active save`). `"snapshot save":
+//! {"slow_ms": N}` makes a save sleep N ms after reserving its name.
 
 pub mod cli;
 mod data_cmds;
 pub mod dhcp;
+mod guest_fs;
 pub mod store;
 mod stream;
 pub mod tar;
@@ -287,7 +299,10 @@ fn run(args: &[String]) -> CmdResult {
         println!("{}", fault.garbage);
         return Ok(0);
     }
-    let delay_inside = matches!(key.as_str(), "vm clone" | "vm run" | "vm create");
+    let delay_inside = matches!(
+        key.as_str(),
+        "vm clone" | "vm run" | "vm create" | "snapshot save"
+    );
     if fault.slow_ms > 0 && !delay_inside {
         std::thread::sleep(Duration::from_millis(fault.slow_ms));
     }

@@ -6,7 +6,7 @@ use super::store::{
     display_state, kill_pid, new_id, new_mac, now_rfc3339, pid_alive, tap_name, RefError, Store,
     StoredVm, VerbFault,
 };
-use super::{stream, CmdResult};
+use super::{guest_fs, stream, CmdResult};
 use crate::vm::types::{
     NetworkConfig, NicAddress, Snapshot, SnapshotEnvelope, StorageConfig, Vm, VmConfig,
 };
@@ -337,6 +337,11 @@ fn clone(store: &Store, args: &[String], fault: &VerbFault) -> CmdResult {
         })?,
         (None, other) => return Err(format!("accepts 1 arg(s), received {}", other.len())),
     };
+    // The disk the clone starts from: it carries the guest's files.
+    let source_disk = match &from_dir {
+        Some(dir) => std::path::PathBuf::from(dir),
+        None => store.snap_data_dir(&snap.id),
+    };
     let fc = snap.hypervisor == "firecracker";
     let cpu = opt_num(&p, "cpu")?;
     if cpu > 0 && snap.cpu > 0 {
@@ -426,7 +431,9 @@ fn clone(store: &Store, args: &[String], fault: &VerbFault) -> CmdResult {
     if fault.slow_ms > 0 {
         std::thread::sleep(Duration::from_millis(fault.slow_ms));
     }
-    if let Err(e) = boot(store, &mut sv, "clone") {
+    let booted = boot(store, &mut sv, "clone")
+        .and_then(|()| guest_fs::copy(&source_disk, &store.run_dir(&sv.vm)));
+    if let Err(e) = booted {
         // Rollback: a failed clone leaves nothing behind.
         let _guard = store.lock();
         store.delete_vm(&id);
@@ -800,6 +807,9 @@ fn exec(store: &Store, args: &[String]) -> CmdResult {
         .open(store.exec_log_path())
     {
         let _ = writeln!(f, "{entry}");
+    }
+    if let Some(code) = guest_fs::exec(&store.run_dir(&sv.vm), &command) {
+        return Ok(code);
     }
     Ok(guest_command(
         &command,

@@ -207,7 +207,6 @@ fn bad_input_fails_clearly_without_touching_cocoon() {
 #[test]
 fn unsupported_requests_fail_create_clearly() {
     for extra in [
-        (ANN_FORK_FROM, "vk-ns-demo-0"),
         (ANN_RESTORE, "true"),
         (ANN_OS, "windows"),
         (ANN_BACKEND, "firecracker"),
@@ -500,6 +499,8 @@ fn cpu_class_mismatch_is_rejected() {
             reason: "snapshot_cpu_class_mismatch"
         }
     ));
+    assert!(events(&e).iter().any(|(r, m)| *r == "ProviderCreateFailed"
+        && m == r#"pod ns/a requires snapshot compatibility class "arm-v9" but node cocoon-pool provides "x86-v3""#));
 }
 
 #[test]

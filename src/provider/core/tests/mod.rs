@@ -13,8 +13,10 @@ use crate::provider::status;
 use crate::provider::*;
 
 mod check;
+mod cpu_class;
 mod create;
 mod delete;
+mod fork;
 mod kube_writes;
 mod ownership;
 mod startup;

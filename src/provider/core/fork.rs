@@ -1,0 +1,315 @@
+//! fork-from: the node-wide flight that ensures snapshot `fork-<source>` (reuse it, else find
+//! the source VM and save it) once for every pod forking that source, and the clone from it.
+
+use super::*;
+
+impl Provider {
+    /// A fresh create with `fork-from` (after the `fork-<own vm>` removal): join the flight of
+    /// its source, starting one when none runs. The pod waits in `ForkWait`.
+    pub(super) fn fork_begin(&mut self, key: &PodKey, source: &str) {
+        if !self.fork_source_of_namespace(key, source) {
+            let uid = self
+                .create_op(key)
+                .map(|c| c.uid.clone())
+                .unwrap_or_default();
+            let msg = format!(
+                "fork-from: vm {source} is not a VM of namespace {}; a pod forks only VMs of \
+                 its own namespace (named vk-{}-… or held by a pod there)",
+                key.namespace, key.namespace
+            );
+            return self.fail_create(key, &uid, &msg, true);
+        }
+        self.advance(
+            key,
+            CreateStep::ForkWait {
+                source: source.to_string(),
+            },
+            Ask::Flight,
+        );
+        if let Some(flight) = self.forks.get_mut(source) {
+            if !flight.waiting.contains(key) {
+                flight.waiting.push(key.clone());
+            }
+            return;
+        }
+        self.forks.insert(
+            source.to_string(),
+            ForkFlight {
+                step: ForkStep::Inspect,
+                source_id: String::new(),
+                source_hypervisor: String::new(),
+                invalidated: false,
+                waiting: vec![key.clone()],
+            },
+        );
+        let name = spec::fork_snapshot_name(source);
+        self.fork_cocoon(
+            source,
+            ForkStep::Inspect,
+            CocoonCmd::SnapshotInspect { name },
+        );
+    }
+
+    /// Ownership: a fork copies the source's memory and disk, so a pod may fork only a VM of
+    /// its own namespace: one named for it (the operator's `vk-<namespace>-` names) or one a
+    /// pod of that namespace holds or names. Never a VM of another tenant.
+    fn fork_source_of_namespace(&self, key: &PodKey, source: &str) -> bool {
+        create::named_for(source, &key.namespace)
+            || self.slots.iter().any(|(k, s)| {
+                k.namespace == key.namespace
+                    && s.tracked.as_ref().is_some_and(|t| {
+                        t.spec.vm_name == source || t.vm.as_ref().is_some_and(|v| v.name == source)
+                    })
+            })
+    }
+
+    /// Moves the flight of `source` to `step` and runs the cocoon call that step waits on.
+    fn fork_cocoon(&mut self, source: &str, step: ForkStep, cmd: CocoonCmd) {
+        if let Some(f) = self.forks.get_mut(source) {
+            f.step = step;
+        }
+        let op = self.op_id();
+        self.waiters.insert(
+            op,
+            Waiter::Fork {
+                source: source.to_string(),
+            },
+        );
+        self.out.push(Effect::Cocoon { op, cmd });
+    }
+
+    /// The answer to the flight's current cocoon call.
+    pub(super) fn fork_flight_step(&mut self, source: &str, res: Res) {
+        let Some(flight) = self.forks.get(source) else {
+            return;
+        };
+        let (step, source_id, source_hv) = (
+            flight.step.clone(),
+            flight.source_id.clone(),
+            flight.source_hypervisor.clone(),
+        );
+        let name = spec::fork_snapshot_name(source);
+        let Res::Cocoon(r) = res else {
+            let msg = format!("fork snapshot {name}: unexpected {} answer", res.kind());
+            return self.fork_done(source, Err(msg));
+        };
+        match step {
+            ForkStep::Inspect => {
+                if r.success {
+                    return self.fork_done(source, hypervisor_of(&r.stdout));
+                }
+                if !r.snapshot_not_found() {
+                    // A hung or failing inspect says nothing: fail, the creates retry.
+                    let msg = format!("inspect fork snapshot {name}: {}", r.error_text());
+                    return self.fork_done(source, Err(msg));
+                }
+                match self.by_name.get(source).filter(|v| !v.id.is_empty()) {
+                    Some(vm) => {
+                        let (id, hv) = (vm.id.clone(), vm.hypervisor.clone());
+                        self.fork_save(source, id, hv, false)
+                    }
+                    None => self.fork_cocoon(
+                        source,
+                        ForkStep::FindSource,
+                        CocoonCmd::VmInspect {
+                            reference: source.to_string(),
+                        },
+                    ),
+                }
+            }
+            ForkStep::FindSource => {
+                if r.vm_not_found() {
+                    let msg = format!("fork-from: source vm {source} not found on this node");
+                    return self.fork_done(source, Err(msg));
+                }
+                let vm = match (r.success, parse_vm(&r.stdout)) {
+                    (true, Ok(vm)) => vm,
+                    (true, Err(e)) => return self.fork_done(source, Err(e)),
+                    (false, _) => {
+                        let msg = format!("fork-from: inspect vm {source}: {}", r.error_text());
+                        return self.fork_done(source, Err(msg));
+                    }
+                };
+                if !vm.running() || vm.id.is_empty() {
+                    let msg = format!(
+                        "fork-from: source vm {source} is {}, not running",
+                        vm.state.as_str()
+                    );
+                    return self.fork_done(source, Err(msg));
+                }
+                self.fork_save(source, vm.id, vm.hypervisor, false)
+            }
+            ForkStep::Save { retried } => {
+                if r.success {
+                    self.metric(MetricUpdate::SnapshotSave { result: "ok" });
+                    return self.fork_done(source, Ok(source_hv));
+                }
+                if r.name_taken() && !retried {
+                    let holder = taken_holder(&r.error_text(), &name);
+                    return self.fork_cocoon(
+                        source,
+                        ForkStep::TakenInspect { holder },
+                        CocoonCmd::SnapshotInspect { name },
+                    );
+                }
+                self.metric(MetricUpdate::SnapshotSave { result: "failed" });
+                let msg = format!("snapshot save {name} of vm {source}: {}", r.error_text());
+                self.fork_done(source, Err(msg))
+            }
+            ForkStep::TakenInspect { holder } => {
+                if r.success {
+                    // Another save (a create of an earlier process) landed it: reuse it.
+                    return self.fork_done(source, hypervisor_of(&r.stdout));
+                }
+                // Invisible but holding the name: the half-saved record of an interrupted
+                // save. Removing it is what lets this fork (and any later one) save again.
+                log::warn!(
+                    "provider: fork snapshot {name} is held by an unfinished save ({holder}); removing it"
+                );
+                self.fork_cocoon(
+                    source,
+                    ForkStep::RmHolder,
+                    CocoonCmd::SnapshotRm { name: holder },
+                )
+            }
+            ForkStep::RmHolder => {
+                if !r.success && !r.snapshot_not_found() {
+                    self.metric(MetricUpdate::SnapshotSave { result: "failed" });
+                    let msg = format!(
+                        "snapshot save {name}: the name is held by an unfinished save that could \
+                         not be removed: {}",
+                        r.error_text()
+                    );
+                    return self.fork_done(source, Err(msg));
+                }
+                self.fork_save(source, source_id, source_hv, true)
+            }
+        }
+    }
+
+    fn fork_save(&mut self, source: &str, source_id: String, hypervisor: String, retried: bool) {
+        if let Some(f) = self.forks.get_mut(source) {
+            f.source_id = source_id.clone();
+            f.source_hypervisor = hypervisor;
+        }
+        let name = spec::fork_snapshot_name(source);
+        self.fork_cocoon(
+            source,
+            ForkStep::Save { retried },
+            CocoonCmd::SnapshotSave {
+                name,
+                vm_id: source_id,
+            },
+        )
+    }
+
+    /// `fork-<vm_name>` is being removed (its VM deleted or booted afresh): a flight saving
+    /// it must not hand out what it lands.
+    pub(super) fn fork_invalidate(&mut self, vm_name: &str) {
+        if let Some(f) = self.forks.get_mut(vm_name) {
+            f.invalidated = true;
+        }
+    }
+
+    /// The flight ended: every pod still waiting for it clones (or fails its create).
+    /// `Ok` carries the snapshot's hypervisor when known.
+    fn fork_done(&mut self, source: &str, result: Result<String, String>) {
+        let Some(flight) = self.forks.remove(source) else {
+            return;
+        };
+        let result = match result {
+            Ok(_) if flight.invalidated => {
+                let name = spec::fork_snapshot_name(source);
+                self.fire_and_forget_cocoon(CocoonCmd::SnapshotRm { name });
+                Err(format!(
+                    "fork-from: source vm {source} was deleted or re-created while it was being \
+                     forked; its fork snapshot is discarded"
+                ))
+            }
+            other => other,
+        };
+        for key in flight.waiting {
+            let waits = matches!(self.create_op(&key),
+                Some(c) if matches!(&c.step, CreateStep::ForkWait { source: s } if s == source));
+            if waits {
+                self.create_step(&key, Res::Fork(result.clone()));
+            }
+        }
+    }
+
+    /// A waiting pod's answer from the flight: clone from `fork-<source>`.
+    pub(super) fn fork_landed(&mut self, key: &PodKey, c: &CreateOp, r: Result<String, String>) {
+        let hypervisor = match r {
+            Ok(hv) => hv,
+            Err(e) => return self.fail_create(key, &c.uid, &e, true),
+        };
+        let name = spec::fork_snapshot_name(&c.spec.fork_from);
+        if hypervisor == spec::BACKEND_FC {
+            let msg = format!(
+                "snapshot {name} is a firecracker snapshot; cloning it needs the post-clone fix-up, which is not supported yet"
+            );
+            return self.fail_create(key, &c.uid, &msg, false);
+        }
+        // The source runs on this node, so its base image is here: no `--pull`.
+        let args = self.clone_args(&c.spec, CloneSource::Snapshot(name), false);
+        self.advance(key, CreateStep::Boot, Ask::Cocoon(CocoonCmd::VmClone(args)))
+    }
+}
+
+/// The hypervisor a `snapshot inspect` answer records ("" when it says none).
+fn hypervisor_of(json: &str) -> Result<String, String> {
+    parse_snapshot(json).map(|s| s.hypervisor)
+}
+
+/// The record holding a taken snapshot name, from cocoon's collision text: the word after
+/// `already in use by ` or `held by ` (a trailing `)` dropped), else the name itself. Only a
+/// plain ID or name is ever passed on to `snapshot rm`.
+fn taken_holder(text: &str, name: &str) -> String {
+    let after = ["already in use by ", "held by "]
+        .iter()
+        .find_map(|m| text.find(m).map(|i| &text[i + m.len()..]));
+    let word = after
+        .and_then(|a| a.split_whitespace().next())
+        .map(|w| w.trim_end_matches(')'))
+        .unwrap_or("");
+    let plain = word
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_alphanumeric())
+        && word
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | ':' | '/'));
+    if plain {
+        word.to_string()
+    } else {
+        name.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::taken_holder;
+
+    #[test]
+    fn the_holder_of_a_taken_name_is_read_from_cocoons_text_or_is_the_name() {
+        let n = "fork-src";
+        assert_eq!(
+            taken_holder(r#"snapshot name "fork-src" already in use by ABCD234"#, n),
+            "ABCD234"
+        );
+        assert_eq!(
+            taken_holder(
+                r#"snapshot name "fork-src" already exists (held by XYZ7)"#,
+                n
+            ),
+            "XYZ7"
+        );
+        assert_eq!(
+            taken_holder(r#"snapshot name "fork-src" already exists"#, n),
+            n
+        );
+        // Never a flag or anything odd on an argv.
+        assert_eq!(taken_holder("already in use by --force", n), n);
+        assert_eq!(taken_holder("already in use by a;b", n), n);
+    }
+}

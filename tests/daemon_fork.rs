@@ -1,0 +1,182 @@
+//! Process tests of fork-from: the real vk-cocoon binary against the fake API server and the
+//! fake cocoon. A fork sees the source's files; a daemon killed mid-fork converges.
+
+mod daemon_support;
+
+use std::time::Duration;
+
+use daemon_support::{metric_value, running_with_vm, tail, World};
+use k8s_openapi::api::core::v1::Pod;
+use vk_cocoon::sandbox::demo_pod;
+
+const SOURCE_VM: &str = "vk-default-main";
+
+fn fork_pod(name: &str) -> Pod {
+    let mut p = demo_pod("default", name, "clone", "base");
+    if let Some(a) = p.metadata.annotations.as_mut() {
+        a.insert("vm.cocoonstack.io/fork-from".into(), SOURCE_VM.into());
+    }
+    p
+}
+
+/// Runs `sh -c <script>` in a VM through the fake cocoon; (success, output).
+fn guest(w: &World, vm_id: &str, script: &str) -> (bool, String) {
+    w.cocoon(&["vm", "exec", vm_id, "--", "sh", "-c", script])
+}
+
+/// The fake's snapshots named `name` (complete ones: pending saves are not listed).
+fn snapshots_named(w: &World, name: &str) -> usize {
+    let (ok, out) = w.cocoon(&["snapshot", "list", "-o", "json"]);
+    assert!(ok, "{out}");
+    let list: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap_or_default();
+    list.iter().filter(|s| s["name"] == name).count()
+}
+
+/// Half-saved records (pending save markers) in the fake's state.
+fn half_saved(w: &World) -> usize {
+    std::fs::read_dir(w.path("state/snapshots"))
+        .map(|d| {
+            d.flatten()
+                .filter(|e| e.file_name().to_string_lossy().starts_with(".pending-"))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// Starts the source pod and writes a file in its guest; returns the source VM id.
+fn running_source(w: &World) -> String {
+    w.api
+        .create_pod(&demo_pod("default", "main", "clone", "base"))
+        .expect("create main");
+    let (_, id) = w.wait("main Running", Duration::from_secs(30), || {
+        running_with_vm(w, "main")
+    });
+    let (ok, out) = guest(w, &id, "echo written-in-main > /root/mark");
+    assert!(ok, "{out}");
+    id
+}
+
+#[test]
+fn forks_of_a_running_vm_share_one_save_and_see_its_files() {
+    let mut w = World::new();
+    w.seed_snapshot("base");
+    w.start_daemon();
+    let main_id = running_source(&w);
+    // Two sub-agents fork the main VM at once.
+    for n in ["sub-a", "sub-b"] {
+        w.api.create_pod(&fork_pod(n)).expect("create fork");
+    }
+    for n in ["sub-a", "sub-b"] {
+        let (_, id) = w.wait(&format!("{n} Running"), Duration::from_secs(30), || {
+            running_with_vm(&w, n)
+        });
+        assert_ne!(id, main_id);
+        let (ok, out) = guest(&w, &id, "cat /root/mark");
+        assert!(ok, "{n}: {out}");
+        assert_eq!(out, "written-in-main\n", "{n} sees the file of its source");
+    }
+    assert_eq!(snapshots_named(&w, &format!("fork-{SOURCE_VM}")), 1);
+    let m = w.metrics();
+    assert_eq!(
+        metric_value(&m, "vk_cocoon_snapshot_save_total{result=\"ok\"}"),
+        Some(1.0),
+        "one save for both forks\n{}",
+        tail(&w.log(), 40)
+    );
+    // The source keeps running, untouched.
+    assert_eq!(w.vms()[SOURCE_VM], (main_id, "running".to_string()));
+}
+
+#[test]
+fn a_fork_of_a_missing_source_fails_clearly_and_creates_no_vm() {
+    let mut w = World::new();
+    w.seed_snapshot("base");
+    w.start_daemon();
+    w.api.create_pod(&fork_pod("orphan-sub")).expect("create");
+    w.wait(
+        "CreateBringUpFailed naming the source",
+        Duration::from_secs(30),
+        || {
+            w.events_for("orphan-sub")
+                .iter()
+                .any(|(r, m)| {
+                    r == "CreateBringUpFailed" && m.contains(&format!("source vm {SOURCE_VM}"))
+                })
+                .then_some(())
+        },
+    );
+    assert!(!w.vms().contains_key("vk-default-orphan-sub"));
+    assert_eq!(snapshots_named(&w, &format!("fork-{SOURCE_VM}")), 0);
+}
+
+/// The daemon is SIGKILLed while the fork snapshot is being saved (the save dies with it and
+/// leaves a half-saved record), then while the fork's clone runs. After each restart the fork
+/// converges: one VM per pod, the source untouched, one fork snapshot, no half-saved record.
+#[test]
+fn a_daemon_killed_mid_fork_resumes_without_a_lost_or_duplicate_vm_or_a_half_saved_snapshot() {
+    let mut w = World::new();
+    w.seed_snapshot("base");
+    w.start_daemon();
+    let main_id = running_source(&w);
+
+    // 1. Killed during the save.
+    std::fs::write(
+        w.path("state/faults.json"),
+        r#"{"snapshot save": {"slow_ms": 60000}}"#,
+    )
+    .expect("faults");
+    w.api.create_pod(&fork_pod("sub-a")).expect("create fork");
+    w.wait("the fork save under way", Duration::from_secs(30), || {
+        (half_saved(&w) == 1).then_some(())
+    });
+    w.kill_daemon();
+    std::fs::remove_file(w.path("state/faults.json")).expect("clear faults");
+    assert_eq!(half_saved(&w), 1, "the killed save left its record");
+    w.start_daemon();
+    let (_, sub_a) = w.wait("sub-a Running", Duration::from_secs(30), || {
+        running_with_vm(&w, "sub-a")
+    });
+    assert_eq!(half_saved(&w), 0, "the half-saved record was removed");
+    assert!(
+        w.log().contains("is held by an unfinished save"),
+        "the restarted daemon found the name held and removed the holder\n{}",
+        tail(&w.log(), 40)
+    );
+    assert_eq!(snapshots_named(&w, &format!("fork-{SOURCE_VM}")), 1);
+    assert_eq!(guest(&w, &sub_a, "cat /root/mark").1, "written-in-main\n");
+
+    // 2. Killed during the clone of a second fork (the snapshot exists by then).
+    std::fs::write(
+        w.path("state/faults.json"),
+        r#"{"vm clone": {"slow_ms": 3000}}"#,
+    )
+    .expect("faults");
+    w.api.create_pod(&fork_pod("sub-b")).expect("create fork");
+    w.wait("sub-b's clone under way", Duration::from_secs(30), || {
+        w.vms()
+            .get("vk-default-sub-b")
+            .filter(|(_, state)| state == "creating")
+            .map(|_| ())
+    });
+    w.kill_daemon();
+    std::fs::remove_file(w.path("state/faults.json")).expect("clear faults");
+    w.start_daemon();
+    let (_, sub_b) = w.wait("sub-b Running", Duration::from_secs(60), || {
+        running_with_vm(&w, "sub-b")
+    });
+    assert_eq!(guest(&w, &sub_b, "cat /root/mark").1, "written-in-main\n");
+
+    let vms = w.vms();
+    let names: Vec<&String> = vms.keys().collect();
+    assert_eq!(
+        names,
+        [SOURCE_VM, "vk-default-sub-a", "vk-default-sub-b"],
+        "one VM per pod, no leftover\n{}",
+        tail(&w.log(), 40)
+    );
+    assert_eq!(vms[SOURCE_VM], (main_id, "running".to_string()));
+    assert_eq!(vms["vk-default-sub-a"].0, sub_a);
+    assert_eq!(vms["vk-default-sub-b"].0, sub_b);
+    assert_eq!(snapshots_named(&w, &format!("fork-{SOURCE_VM}")), 1);
+    assert_eq!(half_saved(&w), 0);
+}
