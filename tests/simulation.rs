@@ -454,6 +454,7 @@ impl Sim {
             }
             Effect::PullSnapshot { op, .. }
             | Effect::PushSnapshot { op, .. }
+            | Effect::DeleteSnapshotTag { op, .. }
             | Effect::MaterialiseImage { op, .. } => {
                 let l = self.latency();
                 self.later(
@@ -621,6 +622,7 @@ impl Sim {
             CocoonCmd::SnapshotRm { .. } => CocoonResult::failed("rm: snapshot not found"),
             CocoonCmd::SnapshotSave { .. } => CocoonResult::ok(""),
             CocoonCmd::ImageInspect { .. } | CocoonCmd::ImagePull { .. } => CocoonResult::ok("{}"),
+            CocoonCmd::VmNet { .. } | CocoonCmd::GuestExec { .. } => CocoonResult::ok(""),
         }
     }
 

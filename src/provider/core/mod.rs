@@ -16,10 +16,12 @@
 //! and `kube_writes` (status / annotation patches, drift). A new transition touches its
 //! operation's file and, for a new step, the step enum in `state`.
 //!
-//! Decisions for features not built yet: fork-from, restore-from-hibernate, managed
-//! Windows/macOS guests fail the create clearly (Warning event, ProviderFailed status, counter)
-//! without touching cocoon; a hibernate request on a running pod changes nothing and gets a
-//! Warning `HibernateUnsupported`. Post-clone fix-ups are not implemented: CH all-DHCP clones
+//! UpdatePod lives in `update` (the decision table and the op retry), hibernating a VM in
+//! `hibernate`, waking one (and CreatePod's restore) in `wake`.
+//!
+//! Decisions for features not built yet: fork-from, managed Windows/macOS guests fail the
+//! create clearly (Warning event, ProviderFailed status, counter) without touching cocoon.
+//! Post-clone fix-ups are not implemented: CH all-DHCP clones
 //! (which need none) wait for the IP and publish Ready; a clone onto firecracker is
 //! refused before cloning; a CH clone that comes up with a static NIC keeps its VM (so delete
 //! cleans it) but is marked lifecycle `failed` with a Warning `PostCloneUnsupported`.
@@ -45,8 +47,8 @@ use super::lifecycle::{self, Intent, State};
 use super::spec::{self, Mode, Os, SpecError, VmSpec, ANN_VM_ID, ANN_VM_IP};
 use super::status::{self, StatusSummary};
 use super::{
-    pod_backoff, truncate_bytes, Effect, EventType, EvictReason, Input, KubeError, MetricUpdate,
-    OpId, OrphanPolicy, PodKey, ProviderConfig, VmEventKind,
+    pod_backoff, truncate_bytes, Effect, EventType, EvictReason, HibernateTag, Input, KubeError,
+    MetricUpdate, OpId, OrphanPolicy, PodKey, ProviderConfig, VmEventKind,
 };
 use super::{LeaseError, TransferError};
 
@@ -56,11 +58,14 @@ mod check;
 mod create;
 mod delete;
 mod evict;
+mod hibernate;
 mod kube_writes;
 mod startup;
 mod state;
 #[cfg(test)]
 mod tests;
+mod update;
+mod wake;
 
 use self::answers::Res;
 use self::state::*;
@@ -359,6 +364,8 @@ impl Provider {
             (Some(Op::Delete(d)), Step::Delete(s)) => d.step = s,
             (Some(Op::Evict(e)), Step::Evict(s)) => e.step = s,
             (Some(Op::Check(c)), Step::Check(s)) => c.step = s,
+            (Some(Op::Hibernate(h)), Step::Hibernate(s)) => h.step = s,
+            (Some(Op::Wake(w)), Step::Wake(s)) => w.step = s,
             // A bug, not an input. The question is still asked: whichever op its answer then
             // reaches fails through `unexpected_answer` with a retry instead of stalling.
             (_, step) => {
@@ -628,91 +635,6 @@ impl Provider {
         self.maybe_update(key);
     }
 
-    /// UpdatePod (in-scope part): hibernate is not supported yet (Warning, no change);
-    /// a generation bump re-marks the lifecycle state; everything else is a no-op.
-    fn maybe_update(&mut self, key: &PodKey) {
-        let Some(slot) = self.slots.get(key) else {
-            return;
-        };
-        let (Some(t), Some(pod)) = (&slot.tracked, &slot.latest) else {
-            return;
-        };
-        if t.uid != pod_uid(pod) {
-            return;
-        }
-        if !changed(&t.pod, pod) {
-            // Only status or bookkeeping moved (our own writes come back as MODIFIED): share
-            // the newer copy so the older one is freed instead of kept beside it.
-            if !Arc::ptr_eq(&t.pod, pod) {
-                let pod = pod.clone();
-                if let Some(t) = self.slot(key).tracked.as_mut() {
-                    t.pod = pod;
-                }
-            }
-            return;
-        }
-        let pod = pod.clone();
-        let uid = t.uid.clone();
-        let old_hib = t.spec.hibernate;
-        let parsed = spec::parse(&pod);
-        let new_spec = match parsed {
-            Ok(s) => s,
-            Err(e) => {
-                self.lifecycle_metric("update", "failed", e.reason);
-                self.event(
-                    key,
-                    &uid,
-                    EventType::Warning,
-                    "ProviderUpdateFailed",
-                    &e.message,
-                );
-                if let Some(t) = self.slot(key).tracked.as_mut() {
-                    t.pod = pod;
-                }
-                return;
-            }
-        };
-        if !spec::cpu_class_ok(&new_spec, self.cfg.cpu_class.as_deref()) {
-            self.lifecycle_metric("update", "failed", "snapshot_cpu_class_mismatch");
-        }
-        let hib = new_spec.hibernate;
-        let gen = new_spec.generation;
-        {
-            let slot = self.slot(key);
-            if let Some(t) = slot.tracked.as_mut() {
-                t.pod = pod;
-                t.spec = VmSpec {
-                    vm_id: t.spec.vm_id.clone(),
-                    vm_ip: t.spec.vm_ip.clone(),
-                    ..new_spec
-                };
-            }
-            if !hib {
-                slot.warned_hibernate = false;
-            }
-        }
-        if hib && !old_hib && !self.slot(key).warned_hibernate {
-            self.slot(key).warned_hibernate = true;
-            self.lifecycle_metric("update", "failed", "unsupported");
-            self.event(
-                key,
-                &uid,
-                EventType::Warning,
-                "HibernateUnsupported",
-                "hibernate is not supported yet by this vk-cocoon; the VM keeps running and nothing changed",
-            );
-            return;
-        }
-        let cur = self.slot(key).intent.clone();
-        if let Some(cur) = cur {
-            if cur.uid == uid && gen > cur.generation {
-                let msg = cur.message.clone();
-                self.set_lifecycle(key, cur.state, &msg);
-            }
-        }
-        self.lifecycle_metric("update", "skipped", "noop");
-    }
-
     /// Forget the tracked incarnation: VM row, probe, intent (when `drop_intent`).
     fn forget(&mut self, key: &PodKey, drop_intent: bool) {
         let slot = self.slot(key);
@@ -722,6 +644,7 @@ impl Provider {
         slot.tracked = None;
         slot.last_pushed = None;
         slot.warned_hibernate = false;
+        slot.update_retry = None;
         if drop_intent {
             slot.intent = None;
         }

@@ -15,6 +15,7 @@ use crate::provider::*;
 mod check;
 mod create;
 mod delete;
+mod hibernate;
 mod kube_writes;
 mod ownership;
 mod startup;
