@@ -83,20 +83,22 @@ pub(super) fn ask_hibernate(h: &mut H) -> Vec<Effect> {
     e
 }
 
-/// Drive a hibernate with a registry to its end: the pod is tracked with no VM.
+/// Drive a hibernate to its end (the push only with a registry): the pod is tracked with no VM.
 pub(super) fn hibernate_fully(h: &mut H) -> Vec<Effect> {
     let e = ask_hibernate(h);
-    let e = answer(
+    let mut e = answer(
         h,
         &e,
         &format!("snapshot save --name {VM} VM1"),
         CocoonResult::ok(""),
     );
-    let op = push_op(&e);
-    let e = h.feed(Input::TransferDone {
-        op,
-        result: Ok(String::new()),
-    });
+    if e.iter().any(|x| matches!(x, Effect::PushSnapshot { .. })) {
+        let op = push_op(&e);
+        e = h.feed(Input::TransferDone {
+            op,
+            result: Ok(String::new()),
+        });
+    }
     let op = ids_cleared_op(&e);
     assert!(
         cocoon_ops(&e).is_empty(),

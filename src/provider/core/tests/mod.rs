@@ -19,6 +19,7 @@ mod hibernate;
 mod kube_writes;
 mod ownership;
 mod startup;
+mod wake;
 
 struct H {
     p: Provider,
