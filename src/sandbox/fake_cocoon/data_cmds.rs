@@ -123,6 +123,11 @@ fn save(store: &Store, args: &[String]) -> CmdResult {
         for (f, bytes) in files {
             fs::write(data.join(f), bytes).map_err(io_err("write snapshot data"))?;
         }
+        let guest = store.run_dir(&sv.vm).join(super::vm_cmds::GUEST_DATA);
+        if guest.exists() {
+            fs::copy(&guest, data.join(super::vm_cmds::GUEST_DATA))
+                .map_err(io_err("save guest data"))?;
+        }
         Ok(())
     })();
     let pending = store

@@ -323,6 +323,20 @@ fn read_snapshot_dir(dir: &str) -> Result<Snapshot, String> {
     Ok(env.config)
 }
 
+/// The file in a VM's run dir that stands for what the guest wrote to its disk: `snapshot
+/// save` captures it and a clone restores it, so data survives a save / clone round trip.
+pub const GUEST_DATA: &str = "guest.data";
+
+/// Copies a snapshot's guest data (when it has any) into the clone's run dir.
+fn restore_guest_data(store: &Store, vm: &Vm, from: &Path) -> Result<(), String> {
+    if !from.exists() {
+        return Ok(());
+    }
+    fs::copy(from, store.run_dir(vm).join(GUEST_DATA))
+        .map(|_| ())
+        .map_err(|e| format!("restore guest data: {e}"))
+}
+
 fn clone(store: &Store, args: &[String], fault: &VerbFault) -> CmdResult {
     let p = cli::parse(args, CLONE_FLAGS, false)?;
     let from_dir = p.get("from-dir").map(str::to_string);
@@ -426,7 +440,13 @@ fn clone(store: &Store, args: &[String], fault: &VerbFault) -> CmdResult {
     if fault.slow_ms > 0 {
         std::thread::sleep(Duration::from_millis(fault.slow_ms));
     }
-    if let Err(e) = boot(store, &mut sv, "clone") {
+    let guest_data = match &from_dir {
+        Some(dir) => Path::new(dir).join(GUEST_DATA),
+        None => store.snap_data_dir(&snap.id).join(GUEST_DATA),
+    };
+    let booted =
+        boot(store, &mut sv, "clone").and_then(|()| restore_guest_data(store, &sv.vm, &guest_data));
+    if let Err(e) = booted {
         // Rollback: a failed clone leaves nothing behind.
         let _guard = store.lock();
         store.delete_vm(&id);
