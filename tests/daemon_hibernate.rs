@@ -213,3 +213,117 @@ fn a_pod_whose_hibernate_tag_another_daemon_pushed_is_restored() {
         "{m}"
     );
 }
+
+/// Whether a `<bin> <group> <verb> ...` cocoon process is alive (the daemon is in that step).
+fn cocoon_running(w: &World, group: &str, verb: &str) -> bool {
+    let bin = w.path("bin/cocoon");
+    let Ok(dir) = fs::read_dir("/proc") else {
+        return false;
+    };
+    dir.flatten().any(|e| {
+        let Ok(raw) = fs::read(e.path().join("cmdline")) else {
+            return false;
+        };
+        let argv: Vec<&[u8]> = raw.split(|b| *b == 0).collect();
+        argv.len() >= 3
+            && argv[0] == bin.as_os_str().as_encoded_bytes()
+            && argv[1] == group.as_bytes()
+            && argv[2] == verb.as_bytes()
+    })
+}
+
+/// Ask for `hibernate=on` with the cocoon verb `group verb` slowed down, SIGKILL the daemon
+/// while that verb runs, then restart it without the fault.
+fn crash_during(w: &mut World, name: &str, on: bool, group: &str, verb: &str) {
+    fs::write(
+        w.path("state/faults.json"),
+        format!("{{\"{group} {verb}\": {{\"slow_ms\": 3000}}}}"),
+    )
+    .unwrap();
+    set_hibernate(w, name, on);
+    wait_for(w, name, &format!("{group} {verb} running"), || {
+        cocoon_running(w, group, verb).then_some(())
+    });
+    w.kill_daemon();
+    fs::remove_file(w.path("state/faults.json")).unwrap();
+    // Whatever the killed daemon's child was doing finishes or dies before the restart.
+    w.wait("the step's process gone", LIMIT, || {
+        (!cocoon_running(w, group, verb)).then_some(())
+    });
+    w.start_daemon();
+}
+
+#[test]
+fn a_daemon_killed_at_each_step_of_hibernate_and_wake_converges() {
+    let mut w = dhcp_world();
+    let (name, vm) = ("p2", "vk-default-p2");
+    let id = start_pod(&mut w, name);
+    let data = b"kept through every crash\n".to_vec();
+    fs::write(guest_data(&w, &id), &data).unwrap();
+
+    // The hibernate tag, once it exists, never disappears: a replacement overwrites it.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let tag_lost = std::sync::atomic::AtomicBool::new(false);
+    let base = w.registry_base();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let client = vk_cocoon::snapshots::RegistryClient::from_env(&base).unwrap();
+            let mut seen = false;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                match manifest_info(&client, vm, "hibernate") {
+                    Ok(Some(_)) => seen = true,
+                    Ok(None) if seen => tag_lost.store(true, std::sync::atomic::Ordering::SeqCst),
+                    _ => {}
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        });
+        let steps: [(bool, &str, &str); 6] = [
+            (true, "snapshot", "save"),
+            (false, "snapshot", "inspect"),
+            (true, "snapshot", "export"),
+            (false, "vm", "clone"),
+            (true, "vm", "rm"),
+            (false, "snapshot", "import"),
+        ];
+        for (on, group, verb) in steps {
+            if (group, verb) == ("snapshot", "import") {
+                // This node lost its local copy: the wake pulls the tag.
+                assert!(w.cocoon(&["snapshot", "rm", vm]).0);
+            }
+            crash_during(&mut w, name, on, group, verb);
+            let step = format!("{group} {verb}");
+            if on {
+                wait_for(
+                    &w,
+                    name,
+                    &format!("hibernated after a crash in {step}"),
+                    || hibernated(&w, name, vm),
+                );
+            } else {
+                let id = wait_for(&w, name, &format!("woken after a crash in {step}"), || {
+                    woken(&w, name, vm)
+                });
+                assert_eq!(fs::read(guest_data(&w, &id)).unwrap(), data, "{step}");
+            }
+            // One VM at most, the pod's: nothing lost, nothing doubled.
+            let vms = w.vms();
+            assert!(
+                vms.keys().all(|n| n == vm) && vms.len() == usize::from(!on),
+                "{step}: {vms:?}"
+            );
+        }
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    });
+    assert!(
+        !tag_lost.load(std::sync::atomic::Ordering::SeqCst),
+        "the hibernate tag vanished at some point"
+    );
+    let events = w.events_for(name);
+    assert!(
+        events
+            .iter()
+            .any(|(r, m)| r == "ResumedAfterRestart" && m == "op=hibernate"),
+        "{events:?}"
+    );
+}
