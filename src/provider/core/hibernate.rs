@@ -28,6 +28,16 @@ fn fail(reason: &'static str, message: String) -> OpFailure {
     OpFailure { reason, message }
 }
 
+/// Not a failure: the pod stopped asking for hibernate before its VM was removed.
+const WITHDRAWN: &str = "";
+
+fn withdrawn() -> OpFailure {
+    fail(
+        WITHDRAWN,
+        "hibernate withdrawn before the VM was removed".into(),
+    )
+}
+
 impl Provider {
     /// Start hibernating the tracked VM of `key`. `start_first`: the VM is not running (owed
     /// hibernate after a restart) and is started before anything else.
@@ -216,6 +226,9 @@ impl Provider {
                 } else if let Some(h) = self.hibernate_mut(key) {
                     h.ids_cleared = true;
                 }
+                if !self.hibernate_still_wanted(key, &h.uid) {
+                    return self.hibernate_withdraw(key, &vm_name);
+                }
                 let ask = Ask::Cocoon(CocoonCmd::VmRm {
                     id: h.vm.id.clone(),
                 });
@@ -314,7 +327,40 @@ impl Provider {
         ann
     }
 
+    /// Whether the pod's latest copy still asks for hibernate (the op does not stop for an
+    /// update; it looks before the VM goes).
+    fn hibernate_still_wanted(&self, key: &PodKey, uid: &str) -> bool {
+        self.slots
+            .get(key)
+            .and_then(|s| s.latest.as_ref())
+            .filter(|p| pod_uid(p) == uid && !deleting(p))
+            .and_then(|p| spec::parse(p).ok())
+            .is_some_and(|s| s.hibernate)
+    }
+
+    /// The pod no longer asks for hibernate and its VM still runs: undo the tag (it would
+    /// claim a hibernation that did not happen) and keep the VM, as a failed removal does.
+    fn hibernate_withdraw(&mut self, key: &PodKey, vm_name: &str) {
+        if !self.cfg.registry {
+            return self.hibernate_rollback(key, withdrawn());
+        }
+        let (repo, tag) = (vm_name.to_string(), HIBERNATE_TAG.to_string());
+        let ask = Ask::effect(|op| Effect::DeleteSnapshotTag { op, repo, tag });
+        self.advance(
+            key,
+            HibernateStep::DeleteTag {
+                failure: withdrawn(),
+            },
+            ask,
+        )
+    }
+
     fn hibernate_clear_ids(&mut self, key: &PodKey, t: &Tracked) {
+        if let Some((h, _)) = self.hibernate_op(key) {
+            if !self.hibernate_still_wanted(key, &h.uid) {
+                return self.hibernate_withdraw(key, &t.spec.vm_name);
+            }
+        }
         let ann = Self::ids_patch(None, None);
         let (pod, uid) = (key.clone(), t.uid.clone());
         let ask = Ask::effect(move |op| Effect::PatchPodAnnotations {
@@ -410,8 +456,18 @@ impl Provider {
                 command: ipconfig("/renew"),
             });
         }
-        let err = format!("hibernate: {}", failure.message);
-        self.update_failed(key, &t.uid, failure.reason, &err);
+        if failure.reason == WITHDRAWN {
+            log::info!("provider: {key}: {}", failure.message);
+            let slot = self.slot(key);
+            slot.op = None;
+            slot.update_retry = None;
+            self.set_lifecycle(key, State::Creating, "");
+            self.publish_ready(key);
+            self.reconcile_slot(key);
+        } else {
+            let err = format!("hibernate: {}", failure.message);
+            self.update_failed(key, &t.uid, failure.reason, &err);
+        }
         if h.vm_event_meanwhile {
             // The VM may have died under the hibernate: look at it now.
             self.defer_check(key, t.uid.clone(), vm.id.clone());

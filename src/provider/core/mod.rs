@@ -532,6 +532,17 @@ impl Provider {
         };
         match &slot.op {
             None => self.reconcile_slot(key),
+            Some(Op::Hibernate(_) | Op::Wake(_))
+                if slot.latest.as_ref().is_none_or(|l| {
+                    deleting(l) || slot.tracked.as_ref().is_some_and(|t| t.uid != pod_uid(l))
+                }) =>
+            {
+                // A pod deleted (or replaced) mid-hibernate or mid-wake: its delete must not
+                // wait for a save or clone that may hang for its whole deadline. The delete
+                // looks the VM up by name, so whatever the op made or kept is removed; a late
+                // answer finds the op gone and is dropped.
+                self.end_op(key);
+            }
             Some(op) if op.preemptible() => {
                 let needs = {
                     let latest = slot.latest.as_ref();

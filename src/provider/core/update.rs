@@ -99,6 +99,9 @@ impl Provider {
         if spec.os == Os::Macos {
             return self.update_macos(key, &uid, &spec, changed);
         }
+        if spec.hibernate && !has_vm {
+            return self.settle_hibernated(key, &uid);
+        }
         let wants_hibernate = spec.hibernate && has_vm;
         let wants_wake = !spec.hibernate && !has_vm;
         if wants_hibernate || wants_wake {
@@ -118,20 +121,23 @@ impl Provider {
             }
             return self.start_wake(key, false);
         }
-        if !changed {
-            return;
-        }
         let intent = slot.intent.clone();
-        let hibernate_failure = intent.as_ref().is_some_and(|i| {
-            i.uid == uid && i.state == State::Failed && i.message.starts_with("hibernate: ")
+        // A hibernate that failed, or that a restart interrupted, and is no longer asked for.
+        let hibernate_left = intent.as_ref().is_some_and(|i| {
+            i.uid == uid
+                && (i.state == State::Hibernating
+                    || (i.state == State::Failed && i.message.starts_with("hibernate: ")))
         });
         let vm_running = t.vm.as_ref().is_some_and(|v| v.running());
-        if !spec.hibernate && hibernate_failure && vm_running {
+        if !spec.hibernate && hibernate_left && vm_running {
             // The user gave up on hibernating: the VM never stopped running.
             self.slot(key).update_retry = None;
             self.set_lifecycle(key, State::Creating, "");
             self.publish_ready(key);
             self.lifecycle_metric("update", "ok", "");
+            return;
+        }
+        if !changed {
             return;
         }
         if let Some(cur) = intent {
@@ -141,6 +147,24 @@ impl Provider {
             }
         }
         self.lifecycle_metric("update", "skipped", "noop");
+    }
+
+    /// A pod asking for hibernate with no VM is hibernated, whatever its record says: a wake
+    /// that failed (or was interrupted by a restart) before its clone, then withdrawn, leaves
+    /// `failed` or `creating` behind, and nothing else would ever settle it.
+    fn settle_hibernated(&mut self, key: &PodKey, uid: &str) {
+        let slot = self.slot(key);
+        slot.update_retry = None;
+        let settled = slot
+            .intent
+            .as_ref()
+            .is_some_and(|i| i.uid == uid && i.state == State::Hibernated);
+        if !settled {
+            // Through `hibernating`: a sticky `failed` only gives way to a new attempt.
+            self.set_lifecycle(key, State::Hibernating, "");
+            self.set_lifecycle(key, State::Hibernated, "");
+        }
+        self.push_status(key, false);
     }
 
     /// Managed macOS guests cannot hibernate: the request is a failure the pod shows until it

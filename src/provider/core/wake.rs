@@ -104,10 +104,11 @@ impl Provider {
                     return self.wake_failed(key, fail("WakePullFailed", msg));
                 }
                 if !self.cfg.registry {
-                    let msg = format!(
-                        "no wake source for vm {vm}: no local snapshot and no registry configured"
+                    return self.no_wake_source(
+                        key,
+                        &w,
+                        "no local snapshot and no registry configured",
                     );
-                    return self.wake_failed(key, fail("WakePullFailed", msg));
                 }
                 self.advance(key, WakeStep::Tag, evidence(vm))
             }
@@ -220,8 +221,8 @@ impl Provider {
     fn wake_from_tag(&mut self, key: &PodKey, w: &WakeOp) {
         let vm = w.spec.vm_name.clone();
         let Some(_tag) = w.tag.as_ref() else {
-            let msg = format!("no wake source for vm {vm}: no local snapshot and no {vm}:{HIBERNATE_TAG} in the registry");
-            return self.wake_failed(key, fail("WakePullFailed", msg));
+            let why = format!("no local snapshot and no {vm}:{HIBERNATE_TAG} in the registry");
+            return self.no_wake_source(key, w, &why);
         };
         // Peer restore (raw snapshot files from the node named by the tag's from-node) is the
         // step before the registry pull; it is not built in this daemon yet, so it is skipped
@@ -250,6 +251,36 @@ impl Provider {
             WakeStep::Clone { source },
             Ask::Cocoon(CocoonCmd::VmClone(args)),
         )
+    }
+
+    /// Nothing to wake from, authoritatively (no local snapshot, the tag absent): a restore
+    /// the pod asked for fails; a wake boots the pod afresh as CreatePod would, since no
+    /// retry can ever find a source (the operator deleted the tag, or the pod never ran).
+    fn no_wake_source(&mut self, key: &PodKey, w: &WakeOp, why: &str) {
+        let msg = format!("no wake source for vm {}: {why}", w.spec.vm_name);
+        if w.restore {
+            return self.wake_failed(key, fail("WakePullFailed", msg));
+        }
+        self.metric(MetricUpdate::Wake { result: "failed" });
+        self.event(
+            key,
+            &w.uid,
+            EventType::Warning,
+            "WakePullFailed",
+            &format!("update: wake: {msg}; booting it fresh"),
+        );
+        let latest = self.slots.get(key).and_then(|s| s.latest.clone());
+        {
+            let slot = self.slot(key);
+            slot.op = None;
+            slot.awaiting = None;
+            slot.timer = None;
+        }
+        self.forget(key, false);
+        match latest {
+            Some(pod) if pod_uid(&pod) == w.uid => self.start_create(key, pod),
+            _ => self.reconcile_slot(key),
+        }
     }
 
     /// The VM is back under its name: record it, write id / ip, probe, `Woken`, follow-up.

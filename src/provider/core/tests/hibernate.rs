@@ -519,3 +519,39 @@ fn a_restart_after_the_removal_finishes_as_hibernated() {
     assert!(h.p.get_pod(&key()).is_some(), "tracked without a VM");
     assert!(h.p.pod_vm(&key()).is_none());
 }
+
+#[test]
+fn a_hibernate_withdrawn_before_the_removal_keeps_the_vm_and_drops_the_tag() {
+    let mut h = H::new(registry());
+    let e = ask_hibernate(&mut h);
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot save --name {VM} VM1"),
+        CocoonResult::ok(""),
+    );
+    let op = push_op(&e);
+    // The operator changes its mind while the push runs: the op finishes its step first.
+    let e2 = h.feed(Input::PodUpserted(Box::new(asking(false))));
+    assert!(cocoon_ops(&e2).is_empty());
+    let e = h.feed(Input::TransferDone {
+        op,
+        result: Ok(String::new()),
+    });
+    assert!(cocoon_ops(&e).is_empty(), "the VM stays: {e:?}");
+    let op = e
+        .iter()
+        .find_map(|x| match x {
+            Effect::DeleteSnapshotTag { op, .. } => Some(*op),
+            _ => None,
+        })
+        .expect("the tag of a hibernation that did not happen is deleted");
+    let e = h.feed(Input::TransferDone {
+        op,
+        result: Ok(String::new()),
+    });
+    assert!(ids_rewritten(&e, "VM1"));
+    assert!(lifecycle_written(&e, "creating"));
+    assert!(!events(&e).iter().any(|(r, _)| r.starts_with("Hibernate")));
+    assert!(h.p.pod_vm(&key()).is_some());
+}

@@ -298,10 +298,44 @@ fn no_tag_and_no_local_copy_is_no_wake_source() {
         op,
         result: Ok(None),
     });
-    assert!(events(&e)
-        .iter()
-        .any(|(r, m)| *r == "WakePullFailed" && m.contains("no wake source")));
+    assert!(events(&e).iter().any(|(r, m)| *r == "WakePullFailed"
+        && m.contains("no wake source")
+        && m.ends_with("booting it fresh")));
+    // No retry can find a source: the pod is created afresh (its evidence check opens it).
+    let op = evidence_op(&e);
+    let e = h.feed(Input::HibernateEvidence {
+        op,
+        result: Ok(None),
+    });
+    let (_, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), format!("snapshot rm fork-{VM}"));
+}
+
+#[test]
+fn a_pod_asking_for_hibernate_with_no_vm_settles_as_hibernated() {
+    let mut h = H::new(registry());
+    let e = ask_wake(&mut h);
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot inspect {VM}"),
+        local_snapshot("S1"),
+    );
+    let op = evidence_op(&e);
+    h.feed(Input::HibernateEvidence {
+        op,
+        result: Err(TransferError::Transient("HTTP 503".into())),
+    });
+    // The wake failed; the operator asks for hibernate again: nothing to do but say so.
+    let e = h.feed(Input::PodUpserted(Box::new(asking(true))));
     assert!(cocoon_ops(&e).is_empty());
+    let last = annotation_patches(&e)
+        .into_iter()
+        .rev()
+        .find_map(|(_, a)| a.get(ANN_LIFECYCLE_STATE).cloned().flatten());
+    assert_eq!(last.as_deref(), Some("hibernated"));
+    // And the wake's retry is dropped.
+    assert!(cocoon_ops(&h.advance(Duration::from_secs(60))).is_empty());
 }
 
 #[test]
