@@ -23,7 +23,7 @@ use crate::kubelet::{AuthAnswer, AuthRequest, UserInfo};
 use crate::metrics::Metrics;
 use crate::probes::ProbeTarget;
 use crate::provider::{
-    CocoonResult, Effect, EventType, Input, KubeError, MetricUpdate, OpId, PodKey,
+    CocoonResult, Effect, EventType, HibernateTag, Input, KubeError, MetricUpdate, OpId, PodKey,
 };
 use crate::reactor::{ChildExit, ChildSpec, OutputMode, StdinMode};
 use crate::snapshots::reference::split_image_ref;
@@ -206,6 +206,12 @@ impl Daemon {
                 });
             }
             Effect::CheckHibernateEvidence { op, vm_name } => self.check_evidence(op, vm_name),
+            Effect::DeleteSnapshotTag { op, repo, tag } => {
+                self.transfer(op, move |registry| {
+                    let r = registry.reference(&repo, &tag)?;
+                    registry.delete_manifest(&r).map(|_| String::new())
+                });
+            }
             Effect::Metric(update) => apply_metric(&self.metrics, update),
         }
     }
@@ -220,8 +226,13 @@ impl Daemon {
             return;
         };
         let job = move || {
-            let result = manifest_info(&registry, &vm_name, "hibernate")
-                .map(|found| found.map(|info| info.base_image().unwrap_or("").to_string()));
+            let result = manifest_info(&registry, &vm_name, "hibernate").map(|found| {
+                found.map(|info| HibernateTag {
+                    base_image: info.base_image().unwrap_or("").to_string(),
+                    snapshot_id: info.snapshot_id.clone().unwrap_or_default(),
+                    from_node: info.from_node().unwrap_or("").to_string(),
+                })
+            });
             Work::Evidence { op, result }
         };
         if self.reactor.submit(job).is_err() {
@@ -510,6 +521,22 @@ pub(super) fn apply_metric(m: &Metrics, update: MetricUpdate) {
         MetricUpdate::CloneFromDir { result } => {
             m.clone_from_dir_total.with_label_values(&[result]).inc()
         }
+        MetricUpdate::SnapshotVerify { result } => {
+            m.snapshot_verify_total.with_label_values(&[result]).inc()
+        }
+        MetricUpdate::SnapshotSaveDuration { namespace, seconds } => m
+            .snapshot_save_duration_seconds
+            .with_label_values(&[&namespace])
+            .observe(seconds),
+        MetricUpdate::Hibernate {
+            namespace,
+            phase,
+            result,
+        } => m
+            .hibernate_total
+            .with_label_values(&[&namespace, phase, result])
+            .inc(),
+        MetricUpdate::Wake { result } => m.wake_total.with_label_values(&[result]).inc(),
         MetricUpdate::WakeIpWait { namespace, result } => m
             .wake_ip_wait_total
             .with_label_values(&[&namespace, result])

@@ -68,7 +68,7 @@ pub enum Work {
     /// The hibernate-evidence lookup of a create finished.
     Evidence {
         op: OpId,
-        result: Result<Option<String>, TransferError>,
+        result: Result<Option<crate::provider::HibernateTag>, TransferError>,
     },
     /// DHCP lease releases after a VM removal; (mac, error) per failure.
     LeasesReleased {

@@ -14,18 +14,53 @@ use crate::vm::{CallOutcome, CocoonCall};
 /// the vm room's argv builders and deadlines (the only place that spells cocoon's argv).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CocoonCmd {
-    VmInspect { reference: String },
+    VmInspect {
+        reference: String,
+    },
     VmClone(CloneOptions),
     VmRun(RunOptions),
-    VmStart { id: String },
-    VmRm { id: String },
-    ReconcileStaleCreate { id: String },
-    SnapshotInspect { name: String },
-    SnapshotSave { name: String, vm_id: String },
-    SnapshotRm { name: String },
-    ImageInspect { reference: String },
-    ImagePull { reference: String, force: bool },
+    VmStart {
+        id: String,
+    },
+    VmRm {
+        id: String,
+    },
+    ReconcileStaleCreate {
+        id: String,
+    },
+    SnapshotInspect {
+        name: String,
+    },
+    SnapshotSave {
+        name: String,
+        vm_id: String,
+    },
+    SnapshotRm {
+        name: String,
+    },
+    ImageInspect {
+        reference: String,
+    },
+    ImagePull {
+        reference: String,
+        force: bool,
+    },
+    /// `vm net --nics N VMID`: hot-resize the VM's NICs (CH + Windows hibernate and rollback).
+    VmNet {
+        id: String,
+        nics: u32,
+    },
+    /// `vm exec VMID -- <command>`: a guest command (the Windows DHCP release / renew around a
+    /// NIC drop). Its argv is fixed by the core, never built from pod input.
+    GuestExec {
+        id: String,
+        command: Vec<String>,
+    },
 }
+
+/// How long a guest command of the core may run (the DHCP release before a NIC drop is best
+/// effort and capped at 20 s by the hibernate contract).
+const GUEST_EXEC_DEADLINE: Duration = Duration::from_secs(20);
 
 impl CocoonCmd {
     /// The cocoon verb, which decides the deadline and the error classification.
@@ -42,6 +77,8 @@ impl CocoonCmd {
             CocoonCmd::SnapshotRm { .. } => Verb::SnapshotRm,
             CocoonCmd::ImageInspect { .. } => Verb::ImageInspect,
             CocoonCmd::ImagePull { .. } => Verb::ImagePull,
+            CocoonCmd::VmNet { .. } => Verb::VmNet,
+            CocoonCmd::GuestExec { .. } => Verb::VmExec,
         }
     }
 
@@ -59,12 +96,22 @@ impl CocoonCmd {
             CocoonCmd::SnapshotRm { name } => argv::snapshot_rm(name),
             CocoonCmd::ImageInspect { reference } => argv::image_inspect(reference),
             CocoonCmd::ImagePull { reference, force } => argv::image_pull(reference, *force),
+            CocoonCmd::VmNet { id, nics } => argv::vm_net(id, *nics),
+            CocoonCmd::GuestExec { id, command } => argv::vm_exec(&argv::ExecOptions {
+                vm: id.clone(),
+                interactive: false,
+                env: Vec::new(),
+                command: command.clone(),
+            }),
         }
     }
 
     /// How long the daemon lets the child run before killing it: the contract's per-verb
     /// deadline (every verb the core runs has one).
     pub fn deadline(&self) -> Duration {
+        if matches!(self, CocoonCmd::GuestExec { .. }) {
+            return GUEST_EXEC_DEADLINE;
+        }
         let d = Deadlines::default();
         d.for_verb(self.verb()).unwrap_or(d.control)
     }

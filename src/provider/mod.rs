@@ -36,6 +36,8 @@
 //!   pool jobs (snapshots room); answer [`Input::TransferDone`] (a [`TransferError`] on failure).
 //! * [`Effect::CheckHibernateEvidence`] `{op, vm_name}`: look the registry tag
 //!   `<vm_name>:hibernate` up (a worker job); answer [`Input::HibernateEvidence`].
+//! * [`Effect::DeleteSnapshotTag`] `{op, repo, tag}`: delete that manifest (404 = done);
+//!   answer [`Input::TransferDone`].
 //! * Fire-and-forget (no answer): [`Effect::Event`], [`Effect::StartProbe`],
 //!   [`Effect::StopProbe`], [`Effect::ReleaseLeases`], [`Effect::Metric`].
 
@@ -123,6 +125,17 @@ impl Default for ProviderConfig {
     }
 }
 
+/// What the registry's `<vm>:hibernate` manifest says (each field empty when absent).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HibernateTag {
+    /// Manifest annotation `cocoonstack.snapshot.baseimage`.
+    pub base_image: String,
+    /// The config blob's `snapshotId`: the local snapshot this tag was pushed from.
+    pub snapshot_id: String,
+    /// Manifest annotation `cocoonstack.snapshot.from-node`.
+    pub from_node: String,
+}
+
 /// Kubernetes API failure classes the core distinguishes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KubeError {
@@ -202,6 +215,18 @@ pub enum MetricUpdate {
     SnapshotPush { result: &'static str },
     /// `hibernate_evidence_total{verdict}`.
     HibernateEvidence { verdict: &'static str },
+    /// `snapshot_verify_total{result}`: a local hibernate snapshot checked against the tag.
+    SnapshotVerify { result: &'static str },
+    /// `snapshot_save_duration_seconds{namespace}`.
+    SnapshotSaveDuration { namespace: String, seconds: f64 },
+    /// `hibernate_total{namespace,phase,result}`.
+    Hibernate {
+        namespace: String,
+        phase: &'static str,
+        result: &'static str,
+    },
+    /// `wake_total{result}`.
+    Wake { result: &'static str },
     /// `clone_from_dir_total{result}`.
     CloneFromDir { result: &'static str },
     /// `lease_release_total{result}` is counted by whoever performs ReleaseLeases.
@@ -272,10 +297,10 @@ pub enum Input {
         result: Result<String, TransferError>,
     },
     /// Answer to [`Effect::CheckHibernateEvidence`]: Ok(None) = no `hibernate` tag (404),
-    /// Ok(Some(base image annotation, may be empty)) = the tag exists, Err = registry error.
+    /// Ok(Some(tag)) = the tag exists, Err = registry error.
     HibernateEvidence {
         op: OpId,
-        result: Result<Option<String>, TransferError>,
+        result: Result<Option<HibernateTag>, TransferError>,
     },
     VmEvent {
         kind: VmEventKind,
@@ -375,10 +400,17 @@ pub enum Effect {
         image: String,
         force: bool,
     },
-    /// Does the registry hold `<vm_name>:hibernate` (hibernate evidence)? Only with a registry.
+    /// Does the registry hold `<vm_name>:hibernate` (hibernate evidence, and the wake
+    /// source's verification)? Only with a registry.
     CheckHibernateEvidence {
         op: OpId,
         vm_name: String,
+    },
+    /// DELETE the registry manifest `repo:tag` (a 404 counts as done); answer `TransferDone`.
+    DeleteSnapshotTag {
+        op: OpId,
+        repo: String,
+        tag: String,
     },
     Metric(MetricUpdate),
 }

@@ -40,6 +40,14 @@ impl Provider {
                 warn(self, &uid);
                 self.ready_wait_poll(key)
             }
+            Op::Hibernate(h) => {
+                warn(self, &h.uid);
+                self.hibernate_unexpected(key, &msg)
+            }
+            Op::Wake(w) => {
+                warn(self, &w.uid);
+                self.wake_unexpected(key, &msg)
+            }
             Op::ApiDelete { uid } => {
                 warn(self, &uid);
                 let failed = Res::Kube(Err(KubeError::Other(msg.clone())));
@@ -64,6 +72,8 @@ impl Provider {
             Some(Op::Delete(_)) => self.delete_step(key, res),
             Some(Op::Evict(_)) => self.evict_step(key, res),
             Some(Op::Check(_)) => self.check_step(key, res),
+            Some(Op::Hibernate(_)) => self.hibernate_step(key, res),
+            Some(Op::Wake(_)) => self.wake_step(key, res),
             Some(Op::ReadyWait { .. }) => match res {
                 Res::Lease(r) => self.ready_wait_result(key, r),
                 other => self.unexpected_answer(key, &"ReadyWait", &other),
@@ -268,6 +278,7 @@ impl Provider {
             Some(Op::Evict(e)) if e.step == EvictStep::Delete => self.evict_delete(key),
             Some(Op::Delete(_)) => self.delete_timer(key),
             Some(Op::Create(_)) => self.create_timer(key),
+            Some(Op::Hibernate(_)) => self.hibernate_timer(key),
             Some(_) => {}
         }
     }
@@ -279,7 +290,7 @@ pub(super) enum Res {
     Lease(Result<Option<String>, LeaseError>),
     Kube(Result<(), KubeError>),
     Transfer(Result<String, TransferError>),
-    Evidence(Result<Option<String>, TransferError>),
+    Evidence(Result<Option<HibernateTag>, TransferError>),
     /// The fork-snapshot flight landed: the snapshot's hypervisor ("" unknown), or why not.
     Fork(Result<String, String>),
 }

@@ -150,12 +150,13 @@ impl Provider {
                     uid,
                     vm_id: vm.id.clone(),
                     until: self.now + IP_WAIT,
+                    wake: false,
                 });
                 self.push_status(key, false);
                 let at = self.now + IP_POLL;
                 return self.set_pod_timer(key, at);
             }
-            return self.start_ready_wait(key, uid, vm.id);
+            return self.start_ready_wait(key, uid, vm.id, false);
         }
         self.slot(key).op = None;
         self.publish_ready(key);
@@ -226,10 +227,19 @@ impl Provider {
         let Some(slot) = self.slots.get(key) else {
             return;
         };
-        let (Some(Op::ReadyWait { until, uid, vm_id }), Some(t)) = (&slot.op, &slot.tracked) else {
+        let (
+            Some(Op::ReadyWait {
+                until,
+                uid,
+                vm_id,
+                wake,
+            }),
+            Some(t),
+        ) = (&slot.op, &slot.tracked)
+        else {
             return;
         };
-        let until = *until;
+        let (until, wake) = (*until, *wake);
         let vm = t.vm.clone().unwrap_or_default();
         // Only while the pod still tracks the same incarnation and VM.
         if *uid != t.uid || *vm_id != vm.id || t.spec.hibernate {
@@ -240,6 +250,9 @@ impl Provider {
                 namespace: key.namespace.clone(),
                 result: "ok",
             });
+            if wake {
+                self.metric(MetricUpdate::Wake { result: "ok" });
+            }
             self.slot(key).op = None;
             self.publish_ready(key);
             return self.reconcile_slot(key);
@@ -251,13 +264,13 @@ impl Provider {
                 result: "timeout",
             });
             let msg = format!("clone {name}: dhcp lease not observed within 45s");
-            self.event(
-                key,
-                &uid,
-                EventType::Warning,
-                "PostCloneIPWaitTimeout",
-                &msg,
-            );
+            let reason = if wake {
+                self.metric(MetricUpdate::Wake { result: "failed" });
+                "WakeIPWaitTimeout"
+            } else {
+                "PostCloneIPWaitTimeout"
+            };
+            self.event(key, &uid, EventType::Warning, reason, &msg);
             self.set_lifecycle(key, State::Failed, &msg);
             self.slot(key).op = None;
             self.push_status(key, false);
@@ -322,10 +335,22 @@ impl Provider {
         }
     }
 
-    /// Wait for the guest IP, then publish Ready.
-    pub(super) fn start_ready_wait(&mut self, key: &PodKey, uid: String, vm_id: String) {
+    /// Wait for the guest IP, then publish Ready (`wake`: a wake's follow-up, counted in
+    /// `wake_total` at its outcome).
+    pub(super) fn start_ready_wait(
+        &mut self,
+        key: &PodKey,
+        uid: String,
+        vm_id: String,
+        wake: bool,
+    ) {
         let until = self.now + IP_WAIT;
-        self.slot(key).op = Some(Op::ReadyWait { uid, vm_id, until });
+        self.slot(key).op = Some(Op::ReadyWait {
+            uid,
+            vm_id,
+            until,
+            wake,
+        });
         self.push_status(key, false);
         self.ready_wait_poll(key);
     }

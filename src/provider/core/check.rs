@@ -30,13 +30,17 @@ impl Provider {
             c.vm_event_meanwhile = Some((kind, vm));
             return;
         }
+        // A hibernate removes the VM itself: its events are looked at once the op ends, and
+        // only when the VM was kept (a failed hibernate). Outside a hibernate op a pod asking
+        // for hibernate is handled like any other: a VM that dies under it is restarted or
+        // the pod evicted (a stopped VM cannot be hibernated anyway).
+        if self.hibernate_saw_vm_event(&key) {
+            return;
+        }
         let slot = &self.slots[&key];
         let Some(t) = slot.tracked.as_ref() else {
             return;
         };
-        // VM-gone handling ignores pods asking for hibernate because hibernating removes the VM
-        // itself; this build does not hibernate (the request changes nothing, the VM keeps
-        // running), so such a pod's VM dying is a crash like any other.
         if !t.spec.managed {
             return;
         }
@@ -189,7 +193,7 @@ impl Provider {
             .map(|i| i.uid == c.uid && i.state == State::Creating)
             .unwrap_or(false);
         if creating {
-            return self.start_ready_wait(key, c.uid.clone(), c.vm_id.clone());
+            return self.start_ready_wait(key, c.uid.clone(), c.vm_id.clone(), false);
         }
         self.end_op(key)
     }

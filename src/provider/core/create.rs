@@ -29,8 +29,6 @@ impl Provider {
             Some("managed macOS guests are not supported yet")
         } else if spec.managed && spec.os == Os::Windows {
             Some("managed Windows guests are not supported yet")
-        } else if spec.managed && spec.restore_from_hibernate {
-            Some("restore-from-hibernate is not supported yet")
         } else if spec.managed
             && spec.mode != Mode::Run
             && spec.clone_from_dir.is_none()
@@ -229,15 +227,16 @@ impl Provider {
     }
 
     /// The verdict on the hibernate evidence. No evidence: the fresh bring-up starts (with
-    /// the `fork-<vm>` removal that opens it). Evidence fails the create, retried with backoff so
-    /// that removing the tag lets the pod boot: a conflicting clone source or image is the
-    /// user's to settle, and the restore the Go daemon would do is not built yet; a fresh boot
-    /// would silently lose the hibernated state. An unreadable registry fails closed.
+    /// the `fork-<vm>` removal that opens it), unless the pod itself asks for a restore. Evidence
+    /// restores the VM from its hibernate snapshot; a conflicting clone source or image fails
+    /// the create (retried with backoff, so removing the tag lets the pod boot): that is the
+    /// user's to settle, and a fresh boot would silently lose the hibernated state. An
+    /// unreadable registry fails closed.
     pub(super) fn evidence_verdict(
         &mut self,
         key: &PodKey,
         c: &CreateOp,
-        found: Result<Option<String>, TransferError>,
+        found: Result<Option<HibernateTag>, TransferError>,
     ) {
         let vm = &c.spec.vm_name;
         let (place, remedy) = if self.cfg.registry {
@@ -252,6 +251,10 @@ impl Provider {
             )
         };
         let base = match found {
+            Ok(None) if c.spec.restore_from_hibernate => {
+                // Asked for explicitly: the wake source resolution says what is missing.
+                return self.start_wake(key, true);
+            }
             Ok(None) => {
                 self.fork_invalidate(vm);
                 let name = format!("fork-{vm}");
@@ -275,7 +278,7 @@ impl Provider {
                 );
                 return self.fail_create_as(key, &c.uid, "HibernateEvidenceFailed", &msg, true);
             }
-            Ok(Some(base)) => base,
+            Ok(Some(tag)) => tag.base_image,
         };
         let explicit_source = c.spec.clone_from_dir.is_some() || !c.spec.fork_from.is_empty();
         let (verdict, msg) = if explicit_source {
@@ -296,10 +299,11 @@ impl Provider {
                 ),
             )
         } else {
-            let msg = format!(
-                "vm {vm} has a hibernate snapshot ({place}); restoring it is not supported yet \
-                 by this vk-cocoon and a fresh boot would lose its state; {remedy} to boot fresh"
-            );
+            self.metric(MetricUpdate::HibernateEvidence {
+                verdict: "restored",
+            });
+            let msg =
+                format!("restoring vm {vm} from its hibernate snapshot instead of fresh-booting");
             self.event(
                 key,
                 &c.uid,
@@ -307,7 +311,10 @@ impl Provider {
                 "HibernateSnapshotExists",
                 &msg,
             );
-            ("restore_unsupported", msg)
+            if let Some(t) = self.slot(key).tracked.as_mut() {
+                t.spec.restore_from_hibernate = true;
+            }
+            return self.start_wake(key, true);
         };
         self.metric(MetricUpdate::HibernateEvidence { verdict });
         self.fail_create_as(key, &c.uid, "HibernateEvidenceFailed", &msg, true)
@@ -438,7 +445,13 @@ impl Provider {
                 // inspect means there is none; one that hung says nothing, so fail closed.
                 let found = if r.success {
                     parse_snapshot(&r.stdout)
-                        .map(|s| Some(s.image))
+                        .map(|s| {
+                            Some(HibernateTag {
+                                base_image: s.image,
+                                snapshot_id: s.id,
+                                from_node: String::new(),
+                            })
+                        })
                         .map_err(TransferError::Cocoon)
                 } else if r.timed_out {
                     Err(TransferError::Cocoon(format!(

@@ -17,10 +17,12 @@
 //! (status / annotation patches, drift). A new transition touches its operation's file and,
 //! for a new step, the step enum in `state`.
 //!
-//! Decisions for features not built yet: restore-from-hibernate, managed
-//! Windows/macOS guests fail the create clearly (Warning event, ProviderFailed status, counter)
-//! without touching cocoon; a hibernate request on a running pod changes nothing and gets a
-//! Warning `HibernateUnsupported`. Post-clone fix-ups are not implemented: CH all-DHCP clones
+//! UpdatePod lives in `update` (the decision table and the op retry), hibernating a VM in
+//! `hibernate`, waking one (and CreatePod's restore) in `wake`.
+//!
+//! Decisions for features not built yet: managed Windows/macOS guests fail the create clearly
+//! (Warning event, ProviderFailed status, counter) without touching cocoon.
+//! Post-clone fix-ups are not implemented: CH all-DHCP clones
 //! (which need none) wait for the IP and publish Ready; a clone onto firecracker is
 //! refused before cloning; a CH clone that comes up with a static NIC keeps its VM (so delete
 //! cleans it) but is marked lifecycle `failed` with a Warning `PostCloneUnsupported`.
@@ -46,8 +48,8 @@ use super::lifecycle::{self, Intent, State};
 use super::spec::{self, Mode, Os, SpecError, VmSpec, ANN_VM_ID, ANN_VM_IP};
 use super::status::{self, StatusSummary};
 use super::{
-    pod_backoff, truncate_bytes, Effect, EventType, EvictReason, Input, KubeError, MetricUpdate,
-    OpId, OrphanPolicy, PodKey, ProviderConfig, VmEventKind,
+    pod_backoff, truncate_bytes, Effect, EventType, EvictReason, HibernateTag, Input, KubeError,
+    MetricUpdate, OpId, OrphanPolicy, PodKey, ProviderConfig, VmEventKind,
 };
 use super::{LeaseError, TransferError};
 
@@ -58,11 +60,14 @@ mod create;
 mod delete;
 mod evict;
 mod fork;
+mod hibernate;
 mod kube_writes;
 mod startup;
 mod state;
 #[cfg(test)]
 mod tests;
+mod update;
+mod wake;
 
 use self::answers::Res;
 use self::state::*;
@@ -364,6 +369,8 @@ impl Provider {
             (Some(Op::Delete(d)), Step::Delete(s)) => d.step = s,
             (Some(Op::Evict(e)), Step::Evict(s)) => e.step = s,
             (Some(Op::Check(c)), Step::Check(s)) => c.step = s,
+            (Some(Op::Hibernate(h)), Step::Hibernate(s)) => h.step = s,
+            (Some(Op::Wake(w)), Step::Wake(s)) => w.step = s,
             // A bug, not an input. The question is still asked: whichever op its answer then
             // reaches fails through `unexpected_answer` with a retry instead of stalling.
             (_, step) => {
@@ -540,6 +547,17 @@ impl Provider {
         };
         match &slot.op {
             None => self.reconcile_slot(key),
+            Some(Op::Hibernate(_) | Op::Wake(_))
+                if slot.latest.as_ref().is_none_or(|l| {
+                    deleting(l) || slot.tracked.as_ref().is_some_and(|t| t.uid != pod_uid(l))
+                }) =>
+            {
+                // A pod deleted (or replaced) mid-hibernate or mid-wake: its delete must not
+                // wait for a save or clone that may hang for its whole deadline. The delete
+                // looks the VM up by name, so whatever the op made or kept is removed; a late
+                // answer finds the op gone and is dropped.
+                self.end_op(key);
+            }
             Some(op) if op.preemptible() => {
                 if needs {
                     self.end_op(key);
@@ -640,98 +658,6 @@ impl Provider {
         self.maybe_update(key);
     }
 
-    /// UpdatePod (in-scope part): hibernate is not supported yet (Warning, no change);
-    /// a generation bump re-marks the lifecycle state; everything else is a no-op.
-    fn maybe_update(&mut self, key: &PodKey) {
-        let Some(slot) = self.slots.get(key) else {
-            return;
-        };
-        let (Some(t), Some(pod)) = (&slot.tracked, &slot.latest) else {
-            return;
-        };
-        if t.uid != pod_uid(pod) {
-            return;
-        }
-        if !changed(&t.pod, pod) {
-            // Only status or bookkeeping moved (our own writes come back as MODIFIED): share
-            // the newer copy so the older one is freed instead of kept beside it.
-            if !Arc::ptr_eq(&t.pod, pod) {
-                let pod = pod.clone();
-                if let Some(t) = self.slot(key).tracked.as_mut() {
-                    t.pod = pod;
-                }
-            }
-            return;
-        }
-        let pod = pod.clone();
-        let uid = t.uid.clone();
-        let old_hib = t.spec.hibernate;
-        let parsed = spec::parse(&pod);
-        let new_spec = match parsed {
-            Ok(s) => s,
-            Err(e) => {
-                self.lifecycle_metric("update", "failed", e.reason);
-                self.event(
-                    key,
-                    &uid,
-                    EventType::Warning,
-                    "ProviderUpdateFailed",
-                    &e.message,
-                );
-                if let Some(t) = self.slot(key).tracked.as_mut() {
-                    t.pod = pod;
-                }
-                return;
-            }
-        };
-        if let Err(msg) = self.cpu_class_gate(key, &new_spec) {
-            // Refused: nothing of the change is applied (hibernate included). This copy is
-            // kept so the same change is not refused (and reported) again on every event.
-            self.lifecycle_metric("update", "failed", create::REASON_CPU_CLASS);
-            self.event(key, &uid, EventType::Warning, "ProviderUpdateFailed", &msg);
-            if let Some(t) = self.slot(key).tracked.as_mut() {
-                t.pod = pod;
-            }
-            return;
-        }
-        let hib = new_spec.hibernate;
-        let gen = new_spec.generation;
-        {
-            let slot = self.slot(key);
-            if let Some(t) = slot.tracked.as_mut() {
-                t.pod = pod;
-                t.spec = VmSpec {
-                    vm_id: t.spec.vm_id.clone(),
-                    vm_ip: t.spec.vm_ip.clone(),
-                    ..new_spec
-                };
-            }
-            if !hib {
-                slot.warned_hibernate = false;
-            }
-        }
-        if hib && !old_hib && !self.slot(key).warned_hibernate {
-            self.slot(key).warned_hibernate = true;
-            self.lifecycle_metric("update", "failed", "unsupported");
-            self.event(
-                key,
-                &uid,
-                EventType::Warning,
-                "HibernateUnsupported",
-                "hibernate is not supported yet by this vk-cocoon; the VM keeps running and nothing changed",
-            );
-            return;
-        }
-        let cur = self.slot(key).intent.clone();
-        if let Some(cur) = cur {
-            if cur.uid == uid && gen > cur.generation {
-                let msg = cur.message.clone();
-                self.set_lifecycle(key, cur.state, &msg);
-            }
-        }
-        self.lifecycle_metric("update", "skipped", "noop");
-    }
-
     /// Forget the tracked incarnation: VM row, probe, intent (when `drop_intent`).
     fn forget(&mut self, key: &PodKey, drop_intent: bool) {
         let slot = self.slot(key);
@@ -741,6 +667,7 @@ impl Provider {
         slot.tracked = None;
         slot.last_pushed = None;
         slot.warned_hibernate = false;
+        slot.update_retry = None;
         if drop_intent {
             slot.intent = None;
         }

@@ -352,6 +352,10 @@ impl Provider {
                         ..Default::default()
                     }
                 }
+                None if spec.managed && spec.hibernate => {
+                    self.track_hibernated(&key, &pod, spec);
+                    continue;
+                }
                 None => continue,
             };
             if claimed.contains(&vm.id) {
@@ -465,6 +469,44 @@ impl Provider {
         }
     }
 
+    /// A pod asking for hibernate whose VM is gone: hibernated (or its hibernate finished the
+    /// removal before a restart). Tracked without a VM, so waking it is an update; a stale id
+    /// is cleared, and a `hibernating` left by the killed daemon is finished as `hibernated`.
+    fn track_hibernated(&mut self, key: &PodKey, pod: &Arc<Pod>, spec: VmSpec) {
+        let uid = pod_uid(pod);
+        let ann = pod.metadata.annotations.clone().unwrap_or_default();
+        if !spec.vm_id.is_empty() || !spec.vm_ip.is_empty() {
+            let mut a = BTreeMap::new();
+            for k in [ANN_VM_ID, ANN_VM_IP, spec::ANN_POST_CLONE_STATE] {
+                a.insert(k.to_string(), None);
+            }
+            self.send_annotations(key, &uid, a, false);
+        }
+        let start_time = pod.status.as_ref().and_then(|s| s.start_time.clone());
+        let slot = self.slot(key);
+        slot.intent = Intent::seed(&uid, &ann);
+        slot.tracked = Some(Tracked {
+            uid,
+            pod: pod.clone(),
+            spec: VmSpec {
+                vm_id: String::new(),
+                vm_ip: String::new(),
+                ..spec
+            },
+            vm: None,
+            ip: String::new(),
+            start_time,
+            probe: None,
+        });
+        let interrupted = slot
+            .intent
+            .as_ref()
+            .is_some_and(|i| i.state == State::Hibernating);
+        if interrupted {
+            self.set_lifecycle(key, State::Hibernated, "");
+        }
+    }
+
     /// Owed work after a restart, in-scope ops: `creating` pods with a VM resume the IP wait
     /// (CH all-DHCP) or fail clearly when they need an unsupported fix-up; `ready` pods get their
     /// status pushed.
@@ -479,22 +521,24 @@ impl Provider {
             return;
         }
         let vm = t.vm.clone().unwrap_or_default();
-        // A pod asking for hibernate included: this build never hibernates (see `vm_event`).
+        if t.spec.hibernate && t.spec.managed && t.spec.os != Os::Macos {
+            // The hibernate the pod asks for (interrupted or never begun) resumes from the
+            // start: a save that landed is replaced, a tag pushed is overwritten only by its
+            // replacement, and a stopped VM is started first (a save needs it running).
+            self.metric(MetricUpdate::StartupResume { op: "hibernate" });
+            self.event(
+                key,
+                &t.uid,
+                EventType::Normal,
+                "ResumedAfterRestart",
+                "op=hibernate",
+            );
+            return self.start_hibernate(key, !vm.running());
+        }
         if t.spec.managed && !vm.running() {
             // Adopted a VM that is not running (its crash event went to the previous process):
             // handle it as a VM-gone event would (restart, or evict when it is gone).
             return self.start_check(key, t.uid.clone(), vm.id, CheckStep::Inspect { attempt: 1 });
-        }
-        if t.spec.hibernate && t.spec.managed {
-            self.event(
-                key,
-                &t.uid,
-                EventType::Warning,
-                "HibernateUnsupported",
-                "hibernate is not supported yet by this vk-cocoon; the VM keeps running",
-            );
-            self.slot(key).warned_hibernate = true;
-            return self.push_status(key, false);
         }
         let ann = pod.metadata.annotations.clone().unwrap_or_default();
         let recorded = ann
@@ -551,7 +595,7 @@ impl Provider {
             "ResumedAfterRestart",
             "op=ready_wait",
         );
-        self.start_ready_wait(key, t.uid.clone(), vm.id);
+        self.start_ready_wait(key, t.uid.clone(), vm.id, false);
     }
 }
 

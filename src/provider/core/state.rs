@@ -174,15 +174,114 @@ pub(super) struct CheckOp {
     pub(super) step: CheckStep,
 }
 
+/// Why a hibernate or wake failed: the Warning reason and the message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct OpFailure {
+    pub(super) reason: &'static str,
+    pub(super) message: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum HibernateStep {
+    /// Owed hibernate after a restart found the VM stopped: start it first.
+    StartVm,
+    /// CH + Windows: guest `ipconfig /release` before the NIC goes (best effort).
+    DhcpRelease,
+    /// CH + Windows: `vm net --nics 0`.
+    NetDrop,
+    Save {
+        retried: bool,
+    },
+    /// The snapshot name is taken: remove its holder, retried while cocoon says it is in use.
+    RmHolder {
+        until: Instant,
+    },
+    RmHolderWait {
+        until: Instant,
+    },
+    Push,
+    /// Null the id / ip / post-clone-state annotations before the VM goes.
+    ClearIds,
+    Rm,
+    /// Rollback after a failed removal: the pushed tag must not outlive the VM it claims.
+    DeleteTag {
+        failure: OpFailure,
+    },
+    /// Rollback: give the VM its NIC back (`vm net --nics 1`).
+    RestoreNic {
+        failure: OpFailure,
+    },
+    /// Rollback: re-read the VM's NICs after the resize.
+    RestoreInspect {
+        failure: OpFailure,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct HibernateOp {
+    pub(super) uid: String,
+    pub(super) vm: VmInfo,
+    pub(super) step: HibernateStep,
+    /// When the `snapshot save` started (its duration histogram).
+    pub(super) save_started: Instant,
+    /// The NIC was dropped: the rollback gives it back.
+    pub(super) nic_dropped: bool,
+    /// The null patch of id / ip landed (else it is sent again once the VM is gone).
+    pub(super) ids_cleared: bool,
+    /// A VM event about this VM arrived meanwhile: rechecked once the op ends with the VM kept.
+    pub(super) vm_event_meanwhile: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum WakeStep {
+    /// Is there a local snapshot named after the VM?
+    LocalInspect,
+    /// Verify the local snapshot (its id) against the registry tag's snapshot id.
+    Verify {
+        local_id: String,
+        local_image: String,
+    },
+    /// The local copy is stale: remove it, then its fork snapshot.
+    RmStale,
+    RmStaleFork,
+    /// Look the registry tag up (peer restore reads its from-node).
+    Tag,
+    /// Registry pull of `<vm>:hibernate` into `<vm>-hibernate-import`.
+    Pull,
+    /// Inspect the import (its base image decides `--pull`).
+    ImportInspect,
+    Clone {
+        source: String,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct WakeOp {
+    pub(super) uid: String,
+    pub(super) spec: VmSpec,
+    pub(super) step: WakeStep,
+    pub(super) started: Instant,
+    /// CreatePod's restore (a failure fails the create) rather than UpdatePod's wake.
+    pub(super) restore: bool,
+    /// The registry tag, once looked up (`None` = not looked up, or absent).
+    pub(super) tag: Option<HibernateTag>,
+    /// Where the clone comes from, for the `Woken` event.
+    pub(super) source_label: String,
+}
+
 #[derive(Debug, Clone)]
 pub(super) enum Op {
     Create(Box<CreateOp>),
-    /// Poll the lease until the VM has an IP, then publish Ready. Preemptible.
+    /// Poll the lease until the VM has an IP, then publish Ready. Preemptible. `wake`: the
+    /// follow-up of a wake or restore, whose outcome counts `wake_total`.
     ReadyWait {
         uid: String,
         vm_id: String,
         until: Instant,
+        wake: bool,
     },
+    Hibernate(Box<HibernateOp>),
+    Wake(Box<WakeOp>),
     Delete(DeleteOp),
     Evict(EvictOp),
     Check(CheckOp),
@@ -277,6 +376,8 @@ pub(super) struct Slot {
     pub(super) shown: Option<(String, Arc<PodStatus>)>,
     /// Updates that asked for unsupported changes, so the Warning is emitted once per change.
     pub(super) warned_hibernate: bool,
+    /// A failed hibernate / wake is retried: (delay of the next retry, when it is due).
+    pub(super) update_retry: Option<(Duration, Instant)>,
 }
 
 /// What an outstanding effect result is for.
@@ -357,6 +458,20 @@ pub(super) enum Step {
     Delete(DeleteStep),
     Evict(EvictStep),
     Check(CheckStep),
+    Hibernate(HibernateStep),
+    Wake(WakeStep),
+}
+
+impl From<HibernateStep> for Step {
+    fn from(s: HibernateStep) -> Step {
+        Step::Hibernate(s)
+    }
+}
+
+impl From<WakeStep> for Step {
+    fn from(s: WakeStep) -> Step {
+        Step::Wake(s)
+    }
 }
 
 impl From<CreateStep> for Step {

@@ -14,7 +14,9 @@
 //!   with a `fake-cocoon-state` directory beside it, which is then used: callers that spawn
 //!   `cocoon` with the inherited environment, e.g. the snapshot transfers, get their own state).
 //! - `COCOON_ROOT_DIR` / `--root-dir`: where run dirs go (`<root>/run/<cloudhypervisor|firecracker>/<ID>/`
-//!   with `cow.raw` or `overlay.qcow2`); default `<state>/root`.
+//!   with `cow.raw` or `overlay.qcow2`); default `<state>/root`. A `guest.data` file a test
+//!   writes into a run dir stands for the guest's disk contents: `snapshot save` captures it
+//!   (so export / import carry it) and a clone restores it into the new VM's run dir.
 //! - `COCOON_LOG_DIR` / `--log-dir`: console logs (`<log>/<backend dir>/<ID>/cloud-hypervisor.log`);
 //!   default `<state>/log`.
 //! - `FAKE_COCOON_GENERATION=B`: B quirks (`No VMs found.` for an empty `vm list -o json`, B's

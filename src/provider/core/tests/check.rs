@@ -233,36 +233,3 @@ fn an_answer_the_check_does_not_expect_defers_a_recheck_instead_of_stalling() {
     let (_, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm inspect VM1");
 }
-
-/// This build does not hibernate (a request changes nothing and the VM keeps running), so a
-/// pod with `hibernate=true` keeps crash handling: its VM dying is looked at and restarted.
-#[test]
-fn a_pod_asking_for_hibernate_keeps_crash_handling() {
-    let mut h = H::new(ProviderConfig::default());
-    let p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
-    create_clone(&mut h, p.clone(), "VM1");
-    let mut q = p;
-    q.metadata
-        .annotations
-        .get_or_insert_with(Default::default)
-        .insert(ANN_HIBERNATE.into(), "true".into());
-    h.feed(Input::PodUpserted(Box::new(q)));
-    let stopped = vm_info("VM1", "vk-ns-demo-0", "stopped");
-    let e = h.feed(Input::VmEvent {
-        kind: VmEventKind::Modified,
-        vm: stopped.clone(),
-    });
-    let e = answer(
-        &mut h,
-        &e,
-        "vm inspect VM1",
-        CocoonResult::ok(vm_json(
-            "VM1",
-            "vk-ns-demo-0",
-            "stopped",
-            "02:00:00:00:00:01",
-        )),
-    );
-    let (_, cmd) = one_cocoon(&e);
-    assert_eq!(argv(&cmd), "vm start VM1");
-}

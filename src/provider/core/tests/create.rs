@@ -206,11 +206,7 @@ fn bad_input_fails_clearly_without_touching_cocoon() {
 
 #[test]
 fn unsupported_requests_fail_create_clearly() {
-    for extra in [
-        (ANN_RESTORE, "true"),
-        (ANN_OS, "windows"),
-        (ANN_BACKEND, "firecracker"),
-    ] {
+    for extra in [(ANN_OS, "windows"), (ANN_BACKEND, "firecracker")] {
         let mut h = H::new(ProviderConfig::default());
         let mut ann = managed("a", "vk-ns-demo-1");
         ann.push((extra.0, extra.1.into()));
@@ -439,28 +435,6 @@ fn unmanaged_pod_adopts_preassigned_vm_without_cocoon() {
 }
 
 #[test]
-fn hibernate_request_changes_nothing_but_warns_once() {
-    let mut h = H::new(ProviderConfig::default());
-    let p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
-    create_clone(&mut h, p.clone(), "VM1");
-    let mut q = p.clone();
-    q.metadata
-        .annotations
-        .as_mut()
-        .unwrap()
-        .insert(ANN_HIBERNATE.into(), "true".into());
-    let e = h.feed(Input::PodUpserted(Box::new(q.clone())));
-    assert!(cocoon_ops(&e).is_empty());
-    assert!(events(&e)
-        .iter()
-        .any(|(r, m)| *r == "HibernateUnsupported" && m.contains("not supported yet")));
-    q.metadata.labels = Some([("x".to_string(), "y".to_string())].into());
-    let e = h.feed(Input::PodUpserted(Box::new(q)));
-    assert!(events(&e).is_empty());
-    assert!(h.p.pod_vm(&PodKey::new("ns", "a")).is_some());
-}
-
-#[test]
 fn same_name_recreate_adopts_the_vm_for_the_new_incarnation() {
     let mut h = H::new(ProviderConfig::default());
     create_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")), "VM1");
@@ -590,53 +564,39 @@ fn evidence_failed(e: &[Effect], verdict: &'static str, says: &str) {
 }
 
 #[test]
-fn hibernate_tag_in_the_registry_never_gets_a_fresh_boot() {
+fn a_conflicting_hibernate_tag_fails_the_create_closed() {
     let registry = ProviderConfig {
         registry: true,
         ..Default::default()
     };
-    // Same image (or none recorded): the Go daemon would restore; that is not built, so the
-    // create fails clearly instead of booting a blank VM over the hibernated state.
-    for recorded in ["", "team/agent:v3"] {
-        let mut h = H::new(registry.clone());
-        let op = evidence_check(&mut h, &managed("a", "vk-ns-demo-0"));
-        let e = h.feed(Input::HibernateEvidence {
-            op,
-            result: Ok(Some(recorded.into())),
-        });
-        evidence_failed(
-            &e,
-            "restore_unsupported",
-            "delete the tag vk-ns-demo-0:hibernate",
-        );
-        assert!(events(&e)
-            .iter()
-            .any(|(r, _)| *r == "HibernateSnapshotExists"));
-        // Retried with backoff; once the tag is gone the fresh bring-up starts.
-        let e = h.advance(Duration::from_millis(5));
-        let e = answer(
-            &mut h,
-            &e,
-            "vm inspect vk-ns-demo-0",
-            CocoonResult::failed("Error: vm not found"),
-        );
-        let e = no_evidence(&mut h, &e);
-        let (_, cmd) = one_cocoon(&e);
-        assert_eq!(argv(&cmd), "snapshot rm fork-vk-ns-demo-0");
-    }
-
+    let tag = |base: &str| HibernateTag {
+        base_image: base.into(),
+        snapshot_id: "S1".into(),
+        from_node: String::new(),
+    };
     // Another base image: image_conflict.
     let mut h = H::new(registry.clone());
     let op = evidence_check(&mut h, &managed("a", "vk-ns-demo-0"));
     let e = h.feed(Input::HibernateEvidence {
         op,
-        result: Ok(Some("team/agent:v2".into())),
+        result: Ok(Some(tag("team/agent:v2"))),
     });
     evidence_failed(
         &e,
         "image_conflict",
         "of image team/agent:v2 but the pod asks for team/agent:v3",
     );
+    // Retried with backoff; once the tag is gone the fresh bring-up starts.
+    let e = h.advance(Duration::from_millis(5));
+    let e = answer(
+        &mut h,
+        &e,
+        "vm inspect vk-ns-demo-0",
+        CocoonResult::failed("Error: vm not found"),
+    );
+    let e = no_evidence(&mut h, &e);
+    let (_, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "snapshot rm fork-vk-ns-demo-0");
 
     // An explicit clone source: source_conflict.
     let mut h = H::new(registry.clone());
@@ -645,7 +605,7 @@ fn hibernate_tag_in_the_registry_never_gets_a_fresh_boot() {
     let op = evidence_check(&mut h, &ann);
     let e = h.feed(Input::HibernateEvidence {
         op,
-        result: Ok(Some(String::new())),
+        result: Ok(Some(tag(""))),
     });
     evidence_failed(&e, "source_conflict", "explicit clone source");
 
@@ -665,25 +625,7 @@ fn hibernate_tag_in_the_registry_never_gets_a_fresh_boot() {
 }
 
 #[test]
-fn without_a_registry_a_local_snapshot_named_after_the_vm_is_the_evidence() {
-    let mut h = H::new(ProviderConfig::default());
-    let e = h.feed(Input::PodUpserted(Box::new(mk(
-        "a",
-        "u1",
-        &managed("a", "vk-ns-demo-0"),
-    ))));
-    let e = answer(
-        &mut h,
-        &e,
-        "snapshot inspect vk-ns-demo-0",
-        CocoonResult::ok(r#"{"id":"S9","name":"vk-ns-demo-0","image":"team/agent:v3"}"#),
-    );
-    evidence_failed(
-        &e,
-        "restore_unsupported",
-        "remove the local snapshot vk-ns-demo-0",
-    );
-
+fn without_a_registry_an_unreadable_local_snapshot_fails_closed() {
     // An inspect that hangs says nothing either way: fail closed.
     let mut h = H::new(ProviderConfig::default());
     let e = h.feed(Input::PodUpserted(Box::new(mk(

@@ -17,9 +17,11 @@ mod cpu_class;
 mod create;
 mod delete;
 mod fork;
+mod hibernate;
 mod kube_writes;
 mod ownership;
 mod startup;
+mod wake;
 
 struct H {
     p: Provider,

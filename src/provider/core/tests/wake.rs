@@ -1,0 +1,472 @@
+//! Transition tests of wake and CreatePod's restore: wake-source resolution (verified local
+//! copy, stale copy, registry pull), clone, follow-up, and the failures of each step.
+
+use super::hibernate::{asking, hibernate_fully, key, registry};
+use super::*;
+
+const VM: &str = "vk-ns-demo-0";
+const IMPORT: &str = "vk-ns-demo-0-hibernate-import";
+
+fn tag(id: &str) -> HibernateTag {
+    HibernateTag {
+        base_image: "team/agent:v3".into(),
+        snapshot_id: id.into(),
+        from_node: "node-b".into(),
+    }
+}
+
+fn evidence_op(e: &[Effect]) -> OpId {
+    e.iter()
+        .find_map(|x| match x {
+            Effect::CheckHibernateEvidence { op, vm_name } if vm_name == VM => Some(*op),
+            _ => None,
+        })
+        .expect("tag lookup")
+}
+
+fn pull_op(e: &[Effect]) -> OpId {
+    e.iter()
+        .find_map(|x| match x {
+            Effect::PullSnapshot {
+                op,
+                repo,
+                tag,
+                local_name,
+            } if repo == VM && tag == "hibernate" && local_name == IMPORT => Some(*op),
+            _ => None,
+        })
+        .expect("pull of the hibernate tag into the import")
+}
+
+fn local_snapshot(id: &str) -> CocoonResult {
+    CocoonResult::ok(format!(
+        r#"{{"id":"{id}","name":"{VM}","image":"team/agent:v3","hypervisor":"cloud-hypervisor"}}"#
+    ))
+}
+
+/// A hibernated pod `a`, then `hibernate=false`: returns the effects of the wake's start.
+fn ask_wake(h: &mut H) -> Vec<Effect> {
+    hibernate_fully(h);
+    let e = h.feed(Input::PodUpserted(Box::new(asking(false))));
+    assert!(annotation_patches(&e)
+        .iter()
+        .any(|(_, a)| a.get(ANN_LIFECYCLE_STATE) == Some(&Some("creating".into()))));
+    e
+}
+
+/// Answer a wake's clone from `source` and its lease lookup; returns the effects after both.
+fn clone_answers(h: &mut H, e: &[Effect], source: &str) -> Vec<Effect> {
+    let (op, cmd) = one_cocoon(e);
+    let a = argv(&cmd);
+    assert!(
+        a.starts_with(&format!("vm clone --output json --name {VM}")),
+        "{a}"
+    );
+    assert!(a.ends_with(&format!(" {source}")), "{a}");
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(vm_json("VM2", VM, "running", "02:00:00:00:00:02")),
+    );
+    assert!(e
+        .iter()
+        .any(|x| matches!(x, Effect::StartProbe { vm_id, .. } if vm_id == "VM2")));
+    assert!(annotation_patches(&e)
+        .iter()
+        .any(|(_, a)| a.get(ANN_VM_ID) == Some(&Some("VM2".into()))));
+    let lop = lookup(&e).expect("the follow-up waits for the lease");
+    let mut all = e.clone();
+    all.extend(h.feed(Input::LeaseLooked {
+        op: lop,
+        result: Ok(Some("10.0.0.7".into())),
+    }));
+    all
+}
+
+#[test]
+fn wake_clones_from_the_verified_local_snapshot_under_the_same_name() {
+    let mut h = H::new(registry());
+    let e = ask_wake(&mut h);
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot inspect {VM}"),
+        local_snapshot("S1"),
+    );
+    let op = evidence_op(&e);
+    let e = h.feed(Input::HibernateEvidence {
+        op,
+        result: Ok(Some(tag("S1"))),
+    });
+    assert!(has_metric(
+        &e,
+        &MetricUpdate::SnapshotVerify { result: "ok" }
+    ));
+    let e = clone_answers(&mut h, &e, VM);
+    assert!(events(&e)
+        .iter()
+        .any(|(r, m)| *r == "Woken" && m == &format!("cloned from local snapshot {VM}")));
+    assert!(has_metric(&e, &MetricUpdate::Wake { result: "ok" }));
+    assert!(has_metric(
+        &e,
+        &MetricUpdate::PodLifecycle {
+            op: "update",
+            result: "ok",
+            reason: ""
+        }
+    ));
+    assert!(e.iter().any(|x| matches!(x, Effect::Metric(MetricUpdate::VmBootDuration { mode, .. }) if mode == "clone")));
+    assert_eq!(h.p.pod_vm(&key()).unwrap().id, "VM2");
+    // Ready once the probe answers; the hibernate tag is never deleted by a wake.
+    let (sop, _) = statuses(&e)
+        .into_iter()
+        .rev()
+        .find(|(_, s)| published(s))
+        .expect("ready publication");
+    let e = h.kube_ok(sop);
+    assert!(!e
+        .iter()
+        .any(|x| matches!(x, Effect::DeleteSnapshotTag { .. })));
+}
+
+#[test]
+fn a_stale_local_copy_is_removed_and_the_tag_pulled() {
+    let mut h = H::new(registry());
+    let e = ask_wake(&mut h);
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot inspect {VM}"),
+        local_snapshot("S-old"),
+    );
+    let op = evidence_op(&e);
+    let e = h.feed(Input::HibernateEvidence {
+        op,
+        result: Ok(Some(tag("S-new"))),
+    });
+    assert!(has_metric(
+        &e,
+        &MetricUpdate::SnapshotVerify { result: "stale" }
+    ));
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot rm {VM}"),
+        CocoonResult::ok(""),
+    );
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot rm fork-{VM}"),
+        CocoonResult::ok(""),
+    );
+    let op = pull_op(&e);
+    let e = h.feed(Input::TransferDone {
+        op,
+        result: Ok(String::new()),
+    });
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot inspect {IMPORT}"),
+        CocoonResult::ok(format!(
+            r#"{{"id":"S-new","name":"{IMPORT}","image":"team/agent:v3"}}"#
+        )),
+    );
+    let (op, cmd) = one_cocoon(&e);
+    let a = argv(&cmd);
+    assert!(
+        a.contains(" --pull ") && a.ends_with(&format!(" {IMPORT}")),
+        "{a}"
+    );
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(vm_json("VM2", VM, "running", "02:00:00:00:00:02")),
+    );
+    // The import is removed once it served the clone.
+    assert!(cocoon_ops(&e)
+        .iter()
+        .any(|(_, c)| argv(c) == format!("snapshot rm {IMPORT}")));
+    assert!(events(&e)
+        .iter()
+        .any(|(r, m)| *r == "Woken" && m == &format!("cloned from registry {VM}:hibernate")));
+}
+
+#[test]
+fn a_registry_down_during_wake_fails_closed_and_retries() {
+    let mut h = H::new(registry());
+    let e = ask_wake(&mut h);
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot inspect {VM}"),
+        local_snapshot("S1"),
+    );
+    let op = evidence_op(&e);
+    let e = h.feed(Input::HibernateEvidence {
+        op,
+        result: Err(TransferError::Transient(
+            "GET manifest: connection refused".into(),
+        )),
+    });
+    assert!(has_metric(
+        &e,
+        &MetricUpdate::SnapshotVerify { result: "error" }
+    ));
+    assert!(has_metric(&e, &MetricUpdate::Wake { result: "failed" }));
+    assert!(
+        cocoon_ops(&e).is_empty(),
+        "the unverified copy is not cloned"
+    );
+    assert!(events(&e)
+        .iter()
+        .any(|(r, m)| *r == "WakePullFailed" && m.contains("connection refused")));
+    assert!(h.p.pod_vm(&key()).is_none());
+    // Retried after 15 s from the start.
+    assert!(cocoon_ops(&h.advance(Duration::from_millis(14_900))).is_empty());
+    let e = h.advance(Duration::from_millis(100));
+    let (_, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), format!("snapshot inspect {VM}"));
+}
+
+#[test]
+fn a_failed_pull_or_clone_is_reported_as_such() {
+    let mut h = H::new(registry());
+    let e = ask_wake(&mut h);
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot inspect {VM}"),
+        CocoonResult::failed("Error: snapshot not found"),
+    );
+    let op = evidence_op(&e);
+    let e = h.feed(Input::HibernateEvidence {
+        op,
+        result: Ok(Some(tag("S1"))),
+    });
+    let op = pull_op(&e);
+    let e = h.feed(Input::TransferDone {
+        op,
+        result: Err(TransferError::Integrity(
+            "blob sha256:ab: digest mismatch".into(),
+        )),
+    });
+    assert!(events(&e).iter().any(|(r, _)| *r == "WakePullFailed"));
+
+    let e = h.advance(Duration::from_secs(15));
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot inspect {VM}"),
+        CocoonResult::failed("Error: snapshot not found"),
+    );
+    let op = evidence_op(&e);
+    let e = h.feed(Input::HibernateEvidence {
+        op,
+        result: Ok(Some(tag("S1"))),
+    });
+    let op = pull_op(&e);
+    let e = h.feed(Input::TransferDone {
+        op,
+        result: Ok(String::new()),
+    });
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot inspect {IMPORT}"),
+        CocoonResult::ok(format!(r#"{{"id":"S1","name":"{IMPORT}"}}"#)),
+    );
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::failed("Error: clone: restore failed"));
+    assert!(events(&e).iter().any(|(r, _)| *r == "WakeCloneFailed"));
+    assert!(cocoon_ops(&e)
+        .iter()
+        .any(|(_, c)| argv(c) == format!("snapshot rm {IMPORT}")));
+}
+
+#[test]
+fn no_tag_and_no_local_copy_is_no_wake_source() {
+    let mut h = H::new(registry());
+    let e = ask_wake(&mut h);
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot inspect {VM}"),
+        CocoonResult::failed("Error: snapshot not found"),
+    );
+    let op = evidence_op(&e);
+    let e = h.feed(Input::HibernateEvidence {
+        op,
+        result: Ok(None),
+    });
+    assert!(events(&e).iter().any(|(r, m)| *r == "WakePullFailed"
+        && m.contains("no wake source")
+        && m.ends_with("booting it fresh")));
+    // No retry can find a source: the pod is created afresh (its evidence check opens it).
+    let op = evidence_op(&e);
+    let e = h.feed(Input::HibernateEvidence {
+        op,
+        result: Ok(None),
+    });
+    let (_, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), format!("snapshot rm fork-{VM}"));
+}
+
+#[test]
+fn a_pod_asking_for_hibernate_with_no_vm_settles_as_hibernated() {
+    let mut h = H::new(registry());
+    let e = ask_wake(&mut h);
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot inspect {VM}"),
+        local_snapshot("S1"),
+    );
+    let op = evidence_op(&e);
+    h.feed(Input::HibernateEvidence {
+        op,
+        result: Err(TransferError::Transient("HTTP 503".into())),
+    });
+    // The wake failed; the operator asks for hibernate again: nothing to do but say so.
+    let e = h.feed(Input::PodUpserted(Box::new(asking(true))));
+    assert!(cocoon_ops(&e).is_empty());
+    let last = annotation_patches(&e)
+        .into_iter()
+        .rev()
+        .find_map(|(_, a)| a.get(ANN_LIFECYCLE_STATE).cloned().flatten());
+    assert_eq!(last.as_deref(), Some("hibernated"));
+    // And the wake's retry is dropped.
+    assert!(cocoon_ops(&h.advance(Duration::from_secs(60))).is_empty());
+}
+
+#[test]
+fn without_a_registry_the_local_snapshot_is_trusted() {
+    let mut h = H::new(ProviderConfig::default());
+    let e = ask_wake(&mut h);
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot inspect {VM}"),
+        local_snapshot("S1"),
+    );
+    assert!(!e
+        .iter()
+        .any(|x| matches!(x, Effect::CheckHibernateEvidence { .. })));
+    clone_answers(&mut h, &e, VM);
+}
+
+#[test]
+fn create_restores_a_pod_whose_tag_another_daemon_pushed() {
+    let mut h = H::new(registry());
+    let e = h.feed(Input::PodUpserted(Box::new(asking(false))));
+    let op = evidence_op(&e);
+    let e = h.feed(Input::HibernateEvidence {
+        op,
+        result: Ok(Some(tag("S9"))),
+    });
+    assert!(has_metric(
+        &e,
+        &MetricUpdate::HibernateEvidence {
+            verdict: "restored"
+        }
+    ));
+    assert!(events(&e)
+        .iter()
+        .any(|(r, m)| *r == "HibernateSnapshotExists"
+            && m == &format!(
+                "restoring vm {VM} from its hibernate snapshot instead of fresh-booting"
+            )));
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot inspect {VM}"),
+        CocoonResult::failed("Error: snapshot not found"),
+    );
+    let op = evidence_op(&e);
+    let e = h.feed(Input::HibernateEvidence {
+        op,
+        result: Ok(Some(tag("S9"))),
+    });
+    let op = pull_op(&e);
+    let e = h.feed(Input::TransferDone {
+        op,
+        result: Ok(String::new()),
+    });
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot inspect {IMPORT}"),
+        CocoonResult::ok(format!(r#"{{"id":"S9","name":"{IMPORT}"}}"#)),
+    );
+    let e = clone_answers(&mut h, &e, IMPORT);
+    assert!(has_metric(
+        &e,
+        &MetricUpdate::PodLifecycle {
+            op: "create",
+            result: "ok",
+            reason: ""
+        }
+    ));
+    assert!(has_metric(&e, &MetricUpdate::Wake { result: "ok" }));
+}
+
+#[test]
+fn a_failed_restore_fails_the_create_and_counts_the_wake() {
+    let mut h = H::new(registry());
+    let e = h.feed(Input::PodUpserted(Box::new(asking(false))));
+    let op = evidence_op(&e);
+    let e = h.feed(Input::HibernateEvidence {
+        op,
+        result: Ok(Some(tag("S9"))),
+    });
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot inspect {VM}"),
+        CocoonResult::failed("Error: snapshot not found"),
+    );
+    let op = evidence_op(&e);
+    let e = h.feed(Input::HibernateEvidence {
+        op,
+        result: Err(TransferError::Transient("HTTP 503".into())),
+    });
+    assert!(has_metric(&e, &MetricUpdate::Wake { result: "failed" }));
+    assert!(has_metric(
+        &e,
+        &MetricUpdate::PodLifecycle {
+            op: "create",
+            result: "failed",
+            reason: ""
+        }
+    ));
+    assert!(statuses(&e)
+        .iter()
+        .any(|(_, s)| s.reason.as_deref() == Some("ProviderFailed")));
+    assert!(
+        h.p.get_pod(&key()).is_none(),
+        "the provisional row is dropped"
+    );
+}
+
+#[test]
+fn an_explicit_restore_without_evidence_still_looks_for_a_source() {
+    let mut h = H::new(ProviderConfig::default());
+    let mut ann = managed("a", VM);
+    ann.push((ANN_RESTORE, "true".into()));
+    let e = h.feed(Input::PodUpserted(Box::new(mk("a", "u1", &ann))));
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot inspect {VM}"),
+        CocoonResult::failed("Error: snapshot not found"),
+    );
+    // No evidence; the restore still asks for the local snapshot and reports its absence.
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot inspect {VM}"),
+        CocoonResult::failed("Error: snapshot not found"),
+    );
+    assert!(events(&e)
+        .iter()
+        .any(|(r, m)| *r == "WakePullFailed" && m.contains("no wake source")));
+}

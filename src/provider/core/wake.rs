@@ -1,0 +1,396 @@
+//! Wake and restore: find the hibernated VM's snapshot (local copy verified against the
+//! registry tag, else a pull of the tag), clone the VM back under its name, then the follow-up.
+
+use super::hibernate::{drops_nic, HIBERNATE_TAG};
+use super::*;
+
+fn fail(reason: &'static str, message: String) -> OpFailure {
+    OpFailure { reason, message }
+}
+
+/// The local snapshot a registry pull of the hibernate tag lands in (removed after the clone).
+pub(super) fn import_name(vm_name: &str) -> String {
+    format!("{vm_name}-hibernate-import")
+}
+
+impl Provider {
+    /// Start waking the tracked pod of `key` (no VM). `restore`: CreatePod's restore of a pod
+    /// with hibernate evidence, whose failure fails the create; otherwise UpdatePod's wake.
+    pub(super) fn start_wake(&mut self, key: &PodKey, restore: bool) {
+        let Some(t) = self.slots.get(key).and_then(|s| s.tracked.clone()) else {
+            return;
+        };
+        let started = match self.slots.get(key).and_then(|s| s.op.as_ref()) {
+            Some(Op::Create(c)) => c.started,
+            _ => self.now,
+        };
+        {
+            let slot = self.slot(key);
+            slot.awaiting = None;
+            slot.timer = None;
+            slot.op = Some(Op::Wake(Box::new(WakeOp {
+                uid: t.uid.clone(),
+                spec: t.spec.clone(),
+                step: WakeStep::LocalInspect,
+                started,
+                restore,
+                tag: None,
+                source_label: String::new(),
+            })));
+        }
+        self.set_lifecycle(key, State::Creating, "");
+        if !restore {
+            // Stale id / ip of the VM that was removed at hibernate.
+            let mut ann = BTreeMap::new();
+            for k in [ANN_VM_ID, ANN_VM_IP, spec::ANN_POST_CLONE_STATE] {
+                ann.insert(k.to_string(), None);
+            }
+            self.send_annotations(key, &t.uid, ann, false);
+        }
+        let name = t.spec.vm_name.clone();
+        self.advance(
+            key,
+            WakeStep::LocalInspect,
+            Ask::Cocoon(CocoonCmd::SnapshotInspect { name }),
+        )
+    }
+
+    fn wake_op(&self, key: &PodKey) -> Option<WakeOp> {
+        let slot = self.slots.get(key)?;
+        match (&slot.op, &slot.tracked) {
+            (Some(Op::Wake(w)), Some(t)) if t.uid == w.uid => Some((**w).clone()),
+            _ => None,
+        }
+    }
+
+    pub(super) fn wake_step(&mut self, key: &PodKey, res: Res) {
+        let Some(w) = self.wake_op(key) else {
+            return self.end_op(key);
+        };
+        let superseded = self.slots.get(key).is_some_and(|s| {
+            s.latest
+                .as_ref()
+                .is_none_or(|p| pod_uid(p) != w.uid || deleting(p))
+        });
+        if superseded {
+            // Deleted (or replaced) meanwhile: the delete that follows looks the VM up by
+            // name, so a clone this very answer reports is removed before the object goes.
+            log::info!("provider: {key}: wake stopped, the pod is being deleted");
+            return self.end_op(key);
+        }
+        let vm = w.spec.vm_name.clone();
+        let evidence =
+            |vm_name: String| Ask::effect(move |op| Effect::CheckHibernateEvidence { op, vm_name });
+        match (w.step.clone(), res) {
+            (WakeStep::LocalInspect, Res::Cocoon(r)) => {
+                if r.success {
+                    let snap = match parse_snapshot(&r.stdout) {
+                        Ok(s) => s,
+                        Err(e) => return self.wake_failed(key, fail("WakePullFailed", e)),
+                    };
+                    if !self.cfg.registry {
+                        // Without a registry the local copy is the only one, and trusted.
+                        let label = format!("local snapshot {vm}");
+                        return self.wake_clone(key, &w, vm.clone(), !snap.image.is_empty(), label);
+                    }
+                    let step = WakeStep::Verify {
+                        local_id: snap.id,
+                        local_image: snap.image,
+                    };
+                    return self.advance(key, step, evidence(vm));
+                }
+                if !r.snapshot_not_found() {
+                    let msg = format!("inspect local snapshot {vm}: {}", r.error_text());
+                    return self.wake_failed(key, fail("WakePullFailed", msg));
+                }
+                if !self.cfg.registry {
+                    return self.no_wake_source(
+                        key,
+                        &w,
+                        "no local snapshot and no registry configured",
+                    );
+                }
+                self.advance(key, WakeStep::Tag, evidence(vm))
+            }
+            (
+                WakeStep::Verify {
+                    local_id,
+                    local_image,
+                },
+                Res::Evidence(found),
+            ) => match found {
+                Ok(Some(tag)) if !tag.snapshot_id.is_empty() && tag.snapshot_id == local_id => {
+                    self.metric(MetricUpdate::SnapshotVerify { result: "ok" });
+                    let label = format!("local snapshot {vm}");
+                    self.wake_clone(key, &w, vm.clone(), !local_image.is_empty(), label)
+                }
+                Ok(tag) => {
+                    // The registry holds another hibernation (or none): the local copy is stale.
+                    self.metric(MetricUpdate::SnapshotVerify { result: "stale" });
+                    self.wake_set_tag(key, tag);
+                    let ask = Ask::Cocoon(CocoonCmd::SnapshotRm { name: vm });
+                    self.advance(key, WakeStep::RmStale, ask)
+                }
+                Err(e) => {
+                    // Never trust an unverified copy.
+                    self.metric(MetricUpdate::SnapshotVerify { result: "error" });
+                    let msg =
+                        format!("verify local snapshot {vm} against {vm}:{HIBERNATE_TAG}: {e}");
+                    self.wake_failed(key, fail("WakePullFailed", msg))
+                }
+            },
+            (WakeStep::RmStale, Res::Cocoon(r)) => {
+                if !r.success && !r.snapshot_not_found() {
+                    log::warn!(
+                        "provider: {key}: remove stale snapshot {vm}: {}",
+                        r.error_text()
+                    );
+                }
+                self.fork_invalidate(&vm);
+                let name = spec::fork_snapshot_name(&vm);
+                let ask = Ask::Cocoon(CocoonCmd::SnapshotRm { name });
+                self.advance(key, WakeStep::RmStaleFork, ask)
+            }
+            (WakeStep::RmStaleFork, Res::Cocoon(_)) => self.wake_from_tag(key, &w),
+            (WakeStep::Tag, Res::Evidence(found)) => match found {
+                Ok(tag) => {
+                    self.wake_set_tag(key, tag);
+                    match self.wake_op(key) {
+                        Some(w) => self.wake_from_tag(key, &w),
+                        None => self.end_op(key),
+                    }
+                }
+                Err(e) => {
+                    let msg = format!("look up {vm}:{HIBERNATE_TAG}: {e}");
+                    self.wake_failed(key, fail("WakePullFailed", msg))
+                }
+            },
+            (WakeStep::Pull, Res::Transfer(r)) => match r {
+                Ok(_) => {
+                    self.metric(MetricUpdate::SnapshotPull { result: "ok" });
+                    let name = import_name(&vm);
+                    let ask = Ask::Cocoon(CocoonCmd::SnapshotInspect { name });
+                    self.advance(key, WakeStep::ImportInspect, ask)
+                }
+                Err(e) => {
+                    self.metric(MetricUpdate::SnapshotPull { result: "failed" });
+                    let msg = format!("pull {vm}:{HIBERNATE_TAG}: {e}");
+                    self.wake_failed(key, fail("WakePullFailed", msg))
+                }
+            },
+            (WakeStep::ImportInspect, Res::Cocoon(r)) => {
+                let import = import_name(&vm);
+                match (r.success, parse_snapshot(&r.stdout)) {
+                    (true, Ok(snap)) => {
+                        let label = format!("registry {vm}:{HIBERNATE_TAG}");
+                        self.wake_clone(key, &w, import, !snap.image.is_empty(), label)
+                    }
+                    _ => {
+                        let msg =
+                            format!("snapshot {import} missing after pull: {}", r.error_text());
+                        self.wake_failed(key, fail("WakePullFailed", msg))
+                    }
+                }
+            }
+            (WakeStep::Clone { source }, Res::Cocoon(r)) => {
+                if source == import_name(&vm) {
+                    // The import served its clone (or failed it); a retry pulls afresh.
+                    self.fire_and_forget_cocoon(CocoonCmd::SnapshotRm {
+                        name: source.clone(),
+                    });
+                }
+                if !r.success {
+                    let msg = format!("vm clone {vm} from {source}: {}", r.error_text());
+                    return self.wake_failed(key, fail("WakeCloneFailed", msg));
+                }
+                match parse_vm(&r.stdout) {
+                    Ok(v) => self.woken(key, &w, v, &source),
+                    Err(e) => self.wake_failed(key, fail("WakeCloneFailed", e)),
+                }
+            }
+            (step, res) => self.unexpected_answer(key, &step, &res),
+        }
+    }
+
+    fn wake_set_tag(&mut self, key: &PodKey, tag: Option<HibernateTag>) {
+        if let Some(Some(Op::Wake(w))) = self.slots.get_mut(key).map(|s| s.op.as_mut()) {
+            w.tag = tag;
+        }
+    }
+
+    /// No trusted local copy: the registry tag is the source.
+    fn wake_from_tag(&mut self, key: &PodKey, w: &WakeOp) {
+        let vm = w.spec.vm_name.clone();
+        let Some(_tag) = w.tag.as_ref() else {
+            let why = format!("no local snapshot and no {vm}:{HIBERNATE_TAG} in the registry");
+            return self.no_wake_source(key, w, &why);
+        };
+        // Peer restore (raw snapshot files from the node named by the tag's from-node) is the
+        // step before the registry pull; it is not built in this daemon yet, so it is skipped
+        // and the registry pull below is the source.
+        let (repo, local_name) = (vm.clone(), import_name(&vm));
+        let ask = Ask::effect(move |op| Effect::PullSnapshot {
+            op,
+            repo,
+            tag: HIBERNATE_TAG.into(),
+            local_name,
+        });
+        self.advance(key, WakeStep::Pull, ask)
+    }
+
+    fn wake_clone(&mut self, key: &PodKey, w: &WakeOp, source: String, pull: bool, label: String) {
+        let mut args = self.clone_args(&w.spec, CloneSource::Snapshot(source.clone()), pull);
+        if drops_nic(&w.spec) {
+            // The NIC was dropped before the save: the clone brings one back.
+            args.nics = Some(1);
+        }
+        if let Some(Op::Wake(w)) = self.slot(key).op.as_mut() {
+            w.source_label = label;
+        }
+        self.advance(
+            key,
+            WakeStep::Clone { source },
+            Ask::Cocoon(CocoonCmd::VmClone(args)),
+        )
+    }
+
+    /// Nothing to wake from, authoritatively (no local snapshot, the tag absent): a restore
+    /// the pod asked for fails; a wake boots the pod afresh as CreatePod would, since no
+    /// retry can ever find a source (the operator deleted the tag, or the pod never ran).
+    fn no_wake_source(&mut self, key: &PodKey, w: &WakeOp, why: &str) {
+        let msg = format!("no wake source for vm {}: {why}", w.spec.vm_name);
+        if w.restore {
+            return self.wake_failed(key, fail("WakePullFailed", msg));
+        }
+        self.metric(MetricUpdate::Wake { result: "failed" });
+        self.event(
+            key,
+            &w.uid,
+            EventType::Warning,
+            "WakePullFailed",
+            &format!("update: wake: {msg}; booting it fresh"),
+        );
+        let latest = self.slots.get(key).and_then(|s| s.latest.clone());
+        {
+            let slot = self.slot(key);
+            slot.op = None;
+            slot.awaiting = None;
+            slot.timer = None;
+        }
+        self.forget(key, false);
+        match latest {
+            Some(pod) if pod_uid(&pod) == w.uid => self.start_create(key, pod),
+            _ => self.reconcile_slot(key),
+        }
+    }
+
+    /// The VM is back under its name: record it, write id / ip, probe, `Woken`, follow-up.
+    fn woken(&mut self, key: &PodKey, w: &WakeOp, vm: VmInfo, source: &str) {
+        let label = if w.source_label.is_empty() {
+            source.to_string()
+        } else {
+            w.source_label.clone()
+        };
+        let secs = self.now.saturating_duration_since(w.started).as_secs_f64();
+        self.metric(MetricUpdate::VmBootDuration {
+            namespace: key.namespace.clone(),
+            mode: "clone".into(),
+            backend: w.spec.backend.clone(),
+            seconds: secs,
+        });
+        let ip = vm.primary_ip();
+        self.by_name.insert(w.spec.vm_name.clone(), vm.clone());
+        let mut ann = BTreeMap::new();
+        ann.insert(ANN_VM_ID.to_string(), Some(vm.id.clone()));
+        ann.insert(ANN_VM_IP.to_string(), Some(ip.clone()));
+        if let Some(intent) = self.slot(key).intent.as_ref().filter(|i| i.uid == w.uid) {
+            ann.extend(intent.patch());
+        }
+        self.send_annotations(key, &w.uid, ann, false);
+        {
+            let slot = self.slot(key);
+            slot.failures = 0;
+            slot.retry_at = None;
+            slot.update_retry = None;
+            if let Some(t) = slot.tracked.as_mut() {
+                t.vm = Some(vm.clone());
+                t.ip = ip.clone();
+                t.spec.vm_id = vm.id.clone();
+                t.spec.vm_ip = ip.clone();
+                t.spec.restore_from_hibernate = w.restore;
+                t.probe = Some(initial_probe(&ip));
+            }
+        }
+        self.out.push(Effect::StartProbe {
+            key: key.clone(),
+            uid: w.uid.clone(),
+            vm_id: vm.id.clone(),
+            ip,
+            mac: vm.primary_mac(),
+            probe_port: w.spec.probe_port,
+        });
+        self.event(
+            key,
+            &w.uid,
+            EventType::Normal,
+            "Woken",
+            &format!("cloned from {label}"),
+        );
+        if w.restore {
+            self.lifecycle_metric("create", "ok", "");
+            self.event(
+                key,
+                &w.uid,
+                EventType::Normal,
+                "ProviderCreateSuccess",
+                "Create pod in provider successfully",
+            );
+        } else {
+            self.lifecycle_metric("update", "ok", "");
+        }
+        // Restore follow-up: CH + Windows waits for the IP (the hot-added NIC must not be
+        // cycled by a fix-up); other guests run the post-clone bring-up, which for a CH
+        // all-DHCP guest is the same wait for the lease, then Ready.
+        let needs_fixup = !drops_nic(&w.spec)
+            && (vm.hypervisor == spec::BACKEND_FC
+                || vm.nics.iter().any(|n| !n.static_ip.is_empty()));
+        if needs_fixup {
+            let msg = format!(
+                "wake {}: post-clone fix-up is not supported yet; the guest network may be stale",
+                w.spec.vm_name
+            );
+            self.metric(MetricUpdate::Wake { result: "failed" });
+            self.event(
+                key,
+                &w.uid,
+                EventType::Warning,
+                "PostCloneUnsupported",
+                &msg,
+            );
+            self.set_lifecycle(key, State::Failed, &msg);
+            self.slot(key).op = None;
+            self.push_status(key, false);
+            return self.reconcile_slot(key);
+        }
+        self.start_ready_wait(key, w.uid.clone(), vm.id, true);
+    }
+
+    /// An answer no wake step expects: the wake fails and is retried.
+    pub(super) fn wake_unexpected(&mut self, key: &PodKey, msg: &str) {
+        self.wake_failed(key, fail("UnexpectedAnswer", msg.to_string()))
+    }
+
+    /// A wake or restore failed before a VM existed. A restore fails its create (retried with
+    /// the pod's backoff); a wake fails the update (retried on the op schedule).
+    fn wake_failed(&mut self, key: &PodKey, failure: OpFailure) {
+        let Some(w) = self.wake_op(key) else {
+            return;
+        };
+        self.metric(MetricUpdate::Wake { result: "failed" });
+        if w.restore {
+            return self.fail_create_as(key, &w.uid, failure.reason, &failure.message, true);
+        }
+        let err = format!("wake: {}", failure.message);
+        self.update_failed(key, &w.uid, failure.reason, &err);
+    }
+}

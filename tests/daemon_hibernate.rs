@@ -1,0 +1,329 @@
+//! Process tests of hibernate, wake and restore: the real daemon, the fake cocoon and a real
+//! registry. A VM keeps its name and its data across hibernate / wake; a pod whose hibernate
+//! tag another daemon pushed is restored; a daemon killed at each step converges after restart.
+
+mod daemon_support;
+
+use std::fs;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use daemon_support::{annotation, phase, running_with_vm, World};
+use vk_cocoon::sandbox::demo_pod;
+use vk_cocoon::snapshots::manifest_info;
+
+const HIBERNATE: &str = "vm.cocoonstack.io/hibernate";
+const LIFECYCLE: &str = "vm.cocoonstack.io/lifecycle-state";
+const LIMIT: Duration = Duration::from_secs(60);
+
+/// The file of a VM's run dir that the fake cocoon treats as the guest's disk contents.
+fn guest_data(w: &World, vm_id: &str) -> PathBuf {
+    w.path("root/run/cloudhypervisor")
+        .join(vm_id)
+        .join("guest.data")
+}
+
+fn set_hibernate(w: &World, name: &str, on: bool) {
+    // The daemon writes the pod too: retry on a resourceVersion conflict.
+    for _ in 0..100 {
+        let mut p = w.pod(name).expect("pod");
+        p.metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(HIBERNATE.into(), on.to_string());
+        if w.api.update_pod(&p).is_ok() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("could not set {HIBERNATE}={on} on {name}");
+}
+
+fn tag_snapshot_id(w: &World, vm: &str) -> Option<String> {
+    manifest_info(&w.registry_client(), vm, "hibernate")
+        .expect("registry answers")
+        .and_then(|i| i.snapshot_id)
+}
+
+/// The pod is hibernated: lifecycle `hibernated`, no VM of its name, the tag in the registry.
+fn hibernated(w: &World, name: &str, vm: &str) -> Option<()> {
+    let p = w.pod(name)?;
+    let done = annotation(&p, LIFECYCLE).as_deref() == Some("hibernated")
+        && annotation(&p, "vm.cocoonstack.io/id").is_none()
+        && !w.vms().contains_key(vm)
+        && phase(&p) == "Pending";
+    (done && tag_snapshot_id(w, vm).is_some()).then_some(())
+}
+
+/// Running with a VM of this name whose lifecycle says `ready`.
+fn woken(w: &World, name: &str, vm: &str) -> Option<String> {
+    let (p, id) = running_with_vm(w, name)?;
+    let ready = annotation(&p, LIFECYCLE).as_deref() == Some("ready");
+    let vms = w.vms();
+    (ready && vms.get(vm).map(|(i, _)| i) == Some(&id)).then_some(id)
+}
+
+/// `World::wait` that reports the pod's Events and the provider's log lines on a timeout.
+fn wait_for<T>(w: &World, pod: &str, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let start = std::time::Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        if start.elapsed() > LIMIT {
+            let log: Vec<String> = w
+                .log()
+                .lines()
+                .filter(|l| {
+                    l.contains("provider") || l.contains(" event ") || l.contains("cocoon op")
+                })
+                .map(str::to_string)
+                .collect();
+            panic!(
+                "timed out waiting for {what}\nevents: {:#?}\npod: {:?}\nlog:\n{}",
+                w.events_for(pod),
+                w.pod(pod).map(|p| p.metadata.annotations),
+                log[log.len().saturating_sub(40)..].join("\n")
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A world whose fake cocoon plays cocoon-net (DHCP NICs, lease file): an all-DHCP clone needs
+/// no post-clone fix-up, so a woken VM turns Ready on its lease.
+fn dhcp_world() -> World {
+    let mut w = World::new();
+    let leases = w.path("net/leases.json");
+    w.extra_env = vec![
+        ("FAKE_COCOON_DHCP".into(), "1".into()),
+        ("FAKE_COCOON_LEASES".into(), leases.display().to_string()),
+    ];
+    w
+}
+
+fn start_pod(w: &mut World, name: &str) -> String {
+    w.seed_snapshot("base");
+    w.start_daemon();
+    w.api
+        .create_pod(&demo_pod("default", name, "clone", "base"))
+        .expect("create pod");
+    w.wait("pod Running", LIMIT, || running_with_vm(w, name)).1
+}
+
+#[test]
+fn hibernate_then_wake_keeps_the_vm_name_and_its_data() {
+    let mut w = dhcp_world();
+    let vm = "vk-default-p0";
+    let id = start_pod(&mut w, "p0");
+    fs::write(guest_data(&w, &id), b"written before hibernate\n").unwrap();
+
+    set_hibernate(&w, "p0", true);
+    wait_for(&w, "p0", "hibernated", || hibernated(&w, "p0", vm));
+    let events = w.events_for("p0");
+    assert!(
+        events
+            .iter()
+            .any(|(r, m)| r == "Hibernated" && m == "snapshot pushed to registry"),
+        "{events:?}"
+    );
+    // The local snapshot the tag was pushed from is kept (the wake verifies it).
+    let (ok, list) = w.cocoon(&["snapshot", "inspect", vm]);
+    assert!(ok, "{list}");
+
+    set_hibernate(&w, "p0", false);
+    let new_id = wait_for(&w, "p0", "woken", || woken(&w, "p0", vm));
+    assert_ne!(new_id, id, "a new VM under the same name");
+    assert_eq!(
+        fs::read(guest_data(&w, &new_id)).unwrap(),
+        b"written before hibernate\n"
+    );
+    let events = w.events_for("p0");
+    assert!(
+        events
+            .iter()
+            .any(|(r, m)| r == "Woken" && m == &format!("cloned from local snapshot {vm}")),
+        "{events:?}"
+    );
+    assert!(
+        tag_snapshot_id(&w, vm).is_some(),
+        "a wake never deletes the tag"
+    );
+    let m = w.metrics();
+    for family in [
+        "snapshot_save_total{result=\"ok\"}",
+        "snapshot_verify_total{result=\"ok\"}",
+        "wake_total{result=\"ok\"}",
+    ] {
+        assert!(
+            m.lines().any(|l| l.contains(family) && l.ends_with(" 1")),
+            "{family}\n{m}"
+        );
+    }
+    assert!(m.contains("hibernate_total{namespace=\"default\",phase=\"remove\",result=\"ok\"} 1"));
+}
+
+#[test]
+fn a_pod_whose_hibernate_tag_another_daemon_pushed_is_restored() {
+    let mut w = dhcp_world();
+    let vm = "vk-default-p1";
+    w.seed_snapshot("base");
+    // Another daemon's hibernation: a VM with data, saved and pushed, then removed with its
+    // local snapshot, so only the registry holds it.
+    let (ok, out) = w.cocoon(&["vm", "clone", "--output", "json", "--name", vm, "base"]);
+    assert!(ok, "{out}");
+    let other = serde_json::from_str::<serde_json::Value>(&out).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    fs::write(guest_data(&w, &other), b"from the other node\n").unwrap();
+    assert!(w.cocoon(&["snapshot", "save", "--name", vm, &other]).0);
+    w.push_snapshot(vm, "hibernate", "base");
+    assert!(w.cocoon(&["vm", "rm", "--force", &other]).0);
+    assert!(w.cocoon(&["snapshot", "rm", vm]).0);
+
+    w.start_daemon();
+    w.api
+        .create_pod(&demo_pod("default", "p1", "clone", "base"))
+        .expect("create pod");
+    let id = wait_for(&w, "p1", "restored", || woken(&w, "p1", vm));
+    assert_eq!(
+        fs::read(guest_data(&w, &id)).unwrap(),
+        b"from the other node\n"
+    );
+    let events = w.events_for("p1");
+    assert!(
+        events.iter().any(|(r, _)| r == "HibernateSnapshotExists"),
+        "{events:?}"
+    );
+    assert!(
+        events
+            .iter()
+            .any(|(r, m)| r == "Woken" && m == &format!("cloned from registry {vm}:hibernate")),
+        "{events:?}"
+    );
+    // The import served its clone and is gone.
+    let import = format!("{vm}-hibernate-import");
+    w.wait("import removed", LIMIT, || {
+        (!w.cocoon(&["snapshot", "inspect", &import]).0).then_some(())
+    });
+    let m = w.metrics();
+    assert!(
+        m.contains("hibernate_evidence_total{verdict=\"restored\"} 1"),
+        "{m}"
+    );
+}
+
+/// Whether a `<bin> <group> <verb> ...` cocoon process is alive (the daemon is in that step).
+fn cocoon_running(w: &World, group: &str, verb: &str) -> bool {
+    let bin = w.path("bin/cocoon");
+    let Ok(dir) = fs::read_dir("/proc") else {
+        return false;
+    };
+    dir.flatten().any(|e| {
+        let Ok(raw) = fs::read(e.path().join("cmdline")) else {
+            return false;
+        };
+        let argv: Vec<&[u8]> = raw.split(|b| *b == 0).collect();
+        argv.len() >= 3
+            && argv[0] == bin.as_os_str().as_encoded_bytes()
+            && argv[1] == group.as_bytes()
+            && argv[2] == verb.as_bytes()
+    })
+}
+
+/// Ask for `hibernate=on` with the cocoon verb `group verb` slowed down, SIGKILL the daemon
+/// while that verb runs, then restart it without the fault.
+fn crash_during(w: &mut World, name: &str, on: bool, group: &str, verb: &str) {
+    fs::write(
+        w.path("state/faults.json"),
+        format!("{{\"{group} {verb}\": {{\"slow_ms\": 3000}}}}"),
+    )
+    .unwrap();
+    set_hibernate(w, name, on);
+    wait_for(w, name, &format!("{group} {verb} running"), || {
+        cocoon_running(w, group, verb).then_some(())
+    });
+    w.kill_daemon();
+    fs::remove_file(w.path("state/faults.json")).unwrap();
+    // Whatever the killed daemon's child was doing finishes or dies before the restart.
+    w.wait("the step's process gone", LIMIT, || {
+        (!cocoon_running(w, group, verb)).then_some(())
+    });
+    w.start_daemon();
+}
+
+#[test]
+fn a_daemon_killed_at_each_step_of_hibernate_and_wake_converges() {
+    let mut w = dhcp_world();
+    let (name, vm) = ("p2", "vk-default-p2");
+    let id = start_pod(&mut w, name);
+    let data = b"kept through every crash\n".to_vec();
+    fs::write(guest_data(&w, &id), &data).unwrap();
+
+    // The hibernate tag, once it exists, never disappears: a replacement overwrites it.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let tag_lost = std::sync::atomic::AtomicBool::new(false);
+    let base = w.registry_base();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let client = vk_cocoon::snapshots::RegistryClient::from_env(&base).unwrap();
+            let mut seen = false;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                match manifest_info(&client, vm, "hibernate") {
+                    Ok(Some(_)) => seen = true,
+                    Ok(None) if seen => tag_lost.store(true, std::sync::atomic::Ordering::SeqCst),
+                    _ => {}
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        });
+        let steps: [(bool, &str, &str); 6] = [
+            (true, "snapshot", "save"),
+            (false, "snapshot", "inspect"),
+            (true, "snapshot", "export"),
+            (false, "vm", "clone"),
+            (true, "vm", "rm"),
+            (false, "snapshot", "import"),
+        ];
+        for (on, group, verb) in steps {
+            if (group, verb) == ("snapshot", "import") {
+                // This node lost its local copy: the wake pulls the tag.
+                assert!(w.cocoon(&["snapshot", "rm", vm]).0);
+            }
+            crash_during(&mut w, name, on, group, verb);
+            let step = format!("{group} {verb}");
+            if on {
+                wait_for(
+                    &w,
+                    name,
+                    &format!("hibernated after a crash in {step}"),
+                    || hibernated(&w, name, vm),
+                );
+            } else {
+                let id = wait_for(&w, name, &format!("woken after a crash in {step}"), || {
+                    woken(&w, name, vm)
+                });
+                assert_eq!(fs::read(guest_data(&w, &id)).unwrap(), data, "{step}");
+            }
+            // One VM at most, the pod's: nothing lost, nothing doubled.
+            let vms = w.vms();
+            assert!(
+                vms.keys().all(|n| n == vm) && vms.len() == usize::from(!on),
+                "{step}: {vms:?}"
+            );
+        }
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    });
+    assert!(
+        !tag_lost.load(std::sync::atomic::Ordering::SeqCst),
+        "the hibernate tag vanished at some point"
+    );
+    let events = w.events_for(name);
+    assert!(
+        events
+            .iter()
+            .any(|(r, m)| r == "ResumedAfterRestart" && m == "op=hibernate"),
+        "{events:?}"
+    );
+}
