@@ -621,6 +621,10 @@ impl Sim {
             CocoonCmd::SnapshotRm { .. } => CocoonResult::failed("rm: snapshot not found"),
             CocoonCmd::SnapshotSave { .. } => CocoonResult::ok(""),
             CocoonCmd::ImageInspect { .. } | CocoonCmd::ImagePull { .. } => CocoonResult::ok("{}"),
+            CocoonCmd::VmExec { id, .. } => match self.vms.get(id) {
+                Some(v) if v.state == "running" => CocoonResult::ok(""),
+                _ => CocoonResult::failed(format!("exec: vm {id} is not running")),
+            },
         }
     }
 

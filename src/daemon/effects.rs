@@ -514,6 +514,16 @@ pub(super) fn apply_metric(m: &Metrics, update: MetricUpdate) {
             .wake_ip_wait_total
             .with_label_values(&[&namespace, result])
             .inc(),
+        MetricUpdate::PostClone { kind, result } => {
+            m.postclone_total.with_label_values(&[kind, result]).inc()
+        }
+        MetricUpdate::PostCloneAttempts { result, attempts } => m
+            .postclone_retry_attempts
+            .with_label_values(&[result])
+            .observe(f64::from(attempts)),
+        MetricUpdate::WakeRenewNudge { result } => {
+            m.wake_renew_nudge_total.with_label_values(&[result]).inc()
+        }
     }
 }
 

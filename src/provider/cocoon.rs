@@ -14,17 +14,44 @@ use crate::vm::{CallOutcome, CocoonCall};
 /// the vm room's argv builders and deadlines (the only place that spells cocoon's argv).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CocoonCmd {
-    VmInspect { reference: String },
+    VmInspect {
+        reference: String,
+    },
     VmClone(CloneOptions),
     VmRun(RunOptions),
-    VmStart { id: String },
-    VmRm { id: String },
-    ReconcileStaleCreate { id: String },
-    SnapshotInspect { name: String },
-    SnapshotSave { name: String, vm_id: String },
-    SnapshotRm { name: String },
-    ImageInspect { reference: String },
-    ImagePull { reference: String, force: bool },
+    VmStart {
+        id: String,
+    },
+    VmRm {
+        id: String,
+    },
+    ReconcileStaleCreate {
+        id: String,
+    },
+    SnapshotInspect {
+        name: String,
+    },
+    SnapshotSave {
+        name: String,
+        vm_id: String,
+    },
+    SnapshotRm {
+        name: String,
+    },
+    ImageInspect {
+        reference: String,
+    },
+    ImagePull {
+        reference: String,
+        force: bool,
+    },
+    /// `vm exec <id> -- <command>` (post-clone fix-ups): output discarded, killed at
+    /// `deadline` (the rest of the fix-up's budget: a hung attempt is abandoned there).
+    VmExec {
+        id: String,
+        command: Vec<String>,
+        deadline: Duration,
+    },
 }
 
 impl CocoonCmd {
@@ -42,6 +69,7 @@ impl CocoonCmd {
             CocoonCmd::SnapshotRm { .. } => Verb::SnapshotRm,
             CocoonCmd::ImageInspect { .. } => Verb::ImageInspect,
             CocoonCmd::ImagePull { .. } => Verb::ImagePull,
+            CocoonCmd::VmExec { .. } => Verb::VmExec,
         }
     }
 
@@ -59,12 +87,20 @@ impl CocoonCmd {
             CocoonCmd::SnapshotRm { name } => argv::snapshot_rm(name),
             CocoonCmd::ImageInspect { reference } => argv::image_inspect(reference),
             CocoonCmd::ImagePull { reference, force } => argv::image_pull(reference, *force),
+            CocoonCmd::VmExec { id, command, .. } => argv::vm_exec(&crate::vm::ExecOptions {
+                vm: id.clone(),
+                command: command.clone(),
+                ..Default::default()
+            }),
         }
     }
 
     /// How long the daemon lets the child run before killing it: the contract's per-verb
     /// deadline (every verb the core runs has one).
     pub fn deadline(&self) -> Duration {
+        if let CocoonCmd::VmExec { deadline, .. } = self {
+            return *deadline;
+        }
         let d = Deadlines::default();
         d.for_verb(self.verb()).unwrap_or(d.control)
     }
@@ -162,6 +198,9 @@ pub struct NicInfo {
     pub mac: String,
     /// Static address from inspect's `network.ip`; empty ⇒ DHCP.
     pub static_ip: String,
+    /// Prefix length and gateway of the static address (0 / empty when absent).
+    pub prefix: u64,
+    pub gateway: String,
 }
 
 /// The fields of cocoon's VM JSON object that the provider uses.
@@ -173,6 +212,9 @@ pub struct VmInfo {
     pub state: VmState,
     pub pid: i64,
     pub nics: Vec<NicInfo>,
+    /// A disk of the VM is a cloud image's qcow2 overlay: the guest runs cloud-init, which
+    /// the post-clone fix-up re-runs instead of writing networkd files.
+    pub cloud_image: bool,
 }
 
 impl VmInfo {
@@ -207,7 +249,12 @@ impl VmInfo {
 
 impl From<crate::vm::Vm> for VmInfo {
     fn from(vm: crate::vm::Vm) -> Self {
+        let cloud_image = vm
+            .storage_configs
+            .iter()
+            .any(|s| s.path.ends_with("/overlay.qcow2"));
         VmInfo {
+            cloud_image,
             id: vm.id,
             name: vm.config.name,
             hypervisor: vm.hypervisor,
@@ -216,10 +263,15 @@ impl From<crate::vm::Vm> for VmInfo {
             nics: vm
                 .network_configs
                 .into_iter()
-                .map(|n| NicInfo {
-                    tap: n.tap,
-                    mac: n.mac.to_ascii_lowercase(),
-                    static_ip: n.network.map(|a| a.ip).unwrap_or_default(),
+                .map(|n| {
+                    let addr = n.network.unwrap_or_default();
+                    NicInfo {
+                        tap: n.tap,
+                        mac: n.mac.to_ascii_lowercase(),
+                        static_ip: addr.ip,
+                        prefix: addr.prefix,
+                        gateway: addr.gateway,
+                    }
                 })
                 .collect(),
         }

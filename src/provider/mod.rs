@@ -41,6 +41,7 @@
 
 pub mod cocoon;
 pub mod core;
+pub mod fixup;
 pub mod lifecycle;
 pub mod spec;
 pub mod status;
@@ -210,6 +211,15 @@ pub enum MetricUpdate {
         namespace: String,
         result: &'static str,
     },
+    /// `postclone_total{kind,result}`.
+    PostClone {
+        kind: &'static str,
+        result: &'static str,
+    },
+    /// `postclone_retry_attempts{result}` observes the attempts a fix-up took.
+    PostCloneAttempts { result: &'static str, attempts: u32 },
+    /// `wake_renew_nudge_total{result}`.
+    WakeRenewNudge { result: &'static str },
 }
 
 /// Why a pod was evicted; also the terminated container's reason.

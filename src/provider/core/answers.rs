@@ -40,6 +40,10 @@ impl Provider {
                 warn(self, &uid);
                 self.ready_wait_poll(key)
             }
+            Op::PostClone(p) => {
+                warn(self, &p.uid);
+                self.post_clone_attempt_failed(key, msg)
+            }
             Op::ApiDelete { uid } => {
                 warn(self, &uid);
                 let failed = Res::Kube(Err(KubeError::Other(msg.clone())));
@@ -64,8 +68,10 @@ impl Provider {
             Some(Op::Delete(_)) => self.delete_step(key, res),
             Some(Op::Evict(_)) => self.evict_step(key, res),
             Some(Op::Check(_)) => self.check_step(key, res),
+            Some(Op::PostClone(_)) => self.post_clone_step(key, res),
             Some(Op::ReadyWait { .. }) => match res {
                 Res::Lease(r) => self.ready_wait_result(key, r),
+                Res::Cocoon(r) => self.renew_nudge_result(key, &r),
                 other => self.unexpected_answer(key, &"ReadyWait", &other),
             },
             Some(Op::ApiDelete { .. }) if !matches!(res, Res::Kube(_)) => {
@@ -239,6 +245,7 @@ impl Provider {
         match slot.op.clone() {
             None => self.reconcile_slot(key),
             Some(Op::ReadyWait { .. }) => self.ready_wait_poll(key),
+            Some(Op::PostClone(_)) => self.post_clone_timer(key),
             Some(Op::Check(c)) => match c.step {
                 CheckStep::Inspect { .. } => {
                     self.pod_cocoon(key, CocoonCmd::VmInspect { reference: c.vm_id })

@@ -2,6 +2,7 @@
 //! for the lease and publish Ready; probe results (readiness) land here too.
 
 use super::*;
+use crate::provider::fixup;
 
 impl Provider {
     /// The VM exists (booted or adopted): resolve its IP, then finish.
@@ -63,6 +64,7 @@ impl Provider {
             return;
         };
         let (uid, spec) = (c.uid.clone(), c.spec.clone());
+        let c_snapshot_image = c.snapshot_image.clone();
         let ip = if ip.is_empty() {
             self.slot(key)
                 .tracked
@@ -121,40 +123,23 @@ impl Provider {
             "ProviderCreateSuccess",
             "Create pod in provider successfully",
         );
-        let needs_fixup = cloned
-            && (vm.hypervisor == spec::BACKEND_FC
-                || vm.nics.iter().any(|n| !n.static_ip.is_empty()));
-        if needs_fixup {
-            let kind = if vm.hypervisor == spec::BACKEND_FC {
-                "linux_fc"
-            } else {
-                "linux_static"
-            };
-            let msg = format!(
-                "clone {}: post-clone fix-up (kind={kind}) is not supported yet; the guest network may be stale",
-                spec.vm_name
-            );
-            self.lifecycle_metric("create", "failed", "postclone_unsupported");
-            self.event(key, &uid, EventType::Warning, "PostCloneUnsupported", &msg);
-            self.set_lifecycle(key, State::Failed, &msg);
-            self.slot(key).op = None;
-            self.push_status(key, false);
-            return self.reconcile_slot(key);
-        }
         self.lifecycle_metric("create", "ok", "");
         if cloned {
-            if ip.is_empty() {
+            let cloud_image = spec::is_http_url(&c_snapshot_image);
+            if ip.is_empty() && fixup::classify(spec.os, &vm).is_none() {
                 // Just looked the lease up: poll again in 200 ms.
                 self.slot(key).op = Some(Op::ReadyWait {
                     uid,
                     vm_id: vm.id.clone(),
                     until: self.now + IP_WAIT,
+                    nudge_at: None,
+                    mode: PostCloneMode::Clone,
                 });
                 self.push_status(key, false);
                 let at = self.now + IP_POLL;
                 return self.set_pod_timer(key, at);
             }
-            return self.start_ready_wait(key, uid, vm.id);
+            return self.post_clone_or_ready_wait(key, &vm, cloud_image, PostCloneMode::Clone);
         }
         self.slot(key).op = None;
         self.publish_ready(key);
@@ -225,10 +210,20 @@ impl Provider {
         let Some(slot) = self.slots.get(key) else {
             return;
         };
-        let (Some(Op::ReadyWait { until, uid, vm_id }), Some(t)) = (&slot.op, &slot.tracked) else {
+        let (
+            Some(Op::ReadyWait {
+                until,
+                uid,
+                vm_id,
+                mode,
+                ..
+            }),
+            Some(t),
+        ) = (&slot.op, &slot.tracked)
+        else {
             return;
         };
-        let until = *until;
+        let (until, mode) = (*until, *mode);
         let vm = t.vm.clone().unwrap_or_default();
         // Only while the pod still tracks the same incarnation and VM.
         if *uid != t.uid || *vm_id != vm.id || t.spec.hibernate {
@@ -249,18 +244,19 @@ impl Provider {
                 namespace: key.namespace.clone(),
                 result: "timeout",
             });
-            let msg = format!("clone {name}: dhcp lease not observed within 45s");
-            self.event(
-                key,
-                &uid,
-                EventType::Warning,
-                "PostCloneIPWaitTimeout",
-                &msg,
-            );
+            let msg = format!("{} {name}: dhcp lease not observed within 45s", mode.word());
+            let reason = match mode {
+                PostCloneMode::Clone => "PostCloneIPWaitTimeout",
+                PostCloneMode::Wake => "WakeIPWaitTimeout",
+            };
+            self.event(key, &uid, EventType::Warning, reason, &msg);
             self.set_lifecycle(key, State::Failed, &msg);
             self.slot(key).op = None;
             self.push_status(key, false);
             return self.reconcile_slot(key);
+        }
+        if self.maybe_renew_nudge(key) {
+            return;
         }
         let mac = vm.primary_mac();
         if mac.is_empty() {
@@ -321,12 +317,9 @@ impl Provider {
         }
     }
 
-    /// Wait for the guest IP, then publish Ready.
+    /// Wait for the guest IP of a clone, then publish Ready.
     pub(super) fn start_ready_wait(&mut self, key: &PodKey, uid: String, vm_id: String) {
-        let until = self.now + IP_WAIT;
-        self.slot(key).op = Some(Op::ReadyWait { uid, vm_id, until });
-        self.push_status(key, false);
-        self.ready_wait_poll(key);
+        self.start_ready_wait_as(key, uid, vm_id, PostCloneMode::Clone)
     }
 
     // ----- readiness ------------------------------------------------------------------------

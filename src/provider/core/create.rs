@@ -29,18 +29,10 @@ impl Provider {
         // Unsupported paths fail before anything is tracked or run.
         let unsupported = if spec.managed && spec.os == Os::Macos {
             Some("managed macOS guests are not supported yet")
-        } else if spec.managed && spec.os == Os::Windows {
-            Some("managed Windows guests are not supported yet")
         } else if spec.managed && spec.restore_from_hibernate {
             Some("restore-from-hibernate is not supported yet")
         } else if spec.managed && !spec.fork_from.is_empty() {
             Some("fork-from is not supported yet")
-        } else if spec.managed
-            && spec.mode != Mode::Run
-            && spec.clone_from_dir.is_none()
-            && spec.firecracker()
-        {
-            Some("cloning onto firecracker needs the post-clone fix-up, which is not supported yet")
         } else {
             None
         };
@@ -516,13 +508,6 @@ impl Provider {
                     let msg = format!(
                         "snapshot {} was taken with {} but CocoonSet requests {}",
                         c.local_snapshot, snap.hypervisor, spec.backend
-                    );
-                    return self.fail_create(key, &c.uid, &msg, false);
-                }
-                if snap.hypervisor == spec::BACKEND_FC {
-                    let msg = format!(
-                        "snapshot {} is a firecracker snapshot; cloning it needs the post-clone fix-up, which is not supported yet",
-                        c.local_snapshot
                     );
                     return self.fail_create(key, &c.uid, &msg, false);
                 }

@@ -16,13 +16,11 @@
 //! and `kube_writes` (status / annotation patches, drift). A new transition touches its
 //! operation's file and, for a new step, the step enum in `state`.
 //!
-//! Decisions for features not built yet: fork-from, restore-from-hibernate, managed
-//! Windows/macOS guests fail the create clearly (Warning event, ProviderFailed status, counter)
-//! without touching cocoon; a hibernate request on a running pod changes nothing and gets a
-//! Warning `HibernateUnsupported`. Post-clone fix-ups are not implemented: CH all-DHCP clones
-//! (which need none) wait for the IP and publish Ready; a clone onto firecracker is
-//! refused before cloning; a CH clone that comes up with a static NIC keeps its VM (so delete
-//! cleans it) but is marked lifecycle `failed` with a Warning `PostCloneUnsupported`.
+//! Decisions for features not built yet: fork-from, restore-from-hibernate and managed macOS
+//! guests fail the create clearly (Warning event, ProviderFailed status, counter) without
+//! touching cocoon; a hibernate request on a running pod changes nothing and gets a Warning
+//! `HibernateUnsupported`. Clones that need a post-clone network fix-up (Windows, Firecracker,
+//! Cloud Hypervisor with a static NIC) get it from `post_clone` before the IP wait.
 //!
 //! Ownership (issue 17): a VM belongs to at most one live pod. A create whose VM name, or
 //! unmanaged VM id, another tracked pod holds is refused for good (phase Failed, Warning,
@@ -57,6 +55,7 @@ mod create;
 mod delete;
 mod evict;
 mod kube_writes;
+mod post_clone;
 mod startup;
 mod state;
 #[cfg(test)]
@@ -359,6 +358,7 @@ impl Provider {
             (Some(Op::Delete(d)), Step::Delete(s)) => d.step = s,
             (Some(Op::Evict(e)), Step::Evict(s)) => e.step = s,
             (Some(Op::Check(c)), Step::Check(s)) => c.step = s,
+            (Some(Op::PostClone(p)), Step::PostClone(s)) => p.step = s,
             // A bug, not an input. The question is still asked: whichever op its answer then
             // reaches fails through `unexpected_answer` with a retry instead of stalling.
             (_, step) => {

@@ -140,6 +140,48 @@ pub(super) struct CheckOp {
     pub(super) step: CheckStep,
 }
 
+/// Why a post-clone fix-up runs: after a clone, or as part of a wake (whose failures count as
+/// wake failures and whose IP wait reports `WakeIPWaitTimeout`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PostCloneMode {
+    Clone,
+    /// Built by the wake path (hibernate / wake), which starts the fix-up after a restore.
+    #[cfg_attr(not(test), allow(dead_code))]
+    Wake,
+}
+
+impl PostCloneMode {
+    /// The op word of messages: "clone <vm>" / "wake <vm>".
+    pub(super) fn word(self) -> &'static str {
+        match self {
+            PostCloneMode::Clone => "clone",
+            PostCloneMode::Wake => "wake",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum PostCloneStep {
+    /// A `vm exec` attempt runs.
+    Exec,
+    /// Waiting for the next attempt (the slot timer).
+    Pause,
+}
+
+/// The post-clone fix-up of a tracked VM: `vm exec` attempts within a budget, then the IP wait.
+#[derive(Debug, Clone)]
+pub(super) struct PostCloneOp {
+    pub(super) uid: String,
+    pub(super) vm_id: String,
+    pub(super) mode: PostCloneMode,
+    pub(super) fixup: crate::provider::fixup::Fixup,
+    pub(super) step: PostCloneStep,
+    pub(super) attempts: u32,
+    pub(super) errors: Vec<String>,
+    /// The end of the budget: no attempt starts after it and a running one is killed there.
+    pub(super) until: Instant,
+}
+
 #[derive(Debug, Clone)]
 pub(super) enum Op {
     Create(Box<CreateOp>),
@@ -148,7 +190,12 @@ pub(super) enum Op {
         uid: String,
         vm_id: String,
         until: Instant,
+        /// Windows guests: when to send the one `ipconfig /renew` nudge (None = not owed).
+        nudge_at: Option<Instant>,
+        mode: PostCloneMode,
     },
+    /// Post-clone fix-up of the VM just cloned (or woken). Preemptible.
+    PostClone(Box<PostCloneOp>),
     Delete(DeleteOp),
     Evict(EvictOp),
     Check(CheckOp),
@@ -163,6 +210,7 @@ impl Op {
         matches!(
             self,
             Op::ReadyWait { .. }
+                | Op::PostClone(_)
                 | Op::Check(CheckOp {
                     step: CheckStep::Deferred { .. },
                     ..
@@ -319,6 +367,13 @@ pub(super) enum Step {
     Delete(DeleteStep),
     Evict(EvictStep),
     Check(CheckStep),
+    PostClone(PostCloneStep),
+}
+
+impl From<PostCloneStep> for Step {
+    fn from(s: PostCloneStep) -> Step {
+        Step::PostClone(s)
+    }
 }
 
 impl From<CreateStep> for Step {

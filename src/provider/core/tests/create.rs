@@ -209,8 +209,7 @@ fn unsupported_requests_fail_create_clearly() {
     for extra in [
         (ANN_FORK_FROM, "vk-ns-demo-0"),
         (ANN_RESTORE, "true"),
-        (ANN_OS, "windows"),
-        (ANN_BACKEND, "firecracker"),
+        (ANN_OS, "macos"),
     ] {
         let mut h = H::new(ProviderConfig::default());
         let mut ann = managed("a", "vk-ns-demo-1");

@@ -17,6 +17,7 @@ mod create;
 mod delete;
 mod kube_writes;
 mod ownership;
+mod post_clone;
 mod startup;
 
 struct H {

@@ -1,0 +1,331 @@
+//! Post-clone fix-up: `cocoon vm exec` attempts that repair a clone's guest network within a
+//! budget, the post-clone-state / hint / errors annotations, then the wait for the IP.
+//!
+//! The op is preemptible: a delete or a new incarnation ends it at once; the answer of an
+//! attempt still running is then stale and dropped (the child is killed at its deadline, which
+//! is never later than the budget's end).
+
+use base64::Engine;
+
+use super::*;
+use crate::provider::fixup::{self, Fixup};
+
+/// Total time the attempts of one fix-up may take.
+const BUDGET: Duration = Duration::from_secs(180);
+/// Pause between a failed attempt and the next.
+const ATTEMPT_PAUSE: Duration = Duration::from_secs(3);
+/// Windows guests get one `ipconfig /renew` this long into the IP wait.
+const RENEW_NUDGE_AFTER: Duration = Duration::from_secs(30);
+/// The post-clone-errors annotation is cut to this many bytes.
+const ERRORS_MAX: usize = 4096;
+
+pub(super) const ANN_POST_CLONE_HINT: &str = "vm.cocoonstack.io/post-clone-hint";
+pub(super) const ANN_POST_CLONE_ERRORS: &str = "vm.cocoonstack.io/post-clone-errors";
+
+/// What the pod's post-clone-state annotation says, from the latest copy of the pod.
+pub(super) fn post_clone_state(pod: &Pod) -> Option<&str> {
+    pod.metadata
+        .annotations
+        .as_ref()?
+        .get(spec::ANN_POST_CLONE_STATE)
+        .map(String::as_str)
+}
+
+impl Provider {
+    /// The tracked VM of `key` came up as a clone (or woke): run the fix-up it needs, else go
+    /// straight to the IP wait. `cloud_image`: the guest came from a cloud image (source
+    /// image is an http(s) URL) even if the VM's disks do not say so.
+    pub(super) fn post_clone_or_ready_wait(
+        &mut self,
+        key: &PodKey,
+        vm: &VmInfo,
+        cloud_image: bool,
+        mode: PostCloneMode,
+    ) {
+        let Some(t) = self.slots.get(key).and_then(|s| s.tracked.as_ref()) else {
+            return;
+        };
+        let (uid, os, name) = (t.uid.clone(), t.spec.os, t.spec.vm_name.clone());
+        let Some(kind) = fixup::classify(os, vm) else {
+            return self.start_ready_wait_as(key, uid, vm.id.clone(), mode);
+        };
+        let fix = match fixup::build(kind, &name, vm, cloud_image || vm.cloud_image) {
+            Ok(f) => f,
+            Err(e) => {
+                // Nothing is run with a value that failed its check: the fix-up fails now.
+                let fix = Fixup {
+                    kind,
+                    command: Vec::new(),
+                    hint: String::new(),
+                };
+                return self.post_clone_failed(key, &uid, mode, &fix, 0, &[e]);
+            }
+        };
+        self.write_post_clone_state(key, &uid, "running", BTreeMap::new());
+        self.slot(key).op = Some(Op::PostClone(Box::new(PostCloneOp {
+            uid,
+            vm_id: vm.id.clone(),
+            mode,
+            fixup: fix,
+            step: PostCloneStep::Exec,
+            attempts: 0,
+            errors: Vec::new(),
+            until: self.now + BUDGET,
+        })));
+        self.push_status(key, false);
+        self.post_clone_attempt(key);
+    }
+
+    fn post_clone_op(&self, key: &PodKey) -> Option<&PostCloneOp> {
+        match self.slots.get(key)?.op.as_ref()? {
+            Op::PostClone(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    /// Start the next attempt, or give up when the budget is spent.
+    fn post_clone_attempt(&mut self, key: &PodKey) {
+        let Some(p) = self.post_clone_op(key) else {
+            return;
+        };
+        if self.now >= p.until {
+            return self.post_clone_exhausted(key);
+        }
+        let cmd = CocoonCmd::VmExec {
+            id: p.vm_id.clone(),
+            command: p.fixup.command.clone(),
+            deadline: p.until.saturating_duration_since(self.now),
+        };
+        if let Some(Op::PostClone(p)) = self.slot(key).op.as_mut() {
+            p.attempts += 1;
+        }
+        self.advance(key, PostCloneStep::Exec, Ask::Cocoon(cmd));
+    }
+
+    /// The pause between attempts is over.
+    pub(super) fn post_clone_timer(&mut self, key: &PodKey) {
+        if matches!(self.post_clone_op(key), Some(p) if p.step == PostCloneStep::Pause) {
+            self.post_clone_attempt(key);
+        }
+    }
+
+    /// The answer of an attempt.
+    pub(super) fn post_clone_step(&mut self, key: &PodKey, res: Res) {
+        let Some(p) = self.post_clone_op(key) else {
+            return;
+        };
+        let Res::Cocoon(r) = res else {
+            return self.unexpected_answer(key, &p.step.clone(), &res);
+        };
+        if r.success {
+            return self.post_clone_succeeded(key);
+        }
+        let err = if r.timed_out {
+            "vm exec did not finish within the fix-up's budget".to_string()
+        } else {
+            r.error_text()
+        };
+        self.post_clone_attempt_failed(key, err);
+    }
+
+    /// One attempt failed: Warning, then the next one after the pause (within the budget).
+    pub(super) fn post_clone_attempt_failed(&mut self, key: &PodKey, err: String) {
+        let Some(p) = self.post_clone_op(key) else {
+            return;
+        };
+        let (uid, n, until) = (p.uid.clone(), p.attempts, p.until);
+        self.event(
+            key,
+            &uid,
+            EventType::Warning,
+            "PostCloneExecAttemptFailed",
+            &format!("attempt {n}: {err}"),
+        );
+        if let Some(Op::PostClone(p)) = self.slot(key).op.as_mut() {
+            p.errors.push(format!("attempt {n}: {err}"));
+        }
+        if self.now >= until {
+            return self.post_clone_exhausted(key);
+        }
+        let at = (self.now + ATTEMPT_PAUSE).min(until);
+        self.advance(key, PostCloneStep::Pause, Ask::Timer(at));
+    }
+
+    fn post_clone_succeeded(&mut self, key: &PodKey) {
+        let Some(p) = self.post_clone_op(key).cloned() else {
+            return;
+        };
+        let kind = p.fixup.kind;
+        self.metric(MetricUpdate::PostClone {
+            kind: kind.label(),
+            result: "ok",
+        });
+        self.metric(MetricUpdate::PostCloneAttempts {
+            result: "ok",
+            attempts: p.attempts,
+        });
+        self.write_post_clone_state(key, &p.uid, "done", BTreeMap::new());
+        self.event(
+            key,
+            &p.uid,
+            EventType::Normal,
+            "PostCloneSucceeded",
+            &format!("kind={} attempts={}", kind.label(), p.attempts),
+        );
+        self.start_ready_wait_as(key, p.uid, p.vm_id, p.mode);
+    }
+
+    fn post_clone_exhausted(&mut self, key: &PodKey) {
+        let Some(p) = self.post_clone_op(key).cloned() else {
+            return;
+        };
+        self.post_clone_failed(key, &p.uid, p.mode, &p.fixup, p.attempts, &p.errors);
+    }
+
+    /// The fix-up failed for good: counters, post-clone-state `failed` with the hint and the
+    /// errors, Warning `PostCloneExecExhausted`, lifecycle `failed`. The VM stays (an operator
+    /// repairs it with the hint; a delete removes it).
+    fn post_clone_failed(
+        &mut self,
+        key: &PodKey,
+        uid: &str,
+        mode: PostCloneMode,
+        fix: &Fixup,
+        attempts: u32,
+        errors: &[String],
+    ) {
+        let name = self
+            .slots
+            .get(key)
+            .and_then(|s| s.tracked.as_ref())
+            .map(|t| t.spec.vm_name.clone())
+            .unwrap_or_default();
+        self.metric(MetricUpdate::PostClone {
+            kind: fix.kind.label(),
+            result: "failed",
+        });
+        self.metric(MetricUpdate::PostCloneAttempts {
+            result: "failed",
+            attempts,
+        });
+        let joined = errors.join("; ");
+        let mut extra = BTreeMap::new();
+        extra.insert(
+            ANN_POST_CLONE_HINT.to_string(),
+            Some(base64::engine::general_purpose::STANDARD.encode(&fix.hint)),
+        );
+        extra.insert(
+            ANN_POST_CLONE_ERRORS.to_string(),
+            Some(truncate_bytes(&joined, ERRORS_MAX)),
+        );
+        self.write_post_clone_state(key, uid, "failed", extra);
+        let what = format!("{} {name}", mode.word());
+        self.event(
+            key,
+            uid,
+            EventType::Warning,
+            "PostCloneExecExhausted",
+            &format!("{what}: {joined}"),
+        );
+        let msg = format!(
+            "{what}: post-clone network fix-up ({}) failed after {attempts} attempts",
+            fix.kind.label()
+        );
+        self.set_lifecycle(key, State::Failed, &msg);
+        self.slot(key).op = None;
+        self.push_status(key, false);
+        self.reconcile_slot(key);
+    }
+
+    /// Writes post-clone-state (with `extra` annotations in the same patch). A `failed` marker
+    /// is never overwritten by `running` or `done`: it stays until an operator clears it.
+    fn write_post_clone_state(
+        &mut self,
+        key: &PodKey,
+        uid: &str,
+        state: &str,
+        mut extra: BTreeMap<String, Option<String>>,
+    ) {
+        let Some(slot) = self.slots.get(key) else {
+            return;
+        };
+        let Some(t) = slot.tracked.as_ref() else {
+            return;
+        };
+        if !t.spec.managed {
+            return;
+        }
+        let marked_failed = slot
+            .latest
+            .as_deref()
+            .and_then(post_clone_state)
+            .is_some_and(|s| s == "failed");
+        if state != "failed" && marked_failed {
+            return;
+        }
+        extra.insert(spec::ANN_POST_CLONE_STATE.to_string(), Some(state.into()));
+        self.send_annotations(key, uid, extra, false);
+    }
+
+    /// Wait for the guest IP, then publish Ready; Windows guests get a renew nudge at 30 s.
+    pub(super) fn start_ready_wait_as(
+        &mut self,
+        key: &PodKey,
+        uid: String,
+        vm_id: String,
+        mode: PostCloneMode,
+    ) {
+        let windows = self
+            .slots
+            .get(key)
+            .and_then(|s| s.tracked.as_ref())
+            .is_some_and(|t| t.spec.os == Os::Windows);
+        let until = self.now + IP_WAIT;
+        let nudge_at = windows.then(|| (self.now + RENEW_NUDGE_AFTER).min(until));
+        self.slot(key).op = Some(Op::ReadyWait {
+            uid,
+            vm_id,
+            until,
+            nudge_at,
+            mode,
+        });
+        self.push_status(key, false);
+        self.ready_wait_poll(key);
+    }
+
+    /// The IP wait's renew nudge is due: `cmd /c ipconfig /renew` in the guest, within what is
+    /// left of the wait. Returns false when none is due.
+    pub(super) fn maybe_renew_nudge(&mut self, key: &PodKey) -> bool {
+        let Some(Op::ReadyWait {
+            nudge_at: Some(at),
+            until,
+            vm_id,
+            ..
+        }) = self.slots.get(key).and_then(|s| s.op.clone())
+        else {
+            return false;
+        };
+        if self.now < at || self.now >= until {
+            return false;
+        }
+        if let Some(Op::ReadyWait { nudge_at, .. }) = self.slot(key).op.as_mut() {
+            *nudge_at = None;
+        }
+        let cmd = CocoonCmd::VmExec {
+            id: vm_id,
+            command: ["cmd", "/c", "ipconfig", "/renew"]
+                .map(String::from)
+                .to_vec(),
+            deadline: until.saturating_duration_since(self.now),
+        };
+        self.pod_cocoon(key, cmd);
+        true
+    }
+
+    /// The nudge's answer: count it, then look at the lease again.
+    pub(super) fn renew_nudge_result(&mut self, key: &PodKey, r: &CocoonResult) {
+        let result = if r.success { "ok" } else { "failed" };
+        self.metric(MetricUpdate::WakeRenewNudge { result });
+        self.ready_wait_poll(key);
+    }
+}
