@@ -474,6 +474,10 @@ impl Sim {
                     }),
                 );
             }
+            Effect::SacPass { op, .. } => {
+                let l = self.latency();
+                self.later(l, Delivery::Input(Input::SacDone { op, result: Ok(()) }));
+            }
             Effect::StartProbe {
                 key, uid, vm_id, ..
             } => {

@@ -206,7 +206,33 @@ impl Daemon {
                 });
             }
             Effect::CheckHibernateEvidence { op, vm_name } => self.check_evidence(op, vm_name),
+            Effect::SacPass { op, vm_id, plan } => self.sac_pass(op, &vm_id, plan),
             Effect::Metric(update) => apply_metric(&self.metrics, update),
+        }
+    }
+
+    /// The SAC pass on a thread of its own: it waits minutes at worst (dial, prompt and
+    /// verification retries) and must not hold a pool worker that transfers need.
+    fn sac_pass(&mut self, op: OpId, vm_id: &str, plan: crate::guest::sac::SacPlan) {
+        let socket = self
+            .config
+            .cocoon_root_dir
+            .join("run/cloudhypervisor")
+            .join(vm_id)
+            .join("console.sock");
+        let notifier = self.reactor.notifier();
+        let spawned = std::thread::Builder::new()
+            .name("vk-sac".into())
+            .spawn(move || {
+                let result = crate::guest::dialer::run(&socket, plan);
+                notifier.post(Work::Sac { op, result });
+            });
+        if let Err(e) = spawned {
+            let result = Err(crate::guest::sac::SacError {
+                reason: crate::guest::sac::DIAL_FAILED,
+                message: format!("start the SAC dialer: {e}"),
+            });
+            self.pending.push_back(Input::SacDone { op, result });
         }
     }
 

@@ -36,6 +36,8 @@
 //!   pool jobs (snapshots room); answer [`Input::TransferDone`] (a [`TransferError`] on failure).
 //! * [`Effect::CheckHibernateEvidence`] `{op, vm_name}`: look the registry tag
 //!   `<vm_name>:hibernate` up (a worker job); answer [`Input::HibernateEvidence`].
+//! * [`Effect::SacPass`] `{op, vm_id, plan}`: run the Windows SAC static-IP pass on the VM's
+//!   console socket (a thread of its own); answer [`Input::SacDone`].
 //! * Fire-and-forget (no answer): [`Effect::Event`], [`Effect::StartProbe`],
 //!   [`Effect::StopProbe`], [`Effect::ReleaseLeases`], [`Effect::Metric`].
 
@@ -287,6 +289,11 @@ pub enum Input {
         op: OpId,
         result: Result<Option<String>, TransferError>,
     },
+    /// Answer to [`Effect::SacPass`].
+    SacDone {
+        op: OpId,
+        result: Result<(), crate::guest::sac::SacError>,
+    },
     VmEvent {
         kind: VmEventKind,
         vm: VmInfo,
@@ -389,6 +396,13 @@ pub enum Effect {
     CheckHibernateEvidence {
         op: OpId,
         vm_name: String,
+    },
+    /// Set the static addresses of a Windows guest over SAC on the console socket of `vm_id`
+    /// (a worker thread); answer [`Input::SacDone`].
+    SacPass {
+        op: OpId,
+        vm_id: String,
+        plan: crate::guest::sac::SacPlan,
     },
     Metric(MetricUpdate),
 }

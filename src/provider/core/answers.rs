@@ -286,6 +286,7 @@ pub(super) enum Res {
     Kube(Result<(), KubeError>),
     Transfer(Result<String, TransferError>),
     Evidence(Result<Option<String>, TransferError>),
+    Sac(Result<(), crate::guest::sac::SacError>),
 }
 
 impl Res {
@@ -297,6 +298,7 @@ impl Res {
             Res::Kube(_) => "Kubernetes API",
             Res::Transfer(_) => "registry transfer",
             Res::Evidence(_) => "hibernate evidence",
+            Res::Sac(_) => "SAC pass",
         }
     }
 

@@ -466,6 +466,7 @@ impl Provider {
             Input::KubeDone { op, result } => self.on_result(op, Res::Kube(result)),
             Input::TransferDone { op, result } => self.on_result(op, Res::Transfer(result)),
             Input::HibernateEvidence { op, result } => self.on_result(op, Res::Evidence(result)),
+            Input::SacDone { op, result } => self.on_result(op, Res::Sac(result)),
             Input::VmEvent { kind, vm } => self.vm_event(kind, vm),
             Input::Readiness {
                 key,

@@ -8,7 +8,8 @@
 use base64::Engine;
 
 use super::*;
-use crate::provider::fixup::{self, Fixup};
+use crate::guest::sac::{self, SacError, SacPlan};
+use crate::provider::fixup::{self, Fixup, FixupKind};
 
 /// Total time the attempts of one fix-up may take.
 const BUDGET: Duration = Duration::from_secs(180);
@@ -61,6 +62,27 @@ impl Provider {
                 return self.post_clone_failed(key, &uid, mode, &fix, 0, &[e]);
             }
         };
+        let windows_static =
+            kind == FixupKind::Windows && vm.nics.iter().any(|n| !n.static_ip.is_empty());
+        let sac = if windows_static {
+            let nics: Vec<(String, u64, String)> = vm
+                .nics
+                .iter()
+                .map(|n| (n.static_ip.clone(), n.prefix, n.gateway.clone()))
+                .collect();
+            match SacPlan::from_nics(&nics) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    let err = SacError {
+                        reason: sac::SET_FAILED,
+                        message: e,
+                    };
+                    return self.sac_failed(key, &uid, mode, &err);
+                }
+            }
+        } else {
+            None
+        };
         self.write_post_clone_state(key, &uid, "running", BTreeMap::new());
         self.slot(key).op = Some(Op::PostClone(Box::new(PostCloneOp {
             uid,
@@ -70,6 +92,7 @@ impl Provider {
             step: PostCloneStep::Exec,
             attempts: 0,
             errors: Vec::new(),
+            sac,
             until: self.now + BUDGET,
         })));
         self.push_status(key, false);
@@ -114,10 +137,23 @@ impl Provider {
         let Some(p) = self.post_clone_op(key) else {
             return;
         };
+        let step = p.step;
+        if step == PostCloneStep::Sac {
+            return match res {
+                Res::Sac(r) => self.sac_result(key, r),
+                other => self.unexpected_answer(key, &step, &other),
+            };
+        }
         let Res::Cocoon(r) = res else {
-            return self.unexpected_answer(key, &p.step.clone(), &res);
+            return self.unexpected_answer(key, &step, &res);
         };
         if r.success {
+            if let Some(plan) = p.sac.clone() {
+                // The NIC reset worked; the static addresses go in over the console.
+                let vm_id = p.vm_id.clone();
+                let ask = Ask::effect(move |op| Effect::SacPass { op, vm_id, plan });
+                return self.advance(key, PostCloneStep::Sac, ask);
+            }
             return self.post_clone_succeeded(key);
         }
         let err = if r.timed_out {
@@ -173,6 +209,47 @@ impl Provider {
             &format!("kind={} attempts={}", kind.label(), p.attempts),
         );
         self.start_ready_wait_as(key, p.uid, p.vm_id, p.mode);
+    }
+
+    /// The SAC pass's outcome: `postclone_total{sac,..}`, then on with the fix-up's success, or
+    /// its failure.
+    fn sac_result(&mut self, key: &PodKey, r: Result<(), SacError>) {
+        let Some(p) = self.post_clone_op(key).cloned() else {
+            return;
+        };
+        match r {
+            Ok(()) => {
+                self.metric(MetricUpdate::PostClone {
+                    kind: "sac",
+                    result: "ok",
+                });
+                self.post_clone_succeeded(key)
+            }
+            Err(e) => self.sac_failed(key, &p.uid, p.mode, &e),
+        }
+    }
+
+    /// The static addresses could not be set: the pass's own Warning, then
+    /// `WindowsStaticIPFailed`, post-clone-state `failed` and lifecycle `failed`.
+    fn sac_failed(&mut self, key: &PodKey, uid: &str, mode: PostCloneMode, e: &SacError) {
+        let name = self
+            .slots
+            .get(key)
+            .and_then(|s| s.tracked.as_ref())
+            .map(|t| t.spec.vm_name.clone())
+            .unwrap_or_default();
+        self.metric(MetricUpdate::PostClone {
+            kind: "sac",
+            result: "failed",
+        });
+        self.event(key, uid, EventType::Warning, e.reason, &e.message);
+        let msg = format!("{} {name}: {}", mode.word(), e.message);
+        self.event(key, uid, EventType::Warning, "WindowsStaticIPFailed", &msg);
+        self.write_post_clone_state(key, uid, "failed", BTreeMap::new());
+        self.set_lifecycle(key, State::Failed, &msg);
+        self.slot(key).op = None;
+        self.push_status(key, false);
+        self.reconcile_slot(key);
     }
 
     fn post_clone_exhausted(&mut self, key: &PodKey) {

@@ -166,6 +166,8 @@ pub(super) enum PostCloneStep {
     Exec,
     /// Waiting for the next attempt (the slot timer).
     Pause,
+    /// The Windows SAC static-IP pass runs (after the NIC reset succeeded).
+    Sac,
 }
 
 /// The post-clone fix-up of a tracked VM: `vm exec` attempts within a budget, then the IP wait.
@@ -178,6 +180,8 @@ pub(super) struct PostCloneOp {
     pub(super) step: PostCloneStep,
     pub(super) attempts: u32,
     pub(super) errors: Vec<String>,
+    /// Windows guests with a static NIC: the SAC pass that follows a successful attempt.
+    pub(super) sac: Option<crate::guest::sac::SacPlan>,
     /// The end of the budget: no attempt starts after it and a running one is killed there.
     pub(super) until: Instant,
 }

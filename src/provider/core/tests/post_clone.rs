@@ -472,3 +472,80 @@ fn a_failed_marker_is_never_overwritten_by_running() {
     assert!(post_clone_states(&e).is_empty());
     assert!(events(&e).iter().any(|(r, _)| *r == "PostCloneSucceeded"));
 }
+
+const WINDOWS_STATIC_VM: &str = r#"{"id":"W2","hypervisor":"cloud-hypervisor","state":"running","pid":42,"config":{"name":"vk-ns-demo-0"},"network_configs":[{"tap":"t","mac":"02:00:00:00:00:01"},{"tap":"u","mac":"02:00:00:00:00:02","network":{"ip":"10.1.0.5","prefix":16,"gateway":"10.1.0.1"}}]}"#;
+
+/// A Windows clone with a static second NIC, up to its SAC pass; returns the pass's op.
+fn windows_static_to_sac(h: &mut H) -> (OpId, crate::guest::sac::SacPlan) {
+    let mut ann = managed("a", "vk-ns-demo-0");
+    ann.push((ANN_OS, "windows".into()));
+    let e = clone_with(h, &ann, WINDOWS_STATIC_VM);
+    // The first NIC is DHCP: its lease is looked up first.
+    let lop = lookup(&e).expect("lease");
+    let e = h.feed(Input::LeaseLooked {
+        op: lop,
+        result: Ok(Some("10.0.0.7".into())),
+    });
+    let (op, argv, _) = exec_of(&e).expect("powershell");
+    assert_eq!(argv[1], "powershell");
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    assert!(events(&e).iter().all(|(r, _)| *r != "PostCloneSucceeded"));
+    e.iter()
+        .find_map(|x| match x {
+            Effect::SacPass { op, vm_id, plan } => {
+                assert_eq!(vm_id, "W2");
+                Some((*op, plan.clone()))
+            }
+            _ => None,
+        })
+        .expect("SAC pass after the NIC reset")
+}
+
+#[test]
+fn windows_static_clones_get_their_addresses_over_sac_then_ready() {
+    let mut h = H::new(ProviderConfig::default());
+    let (op, plan) = windows_static_to_sac(&mut h);
+    assert_eq!(plan.nic_count, 2);
+    assert_eq!(plan.statics.len(), 1);
+    assert_eq!(plan.statics[0].index, 1);
+    assert_eq!(plan.statics[0].mask.to_string(), "255.255.0.0");
+    let e = h.feed(Input::SacDone { op, result: Ok(()) });
+    assert!(has_metric(
+        &e,
+        &MetricUpdate::PostClone {
+            kind: "sac",
+            result: "ok"
+        }
+    ));
+    assert!(events(&e)
+        .iter()
+        .any(|(r, m)| *r == "PostCloneSucceeded" && m == "kind=windows attempts=1"));
+    assert_eq!(post_clone_states(&e), ["done"]);
+}
+
+#[test]
+fn a_failed_sac_pass_fails_the_pod_with_its_own_reason_and_windows_static_ip_failed() {
+    let mut h = H::new(ProviderConfig::default());
+    let (op, _) = windows_static_to_sac(&mut h);
+    let e = h.feed(Input::SacDone {
+        op,
+        result: Err(crate::guest::sac::SacError {
+            reason: crate::guest::sac::VERIFY_FAILED,
+            message: "SAC interface 11 never showed Ip=10.1.0.5 after 10 tries".into(),
+        }),
+    });
+    let ev = events(&e);
+    assert!(ev.iter().any(|(r, _)| *r == "PostCloneSACVerifyFailed"));
+    assert!(ev.iter().any(|(r, m)| *r == "WindowsStaticIPFailed"
+        && m == "clone vk-ns-demo-0: SAC interface 11 never showed Ip=10.1.0.5 after 10 tries"));
+    assert!(ev.iter().all(|(r, _)| *r != "PostCloneSucceeded"));
+    assert_eq!(post_clone_states(&e), ["failed"]);
+    assert!(has_metric(
+        &e,
+        &MetricUpdate::PostClone {
+            kind: "sac",
+            result: "failed"
+        }
+    ));
+    assert!(!ready_in(&probe_ok(&mut h, "a", "u1")));
+}
