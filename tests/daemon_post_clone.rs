@@ -250,3 +250,60 @@ fn a_fix_up_cut_short_by_a_restart_runs_again_after_it() {
         .any(|(r, m)| r == "ResumedAfterRestart" && m == "op=post_clone"));
     assert_eq!(w.vms().len(), 1, "no second VM");
 }
+
+/// Asks the VM's fake SAC console for its interfaces.
+fn sac_listing(w: &World, id: &str) -> String {
+    use std::io::{Read, Write};
+    let sock = w.path(&format!("root/run/cloudhypervisor/{id}/console.sock"));
+    let mut c = std::os::unix::net::UnixStream::connect(&sock).expect("console socket");
+    c.set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    c.write_all(b"i\r\n").unwrap();
+    let mut out = Vec::new();
+    let mut chunk = [0u8; 1024];
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while std::time::Instant::now() < deadline {
+        if let Ok(n) = c.read(&mut chunk) {
+            out.extend_from_slice(&chunk[..n]);
+        }
+        if String::from_utf8_lossy(&out).contains("Net: ") && out.ends_with(b"SAC>") {
+            break;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[test]
+fn a_static_windows_clone_gets_its_address_over_the_sac_console() {
+    let mut w = World::new();
+    w.seed_snapshot("win");
+    w.start_daemon();
+    let p = with_annotation(
+        demo_pod("default", "winst", "clone", "win"),
+        "cocoonset.cocoonstack.io/os",
+        "windows",
+    );
+    w.api.create_pod(&p).expect("create pod");
+    let pod = ready_pod(&w, "winst", Duration::from_secs(40));
+    let id = annotation(&pod, "vm.cocoonstack.io/id").expect("id annotation");
+    let vm = inspect(&w, &id);
+    let ip = vm["network_configs"][0]["network"]["ip"]
+        .as_str()
+        .expect("static NIC")
+        .to_string();
+    // The console now lists the VM's address on its only interface.
+    let listing = sac_listing(&w, &id);
+    assert!(listing.contains(&format!("Net: 10, Ip={ip} ")), "{listing}");
+    let events = w.events_for("winst");
+    assert!(events
+        .iter()
+        .any(|(r, m)| r == "PostCloneSucceeded" && m == "kind=windows attempts=1"));
+    assert!(events.iter().all(|(r, _)| r != "WindowsStaticIPFailed"));
+    assert_eq!(
+        metric_value(
+            &w.metrics(),
+            r#"vk_cocoon_postclone_total{kind="sac",result="ok"}"#
+        ),
+        Some(1.0)
+    );
+}
