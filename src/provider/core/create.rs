@@ -684,8 +684,12 @@ impl Provider {
             network: spec.network.clone(),
             no_direct_io: spec.no_direct_io,
             pull,
+            // Windows guests are restored by copy whatever VK_RESTORE_MODE says (the
+            // contract's clone rule for them).
             restore_mode: if spec.firecracker() {
                 None
+            } else if spec.os == Os::Windows {
+                Some(crate::vm::RestoreMode::Copy)
             } else {
                 Some(self.cfg.restore_mode)
             },

@@ -475,6 +475,29 @@ fn a_failed_marker_is_never_overwritten_by_running() {
 
 const WINDOWS_STATIC_VM: &str = r#"{"id":"W2","hypervisor":"cloud-hypervisor","state":"running","pid":42,"config":{"name":"vk-ns-demo-0"},"network_configs":[{"tap":"t","mac":"02:00:00:00:00:01"},{"tap":"u","mac":"02:00:00:00:00:02","network":{"ip":"10.1.0.5","prefix":16,"gateway":"10.1.0.1"}}]}"#;
 
+#[test]
+fn windows_clones_are_restored_by_copy_whatever_the_node_default() {
+    let mut h = H::new(ProviderConfig::default());
+    let mut ann = managed("a", "vk-ns-demo-0");
+    ann.push((ANN_OS, "windows".into()));
+    let first = h.feed(Input::PodUpserted(Box::new(mk("a", "u1", &ann))));
+    let e = no_evidence(&mut h, &first);
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot rm fork-vk-ns-demo-0",
+        CocoonResult::ok(""),
+    );
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot inspect team/agent:v3",
+        CocoonResult::ok(r#"{"id":"S","name":"x"}"#),
+    );
+    let (_, cmd) = one_cocoon(&e);
+    assert!(argv(&cmd).contains("--restore-mode copy"), "{}", argv(&cmd));
+}
+
 /// A Windows clone with a static second NIC, up to its SAC pass; returns the pass's op.
 fn windows_static_to_sac(h: &mut H) -> (OpId, crate::guest::sac::SacPlan) {
     let mut ann = managed("a", "vk-ns-demo-0");
