@@ -307,3 +307,48 @@ fn a_static_windows_clone_gets_its_address_over_the_sac_console() {
         Some(1.0)
     );
 }
+
+/// Benchmark (ignored by default): time from the pod's creation to Ready for clones that need
+/// no fix-up (Linux, all-DHCP) and for clones that need one (Windows: `vm exec` of the NIC
+/// reset), on one daemon in DHCP mode so the network path is the same. Run with
+/// `cargo test --release --test daemon_post_clone -- --ignored --nocapture bench_`.
+#[test]
+#[ignore]
+fn bench_added_to_ready_with_and_without_a_fix_up() {
+    let mut w = World::new();
+    let leases = w.path("net/leases.json");
+    w.extra_env = vec![
+        ("FAKE_COCOON_DHCP".into(), "1".into()),
+        ("FAKE_COCOON_LEASES".into(), leases.display().to_string()),
+    ];
+    w.seed_snapshot("base");
+    w.start_daemon();
+    let rounds = 15;
+    let mut plain = Vec::new();
+    let mut fixed = Vec::new();
+    for i in 0..rounds {
+        for windows in [false, true] {
+            let name = format!("{}{i}", if windows { "w" } else { "l" });
+            let mut p = demo_pod("default", &name, "clone", "base");
+            if windows {
+                p = with_annotation(p, "cocoonset.cocoonstack.io/os", "windows");
+            }
+            let started = std::time::Instant::now();
+            w.api.create_pod(&p).expect("create pod");
+            w.wait(&name, Duration::from_secs(60), || {
+                w.pod(&name).filter(ready)
+            });
+            let ms = started.elapsed().as_secs_f64() * 1000.0;
+            if windows { &mut fixed } else { &mut plain }.push(ms);
+        }
+    }
+    let stats = |v: &mut Vec<f64>| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        let mean = v.iter().sum::<f64>() / v.len() as f64;
+        (mean, v[v.len() / 2], v[v.len() - 1])
+    };
+    let (pm, p50, pmax) = stats(&mut plain);
+    let (fm, f50, fmax) = stats(&mut fixed);
+    println!("ADDED->Ready, {rounds} pods each (ms): no fix-up mean {pm:.0} p50 {p50:.0} max {pmax:.0}; windows fix-up mean {fm:.0} p50 {f50:.0} max {fmax:.0}");
+    assert_eq!(execs(&w).len(), rounds, "one vm exec per Windows pod");
+}

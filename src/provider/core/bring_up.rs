@@ -12,6 +12,7 @@ impl Provider {
         };
         let spec = c.spec.clone();
         let started = c.started;
+        c.adopted = adopted;
         if !adopted {
             let mode = if spec.mode_raw.is_empty() {
                 "clone".to_string()
@@ -65,6 +66,7 @@ impl Provider {
         };
         let (uid, spec) = (c.uid.clone(), c.spec.clone());
         let c_snapshot_image = c.snapshot_image.clone();
+        let booted = !c.adopted;
         let ip = if ip.is_empty() {
             self.slot(key)
                 .tracked
@@ -140,6 +142,11 @@ impl Provider {
                 return self.set_pod_timer(key, at);
             }
             return self.post_clone_or_ready_wait(key, &vm, cloud_image, PostCloneMode::Clone);
+        }
+        if booted && spec.managed && spec.os == Os::Windows {
+            // A Windows guest booted from an image: its static addresses go in over SAC
+            // before it is Ready (nothing to do without a static NIC).
+            return self.sac_then_ready_wait(key, &vm, PostCloneMode::Clone);
         }
         self.slot(key).op = None;
         self.publish_ready(key);

@@ -81,6 +81,7 @@ impl Provider {
                 snapshot_image: String::new(),
                 vm: None,
                 vm_event_meanwhile: None,
+                adopted: false,
             })));
             self.lifecycle_metric("create", "ok", "adopted");
             return self.vm_up(key, vm, true);
@@ -110,6 +111,7 @@ impl Provider {
                 snapshot_image: String::new(),
                 vm: None,
                 vm_event_meanwhile: None,
+                adopted: false,
             })));
             if let Some(t) = self.slot(key).tracked.as_mut() {
                 t.ip = spec.vm_ip.clone();
@@ -129,6 +131,7 @@ impl Provider {
             snapshot_image: String::new(),
             vm: None,
             vm_event_meanwhile: None,
+            adopted: false,
         };
         let first = op.step.clone();
         self.slot(key).op = Some(Op::Create(Box::new(op)));

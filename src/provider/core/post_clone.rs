@@ -65,12 +65,7 @@ impl Provider {
         let windows_static =
             kind == FixupKind::Windows && vm.nics.iter().any(|n| !n.static_ip.is_empty());
         let sac = if windows_static {
-            let nics: Vec<(String, u64, String)> = vm
-                .nics
-                .iter()
-                .map(|n| (n.static_ip.clone(), n.prefix, n.gateway.clone()))
-                .collect();
-            match SacPlan::from_nics(&nics) {
+            match SacPlan::from_nics(&sac_nics(vm)) {
                 Ok(p) => Some(p),
                 Err(e) => {
                     let err = SacError {
@@ -93,10 +88,55 @@ impl Provider {
             attempts: 0,
             errors: Vec::new(),
             sac,
+            sac_only: false,
             until: self.now + BUDGET,
         })));
         self.push_status(key, false);
         self.post_clone_attempt(key);
+    }
+
+    /// A Windows guest with a static NIC that needs no NIC reset (booted from an image, or
+    /// resumed after its fix-up was done): the SAC pass alone, then the IP wait. Anything
+    /// else goes straight to the IP wait.
+    pub(super) fn sac_then_ready_wait(&mut self, key: &PodKey, vm: &VmInfo, mode: PostCloneMode) {
+        let Some(t) = self.slots.get(key).and_then(|s| s.tracked.as_ref()) else {
+            return;
+        };
+        let uid = t.uid.clone();
+        let windows = t.spec.os == Os::Windows;
+        if !windows || vm.nics.iter().all(|n| n.static_ip.is_empty()) {
+            return self.start_ready_wait_as(key, uid, vm.id.clone(), mode);
+        }
+        let plan = match SacPlan::from_nics(&sac_nics(vm)) {
+            Ok(p) => p,
+            Err(e) => {
+                let err = SacError {
+                    reason: sac::SET_FAILED,
+                    message: e,
+                };
+                return self.sac_failed(key, &uid, mode, &err);
+            }
+        };
+        self.slot(key).op = Some(Op::PostClone(Box::new(PostCloneOp {
+            uid,
+            vm_id: vm.id.clone(),
+            mode,
+            fixup: Fixup {
+                kind: FixupKind::Windows,
+                command: Vec::new(),
+                hint: String::new(),
+            },
+            step: PostCloneStep::Sac,
+            attempts: 0,
+            errors: Vec::new(),
+            sac: None,
+            sac_only: true,
+            until: self.now + BUDGET,
+        })));
+        self.push_status(key, false);
+        let vm_id = vm.id.clone();
+        let ask = Ask::effect(move |op| Effect::SacPass { op, vm_id, plan });
+        self.advance(key, PostCloneStep::Sac, ask);
     }
 
     fn post_clone_op(&self, key: &PodKey) -> Option<&PostCloneOp> {
@@ -191,6 +231,9 @@ impl Provider {
         let Some(p) = self.post_clone_op(key).cloned() else {
             return;
         };
+        if p.sac_only {
+            return self.start_ready_wait_as(key, p.uid, p.vm_id, p.mode);
+        }
         let kind = p.fixup.kind;
         self.metric(MetricUpdate::PostClone {
             kind: kind.label(),
@@ -405,4 +448,12 @@ impl Provider {
         self.metric(MetricUpdate::WakeRenewNudge { result });
         self.ready_wait_poll(key);
     }
+}
+
+/// The VM's NICs as the SAC plan takes them: (static IP, prefix, gateway).
+fn sac_nics(vm: &VmInfo) -> Vec<(String, u64, String)> {
+    vm.nics
+        .iter()
+        .map(|n| (n.static_ip.clone(), n.prefix, n.gateway.clone()))
+        .collect()
 }

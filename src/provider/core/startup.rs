@@ -520,7 +520,9 @@ impl Provider {
         if op == "post_clone" {
             return self.post_clone_or_ready_wait(key, &vm, false, PostCloneMode::Clone);
         }
-        self.start_ready_wait(key, t.uid.clone(), vm.id);
+        // `ready_wait` re-runs the SAC pass of a Windows guest with a static NIC first: a
+        // restart may have cut it short after the NIC reset was recorded done.
+        self.sac_then_ready_wait(key, &vm, PostCloneMode::Clone);
     }
 }
 

@@ -58,6 +58,8 @@ pub(super) struct CreateOp {
     pub(super) vm: Option<VmInfo>,
     /// A VM-gone event that arrived while this create was in flight, looked at once it ends.
     pub(super) vm_event_meanwhile: Option<(VmEventKind, VmInfo)>,
+    /// The VM was adopted, not booted by this create (no boot-time guest work is owed).
+    pub(super) adopted: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -182,6 +184,8 @@ pub(super) struct PostCloneOp {
     pub(super) errors: Vec<String>,
     /// Windows guests with a static NIC: the SAC pass that follows a successful attempt.
     pub(super) sac: Option<crate::guest::sac::SacPlan>,
+    /// Only the SAC pass runs (no NIC reset was needed): no fix-up counters or marker.
+    pub(super) sac_only: bool,
     /// The end of the budget: no attempt starts after it and a running one is killed there.
     pub(super) until: Instant,
 }

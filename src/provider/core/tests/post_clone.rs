@@ -572,3 +572,71 @@ fn a_failed_sac_pass_fails_the_pod_with_its_own_reason_and_windows_static_ip_fai
     ));
     assert!(!ready_in(&probe_ok(&mut h, "a", "u1")));
 }
+
+#[test]
+fn a_windows_guest_booted_with_a_static_nic_gets_the_sac_pass_before_ready() {
+    let mut h = H::new(ProviderConfig::default());
+    let mut ann = managed("a", "vk-ns-demo-0");
+    ann.push((ANN_OS, "windows".into()));
+    ann.push((ANN_MODE, "run".into()));
+    ann.push((ANN_IMAGE, "https://images.example/win.qcow2".into()));
+    let first = h.feed(Input::PodUpserted(Box::new(mk("a", "u1", &ann))));
+    let mut e = no_evidence(&mut h, &first);
+    // Answer the bring-up calls until the VM runs.
+    let vm = WINDOWS_STATIC_VM.replace("\"W2\"", "\"R1\"");
+    for _ in 0..6 {
+        if lookup(&e).is_some() || e.iter().any(|x| matches!(x, Effect::SacPass { .. })) {
+            break;
+        }
+        let (op, cmd) = one_cocoon(&e);
+        let a = argv(&cmd);
+        e = if a.starts_with("vm run") {
+            h.cocoon(op, CocoonResult::ok(vm.clone()))
+        } else {
+            h.cocoon(op, CocoonResult::ok(r#"{"id":"I","name":"x"}"#))
+        };
+    }
+    if let Some(op) = lookup(&e) {
+        e = h.feed(Input::LeaseLooked {
+            op,
+            result: Ok(Some("10.0.0.7".into())),
+        });
+    }
+    assert!(exec_of(&e).is_none(), "a booted guest needs no NIC reset");
+    let op = e
+        .iter()
+        .find_map(|x| match x {
+            Effect::SacPass { op, .. } => Some(*op),
+            _ => None,
+        })
+        .expect("SAC pass");
+    assert!(!ready_in(&probe_ok(&mut h, "a", "u1")));
+    let e = h.feed(Input::SacDone { op, result: Ok(()) });
+    assert!(ready_in(&e), "{e:?}");
+    assert!(events(&e).iter().all(|(r, _)| *r != "PostCloneSucceeded"));
+    assert!(post_clone_states(&e).is_empty());
+}
+
+#[test]
+fn a_resumed_windows_clone_whose_fix_up_was_done_runs_the_sac_pass_again() {
+    let mut ann = managed("a", "vk-ns-demo-0");
+    ann.push((ANN_OS, "windows".into()));
+    ann.push((ANN_VM_ID, "W2".into()));
+    ann.push((ANN_LIFECYCLE_STATE, "creating".into()));
+    ann.push((ANN_POST_CLONE_STATE, "done".into()));
+    let mut h = H {
+        p: Provider::new(ProviderConfig::default()),
+        now: Instant::now(),
+        wall: SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000),
+    };
+    let vm = crate::provider::cocoon::parse_vm(WINDOWS_STATIC_VM).unwrap();
+    let e = h.feed(Input::StartupListed {
+        pods: vec![mk("a", "u1", &ann)],
+        vms: vec![vm],
+    });
+    assert!(events(&e)
+        .iter()
+        .any(|(r, m)| *r == "ResumedAfterRestart" && m == "op=ready_wait"));
+    assert!(exec_of(&e).is_none());
+    assert!(e.iter().any(|x| matches!(x, Effect::SacPass { .. })));
+}
