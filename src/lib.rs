@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod daemon;
+pub mod guest;
 pub mod kube;
 pub mod kubelet;
 pub mod logging;

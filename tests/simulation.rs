@@ -682,6 +682,10 @@ impl Sim {
                     }),
                 );
             }
+            Effect::SacPass { op, .. } => {
+                let l = self.latency();
+                self.later(l, Delivery::Input(Input::SacDone { op, result: Ok(()) }));
+            }
             Effect::StartProbe {
                 key, uid, vm_id, ..
             } => {
@@ -902,7 +906,11 @@ impl Sim {
             CocoonCmd::SnapshotRm { .. } => CocoonResult::failed("rm: snapshot not found"),
             CocoonCmd::SnapshotSave { .. } => CocoonResult::ok(""),
             CocoonCmd::ImageInspect { .. } | CocoonCmd::ImagePull { .. } => CocoonResult::ok("{}"),
-            CocoonCmd::VmNet { .. } | CocoonCmd::GuestExec { .. } => CocoonResult::ok(""),
+            CocoonCmd::VmNet { .. } => CocoonResult::ok(""),
+            CocoonCmd::VmExec { id, .. } => match self.vms.get(id) {
+                Some(v) if v.state == "running" => CocoonResult::ok(""),
+                _ => CocoonResult::failed(format!("exec: vm {id} is not running")),
+            },
         }
     }
 

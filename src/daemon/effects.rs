@@ -212,7 +212,33 @@ impl Daemon {
                     registry.delete_manifest(&r).map(|_| String::new())
                 });
             }
+            Effect::SacPass { op, vm_id, plan } => self.sac_pass(op, &vm_id, plan),
             Effect::Metric(update) => apply_metric(&self.metrics, update),
+        }
+    }
+
+    /// The SAC pass on a thread of its own: it waits minutes at worst (dial, prompt and
+    /// verification retries) and must not hold a pool worker that transfers need.
+    fn sac_pass(&mut self, op: OpId, vm_id: &str, plan: crate::guest::sac::SacPlan) {
+        let socket = self
+            .config
+            .cocoon_root_dir
+            .join("run/cloudhypervisor")
+            .join(vm_id)
+            .join("console.sock");
+        let notifier = self.reactor.notifier();
+        let spawned = std::thread::Builder::new()
+            .name("vk-sac".into())
+            .spawn(move || {
+                let result = crate::guest::dialer::run(&socket, plan);
+                notifier.post(Work::Sac { op, result });
+            });
+        if let Err(e) = spawned {
+            let result = Err(crate::guest::sac::SacError {
+                reason: crate::guest::sac::DIAL_FAILED,
+                message: format!("start the SAC dialer: {e}"),
+            });
+            self.pending.push_back(Input::SacDone { op, result });
         }
     }
 
@@ -541,6 +567,16 @@ pub(super) fn apply_metric(m: &Metrics, update: MetricUpdate) {
             .wake_ip_wait_total
             .with_label_values(&[&namespace, result])
             .inc(),
+        MetricUpdate::PostClone { kind, result } => {
+            m.postclone_total.with_label_values(&[kind, result]).inc()
+        }
+        MetricUpdate::PostCloneAttempts { result, attempts } => m
+            .postclone_retry_attempts
+            .with_label_values(&[result])
+            .observe(f64::from(attempts)),
+        MetricUpdate::WakeRenewNudge { result } => {
+            m.wake_renew_nudge_total.with_label_values(&[result]).inc()
+        }
     }
 }
 

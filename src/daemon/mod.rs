@@ -65,6 +65,11 @@ pub enum Work {
         op: OpId,
         result: Result<String, TransferError>,
     },
+    /// A Windows SAC static-IP pass finished.
+    Sac {
+        op: OpId,
+        result: Result<(), crate::guest::sac::SacError>,
+    },
     /// The hibernate-evidence lookup of a create finished.
     Evidence {
         op: OpId,
@@ -588,6 +593,7 @@ impl Daemon {
             Work::Evidence { op, result } => self
                 .pending
                 .push_back(Input::HibernateEvidence { op, result }),
+            Work::Sac { op, result } => self.pending.push_back(Input::SacDone { op, result }),
             Work::LeasesReleased { released, failed } => {
                 let family = &self.metrics.lease_release_total;
                 family.with_label_values(&["ok"]).inc_by(released as u64);

@@ -50,17 +50,18 @@ pub enum CocoonCmd {
         id: String,
         nics: u32,
     },
-    /// `vm exec VMID -- <command>`: a guest command (the Windows DHCP release / renew around a
-    /// NIC drop). Its argv is fixed by the core, never built from pod input.
-    GuestExec {
+    /// `vm exec <id> -- <command>` (post-clone fix-ups): output discarded, killed at
+    /// `deadline` (the rest of the fix-up's budget: a hung attempt is abandoned there).
+    VmExec {
         id: String,
         command: Vec<String>,
+        deadline: Duration,
     },
 }
 
 /// How long a guest command of the core may run (the DHCP release before a NIC drop is best
 /// effort and capped at 20 s by the hibernate contract).
-const GUEST_EXEC_DEADLINE: Duration = Duration::from_secs(20);
+pub const GUEST_EXEC_DEADLINE: Duration = Duration::from_secs(20);
 
 impl CocoonCmd {
     /// The cocoon verb, which decides the deadline and the error classification.
@@ -78,7 +79,7 @@ impl CocoonCmd {
             CocoonCmd::ImageInspect { .. } => Verb::ImageInspect,
             CocoonCmd::ImagePull { .. } => Verb::ImagePull,
             CocoonCmd::VmNet { .. } => Verb::VmNet,
-            CocoonCmd::GuestExec { .. } => Verb::VmExec,
+            CocoonCmd::VmExec { .. } => Verb::VmExec,
         }
     }
 
@@ -97,11 +98,10 @@ impl CocoonCmd {
             CocoonCmd::ImageInspect { reference } => argv::image_inspect(reference),
             CocoonCmd::ImagePull { reference, force } => argv::image_pull(reference, *force),
             CocoonCmd::VmNet { id, nics } => argv::vm_net(id, *nics),
-            CocoonCmd::GuestExec { id, command } => argv::vm_exec(&argv::ExecOptions {
+            CocoonCmd::VmExec { id, command, .. } => argv::vm_exec(&crate::vm::ExecOptions {
                 vm: id.clone(),
-                interactive: false,
-                env: Vec::new(),
                 command: command.clone(),
+                ..Default::default()
             }),
         }
     }
@@ -109,8 +109,8 @@ impl CocoonCmd {
     /// How long the daemon lets the child run before killing it: the contract's per-verb
     /// deadline (every verb the core runs has one).
     pub fn deadline(&self) -> Duration {
-        if matches!(self, CocoonCmd::GuestExec { .. }) {
-            return GUEST_EXEC_DEADLINE;
+        if let CocoonCmd::VmExec { deadline, .. } = self {
+            return *deadline;
         }
         let d = Deadlines::default();
         d.for_verb(self.verb()).unwrap_or(d.control)
@@ -209,6 +209,9 @@ pub struct NicInfo {
     pub mac: String,
     /// Static address from inspect's `network.ip`; empty ⇒ DHCP.
     pub static_ip: String,
+    /// Prefix length and gateway of the static address (0 / empty when absent).
+    pub prefix: u64,
+    pub gateway: String,
 }
 
 /// The fields of cocoon's VM JSON object that the provider uses.
@@ -220,6 +223,9 @@ pub struct VmInfo {
     pub state: VmState,
     pub pid: i64,
     pub nics: Vec<NicInfo>,
+    /// A disk of the VM is a cloud image's qcow2 overlay: the guest runs cloud-init, which
+    /// the post-clone fix-up re-runs instead of writing networkd files.
+    pub cloud_image: bool,
 }
 
 impl VmInfo {
@@ -254,7 +260,12 @@ impl VmInfo {
 
 impl From<crate::vm::Vm> for VmInfo {
     fn from(vm: crate::vm::Vm) -> Self {
+        let cloud_image = vm
+            .storage_configs
+            .iter()
+            .any(|s| s.path.ends_with("/overlay.qcow2"));
         VmInfo {
+            cloud_image,
             id: vm.id,
             name: vm.config.name,
             hypervisor: vm.hypervisor,
@@ -263,10 +274,15 @@ impl From<crate::vm::Vm> for VmInfo {
             nics: vm
                 .network_configs
                 .into_iter()
-                .map(|n| NicInfo {
-                    tap: n.tap,
-                    mac: n.mac.to_ascii_lowercase(),
-                    static_ip: n.network.map(|a| a.ip).unwrap_or_default(),
+                .map(|n| {
+                    let addr = n.network.unwrap_or_default();
+                    NicInfo {
+                        tap: n.tap,
+                        mac: n.mac.to_ascii_lowercase(),
+                        static_ip: addr.ip,
+                        prefix: addr.prefix,
+                        gateway: addr.gateway,
+                    }
                 })
                 .collect(),
         }

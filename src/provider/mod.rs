@@ -38,11 +38,14 @@
 //!   `<vm_name>:hibernate` up (a worker job); answer [`Input::HibernateEvidence`].
 //! * [`Effect::DeleteSnapshotTag`] `{op, repo, tag}`: delete that manifest (404 = done);
 //!   answer [`Input::TransferDone`].
+//! * [`Effect::SacPass`] `{op, vm_id, plan}`: run the Windows SAC static-IP pass on the VM's
+//!   console socket (a thread of its own); answer [`Input::SacDone`].
 //! * Fire-and-forget (no answer): [`Effect::Event`], [`Effect::StartProbe`],
 //!   [`Effect::StopProbe`], [`Effect::ReleaseLeases`], [`Effect::Metric`].
 
 pub mod cocoon;
 pub mod core;
+pub mod fixup;
 pub mod lifecycle;
 pub mod spec;
 pub mod status;
@@ -235,6 +238,15 @@ pub enum MetricUpdate {
         namespace: String,
         result: &'static str,
     },
+    /// `postclone_total{kind,result}`.
+    PostClone {
+        kind: &'static str,
+        result: &'static str,
+    },
+    /// `postclone_retry_attempts{result}` observes the attempts a fix-up took.
+    PostCloneAttempts { result: &'static str, attempts: u32 },
+    /// `wake_renew_nudge_total{result}`.
+    WakeRenewNudge { result: &'static str },
 }
 
 /// Why a pod was evicted; also the terminated container's reason.
@@ -301,6 +313,11 @@ pub enum Input {
     HibernateEvidence {
         op: OpId,
         result: Result<Option<HibernateTag>, TransferError>,
+    },
+    /// Answer to [`Effect::SacPass`].
+    SacDone {
+        op: OpId,
+        result: Result<(), crate::guest::sac::SacError>,
     },
     VmEvent {
         kind: VmEventKind,
@@ -411,6 +428,13 @@ pub enum Effect {
         op: OpId,
         repo: String,
         tag: String,
+    },
+    /// Set the static addresses of a Windows guest over SAC on the console socket of `vm_id`
+    /// (a worker thread); answer [`Input::SacDone`].
+    SacPass {
+        op: OpId,
+        vm_id: String,
+        plan: crate::guest::sac::SacPlan,
     },
     Metric(MetricUpdate),
 }

@@ -9,6 +9,7 @@
 
 pub mod apiserver;
 pub mod fake_cocoon;
+pub mod fake_sac;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -48,6 +48,10 @@ impl Provider {
                 warn(self, &w.uid);
                 self.wake_unexpected(key, &msg)
             }
+            Op::PostClone(p) => {
+                warn(self, &p.uid);
+                self.post_clone_attempt_failed(key, msg)
+            }
             Op::ApiDelete { uid } => {
                 warn(self, &uid);
                 let failed = Res::Kube(Err(KubeError::Other(msg.clone())));
@@ -74,8 +78,10 @@ impl Provider {
             Some(Op::Check(_)) => self.check_step(key, res),
             Some(Op::Hibernate(_)) => self.hibernate_step(key, res),
             Some(Op::Wake(_)) => self.wake_step(key, res),
+            Some(Op::PostClone(_)) => self.post_clone_step(key, res),
             Some(Op::ReadyWait { .. }) => match res {
                 Res::Lease(r) => self.ready_wait_result(key, r),
+                Res::Cocoon(r) => self.renew_nudge_result(key, &r),
                 other => self.unexpected_answer(key, &"ReadyWait", &other),
             },
             Some(Op::ApiDelete { .. }) if !matches!(res, Res::Kube(_)) => {
@@ -250,6 +256,7 @@ impl Provider {
         match slot.op.clone() {
             None => self.reconcile_slot(key),
             Some(Op::ReadyWait { .. }) => self.ready_wait_poll(key),
+            Some(Op::PostClone(_)) => self.post_clone_timer(key),
             Some(Op::Check(c)) => match c.step {
                 CheckStep::Inspect { .. } => {
                     self.pod_cocoon(key, CocoonCmd::VmInspect { reference: c.vm_id })
@@ -293,6 +300,7 @@ pub(super) enum Res {
     Evidence(Result<Option<HibernateTag>, TransferError>),
     /// The fork-snapshot flight landed: the snapshot's hypervisor ("" unknown), or why not.
     Fork(Result<String, String>),
+    Sac(Result<(), crate::guest::sac::SacError>),
 }
 
 impl Res {
@@ -305,6 +313,7 @@ impl Res {
             Res::Transfer(_) => "registry transfer",
             Res::Evidence(_) => "hibernate evidence",
             Res::Fork(_) => "fork snapshot",
+            Res::Sac(_) => "SAC pass",
         }
     }
 

@@ -2,6 +2,7 @@
 //! for the lease and publish Ready; probe results (readiness) land here too.
 
 use super::*;
+use crate::provider::fixup;
 
 impl Provider {
     /// The VM exists (booted or adopted): resolve its IP, then finish.
@@ -11,6 +12,7 @@ impl Provider {
         };
         let spec = c.spec.clone();
         let started = c.started;
+        c.adopted = adopted;
         if !adopted {
             let mode = if spec.mode_raw.is_empty() {
                 "clone".to_string()
@@ -64,6 +66,8 @@ impl Provider {
             return;
         };
         let (uid, spec) = (c.uid.clone(), c.spec.clone());
+        let c_snapshot_image = c.snapshot_image.clone();
+        let booted = !c.adopted;
         let ip = if ip.is_empty() {
             self.slot(key)
                 .tracked
@@ -122,41 +126,28 @@ impl Provider {
             "ProviderCreateSuccess",
             "Create pod in provider successfully",
         );
-        let needs_fixup = cloned
-            && (vm.hypervisor == spec::BACKEND_FC
-                || vm.nics.iter().any(|n| !n.static_ip.is_empty()));
-        if needs_fixup {
-            let kind = if vm.hypervisor == spec::BACKEND_FC {
-                "linux_fc"
-            } else {
-                "linux_static"
-            };
-            let msg = format!(
-                "clone {}: post-clone fix-up (kind={kind}) is not supported yet; the guest network may be stale",
-                spec.vm_name
-            );
-            self.lifecycle_metric("create", "failed", "postclone_unsupported");
-            self.event(key, &uid, EventType::Warning, "PostCloneUnsupported", &msg);
-            self.set_lifecycle(key, State::Failed, &msg);
-            self.slot(key).op = None;
-            self.push_status(key, false);
-            return self.reconcile_slot(key);
-        }
         self.lifecycle_metric("create", "ok", "");
         if cloned {
-            if ip.is_empty() {
+            let cloud_image = spec::is_http_url(&c_snapshot_image);
+            if ip.is_empty() && fixup::classify(spec.os, &vm).is_none() {
                 // Just looked the lease up: poll again in 200 ms.
                 self.slot(key).op = Some(Op::ReadyWait {
                     uid,
                     vm_id: vm.id.clone(),
                     until: self.now + IP_WAIT,
-                    wake: false,
+                    nudge_at: None,
+                    mode: PostCloneMode::Clone,
                 });
                 self.push_status(key, false);
                 let at = self.now + IP_POLL;
                 return self.set_pod_timer(key, at);
             }
-            return self.start_ready_wait(key, uid, vm.id, false);
+            return self.post_clone_or_ready_wait(key, &vm, cloud_image, PostCloneMode::Clone);
+        }
+        if booted && spec.managed && spec.os == Os::Windows {
+            // A Windows guest booted from an image: its static addresses go in over SAC
+            // before it is Ready (nothing to do without a static NIC).
+            return self.sac_then_ready_wait(key, &vm, PostCloneMode::Clone);
         }
         self.slot(key).op = None;
         self.publish_ready(key);
@@ -232,14 +223,15 @@ impl Provider {
                 until,
                 uid,
                 vm_id,
-                wake,
+                mode,
+                ..
             }),
             Some(t),
         ) = (&slot.op, &slot.tracked)
         else {
             return;
         };
-        let (until, wake) = (*until, *wake);
+        let (until, mode) = (*until, *mode);
         let vm = t.vm.clone().unwrap_or_default();
         // Only while the pod still tracks the same incarnation and VM.
         if *uid != t.uid || *vm_id != vm.id || t.spec.hibernate {
@@ -250,7 +242,7 @@ impl Provider {
                 namespace: key.namespace.clone(),
                 result: "ok",
             });
-            if wake {
+            if mode == PostCloneMode::Wake {
                 self.metric(MetricUpdate::Wake { result: "ok" });
             }
             self.slot(key).op = None;
@@ -263,18 +255,22 @@ impl Provider {
                 namespace: key.namespace.clone(),
                 result: "timeout",
             });
-            let msg = format!("clone {name}: dhcp lease not observed within 45s");
-            let reason = if wake {
-                self.metric(MetricUpdate::Wake { result: "failed" });
-                "WakeIPWaitTimeout"
-            } else {
-                "PostCloneIPWaitTimeout"
+            let msg = format!("{} {name}: dhcp lease not observed within 45s", mode.word());
+            let reason = match mode {
+                PostCloneMode::Clone => "PostCloneIPWaitTimeout",
+                PostCloneMode::Wake => {
+                    self.metric(MetricUpdate::Wake { result: "failed" });
+                    "WakeIPWaitTimeout"
+                }
             };
             self.event(key, &uid, EventType::Warning, reason, &msg);
             self.set_lifecycle(key, State::Failed, &msg);
             self.slot(key).op = None;
             self.push_status(key, false);
             return self.reconcile_slot(key);
+        }
+        if self.maybe_renew_nudge(key) {
+            return;
         }
         let mac = vm.primary_mac();
         if mac.is_empty() {
@@ -335,24 +331,9 @@ impl Provider {
         }
     }
 
-    /// Wait for the guest IP, then publish Ready (`wake`: a wake's follow-up, counted in
-    /// `wake_total` at its outcome).
-    pub(super) fn start_ready_wait(
-        &mut self,
-        key: &PodKey,
-        uid: String,
-        vm_id: String,
-        wake: bool,
-    ) {
-        let until = self.now + IP_WAIT;
-        self.slot(key).op = Some(Op::ReadyWait {
-            uid,
-            vm_id,
-            until,
-            wake,
-        });
-        self.push_status(key, false);
-        self.ready_wait_poll(key);
+    /// Wait for the guest IP of a clone, then publish Ready.
+    pub(super) fn start_ready_wait(&mut self, key: &PodKey, uid: String, vm_id: String) {
+        self.start_ready_wait_as(key, uid, vm_id, PostCloneMode::Clone)
     }
 
     // ----- readiness ------------------------------------------------------------------------

@@ -193,7 +193,7 @@ impl Provider {
             .map(|i| i.uid == c.uid && i.state == State::Creating)
             .unwrap_or(false);
         if creating {
-            return self.start_ready_wait(key, c.uid.clone(), c.vm_id.clone(), false);
+            return self.start_ready_wait(key, c.uid.clone(), c.vm_id.clone());
         }
         self.end_op(key)
     }

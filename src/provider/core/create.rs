@@ -27,14 +27,6 @@ impl Provider {
         // Unsupported paths fail before anything is tracked or run.
         let unsupported = if spec.managed && spec.os == Os::Macos {
             Some("managed macOS guests are not supported yet")
-        } else if spec.managed && spec.os == Os::Windows {
-            Some("managed Windows guests are not supported yet")
-        } else if spec.managed
-            && spec.mode != Mode::Run
-            && spec.clone_from_dir.is_none()
-            && spec.firecracker()
-        {
-            Some("cloning onto firecracker needs the post-clone fix-up, which is not supported yet")
         } else {
             None
         };
@@ -83,6 +75,7 @@ impl Provider {
                 snapshot_image: String::new(),
                 vm: None,
                 vm_event_meanwhile: None,
+                adopted: false,
             })));
             self.lifecycle_metric("create", "ok", "adopted");
             return self.vm_up(key, vm, true);
@@ -112,6 +105,7 @@ impl Provider {
                 snapshot_image: String::new(),
                 vm: None,
                 vm_event_meanwhile: None,
+                adopted: false,
             })));
             if let Some(t) = self.slot(key).tracked.as_mut() {
                 t.ip = spec.vm_ip.clone();
@@ -131,6 +125,7 @@ impl Provider {
             snapshot_image: String::new(),
             vm: None,
             vm_event_meanwhile: None,
+            adopted: false,
         };
         let first = op.step.clone();
         self.slot(key).op = Some(Op::Create(Box::new(op)));
@@ -541,13 +536,6 @@ impl Provider {
                     );
                     return self.fail_create(key, &c.uid, &msg, false);
                 }
-                if snap.hypervisor == spec::BACKEND_FC {
-                    let msg = format!(
-                        "snapshot {} is a firecracker snapshot; cloning it needs the post-clone fix-up, which is not supported yet",
-                        c.local_snapshot
-                    );
-                    return self.fail_create(key, &c.uid, &msg, false);
-                }
                 if let Some(c) = self.create_op(key) {
                     c.snapshot_image = snap.image.clone();
                 }
@@ -722,8 +710,12 @@ impl Provider {
             network: spec.network.clone(),
             no_direct_io: spec.no_direct_io,
             pull,
+            // Windows guests are restored by copy whatever VK_RESTORE_MODE says (the
+            // contract's clone rule for them).
             restore_mode: if spec.firecracker() {
                 None
+            } else if spec.os == Os::Windows {
+                Some(crate::vm::RestoreMode::Copy)
             } else {
                 Some(self.cfg.restore_mode)
             },

@@ -2,6 +2,7 @@
 //! and its VM removed; every failure rolls back to the running VM, never losing VM or snapshot.
 
 use super::*;
+use crate::provider::cocoon::GUEST_EXEC_DEADLINE;
 use crate::vm::ErrorKind as ErrorKindRef;
 
 /// The tag a hibernated VM's snapshot is pushed under (repository = VM name).
@@ -71,7 +72,8 @@ impl Provider {
 
     fn hibernate_first_step(&mut self, key: &PodKey, spec: &VmSpec, vm: &VmInfo) {
         if drops_nic(spec) {
-            let ask = Ask::Cocoon(CocoonCmd::GuestExec {
+            let ask = Ask::Cocoon(CocoonCmd::VmExec {
+                deadline: GUEST_EXEC_DEADLINE,
                 id: vm.id.clone(),
                 command: ipconfig("/release"),
             });
@@ -152,7 +154,8 @@ impl Provider {
                 self.phase(key, "net_resize", r.success);
                 if !r.success {
                     // The NIC may still be there: nudge the guest to renew, detached.
-                    self.fire_and_forget_cocoon(CocoonCmd::GuestExec {
+                    self.fire_and_forget_cocoon(CocoonCmd::VmExec {
+                        deadline: GUEST_EXEC_DEADLINE,
                         id: h.vm.id.clone(),
                         command: ipconfig("/renew"),
                     });
@@ -451,7 +454,8 @@ impl Provider {
             false,
         );
         if h.nic_dropped && drops_nic(&t.spec) {
-            self.fire_and_forget_cocoon(CocoonCmd::GuestExec {
+            self.fire_and_forget_cocoon(CocoonCmd::VmExec {
+                deadline: GUEST_EXEC_DEADLINE,
                 id: vm.id.clone(),
                 command: ipconfig("/renew"),
             });

@@ -18,14 +18,12 @@
 //! for a new step, the step enum in `state`.
 //!
 //! UpdatePod lives in `update` (the decision table and the op retry), hibernating a VM in
-//! `hibernate`, waking one (and CreatePod's restore) in `wake`.
+//! `hibernate`, waking one (and CreatePod's restore) in `wake`. Clones that need a post-clone
+//! network fix-up (Windows, Firecracker, Cloud Hypervisor with a static NIC) get it from
+//! `post_clone` before the IP wait.
 //!
-//! Decisions for features not built yet: managed Windows/macOS guests fail the create clearly
+//! Decisions for features not built yet: managed macOS guests fail the create clearly
 //! (Warning event, ProviderFailed status, counter) without touching cocoon.
-//! Post-clone fix-ups are not implemented: CH all-DHCP clones
-//! (which need none) wait for the IP and publish Ready; a clone onto firecracker is
-//! refused before cloning; a CH clone that comes up with a static NIC keeps its VM (so delete
-//! cleans it) but is marked lifecycle `failed` with a Warning `PostCloneUnsupported`.
 //!
 //! Ownership (issue 17): a VM belongs to at most one live pod. A create whose VM name, or
 //! unmanaged VM id, another tracked pod holds is refused for good (phase Failed, Warning,
@@ -62,6 +60,7 @@ mod evict;
 mod fork;
 mod hibernate;
 mod kube_writes;
+mod post_clone;
 mod startup;
 mod state;
 #[cfg(test)]
@@ -371,6 +370,7 @@ impl Provider {
             (Some(Op::Check(c)), Step::Check(s)) => c.step = s,
             (Some(Op::Hibernate(h)), Step::Hibernate(s)) => h.step = s,
             (Some(Op::Wake(w)), Step::Wake(s)) => w.step = s,
+            (Some(Op::PostClone(p)), Step::PostClone(s)) => p.step = s,
             // A bug, not an input. The question is still asked: whichever op its answer then
             // reaches fails through `unexpected_answer` with a retry instead of stalling.
             (_, step) => {
@@ -479,6 +479,7 @@ impl Provider {
             Input::KubeDone { op, result } => self.on_result(op, Res::Kube(result)),
             Input::TransferDone { op, result } => self.on_result(op, Res::Transfer(result)),
             Input::HibernateEvidence { op, result } => self.on_result(op, Res::Evidence(result)),
+            Input::SacDone { op, result } => self.on_result(op, Res::Sac(result)),
             Input::VmEvent { kind, vm } => self.vm_event(kind, vm),
             Input::Readiness {
                 key,

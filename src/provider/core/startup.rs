@@ -2,6 +2,7 @@
 //! orphan policy, and resume the work each adopted pod still owes.
 
 use super::*;
+use crate::provider::fixup;
 
 impl Provider {
     // ----- startup reconcile ----------------------------------------------------------------
@@ -507,8 +508,8 @@ impl Provider {
         }
     }
 
-    /// Owed work after a restart, in-scope ops: `creating` pods with a VM resume the IP wait
-    /// (CH all-DHCP) or fail clearly when they need an unsupported fix-up; `ready` pods get their
+    /// Owed work after a restart, in-scope ops: `creating` pods with a VM resume their
+    /// post-clone fix-up or the IP wait, by their post-clone-state; `ready` pods get their
     /// status pushed.
     pub(super) fn owed_work(&mut self, key: &PodKey) {
         let Some(slot) = self.slots.get(key) else {
@@ -568,34 +569,32 @@ impl Provider {
         if pcs.as_deref() == Some("failed") {
             return self.push_status(key, false);
         }
-        let cloned = !t.spec.fresh_boot();
-        let needs_fixup = cloned
-            && (vm.hypervisor == spec::BACKEND_FC
-                || vm.nics.iter().any(|n| !n.static_ip.is_empty()));
-        if needs_fixup {
-            let msg = format!(
-                "resume {}: post-clone fix-up is not supported yet",
-                t.spec.vm_name
-            );
-            self.event(
-                key,
-                &t.uid,
-                EventType::Warning,
-                "PostCloneUnsupported",
-                &msg,
-            );
-            self.set_lifecycle(key, State::Failed, &msg);
-            return self.push_status(key, false);
-        }
-        self.metric(MetricUpdate::StartupResume { op: "ready_wait" });
+        let cloned = !(t.spec.mode == Mode::Run && t.spec.clone_from_dir.is_none());
+        // `running`: the fix-up was cut short, run it again; `done`: only the IP wait is owed;
+        // no marker: whatever the clone needs. (A CH Windows clone with no marker may have been
+        // woken from a hibernation that dropped its NIC; this build re-runs its fix-up, which
+        // re-detects the NICs either way.)
+        let op = match pcs.as_deref() {
+            Some("running") => "post_clone",
+            Some("done") => "ready_wait",
+            _ if cloned && fixup::classify(t.spec.os, &vm).is_some() => "post_clone",
+            _ => "ready_wait",
+        };
+        log::warn!("provider: {key}: resuming {op} after restart");
+        self.metric(MetricUpdate::StartupResume { op });
         self.event(
             key,
             &t.uid,
             EventType::Normal,
             "ResumedAfterRestart",
-            "op=ready_wait",
+            &format!("op={op}"),
         );
-        self.start_ready_wait(key, t.uid.clone(), vm.id, false);
+        if op == "post_clone" {
+            return self.post_clone_or_ready_wait(key, &vm, false, PostCloneMode::Clone);
+        }
+        // `ready_wait` re-runs the SAC pass of a Windows guest with a static NIC first: a
+        // restart may have cut it short after the NIC reset was recorded done.
+        self.sac_then_ready_wait(key, &vm, PostCloneMode::Clone);
     }
 }
 

@@ -62,6 +62,8 @@ pub(super) struct CreateOp {
     pub(super) vm: Option<VmInfo>,
     /// A VM-gone event that arrived while this create was in flight, looked at once it ends.
     pub(super) vm_event_meanwhile: Option<(VmEventKind, VmInfo)>,
+    /// The VM was adopted, not booted by this create (no boot-time guest work is owed).
+    pub(super) adopted: bool,
 }
 
 /// A fork-snapshot flight's step: ensuring `fork-<source>` exists.
@@ -269,17 +271,68 @@ pub(super) struct WakeOp {
     pub(super) source_label: String,
 }
 
+/// Why a post-clone fix-up runs: after a clone, or as part of a wake (whose failures count as
+/// wake failures and whose IP wait reports `WakeIPWaitTimeout`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PostCloneMode {
+    Clone,
+    /// Built by the wake path (wake and CreatePod's restore) after the clone.
+    Wake,
+}
+
+impl PostCloneMode {
+    /// The op word of messages: "clone <vm>" / "wake <vm>".
+    pub(super) fn word(self) -> &'static str {
+        match self {
+            PostCloneMode::Clone => "clone",
+            PostCloneMode::Wake => "wake",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum PostCloneStep {
+    /// A `vm exec` attempt runs.
+    Exec,
+    /// Waiting for the next attempt (the slot timer).
+    Pause,
+    /// The Windows SAC static-IP pass runs (after the NIC reset succeeded).
+    Sac,
+}
+
+/// The post-clone fix-up of a tracked VM: `vm exec` attempts within a budget, then the IP wait.
+#[derive(Debug, Clone)]
+pub(super) struct PostCloneOp {
+    pub(super) uid: String,
+    pub(super) vm_id: String,
+    pub(super) mode: PostCloneMode,
+    pub(super) fixup: crate::provider::fixup::Fixup,
+    pub(super) step: PostCloneStep,
+    pub(super) attempts: u32,
+    pub(super) errors: Vec<String>,
+    /// Windows guests with a static NIC: the SAC pass that follows a successful attempt.
+    pub(super) sac: Option<crate::guest::sac::SacPlan>,
+    /// Only the SAC pass runs (no NIC reset was needed): no fix-up counters or marker.
+    pub(super) sac_only: bool,
+    /// The end of the budget: no attempt starts after it and a running one is killed there.
+    pub(super) until: Instant,
+}
+
 #[derive(Debug, Clone)]
 pub(super) enum Op {
     Create(Box<CreateOp>),
-    /// Poll the lease until the VM has an IP, then publish Ready. Preemptible. `wake`: the
-    /// follow-up of a wake or restore, whose outcome counts `wake_total`.
+    /// Poll the lease until the VM has an IP, then publish Ready. Preemptible. `mode` Wake:
+    /// the follow-up of a wake or restore, whose outcome counts `wake_total`.
     ReadyWait {
         uid: String,
         vm_id: String,
         until: Instant,
-        wake: bool,
+        /// Windows guests: when to send the one `ipconfig /renew` nudge (None = not owed).
+        nudge_at: Option<Instant>,
+        mode: PostCloneMode,
     },
+    /// Post-clone fix-up of the VM just cloned (or woken). Preemptible.
+    PostClone(Box<PostCloneOp>),
     Hibernate(Box<HibernateOp>),
     Wake(Box<WakeOp>),
     Delete(DeleteOp),
@@ -296,6 +349,7 @@ impl Op {
         matches!(
             self,
             Op::ReadyWait { .. }
+                | Op::PostClone(_)
                 | Op::Check(CheckOp {
                     step: CheckStep::Deferred { .. },
                     ..
@@ -460,6 +514,13 @@ pub(super) enum Step {
     Check(CheckStep),
     Hibernate(HibernateStep),
     Wake(WakeStep),
+    PostClone(PostCloneStep),
+}
+
+impl From<PostCloneStep> for Step {
+    fn from(s: PostCloneStep) -> Step {
+        Step::PostClone(s)
+    }
 }
 
 impl From<HibernateStep> for Step {

@@ -349,30 +349,12 @@ impl Provider {
             self.lifecycle_metric("update", "ok", "");
         }
         // Restore follow-up: CH + Windows waits for the IP (the hot-added NIC must not be
-        // cycled by a fix-up); other guests run the post-clone bring-up, which for a CH
-        // all-DHCP guest is the same wait for the lease, then Ready.
-        let needs_fixup = !drops_nic(&w.spec)
-            && (vm.hypervisor == spec::BACKEND_FC
-                || vm.nics.iter().any(|n| !n.static_ip.is_empty()));
-        if needs_fixup {
-            let msg = format!(
-                "wake {}: post-clone fix-up is not supported yet; the guest network may be stale",
-                w.spec.vm_name
-            );
-            self.metric(MetricUpdate::Wake { result: "failed" });
-            self.event(
-                key,
-                &w.uid,
-                EventType::Warning,
-                "PostCloneUnsupported",
-                &msg,
-            );
-            self.set_lifecycle(key, State::Failed, &msg);
-            self.slot(key).op = None;
-            self.push_status(key, false);
-            return self.reconcile_slot(key);
+        // cycled by a fix-up); other guests run the post-clone fix-up in wake accounting, which
+        // for a CH all-DHCP guest is the same wait for the lease, then Ready.
+        if drops_nic(&w.spec) {
+            return self.start_ready_wait_as(key, w.uid.clone(), vm.id, PostCloneMode::Wake);
         }
-        self.start_ready_wait(key, w.uid.clone(), vm.id, true);
+        self.post_clone_or_ready_wait(key, &vm, false, PostCloneMode::Wake);
     }
 
     /// An answer no wake step expects: the wake fails and is retried.

@@ -25,6 +25,8 @@
 //!   the fastest mode, for benchmarks. By default each running VM is a sleeping re-exec of this
 //!   binary (`fake-cocoon __vm-process <record>`), detached in its own process group, so /proc
 //!   stats are real; it exits by itself once its record is gone, and `vm rm`/`vm stop` kill it.
+//!   For a Cloud Hypervisor VM it also serves `<run dir>/console.sock` as a Windows SAC console
+//!   (`sandbox::fake_sac`) whose interfaces are the VM's NICs.
 //! - `FAKE_COCOON_DHCP=1` with `FAKE_COCOON_LEASES=<path>`: DHCP mode, as with cocoon-net. NICs
 //!   have no static `network` address; after every invocation the fake rewrites the lease file
 //!   (cocoon-net's JSON lease format, atomic rename, 0644) with one row per NIC of each running VM (127.88.x.y,
@@ -142,13 +144,52 @@ pub fn main(args: Vec<String>) -> i32 {
     }
 }
 
-/// A running VM's stand-in process: sleeps until its record file is gone.
+/// A running VM's stand-in process: serves the VM's serial console (a fake SAC) and sleeps
+/// until its record file is gone.
 fn vm_process(record: Option<PathBuf>) -> i32 {
     let Some(record) = record else { return 2 };
+    let rec = record.clone();
+    std::thread::spawn(move || serve_console(&rec));
     while record.exists() {
         std::thread::sleep(Duration::from_millis(200));
     }
     0
+}
+
+/// Cloud Hypervisor VMs get `console.sock` beside their API socket, answered by a fake SAC
+/// whose interfaces are the VM's NICs (`Net: 10+i, Ip=169.254.<i>.1` until set). The record
+/// may not be written yet when this process starts: it is read for up to 5 s.
+fn serve_console(record: &Path) {
+    for _ in 0..50 {
+        let stored = std::fs::read(record)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<StoredVm>(&b).ok());
+        if let Some(sv) = stored.filter(|sv| !sv.vm.socket_path.is_empty()) {
+            if sv.vm.is_firecracker() {
+                return;
+            }
+            let Some(dir) = Path::new(&sv.vm.socket_path).parent() else {
+                return;
+            };
+            let sock = dir.join("console.sock");
+            let _ = std::fs::remove_file(&sock);
+            let Ok(listener) = std::os::unix::net::UnixListener::bind(&sock) else {
+                return;
+            };
+            let nets = (0..sv.vm.network_configs.len())
+                .map(|i| (10 + i as u32, format!("169.254.{i}.1")))
+                .collect();
+            crate::sandbox::fake_sac::serve(
+                listener,
+                crate::sandbox::fake_sac::SacBehaviour {
+                    nets,
+                    ..Default::default()
+                },
+            );
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// The first value of a global flag anywhere before `--`.

@@ -205,28 +205,23 @@ fn bad_input_fails_clearly_without_touching_cocoon() {
 }
 
 #[test]
-fn unsupported_requests_fail_create_clearly() {
-    for extra in [(ANN_OS, "windows"), (ANN_BACKEND, "firecracker")] {
-        let mut h = H::new(ProviderConfig::default());
-        let mut ann = managed("a", "vk-ns-demo-1");
-        ann.push((extra.0, extra.1.into()));
-        let e = h.feed(Input::PodUpserted(Box::new(mk("a", "u", &ann))));
-        assert!(cocoon_ops(&e).is_empty(), "{extra:?}");
-        assert!(
-            events(&e)
-                .iter()
-                .any(|(r, m)| *r == "ProviderCreateFailed" && m.contains("not supported yet")),
-            "{extra:?}"
-        );
-        assert!(has_metric(
-            &e,
-            &MetricUpdate::PodLifecycle {
-                op: "create",
-                result: "failed",
-                reason: "unsupported"
-            }
-        ));
-    }
+fn managed_macos_guests_fail_create_clearly() {
+    let mut h = H::new(ProviderConfig::default());
+    let mut ann = managed("a", "vk-ns-demo-1");
+    ann.push((ANN_OS, "macos".into()));
+    let e = h.feed(Input::PodUpserted(Box::new(mk("a", "u", &ann))));
+    assert!(cocoon_ops(&e).is_empty());
+    assert!(events(&e)
+        .iter()
+        .any(|(r, m)| *r == "ProviderCreateFailed" && m.contains("not supported yet")));
+    assert!(has_metric(
+        &e,
+        &MetricUpdate::PodLifecycle {
+            op: "create",
+            result: "failed",
+            reason: "unsupported"
+        }
+    ));
 }
 
 #[test]

@@ -20,6 +20,7 @@ mod fork;
 mod hibernate;
 mod kube_writes;
 mod ownership;
+mod post_clone;
 mod startup;
 mod wake;
 

@@ -1,0 +1,463 @@
+//! Post-clone fix-up: `cocoon vm exec` attempts that repair a clone's guest network within a
+//! budget, the post-clone-state / hint / errors annotations, then the wait for the IP.
+//!
+//! The op is preemptible: a delete or a new incarnation ends it at once; the answer of an
+//! attempt still running is then stale and dropped (the child is killed at its deadline, which
+//! is never later than the budget's end).
+
+use base64::Engine;
+
+use super::*;
+use crate::guest::sac::{self, SacError, SacPlan};
+use crate::provider::fixup::{self, Fixup, FixupKind};
+
+/// Total time the attempts of one fix-up may take.
+const BUDGET: Duration = Duration::from_secs(180);
+/// Pause between a failed attempt and the next.
+const ATTEMPT_PAUSE: Duration = Duration::from_secs(3);
+/// Windows guests get one `ipconfig /renew` this long into the IP wait.
+const RENEW_NUDGE_AFTER: Duration = Duration::from_secs(30);
+/// The post-clone-errors annotation is cut to this many bytes.
+const ERRORS_MAX: usize = 4096;
+
+pub(super) const ANN_POST_CLONE_HINT: &str = "vm.cocoonstack.io/post-clone-hint";
+pub(super) const ANN_POST_CLONE_ERRORS: &str = "vm.cocoonstack.io/post-clone-errors";
+
+/// What the pod's post-clone-state annotation says, from the latest copy of the pod.
+pub(super) fn post_clone_state(pod: &Pod) -> Option<&str> {
+    pod.metadata
+        .annotations
+        .as_ref()?
+        .get(spec::ANN_POST_CLONE_STATE)
+        .map(String::as_str)
+}
+
+impl Provider {
+    /// The tracked VM of `key` came up as a clone (or woke): run the fix-up it needs, else go
+    /// straight to the IP wait. `cloud_image`: the guest came from a cloud image (source
+    /// image is an http(s) URL) even if the VM's disks do not say so.
+    pub(super) fn post_clone_or_ready_wait(
+        &mut self,
+        key: &PodKey,
+        vm: &VmInfo,
+        cloud_image: bool,
+        mode: PostCloneMode,
+    ) {
+        let Some(t) = self.slots.get(key).and_then(|s| s.tracked.as_ref()) else {
+            return;
+        };
+        let (uid, os, name) = (t.uid.clone(), t.spec.os, t.spec.vm_name.clone());
+        let Some(kind) = fixup::classify(os, vm) else {
+            return self.start_ready_wait_as(key, uid, vm.id.clone(), mode);
+        };
+        let fix = match fixup::build(kind, &name, vm, cloud_image || vm.cloud_image) {
+            Ok(f) => f,
+            Err(e) => {
+                // Nothing is run with a value that failed its check: the fix-up fails now.
+                let fix = Fixup {
+                    kind,
+                    command: Vec::new(),
+                    hint: String::new(),
+                };
+                return self.post_clone_failed(key, &uid, mode, &fix, 0, &[e]);
+            }
+        };
+        let windows_static =
+            kind == FixupKind::Windows && vm.nics.iter().any(|n| !n.static_ip.is_empty());
+        let sac = if windows_static {
+            match SacPlan::from_nics(&sac_nics(vm)) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    let err = SacError {
+                        reason: sac::SET_FAILED,
+                        message: e,
+                    };
+                    return self.sac_failed(key, &uid, mode, &err);
+                }
+            }
+        } else {
+            None
+        };
+        self.write_post_clone_state(key, &uid, "running", BTreeMap::new());
+        self.slot(key).op = Some(Op::PostClone(Box::new(PostCloneOp {
+            uid,
+            vm_id: vm.id.clone(),
+            mode,
+            fixup: fix,
+            step: PostCloneStep::Exec,
+            attempts: 0,
+            errors: Vec::new(),
+            sac,
+            sac_only: false,
+            until: self.now + BUDGET,
+        })));
+        self.push_status(key, false);
+        self.post_clone_attempt(key);
+    }
+
+    /// A Windows guest with a static NIC that needs no NIC reset (booted from an image, or
+    /// resumed after its fix-up was done): the SAC pass alone, then the IP wait. Anything
+    /// else goes straight to the IP wait.
+    pub(super) fn sac_then_ready_wait(&mut self, key: &PodKey, vm: &VmInfo, mode: PostCloneMode) {
+        let Some(t) = self.slots.get(key).and_then(|s| s.tracked.as_ref()) else {
+            return;
+        };
+        let uid = t.uid.clone();
+        let windows = t.spec.os == Os::Windows;
+        if !windows || vm.nics.iter().all(|n| n.static_ip.is_empty()) {
+            return self.start_ready_wait_as(key, uid, vm.id.clone(), mode);
+        }
+        let plan = match SacPlan::from_nics(&sac_nics(vm)) {
+            Ok(p) => p,
+            Err(e) => {
+                let err = SacError {
+                    reason: sac::SET_FAILED,
+                    message: e,
+                };
+                return self.sac_failed(key, &uid, mode, &err);
+            }
+        };
+        self.slot(key).op = Some(Op::PostClone(Box::new(PostCloneOp {
+            uid,
+            vm_id: vm.id.clone(),
+            mode,
+            fixup: Fixup {
+                kind: FixupKind::Windows,
+                command: Vec::new(),
+                hint: String::new(),
+            },
+            step: PostCloneStep::Sac,
+            attempts: 0,
+            errors: Vec::new(),
+            sac: None,
+            sac_only: true,
+            until: self.now + BUDGET,
+        })));
+        self.push_status(key, false);
+        let vm_id = vm.id.clone();
+        let ask = Ask::effect(move |op| Effect::SacPass { op, vm_id, plan });
+        self.advance(key, PostCloneStep::Sac, ask);
+    }
+
+    fn post_clone_op(&self, key: &PodKey) -> Option<&PostCloneOp> {
+        match self.slots.get(key)?.op.as_ref()? {
+            Op::PostClone(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    /// Start the next attempt, or give up when the budget is spent.
+    fn post_clone_attempt(&mut self, key: &PodKey) {
+        let Some(p) = self.post_clone_op(key) else {
+            return;
+        };
+        if self.now >= p.until {
+            return self.post_clone_exhausted(key);
+        }
+        let cmd = CocoonCmd::VmExec {
+            id: p.vm_id.clone(),
+            command: p.fixup.command.clone(),
+            deadline: p.until.saturating_duration_since(self.now),
+        };
+        if let Some(Op::PostClone(p)) = self.slot(key).op.as_mut() {
+            p.attempts += 1;
+        }
+        self.advance(key, PostCloneStep::Exec, Ask::Cocoon(cmd));
+    }
+
+    /// The pause between attempts is over.
+    pub(super) fn post_clone_timer(&mut self, key: &PodKey) {
+        if matches!(self.post_clone_op(key), Some(p) if p.step == PostCloneStep::Pause) {
+            self.post_clone_attempt(key);
+        }
+    }
+
+    /// The answer of an attempt.
+    pub(super) fn post_clone_step(&mut self, key: &PodKey, res: Res) {
+        let Some(p) = self.post_clone_op(key) else {
+            return;
+        };
+        let step = p.step;
+        if step == PostCloneStep::Sac {
+            return match res {
+                Res::Sac(r) => self.sac_result(key, r),
+                other => self.unexpected_answer(key, &step, &other),
+            };
+        }
+        let Res::Cocoon(r) = res else {
+            return self.unexpected_answer(key, &step, &res);
+        };
+        if r.success {
+            if let Some(plan) = p.sac.clone() {
+                // The NIC reset worked; the static addresses go in over the console.
+                let vm_id = p.vm_id.clone();
+                let ask = Ask::effect(move |op| Effect::SacPass { op, vm_id, plan });
+                return self.advance(key, PostCloneStep::Sac, ask);
+            }
+            return self.post_clone_succeeded(key);
+        }
+        let err = if r.timed_out {
+            "vm exec did not finish within the fix-up's budget".to_string()
+        } else {
+            r.error_text()
+        };
+        self.post_clone_attempt_failed(key, err);
+    }
+
+    /// One attempt failed: Warning, then the next one after the pause (within the budget).
+    pub(super) fn post_clone_attempt_failed(&mut self, key: &PodKey, err: String) {
+        let Some(p) = self.post_clone_op(key) else {
+            return;
+        };
+        let (uid, n, until) = (p.uid.clone(), p.attempts, p.until);
+        self.event(
+            key,
+            &uid,
+            EventType::Warning,
+            "PostCloneExecAttemptFailed",
+            &format!("attempt {n}: {err}"),
+        );
+        if let Some(Op::PostClone(p)) = self.slot(key).op.as_mut() {
+            p.errors.push(format!("attempt {n}: {err}"));
+        }
+        if self.now >= until {
+            return self.post_clone_exhausted(key);
+        }
+        let at = (self.now + ATTEMPT_PAUSE).min(until);
+        self.advance(key, PostCloneStep::Pause, Ask::Timer(at));
+    }
+
+    fn post_clone_succeeded(&mut self, key: &PodKey) {
+        let Some(p) = self.post_clone_op(key).cloned() else {
+            return;
+        };
+        if p.sac_only {
+            return self.start_ready_wait_as(key, p.uid, p.vm_id, p.mode);
+        }
+        let kind = p.fixup.kind;
+        self.metric(MetricUpdate::PostClone {
+            kind: kind.label(),
+            result: "ok",
+        });
+        self.metric(MetricUpdate::PostCloneAttempts {
+            result: "ok",
+            attempts: p.attempts,
+        });
+        self.write_post_clone_state(key, &p.uid, "done", BTreeMap::new());
+        self.event(
+            key,
+            &p.uid,
+            EventType::Normal,
+            "PostCloneSucceeded",
+            &format!("kind={} attempts={}", kind.label(), p.attempts),
+        );
+        self.start_ready_wait_as(key, p.uid, p.vm_id, p.mode);
+    }
+
+    /// The SAC pass's outcome: `postclone_total{sac,..}`, then on with the fix-up's success, or
+    /// its failure.
+    fn sac_result(&mut self, key: &PodKey, r: Result<(), SacError>) {
+        let Some(p) = self.post_clone_op(key).cloned() else {
+            return;
+        };
+        match r {
+            Ok(()) => {
+                self.metric(MetricUpdate::PostClone {
+                    kind: "sac",
+                    result: "ok",
+                });
+                self.post_clone_succeeded(key)
+            }
+            Err(e) => self.sac_failed(key, &p.uid, p.mode, &e),
+        }
+    }
+
+    /// The static addresses could not be set: the pass's own Warning, then
+    /// `WindowsStaticIPFailed`, post-clone-state `failed` and lifecycle `failed`.
+    fn sac_failed(&mut self, key: &PodKey, uid: &str, mode: PostCloneMode, e: &SacError) {
+        let name = self
+            .slots
+            .get(key)
+            .and_then(|s| s.tracked.as_ref())
+            .map(|t| t.spec.vm_name.clone())
+            .unwrap_or_default();
+        self.metric(MetricUpdate::PostClone {
+            kind: "sac",
+            result: "failed",
+        });
+        self.event(key, uid, EventType::Warning, e.reason, &e.message);
+        let msg = format!("{} {name}: {}", mode.word(), e.message);
+        self.event(key, uid, EventType::Warning, "WindowsStaticIPFailed", &msg);
+        self.write_post_clone_state(key, uid, "failed", BTreeMap::new());
+        self.set_lifecycle(key, State::Failed, &msg);
+        self.slot(key).op = None;
+        self.push_status(key, false);
+        self.reconcile_slot(key);
+    }
+
+    fn post_clone_exhausted(&mut self, key: &PodKey) {
+        let Some(p) = self.post_clone_op(key).cloned() else {
+            return;
+        };
+        self.post_clone_failed(key, &p.uid, p.mode, &p.fixup, p.attempts, &p.errors);
+    }
+
+    /// The fix-up failed for good: counters, post-clone-state `failed` with the hint and the
+    /// errors, Warning `PostCloneExecExhausted`, lifecycle `failed`. The VM stays (an operator
+    /// repairs it with the hint; a delete removes it).
+    fn post_clone_failed(
+        &mut self,
+        key: &PodKey,
+        uid: &str,
+        mode: PostCloneMode,
+        fix: &Fixup,
+        attempts: u32,
+        errors: &[String],
+    ) {
+        let name = self
+            .slots
+            .get(key)
+            .and_then(|s| s.tracked.as_ref())
+            .map(|t| t.spec.vm_name.clone())
+            .unwrap_or_default();
+        self.metric(MetricUpdate::PostClone {
+            kind: fix.kind.label(),
+            result: "failed",
+        });
+        self.metric(MetricUpdate::PostCloneAttempts {
+            result: "failed",
+            attempts,
+        });
+        if mode == PostCloneMode::Wake {
+            // The wake's outcome: its follow-up failed.
+            self.metric(MetricUpdate::Wake { result: "failed" });
+        }
+        let joined = errors.join("; ");
+        let mut extra = BTreeMap::new();
+        extra.insert(
+            ANN_POST_CLONE_HINT.to_string(),
+            Some(base64::engine::general_purpose::STANDARD.encode(&fix.hint)),
+        );
+        extra.insert(
+            ANN_POST_CLONE_ERRORS.to_string(),
+            Some(truncate_bytes(&joined, ERRORS_MAX)),
+        );
+        self.write_post_clone_state(key, uid, "failed", extra);
+        let what = format!("{} {name}", mode.word());
+        self.event(
+            key,
+            uid,
+            EventType::Warning,
+            "PostCloneExecExhausted",
+            &format!("{what}: {joined}"),
+        );
+        let msg = format!(
+            "{what}: post-clone network fix-up ({}) failed after {attempts} attempts",
+            fix.kind.label()
+        );
+        self.set_lifecycle(key, State::Failed, &msg);
+        self.slot(key).op = None;
+        self.push_status(key, false);
+        self.reconcile_slot(key);
+    }
+
+    /// Writes post-clone-state (with `extra` annotations in the same patch). A `failed` marker
+    /// is never overwritten by `running` or `done`: it stays until an operator clears it.
+    fn write_post_clone_state(
+        &mut self,
+        key: &PodKey,
+        uid: &str,
+        state: &str,
+        mut extra: BTreeMap<String, Option<String>>,
+    ) {
+        let Some(slot) = self.slots.get(key) else {
+            return;
+        };
+        let Some(t) = slot.tracked.as_ref() else {
+            return;
+        };
+        if !t.spec.managed {
+            return;
+        }
+        let marked_failed = slot
+            .latest
+            .as_deref()
+            .and_then(post_clone_state)
+            .is_some_and(|s| s == "failed");
+        if state != "failed" && marked_failed {
+            return;
+        }
+        extra.insert(spec::ANN_POST_CLONE_STATE.to_string(), Some(state.into()));
+        self.send_annotations(key, uid, extra, false);
+    }
+
+    /// Wait for the guest IP, then publish Ready; Windows guests get a renew nudge at 30 s.
+    pub(super) fn start_ready_wait_as(
+        &mut self,
+        key: &PodKey,
+        uid: String,
+        vm_id: String,
+        mode: PostCloneMode,
+    ) {
+        let windows = self
+            .slots
+            .get(key)
+            .and_then(|s| s.tracked.as_ref())
+            .is_some_and(|t| t.spec.os == Os::Windows);
+        let until = self.now + IP_WAIT;
+        let nudge_at = windows.then(|| (self.now + RENEW_NUDGE_AFTER).min(until));
+        self.slot(key).op = Some(Op::ReadyWait {
+            uid,
+            vm_id,
+            until,
+            nudge_at,
+            mode,
+        });
+        self.push_status(key, false);
+        self.ready_wait_poll(key);
+    }
+
+    /// The IP wait's renew nudge is due: `cmd /c ipconfig /renew` in the guest, within what is
+    /// left of the wait. Returns false when none is due.
+    pub(super) fn maybe_renew_nudge(&mut self, key: &PodKey) -> bool {
+        let Some(Op::ReadyWait {
+            nudge_at: Some(at),
+            until,
+            vm_id,
+            ..
+        }) = self.slots.get(key).and_then(|s| s.op.clone())
+        else {
+            return false;
+        };
+        if self.now < at || self.now >= until {
+            return false;
+        }
+        if let Some(Op::ReadyWait { nudge_at, .. }) = self.slot(key).op.as_mut() {
+            *nudge_at = None;
+        }
+        let cmd = CocoonCmd::VmExec {
+            id: vm_id,
+            command: ["cmd", "/c", "ipconfig", "/renew"]
+                .map(String::from)
+                .to_vec(),
+            deadline: until.saturating_duration_since(self.now),
+        };
+        self.pod_cocoon(key, cmd);
+        true
+    }
+
+    /// The nudge's answer: count it, then look at the lease again.
+    pub(super) fn renew_nudge_result(&mut self, key: &PodKey, r: &CocoonResult) {
+        let result = if r.success { "ok" } else { "failed" };
+        self.metric(MetricUpdate::WakeRenewNudge { result });
+        self.ready_wait_poll(key);
+    }
+}
+
+/// The VM's NICs as the SAC plan takes them: (static IP, prefix, gateway).
+fn sac_nics(vm: &VmInfo) -> Vec<(String, u64, String)> {
+    vm.nics
+        .iter()
+        .map(|n| (n.static_ip.clone(), n.prefix, n.gateway.clone()))
+        .collect()
+}
