@@ -16,7 +16,8 @@
 //! made on worker threads, never on the loop: pod writes and Events by the kube lane (paced
 //! by the client's token bucket, see `lane.rs`), the node Lease and status by a node thread.
 //! The watch is the only long-lived connection and is driven without blocking. No turn does
-//! unbounded work: watch reads, provider inputs and child spawns each have a per-turn budget.
+//! unbounded work: watch reads and provider inputs each have a per-turn budget, and children
+//! are forked by the reactor's spawner threads, so no turn waits for an exec.
 //! SIGTERM / SIGINT stop the loop at once, VMs keep running. SIGHUP is logged and ignored:
 //! every setting is read once at start, so a restart applies changes.
 
@@ -106,10 +107,6 @@ const MAX_TRANSFER_JOBS: usize = WORKERS - 1;
 const EVENT_QUEUE: usize = 1000;
 /// Loop time one turn spends feeding inputs to the provider at most (see `drain_inputs`).
 const INPUT_BUDGET: Duration = Duration::from_millis(20);
-/// Loop time one turn spends starting cocoon children at most, past its first: a spawn waits
-/// for the child's exec (milliseconds on a busy host), so a burst's calls start over a few
-/// turns rather than in one long one.
-const SPAWN_BUDGET: Duration = Duration::from_millis(10);
 /// The watch reads on only while fewer provider inputs than this wait: a burst stays in the
 /// socket rather than piling up here as decoded pods.
 const PENDING_HIGH: usize = 256;
@@ -135,7 +132,7 @@ enum OwnTimer {
     Watchdog = 6,
     Lane = 7,
     View = 8,
-    /// Queued cocoon calls wait for the next turn's spawn budget.
+    /// Queued cocoon calls start on the next turn (a slot freed up).
     Cocoon = 9,
 }
 
@@ -202,9 +199,6 @@ pub struct Daemon {
     /// How many `vm inspect` calls lead the queue (they go ahead of creates).
     cocoon_inspects_queued: usize,
     cocoon_running: usize,
-    /// When this loop turn began and how many children it started (see `SPAWN_BUDGET`).
-    turn_started: Instant,
-    spawned_this_turn: usize,
     /// Registry transfer jobs waiting for a worker, and how many run (see `start_transfers`).
     transfer_queue: VecDeque<(OpId, effects::TransferJob)>,
     transfers_running: usize,
@@ -403,8 +397,6 @@ impl Daemon {
             cocoon_queue: VecDeque::new(),
             cocoon_inspects_queued: 0,
             cocoon_running: 0,
-            turn_started: now,
-            spawned_this_turn: 0,
             transfer_queue: VecDeque::new(),
             transfers_running: 0,
             timers: HashMap::new(),
@@ -432,8 +424,6 @@ impl Daemon {
                 return 1;
             }
             let turn = Instant::now();
-            self.turn_started = turn;
-            self.spawned_this_turn = 0;
             let n_events = events.len();
             for event in events.drain(..) {
                 self.route(event);
