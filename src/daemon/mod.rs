@@ -205,7 +205,7 @@ pub struct Daemon {
     timers: HashMap<OwnTimer, (TimerId, Instant)>,
     watchdog: Option<Duration>,
     view_dirty: bool,
-    /// pidfds of the running VMs' hypervisors, re-synced after a turn that changed the core.
+    /// pidfds of the running VMs' hypervisors, checked after every turn that fed the core.
     hypervisors: hypervisors::HypervisorWatch,
     hypervisors_dirty: bool,
     /// When the kubelet view was last rebuilt (see `VIEW_REFRESH`).
@@ -664,9 +664,11 @@ impl Daemon {
         while let Some(input) = self.pending.pop_front() {
             let now = self.reactor.now();
             let effects = self.provider.handle(input, now, SystemTime::now());
+            // Any input may change a tracked VM or its PID, effects or not (an inspect that
+            // learns a new PID answers with none): the watch is checked after every such turn.
+            self.hypervisors_dirty = true;
             if !effects.is_empty() {
                 self.view_dirty = true;
-                self.hypervisors_dirty = true;
             }
             for effect in effects {
                 self.perform(effect);
@@ -681,7 +683,7 @@ impl Daemon {
         if self.hypervisors_dirty {
             self.hypervisors_dirty = false;
             self.hypervisors
-                .sync(&mut self.reactor, self.provider.tracked_vms());
+                .sync(&mut self.reactor, || self.provider.tracked_vms());
         }
     }
 
