@@ -167,6 +167,8 @@ pub struct Daemon {
     registry: Option<Arc<RegistryClient>>,
     provider: Provider,
     pending: VecDeque<Input>,
+    /// Effects of a handled input that the turn's budget left for the next turn (in order).
+    owed_effects: VecDeque<Effect>,
     startup: Option<Startup>,
     watch: PodWatch,
     /// A pod list for the watch is running on a lane worker.
@@ -374,6 +376,7 @@ impl Daemon {
             registry,
             provider,
             pending: VecDeque::new(),
+            owed_effects: VecDeque::new(),
             watch,
             relisting: false,
             node: Some(Box::new(node)),
@@ -658,10 +661,25 @@ impl Daemon {
 
     /// Feeds queued inputs through the provider and performs the effects, for at most
     /// `INPUT_BUDGET` of loop time: the rest waits for the next turn, which comes at once
-    /// (so probes, the kubelet API and /metrics get their turn in between).
+    /// (so probes, the kubelet API and /metrics get their turn in between). The budget holds
+    /// inside one input's effects too (the startup reconcile of 1,000 pods answers with
+    /// thousands): those left are performed first on the next turn, in order, and no later
+    /// input is handled before them.
     fn drain_inputs(&mut self) {
         let started = Instant::now();
-        while let Some(input) = self.pending.pop_front() {
+        'turn: loop {
+            while let Some(effect) = self.owed_effects.pop_front() {
+                self.perform(effect);
+                if started.elapsed() >= INPUT_BUDGET {
+                    break 'turn;
+                }
+            }
+            if started.elapsed() >= INPUT_BUDGET {
+                break;
+            }
+            let Some(input) = self.pending.pop_front() else {
+                break;
+            };
             let now = self.reactor.now();
             let effects = self.provider.handle(input, now, SystemTime::now());
             // Any input may change a tracked VM or its PID, effects or not (an inspect that
@@ -670,12 +688,7 @@ impl Daemon {
             if !effects.is_empty() {
                 self.view_dirty = true;
             }
-            for effect in effects {
-                self.perform(effect);
-            }
-            if started.elapsed() >= INPUT_BUDGET {
-                break;
-            }
+            self.owed_effects.extend(effects);
         }
         if let Some(at) = self.provider.poll_timeout() {
             self.arm(OwnTimer::Provider, at);
@@ -705,7 +718,7 @@ impl Daemon {
                 .map_or(self.reactor.now(), |at| at + VIEW_REFRESH);
             self.arm(OwnTimer::View, due);
         }
-        if !self.pending.is_empty() {
+        if !self.pending.is_empty() || !self.owed_effects.is_empty() {
             self.arm(OwnTimer::Provider, self.reactor.now());
         }
         if !self.cocoon_queue.is_empty() && self.cocoon_running < effects::MAX_COCOON_CALLS {
