@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use daemon_support::{annotation, lease_age, phase, pod_writes_per_pod, World};
+use vk_cocoon::sandbox::apiserver::ApiServerHandle;
 use vk_cocoon::sandbox::demo_pod;
 
 fn percentile(v: &mut [Duration], p: f64) -> Duration {
@@ -56,16 +57,19 @@ fn metric(w: &World, name: &str) -> f64 {
 
 /// Pod name → its VM id, for every pod that is Running with an id annotation.
 fn running(w: &World) -> BTreeMap<String, String> {
-    w.api
-        .scan_objects("pods", |p| {
-            if p["status"]["phase"] != "Running" {
-                return None;
-            }
-            let id = p["metadata"]["annotations"]["vm.cocoonstack.io/id"].as_str()?;
-            Some((p["metadata"]["name"].as_str()?.to_string(), id.to_string()))
-        })
-        .into_iter()
-        .collect()
+    running_in(&w.api)
+}
+
+fn running_in(api: &ApiServerHandle) -> BTreeMap<String, String> {
+    api.scan_objects("pods", |p| {
+        if p["status"]["phase"] != "Running" {
+            return None;
+        }
+        let id = p["metadata"]["annotations"]["vm.cocoonstack.io/id"].as_str()?;
+        Some((p["metadata"]["name"].as_str()?.to_string(), id.to_string()))
+    })
+    .into_iter()
+    .collect()
 }
 
 /// Pods created one at a time before the burst.
@@ -153,6 +157,71 @@ fn bench_pod_lifecycle() {
     }
     let created = t0.elapsed();
     let ids = running(&w);
+    // Running pods are polled from the burst's start, on a thread of their own, while the
+    // vanish measurements below run: throughput is what the daemon did, whatever the order.
+    // Polled every 100 ms, not every 20 ms: listing 1,000 pods is heavy, and a greedy poll
+    // takes a core from the daemon on this 2-core machine (it was a third of all CPU).
+    let (seen, vanish, queued_at_vanish) = std::thread::scope(|scope| {
+        let api = &w.api;
+        let poller = scope.spawn(move || {
+            let mut seen = BTreeMap::new();
+            while seen.len() < n {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(1200),
+                    "burst did not converge"
+                );
+                for name in running_in(api)
+                    .into_keys()
+                    .filter(|k| k.starts_with("pod-"))
+                {
+                    seen.entry(name).or_insert_with(|| t0.elapsed());
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            seen
+        });
+        let (vanish, queued) = vanish_during_burst(&w, &ids, &mut oldest_lease);
+        while !poller.is_finished() {
+            oldest_lease = oldest_lease.max(lease_age(&w).unwrap_or(0.0));
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let seen = match poller.join() {
+            Ok(seen) => seen,
+            Err(panic) => std::panic::resume_unwind(panic),
+        };
+        (seen, vanish, queued)
+    });
+    println!(
+        "VM vanish -> Failed/evicted during the burst ({queued_at_vanish} pod writes queued at \
+         the first): p50 {:?} p99 {:?}",
+        percentile(&mut vanish.clone(), 0.5),
+        percentile(&mut vanish.clone(), 0.99)
+    );
+    let mut lat: Vec<Duration> = seen
+        .iter()
+        .filter(|(k, _)| k.starts_with("pod-"))
+        .map(|(_, v)| *v)
+        .collect();
+    let all = lat.iter().max().copied().unwrap_or_default();
+    println!(
+        "burst of {n}: created in {created:?}, all Running after {all:?} => {:.0} pods/s; \
+         time-to-Running p50 {:?} p99 {:?}",
+        n as f64 / all.as_secs_f64(),
+        percentile(&mut lat.clone(), 0.5),
+        percentile(&mut lat, 0.99)
+    );
+    print_after_burst(&w, pid, n, burst_cpu, oldest_lease);
+    deletes_and_restart(&mut w, n);
+}
+
+/// The sequential pods' VMs vanish one at a time while the burst's writes are queued; each
+/// until its pod is Failed (or evicted). Returns the latencies and the pod writes queued at
+/// the first vanish.
+fn vanish_during_burst(
+    w: &World,
+    ids: &BTreeMap<String, String>,
+    oldest_lease: &mut f64,
+) -> (Vec<Duration>, f64) {
     let queued_at_vanish =
         daemon_support::metric_value(&w.metrics(), r#"vk_cocoon_kube_lane_queued{lane="pods"}"#)
             .unwrap_or(f64::NAN);
@@ -176,41 +245,13 @@ fn bench_pod_lifecycle() {
             std::thread::sleep(Duration::from_millis(2));
         }
         vanish.push(t.elapsed());
-        oldest_lease = oldest_lease.max(lease_age(&w).unwrap_or(0.0));
+        *oldest_lease = oldest_lease.max(lease_age(w).unwrap_or(0.0));
     }
-    println!(
-        "VM vanish -> Failed/evicted during the burst ({queued_at_vanish} pod writes queued at \
-         the first): p50 {:?} p99 {:?}",
-        percentile(&mut vanish.clone(), 0.5),
-        percentile(&mut vanish, 0.99)
-    );
-    // Polled every 100 ms, not every 20 ms: listing 1,000 pods is heavy, and a greedy poll
-    // takes a core from the daemon on this 2-core machine (it was a third of all CPU).
-    let mut seen = BTreeMap::new();
-    while seen.len() < n {
-        assert!(
-            t0.elapsed() < Duration::from_secs(1200),
-            "burst did not converge"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-        for name in running(&w).into_keys().filter(|k| k.starts_with("pod-")) {
-            seen.entry(name).or_insert_with(|| t0.elapsed());
-        }
-        oldest_lease = oldest_lease.max(lease_age(&w).unwrap_or(0.0));
-    }
-    let mut lat: Vec<Duration> = seen
-        .iter()
-        .filter(|(k, _)| k.starts_with("pod-"))
-        .map(|(_, v)| *v)
-        .collect();
-    let all = lat.iter().max().copied().unwrap_or_default();
-    println!(
-        "burst of {n}: created in {created:?}, all Running after {all:?} => {:.0} pods/s; \
-         time-to-Running p50 {:?} p99 {:?}",
-        n as f64 / all.as_secs_f64(),
-        percentile(&mut lat.clone(), 0.5),
-        percentile(&mut lat, 0.99)
-    );
+    (vanish, queued_at_vanish)
+}
+
+/// Cocoon calls, CPU, RSS, writes per pod, longest turn and Lease after the burst.
+fn print_after_burst(w: &World, pid: u32, n: usize, burst_cpu: Duration, oldest_lease: f64) {
     // The harness runs the daemon at debug level, which logs every cocoon call.
     let log = w.log();
     println!(
@@ -228,19 +269,22 @@ fn bench_pod_lifecycle() {
     println!("RSS with {n} tracked pods: {} KiB", rss_kib(pid));
     println!(
         "pod writes per pod in the burst (evicted sequential pods not counted): {:.2}",
-        pod_writes_per_pod(&w, "pod-", n)
+        pod_writes_per_pod(w, "pod-", n)
     );
     println!(
         "longest loop turn so far (sequential + burst): {:.1} ms",
-        metric(&w, "vk_cocoon_loop_longest_turn_seconds") * 1000.0
+        metric(w, "vk_cocoon_loop_longest_turn_seconds") * 1000.0
     );
     println!(
         "Lease: oldest renewTime seen {oldest_lease:.2} s (renewed every 10 s => {:.2} s late); \
          node tick started {:.3} s late at most recently",
         (oldest_lease - 10.0).max(0.0),
-        metric(&w, "vk_cocoon_node_tick_late_seconds")
+        metric(w, "vk_cocoon_node_tick_late_seconds")
     );
+}
 
+/// Deletes (writes per deleted pod), then a restart with every pod and VM to adopt.
+fn deletes_and_restart(w: &mut World, n: usize) {
     // 3. Deletes: pod writes per deleted pod until the object is gone.
     let deleted = 20.min(n);
     w.api.clear_requests();
@@ -256,7 +300,7 @@ fn bench_pod_lifecycle() {
     });
     let delete_writes: f64 = (0..deleted)
         .map(|i| {
-            pod_writes_per_pod(&w, &format!("pod-{i}/"), 1) + {
+            pod_writes_per_pod(w, &format!("pod-{i}/"), 1) + {
                 // The pod's own path (no subresource): match it exactly, not pod-1 within pod-10.
                 let path = format!("/api/v1/namespaces/default/pods/pod-{i}");
                 w.api
@@ -273,7 +317,7 @@ fn bench_pod_lifecycle() {
     );
 
     // 4. Restart: startup reconcile of n pods and VMs, nothing recreated.
-    let before = running(&w);
+    let before = running(w);
     w.kill_daemon();
     w.api.clear_requests();
     let t = Instant::now();
@@ -297,6 +341,6 @@ fn bench_pod_lifecycle() {
     );
     println!(
         "longest loop turn after restart: {:.1} ms",
-        metric(&w, "vk_cocoon_loop_longest_turn_seconds") * 1000.0
+        metric(w, "vk_cocoon_loop_longest_turn_seconds") * 1000.0
     );
 }

@@ -347,13 +347,15 @@ fn kubelet_healthz_time(w: &World) -> Duration {
     Duration::from_secs_f64(secs)
 }
 
-/// Issue 14's process test. Not yet met on the 2-core development host in a debug build: the
-/// loop still starts cocoon children itself and a spawn blocks it until the child's exec
-/// (10-50 ms each there), so turns reach ~100 ms, the kubelet's /healthz (TLS handshake
-/// included) took 120-220 ms and vanish -> Failed 0.7-1.0 s. Kept as the bar to meet; run with
-/// `--ignored`.
+/// A slow API server with a backlog of pod writes never stalls the loop: a killed VM's pod is
+/// Failed within 1 s, the Lease renews on time, `/metrics` and the kubelet API answer in time.
+/// Not met in a debug build on the shared 2-core host while other builds ran: child spawns no
+/// longer block the loop, but turns of 60-400 ms remain (vanish -> Failed 1.4 s, /metrics
+/// 0.4 s, kubelet 0.6 s measured). Suspected, not yet shown: each kubelet `/healthz` poll is a
+/// TLS handshake done on the loop thread, and the host's CPU was taken by builds. Kept as the
+/// bar; run with `--ignored`.
 #[test]
-#[ignore = "issue 14 target not met yet: child spawns still block the loop (see the comment)"]
+#[ignore = "not met in debug builds on a loaded 2-core host (see the comment)"]
 fn a_slow_api_server_with_a_pod_backlog_never_stalls_the_loop() {
     let mut w = World::new();
     w.extra_env

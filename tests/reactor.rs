@@ -47,6 +47,21 @@ fn wait_exit(r: &mut R, id: ChildId, limit: Duration) -> ChildExit {
     found.expect("exit")
 }
 
+/// Polls until a spawner thread has started child `id`; its pid.
+fn wait_started(r: &mut R, id: ChildId) -> u32 {
+    let stop = Instant::now() + Duration::from_secs(10);
+    let mut out = Vec::new();
+    loop {
+        if let Some(pid) = r.pid(id) {
+            return pid;
+        }
+        assert!(Instant::now() < stop, "{id} never started");
+        r.timer_after(Duration::from_millis(5), u64::MAX - 1);
+        out.clear();
+        r.poll(&mut out).expect("poll");
+    }
+}
+
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 13) as u8)
@@ -260,14 +275,122 @@ fn kill_reports_killed() {
 }
 
 #[test]
-fn spawn_of_missing_program_is_an_error() {
+fn spawn_of_missing_program_is_reported_as_an_exit_that_never_ran() {
     let mut r = reactor();
-    let err = r
-        .spawn(ChildSpec::new(["/nonexistent/vk-cocoon-test"]))
-        .unwrap_err();
-    assert_eq!(err.kind(), std::io::ErrorKind::NotFound);
+    let id = r
+        .spawn(ChildSpec::new(["/nonexistent/vk-cocoon-test"]).deadline(Duration::from_secs(60)))
+        .expect("the spawn is only requested here");
+    let exit = wait_exit(&mut r, id, Duration::from_secs(10));
+    let err = exit.spawn_error.clone().expect("a spawn error");
+    assert_eq!(err.kind, std::io::ErrorKind::NotFound);
+    assert!(exit.status.is_none() && !exit.success());
     assert!(r.spawn(ChildSpec::default()).is_err(), "empty argv");
     assert_eq!(r.children_running(), 0);
+    assert_eq!(r.timers_armed(), 0, "its deadline timer is cancelled");
+}
+
+/// The loop never waits for a fork+exec: `spawn` returns before the child is known to run
+/// (its pid comes with a later poll), however many are asked for at once.
+#[test]
+fn spawn_returns_before_the_child_runs() {
+    let mut r = reactor();
+    let ids: Vec<ChildId> = (0..50)
+        .map(|_| r.spawn(ChildSpec::new(["true"])).unwrap())
+        .collect();
+    assert!(ids.iter().all(|id| r.pid(*id).is_none()));
+    assert_eq!(r.children_running(), 50);
+    let mut left: std::collections::HashSet<ChildId> = ids.into_iter().collect();
+    pump(&mut r, Duration::from_secs(30), |ev| {
+        if let Event::ChildExit(e) = ev {
+            assert!(e.success(), "{e:?}");
+            assert!(e.pid > 0);
+            left.remove(&e.id);
+        }
+        left.is_empty()
+    });
+    assert_eq!(r.children_running(), 0);
+}
+
+/// What is asked of a child while it is still starting is applied once it runs: a kill, a
+/// deadline that passed, stdin written and closed.
+#[test]
+fn a_starting_child_gets_its_kill_deadline_and_stdin_once_it_runs() {
+    let mut r = reactor();
+    let killed = r.spawn(ChildSpec::new(["sleep", "30"])).unwrap();
+    r.kill(killed);
+    let timed = r
+        .spawn(ChildSpec::new(["sleep", "30"]).deadline(Duration::ZERO))
+        .unwrap();
+    let cat = r
+        .spawn(ChildSpec::new(["cat"]).stdin(StdinMode::Pipe))
+        .unwrap();
+    r.write_stdin(cat, b"early ").unwrap();
+    r.write_stdin(cat, b"bytes").unwrap();
+    assert_eq!(r.stdin_queued(cat), 11);
+    r.close_stdin(cat);
+    assert!(r.write_stdin(cat, b"late").is_err(), "stdin is closing");
+
+    let mut exits = HashMap::new();
+    pump(&mut r, Duration::from_secs(10), |ev| {
+        if let Event::ChildExit(e) = ev {
+            exits.insert(e.id, e.clone());
+        }
+        exits.len() == 3
+    });
+    let exit = &exits[&killed];
+    assert!(exit.killed && !exit.timed_out, "{exit:?}");
+    assert_eq!(exit.signal(), Some(libc::SIGKILL));
+    let exit = &exits[&timed];
+    assert!(exit.timed_out, "{exit:?}");
+    assert_eq!(exit.signal(), Some(libc::SIGKILL));
+    let exit = &exits[&cat];
+    assert!(exit.success(), "{exit:?}");
+    assert_eq!(exit.stdout, b"early bytes");
+}
+
+/// A streamed child paused while starting stays paused once it runs: no output until resumed.
+#[test]
+fn a_child_paused_while_starting_sends_nothing_until_resumed() {
+    let mut r = reactor();
+    let id = r
+        .spawn(
+            ChildSpec::new(["cat"])
+                .stdin(StdinMode::Pipe)
+                .stdout(OutputMode::Stream),
+        )
+        .unwrap();
+    r.pause_output(id);
+    r.write_stdin(id, b"hello\n").unwrap();
+    wait_started(&mut r, id);
+    // cat echoes at once and keeps running; nothing may arrive while paused.
+    let until = Instant::now() + Duration::from_millis(300);
+    r.timer_at(until, 7);
+    let mut out = Vec::new();
+    loop {
+        out.clear();
+        r.poll(&mut out).expect("poll");
+        for ev in &out {
+            assert!(
+                !matches!(ev, Event::ChildOutput { .. }),
+                "output while paused: {ev:?}"
+            );
+        }
+        if out.iter().any(|e| matches!(e, Event::Timer { key: 7, .. })) {
+            break;
+        }
+    }
+    r.resume_output(id);
+    r.close_stdin(id);
+    let mut got = Vec::new();
+    pump(&mut r, Duration::from_secs(10), |ev| match ev {
+        Event::ChildOutput { data, .. } => {
+            got.extend_from_slice(data);
+            false
+        }
+        Event::ChildExit(e) => e.id == id,
+        _ => false,
+    });
+    assert_eq!(got, b"hello\n");
 }
 
 /// The child has exited (its output sits in the pipe) before the loop looks at
@@ -363,7 +486,7 @@ fn five_hundred_concurrent_children_leave_no_zombie() {
 fn dropping_the_reactor_kills_and_reaps_children() {
     let mut r = reactor();
     let id = r.spawn(ChildSpec::new(["sleep", "30"])).unwrap();
-    let pid = r.pid(id).expect("running child has a pid");
+    let pid = wait_started(&mut r, id);
     assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());
     drop(r);
     // Killed and reaped: the pid is gone (or, if recycled already, no longer our child).

@@ -1,9 +1,10 @@
-//! Children of the reactor die with the thread that spawned them (the daemon's loop thread):
-//! a crashed daemon leaves no cocoon call or exec session running unsupervised.
+//! Children of the reactor die with the thread that owns the reactor (the daemon's loop thread),
+//! although spawner threads fork them: a crashed daemon leaves no cocoon call or exec session
+//! running unsupervised.
 
 use std::time::{Duration, Instant};
 
-use vk_cocoon::reactor::{ChildSpec, Reactor};
+use vk_cocoon::reactor::{ChildSpec, Event, Reactor};
 
 /// The state letter of /proc/<pid>/stat (R, S, Z, ...), None once the pid is gone.
 fn state(pid: u32) -> Option<char> {
@@ -17,7 +18,17 @@ fn a_child_is_killed_when_its_spawning_thread_dies() {
     std::thread::spawn(move || {
         let mut reactor: Reactor<()> = Reactor::new(1, 4).unwrap();
         let id = reactor.spawn(ChildSpec::new(["sleep", "30"])).unwrap();
-        tx.send(reactor.pid(id).unwrap()).unwrap();
+        // The pid is known once the loop has taken the started child back.
+        let mut out: Vec<Event<()>> = Vec::new();
+        let pid = loop {
+            if let Some(pid) = reactor.pid(id) {
+                break pid;
+            }
+            reactor.timer_after(Duration::from_millis(5), 0);
+            out.clear();
+            reactor.poll(&mut out).unwrap();
+        };
+        tx.send(pid).unwrap();
         // Leak the reactor: its drop would kill the child itself, as a crash would not.
         std::mem::forget(reactor);
     })

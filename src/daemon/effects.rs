@@ -269,13 +269,10 @@ impl Daemon {
     }
 
     /// Starts queued cocoon calls while fewer than `MAX_COCOON_CALLS` run: a burst of pods must
-    /// not fork a thousand CLI processes in one loop turn (a stall here, a stampede on cocoon's
-    /// lock there). A call's deadline counts from its start, not from its queueing.
+    /// not fork a thousand CLI processes at once (a stampede on cocoon's lock). A call's
+    /// deadline counts from its start, not from its queueing.
     pub(super) fn start_cocoon_calls(&mut self) {
         while self.cocoon_running < MAX_COCOON_CALLS {
-            if self.spawned_this_turn > 0 && self.turn_started.elapsed() >= super::SPAWN_BUDGET {
-                return; // after_turn arms the next turn for the rest
-            }
             let Some((op, cmd)) = self.cocoon_queue.pop_front() else {
                 return;
             };
@@ -292,11 +289,12 @@ impl Daemon {
                 .stderr(OutputMode::Capture {
                     limit: STDERR_LIMIT,
                 });
+            // The spawn itself runs on the reactor's spawner threads; a child that cannot be
+            // started answers later as a `ChildExit` with its spawn error.
             match self.reactor.spawn(spec) {
                 Ok(id) => {
                     self.children.insert(id, ChildRole::Op(op));
                     self.cocoon_running += 1;
-                    self.spawned_this_turn += 1;
                 }
                 Err(e) => self.pending.push_back(Input::CocoonDone {
                     op,
@@ -358,6 +356,9 @@ impl Daemon {
 
 /// The provider's view of a finished cocoon child.
 pub(super) fn cocoon_result(exit: &ChildExit) -> CocoonResult {
+    if let Some(e) = &exit.spawn_error {
+        return CocoonResult::failed(format!("Error: run cocoon: {e}"));
+    }
     let mut stderr = String::from_utf8_lossy(&exit.stderr).into_owned();
     if exit.stdout_truncated {
         stderr.push_str("\nvk-cocoon: cocoon output exceeded the capture limit");

@@ -33,17 +33,36 @@ impl HypervisorWatch {
         self.by_token.contains_key(&token)
     }
 
-    /// Watch every running VM of `tracked` with a PID, stop watching the others.
-    pub fn sync<'a, M: Send + 'static>(
+    /// Whether the watch already covers exactly the running VMs of `tracked` with a PID: one
+    /// lookup per VM and no allocation, so it can run after every turn that changed anything.
+    fn covers<'a>(&self, tracked: impl Iterator<Item = &'a VmInfo>) -> bool {
+        let mut wanted = 0;
+        for vm in tracked.filter(|vm| watchable(vm)) {
+            let watched = self
+                .by_vm
+                .get(vm.id.as_str())
+                .and_then(|t| self.by_token.get(t));
+            if watched.is_none_or(|w| w.vm.pid != vm.pid) {
+                return false;
+            }
+            wanted += 1;
+        }
+        wanted == self.by_vm.len()
+    }
+
+    /// Watch every running VM that `tracked()` lists with a PID, stop watching the others.
+    pub fn sync<'a, M: Send + 'static, I: Iterator<Item = &'a VmInfo>>(
         &mut self,
         reactor: &mut Reactor<M>,
-        tracked: impl Iterator<Item = &'a VmInfo>,
+        tracked: impl Fn() -> I,
     ) {
+        if self.covers(tracked()) {
+            return;
+        }
+        let tracked = tracked();
         let mut wanted: HashMap<&str, &VmInfo> = HashMap::new();
-        for vm in tracked {
-            if vm.state == VmState::Running && vm.pid > 0 && !vm.id.is_empty() {
-                wanted.insert(vm.id.as_str(), vm);
-            }
+        for vm in tracked.filter(|vm| watchable(vm)) {
+            wanted.insert(vm.id.as_str(), vm);
         }
         let stale: Vec<Token> = self
             .by_token
@@ -116,5 +135,67 @@ impl HypervisorWatch {
         let raw = w.fd.as_raw_fd();
         let _ = reactor.registry().deregister(&mut SourceFd(&raw));
         Some(w.vm)
+    }
+}
+
+/// A VM the watch covers: running, with an ID and a hypervisor PID.
+fn watchable(vm: &VmInfo) -> bool {
+    vm.state == VmState::Running && vm.pid > 0 && !vm.id.is_empty()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reactor::Event;
+    use std::time::Duration;
+
+    fn vm(id: &str, pid: u32) -> VmInfo {
+        VmInfo {
+            id: id.into(),
+            name: format!("vk-default-{id}"),
+            state: VmState::Running,
+            pid: i64::from(pid),
+            ..VmInfo::default()
+        }
+    }
+
+    /// A VM whose hypervisor PID changed (a restart learned by inspect) is watched under its new
+    /// PID, and only the new process's exit is reported.
+    #[test]
+    fn a_changed_hypervisor_pid_is_watched_anew() {
+        let mut reactor: Reactor<()> = Reactor::new(0, 1).unwrap();
+        let mut old = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let mut new = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let mut watch = HypervisorWatch::default();
+        let before = [vm("a", old.id())];
+        watch.sync(&mut reactor, || before.iter());
+        assert!(watch.covers(before.iter()));
+        let after = [vm("a", new.id())];
+        assert!(!watch.covers(after.iter()), "the PID change is seen");
+        watch.sync(&mut reactor, || after.iter());
+        assert!(watch.covers(after.iter()));
+
+        old.kill().unwrap();
+        old.wait().unwrap();
+        new.kill().unwrap();
+        new.wait().unwrap();
+        let mut events = Vec::new();
+        reactor.timer_after(Duration::from_secs(5), 0);
+        while !events.iter().any(|e| matches!(e, Event::Io(_))) {
+            reactor.poll(&mut events).unwrap();
+            assert!(!events.iter().any(|e| matches!(e, Event::Timer { .. })));
+        }
+        let Some(Event::Io(ready)) = events.iter().find(|e| matches!(e, Event::Io(_))) else {
+            unreachable!()
+        };
+        let gone = watch.exited(&mut reactor, ready.token).expect("watched");
+        assert_eq!(gone.pid, i64::from(new.id()));
+        assert!(watch.covers(std::iter::empty()));
     }
 }

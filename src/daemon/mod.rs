@@ -16,7 +16,8 @@
 //! made on worker threads, never on the loop: pod writes and Events by the kube lane (paced
 //! by the client's token bucket, see `lane.rs`), the node Lease and status by a node thread.
 //! The watch is the only long-lived connection and is driven without blocking. No turn does
-//! unbounded work: watch reads, provider inputs and child spawns each have a per-turn budget.
+//! unbounded work: watch reads and provider inputs each have a per-turn budget, and children
+//! are forked by the reactor's spawner threads, so no turn waits for an exec.
 //! SIGTERM / SIGINT stop the loop at once, VMs keep running. SIGHUP is logged and ignored:
 //! every setting is read once at start, so a restart applies changes.
 
@@ -111,10 +112,6 @@ const MAX_TRANSFER_JOBS: usize = WORKERS - 1;
 const EVENT_QUEUE: usize = 1000;
 /// Loop time one turn spends feeding inputs to the provider at most (see `drain_inputs`).
 const INPUT_BUDGET: Duration = Duration::from_millis(20);
-/// Loop time one turn spends starting cocoon children at most, past its first: a spawn waits
-/// for the child's exec (milliseconds on a busy host), so a burst's calls start over a few
-/// turns rather than in one long one.
-const SPAWN_BUDGET: Duration = Duration::from_millis(10);
 /// The watch reads on only while fewer provider inputs than this wait: a burst stays in the
 /// socket rather than piling up here as decoded pods.
 const PENDING_HIGH: usize = 256;
@@ -140,7 +137,7 @@ enum OwnTimer {
     Watchdog = 6,
     Lane = 7,
     View = 8,
-    /// Queued cocoon calls wait for the next turn's spawn budget.
+    /// Queued cocoon calls start on the next turn (a slot freed up).
     Cocoon = 9,
 }
 
@@ -175,6 +172,8 @@ pub struct Daemon {
     registry: Option<Arc<RegistryClient>>,
     provider: Provider,
     pending: VecDeque<Input>,
+    /// Effects of a handled input that the turn's budget left for the next turn (in order).
+    owed_effects: VecDeque<Effect>,
     startup: Option<Startup>,
     watch: PodWatch,
     /// A pod list for the watch is running on a lane worker.
@@ -207,16 +206,13 @@ pub struct Daemon {
     /// How many `vm inspect` calls lead the queue (they go ahead of creates).
     cocoon_inspects_queued: usize,
     cocoon_running: usize,
-    /// When this loop turn began and how many children it started (see `SPAWN_BUDGET`).
-    turn_started: Instant,
-    spawned_this_turn: usize,
     /// Registry transfer jobs waiting for a worker, and how many run (see `start_transfers`).
     transfer_queue: VecDeque<(OpId, effects::TransferJob)>,
     transfers_running: usize,
     timers: HashMap<OwnTimer, (TimerId, Instant)>,
     watchdog: Option<Duration>,
     view_dirty: bool,
-    /// pidfds of the running VMs' hypervisors, re-synced after a turn that changed the core.
+    /// pidfds of the running VMs' hypervisors, checked after every turn that fed the core.
     hypervisors: hypervisors::HypervisorWatch,
     hypervisors_dirty: bool,
     /// When the kubelet view was last rebuilt (see `VIEW_REFRESH`).
@@ -385,6 +381,7 @@ impl Daemon {
             registry,
             provider,
             pending: VecDeque::new(),
+            owed_effects: VecDeque::new(),
             watch,
             relisting: false,
             node: Some(Box::new(node)),
@@ -408,8 +405,6 @@ impl Daemon {
             cocoon_queue: VecDeque::new(),
             cocoon_inspects_queued: 0,
             cocoon_running: 0,
-            turn_started: now,
-            spawned_this_turn: 0,
             transfer_queue: VecDeque::new(),
             transfers_running: 0,
             timers: HashMap::new(),
@@ -437,8 +432,6 @@ impl Daemon {
                 return 1;
             }
             let turn = Instant::now();
-            self.turn_started = turn;
-            self.spawned_this_turn = 0;
             let n_events = events.len();
             for event in events.drain(..) {
                 self.route(event);
@@ -674,22 +667,34 @@ impl Daemon {
 
     /// Feeds queued inputs through the provider and performs the effects, for at most
     /// `INPUT_BUDGET` of loop time: the rest waits for the next turn, which comes at once
-    /// (so probes, the kubelet API and /metrics get their turn in between).
+    /// (so probes, the kubelet API and /metrics get their turn in between). The budget holds
+    /// inside one input's effects too (the startup reconcile of 1,000 pods answers with
+    /// thousands): those left are performed first on the next turn, in order, and no later
+    /// input is handled before them.
     fn drain_inputs(&mut self) {
         let started = Instant::now();
-        while let Some(input) = self.pending.pop_front() {
-            let now = self.reactor.now();
-            let effects = self.provider.handle(input, now, SystemTime::now());
-            if !effects.is_empty() {
-                self.view_dirty = true;
-                self.hypervisors_dirty = true;
-            }
-            for effect in effects {
+        'turn: loop {
+            while let Some(effect) = self.owed_effects.pop_front() {
                 self.perform(effect);
+                if started.elapsed() >= INPUT_BUDGET {
+                    break 'turn;
+                }
             }
             if started.elapsed() >= INPUT_BUDGET {
                 break;
             }
+            let Some(input) = self.pending.pop_front() else {
+                break;
+            };
+            let now = self.reactor.now();
+            let effects = self.provider.handle(input, now, SystemTime::now());
+            // Any input may change a tracked VM or its PID, effects or not (an inspect that
+            // learns a new PID answers with none): the watch is checked after every such turn.
+            self.hypervisors_dirty = true;
+            if !effects.is_empty() {
+                self.view_dirty = true;
+            }
+            self.owed_effects.extend(effects);
         }
         if let Some(at) = self.provider.poll_timeout() {
             self.arm(OwnTimer::Provider, at);
@@ -697,7 +702,7 @@ impl Daemon {
         if self.hypervisors_dirty {
             self.hypervisors_dirty = false;
             self.hypervisors
-                .sync(&mut self.reactor, self.provider.tracked_vms());
+                .sync(&mut self.reactor, || self.provider.tracked_vms());
         }
     }
 
@@ -719,7 +724,7 @@ impl Daemon {
                 .map_or(self.reactor.now(), |at| at + VIEW_REFRESH);
             self.arm(OwnTimer::View, due);
         }
-        if !self.pending.is_empty() {
+        if !self.pending.is_empty() || !self.owed_effects.is_empty() {
             self.arm(OwnTimer::Provider, self.reactor.now());
         }
         if !self.cocoon_queue.is_empty() && self.cocoon_running < effects::MAX_COCOON_CALLS {

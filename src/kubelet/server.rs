@@ -412,7 +412,10 @@ impl KubeletServer {
         let outcome = match (exit.code(), exit.signal()) {
             (Some(c), _) => ExecOutcome::Exited(c),
             (None, Some(s)) => ExecOutcome::Failed(format!("command was terminated by signal {s}")),
-            (None, None) => ExecOutcome::Failed("command status unknown".into()),
+            (None, None) => match &exit.spawn_error {
+                Some(e) => ExecOutcome::Failed(format!("cannot run cocoon: {e}")),
+                None => ExecOutcome::Failed("command status unknown".into()),
+            },
         };
         self.child_ended(r, token, outcome);
         self.rearm(r);

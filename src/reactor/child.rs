@@ -118,8 +118,9 @@ impl ChildSpec {
 /// Why a `pre_exec` hook: the standard library offers no parent-death setting, and no safe
 /// crate API sets it in the child. The hook makes `Command` fork and exec instead of using
 /// posix_spawn (vfork-like); the extra cost is copying the page tables of a daemon of a few tens
-/// of MiB, well below the cost of the cocoon call itself. The reactor spawns from its loop
-/// thread, which lives as long as the daemon.
+/// of MiB, well below the cost of the cocoon call itself. The fork and the wait for the exec
+/// happen on the reactor's spawner threads, which live as long as the thread that owns the
+/// reactor (see `spawner`), so that thread's end still kills the children.
 pub(crate) fn die_with_parent(cmd: &mut std::process::Command) {
     use std::os::unix::process::CommandExt;
     let parent = std::process::id();
@@ -170,6 +171,31 @@ pub struct ChildExit {
     pub timed_out: bool,
     /// Killed through `Reactor::kill` (or reactor drop).
     pub killed: bool,
+    /// Some when the child never ran: it could not be started (no such program, resource
+    /// limits) or its pipes could not be watched. `status` is then None.
+    pub spawn_error: Option<SpawnError>,
+}
+
+/// Why a child never ran: the spawn error's kind and text (an `io::Error` is not `Clone`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SpawnError {
+    pub kind: io::ErrorKind,
+    pub message: String,
+}
+
+impl From<&io::Error> for SpawnError {
+    fn from(e: &io::Error) -> Self {
+        SpawnError {
+            kind: e.kind(),
+            message: e.to_string(),
+        }
+    }
+}
+
+impl fmt::Display for SpawnError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
 }
 
 impl ChildExit {
@@ -293,6 +319,18 @@ impl OutPipe {
             }
         }
     }
+}
+
+/// A child handed to a spawner thread and not back yet, with what was asked of it meanwhile.
+pub(crate) struct Starting {
+    pub(crate) spec: ChildSpec,
+    /// Stdin bytes to write once it runs (`StdinMode::Bytes`, or `write_stdin` meanwhile).
+    pub(crate) stdin: VecDeque<u8>,
+    pub(crate) close_stdin: bool,
+    pub(crate) deadline_timer: Option<TimerId>,
+    pub(crate) timed_out: bool,
+    pub(crate) killed: bool,
+    pub(crate) paused: bool,
 }
 
 pub(crate) struct ChildState {

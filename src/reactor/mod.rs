@@ -12,7 +12,9 @@
 //! reactor.cancel_timer(id)                   arming a new one. A cancelled timer never fires; a timer
 //!                                            never fires before its instant; equal instants fire
 //!                                            in arming order.
-//! reactor.spawn(ChildSpec)                   child with non-blocking registered pipes; output is
+//! reactor.spawn(ChildSpec)                   child with non-blocking registered pipes, forked by a
+//!                                            spawner thread (spawn never waits for the exec; a
+//!                                            child that cannot start exits with spawn_error); output is
 //!                                            captured (bounded) or streamed (Event::ChildOutput);
 //!                                            exit -> one Event::ChildExit after the process is reaped
 //!                                            AND its pipes reached EOF (so no output is lost), or
@@ -42,10 +44,11 @@
 mod child;
 mod pool;
 pub mod sd_notify;
+mod spawner;
 mod timers;
 
 pub use child::{
-    ChildExit, ChildId, ChildSpec, OutputMode, StdinMode, Stream, DEFAULT_CAPTURE_LIMIT,
+    ChildExit, ChildId, ChildSpec, OutputMode, SpawnError, StdinMode, Stream, DEFAULT_CAPTURE_LIMIT,
 };
 pub use mio::{Interest, Registry, Token};
 pub use pool::{Notifier, QueueFull};
@@ -63,8 +66,9 @@ use mio::unix::SourceFd;
 use mio::{Events, Poll, Waker};
 use signal_hook::SigId;
 
-use child::{ChildPart, ChildState, InPipe, OutPipe, ReadOutcome};
+use child::{ChildPart, ChildState, InPipe, OutPipe, ReadOutcome, Starting};
 use pool::Pool;
+use spawner::{Request, Spawner, Started};
 use timers::Timers;
 
 /// After a child is reaped, how long its output pipes may stay open (held by a
@@ -145,6 +149,9 @@ pub struct Reactor<M: Send + 'static> {
     next_internal_token: usize,
     internal: HashMap<Token, Internal>,
     children: HashMap<ChildId, ChildState>,
+    /// Children handed to the spawner threads and not started yet.
+    starting: HashMap<ChildId, Starting>,
+    spawner: Spawner,
     next_child: u64,
     /// Output pipes whose read budget ran out: read again without waiting.
     again: Vec<(ChildId, ChildPart)>,
@@ -168,6 +175,7 @@ impl<M: Send + 'static> Reactor<M> {
             waker,
         };
         let pool = Pool::new("vk-worker", workers, queue_cap, notifier.clone())?;
+        let spawner = Spawner::new(Arc::clone(&notifier.waker));
         Ok(Reactor {
             poll,
             events: Events::with_capacity(256),
@@ -177,6 +185,8 @@ impl<M: Send + 'static> Reactor<M> {
             next_internal_token: INTERNAL_BASE,
             internal: HashMap::new(),
             children: HashMap::new(),
+            starting: HashMap::new(),
+            spawner,
             next_child: 1,
             again: Vec::new(),
             scratch: vec![0; 64 * 1024],
@@ -233,14 +243,15 @@ impl<M: Send + 'static> Reactor<M> {
         self.timers.len()
     }
 
-    /// The process id of a child that has not been reported yet.
+    /// The process id of a child that has started and not been reported yet (None while a
+    /// spawner thread is still starting it).
     pub fn pid(&self, id: ChildId) -> Option<u32> {
         self.children.get(&id).map(|c| c.pid)
     }
 
-    /// Number of children spawned and not yet reported.
+    /// Number of children spawned (started or still starting) and not yet reported.
     pub fn children_running(&self) -> usize {
-        self.children.len()
+        self.children.len() + self.starting.len()
     }
 
     /// Runs a blocking job on the worker pool; its result arrives as `Event::Work`.
@@ -308,8 +319,12 @@ impl<M: Send + 'static> Reactor<M> {
         Ok(())
     }
 
-    /// Starts a child process. Errors come from spawning (no such program,
-    /// resource limits) and from registering its pipes with the poll.
+    /// Starts a child process without waiting for it: a spawner thread forks and execs it, and
+    /// its pipes are registered when it comes back. Until then the child is "starting": `kill`,
+    /// stdin writes, `close_stdin` and `pause_output` are remembered and applied once it runs,
+    /// and its deadline already counts. A child that could not be started (no such program,
+    /// resource limits) is reported as a `ChildExit` with `spawn_error`. The only immediate
+    /// errors are an empty argv and spawner threads that are gone.
     pub fn spawn(&mut self, spec: ChildSpec) -> io::Result<ChildId> {
         let Some(program) = spec.argv.first() else {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty argv"));
@@ -335,11 +350,66 @@ impl<M: Send + 'static> Reactor<M> {
             }
         }
         child::die_with_parent(&mut cmd);
-        let mut child = cmd.spawn()?;
         let id = ChildId(self.next_child);
+        self.spawner.request(Request { id, cmd })?;
         self.next_child += 1;
-        let pid = child.id();
+        let deadline_timer = spec.deadline.map(|d| {
+            self.timers
+                .insert(Instant::now() + d, TimerKind::Deadline(id))
+        });
+        let stdin = match &spec.stdin {
+            StdinMode::Bytes(b) => b.iter().copied().collect(),
+            _ => VecDeque::new(),
+        };
+        self.starting.insert(
+            id,
+            Starting {
+                close_stdin: matches!(spec.stdin, StdinMode::Bytes(_)),
+                spec,
+                stdin,
+                deadline_timer,
+                timed_out: false,
+                killed: false,
+                paused: false,
+            },
+        );
+        Ok(id)
+    }
 
+    /// A spawner thread is back with a child: register its pipes and pidfd and apply what was
+    /// asked of it while it was starting.
+    fn started(&mut self, started: Started, out: &mut Vec<Event<M>>) {
+        let Started { id, result } = started;
+        let Some(starting) = self.starting.remove(&id) else {
+            // Not ours (cannot happen): leave no process behind.
+            if let Ok((mut child, _)) = result {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            return;
+        };
+        let (mut child, pidfd) = match result {
+            Ok(ok) => ok,
+            Err(e) => {
+                if let Some(t) = starting.deadline_timer {
+                    self.timers.cancel(t);
+                }
+                out.push(Event::ChildExit(ChildExit {
+                    id,
+                    pid: 0,
+                    status: None,
+                    stdout: Vec::new(),
+                    stderr: Vec::new(),
+                    stdout_truncated: false,
+                    stderr_truncated: false,
+                    timed_out: starting.timed_out,
+                    killed: starting.killed,
+                    spawn_error: Some(SpawnError::from(&e)),
+                }));
+                return;
+            }
+        };
+        let pid = child.id();
         let stdin_pipe = child.stdin.take();
         let stdout_pipe = child.stdout.take();
         let stderr_pipe = child.stderr.take();
@@ -353,44 +423,66 @@ impl<M: Send + 'static> Reactor<M> {
             stdout_result: (Vec::new(), false),
             stderr_result: (Vec::new(), false),
             reaped: None,
-            timed_out: false,
-            killed: false,
-            deadline_timer: None,
+            timed_out: starting.timed_out,
+            killed: starting.killed,
+            deadline_timer: starting.deadline_timer,
             drain_timer: None,
         };
-        // Any failure below must not leave a zombie: kill and reap before returning.
-        let setup = self.setup_child(id, &mut state, &spec, stdin_pipe, stdout_pipe, stderr_pipe);
+        let setup = self.setup_child(
+            id,
+            &mut state,
+            &starting,
+            pidfd,
+            stdin_pipe,
+            stdout_pipe,
+            stderr_pipe,
+        );
         if let Err(e) = setup {
+            // A child the loop cannot watch is not left running unwatched: kill and reap it
+            // (a SIGKILLed child is gone at once) and report why it did not start.
             self.release_child_tokens(&mut state);
             let _ = state.child.kill();
             let _ = state.child.wait();
-            return Err(e);
+            if let Some(t) = state.deadline_timer.take() {
+                self.timers.cancel(t);
+            }
+            out.push(Event::ChildExit(ChildExit {
+                id,
+                pid,
+                status: None,
+                stdout: Vec::new(),
+                stderr: Vec::new(),
+                stdout_truncated: false,
+                stderr_truncated: false,
+                timed_out: state.timed_out,
+                killed: state.killed,
+                spawn_error: Some(SpawnError::from(&e)),
+            }));
+            return;
         }
-        if let Some(d) = spec.deadline {
-            state.deadline_timer = Some(
-                self.timers
-                    .insert(Instant::now() + d, TimerKind::Deadline(id)),
-            );
+        if state.killed || state.timed_out {
+            let _ = state.child.kill();
         }
-        let initial_flush = state.stdin.is_some();
         self.children.insert(id, state);
-        if initial_flush {
-            self.flush_stdin(id);
+        if starting.paused {
+            self.pause_output(id);
         }
-        Ok(id)
+        self.flush_stdin(id);
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn setup_child(
         &mut self,
         id: ChildId,
         state: &mut ChildState,
-        spec: &ChildSpec,
+        starting: &Starting,
+        pidfd: io::Result<OwnedFd>,
         stdin_pipe: Option<std::process::ChildStdin>,
         stdout_pipe: Option<std::process::ChildStdout>,
         stderr_pipe: Option<std::process::ChildStderr>,
     ) -> io::Result<()> {
         if self.sigchld.is_none() {
-            match pidfd_open(state.pid) {
+            match pidfd {
                 Ok(fd) => {
                     let token = self.internal_token(Internal::Child(id, ChildPart::Exit));
                     self.poll.registry().register(
@@ -417,26 +509,22 @@ impl<M: Send + 'static> Reactor<M> {
             self.poll
                 .registry()
                 .register(&mut pipe, token, Interest::WRITABLE)?;
-            let (buf, close_when_empty) = match &spec.stdin {
-                StdinMode::Bytes(b) => (b.iter().copied().collect(), true),
-                _ => (VecDeque::new(), false),
-            };
             state.stdin = Some(InPipe {
                 pipe,
                 token,
-                buf,
-                close_when_empty,
+                buf: starting.stdin.clone(),
+                close_when_empty: starting.close_stdin,
             });
         }
         for (p, mode, part) in [
             (
                 stdout_pipe.map(Receiver::from),
-                &spec.stdout,
+                &starting.spec.stdout,
                 ChildPart::Stdout,
             ),
             (
                 stderr_pipe.map(Receiver::from),
-                &spec.stderr,
+                &starting.spec.stderr,
                 ChildPart::Stderr,
             ),
         ] {
@@ -492,6 +580,16 @@ impl<M: Send + 'static> Reactor<M> {
     /// Queues bytes for a child's stdin (`StdinMode::Pipe`); written as the pipe accepts them.
     /// Errors: NotFound when the child is unknown or its stdin is already closed.
     pub fn write_stdin(&mut self, id: ChildId, data: &[u8]) -> io::Result<()> {
+        if let Some(starting) = self.starting.get_mut(&id) {
+            if starting.spec.stdin != StdinMode::Pipe || starting.close_stdin {
+                return Err(io::Error::new(
+                    io::ErrorKind::NotFound,
+                    format!("{id}: stdin not open"),
+                ));
+            }
+            starting.stdin.extend(data);
+            return Ok(());
+        }
         let stdin = self
             .children
             .get_mut(&id)
@@ -508,6 +606,9 @@ impl<M: Send + 'static> Reactor<M> {
     /// Bytes queued for a child's stdin and not yet taken by the pipe (0 for unknown children
     /// and closed stdin): callers bound their own input with it, the reactor does not.
     pub fn stdin_queued(&self, id: ChildId) -> usize {
+        if let Some(starting) = self.starting.get(&id) {
+            return starting.stdin.len();
+        }
         self.children
             .get(&id)
             .and_then(|c| c.stdin.as_ref())
@@ -518,6 +619,10 @@ impl<M: Send + 'static> Reactor<M> {
     /// blocks, which is how a slow consumer slows the producer. Output is still drained when the
     /// child exits (one pipe's worth at most). Unknown children are ignored.
     pub fn pause_output(&mut self, id: ChildId) {
+        if let Some(starting) = self.starting.get_mut(&id) {
+            starting.paused = true;
+            return;
+        }
         let Some(state) = self.children.get_mut(&id) else {
             return;
         };
@@ -534,6 +639,10 @@ impl<M: Send + 'static> Reactor<M> {
 
     /// Undoes `pause_output`; what waits in the pipes is read on this turn of the loop.
     pub fn resume_output(&mut self, id: ChildId) {
+        if let Some(starting) = self.starting.get_mut(&id) {
+            starting.paused = false;
+            return;
+        }
         let Some(state) = self.children.get_mut(&id) else {
             return;
         };
@@ -559,6 +668,10 @@ impl<M: Send + 'static> Reactor<M> {
 
     /// Closes a child's stdin once everything queued has been written.
     pub fn close_stdin(&mut self, id: ChildId) {
+        if let Some(starting) = self.starting.get_mut(&id) {
+            starting.close_stdin = true;
+            return;
+        }
         if let Some(stdin) = self.children.get_mut(&id).and_then(|c| c.stdin.as_mut()) {
             stdin.close_when_empty = true;
             self.flush_stdin(id);
@@ -590,6 +703,10 @@ impl<M: Send + 'static> Reactor<M> {
     /// Sends SIGKILL to a running child (not its process group). Its exit is
     /// reported as usual, with `killed = true`. Unknown or reaped ids are ignored.
     pub fn kill(&mut self, id: ChildId) {
+        if let Some(starting) = self.starting.get_mut(&id) {
+            starting.killed = true;
+            return;
+        }
         if let Some(state) = self.children.get_mut(&id) {
             if state.reaped.is_none() {
                 state.killed = true;
@@ -598,7 +715,8 @@ impl<M: Send + 'static> Reactor<M> {
         }
     }
 
-    /// Sends `sig` to a running child (e.g. SIGTERM before a grace period).
+    /// Sends `sig` to a running child (e.g. SIGTERM before a grace period). A child still
+    /// starting is not running yet: NotFound.
     pub fn send_signal(&mut self, id: ChildId, sig: i32) -> io::Result<()> {
         let state = self
             .children
@@ -660,6 +778,11 @@ impl<M: Send + 'static> Reactor<M> {
                 match kind {
                     TimerKind::User(key) => out.push(Event::Timer { id: timer, key }),
                     TimerKind::Deadline(id) => {
+                        if let Some(starting) = self.starting.get_mut(&id) {
+                            // Killed as soon as it runs.
+                            starting.deadline_timer = None;
+                            starting.timed_out = true;
+                        }
                         if let Some(state) = self.children.get_mut(&id) {
                             state.deadline_timer = None;
                             if state.reaped.is_none() {
@@ -692,6 +815,9 @@ impl<M: Send + 'static> Reactor<M> {
 
     fn dispatch(&mut self, r: IoReady, out: &mut Vec<Event<M>>) {
         if r.token == WAKER {
+            for started in self.spawner.take_started() {
+                self.started(started, out);
+            }
             out.extend(
                 pool::drain(&self.notifier.queue)
                     .into_iter()
@@ -856,6 +982,7 @@ impl<M: Send + 'static> Reactor<M> {
             stderr_truncated,
             timed_out: state.timed_out,
             killed: state.killed,
+            spawn_error: None,
         }));
     }
 }
@@ -875,6 +1002,12 @@ fn drain_stream(reader: &mut mio::net::UnixStream) -> bool {
 
 impl<M: Send + 'static> Drop for Reactor<M> {
     fn drop(&mut self) {
+        for started in self.spawner.close() {
+            if let Ok((mut child, _)) = started.result {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
         for (_, state) in self.children.iter_mut() {
             if state.reaped.is_none() {
                 let _ = state.child.kill();
@@ -888,7 +1021,7 @@ impl<M: Send + 'static> Drop for Reactor<M> {
 }
 
 /// pidfd_open(2): a file descriptor that becomes readable when `pid` exits.
-fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
+pub(crate) fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
     let pid =
         libc::pid_t::try_from(pid).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1; no memory is shared.

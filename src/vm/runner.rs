@@ -56,13 +56,17 @@ impl CallOutcome {
         let kind = match (exit.code(), exit.signal()) {
             (Some(code), _) => ExitKind::Code(code),
             (None, Some(sig)) => ExitKind::Signal(sig),
-            // Status lost (reaped elsewhere): treat as an opaque failure.
+            // Never ran, or status lost (reaped elsewhere): an opaque failure.
             (None, None) => ExitKind::Code(-1),
         };
+        let mut stderr = exit.stderr;
+        if let Some(e) = &exit.spawn_error {
+            stderr.extend_from_slice(format!("cannot run cocoon: {e}").as_bytes());
+        }
         CallOutcome {
             exit: kind,
             stdout: exit.stdout,
-            stderr: exit.stderr,
+            stderr,
             stdout_truncated: exit.stdout_truncated,
             stderr_truncated: exit.stderr_truncated,
             timed_out: exit.timed_out,

@@ -1,5 +1,24 @@
 //! Kube writes: pod status and annotation patches with their retries, lifecycle records,
 //! the Ready publication, and the periodic drift and lifecycle re-flush.
+//!
+//! The writes of one managed pod from ADDED to Running, and why each exists (the kube lane
+//! merges a queued annotation patch into the one before it and a newer status replaces a
+//! queued older one, so under backlog fewer reach the API server):
+//! 1. `lifecycle-state=creating` (annotations, at the create's start): a restarted daemon
+//!    finds a create in flight and resumes or settles it, rather than taking the VM it left
+//!    for an orphan or the pod for a new one.
+//! 2. `vm.cocoonstack.io/id` and `ip`, with the current lifecycle triple (annotations, once
+//!    the VM exists): the pod names its VM, which the startup reconcile adopts by ID and
+//!    users, exec and logs address; the triple keeps an earlier attempt's `failed` from
+//!    standing beside the new VM.
+//! 3. The Running status with Ready (status, after the first successful probe): the cluster
+//!    sees only what the daemon pushes.
+//! 4. `lifecycle-state=ready` (annotations, only after write 3 landed): a restart never
+//!    claims a Ready that the cluster did not see.
+//!
+//! A delete writes two: the terminal status (the pod's last phase is recorded before the
+//! object goes) and the DELETE with grace 0 once the VM is removed (the daemon, not the
+//! kubelet, ends the object). A pod that fails writes its Failed status and its lifecycle.
 
 use super::*;
 
