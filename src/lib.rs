@@ -9,6 +9,7 @@ pub mod logging;
 pub mod metrics;
 pub mod network;
 pub mod node;
+pub mod peer;
 pub mod probes;
 pub mod provider;
 pub mod reactor;

@@ -464,6 +464,19 @@ impl Sim {
                     }),
                 );
             }
+            // No peer holds raw snapshot files in the simulation: the core falls back.
+            Effect::PeerRestore { op, .. } => {
+                let l = self.latency();
+                self.later(
+                    l,
+                    Delivery::Input(Input::TransferDone {
+                        op,
+                        result: Err(vk_cocoon::snapshots::TransferError::Transient(
+                            "no peer in the simulation".into(),
+                        )),
+                    }),
+                );
+            }
             Effect::CheckHibernateEvidence { op, .. } => {
                 let l = self.latency();
                 self.later(

@@ -206,6 +206,33 @@ impl Daemon {
                 });
             }
             Effect::CheckHibernateEvidence { op, vm_name } => self.check_evidence(op, vm_name),
+            Effect::PeerRestore {
+                op,
+                namespace,
+                vm_name,
+                from_node,
+                local_name,
+            } => {
+                let job = crate::peer::job::PeerJob {
+                    namespace,
+                    vm_name,
+                    from_node,
+                    local_name,
+                };
+                let site = crate::peer::job::PeerSite {
+                    node_name: self.config.node_name.clone(),
+                    node_ip: self.config.node_ip,
+                    peer_port: self.config.peer_addr.port,
+                    staging_root: self.config.staging_dir.clone(),
+                };
+                let kube = self.kube.clone();
+                let book = self.peer.nodes.clone();
+                let metrics = self.metrics.clone();
+                self.transfer(op, move |registry| {
+                    crate::peer::job::run(&job, &site, registry, &kube, &book, &metrics)
+                        .map(|dir| dir.to_string_lossy().into_owned())
+                });
+            }
             Effect::Metric(update) => apply_metric(&self.metrics, update),
         }
     }

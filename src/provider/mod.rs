@@ -34,6 +34,9 @@
 //!   The daemon performs no retries itself; the core retries.
 //! * [`Effect::PullSnapshot`], [`Effect::PushSnapshot`], [`Effect::MaterialiseImage`]: worker
 //!   pool jobs (snapshots room); answer [`Input::TransferDone`] (a [`TransferError`] on failure).
+//! * [`Effect::PeerRestore`]: a worker job (peer room) fetching `<vm_name>:hibernate`'s raw
+//!   files from node `from_node`; answer [`Input::TransferDone`] with the staged directory for
+//!   `vm clone --from-dir` (the daemon removes it after the clone answers), or an error.
 //! * [`Effect::CheckHibernateEvidence`] `{op, vm_name}`: look the registry tag
 //!   `<vm_name>:hibernate` up (a worker job); answer [`Input::HibernateEvidence`].
 //! * Fire-and-forget (no answer): [`Effect::Event`], [`Effect::StartProbe`],
@@ -374,6 +377,17 @@ pub enum Effect {
         op: OpId,
         image: String,
         force: bool,
+    },
+    /// Fetch the raw snapshot files of `<vm_name>:hibernate` from the peer listener of node
+    /// `from_node` (the manifest's `cocoonstack.snapshot.from-node`, not this node) into the
+    /// staging directory, checked against the registry's `snapshotId`. At most 2 run node-wide.
+    PeerRestore {
+        op: OpId,
+        namespace: String,
+        vm_name: String,
+        from_node: String,
+        /// The snapshot name written into the staged `snapshot.json`.
+        local_name: String,
     },
     /// Does the registry hold `<vm_name>:hibernate` (hibernate evidence)? Only with a registry.
     CheckHibernateEvidence {
