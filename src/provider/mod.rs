@@ -17,7 +17,8 @@
 //! * [`Input::PodUpserted`] / [`Input::PodDeleted`] from the watch (ADDED/MODIFIED, DELETED).
 //!   After a watch re-list send [`Input::PodsRelisted`] with the whole list: pods that vanished
 //!   meanwhile are handled as deleted (relist tombstones count as deletions).
-//! * [`Input::VmEvent`] for each parsed line of `cocoon vm status --event --format json`.
+//! * [`Input::VmEvent`] for each parsed line of `cocoon vm status --event --format json`;
+//!   [`Input::EventStreamRestarted`] each time that stream is started again.
 //! * [`Input::Readiness`] from the probe module (key, uid, ready, message, resolved ip).
 //!
 //! Effects and the result each one owes back (same `op` id):
@@ -295,6 +296,8 @@ pub enum Input {
     },
     /// The timer armed at `poll_timeout()` fired.
     Tick,
+    /// The cocoon event stream was restarted (after it ended or failed to start).
+    EventStreamRestarted,
 }
 
 /// Everything the provider asks the daemon to do.

@@ -73,6 +73,8 @@ const KUBE_ATTEMPTS: u32 = 3;
 const IP_POLL: Duration = Duration::from_millis(200);
 const IP_WAIT: Duration = Duration::from_secs(45);
 const RESTART_COOLDOWN: Duration = Duration::from_secs(30);
+/// Restart records older than this are dropped on every event-stream restart.
+const RESTART_COOLDOWN_GC_AGE: Duration = Duration::from_secs(60);
 const INSPECT_RETRY: Duration = Duration::from_millis(200);
 const RECHECK_FIRST: Duration = Duration::from_secs(1);
 const RECHECK_MAX: Duration = Duration::from_secs(30);
@@ -289,6 +291,11 @@ impl Provider {
     }
 
     /// `vm_table_size{namespace}`: tracked VMs per namespace.
+    /// VMs with a restart on record (the cooldown's memory).
+    pub fn restart_records(&self) -> usize {
+        self.last_restart.len()
+    }
+
     pub fn vm_table_sizes(&self) -> BTreeMap<String, usize> {
         let mut m = BTreeMap::new();
         for (k, s) in &self.slots {
@@ -475,6 +482,7 @@ impl Provider {
                 ip,
             } => self.readiness(&key, &uid, ready, message, ip),
             Input::Tick => self.tick(),
+            Input::EventStreamRestarted => self.cooldown_gc(),
         }
     }
 
