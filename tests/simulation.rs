@@ -464,6 +464,16 @@ impl Sim {
                     }),
                 );
             }
+            Effect::HibernateSnapshotId { op, vm_name } => {
+                let l = self.latency();
+                self.later(
+                    l,
+                    Delivery::Input(Input::TransferDone {
+                        op,
+                        result: Err(vk_cocoon::snapshots::TransferError::NotFound(vm_name)),
+                    }),
+                );
+            }
             // No peer holds raw snapshot files in the simulation: the core falls back.
             Effect::PeerRestore { op, .. } => {
                 let l = self.latency();
@@ -633,6 +643,7 @@ impl Sim {
             CocoonCmd::SnapshotInspect { .. } => CocoonResult::failed("snapshot not found"),
             CocoonCmd::SnapshotRm { .. } => CocoonResult::failed("rm: snapshot not found"),
             CocoonCmd::SnapshotSave { .. } => CocoonResult::ok(""),
+            CocoonCmd::SnapshotList => CocoonResult::ok("[]"),
             CocoonCmd::ImageInspect { .. } | CocoonCmd::ImagePull { .. } => CocoonResult::ok("{}"),
         }
     }

@@ -206,6 +206,7 @@ impl Daemon {
                 });
             }
             Effect::CheckHibernateEvidence { op, vm_name } => self.check_evidence(op, vm_name),
+            Effect::HibernateSnapshotId { op, vm_name } => self.hibernate_snapshot_id(op, vm_name),
             Effect::PeerRestore {
                 op,
                 namespace,
@@ -235,6 +236,17 @@ impl Daemon {
             }
             Effect::Metric(update) => apply_metric(&self.metrics, update),
         }
+    }
+
+    /// The registry's `snapshotId` of `<vm>:hibernate` for the snapshot reclaimer: a queued
+    /// transfer job (the reclaimer is in no hurry).
+    fn hibernate_snapshot_id(&mut self, op: OpId, vm_name: String) {
+        self.transfer(op, move |registry| {
+            match manifest_info(registry, &vm_name, "hibernate")? {
+                Some(info) => Ok(info.snapshot_id.unwrap_or_default()),
+                None => Err(TransferError::NotFound(format!("{vm_name}:hibernate"))),
+            }
+        });
     }
 
     /// One manifest GET of `<vm>:hibernate` on the pool, outside the transfer queue: a create

@@ -392,6 +392,12 @@ pub enum Effect {
         /// The snapshot name written into the staged `snapshot.json`.
         local_name: String,
     },
+    /// The `snapshotId` of the registry's `<vm_name>:hibernate` (a worker job); answer
+    /// [`Input::TransferDone`] with the id, a [`TransferError::NotFound`] when the tag is absent.
+    HibernateSnapshotId {
+        op: OpId,
+        vm_name: String,
+    },
     /// Does the registry hold `<vm_name>:hibernate` (hibernate evidence)? Only with a registry.
     CheckHibernateEvidence {
         op: OpId,

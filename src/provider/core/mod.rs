@@ -57,6 +57,7 @@ mod create;
 mod delete;
 mod evict;
 mod kube_writes;
+mod reclaim;
 mod startup;
 mod state;
 #[cfg(test)]
@@ -103,6 +104,8 @@ pub struct Provider {
     /// back only to that namespace, or to the one its name is made for).
     last_holder_ns: BTreeMap<String, String>,
     last_restart: BTreeMap<String, Instant>,
+    /// The snapshot reclaimer's run in progress.
+    reclaim: Option<reclaim::ReclaimRun>,
     timers: BTreeMap<(Instant, u64), TimerEntry>,
     /// Snapshot pulls running, by local snapshot name: the pod pulling. One pull per snapshot
     /// at a time on the node: each pull replaces the local snapshot, so two would race.
@@ -220,6 +223,7 @@ impl Provider {
             by_name: BTreeMap::new(),
             last_holder_ns: BTreeMap::new(),
             last_restart: BTreeMap::new(),
+            reclaim: None,
             timers: BTreeMap::new(),
             stale_watch_state: BTreeMap::new(),
             pulls: BTreeMap::new(),

@@ -281,6 +281,8 @@ pub(super) enum Waiter {
         vm: VmInfo,
         watcher: bool,
     },
+    /// A step of the local snapshot reclaimer.
+    Reclaim(super::reclaim::ReclaimStep),
     Ignore,
 }
 
@@ -292,6 +294,8 @@ pub(super) enum TimerEntry {
     },
     Drift,
     Lifecycle,
+    /// The local snapshot reclaimer's next run.
+    Reclaim,
     Reissue {
         waiter: Waiter,
     },
