@@ -40,6 +40,8 @@ fn another_node_restores_a_snapshot_from_the_daemons_peer_listener() {
     // The cluster: node-b at 127.0.0.2 restores; 127.0.0.3 is no node.
     a.api.create_node(&node("node-b", "127.0.0.2")).unwrap();
     a.seed_snapshot("vk-demo-hib");
+    // Hibernated and pushed: the registry vouches for it, so the reclaimer keeps it.
+    a.push_snapshot("vk-demo-hib", "hibernate", "");
     let (ok, out) = a.cocoon(&["snapshot", "inspect", "vk-demo-hib"]);
     assert!(ok, "{out}");
     let snap: serde_json::Value = serde_json::from_str(&out).unwrap();
@@ -67,7 +69,7 @@ fn another_node_restores_a_snapshot_from_the_daemons_peer_listener() {
         staging_root: staging.clone(),
     };
     // The daemon lists Nodes as it starts; node-b may take a moment to be allowed.
-    let staged = a.wait("the restore from node-b", Duration::from_secs(20), || {
+    let staged = a.wait("the restore from node-b", Duration::from_secs(40), || {
         restore(&req([127, 0, 0, 2])).ok()
     });
     let served = a.path(&format!("state/snapshots/{id}"));

@@ -21,6 +21,8 @@ use super::wire::plain_component;
 
 /// How often the Node list is re-read for the allowlist and the address book.
 pub const NODE_REFRESH: Duration = Duration::from_secs(30);
+/// The wait before listing again after a failed list.
+const NODE_RETRY: Duration = Duration::from_secs(2);
 /// `cocoon snapshot inspect` is killed after this long.
 const INSPECT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -82,7 +84,8 @@ fn background(
     let mut next_sweep = Instant::now() + staging::SWEEP_EVERY;
     let mut logged_error = false;
     loop {
-        match kube.list_node_addresses() {
+        // A failed list is retried soon: until the first one lands no peer is answered.
+        let pause = match kube.list_node_addresses() {
             Ok(list) => {
                 let m: HashMap<String, IpAddr> = list
                     .into_iter()
@@ -91,19 +94,22 @@ fn background(
                 allowed.replace(m.values().copied());
                 book.replace(m);
                 logged_error = false;
+                NODE_REFRESH
             }
             // The previous allowlist stays: a flapping API server must not open the listener.
-            Err(e) if !logged_error => {
-                log::warn!("peer listener: listing nodes: {e}");
-                logged_error = true;
+            Err(e) => {
+                if !logged_error {
+                    log::warn!("peer listener: listing nodes: {e}");
+                    logged_error = true;
+                }
+                NODE_RETRY
             }
-            Err(_) => {}
-        }
+        };
         if Instant::now() >= next_sweep {
             staging::sweep(&staging_dir, SystemTime::now());
             next_sweep = Instant::now() + staging::SWEEP_EVERY;
         }
-        std::thread::sleep(NODE_REFRESH);
+        std::thread::sleep(pause);
     }
 }
 
