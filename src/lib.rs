@@ -10,6 +10,7 @@ pub mod logging;
 pub mod metrics;
 pub mod network;
 pub mod node;
+pub mod peer;
 pub mod probes;
 pub mod provider;
 pub mod reactor;

@@ -21,6 +21,8 @@ pub const LEASE_NAMESPACE: &str = "kube-node-lease";
 pub const LEASE_DURATION_SECONDS: i32 = 40;
 pub const LEASE_RENEW: Duration = Duration::from_secs(10);
 pub const STATUS_INTERVAL: Duration = Duration::from_secs(60);
+/// How often the storage allocatable is recomputed from statfs(`COCOON_ROOT_DIR`).
+pub const STORAGE_REFRESH: Duration = Duration::from_secs(60);
 pub const TAINT_KEY: &str = "virtual-kubelet.io/provider";
 pub const POOL_LABEL: &str = "cocoonstack.io/pool";
 pub const CPU_CLASS_LABEL: &str = "cocoonstack.io/snapshot-cpu-class";
@@ -192,6 +194,17 @@ pub fn compute_resources(o: &NodeOptions, h: &HostFacts) -> Result<Resources, St
     r.capacity.insert("pods".into(), q(fmt_num(pods)));
     r.allocatable.insert("pods".into(), q(fmt_num(pods)));
     Ok(r)
+}
+
+/// The ephemeral-storage allocatable for `avail_bytes` free on the root filesystem (less the
+/// reserve); None when VK_NODE_STORAGE fixes it (available = total = the override).
+pub fn storage_allocatable(o: &NodeOptions, avail_bytes: u64) -> Option<Quantity> {
+    if o.storage.is_some() {
+        return None;
+    }
+    Some(Quantity(
+        reduce(avail_bytes as f64, o.reserve_percent.min(100)).to_string(),
+    ))
 }
 
 /// First non-loopback IPv4 address of any interface (VK_NODE_IP=auto).
@@ -486,6 +499,7 @@ pub struct NodeAgent {
     next_register: Instant,
     next_lease: Instant,
     next_status: Instant,
+    next_storage: Instant,
     /// lastTransitionTime of the fixed conditions: when this agent started.
     since: Time,
     register_backoff: Backoff,
@@ -504,6 +518,7 @@ impl NodeAgent {
             next_register: now,
             next_lease: now,
             next_status: now + STATUS_INTERVAL,
+            next_storage: now + STORAGE_REFRESH,
             since: api_time(SystemTime::now()),
             register_backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(30)),
             lease_backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(7)),
@@ -547,7 +562,20 @@ impl NodeAgent {
         if self.node_uid.is_none() {
             self.next_register
         } else {
-            self.next_lease.min(self.next_status)
+            self.next_lease.min(self.next_status).min(self.next_storage)
+        }
+    }
+
+    /// Recomputes the storage allocatable from the root filesystem's free space; a change is
+    /// pushed with the next status write, at once. CPU, memory, hugepages and pods stay fixed.
+    pub fn refresh_storage(&mut self, avail_bytes: u64, now: Instant) {
+        let Some(q) = storage_allocatable(&self.opts, avail_bytes) else {
+            return;
+        };
+        if self.resources.allocatable.get("ephemeral-storage") != Some(&q) {
+            let mut r = self.resources.clone();
+            r.allocatable.insert("ephemeral-storage".into(), q);
+            self.set_resources(r, now);
         }
     }
 
@@ -596,6 +624,17 @@ impl NodeAgent {
                     );
                     self.next_lease = now + d;
                 }
+            }
+        }
+        if now >= self.next_storage {
+            self.next_storage = now + STORAGE_REFRESH;
+            match rustix::fs::statvfs(&self.opts.root_dir) {
+                Ok(fs) => self.refresh_storage(fs.f_bavail.saturating_mul(fs.f_bsize), now),
+                Err(e) => log::warn!(
+                    "node {}: statfs {}: {e}; storage allocatable kept",
+                    self.opts.name,
+                    self.opts.root_dir.display()
+                ),
             }
         }
         if now >= self.next_status && self.node_uid.is_some() {

@@ -1,12 +1,14 @@
 //! NodeAgent against the fake API server: registration with every field, kubectl sees it Ready,
-//! the Lease renews, an existing node is updated (not recreated), and an API outage is survived.
+//! the Lease renews, an existing node is updated (not recreated), an API outage is survived, and
+//! the storage allocatable follows the root filesystem's free space.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use vk_cocoon::kube::{Client, KubeOptions};
 use vk_cocoon::node::{
-    compute_resources, HostFacts, NodeAgent, NodeOptions, CPU_CLASS_LABEL, LEASE_NAMESPACE,
+    compute_resources, storage_allocatable, HostFacts, NodeAgent, NodeOptions, CPU_CLASS_LABEL,
+    LEASE_NAMESPACE, STORAGE_REFRESH,
 };
 use vk_cocoon::sandbox::apiserver::{ApiServer, ApiServerHandle, ApiServerOptions, KubeconfigAuth};
 
@@ -265,4 +267,68 @@ fn api_outage_of_60_seconds_is_survived() {
         "back on the normal cadence"
     );
     assert_ne!(lease_rv(&api), rv_before);
+}
+
+fn allocatable(api: &ApiServerHandle, name: &str, key: &str) -> String {
+    let n = api.get_node(name).unwrap();
+    n.status.unwrap().allocatable.unwrap()[key].0.clone()
+}
+
+#[test]
+fn storage_allocatable_is_recomputed_every_minute_and_pushed() {
+    let (api, _dir, _kc, client) = setup();
+    let o = node_opts("cocoon-st");
+    // Start from a host that had 1 TiB free: whatever the disk really has now differs.
+    let mut host = HostFacts::read(Path::new("/")).unwrap();
+    host.fs_avail_bytes = 1 << 40;
+    let r = compute_resources(&o, &host).unwrap();
+    let t0 = Instant::now();
+    let mut a = NodeAgent::new(o.clone(), r, t0);
+    a.tick(&client, t0);
+    assert_eq!(
+        allocatable(&api, "cocoon-st", "ephemeral-storage"),
+        (((1u64 << 40) * 80) / 100).to_string()
+    );
+    assert!(a.next_due() <= t0 + STORAGE_REFRESH);
+    let mut now = t0;
+    while now < t0 + STORAGE_REFRESH {
+        now = a.next_due();
+        a.tick(&client, now);
+    }
+    let fs = rustix::fs::statvfs("/").unwrap();
+    let expect: u64 = storage_allocatable(&o, fs.f_bavail * fs.f_bsize)
+        .unwrap()
+        .0
+        .parse()
+        .unwrap();
+    let got: u64 = allocatable(&api, "cocoon-st", "ephemeral-storage")
+        .parse()
+        .unwrap();
+    // Other processes write to the disk meanwhile: equal to within 1 GiB.
+    assert!(
+        got.abs_diff(expect) < 1 << 30,
+        "got {got}, statfs says {expect}"
+    );
+    assert_ne!(got, ((1u64 << 40) * 80) / 100);
+    // CPU stays at its startup value.
+    assert_eq!(allocatable(&api, "cocoon-st", "cpu"), "12");
+}
+
+#[test]
+fn an_overridden_storage_is_never_recomputed() {
+    let mut o = node_opts("cocoon-so");
+    o.storage = Some("100Gi".into());
+    assert_eq!(storage_allocatable(&o, 5), None);
+    let (api, _dir, _kc, client) = setup();
+    let mut a = agent(o);
+    let t0 = Instant::now();
+    a.tick(&client, t0);
+    let before = allocatable(&api, "cocoon-so", "ephemeral-storage");
+    let mut now = t0;
+    while now < t0 + STORAGE_REFRESH * 2 {
+        now = a.next_due();
+        a.tick(&client, now);
+    }
+    assert_eq!(allocatable(&api, "cocoon-so", "ephemeral-storage"), before);
+    assert_eq!(before, (100u64 * (1 << 30) * 80 / 100).to_string());
 }

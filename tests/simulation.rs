@@ -672,6 +672,29 @@ impl Sim {
                     }),
                 );
             }
+            Effect::HibernateSnapshotId { op, vm_name } => {
+                let l = self.latency();
+                self.later(
+                    l,
+                    Delivery::Input(Input::TransferDone {
+                        op,
+                        result: Err(vk_cocoon::snapshots::TransferError::NotFound(vm_name)),
+                    }),
+                );
+            }
+            // No peer holds raw snapshot files in the simulation: the core falls back.
+            Effect::PeerRestore { op, .. } => {
+                let l = self.latency();
+                self.later(
+                    l,
+                    Delivery::Input(Input::TransferDone {
+                        op,
+                        result: Err(vk_cocoon::snapshots::TransferError::Transient(
+                            "no peer in the simulation".into(),
+                        )),
+                    }),
+                );
+            }
             Effect::CheckHibernateEvidence { op, .. } => {
                 let l = self.latency();
                 self.later(
@@ -765,6 +788,16 @@ impl Sim {
                     return self.later(l, Delivery::Input(Input::CocoonDone { op, result }));
                 }
             }
+        }
+        // The snapshot reclaimer's listing is answered at once and draws nothing from the
+        // generator, so every seed replays the same pod history with or without it.
+        if cmd == CocoonCmd::SnapshotList {
+            let result = CocoonResult::ok("[]");
+            self.later(
+                Duration::ZERO,
+                Delivery::Input(Input::CocoonDone { op, result }),
+            );
+            return;
         }
         let fail = self.faults && self.rng.chance(30);
         let hang = self.faults && !fail && self.rng.chance(10);
@@ -905,6 +938,7 @@ impl Sim {
             CocoonCmd::SnapshotInspect { .. } => CocoonResult::failed("snapshot not found"),
             CocoonCmd::SnapshotRm { .. } => CocoonResult::failed("rm: snapshot not found"),
             CocoonCmd::SnapshotSave { .. } => CocoonResult::ok(""),
+            CocoonCmd::SnapshotList => CocoonResult::ok("[]"),
             CocoonCmd::ImageInspect { .. } | CocoonCmd::ImagePull { .. } => CocoonResult::ok("{}"),
             CocoonCmd::VmNet { .. } => CocoonResult::ok(""),
             CocoonCmd::VmExec { id, .. } => match self.vms.get(id) {

@@ -213,6 +213,34 @@ impl Daemon {
                 });
             }
             Effect::SacPass { op, vm_id, plan } => self.sac_pass(op, &vm_id, plan),
+            Effect::HibernateSnapshotId { op, vm_name } => self.hibernate_snapshot_id(op, vm_name),
+            Effect::PeerRestore {
+                op,
+                namespace,
+                vm_name,
+                from_node,
+                local_name,
+            } => {
+                let job = crate::peer::job::PeerJob {
+                    namespace,
+                    vm_name,
+                    from_node,
+                    local_name,
+                };
+                let site = crate::peer::job::PeerSite {
+                    node_name: self.config.node_name.clone(),
+                    node_ip: self.config.node_ip,
+                    peer_port: self.config.peer_addr.port,
+                    staging_root: self.config.staging_dir.clone(),
+                };
+                let kube = self.kube.clone();
+                let book = self.peer.nodes.clone();
+                let metrics = self.metrics.clone();
+                self.transfer(op, move |registry| {
+                    crate::peer::job::run(&job, &site, registry, &kube, &book, &metrics)
+                        .map(|dir| dir.to_string_lossy().into_owned())
+                });
+            }
             Effect::Metric(update) => apply_metric(&self.metrics, update),
         }
     }
@@ -240,6 +268,17 @@ impl Daemon {
             });
             self.pending.push_back(Input::SacDone { op, result });
         }
+    }
+
+    /// The registry's `snapshotId` of `<vm>:hibernate` for the snapshot reclaimer: a queued
+    /// transfer job (the reclaimer is in no hurry).
+    fn hibernate_snapshot_id(&mut self, op: OpId, vm_name: String) {
+        self.transfer(op, move |registry| {
+            match manifest_info(registry, &vm_name, "hibernate")? {
+                Some(info) => Ok(info.snapshot_id.unwrap_or_default()),
+                None => Err(TransferError::NotFound(format!("{vm_name}:hibernate"))),
+            }
+        });
     }
 
     /// One manifest GET of `<vm>:hibernate` on the pool, outside the transfer queue: a create

@@ -52,6 +52,7 @@ impl Daemon {
             log::warn!("cocoon event stream: cannot start: {e}");
         }
         if out.resync {
+            self.pending.push_back(Input::EventStreamRestarted);
             self.start_resync();
         }
     }

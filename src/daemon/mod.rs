@@ -221,6 +221,8 @@ pub struct Daemon {
     /// `vk_cocoon_loop_longest_turn_seconds`: the longest time one loop turn took, so a stall
     /// (a slow API call, a huge batch) shows up on the dashboard.
     longest_turn: prometheus::Gauge,
+    /// The peer snapshot listener and the Node address book peer restores dial from.
+    peer: crate::peer::housekeeping::PeerService,
 }
 
 /// A fatal start-up error: the message and the process exit status.
@@ -300,6 +302,7 @@ impl Daemon {
         );
 
         let kubelet = startup::kubelet_server(&config, &kube, node.options(), stats, &mut reactor)?;
+        let peer = startup::peer_service(&config, &kube)?;
         let review_kube = kube.clone();
         let auth_lane = auth_lane::AuthLane::new(
             Arc::new(move |req: &crate::kubelet::AuthRequest| {
@@ -415,6 +418,7 @@ impl Daemon {
             view_built: None,
             stopping: false,
             longest_turn,
+            peer,
         })
     }
 

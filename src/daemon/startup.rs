@@ -173,6 +173,36 @@ pub(super) fn node_agent(config: &Config, now: Instant) -> Result<NodeAgent, Sta
     Ok(NodeAgent::new(opts, resources, now))
 }
 
+/// The peer snapshot listener on VK_PEER_ADDR serving VK_COCOON_SNAPSHOT_DIR, with its Node
+/// allowlist and the VK_STAGING_DIR sweep.
+pub(super) fn peer_service(
+    config: &Config,
+    kube: &Arc<Client>,
+) -> Result<crate::peer::housekeeping::PeerService, StartError> {
+    let listen = config
+        .peer_addr
+        .socket_addrs()
+        .ok()
+        .and_then(|a| a.into_iter().next())
+        .ok_or_else(|| {
+            StartError::new(1, format!("VK_PEER_ADDR {}: no address", config.peer_addr))
+        })?;
+    let settings = crate::peer::housekeeping::PeerSettings {
+        listen,
+        snapshot_dir: config.cocoon_snapshot_dir.clone(),
+        staging_dir: config.staging_dir.clone(),
+        cocoon_bin: config.cocoon_bin.clone(),
+    };
+    let service = crate::peer::housekeeping::start(settings, kube.clone())
+        .map_err(|e| StartError::new(1, format!("peer snapshot listener on {listen}: {e}")))?;
+    log::info!(
+        "peer snapshot listener on http://{} serving {}",
+        service.server.local_addr(),
+        config.cocoon_snapshot_dir.display()
+    );
+    Ok(service)
+}
+
 /// The kubelet API server, listening on VK_KUBELET_PORT (HTTPS).
 pub(super) fn kubelet_server(
     config: &Config,

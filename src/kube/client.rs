@@ -183,6 +183,15 @@ fn decode<T: DeserializeOwned>(what: &str, body: &[u8]) -> Result<T, KubeError> 
     serde_json::from_slice(body).map_err(|e| KubeError::Decode(format!("{what}: {e}")))
 }
 
+/// The first `InternalIP` address of a Node object (as JSON) that parses as an IP.
+pub fn node_internal_ip_json(node: &serde_json::Value) -> Option<std::net::IpAddr> {
+    node.pointer("/status/addresses")?
+        .as_array()?
+        .iter()
+        .filter(|a| a.get("type").and_then(|t| t.as_str()) == Some("InternalIP"))
+        .find_map(|a| a.get("address")?.as_str()?.trim().parse().ok())
+}
+
 fn pod_path(ns: &str, name: &str) -> String {
     format!("/api/v1/namespaces/{ns}/pods/{name}")
 }
@@ -503,6 +512,41 @@ impl Client {
 
     pub fn get_node(&self, name: &str) -> Result<Node, KubeError> {
         self.call_json("GET", &format!("/api/v1/nodes/{name}"), &[], None)
+    }
+
+    /// Every Node's name and InternalIP (None when it has none that parses), following
+    /// `continue` pages; a Node that does not decode is skipped.
+    pub fn list_node_addresses(
+        &self,
+    ) -> Result<Vec<(String, Option<std::net::IpAddr>)>, KubeError> {
+        let mut out = Vec::new();
+        let mut cont = String::new();
+        loop {
+            let mut q: Vec<(&str, &str)> = vec![("limit", "500")];
+            if !cont.is_empty() {
+                q.push(("continue", &cont));
+            }
+            let w: serde_json::Value = self.call_json("GET", "/api/v1/nodes", &q, None)?;
+            for item in w
+                .get("items")
+                .and_then(|i| i.as_array())
+                .into_iter()
+                .flatten()
+            {
+                let Some(name) = item.pointer("/metadata/name").and_then(|v| v.as_str()) else {
+                    continue;
+                };
+                out.push((name.to_string(), node_internal_ip_json(item)));
+            }
+            match w
+                .pointer("/metadata/continue")
+                .and_then(|c| c.as_str())
+                .filter(|c| !c.is_empty())
+            {
+                Some(c) => cont = c.to_string(),
+                None => return Ok(out),
+            }
+        }
     }
 
     pub fn create_node(&self, node: &Node) -> Result<Node, KubeError> {

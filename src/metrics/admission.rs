@@ -87,6 +87,8 @@ pub enum Refusal {
     Global,
     /// The cap on connections from one peer address.
     PerPeer,
+    /// The address is no cluster node's (the peer snapshot listener answers nodes only).
+    NotANode,
 }
 
 impl Refusal {
@@ -94,6 +96,7 @@ impl Refusal {
         match self {
             Refusal::Global => "global_limit",
             Refusal::PerPeer => "peer_limit",
+            Refusal::NotANode => "not_a_node",
         }
     }
 }
@@ -152,6 +155,7 @@ impl RefusalLog {
             match reason {
                 Refusal::Global => "connection limit",
                 Refusal::PerPeer => "per-address connection limit",
+                Refusal::NotANode => "not a cluster node's address",
             },
         );
         self.last_logged = Some(now);

@@ -38,6 +38,7 @@ pub enum CocoonCmd {
     SnapshotRm {
         name: String,
     },
+    SnapshotList,
     ImageInspect {
         reference: String,
     },
@@ -76,6 +77,7 @@ impl CocoonCmd {
             CocoonCmd::SnapshotInspect { .. } => Verb::SnapshotInspect,
             CocoonCmd::SnapshotSave { .. } => Verb::SnapshotSave,
             CocoonCmd::SnapshotRm { .. } => Verb::SnapshotRm,
+            CocoonCmd::SnapshotList => Verb::SnapshotList,
             CocoonCmd::ImageInspect { .. } => Verb::ImageInspect,
             CocoonCmd::ImagePull { .. } => Verb::ImagePull,
             CocoonCmd::VmNet { .. } => Verb::VmNet,
@@ -95,6 +97,7 @@ impl CocoonCmd {
             CocoonCmd::SnapshotInspect { name } => argv::snapshot_inspect(name),
             CocoonCmd::SnapshotSave { name, vm_id } => argv::snapshot_save(name, vm_id),
             CocoonCmd::SnapshotRm { name } => argv::snapshot_rm(name),
+            CocoonCmd::SnapshotList => argv::snapshot_list(),
             CocoonCmd::ImageInspect { reference } => argv::image_inspect(reference),
             CocoonCmd::ImagePull { reference, force } => argv::image_pull(reference, *force),
             CocoonCmd::VmNet { id, nics } => argv::vm_net(id, *nics),
@@ -345,6 +348,28 @@ pub fn parse_snapshot(json: &str) -> Result<SnapshotInfo, String> {
         image_type: s.image_type,
         hypervisor: s.hypervisor,
     })
+}
+
+/// Parse `snapshot list -o json`: an array of snapshot objects; B's `No snapshots found.` text
+/// (or nothing) is an empty list.
+pub fn parse_snapshot_list(out: &str) -> Result<Vec<SnapshotInfo>, String> {
+    let t = out.trim();
+    if t.is_empty() || t.starts_with("No snapshots") {
+        return Ok(Vec::new());
+    }
+    let list: Vec<crate::vm::Snapshot> =
+        serde_json::from_str(t).map_err(|e| format!("bad snapshot list JSON from cocoon: {e}"))?;
+    Ok(list
+        .into_iter()
+        .map(|s| SnapshotInfo {
+            id: s.id,
+            name: s.name,
+            image: s.image,
+            image_digest: s.image_digest,
+            image_type: s.image_type,
+            hypervisor: s.hypervisor,
+        })
+        .collect())
 }
 
 /// `vm reconcile-stale-create` outcome as the contract's type; an empty outcome is an error.

@@ -17,7 +17,8 @@
 //! * [`Input::PodUpserted`] / [`Input::PodDeleted`] from the watch (ADDED/MODIFIED, DELETED).
 //!   After a watch re-list send [`Input::PodsRelisted`] with the whole list: pods that vanished
 //!   meanwhile are handled as deleted (relist tombstones count as deletions).
-//! * [`Input::VmEvent`] for each parsed line of `cocoon vm status --event --format json`.
+//! * [`Input::VmEvent`] for each parsed line of `cocoon vm status --event --format json`;
+//!   [`Input::EventStreamRestarted`] each time that stream is started again.
 //! * [`Input::Readiness`] from the probe module (key, uid, ready, message, resolved ip).
 //!
 //! Effects and the result each one owes back (same `op` id):
@@ -34,6 +35,9 @@
 //!   The daemon performs no retries itself; the core retries.
 //! * [`Effect::PullSnapshot`], [`Effect::PushSnapshot`], [`Effect::MaterialiseImage`]: worker
 //!   pool jobs (snapshots room); answer [`Input::TransferDone`] (a [`TransferError`] on failure).
+//! * [`Effect::PeerRestore`]: a worker job (peer room) fetching `<vm_name>:hibernate`'s raw
+//!   files from node `from_node`; answer [`Input::TransferDone`] with the staged directory for
+//!   `vm clone --from-dir` (the daemon removes it after the clone answers), or an error.
 //! * [`Effect::CheckHibernateEvidence`] `{op, vm_name}`: look the registry tag
 //!   `<vm_name>:hibernate` up (a worker job); answer [`Input::HibernateEvidence`].
 //! * [`Effect::DeleteSnapshotTag`] `{op, repo, tag}`: delete that manifest (404 = done);
@@ -334,6 +338,8 @@ pub enum Input {
     },
     /// The timer armed at `poll_timeout()` fired.
     Tick,
+    /// The cocoon event stream was restarted (after it ended or failed to start).
+    EventStreamRestarted,
 }
 
 /// Everything the provider asks the daemon to do.
@@ -416,6 +422,23 @@ pub enum Effect {
         op: OpId,
         image: String,
         force: bool,
+    },
+    /// Fetch the raw snapshot files of `<vm_name>:hibernate` from the peer listener of node
+    /// `from_node` (the manifest's `cocoonstack.snapshot.from-node`, not this node) into the
+    /// staging directory, checked against the registry's `snapshotId`. At most 2 run node-wide.
+    PeerRestore {
+        op: OpId,
+        namespace: String,
+        vm_name: String,
+        from_node: String,
+        /// The snapshot name written into the staged `snapshot.json`.
+        local_name: String,
+    },
+    /// The `snapshotId` of the registry's `<vm_name>:hibernate` (a worker job); answer
+    /// [`Input::TransferDone`] with the id, a [`TransferError::NotFound`] when the tag is absent.
+    HibernateSnapshotId {
+        op: OpId,
+        vm_name: String,
     },
     /// Does the registry hold `<vm_name>:hibernate` (hibernate evidence, and the wake
     /// source's verification)? Only with a registry.

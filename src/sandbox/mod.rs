@@ -218,6 +218,8 @@ impl Sandbox {
             ("VK_TLS_CERT", String::new()),
             ("VK_TLS_KEY", String::new()),
             ("VK_STAGING_DIR", p(&self.dir.join("staging"))),
+            // The fake cocoon keeps each snapshot's data files in `snapshots/<ID>/`.
+            ("VK_COCOON_SNAPSHOT_DIR", p(&self.state.join("snapshots"))),
             (
                 "OCI_REGISTRY",
                 opts.registry

@@ -98,6 +98,7 @@ impl Provider {
         };
         match waiter {
             Waiter::Ignore => {}
+            Waiter::Reclaim(step) => self.reclaim_answer(step, res),
             Waiter::PodStep(key) => self.pod_step_result(&key, op, res),
             Waiter::SharedRead { argv, keys } => {
                 self.shared_reads.remove(&argv);
@@ -234,6 +235,7 @@ impl Provider {
                 TimerEntry::Pod { key, token } => self.pod_timer(&key, token),
                 TimerEntry::Drift => self.drift(),
                 TimerEntry::Lifecycle => self.lifecycle_reflush(),
+                TimerEntry::Reclaim => self.reclaim_tick(),
                 TimerEntry::Reissue { waiter } => self.reissue(waiter),
                 TimerEntry::StaleWatch { vm, delay, until } => {
                     self.stale_watch_tick(vm, delay, until)

@@ -198,6 +198,14 @@ impl Provider {
         self.end_op(key)
     }
 
+    /// Forgets restarts older than `RESTART_COOLDOWN_GC_AGE` (they no longer hold a cooldown),
+    /// so VMs restarted once and later removed by hand do not accumulate.
+    pub(super) fn cooldown_gc(&mut self) {
+        let now = self.now;
+        self.last_restart
+            .retain(|_, t| now.saturating_duration_since(*t) < RESTART_COOLDOWN_GC_AGE);
+    }
+
     pub(super) fn check_state(&mut self, key: &PodKey, c: &CheckOp, vm: VmInfo) {
         if vm.running() {
             if let Some(t) = self.slot(key).tracked.as_mut() {

@@ -61,6 +61,7 @@ mod fork;
 mod hibernate;
 mod kube_writes;
 mod post_clone;
+mod reclaim;
 mod startup;
 mod state;
 #[cfg(test)]
@@ -79,6 +80,8 @@ const KUBE_ATTEMPTS: u32 = 3;
 const IP_POLL: Duration = Duration::from_millis(200);
 const IP_WAIT: Duration = Duration::from_secs(45);
 const RESTART_COOLDOWN: Duration = Duration::from_secs(30);
+/// Restart records older than this are dropped on every event-stream restart.
+const RESTART_COOLDOWN_GC_AGE: Duration = Duration::from_secs(60);
 const INSPECT_RETRY: Duration = Duration::from_millis(200);
 const RECHECK_FIRST: Duration = Duration::from_secs(1);
 const RECHECK_MAX: Duration = Duration::from_secs(30);
@@ -107,6 +110,8 @@ pub struct Provider {
     /// back only to that namespace, or to the one its name is made for).
     last_holder_ns: BTreeMap<String, String>,
     last_restart: BTreeMap<String, Instant>,
+    /// The snapshot reclaimer's run in progress.
+    reclaim: Option<reclaim::ReclaimRun>,
     timers: BTreeMap<(Instant, u64), TimerEntry>,
     /// Snapshot pulls running, by local snapshot name: the pod pulling. One pull per snapshot
     /// at a time on the node: each pull replaces the local snapshot, so two would race.
@@ -226,6 +231,7 @@ impl Provider {
             by_name: BTreeMap::new(),
             last_holder_ns: BTreeMap::new(),
             last_restart: BTreeMap::new(),
+            reclaim: None,
             timers: BTreeMap::new(),
             stale_watch_state: BTreeMap::new(),
             pulls: BTreeMap::new(),
@@ -298,6 +304,11 @@ impl Provider {
     }
 
     /// `vm_table_size{namespace}`: tracked VMs per namespace.
+    /// VMs with a restart on record (the cooldown's memory).
+    pub fn restart_records(&self) -> usize {
+        self.last_restart.len()
+    }
+
     pub fn vm_table_sizes(&self) -> BTreeMap<String, usize> {
         let mut m = BTreeMap::new();
         for (k, s) in &self.slots {
@@ -489,6 +500,7 @@ impl Provider {
                 ip,
             } => self.readiness(&key, &uid, ready, message, ip),
             Input::Tick => self.tick(),
+            Input::EventStreamRestarted => self.cooldown_gc(),
         }
     }
 

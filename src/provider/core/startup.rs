@@ -380,6 +380,8 @@ impl Provider {
         self.arm(first, TimerEntry::Drift);
         let lc = self.now + LIFECYCLE_EVERY;
         self.arm(lc, TimerEntry::Lifecycle);
+        // The snapshot reclaimer's first run, right after the pods are known.
+        self.arm(self.now, TimerEntry::Reclaim);
         let keys: Vec<PodKey> = self.slots.keys().cloned().collect();
         for key in keys {
             self.owed_work(&key);

@@ -474,6 +474,8 @@ pub(super) enum Waiter {
     Fork {
         source: String,
     },
+    /// A step of the local snapshot reclaimer.
+    Reclaim(super::reclaim::ReclaimStep),
     Ignore,
 }
 
@@ -485,6 +487,8 @@ pub(super) enum TimerEntry {
     },
     Drift,
     Lifecycle,
+    /// The local snapshot reclaimer's next run.
+    Reclaim,
     Reissue {
         waiter: Waiter,
     },

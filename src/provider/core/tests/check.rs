@@ -103,6 +103,38 @@ fn stopped_vm_is_restarted_then_cooldown_evicts() {
 }
 
 #[test]
+fn an_event_stream_restart_forgets_restarts_older_than_a_minute() {
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
+    create_clone(&mut h, p, "VM1");
+    let e = h.feed(Input::VmEvent {
+        kind: VmEventKind::Modified,
+        vm: vm_info("VM1", "vk-ns-demo-0", "stopped"),
+    });
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(vm_json(
+            "VM1",
+            "vk-ns-demo-0",
+            "stopped",
+            "02:00:00:00:00:01",
+        )),
+    );
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm start VM1");
+    h.cocoon(op, CocoonResult::ok(""));
+    assert_eq!(h.p.restart_records(), 1);
+    // Within the minute the record stays (it may still hold a cooldown).
+    h.advance(Duration::from_secs(59));
+    h.feed(Input::EventStreamRestarted);
+    assert_eq!(h.p.restart_records(), 1);
+    h.advance(Duration::from_secs(2));
+    h.feed(Input::EventStreamRestarted);
+    assert_eq!(h.p.restart_records(), 0);
+}
+
+#[test]
 fn transient_inspect_errors_defer_a_recheck() {
     let mut h = H::new(ProviderConfig::default());
     create_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")), "VM1");

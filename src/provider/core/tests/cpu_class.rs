@@ -17,6 +17,7 @@ fn node(class: Option<&str>) -> H {
         }),
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH,
+        quiet_reclaimer: true,
     }
 }
 

@@ -107,6 +107,7 @@ fn a_source_in_the_name_index_is_saved_by_its_id_without_an_inspect() {
         }),
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH,
+        quiet_reclaimer: true,
     };
     h.feed(Input::StartupListed {
         pods: vec![],

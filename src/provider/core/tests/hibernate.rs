@@ -389,6 +389,7 @@ fn windows_resumed(state: &str) -> (H, Vec<Effect>) {
         p: Provider::new(registry()),
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH,
+        quiet_reclaimer: true,
     };
     let mut ann = managed("a", VM);
     ann.extend([
@@ -500,6 +501,7 @@ fn a_restart_after_the_removal_finishes_as_hibernated() {
         p: Provider::new(registry()),
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH,
+        quiet_reclaimer: true,
     };
     let mut ann = managed("a", VM);
     ann.extend([

@@ -102,6 +102,7 @@ fn started_with(vms: Vec<VmInfo>, pods: Vec<Pod>) -> (H, Vec<Effect>) {
         }),
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH,
+        quiet_reclaimer: true,
     };
     let e = h.feed(Input::StartupListed { pods, vms });
     (h, e)

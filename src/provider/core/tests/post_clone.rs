@@ -423,6 +423,7 @@ fn restart_with(pcs: Option<&str>, vm: &str) -> Vec<Effect> {
         p: Provider::new(ProviderConfig::default()),
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000),
+        quiet_reclaimer: true,
     };
     let vm = crate::provider::cocoon::parse_vm(vm).unwrap();
     h.feed(Input::StartupListed {
@@ -628,6 +629,7 @@ fn a_resumed_windows_clone_whose_fix_up_was_done_runs_the_sac_pass_again() {
         p: Provider::new(ProviderConfig::default()),
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000),
+        quiet_reclaimer: true,
     };
     let vm = crate::provider::cocoon::parse_vm(WINDOWS_STATIC_VM).unwrap();
     let e = h.feed(Input::StartupListed {

@@ -9,6 +9,7 @@ fn startup_adopts_by_id_and_name_and_destroys_orphans() {
         p: Provider::new(ProviderConfig::default()),
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH,
+        quiet_reclaimer: true,
     };
     let mut by_id = managed("a", "vk-ns-demo-0");
     by_id.push((ANN_VM_ID, "V1".into()));
@@ -72,6 +73,7 @@ fn orphan_alert_counts_and_keeps_for_adoption() {
         }),
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH,
+        quiet_reclaimer: true,
     };
     let e = h.feed(Input::StartupListed {
         pods: vec![],
@@ -148,6 +150,7 @@ fn a_restart_keeps_the_vm_of_a_pod_whose_annotations_no_longer_parse() {
             p: Provider::new(ProviderConfig::default()),
             now: Instant::now(),
             wall: SystemTime::UNIX_EPOCH,
+            quiet_reclaimer: true,
         };
         let mut ann = broken.clone();
         ann.push((ANN_VM_ID, "V1".into()));

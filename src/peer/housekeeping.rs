@@ -1,0 +1,164 @@
+//! The peer service as the daemon runs it: the listener with its node-address allowlist kept
+//! fresh from the Node list, the snapshot-name resolver backed by `cocoon snapshot inspect`,
+//! and the staging sweep at start and on a timer.
+//!
+//! One background thread lists Nodes and sweeps; the listener has its own threads.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::kube::Client;
+use crate::vm::argv;
+
+use super::server::{AllowedPeers, PeerServer, Resolver};
+use super::staging;
+use super::wire::plain_component;
+
+/// How often the Node list is re-read for the allowlist and the address book.
+pub const NODE_REFRESH: Duration = Duration::from_secs(30);
+/// The wait before listing again after a failed list.
+const NODE_RETRY: Duration = Duration::from_secs(2);
+/// `cocoon snapshot inspect` is killed after this long.
+const INSPECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Node name → InternalIP, as last listed.
+#[derive(Debug, Default)]
+pub struct NodeBook(RwLock<HashMap<String, IpAddr>>);
+
+impl NodeBook {
+    pub fn internal_ip(&self, node: &str) -> Option<IpAddr> {
+        self.0.read().ok()?.get(node).copied()
+    }
+    fn replace(&self, m: HashMap<String, IpAddr>) {
+        if let Ok(mut g) = self.0.write() {
+            *g = m;
+        }
+    }
+}
+
+/// What the daemon keeps of the running peer service.
+pub struct PeerService {
+    pub server: PeerServer,
+    pub nodes: Arc<NodeBook>,
+}
+
+/// What the service needs from the configuration.
+#[derive(Debug, Clone)]
+pub struct PeerSettings {
+    pub listen: SocketAddr,
+    pub snapshot_dir: PathBuf,
+    pub staging_dir: PathBuf,
+    pub cocoon_bin: PathBuf,
+}
+
+/// Starts the listener and the background thread (first Node list and staging sweep at once).
+pub fn start(settings: PeerSettings, kube: Arc<Client>) -> std::io::Result<PeerService> {
+    let allowed = Arc::new(AllowedPeers::default());
+    let nodes = Arc::new(NodeBook::default());
+    let server = PeerServer::start(
+        settings.listen,
+        settings.snapshot_dir.clone(),
+        allowed.clone(),
+        cocoon_resolver(settings.cocoon_bin.clone()),
+    )?;
+    let book = nodes.clone();
+    let staging_dir = settings.staging_dir.clone();
+    std::thread::Builder::new()
+        .name("vk-peer-house".into())
+        .spawn(move || background(kube, allowed, book, staging_dir))?;
+    Ok(PeerService { server, nodes })
+}
+
+fn background(
+    kube: Arc<Client>,
+    allowed: Arc<AllowedPeers>,
+    book: Arc<NodeBook>,
+    staging_dir: PathBuf,
+) {
+    staging::sweep(&staging_dir, SystemTime::now());
+    let mut next_sweep = Instant::now() + staging::SWEEP_EVERY;
+    let mut logged_error = false;
+    loop {
+        // A failed list is retried soon: until the first one lands no peer is answered.
+        let pause = match kube.list_node_addresses() {
+            Ok(list) => {
+                let m: HashMap<String, IpAddr> = list
+                    .into_iter()
+                    .filter_map(|(n, ip)| Some((n, ip?)))
+                    .collect();
+                allowed.replace(m.values().copied());
+                book.replace(m);
+                logged_error = false;
+                NODE_REFRESH
+            }
+            // The previous allowlist stays: a flapping API server must not open the listener.
+            Err(e) => {
+                if !logged_error {
+                    log::warn!("peer listener: listing nodes: {e}");
+                    logged_error = true;
+                }
+                NODE_RETRY
+            }
+        };
+        if Instant::now() >= next_sweep {
+            staging::sweep(&staging_dir, SystemTime::now());
+            next_sweep = Instant::now() + staging::SWEEP_EVERY;
+        }
+        std::thread::sleep(pause);
+    }
+}
+
+/// Resolves a snapshot name to its id with `cocoon snapshot inspect NAME` (argv, no shell),
+/// killed after `INSPECT_TIMEOUT`.
+pub fn cocoon_resolver(bin: PathBuf) -> Resolver {
+    Arc::new(move |name: &str| inspect_id(&bin, name))
+}
+
+fn inspect_id(bin: &std::path::Path, name: &str) -> Result<Option<String>, String> {
+    let mut child = Command::new(bin)
+        .args(argv::snapshot_inspect(name))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("spawn {}: {e}", bin.display()))?;
+    let deadline = Instant::now() + INSPECT_TIMEOUT;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(s)) => break s,
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err("snapshot inspect timed out".into());
+            }
+            Err(e) => return Err(format!("wait: {e}")),
+        }
+    };
+    let mut out = Vec::new();
+    let mut err = Vec::new();
+    if let Some(mut o) = child.stdout.take() {
+        let _ = o.by_ref().take(1 << 20).read_to_end(&mut out);
+    }
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.by_ref().take(64 << 10).read_to_end(&mut err);
+    }
+    if !status.success() {
+        let text = String::from_utf8_lossy(&err).to_ascii_lowercase();
+        if text.contains("snapshot not found") || text.contains("no such snapshot") {
+            return Ok(None);
+        }
+        return Err(format!("snapshot inspect {name}: {}", text.trim()));
+    }
+    let v: serde_json::Value =
+        serde_json::from_slice(&out).map_err(|e| format!("snapshot inspect {name}: {e}"))?;
+    match v.get("id").and_then(|i| i.as_str()) {
+        Some(id) if plain_component(id) => Ok(Some(id.to_string())),
+        _ => Err(format!("snapshot inspect {name}: no usable id")),
+    }
+}

@@ -1,0 +1,90 @@
+//! One peer restore as the daemon performs it for the core: find the source node's InternalIP,
+//! read the registry's description of `<vm>:hibernate`, and fetch from that node into staging.
+//!
+//! Blocking; runs on a transfer worker. The answer is the staged directory for
+//! `cocoon vm clone --from-dir`, or an error after which the core falls back to the registry.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+
+use crate::kube::Client;
+use crate::metrics::Metrics;
+use crate::snapshots::{manifest_info, RegistryClient, TransferError};
+
+use super::client::{restore_counted, PeerRestore};
+use super::housekeeping::NodeBook;
+
+/// The registry tag a peer restore stands in for.
+pub const HIBERNATE_TAG: &str = "hibernate";
+
+/// What the core asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerJob {
+    /// The pod's namespace (the duration histogram's label).
+    pub namespace: String,
+    /// The VM name: registry repository and the snapshot name on the source node.
+    pub vm_name: String,
+    /// `cocoonstack.snapshot.from-node` of the hibernate manifest.
+    pub from_node: String,
+    /// The name written into the staged envelope.
+    pub local_name: String,
+}
+
+/// What the daemon adds from its configuration.
+#[derive(Debug, Clone)]
+pub struct PeerSite {
+    pub node_name: String,
+    pub node_ip: Option<IpAddr>,
+    /// The port of VK_PEER_ADDR: every node's listener is dialled on it.
+    pub peer_port: u16,
+    pub staging_root: PathBuf,
+}
+
+/// Runs `job`; `Ok` carries the staged directory.
+pub fn run(
+    job: &PeerJob,
+    site: &PeerSite,
+    registry: &RegistryClient,
+    kube: &Client,
+    book: &NodeBook,
+    metrics: &Metrics,
+) -> Result<PathBuf, TransferError> {
+    let fail =
+        |m: String| TransferError::Transient(format!("peer restore of {}: {m}", job.vm_name));
+    if job.from_node.is_empty() || job.from_node == site.node_name {
+        return Err(fail("the snapshot was pushed by this node".into()));
+    }
+    let ip = match book.internal_ip(&job.from_node) {
+        Some(ip) => ip,
+        None => {
+            let node = kube
+                .get_node(&job.from_node)
+                .map_err(|e| fail(format!("node {}: {e}", job.from_node)))?;
+            let json = serde_json::to_value(&node).unwrap_or_default();
+            crate::kube::client::node_internal_ip_json(&json)
+                .ok_or_else(|| fail(format!("node {} has no InternalIP", job.from_node)))?
+        }
+    };
+    let info = manifest_info(registry, &job.vm_name, HIBERNATE_TAG)?
+        .ok_or_else(|| TransferError::NotFound(format!("{}:{HIBERNATE_TAG}", job.vm_name)))?;
+    let expected = info
+        .config
+        .ok_or_else(|| fail(format!("{}:{HIBERNATE_TAG} is not a snapshot", job.vm_name)))?;
+    let req = PeerRestore {
+        peer: SocketAddr::new(ip, site.peer_port),
+        source: site.node_ip,
+        snapshot: job.vm_name.clone(),
+        local_name: job.local_name.clone(),
+        expected,
+        staging_root: site.staging_root.clone(),
+    };
+    let staged = restore_counted(&req, metrics, &job.namespace).map_err(fail)?;
+    log::info!(
+        "peer restore of {} from {} ({ip}): {} bytes staged in {}",
+        job.vm_name,
+        job.from_node,
+        staged.bytes,
+        staged.dir.display()
+    );
+    Ok(staged.dir)
+}

@@ -1,0 +1,105 @@
+//! The staging directory's housekeeping: entries left by an earlier daemon process (a crash
+//! mid-restore) and entries this process forgot for too long are removed.
+//!
+//! Entry names end in `.<pid>-<nanos>` (see `client.rs`); anything else in the directory is
+//! not ours to judge by name, so only its age decides.
+
+use std::path::Path;
+use std::time::{Duration, SystemTime};
+
+/// A staged directory older than this is stale even if this process made it: a clone from
+/// it has long finished or failed.
+pub const STAGING_MAX_AGE: Duration = Duration::from_secs(3600);
+/// How often the sweep runs after the one at start.
+pub const SWEEP_EVERY: Duration = Duration::from_secs(600);
+
+/// The pid encoded in a staged entry's name, if it has the client's shape.
+fn creator_pid(name: &str) -> Option<u32> {
+    let (_, tail) = name.rsplit_once('.')?;
+    let (pid, nanos) = tail.split_once('-')?;
+    nanos.parse::<u128>().ok()?;
+    pid.parse().ok()
+}
+
+/// Whether entry `name`, last modified at `mtime`, is stale for process `me` at `now`.
+pub fn is_stale(name: &str, mtime: SystemTime, me: u32, now: SystemTime) -> bool {
+    let old = now.duration_since(mtime).unwrap_or_default() >= STAGING_MAX_AGE;
+    match creator_pid(name) {
+        Some(pid) => pid != me || old,
+        None => old,
+    }
+}
+
+/// Removes the stale entries under `root`; returns how many were removed. A missing root is
+/// empty.
+pub fn sweep(root: &Path, now: SystemTime) -> usize {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return 0;
+    };
+    let me = std::process::id();
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        // symlink_metadata: a symlink is judged (and removed) itself, never followed.
+        let Ok(meta) = entry.path().symlink_metadata() else {
+            continue;
+        };
+        let mtime = meta.modified().unwrap_or(now);
+        if !is_stale(name, mtime, me, now) {
+            continue;
+        }
+        let path = entry.path();
+        let res = if meta.is_dir() {
+            std::fs::remove_dir_all(&path)
+        } else {
+            std::fs::remove_file(&path)
+        };
+        match res {
+            Ok(()) => removed += 1,
+            Err(e) => log::warn!("staging sweep: remove {}: {e}", path.display()),
+        }
+    }
+    if removed > 0 {
+        log::info!(
+            "staging sweep: removed {removed} stale entr(ies) under {}",
+            root.display()
+        );
+    }
+    removed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stale_entries_are_those_of_other_processes_or_too_old() {
+        let now = SystemTime::now();
+        let me = 4242;
+        assert!(!is_stale("vk-a.4242-17", now, me, now));
+        assert!(is_stale("vk-a.4241-17", now, me, now));
+        assert!(is_stale("vk-a.4242-17", now - STAGING_MAX_AGE, me, now));
+        assert!(!is_stale("operator-file", now, me, now));
+        assert!(is_stale("operator-file", now - STAGING_MAX_AGE, me, now));
+    }
+
+    #[test]
+    fn sweep_removes_other_processes_entries_and_never_follows_symlinks() {
+        let root = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(outside.path().join("keep"), b"x").unwrap();
+        let dead = root.path().join("vk-a.1-5");
+        std::fs::create_dir(&dead).unwrap();
+        std::fs::write(dead.join("mem"), b"x").unwrap();
+        let mine = root.path().join(format!("vk-b.{}-5", std::process::id()));
+        std::fs::create_dir(&mine).unwrap();
+        std::os::unix::fs::symlink(outside.path(), root.path().join("vk-c.1-5")).unwrap();
+
+        assert_eq!(sweep(root.path(), SystemTime::now()), 2);
+        assert!(!dead.exists());
+        assert!(mine.exists());
+        assert!(outside.path().join("keep").exists());
+        assert_eq!(sweep(&root.path().join("absent"), SystemTime::now()), 0);
+    }
+}

@@ -1,0 +1,161 @@
+//! The local snapshot reclaimer: at start and every 10 minutes, removes the node's `vk-`
+//! snapshots that no tracked pod needs and that the registry no longer vouches for.
+//!
+//! One run at a time: `snapshot list`, then per candidate a removal (wake imports, tagged base
+//! snapshots) or a registry check of `<name>:hibernate` (stale: remove it and `fork-<name>`;
+//! the check failing: keep). Names are checked against the pods again just before removal.
+
+use super::*;
+
+/// How often the reclaimer runs after the first run at start.
+pub(super) const RECLAIM_EVERY: Duration = Duration::from_secs(600);
+/// The suffix of the local snapshot a registry wake imports into.
+const IMPORT_SUFFIX: &str = "-hibernate-import";
+
+/// What an outstanding reclaimer answer is for.
+#[derive(Debug, Clone)]
+pub(super) enum ReclaimStep {
+    List,
+    /// The registry's hibernate snapshot id of local snapshot `name` (whose id is `local_id`).
+    Verify {
+        name: String,
+        local_id: String,
+    },
+}
+
+/// A run in progress: candidates still to verify against the registry, one at a time.
+#[derive(Debug, Clone, Default)]
+pub(super) struct ReclaimRun {
+    pub(super) verify: Vec<(String, String)>,
+}
+
+impl Provider {
+    /// The timer fired: start a run unless one is in progress, and arm the next.
+    pub(super) fn reclaim_tick(&mut self) {
+        let next = self.now + RECLAIM_EVERY;
+        self.arm(next, TimerEntry::Reclaim);
+        if self.reclaim.is_some() {
+            return;
+        }
+        self.reclaim = Some(ReclaimRun::default());
+        let op = self.op_id();
+        self.waiters.insert(op, Waiter::Reclaim(ReclaimStep::List));
+        self.out.push(Effect::Cocoon {
+            op,
+            cmd: CocoonCmd::SnapshotList,
+        });
+    }
+
+    /// Names a tracked pod or a running op needs: VM names and local clone-snapshot names.
+    fn snapshots_in_use(&self) -> std::collections::HashSet<String> {
+        let mut used = std::collections::HashSet::new();
+        for slot in self.slots.values() {
+            if let Some(t) = &slot.tracked {
+                used.insert(t.spec.vm_name.clone());
+                if !t.spec.image.is_empty() {
+                    used.insert(spec::local_snapshot_name(&t.spec.image));
+                }
+            }
+            if let Some(Op::Create(c)) = &slot.op {
+                used.insert(c.spec.vm_name.clone());
+                used.insert(c.local_snapshot.clone());
+            }
+        }
+        used.extend(self.pulls.keys().cloned());
+        used.remove("");
+        used
+    }
+
+    fn in_use(&self, name: &str) -> bool {
+        let used = self.snapshots_in_use();
+        used.contains(name) || used.contains(name.strip_suffix(IMPORT_SUFFIX).unwrap_or(name))
+    }
+
+    fn reclaim_remove(&mut self, name: &str, why: &str) {
+        if self.in_use(name) {
+            return;
+        }
+        log::info!("snapshot reclaimer: removing local snapshot {name} ({why})");
+        self.fire_and_forget_cocoon(CocoonCmd::SnapshotRm {
+            name: name.to_string(),
+        });
+    }
+
+    pub(super) fn reclaim_answer(&mut self, step: ReclaimStep, res: Res) {
+        match (step, res) {
+            (ReclaimStep::List, Res::Cocoon(r)) => {
+                let listed = if r.success {
+                    crate::provider::cocoon::parse_snapshot_list(&r.stdout)
+                } else {
+                    Err(r.error_text())
+                };
+                let snaps = match listed {
+                    Ok(s) => s,
+                    Err(e) => {
+                        log::warn!("snapshot reclaimer: snapshot list: {e}");
+                        self.reclaim = None;
+                        return;
+                    }
+                };
+                let mut verify = Vec::new();
+                for s in snaps {
+                    let base = s.name.strip_suffix(IMPORT_SUFFIX).unwrap_or(&s.name);
+                    if !base.starts_with("vk-") || self.in_use(&s.name) {
+                        continue;
+                    }
+                    if s.name.ends_with(IMPORT_SUFFIX) {
+                        self.reclaim_remove(&s.name, "a finished wake import");
+                    } else if s.name.contains(':') {
+                        self.reclaim_remove(&s.name, "a tagged base snapshot no pod uses");
+                    } else if self.cfg.registry {
+                        verify.push((s.name.clone(), s.id.clone()));
+                    }
+                }
+                self.reclaim = Some(ReclaimRun { verify });
+                self.reclaim_next();
+            }
+            (ReclaimStep::Verify { name, local_id }, Res::Transfer(r)) => {
+                let stale = match r {
+                    Ok(id) => id != local_id,
+                    Err(e) if e.is_not_found() => true,
+                    Err(e) => {
+                        log::warn!("snapshot reclaimer: keeping {name}: cannot verify it: {e}");
+                        false
+                    }
+                };
+                // A pod that started using the name meanwhile keeps it and its fork.
+                if stale && !self.in_use(&name) {
+                    self.reclaim_remove(&name, "stale: the registry's hibernate tag differs");
+                    self.reclaim_remove(&format!("fork-{name}"), "fork of a stale snapshot");
+                }
+                self.reclaim_next();
+            }
+            (step, res) => {
+                log::warn!(
+                    "snapshot reclaimer: unexpected {} answer at {step:?}",
+                    res.kind()
+                );
+                self.reclaim = None;
+            }
+        }
+    }
+
+    /// Verifies the next candidate, or ends the run.
+    fn reclaim_next(&mut self) {
+        let next = self.reclaim.as_mut().and_then(|r| r.verify.pop());
+        let Some((name, local_id)) = next else {
+            self.reclaim = None;
+            return;
+        };
+        let op = self.op_id();
+        self.waiters.insert(
+            op,
+            Waiter::Reclaim(ReclaimStep::Verify {
+                name: name.clone(),
+                local_id,
+            }),
+        );
+        self.out
+            .push(Effect::HibernateSnapshotId { op, vm_name: name });
+    }
+}
