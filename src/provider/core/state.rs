@@ -248,6 +248,8 @@ pub(super) enum WakeStep {
     RmStaleFork,
     /// Look the registry tag up (peer restore reads its from-node).
     Tag,
+    /// Peer restore: the tag's from-node serves the raw snapshot files into the staging dir.
+    Peer,
     /// Registry pull of `<vm>:hibernate` into `<vm>-hibernate-import`.
     Pull,
     /// Inspect the import (its base image decides `--pull`).

@@ -91,7 +91,13 @@ impl Provider {
                     if !self.cfg.registry {
                         // Without a registry the local copy is the only one, and trusted.
                         let label = format!("local snapshot {vm}");
-                        return self.wake_clone(key, &w, vm.clone(), !snap.image.is_empty(), label);
+                        return self.wake_clone(
+                            key,
+                            &w,
+                            CloneSource::Snapshot(vm.clone()),
+                            !snap.image.is_empty(),
+                            label,
+                        );
                     }
                     let step = WakeStep::Verify {
                         local_id: snap.id,
@@ -122,7 +128,13 @@ impl Provider {
                 Ok(Some(tag)) if !tag.snapshot_id.is_empty() && tag.snapshot_id == local_id => {
                     self.metric(MetricUpdate::SnapshotVerify { result: "ok" });
                     let label = format!("local snapshot {vm}");
-                    self.wake_clone(key, &w, vm.clone(), !local_image.is_empty(), label)
+                    self.wake_clone(
+                        key,
+                        &w,
+                        CloneSource::Snapshot(vm.clone()),
+                        !local_image.is_empty(),
+                        label,
+                    )
                 }
                 Ok(tag) => {
                     // The registry holds another hibernation (or none): the local copy is stale.
@@ -165,6 +177,18 @@ impl Provider {
                     self.wake_failed(key, fail("WakePullFailed", msg))
                 }
             },
+            (WakeStep::Peer, Res::Transfer(r)) => match r {
+                Ok(dir) => {
+                    let label = format!("peer {}", w.tag.as_ref().map_or("", |t| &t.from_node));
+                    self.wake_clone(key, &w, CloneSource::FromDir(dir), false, label)
+                }
+                Err(e) => {
+                    log::warn!(
+                        "provider: {key}: peer restore of {vm}: {e}; pulling from the registry"
+                    );
+                    self.wake_pull(key, &vm)
+                }
+            },
             (WakeStep::Pull, Res::Transfer(r)) => match r {
                 Ok(_) => {
                     self.metric(MetricUpdate::SnapshotPull { result: "ok" });
@@ -183,7 +207,8 @@ impl Provider {
                 match (r.success, parse_snapshot(&r.stdout)) {
                     (true, Ok(snap)) => {
                         let label = format!("registry {vm}:{HIBERNATE_TAG}");
-                        self.wake_clone(key, &w, import, !snap.image.is_empty(), label)
+                        let from = CloneSource::Snapshot(import);
+                        self.wake_clone(key, &w, from, !snap.image.is_empty(), label)
                     }
                     _ => {
                         let msg =
@@ -221,14 +246,31 @@ impl Provider {
     /// No trusted local copy: the registry tag is the source.
     fn wake_from_tag(&mut self, key: &PodKey, w: &WakeOp) {
         let vm = w.spec.vm_name.clone();
-        let Some(_tag) = w.tag.as_ref() else {
+        let Some(tag) = w.tag.as_ref() else {
             let why = format!("no local snapshot and no {vm}:{HIBERNATE_TAG} in the registry");
             return self.no_wake_source(key, w, &why);
         };
-        // Peer restore (raw snapshot files from the node named by the tag's from-node) is the
-        // step before the registry pull; it is not built in this daemon yet, so it is skipped
-        // and the registry pull below is the source.
-        let (repo, local_name) = (vm.clone(), import_name(&vm));
+        // Peer restore first: the raw snapshot files straight from the node that pushed the
+        // tag (its from-node), checked against the tag's snapshot id. Any failure falls
+        // through to the registry pull.
+        if !tag.from_node.is_empty() && tag.from_node != self.cfg.node_name {
+            let (namespace, vm_name) = (key.namespace.clone(), vm.clone());
+            let (from_node, local_name) = (tag.from_node.clone(), import_name(&vm));
+            let ask = Ask::effect(move |op| Effect::PeerRestore {
+                op,
+                namespace,
+                vm_name,
+                from_node,
+                local_name,
+            });
+            return self.advance(key, WakeStep::Peer, ask);
+        }
+        self.wake_pull(key, &vm)
+    }
+
+    /// The registry pull of the hibernate tag into the import snapshot.
+    fn wake_pull(&mut self, key: &PodKey, vm: &str) {
+        let (repo, local_name) = (vm.to_string(), import_name(vm));
         let ask = Ask::effect(move |op| Effect::PullSnapshot {
             op,
             repo,
@@ -238,8 +280,18 @@ impl Provider {
         self.advance(key, WakeStep::Pull, ask)
     }
 
-    fn wake_clone(&mut self, key: &PodKey, w: &WakeOp, source: String, pull: bool, label: String) {
-        let mut args = self.clone_args(&w.spec, CloneSource::Snapshot(source.clone()), pull);
+    fn wake_clone(
+        &mut self,
+        key: &PodKey,
+        w: &WakeOp,
+        from: CloneSource,
+        pull: bool,
+        label: String,
+    ) {
+        let source = match &from {
+            CloneSource::Snapshot(s) | CloneSource::FromDir(s) => s.clone(),
+        };
+        let mut args = self.clone_args(&w.spec, from, pull);
         if drops_nic(&w.spec) {
             // The NIC was dropped before the save: the clone brings one back.
             args.nics = Some(1);

@@ -24,7 +24,35 @@ fn evidence_op(e: &[Effect]) -> OpId {
         .expect("tag lookup")
 }
 
-fn pull_op(e: &[Effect]) -> OpId {
+fn peer_op(e: &[Effect]) -> Option<OpId> {
+    e.iter().find_map(|x| match x {
+        Effect::PeerRestore {
+            op,
+            vm_name,
+            from_node,
+            local_name,
+            ..
+        } if vm_name == VM && from_node == "node-b" && local_name == IMPORT => Some(*op),
+        _ => None,
+    })
+}
+
+/// The registry pull of the hibernate tag; a peer restore asked first (the tag names another
+/// node) is answered with a failure, which falls through to the pull.
+fn pull_op(h: &mut H, e: &[Effect]) -> OpId {
+    let after_peer;
+    let e = match peer_op(e) {
+        Some(op) => {
+            after_peer = h.feed(Input::TransferDone {
+                op,
+                result: Err(TransferError::Transient(
+                    "peer node-b: connection refused".into(),
+                )),
+            });
+            &after_peer[..]
+        }
+        None => e,
+    };
     e.iter()
         .find_map(|x| match x {
             Effect::PullSnapshot {
@@ -159,7 +187,7 @@ fn a_stale_local_copy_is_removed_and_the_tag_pulled() {
         &format!("snapshot rm fork-{VM}"),
         CocoonResult::ok(""),
     );
-    let op = pull_op(&e);
+    let op = pull_op(&mut h, &e);
     let e = h.feed(Input::TransferDone {
         op,
         result: Ok(String::new()),
@@ -243,7 +271,7 @@ fn a_failed_pull_or_clone_is_reported_as_such() {
         op,
         result: Ok(Some(tag("S1"))),
     });
-    let op = pull_op(&e);
+    let op = pull_op(&mut h, &e);
     let e = h.feed(Input::TransferDone {
         op,
         result: Err(TransferError::Integrity(
@@ -264,7 +292,7 @@ fn a_failed_pull_or_clone_is_reported_as_such() {
         op,
         result: Ok(Some(tag("S1"))),
     });
-    let op = pull_op(&e);
+    let op = pull_op(&mut h, &e);
     let e = h.feed(Input::TransferDone {
         op,
         result: Ok(String::new()),
@@ -386,7 +414,7 @@ fn create_restores_a_pod_whose_tag_another_daemon_pushed() {
         op,
         result: Ok(Some(tag("S9"))),
     });
-    let op = pull_op(&e);
+    let op = pull_op(&mut h, &e);
     let e = h.feed(Input::TransferDone {
         op,
         result: Ok(String::new()),
@@ -469,4 +497,58 @@ fn an_explicit_restore_without_evidence_still_looks_for_a_source() {
     assert!(events(&e)
         .iter()
         .any(|(r, m)| *r == "WakePullFailed" && m.contains("no wake source")));
+}
+
+/// The tag names the node that pushed it: its peer listener serves the raw snapshot files into
+/// the staging dir, and the VM is cloned `--from-dir` there; no registry pull happens.
+#[test]
+fn a_wake_restores_from_the_peer_that_pushed_the_tag() {
+    let mut h = H::new(registry());
+    let e = ask_wake(&mut h);
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot inspect {VM}"),
+        CocoonResult::failed("Error: snapshot not found"),
+    );
+    let op = evidence_op(&e);
+    let e = h.feed(Input::HibernateEvidence {
+        op,
+        result: Ok(Some(tag("S1"))),
+    });
+    let op = peer_op(&e).expect("peer restore from node-b first");
+    let e = h.feed(Input::TransferDone {
+        op,
+        result: Ok("/var/lib/vk/staging/peer-1".into()),
+    });
+    assert!(!e.iter().any(|x| matches!(x, Effect::PullSnapshot { .. })));
+    let (_, cmd) = one_cocoon(&e);
+    let a = argv(&cmd);
+    assert!(a.starts_with("vm clone"), "{a}");
+    assert!(a.contains("--from-dir /var/lib/vk/staging/peer-1"), "{a}");
+    assert!(a.contains(&format!("--name {VM}")), "{a}");
+}
+
+/// A tag this node pushed has no peer to ask: the registry pull is the source.
+#[test]
+fn a_tag_pushed_by_this_node_skips_the_peer() {
+    let mut h = H::new(registry());
+    let e = ask_wake(&mut h);
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot inspect {VM}"),
+        CocoonResult::failed("Error: snapshot not found"),
+    );
+    let op = evidence_op(&e);
+    let own = HibernateTag {
+        from_node: ProviderConfig::default().node_name,
+        ..tag("S1")
+    };
+    let e = h.feed(Input::HibernateEvidence {
+        op,
+        result: Ok(Some(own)),
+    });
+    assert!(peer_op(&e).is_none());
+    assert!(e.iter().any(|x| matches!(x, Effect::PullSnapshot { .. })));
 }
