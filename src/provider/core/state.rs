@@ -138,6 +138,9 @@ pub(super) struct CheckOp {
     pub(super) uid: String,
     pub(super) vm_id: String,
     pub(super) step: CheckStep,
+    /// A VM-gone event arrived while this check ran: what the check saw may predate it, so
+    /// the VM is inspected once more before the check settles.
+    pub(super) gone_meanwhile: bool,
 }
 
 #[derive(Debug, Clone)]

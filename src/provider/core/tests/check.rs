@@ -266,3 +266,75 @@ fn a_pod_asking_for_hibernate_keeps_crash_handling() {
     let (_, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm start VM1");
 }
+
+/// A VM removed right after its restart: the event comes while the check still runs (its
+/// re-inspect may have looked before the removal). The check looks again instead of dropping
+/// the event, and the pod is evicted rather than left Running on a VM that is gone.
+#[test]
+fn a_vm_gone_event_during_a_restart_is_looked_at_before_the_check_ends() {
+    let mut h = H::new(ProviderConfig::default());
+    create_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")), "VM1");
+    let e = h.feed(Input::VmEvent {
+        kind: VmEventKind::Modified,
+        vm: vm_info("VM1", "vk-ns-demo-0", "stopped"),
+    });
+    let stopped = CocoonResult::ok(vm_json(
+        "VM1",
+        "vk-ns-demo-0",
+        "stopped",
+        "02:00:00:00:00:01",
+    ));
+    let e = answer(&mut h, &e, "vm inspect VM1", stopped);
+    let e = answer(&mut h, &e, "vm start VM1", CocoonResult::ok(""));
+    let (refresh, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm inspect VM1");
+    let e = h.feed(Input::VmEvent {
+        kind: VmEventKind::Deleted,
+        vm: vm_info("VM1", "vk-ns-demo-0", "running"),
+    });
+    assert!(e.is_empty(), "the check in flight holds the pod: {e:?}");
+    let running = CocoonResult::ok(vm_json(
+        "VM1",
+        "vk-ns-demo-0",
+        "running",
+        "02:00:00:00:00:01",
+    ));
+    let e = h.cocoon(refresh, running);
+    let e = answer(
+        &mut h,
+        &e,
+        "vm inspect VM1",
+        CocoonResult::failed("VM not found"),
+    );
+    let st = statuses(&e);
+    assert_eq!(st.len(), 1, "{e:?}");
+    assert_eq!(st[0].1.phase.as_deref(), Some("Failed"));
+}
+
+/// The re-inspect after a restart finds no VM: evicted `VMGone` at once.
+#[test]
+fn a_vm_missing_at_the_re_inspect_after_its_restart_is_evicted() {
+    let mut h = H::new(ProviderConfig::default());
+    create_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")), "VM1");
+    let e = h.feed(Input::VmEvent {
+        kind: VmEventKind::Modified,
+        vm: vm_info("VM1", "vk-ns-demo-0", "stopped"),
+    });
+    let stopped = CocoonResult::ok(vm_json(
+        "VM1",
+        "vk-ns-demo-0",
+        "stopped",
+        "02:00:00:00:00:01",
+    ));
+    let e = answer(&mut h, &e, "vm inspect VM1", stopped);
+    let e = answer(&mut h, &e, "vm start VM1", CocoonResult::ok(""));
+    let e = answer(
+        &mut h,
+        &e,
+        "vm inspect VM1",
+        CocoonResult::failed("VM not found"),
+    );
+    let st = statuses(&e);
+    assert_eq!(st.len(), 1, "{e:?}");
+    assert_eq!(st[0].1.phase.as_deref(), Some("Failed"));
+}
