@@ -106,7 +106,7 @@ impl Provider {
             Res::Cocoon(r) => r,
             other => return self.unexpected_answer(key, &c.step, &other),
         };
-        match c.step {
+        match c.step.clone() {
             CheckStep::Inspect { attempt } => {
                 if r.vm_not_found() {
                     return self.start_evict(
@@ -165,6 +165,15 @@ impl Provider {
                 }
             }
             CheckStep::Start => {
+                if r.timed_out {
+                    let step = CheckStep::StartUnanswered {
+                        error: r.error_text(),
+                    };
+                    let inspect = CocoonCmd::VmInspect {
+                        reference: c.vm_id.clone(),
+                    };
+                    return self.advance(key, step, Ask::Cocoon(inspect));
+                }
                 if !r.success {
                     let msg = r.error_text();
                     return self.start_evict(key, EvictReason::RestartFailed, &msg, true);
@@ -176,6 +185,33 @@ impl Provider {
                         reference: c.vm_id.clone(),
                     }),
                 );
+            }
+            CheckStep::StartUnanswered { error } => {
+                if r.vm_not_found() {
+                    return self.start_evict(
+                        key,
+                        EvictReason::VmGone,
+                        "vm no longer exists",
+                        false,
+                    );
+                }
+                match if r.success {
+                    parse_vm(&r.stdout).ok()
+                } else {
+                    None
+                } {
+                    // The start went through after all: the restart succeeded.
+                    Some(vm) if vm.running() => {
+                        if let Some(v) = self.slot(key).tracked.as_mut().and_then(|t| t.vm.as_mut())
+                        {
+                            v.pid = vm.pid;
+                            v.nics = vm.nics;
+                            v.state = vm.state;
+                        }
+                        self.check_done(key, &c)
+                    }
+                    _ => self.start_evict(key, EvictReason::RestartFailed, &error, true),
+                }
             }
             CheckStep::Refresh => {
                 if r.vm_not_found() {

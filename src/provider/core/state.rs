@@ -115,12 +115,17 @@ pub(super) struct EvictOp {
     pub(super) attempts: u32,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum CheckStep {
     Inspect {
         attempt: u32,
     },
     Start,
+    /// `vm start` gave no answer in time, so it may have started the VM: look before
+    /// removing it.
+    StartUnanswered {
+        error: String,
+    },
     Refresh,
     /// Deferred recheck: waiting on the slot timer.
     Deferred {
