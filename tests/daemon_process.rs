@@ -548,6 +548,64 @@ fn a_pod_deleted_while_a_killed_daemons_clone_still_runs_leaves_no_vm() {
     );
 }
 
+/// The daemon is SIGKILLed after it saw the pod's delete and while its `vm rm` runs (the rm
+/// dies with it). The pod object must still be there then: the VM goes before the object, so
+/// no crash in between can leave a VM no pod names. With `VK_ORPHAN_POLICY=alert` (which keeps
+/// orphans) the restarted daemon still removes the VM, from the deleting pod it adopts, and
+/// then the object goes.
+#[test]
+fn a_daemon_killed_between_a_pods_delete_and_its_vm_removal_removes_both_after_restart() {
+    let mut w = World::new();
+    w.extra_env
+        .push(("VK_ORPHAN_POLICY".into(), "alert".into()));
+    w.seed_snapshot("base");
+    w.start_daemon();
+    w.api
+        .create_pod(&demo_pod("default", "web", "clone", "base"))
+        .expect("create pod");
+    let (_, id) = w.wait("pod web Running", Duration::from_secs(20), || {
+        running_with_vm(&w, "web")
+    });
+    std::fs::write(
+        w.path("state/faults.json"),
+        r#"{"vm rm": {"slow_ms": 4000}}"#,
+    )
+    .expect("faults");
+    w.api
+        .delete_pod("default", "web", Some(30))
+        .expect("delete");
+    let rm = format!("vm rm --force {id}");
+    w.wait("the daemon's vm rm", Duration::from_secs(20), || {
+        w.log().contains(&rm).then_some(())
+    });
+    w.kill_daemon();
+    // The killed rm never lands: past its delay the VM and the deleting pod are both there.
+    std::thread::sleep(Duration::from_millis(4500));
+    assert_eq!(
+        w.vms().get("vk-default-web").map(|(vid, _)| vid.clone()),
+        Some(id.clone()),
+        "the rm in flight died with the daemon"
+    );
+    let pod = w.pod("web").expect("the object outlives its VM's removal");
+    assert!(pod.metadata.deletion_timestamp.is_some());
+    std::fs::write(w.path("state/faults.json"), "{}").expect("faults");
+    w.start_daemon();
+    w.wait("pod web gone", Duration::from_secs(30), || {
+        w.pod("web").is_none().then_some(())
+    });
+    let vms = w.vms();
+    assert!(
+        !vms.contains_key("vk-default-web"),
+        "the VM outlived its pod: {vms:?}\n{}",
+        daemon_support::tail(&w.log(), 40)
+    );
+    assert_eq!(
+        metric_value(&w.metrics(), "vk_cocoon_orphan_vm_total").unwrap_or(0.0),
+        0.0,
+        "the VM was the deleting pod's, not an orphan"
+    );
+}
+
 /// A Running pod whose annotations stop parsing (its VM name removed, its probe port made
 /// garbage) only gets a Warning; after a daemon restart it is still Running on the same VM.
 #[test]

@@ -1458,8 +1458,13 @@ fn run_world(
 
 #[test]
 fn hundreds_of_pods_converge_under_random_faults() {
-    let seeds: Vec<u64> = if let Ok(s) = std::env::var("SIM_SEED") {
-        vec![s.parse().expect("SIM_SEED must be an integer")]
+    // A bench seed replays with its pod count: `SIM_PODS=12 SIM_SEED=<seed>`.
+    let pods = std::env::var("SIM_PODS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(200);
+    let seeds: Vec<(u64, u64)> = if let Ok(s) = std::env::var("SIM_SEED") {
+        vec![(s.parse().expect("SIM_SEED must be an integer"), pods)]
     } else if let Some(k) = std::env::var("SIM_SEEDS")
         .ok()
         .and_then(|s| s.parse::<u64>().ok())
@@ -1470,12 +1475,17 @@ fn hundreds_of_pods_converge_under_random_faults() {
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(1);
         (0..k)
-            .map(|i| base.wrapping_add(i.wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1)
+            .map(|i| {
+                (
+                    base.wrapping_add(i.wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1,
+                    pods,
+                )
+            })
             .collect()
     } else {
         // Default (CI): fixed seeds that converge today, a reproducible regression bar.
         // The later ones each found a convergence bug (see the commit that added them).
-        vec![
+        let mut fixed: Vec<(u64, u64)> = [
             13196924985261725019,
             7,
             42,
@@ -1485,20 +1495,38 @@ fn hundreds_of_pods_converge_under_random_faults() {
             14860280418073547793,
             9720271524794428527,
             14074957089731273881,
-            // Found by the invariants of issue 16: a status retry overwrote a newer status
-            // (Running back to Pending) and a retry wrote after the grace-0 delete.
+            // A status retry overwrote a newer status (Running back to Pending) and a retry
+            // wrote after the grace-0 delete.
             15495708445137128063,
         ]
+        .into_iter()
+        .map(|s| (s, pods))
+        .collect();
+        // Seeds of the random bench (12 pods each), one per bug each found:
+        fixed.extend([
+            // A Running pod whose VM vanished across a restart was created afresh, and the
+            // first failure of that create wrote Pending over Running.
+            (6486371116797803375, 12),
+            (13775078680272321061, 12),
+            // ... the same when the write recording the VM's id was lost with the restart.
+            (9420393115335475707, 12),
+            // A VM removed right after its restart: the event came while the check's
+            // re-inspect ran and was dropped, leaving the pod Running on no VM.
+            (15495709133369170621, 12),
+            (13289722062095991953, 12),
+            // A restart whose `vm start` gave no answer in time was taken for a failure and
+            // its VM removed, though the start had gone through.
+            (10113027074977682677, 12),
+            (14317729196565689761, 12),
+        ]);
+        fixed
     };
     let started = Instant::now();
     let mut failed = Vec::new();
-    for seed in seeds {
-        println!("simulation seed {seed} (replay: SIM_SEED={seed} cargo test --test simulation)");
-        // A bench seed replays with its pod count: `SIM_PODS=12 SIM_SEED=<seed>`.
-        let pods = std::env::var("SIM_PODS")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(200);
+    for (seed, pods) in seeds {
+        println!(
+            "simulation seed {seed} (replay: SIM_PODS={pods} SIM_SEED={seed} cargo test --test simulation)"
+        );
         let (errs, stats) = run_seed(seed, pods, ApiPath::Direct);
         println!("  faults/actions: {stats:?}");
         failed.extend(errs.into_iter().take(10));

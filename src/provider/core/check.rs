@@ -51,6 +51,15 @@ impl Provider {
         match &slot.op {
             None => {}
             Some(op) if op.preemptible() => {}
+            Some(Op::Check(_)) => {
+                // A restart or inspect in flight may have looked before this event's change
+                // (a VM removed right after its `vm start`): dropping the event would leave
+                // the pod Running on a VM that is gone, with no later event to notice it.
+                if let Some(Op::Check(c)) = self.slot(&key).op.as_mut() {
+                    c.gone_meanwhile = true;
+                }
+                return;
+            }
             Some(_) => return,
         }
         self.start_check(&key, uid, vm_id, CheckStep::Inspect { attempt: 1 });
@@ -68,6 +77,7 @@ impl Provider {
             uid,
             vm_id: vm_id.clone(),
             step,
+            gone_meanwhile: false,
         }));
         slot.awaiting = None;
         slot.timer = None;
@@ -81,7 +91,12 @@ impl Provider {
             until: self.now + RECHECK_BUDGET,
         };
         let slot = self.slot(key);
-        slot.op = Some(Op::Check(CheckOp { uid, vm_id, step }));
+        slot.op = Some(Op::Check(CheckOp {
+            uid,
+            vm_id,
+            step,
+            gone_meanwhile: false,
+        }));
         slot.awaiting = None;
         let at = self.now + RECHECK_FIRST;
         self.set_pod_timer(key, at);
@@ -95,7 +110,7 @@ impl Provider {
             Res::Cocoon(r) => r,
             other => return self.unexpected_answer(key, &c.step, &other),
         };
-        match c.step {
+        match c.step.clone() {
             CheckStep::Inspect { attempt } => {
                 if r.vm_not_found() {
                     return self.start_evict(
@@ -154,6 +169,15 @@ impl Provider {
                 }
             }
             CheckStep::Start => {
+                if r.timed_out {
+                    let step = CheckStep::StartUnanswered {
+                        error: r.error_text(),
+                    };
+                    let inspect = CocoonCmd::VmInspect {
+                        reference: c.vm_id.clone(),
+                    };
+                    return self.advance(key, step, Ask::Cocoon(inspect));
+                }
                 if !r.success {
                     let msg = r.error_text();
                     return self.start_evict(key, EvictReason::RestartFailed, &msg, true);
@@ -166,7 +190,43 @@ impl Provider {
                     }),
                 );
             }
+            CheckStep::StartUnanswered { error } => {
+                if r.vm_not_found() {
+                    return self.start_evict(
+                        key,
+                        EvictReason::VmGone,
+                        "vm no longer exists",
+                        false,
+                    );
+                }
+                match if r.success {
+                    parse_vm(&r.stdout).ok()
+                } else {
+                    None
+                } {
+                    // The start went through after all: the restart succeeded.
+                    Some(vm) if vm.running() => {
+                        if let Some(v) = self.slot(key).tracked.as_mut().and_then(|t| t.vm.as_mut())
+                        {
+                            v.pid = vm.pid;
+                            v.nics = vm.nics;
+                            v.state = vm.state;
+                        }
+                        self.check_done(key, &c)
+                    }
+                    _ => self.start_evict(key, EvictReason::RestartFailed, &error, true),
+                }
+            }
             CheckStep::Refresh => {
+                if r.vm_not_found() {
+                    // Removed between its restart and this look.
+                    return self.start_evict(
+                        key,
+                        EvictReason::VmGone,
+                        "vm no longer exists",
+                        false,
+                    );
+                }
                 if let (true, Ok(vm)) = (r.success, parse_vm(&r.stdout)) {
                     if let Some(t) = self.slot(key).tracked.as_mut() {
                         if let Some(v) = t.vm.as_mut() {
@@ -186,6 +246,22 @@ impl Provider {
     /// The VM runs (false alarm or restarted). A check may have preempted the wait for Ready
     /// of a fresh create; the intent still says `creating` then, so the wait resumes.
     pub(super) fn check_done(&mut self, key: &PodKey, c: &CheckOp) {
+        // `c` is the op as its answer found it; an event may have marked the live one since.
+        let gone_meanwhile = matches!(
+            self.slots.get(key).and_then(|s| s.op.as_ref()),
+            Some(Op::Check(CheckOp {
+                gone_meanwhile: true,
+                ..
+            }))
+        );
+        if gone_meanwhile {
+            return self.start_check(
+                key,
+                c.uid.clone(),
+                c.vm_id.clone(),
+                CheckStep::Inspect { attempt: 1 },
+            );
+        }
         let creating = self
             .slot(key)
             .intent

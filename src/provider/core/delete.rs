@@ -472,7 +472,7 @@ impl Provider {
 
 /// A VM reference taken from an annotation is used on cocoon's command line only when it
 /// cannot read as an option or carry anything but a plain name.
-fn lookup_reference_ok(r: &str) -> bool {
+pub(super) fn lookup_reference_ok(r: &str) -> bool {
     !r.is_empty()
         && !r.starts_with('-')
         && r.len() <= 253

@@ -357,6 +357,10 @@ impl Provider {
                     self.track_hibernated(&key, &pod, spec);
                     continue;
                 }
+                None if vanished_while_down(&pod, &spec, &s.watched) => {
+                    self.track_vanished_at_startup(&key, &pod, spec);
+                    continue;
+                }
                 None => continue,
             };
             if claimed.contains(&vm.id) {
@@ -510,6 +514,37 @@ impl Provider {
         }
     }
 
+    /// A pod that ran on a VM no longer there: its VM-gone event went to the previous process
+    /// (or came while none ran). It is tracked on the VM it records, so the owed work checks
+    /// that VM as the event would have: inspect, and evict `VMGone` when it is not found. The
+    /// Go daemon leaves such a pod untracked for a fresh CreatePod, whose failure writes
+    /// Pending over the Running the cluster saw; a VM that vanishes at runtime is evicted,
+    /// and one that vanished across a restart is no different.
+    pub(super) fn track_vanished_at_startup(&mut self, key: &PodKey, pod: &Arc<Pod>, spec: VmSpec) {
+        let uid = pod_uid(pod);
+        let ann = pod.metadata.annotations.clone().unwrap_or_default();
+        // The check inspects `id`; cocoon takes a name there too.
+        let vm = VmInfo {
+            id: recorded_reference(&spec),
+            name: spec.vm_name.clone(),
+            state: VmState::default(),
+            ..Default::default()
+        };
+        let start_time = pod.status.as_ref().and_then(|s| s.start_time.clone());
+        let ip = spec.vm_ip.clone();
+        let slot = self.slot(key);
+        slot.intent = Intent::seed(&uid, &ann);
+        slot.tracked = Some(Tracked {
+            uid,
+            pod: pod.clone(),
+            spec,
+            vm: Some(vm),
+            ip,
+            start_time,
+            probe: Some((false, "vm gone".into())),
+        });
+    }
+
     /// Owed work after a restart, in-scope ops: `creating` pods with a VM resume their
     /// post-clone fix-up or the IP wait, by their post-clone-state; `ready` pods get their
     /// status pushed.
@@ -611,4 +646,29 @@ fn unreadable_pods_vm(
         .and_then(|id| by_id.get(id))
         .or_else(|| ann.get(spec::ANN_VM_NAME).and_then(|n| by_name.get(n)))
         .cloned()
+}
+
+/// A managed pod the cluster saw Running (only a pod with a VM is written Running) whose VM
+/// is gone: neither its ID nor its name is listed, nor held by a stale create still settling.
+fn vanished_while_down(pod: &Pod, spec: &VmSpec, watched: &[VmInfo]) -> bool {
+    let ran = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+    ran && spec.managed
+        && !spec.hibernate
+        && !deleting(pod)
+        && super::delete::lookup_reference_ok(&recorded_reference(spec))
+        && !watched.iter().any(|v| {
+            (!spec.vm_id.is_empty() && v.id == spec.vm_id)
+                || (!v.name.is_empty() && v.name == spec.vm_name)
+        })
+}
+
+/// How a pod names its VM to `vm inspect`: its ID annotation, else its VM name (the write
+/// recording the ID can be lost with a crash). It reaches cocoon's argv, so it must read as
+/// a plain reference.
+fn recorded_reference(spec: &VmSpec) -> String {
+    if spec.vm_id.is_empty() {
+        spec.vm_name.clone()
+    } else {
+        spec.vm_id.clone()
+    }
 }

@@ -151,12 +151,17 @@ pub(super) struct EvictOp {
     pub(super) attempts: u32,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum CheckStep {
     Inspect {
         attempt: u32,
     },
     Start,
+    /// `vm start` gave no answer in time, so it may have started the VM: look before
+    /// removing it.
+    StartUnanswered {
+        error: String,
+    },
     Refresh,
     /// Deferred recheck: waiting on the slot timer.
     Deferred {
@@ -174,6 +179,9 @@ pub(super) struct CheckOp {
     pub(super) uid: String,
     pub(super) vm_id: String,
     pub(super) step: CheckStep,
+    /// A VM-gone event arrived while this check ran: what the check saw may predate it, so
+    /// the VM is inspected once more before the check settles.
+    pub(super) gone_meanwhile: bool,
 }
 
 /// Why a hibernate or wake failed: the Warning reason and the message.

@@ -265,3 +265,124 @@ fn an_answer_the_check_does_not_expect_defers_a_recheck_instead_of_stalling() {
     let (_, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm inspect VM1");
 }
+
+/// A VM removed right after its restart: the event comes while the check still runs (its
+/// re-inspect may have looked before the removal). The check looks again instead of dropping
+/// the event, and the pod is evicted rather than left Running on a VM that is gone.
+#[test]
+fn a_vm_gone_event_during_a_restart_is_looked_at_before_the_check_ends() {
+    let mut h = H::new(ProviderConfig::default());
+    create_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")), "VM1");
+    let e = h.feed(Input::VmEvent {
+        kind: VmEventKind::Modified,
+        vm: vm_info("VM1", "vk-ns-demo-0", "stopped"),
+    });
+    let stopped = CocoonResult::ok(vm_json(
+        "VM1",
+        "vk-ns-demo-0",
+        "stopped",
+        "02:00:00:00:00:01",
+    ));
+    let e = answer(&mut h, &e, "vm inspect VM1", stopped);
+    let e = answer(&mut h, &e, "vm start VM1", CocoonResult::ok(""));
+    let (refresh, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm inspect VM1");
+    let e = h.feed(Input::VmEvent {
+        kind: VmEventKind::Deleted,
+        vm: vm_info("VM1", "vk-ns-demo-0", "running"),
+    });
+    assert!(e.is_empty(), "the check in flight holds the pod: {e:?}");
+    let running = CocoonResult::ok(vm_json(
+        "VM1",
+        "vk-ns-demo-0",
+        "running",
+        "02:00:00:00:00:01",
+    ));
+    let e = h.cocoon(refresh, running);
+    let e = answer(
+        &mut h,
+        &e,
+        "vm inspect VM1",
+        CocoonResult::failed("VM not found"),
+    );
+    let st = statuses(&e);
+    assert_eq!(st.len(), 1, "{e:?}");
+    assert_eq!(st[0].1.phase.as_deref(), Some("Failed"));
+}
+
+/// The re-inspect after a restart finds no VM: evicted `VMGone` at once.
+#[test]
+fn a_vm_missing_at_the_re_inspect_after_its_restart_is_evicted() {
+    let mut h = H::new(ProviderConfig::default());
+    create_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")), "VM1");
+    let e = h.feed(Input::VmEvent {
+        kind: VmEventKind::Modified,
+        vm: vm_info("VM1", "vk-ns-demo-0", "stopped"),
+    });
+    let stopped = CocoonResult::ok(vm_json(
+        "VM1",
+        "vk-ns-demo-0",
+        "stopped",
+        "02:00:00:00:00:01",
+    ));
+    let e = answer(&mut h, &e, "vm inspect VM1", stopped);
+    let e = answer(&mut h, &e, "vm start VM1", CocoonResult::ok(""));
+    let e = answer(
+        &mut h,
+        &e,
+        "vm inspect VM1",
+        CocoonResult::failed("VM not found"),
+    );
+    let st = statuses(&e);
+    assert_eq!(st.len(), 1, "{e:?}");
+    assert_eq!(st[0].1.phase.as_deref(), Some("Failed"));
+}
+
+/// A `vm start` that gives no answer in time may still have started the VM: it is inspected,
+/// kept when it runs, and removed (RestartFailed) only when it does not.
+#[test]
+fn an_unanswered_restart_is_looked_at_before_the_vm_is_removed() {
+    for (after, removed) in [("running", false), ("stopped", true)] {
+        let mut h = H::new(ProviderConfig::default());
+        create_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")), "VM1");
+        let e = h.feed(Input::VmEvent {
+            kind: VmEventKind::Modified,
+            vm: vm_info("VM1", "vk-ns-demo-0", "stopped"),
+        });
+        let stopped = vm_json("VM1", "vk-ns-demo-0", "stopped", "02:00:00:00:00:01");
+        let e = answer(&mut h, &e, "vm inspect VM1", CocoonResult::ok(stopped));
+        let unanswered = CocoonResult {
+            success: false,
+            stdout: String::new(),
+            stderr: String::new(),
+            timed_out: true,
+        };
+        let e = answer(&mut h, &e, "vm start VM1", unanswered);
+        let now = vm_json("VM1", "vk-ns-demo-0", after, "02:00:00:00:00:01");
+        let e = answer(&mut h, &e, "vm inspect VM1", CocoonResult::ok(now));
+        let cmds: Vec<String> = cocoon_ops(&e).iter().map(|(_, c)| argv(c)).collect();
+        if removed {
+            assert_eq!(cmds, vec!["vm rm --force VM1".to_string()]);
+            let (op, _) = one_cocoon(&e);
+            let e = h.cocoon(op, CocoonResult::ok(""));
+            let st = statuses(&e);
+            let term = st[0].1.container_statuses.as_ref().unwrap()[0]
+                .state
+                .as_ref()
+                .unwrap()
+                .terminated
+                .clone()
+                .unwrap();
+            assert_eq!(term.reason.as_deref(), Some("RestartFailed"));
+        } else {
+            assert!(cmds.is_empty(), "{cmds:?}");
+            assert!(statuses(&e)
+                .iter()
+                .all(|(_, s)| s.phase.as_deref() != Some("Failed")));
+            assert_eq!(
+                h.p.pod_vm(&PodKey::new("ns", "a")).map(|v| v.id.clone()),
+                Some("VM1".into())
+            );
+        }
+    }
+}

@@ -191,3 +191,83 @@ fn a_restart_keeps_the_vm_of_a_pod_whose_annotations_no_longer_parse() {
         );
     }
 }
+
+/// A pod the cluster saw Running whose VM vanished while no daemon ran is evicted as a VM-gone
+/// event would have it (inspect, not found, Failed `VMGone`, API delete); it is never
+/// re-created in place, whose first failure would write Pending over Running. Its VM is
+/// looked up by the ID it records, or by its name when the ID write was lost.
+#[test]
+fn a_running_pod_whose_vm_vanished_across_a_restart_is_evicted_not_recreated() {
+    for (id, reference) in [(Some("V1"), "V1"), (None, "vk-ns-demo-0")] {
+        let mut h = H {
+            p: Provider::new(ProviderConfig::default()),
+            now: Instant::now(),
+            wall: SystemTime::UNIX_EPOCH,
+            quiet_reclaimer: true,
+        };
+        let mut ann = managed("a", "vk-ns-demo-0");
+        if let Some(id) = id {
+            ann.push((ANN_VM_ID, id.into()));
+        }
+        ann.push((ANN_LIFECYCLE_STATE, "ready".into()));
+        let mut p = mk("a", "u1", &ann);
+        p.status = Some(status::running(
+            "10.0.0.9",
+            true,
+            None,
+            None,
+            &Time(k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap()),
+        ));
+        let e = h.feed(Input::StartupListed {
+            pods: vec![p],
+            vms: vec![],
+        });
+        let (op, cmd) = one_cocoon(&e);
+        assert_eq!(argv(&cmd), format!("vm inspect {reference}"));
+        assert!(statuses(&e).is_empty(), "{e:?}");
+        let e = h.cocoon(op, CocoonResult::failed("Error: inspect: VM not found"));
+        assert!(cocoon_ops(&e).is_empty(), "no clone in place: {e:?}");
+        let st = statuses(&e);
+        assert_eq!(st.len(), 1, "{e:?}");
+        assert_eq!(st[0].1.phase.as_deref(), Some("Failed"));
+        let term = st[0].1.container_statuses.as_ref().unwrap()[0]
+            .state
+            .as_ref()
+            .unwrap()
+            .terminated
+            .clone()
+            .unwrap();
+        assert_eq!(term.reason.as_deref(), Some("VMGone"));
+        let e = h.kube_ok(st[0].0);
+        assert_eq!(deletes(&e).len(), 1, "{e:?}");
+    }
+}
+
+/// The contrast: a pod never seen Running whose recorded VM is gone is still created afresh.
+#[test]
+fn a_pending_pod_whose_recorded_vm_is_gone_is_created_at_startup() {
+    let mut h = H {
+        p: Provider::new(ProviderConfig::default()),
+        now: Instant::now(),
+        wall: SystemTime::UNIX_EPOCH,
+        quiet_reclaimer: true,
+    };
+    let mut ann = managed("a", "vk-ns-demo-0");
+    ann.push((ANN_VM_ID, "V1".into()));
+    let e = h.feed(Input::StartupListed {
+        pods: vec![mk("a", "u1", &ann)],
+        vms: vec![],
+    });
+    let cmds: Vec<String> = cocoon_ops(&e).iter().map(|(_, c)| argv(c)).collect();
+    assert!(
+        !cmds.iter().any(|c| c.starts_with("vm inspect V1")),
+        "{cmds:?}"
+    );
+    assert!(
+        !cmds.is_empty()
+            && statuses(&e)
+                .iter()
+                .all(|(_, s)| s.phase.as_deref() != Some("Failed")),
+        "{e:?}"
+    );
+}
