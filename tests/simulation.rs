@@ -672,16 +672,6 @@ impl Sim {
                     }),
                 );
             }
-            Effect::HibernateSnapshotId { op, vm_name } => {
-                let l = self.latency();
-                self.later(
-                    l,
-                    Delivery::Input(Input::TransferDone {
-                        op,
-                        result: Err(vk_cocoon::snapshots::TransferError::NotFound(vm_name)),
-                    }),
-                );
-            }
             // No peer holds raw snapshot files in the simulation: the core falls back.
             Effect::PeerRestore { op, .. } => {
                 let l = self.latency();

@@ -213,7 +213,6 @@ impl Daemon {
                 });
             }
             Effect::SacPass { op, vm_id, plan } => self.sac_pass(op, &vm_id, plan),
-            Effect::HibernateSnapshotId { op, vm_name } => self.hibernate_snapshot_id(op, vm_name),
             Effect::PeerRestore {
                 op,
                 namespace,
@@ -268,17 +267,6 @@ impl Daemon {
             });
             self.pending.push_back(Input::SacDone { op, result });
         }
-    }
-
-    /// The registry's `snapshotId` of `<vm>:hibernate` for the snapshot reclaimer: a queued
-    /// transfer job (the reclaimer is in no hurry).
-    fn hibernate_snapshot_id(&mut self, op: OpId, vm_name: String) {
-        self.transfer(op, move |registry| {
-            match manifest_info(registry, &vm_name, "hibernate")? {
-                Some(info) => Ok(info.snapshot_id.unwrap_or_default()),
-                None => Err(TransferError::NotFound(format!("{vm_name}:hibernate"))),
-            }
-        });
     }
 
     /// One manifest GET of `<vm>:hibernate` on the pool, outside the transfer queue: a create

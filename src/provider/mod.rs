@@ -434,12 +434,6 @@ pub enum Effect {
         /// The snapshot name written into the staged `snapshot.json`.
         local_name: String,
     },
-    /// The `snapshotId` of the registry's `<vm_name>:hibernate` (a worker job); answer
-    /// [`Input::TransferDone`] with the id, a [`TransferError::NotFound`] when the tag is absent.
-    HibernateSnapshotId {
-        op: OpId,
-        vm_name: String,
-    },
     /// Does the registry hold `<vm_name>:hibernate` (hibernate evidence, and the wake
     /// source's verification)? Only with a registry.
     CheckHibernateEvidence {

@@ -114,10 +114,10 @@ impl Provider {
                 self.reclaim = Some(ReclaimRun { verify });
                 self.reclaim_next();
             }
-            (ReclaimStep::Verify { name, local_id }, Res::Transfer(r)) => {
+            (ReclaimStep::Verify { name, local_id }, Res::Evidence(r)) => {
                 let stale = match r {
-                    Ok(id) => id != local_id,
-                    Err(e) if e.is_not_found() => true,
+                    Ok(Some(tag)) => tag.snapshot_id != local_id,
+                    Ok(None) => true,
                     Err(e) => {
                         log::warn!("snapshot reclaimer: keeping {name}: cannot verify it: {e}");
                         false
@@ -156,6 +156,6 @@ impl Provider {
             }),
         );
         self.out
-            .push(Effect::HibernateSnapshotId { op, vm_name: name });
+            .push(Effect::CheckHibernateEvidence { op, vm_name: name });
     }
 }

@@ -33,7 +33,7 @@ fn removals(e: &[Effect]) -> Vec<String> {
 fn verification(e: &[Effect]) -> Vec<(OpId, String)> {
     e.iter()
         .filter_map(|x| match x {
-            Effect::HibernateSnapshotId { op, vm_name } => Some((*op, vm_name.clone())),
+            Effect::CheckHibernateEvidence { op, vm_name } => Some((*op, vm_name.clone())),
             _ => None,
         })
         .collect()
@@ -105,14 +105,20 @@ fn frees_exactly_the_snapshots_no_pod_needs_and_the_registry_does_not_vouch_for(
             break;
         };
         verified.push(name.clone());
+        let tag = |id: &str| {
+            Ok(Some(HibernateTag {
+                snapshot_id: id.into(),
+                ..Default::default()
+            }))
+        };
         let result = match name.as_str() {
-            "vk-stale-2" => Ok("S2-newer-push".to_string()),
-            "vk-gone-3" => Err(TransferError::NotFound("vk-gone-3:hibernate".into())),
-            "vk-good-4" => Ok("S4".to_string()),
+            "vk-stale-2" => tag("S2-newer-push"),
+            "vk-gone-3" => Ok(None),
+            "vk-good-4" => tag("S4"),
             "vk-flaky-5" => Err(TransferError::Transient("registry 503".into())),
             other => panic!("{other} must not be verified"),
         };
-        e = h.feed(Input::TransferDone { op, result });
+        e = h.feed(Input::HibernateEvidence { op, result });
         removed.extend(removals(&e));
     }
     verified.sort();
@@ -158,9 +164,9 @@ fn a_snapshot_a_pod_starts_using_during_the_run_is_kept() {
     // Meanwhile a pod for that VM arrives and starts its create.
     let p = mk("late", "u7", &managed("late", "vk-ns-late-0"));
     h.feed(Input::PodUpserted(Box::new(p)));
-    let e = h.feed(Input::TransferDone {
+    let e = h.feed(Input::HibernateEvidence {
         op,
-        result: Err(TransferError::NotFound("vk-ns-late-0:hibernate".into())),
+        result: Ok(None),
     });
     assert!(removals(&e).is_empty(), "{e:?}");
 }
