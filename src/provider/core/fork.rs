@@ -244,9 +244,17 @@ impl Provider {
             Err(e) => return self.fail_create(key, &c.uid, &e, true),
         };
         let name = spec::fork_snapshot_name(&c.spec.fork_from);
-        if hypervisor == spec::BACKEND_FC {
+        // The clone's flags follow the pod's backend (a Firecracker clone takes no restore
+        // mode), so a source of another hypervisor is refused rather than cloned with the
+        // wrong ones. No backend means cloud-hypervisor.
+        let want = if c.spec.backend.is_empty() {
+            spec::BACKEND_CH
+        } else {
+            c.spec.backend.as_str()
+        };
+        if !hypervisor.is_empty() && hypervisor != want {
             let msg = format!(
-                "snapshot {name} is a firecracker snapshot; cloning it needs the post-clone fix-up, which is not supported yet"
+                "snapshot {name} was taken with {hypervisor} but CocoonSet requests {want}"
             );
             return self.fail_create(key, &c.uid, &msg, false);
         }

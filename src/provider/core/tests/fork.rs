@@ -464,32 +464,51 @@ fn a_pod_forks_only_vms_of_its_own_namespace() {
     assert_eq!(argv(&cmd), "snapshot inspect fork-vk-mainvm");
 }
 
+/// A Firecracker source forks into a Firecracker pod (whose clone then gets the post-clone
+/// fix-up); into a pod of the default backend it is refused before any clone.
 #[test]
-fn a_firecracker_source_is_not_cloned_without_the_post_clone_fix_up() {
-    let mut h = H::new(ProviderConfig::default());
-    let e = to_flight(&mut h, fork_pod("sub", "u1", "vk-ns-sub-0"));
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("snapshot inspect fork-{SRC}"),
-        CocoonResult::failed("Error: inspect: snapshot not found"),
-    );
-    let fc = vm_json("SRCID", SRC, "running", "02:00:00:00:00:01")
-        .replace("cloud-hypervisor", "firecracker");
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("vm inspect {SRC}"),
-        CocoonResult::ok(fc),
-    );
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("snapshot save --name fork-{SRC} SRCID"),
-        CocoonResult::ok(""),
-    );
-    assert!(cocoon_ops(&e).is_empty(), "no clone: {e:?}");
-    failed_create(&e, "is a firecracker snapshot");
+fn a_firecracker_source_forks_only_into_a_firecracker_pod() {
+    for (backend, clones) in [(Some("firecracker"), true), (None, false)] {
+        let mut h = H::new(ProviderConfig::default());
+        let mut a = managed("sub", "vk-ns-sub-0");
+        a.push((ANN_FORK_FROM, SRC.to_string()));
+        if let Some(b) = backend {
+            a.push((ANN_BACKEND, b.to_string()));
+        }
+        let e = to_flight(&mut h, mk("sub", "u1", &a));
+        let e = answer(
+            &mut h,
+            &e,
+            &format!("snapshot inspect fork-{SRC}"),
+            CocoonResult::failed("Error: inspect: snapshot not found"),
+        );
+        let fc = vm_json("SRCID", SRC, "running", "02:00:00:00:00:01")
+            .replace("cloud-hypervisor", "firecracker");
+        let e = answer(
+            &mut h,
+            &e,
+            &format!("vm inspect {SRC}"),
+            CocoonResult::ok(fc),
+        );
+        let e = answer(
+            &mut h,
+            &e,
+            &format!("snapshot save --name fork-{SRC} SRCID"),
+            CocoonResult::ok(""),
+        );
+        if clones {
+            let (_, cmd) = one_cocoon(&e);
+            let a = argv(&cmd);
+            assert!(a.starts_with("vm clone"), "{a}");
+            assert!(a.contains(&format!("fork-{SRC}")), "{a}");
+        } else {
+            assert!(cocoon_ops(&e).is_empty(), "no clone: {e:?}");
+            failed_create(
+                &e,
+                "was taken with firecracker but CocoonSet requests cloud-hypervisor",
+            );
+        }
+    }
 }
 
 #[test]
