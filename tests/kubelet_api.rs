@@ -483,8 +483,14 @@ fn bad_input_gets_errors_and_the_loop_keeps_serving() {
 
 #[test]
 fn idle_and_half_sent_requests_time_out() {
+    // Both clients present no certificate, so the unauthenticated deadline is the one that
+    // applies; it is shortened too, well below the silent client's 5 s read timeout (at the
+    // default 5 s the two raced).
     let h = Harness::start(Options {
-        tweak: |c| c.head_timeout = Duration::from_millis(300),
+        tweak: |c| {
+            c.head_timeout = Duration::from_millis(300);
+            c.unauthenticated_timeout = Duration::from_millis(300);
+        },
         ..Default::default()
     });
     let cfg = h.client_config(None, &h.pki.ca_pem);
