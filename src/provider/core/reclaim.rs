@@ -67,14 +67,11 @@ impl Provider {
     }
 
     fn in_use(&self, name: &str) -> bool {
-        let used = self.snapshots_in_use();
-        used.contains(name) || used.contains(name.strip_suffix(IMPORT_SUFFIX).unwrap_or(name))
+        name_in(&self.snapshots_in_use(), name)
     }
 
+    /// Removes a snapshot the caller found in use by nobody.
     fn reclaim_remove(&mut self, name: &str, why: &str) {
-        if self.in_use(name) {
-            return;
-        }
         log::info!("snapshot reclaimer: removing local snapshot {name} ({why})");
         self.fire_and_forget_cocoon(CocoonCmd::SnapshotRm {
             name: name.to_string(),
@@ -97,10 +94,13 @@ impl Provider {
                         return;
                     }
                 };
+                // One set for the whole listing: a node lists hundreds of snapshots, and the
+                // set walks every pod.
+                let used = self.snapshots_in_use();
                 let mut verify = Vec::new();
                 for s in snaps {
                     let base = s.name.strip_suffix(IMPORT_SUFFIX).unwrap_or(&s.name);
-                    if !base.starts_with("vk-") || self.in_use(&s.name) {
+                    if !base.starts_with("vk-") || name_in(&used, &s.name) {
                         continue;
                     }
                     if s.name.ends_with(IMPORT_SUFFIX) {
@@ -124,9 +124,12 @@ impl Provider {
                     }
                 };
                 // A pod that started using the name meanwhile keeps it and its fork.
+                let fork = spec::fork_snapshot_name(&name);
                 if stale && !self.in_use(&name) {
                     self.reclaim_remove(&name, "stale: the registry's hibernate tag differs");
-                    self.reclaim_remove(&format!("fork-{name}"), "fork of a stale snapshot");
+                    if !self.in_use(&fork) {
+                        self.reclaim_remove(&fork, "fork of a stale snapshot");
+                    }
                 }
                 self.reclaim_next();
             }
@@ -158,4 +161,9 @@ impl Provider {
         self.out
             .push(Effect::CheckHibernateEvidence { op, vm_name: name });
     }
+}
+
+/// Is `name` (or the VM an import of that name is for) among the names in use?
+fn name_in(used: &std::collections::HashSet<String>, name: &str) -> bool {
+    used.contains(name) || used.contains(name.strip_suffix(IMPORT_SUFFIX).unwrap_or(name))
 }

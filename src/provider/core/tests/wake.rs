@@ -66,6 +66,23 @@ fn pull_op(h: &mut H, e: &[Effect]) -> OpId {
         .expect("pull of the hibernate tag into the import")
 }
 
+/// No local snapshot of the VM: answers its inspect, then the registry lookup of the tag with
+/// `found`; returns the effects after the lookup.
+fn no_local_copy_then(
+    h: &mut H,
+    e: &[Effect],
+    found: Result<Option<HibernateTag>, TransferError>,
+) -> Vec<Effect> {
+    let e = answer(
+        h,
+        e,
+        &format!("snapshot inspect {VM}"),
+        CocoonResult::failed("Error: snapshot not found"),
+    );
+    let op = evidence_op(&e);
+    h.feed(Input::HibernateEvidence { op, result: found })
+}
+
 fn local_snapshot(id: &str) -> CocoonResult {
     CocoonResult::ok(format!(
         r#"{{"id":"{id}","name":"{VM}","image":"team/agent:v3","hypervisor":"cloud-hypervisor"}}"#
@@ -260,17 +277,7 @@ fn a_registry_down_during_wake_fails_closed_and_retries() {
 fn a_failed_pull_or_clone_is_reported_as_such() {
     let mut h = H::new(registry());
     let e = ask_wake(&mut h);
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("snapshot inspect {VM}"),
-        CocoonResult::failed("Error: snapshot not found"),
-    );
-    let op = evidence_op(&e);
-    let e = h.feed(Input::HibernateEvidence {
-        op,
-        result: Ok(Some(tag("S1"))),
-    });
+    let e = no_local_copy_then(&mut h, &e, Ok(Some(tag("S1"))));
     let op = pull_op(&mut h, &e);
     let e = h.feed(Input::TransferDone {
         op,
@@ -281,17 +288,7 @@ fn a_failed_pull_or_clone_is_reported_as_such() {
     assert!(events(&e).iter().any(|(r, _)| *r == "WakePullFailed"));
 
     let e = h.advance(Duration::from_secs(15));
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("snapshot inspect {VM}"),
-        CocoonResult::failed("Error: snapshot not found"),
-    );
-    let op = evidence_op(&e);
-    let e = h.feed(Input::HibernateEvidence {
-        op,
-        result: Ok(Some(tag("S1"))),
-    });
+    let e = no_local_copy_then(&mut h, &e, Ok(Some(tag("S1"))));
     let op = pull_op(&mut h, &e);
     let e = h.feed(Input::TransferDone {
         op,
@@ -315,17 +312,7 @@ fn a_failed_pull_or_clone_is_reported_as_such() {
 fn no_tag_and_no_local_copy_is_no_wake_source() {
     let mut h = H::new(registry());
     let e = ask_wake(&mut h);
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("snapshot inspect {VM}"),
-        CocoonResult::failed("Error: snapshot not found"),
-    );
-    let op = evidence_op(&e);
-    let e = h.feed(Input::HibernateEvidence {
-        op,
-        result: Ok(None),
-    });
+    let e = no_local_copy_then(&mut h, &e, Ok(None));
     assert!(events(&e).iter().any(|(r, m)| *r == "WakePullFailed"
         && m.contains("no wake source")
         && m.ends_with("booting it fresh")));
@@ -403,17 +390,7 @@ fn create_restores_a_pod_whose_tag_another_daemon_pushed() {
             && m == &format!(
                 "restoring vm {VM} from its hibernate snapshot instead of fresh-booting"
             )));
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("snapshot inspect {VM}"),
-        CocoonResult::failed("Error: snapshot not found"),
-    );
-    let op = evidence_op(&e);
-    let e = h.feed(Input::HibernateEvidence {
-        op,
-        result: Ok(Some(tag("S9"))),
-    });
+    let e = no_local_copy_then(&mut h, &e, Ok(Some(tag("S9"))));
     let op = pull_op(&mut h, &e);
     let e = h.feed(Input::TransferDone {
         op,
@@ -446,17 +423,7 @@ fn a_failed_restore_fails_the_create_and_counts_the_wake() {
         op,
         result: Ok(Some(tag("S9"))),
     });
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("snapshot inspect {VM}"),
-        CocoonResult::failed("Error: snapshot not found"),
-    );
-    let op = evidence_op(&e);
-    let e = h.feed(Input::HibernateEvidence {
-        op,
-        result: Err(TransferError::Transient("HTTP 503".into())),
-    });
+    let e = no_local_copy_then(&mut h, &e, Err(TransferError::Transient("HTTP 503".into())));
     assert!(has_metric(&e, &MetricUpdate::Wake { result: "failed" }));
     assert!(has_metric(
         &e,
@@ -505,17 +472,7 @@ fn an_explicit_restore_without_evidence_still_looks_for_a_source() {
 fn a_wake_restores_from_the_peer_that_pushed_the_tag() {
     let mut h = H::new(registry());
     let e = ask_wake(&mut h);
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("snapshot inspect {VM}"),
-        CocoonResult::failed("Error: snapshot not found"),
-    );
-    let op = evidence_op(&e);
-    let e = h.feed(Input::HibernateEvidence {
-        op,
-        result: Ok(Some(tag("S1"))),
-    });
+    let e = no_local_copy_then(&mut h, &e, Ok(Some(tag("S1"))));
     let op = peer_op(&e).expect("peer restore from node-b first");
     let e = h.feed(Input::TransferDone {
         op,
