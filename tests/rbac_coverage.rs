@@ -54,14 +54,27 @@ fn the_cluster_role_allows_every_request_of_a_pod_lifecycle() {
         w.pod("rbac").is_none().then_some(())
     });
 
-    let asked: std::collections::BTreeSet<(String, String)> = w
-        .api
-        .requests()
-        .into_iter()
-        .filter(|r| r.user == "system:node:cocoon-sandbox" && !r.resource.is_empty())
-        .map(|r| (r.resource, r.verb))
-        .collect();
-    for needed in ["nodes", "leases", "pods", "pods/status", "events"] {
+    // The fake API server logs a request after applying it, and Events go out at the lane's
+    // lowest priority: wait (bounded) until every resource shows in the log.
+    let needed = ["nodes", "leases", "pods", "pods/status", "events"];
+    let asked_now = || -> std::collections::BTreeSet<(String, String)> {
+        w.api
+            .requests()
+            .into_iter()
+            .filter(|r| r.user == "system:node:cocoon-sandbox" && !r.resource.is_empty())
+            .map(|r| (r.resource, r.verb))
+            .collect()
+    };
+    let end = std::time::Instant::now() + Duration::from_secs(10);
+    let asked = loop {
+        let asked = asked_now();
+        let all = needed.iter().all(|n| asked.iter().any(|(res, _)| res == n));
+        if all || std::time::Instant::now() > end {
+            break asked;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    for needed in needed {
         assert!(
             asked.iter().any(|(res, _)| res == needed),
             "the daemon never touched {needed}: {asked:?}"
