@@ -54,6 +54,7 @@ use super::{LeaseError, TransferError};
 mod answers;
 mod bring_up;
 mod check;
+mod confirm_hibernated;
 mod create;
 mod delete;
 mod evict;
@@ -381,6 +382,7 @@ impl Provider {
             (Some(Op::Check(c)), Step::Check(s)) => c.step = s,
             (Some(Op::Hibernate(h)), Step::Hibernate(s)) => h.step = s,
             (Some(Op::Wake(w)), Step::Wake(s)) => w.step = s,
+            (Some(Op::ConfirmHibernated(c)), Step::ConfirmHibernated(s)) => c.step = s,
             (Some(Op::PostClone(p)), Step::PostClone(s)) => p.step = s,
             // A bug, not an input. The question is still asked: whichever op its answer then
             // reaches fails through `unexpected_answer` with a retry instead of stalling.
@@ -570,6 +572,19 @@ impl Provider {
                 // looks the VM up by name, so whatever the op made or kept is removed; a late
                 // answer finds the op gone and is dropped.
                 self.end_op(key);
+            }
+            // Startup's hibernate confirmation decides nothing a delete or a wake has to wait
+            // for: the pod has no VM, a delete looks one up by name, and a wake resolves its
+            // source with the same lookups. Its lookup may be retried for as long as the
+            // registry is down.
+            Some(Op::ConfirmHibernated(_))
+                if needs
+                    || slot
+                        .latest
+                        .as_ref()
+                        .is_some_and(|l| spec::parse(l).is_ok_and(|s| !s.hibernate)) =>
+            {
+                self.end_op(key)
             }
             Some(op) if op.preemptible() => {
                 if needs {

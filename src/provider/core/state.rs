@@ -281,6 +281,27 @@ pub(super) struct WakeOp {
     pub(super) source_label: String,
 }
 
+/// A step of startup's confirmation that a pod with no VM was hibernated (`confirm_hibernated`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum ConfirmStep {
+    /// Is there a local snapshot named after the VM (and which)?
+    LocalInspect,
+    /// The registry tag `<vm>:hibernate`; `local_id` is the local snapshot's id, if any.
+    Tag { local_id: Option<String> },
+    /// A lookup failed: waiting on the slot timer to look again.
+    Wait,
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct ConfirmOp {
+    pub(super) uid: String,
+    pub(super) step: ConfirmStep,
+    /// The backoff before the next lookup after a failed one.
+    pub(super) delay: Duration,
+    /// The Warning about an unreadable registry or cocoon was emitted (once per op).
+    pub(super) warned: bool,
+}
+
 /// Why a post-clone fix-up runs: after a clone, or as part of a wake (whose failures count as
 /// wake failures and whose IP wait reports `WakeIPWaitTimeout`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -345,6 +366,8 @@ pub(super) enum Op {
     PostClone(Box<PostCloneOp>),
     Hibernate(Box<HibernateOp>),
     Wake(Box<WakeOp>),
+    /// Startup: is a pod that asks for hibernate, has no VM and records one hibernated?
+    ConfirmHibernated(ConfirmOp),
     Delete(DeleteOp),
     Evict(EvictOp),
     Check(CheckOp),
@@ -528,7 +551,14 @@ pub(super) enum Step {
     Check(CheckStep),
     Hibernate(HibernateStep),
     Wake(WakeStep),
+    ConfirmHibernated(ConfirmStep),
     PostClone(PostCloneStep),
+}
+
+impl From<ConfirmStep> for Step {
+    fn from(s: ConfirmStep) -> Step {
+        Step::ConfirmHibernated(s)
+    }
 }
 
 impl From<PostCloneStep> for Step {
