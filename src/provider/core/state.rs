@@ -265,6 +265,15 @@ pub(super) enum WakeStep {
     Clone {
         source: String,
     },
+    /// The clone failed: look for a record it may have left under the VM name.
+    CloneFailedInspect {
+        source: String,
+        error: String,
+    },
+    /// Removing that leftover before the failure is reported (and retried).
+    CloneFailedRm {
+        error: String,
+    },
 }
 
 #[derive(Debug, Clone)]

@@ -302,10 +302,90 @@ fn a_failed_pull_or_clone_is_reported_as_such() {
     );
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(op, CocoonResult::failed("Error: clone: restore failed"));
-    assert!(events(&e).iter().any(|(r, _)| *r == "WakeCloneFailed"));
     assert!(cocoon_ops(&e)
         .iter()
         .any(|(_, c)| argv(c) == format!("snapshot rm {IMPORT}")));
+    let e = answer_leftover_lookup(&mut h, &e, CocoonResult::failed("Error: vm not found"));
+    assert!(events(&e).iter().any(|(r, _)| *r == "WakeCloneFailed"));
+}
+
+/// After a failed clone the wake looks for a record it left under the VM name (the import's
+/// removal runs beside it): answers that `vm inspect` with `r`.
+fn answer_leftover_lookup(h: &mut H, e: &[Effect], r: CocoonResult) -> Vec<Effect> {
+    let inspect = cocoon_ops(e)
+        .into_iter()
+        .filter(|(_, c)| !argv(c).starts_with("snapshot rm"))
+        .collect::<Vec<_>>();
+    assert_eq!(inspect.len(), 1, "{e:?}");
+    assert_eq!(argv(&inspect[0].1), format!("vm inspect {VM}"));
+    h.cocoon(inspect[0].0, r)
+}
+
+/// A wake of `a` from its verified local copy up to the clone's answer `r`.
+fn wake_clone_answered(h: &mut H, r: CocoonResult) -> Vec<Effect> {
+    let e = ask_wake(h);
+    let e = answer(
+        h,
+        &e,
+        &format!("snapshot inspect {VM}"),
+        local_snapshot("S1"),
+    );
+    let op = evidence_op(&e);
+    let e = h.feed(Input::HibernateEvidence {
+        op,
+        result: Ok(Some(tag("S1"))),
+    });
+    let (op, cmd) = one_cocoon(&e);
+    assert!(argv(&cmd).starts_with("vm clone"));
+    h.cocoon(op, r)
+}
+
+#[test]
+fn a_failed_wake_clone_removes_the_record_it_left_before_the_retry() {
+    let mut h = H::new(registry());
+    let killed = CocoonResult {
+        timed_out: true,
+        ..CocoonResult::failed("")
+    };
+    let e = wake_clone_answered(&mut h, killed);
+    assert!(
+        !events(&e).iter().any(|(r, _)| *r == "WakeCloneFailed"),
+        "not reported before the lookup"
+    );
+    let e = answer_leftover_lookup(
+        &mut h,
+        &e,
+        CocoonResult::ok(vm_json("VM2", VM, "created", "02:00:00:00:00:02")),
+    );
+    let e = answer(&mut h, &e, "vm rm --force VM2", CocoonResult::ok(""));
+    assert!(events(&e).iter().any(|(r, _)| *r == "WakeCloneFailed"));
+    assert!(has_metric(&e, &MetricUpdate::Wake { result: "failed" }));
+    assert!(h.p.pod_vm(&key()).is_none());
+    // The op retry clones again into the freed name.
+    let e = h.advance(Duration::from_secs(15));
+    let (_, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), format!("snapshot inspect {VM}"));
+}
+
+#[test]
+fn a_wake_clone_that_finished_past_its_deadline_is_taken() {
+    let mut h = H::new(registry());
+    let killed = CocoonResult {
+        timed_out: true,
+        ..CocoonResult::failed("")
+    };
+    let e = wake_clone_answered(&mut h, killed);
+    let e = answer_leftover_lookup(
+        &mut h,
+        &e,
+        CocoonResult::ok(vm_json("VM2", VM, "running", "02:00:00:00:00:02")),
+    );
+    assert!(events(&e)
+        .iter()
+        .any(|(r, m)| *r == "Woken" && m == &format!("cloned from local snapshot {VM}")));
+    assert!(!events(&e).iter().any(|(r, _)| *r == "WakeCloneFailed"));
+    assert!(cocoon_ops(&e).is_empty(), "nothing removed: {e:?}");
+    assert_eq!(h.p.pod_vm(&key()).unwrap().id, "VM2");
 }
 
 #[test]
