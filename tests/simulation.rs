@@ -351,7 +351,7 @@ impl Sim {
         };
         let h = self.hib.as_mut()?;
         let r = match cmd {
-            CocoonCmd::SnapshotSave { name, vm_id } => {
+            CocoonCmd::SnapshotSave { name, vm_id, .. } => {
                 if !vm_running {
                     CocoonResult::failed(format!("Error: save: vm {vm_id} is not running"))
                 } else if h.snapshots.contains_key(name) {
@@ -897,7 +897,7 @@ impl Sim {
                 }
                 CocoonResult::ok("")
             }
-            CocoonCmd::SnapshotSave { name, vm_id } if name.starts_with("fork-") => {
+            CocoonCmd::SnapshotSave { name, vm_id, .. } if name.starts_with("fork-") => {
                 match self.vms.get(vm_id) {
                     Some(v) if v.state == "running" => {}
                     Some(_) => {

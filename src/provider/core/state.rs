@@ -94,6 +94,11 @@ pub(super) struct ForkFlight {
     pub(super) invalidated: bool,
     /// The pods waiting for it (each in `CreateStep::ForkWait` of this source when it lands).
     pub(super) waiting: Vec<PodKey>,
+    /// The namespace of the pods forking (only pods of the source's namespace may): the label
+    /// of the save's duration.
+    pub(super) namespace: String,
+    /// When the `snapshot save` started (its duration histogram).
+    pub(super) save_started: Instant,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
