@@ -2,12 +2,13 @@
 //! gone is hibernated only with its snapshot as evidence, else evicted as a lost VM; a lookup
 //! that fails decides nothing and is retried.
 
-use super::hibernate::{key, registry};
+use super::hibernate::{key, lifecycle_written, registry};
+use super::wake::{evidence_op, tag};
 use super::*;
 
 const VM: &str = "vk-ns-demo-0";
 
-/// The pod `a` asking for hibernate with these extra annotations.
+/// The pod `a` asking for hibernate with these extra annotations (Running: it had a VM).
 fn hibernate_pod(extra: &[(&'static str, &str)]) -> Pod {
     let mut ann = managed("a", VM);
     ann.push((ANN_HIBERNATE, "true".into()));
@@ -21,17 +22,7 @@ fn hibernate_pod(extra: &[(&'static str, &str)]) -> Pod {
 
 /// A daemon starting with `p` listed and no VM at all.
 fn restart(cfg: ProviderConfig, p: Pod) -> (H, Vec<Effect>) {
-    let mut h = H {
-        p: Provider::new(cfg),
-        now: Instant::now(),
-        wall: SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000),
-        quiet_reclaimer: true,
-    };
-    let e = h.feed(Input::StartupListed {
-        pods: vec![p],
-        vms: vec![],
-    });
-    (h, e)
+    H::starting(cfg, vec![p], vec![])
 }
 
 /// A pod whose hibernate was under way (push failed, rolled back, VM id written back) when its
@@ -52,36 +43,31 @@ fn snapshot(id: &str) -> CocoonResult {
     CocoonResult::ok(format!(r#"{{"id":"{id}","name":"{VM}"}}"#))
 }
 
-fn tag(id: &str) -> HibernateTag {
-    HibernateTag {
-        base_image: "team/agent:v3".into(),
-        snapshot_id: id.into(),
-        from_node: "node-a".into(),
-    }
+fn no_snapshot() -> CocoonResult {
+    CocoonResult::failed("Error: snapshot not found")
 }
 
-fn evidence_op(e: &[Effect]) -> OpId {
-    e.iter()
-        .find_map(|x| match x {
-            Effect::CheckHibernateEvidence { op, vm_name } if vm_name == VM => Some(*op),
-            _ => None,
-        })
-        .expect("hibernate tag lookup")
+fn registry_down() -> Result<Option<HibernateTag>, TransferError> {
+    Err(TransferError::Transient(
+        "registry: connection refused".into(),
+    ))
 }
 
-fn evidence(
+/// Answers the confirmation's `snapshot inspect <vm>` with `local`; returns the effects.
+fn local(h: &mut H, e: &[Effect], local: CocoonResult) -> Vec<Effect> {
+    answer(h, e, &format!("snapshot inspect {VM}"), local)
+}
+
+/// `local`, then the tag lookup answered with `found`; returns the effects after the lookup.
+fn local_then(
     h: &mut H,
     e: &[Effect],
-    r: Result<Option<HibernateTag>, TransferError>,
+    snap: CocoonResult,
+    found: Result<Option<HibernateTag>, TransferError>,
 ) -> Vec<Effect> {
-    let op = evidence_op(e);
-    h.feed(Input::HibernateEvidence { op, result: r })
-}
-
-fn lifecycle_written(e: &[Effect], state: &str) -> bool {
-    annotation_patches(e)
-        .iter()
-        .any(|(_, a)| a.get(ANN_LIFECYCLE_STATE) == Some(&Some(state.into())))
+    let e = local(h, e, snap);
+    let op = evidence_op(&e);
+    h.feed(Input::HibernateEvidence { op, result: found })
 }
 
 /// The lost-VM verdict: Warning, metric, status Failed `VMGone`, then the pod's delete.
@@ -108,6 +94,21 @@ fn assert_evicted_as_lost(h: &mut H, e: &[Effect], why: &str) {
     assert_eq!(deletes(&e).len(), 1, "the lost pod is deleted: {e:?}");
 }
 
+/// Hibernated: the record says so and nothing is evicted.
+fn assert_hibernated(e: &[Effect]) {
+    assert!(lifecycle_written(e, "hibernated"), "{e:?}");
+    assert!(deletes(e).is_empty());
+    assert!(statuses(e)
+        .iter()
+        .all(|(_, s)| s.phase.as_deref() == Some("Pending")));
+}
+
+/// Nothing was decided: no write of any kind.
+fn assert_undecided(e: &[Effect]) {
+    assert!(annotation_patches(e).is_empty(), "{e:?}");
+    assert!(statuses(e).is_empty() && deletes(e).is_empty(), "{e:?}");
+}
+
 #[test]
 fn a_restart_after_the_removal_finishes_as_hibernated() {
     // The hibernate removed the VM; the restart came before the id-clearing write landed.
@@ -115,31 +116,18 @@ fn a_restart_after_the_removal_finishes_as_hibernated() {
         registry(),
         hibernate_pod(&[(ANN_VM_ID, "VM1"), (ANN_LIFECYCLE_STATE, "hibernating")]),
     );
-    assert!(
-        annotation_patches(&e).is_empty(),
-        "nothing is written before the evidence: {e:?}"
-    );
+    assert_undecided(&e);
     assert!(has_metric(
         &e,
         &MetricUpdate::StartupResume {
             op: "confirm_hibernated"
         }
     ));
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("snapshot inspect {VM}"),
-        snapshot("S1"),
-    );
-    let e = evidence(&mut h, &e, Ok(Some(tag("S1"))));
-    assert!(lifecycle_written(&e, "hibernated"), "{e:?}");
+    let e = local_then(&mut h, &e, snapshot("S1"), Ok(Some(tag("S1"))));
+    assert_hibernated(&e);
     assert!(annotation_patches(&e)
         .iter()
         .any(|(_, a)| a.get(ANN_VM_ID) == Some(&None)));
-    assert!(deletes(&e).is_empty());
-    assert!(statuses(&e)
-        .iter()
-        .all(|(_, s)| s.phase.as_deref() == Some("Pending")));
     assert!(h.p.get_pod(&key()).is_some(), "tracked without a VM");
     assert!(h.p.pod_vm(&key()).is_none());
 }
@@ -148,28 +136,15 @@ fn a_restart_after_the_removal_finishes_as_hibernated() {
 fn a_tag_without_a_local_copy_is_evidence_too() {
     // The local copy may be gone (a stale-copy removal of an earlier wake): the tag stands.
     let (mut h, e) = restart(registry(), failed_push_pod());
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("snapshot inspect {VM}"),
-        CocoonResult::failed("Error: snapshot not found"),
-    );
-    let e = evidence(&mut h, &e, Ok(Some(tag("S1"))));
-    assert!(lifecycle_written(&e, "hibernated"), "{e:?}");
-    assert!(deletes(&e).is_empty() && statuses(&e).iter().all(|(_, s)| s.reason.is_none()));
+    let e = local_then(&mut h, &e, no_snapshot(), Ok(Some(tag("S1"))));
+    assert_hibernated(&e);
 }
 
 #[test]
 fn a_vm_removed_mid_hibernate_is_evicted_not_taken_for_hibernated() {
     // The push failed, the VM was removed from outside, then the restart: no tag exists.
     let (mut h, e) = restart(registry(), failed_push_pod());
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("snapshot inspect {VM}"),
-        snapshot("S2"),
-    );
-    let e = evidence(&mut h, &e, Ok(None));
+    let e = local_then(&mut h, &e, snapshot("S2"), Ok(None));
     assert_evicted_as_lost(&mut h, &e, "no vk-ns-demo-0:hibernate in the registry");
 }
 
@@ -178,32 +153,15 @@ fn an_earlier_hibernations_tag_is_not_evidence_for_a_newer_save() {
     // The tag is from the hibernation before (it stays after a wake); this hibernate's save
     // (S2) never got pushed. Waking from S1 would bring an older VM back as this one.
     let (mut h, e) = restart(registry(), failed_push_pod());
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("snapshot inspect {VM}"),
-        snapshot("S2"),
-    );
-    let e = evidence(&mut h, &e, Ok(Some(tag("S1"))));
+    let e = local_then(&mut h, &e, snapshot("S2"), Ok(Some(tag("S1"))));
     assert_evicted_as_lost(&mut h, &e, "that save was never pushed");
 }
 
 #[test]
 fn an_unreadable_registry_keeps_the_pod_as_it_is_and_looks_again() {
     let (mut h, e) = restart(registry(), failed_push_pod());
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("snapshot inspect {VM}"),
-        snapshot("S1"),
-    );
-    let down = || {
-        Err(TransferError::Transient(
-            "registry: connection refused".into(),
-        ))
-    };
-    let e = evidence(&mut h, &e, down());
-    assert!(annotation_patches(&e).is_empty() && statuses(&e).is_empty() && deletes(&e).is_empty());
+    let e = local_then(&mut h, &e, snapshot("S1"), registry_down());
+    assert_undecided(&e);
     assert!(events(&e)
         .iter()
         .any(|(r, m)| *r == "HibernateEvidenceUnavailable" && m.contains("connection refused")));
@@ -216,57 +174,34 @@ fn an_unreadable_registry_keeps_the_pod_as_it_is_and_looks_again() {
     // Nothing before the backoff; the lookup starts over after it (1 s, then 2 s).
     assert!(cocoon_ops(&h.advance(Duration::from_millis(900))).is_empty());
     let e = h.advance(Duration::from_millis(100));
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("snapshot inspect {VM}"),
-        snapshot("S1"),
-    );
-    let e = evidence(&mut h, &e, down());
+    let e = local_then(&mut h, &e, snapshot("S1"), registry_down());
     assert!(events(&e).is_empty(), "the Warning is said once: {e:?}");
     assert!(cocoon_ops(&h.advance(Duration::from_millis(1900))).is_empty());
     let e = h.advance(Duration::from_millis(100));
     // A cocoon that cannot answer decides nothing either.
-    let e = answer(
+    let e = local(
         &mut h,
         &e,
-        &format!("snapshot inspect {VM}"),
         CocoonResult::failed("Error: database is locked"),
     );
-    assert!(annotation_patches(&e).is_empty() && statuses(&e).is_empty());
+    assert_undecided(&e);
     let e = h.advance(Duration::from_secs(4));
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("snapshot inspect {VM}"),
-        snapshot("S1"),
-    );
-    let e = evidence(&mut h, &e, Ok(Some(tag("S1"))));
-    assert!(lifecycle_written(&e, "hibernated"), "{e:?}");
+    let e = local_then(&mut h, &e, snapshot("S1"), Ok(Some(tag("S1"))));
+    assert_hibernated(&e);
 }
 
 #[test]
 fn without_a_registry_the_local_snapshot_decides() {
     let cfg = ProviderConfig::default();
     let (mut h, e) = restart(cfg.clone(), failed_push_pod());
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("snapshot inspect {VM}"),
-        snapshot("S1"),
-    );
-    assert!(lifecycle_written(&e, "hibernated"), "{e:?}");
+    let e = local(&mut h, &e, snapshot("S1"));
+    assert_hibernated(&e);
     assert!(!e
         .iter()
         .any(|x| matches!(x, Effect::CheckHibernateEvidence { .. })));
 
     let (mut h, e) = restart(cfg, failed_push_pod());
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("snapshot inspect {VM}"),
-        CocoonResult::failed("Error: snapshot not found"),
-    );
+    let e = local(&mut h, &e, no_snapshot());
     assert_evicted_as_lost(&mut h, &e, "no local snapshot");
 }
 
@@ -281,20 +216,21 @@ fn a_pod_recording_no_vm_is_hibernated_without_a_lookup() {
     assert!(!e
         .iter()
         .any(|x| matches!(x, Effect::CheckHibernateEvidence { .. })));
-    assert!(statuses(&e)
-        .iter()
-        .all(|(_, s)| s.phase.as_deref() == Some("Pending")));
+    // Already recorded `hibernated`: only its Pending status is shown.
+    assert!(deletes(&e).is_empty() && annotation_patches(&e).is_empty());
+    let shown = statuses(&e);
+    assert!(
+        !shown.is_empty()
+            && shown
+                .iter()
+                .all(|(_, s)| s.phase.as_deref() == Some("Pending"))
+    );
 }
 
 #[test]
 fn a_wake_asked_during_the_lookup_resolves_its_own_source() {
     let (mut h, e) = restart(registry(), failed_push_pod());
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("snapshot inspect {VM}"),
-        snapshot("S1"),
-    );
+    let e = local(&mut h, &e, snapshot("S1"));
     let lookup = evidence_op(&e);
     // The operator un-hibernates while the registry is being asked: the wake takes over.
     let mut p = failed_push_pod();
@@ -319,14 +255,7 @@ fn a_wake_asked_during_the_lookup_resolves_its_own_source() {
 #[test]
 fn a_delete_during_a_retried_lookup_does_not_wait_for_the_registry() {
     let (mut h, e) = restart(registry(), failed_push_pod());
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("snapshot inspect {VM}"),
-        snapshot("S1"),
-    );
-    let down = Err(TransferError::Transient("registry down".into()));
-    evidence(&mut h, &e, down);
+    local_then(&mut h, &e, snapshot("S1"), registry_down());
     let mut p = failed_push_pod();
     p.metadata.deletion_timestamp = Some(Time(
         k8s_openapi::chrono::DateTime::from_timestamp(1_700_000_000, 0).unwrap(),

@@ -62,7 +62,7 @@ fn ids_cleared_op(e: &[Effect]) -> OpId {
         .expect("id / ip cleared")
 }
 
-fn lifecycle_written(e: &[Effect], state: &str) -> bool {
+pub(super) fn lifecycle_written(e: &[Effect], state: &str) -> bool {
     annotation_patches(e)
         .iter()
         .any(|(_, a)| a.get(ANN_LIFECYCLE_STATE) == Some(&Some(state.into())))

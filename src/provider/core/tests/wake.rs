@@ -7,7 +7,7 @@ use super::*;
 const VM: &str = "vk-ns-demo-0";
 const IMPORT: &str = "vk-ns-demo-0-hibernate-import";
 
-fn tag(id: &str) -> HibernateTag {
+pub(super) fn tag(id: &str) -> HibernateTag {
     HibernateTag {
         base_image: "team/agent:v3".into(),
         snapshot_id: id.into(),
@@ -15,7 +15,7 @@ fn tag(id: &str) -> HibernateTag {
     }
 }
 
-fn evidence_op(e: &[Effect]) -> OpId {
+pub(super) fn evidence_op(e: &[Effect]) -> OpId {
     e.iter()
         .find_map(|x| match x {
             Effect::CheckHibernateEvidence { op, vm_name } if vm_name == VM => Some(*op),
@@ -130,18 +130,7 @@ fn clone_answers(h: &mut H, e: &[Effect], source: &str) -> Vec<Effect> {
 #[test]
 fn wake_clones_from_the_verified_local_snapshot_under_the_same_name() {
     let mut h = H::new(registry());
-    let e = ask_wake(&mut h);
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("snapshot inspect {VM}"),
-        local_snapshot("S1"),
-    );
-    let op = evidence_op(&e);
-    let e = h.feed(Input::HibernateEvidence {
-        op,
-        result: Ok(Some(tag("S1"))),
-    });
+    let e = wake_to_verified_clone(&mut h);
     assert!(has_metric(
         &e,
         &MetricUpdate::SnapshotVerify { result: "ok" }
@@ -321,8 +310,8 @@ fn answer_leftover_lookup(h: &mut H, e: &[Effect], r: CocoonResult) -> Vec<Effec
     h.cocoon(inspect[0].0, r)
 }
 
-/// A wake of `a` from its verified local copy up to the clone's answer `r`.
-fn wake_clone_answered(h: &mut H, r: CocoonResult) -> Vec<Effect> {
+/// A wake of `a` whose local copy the tag verifies: returns the effects up to its clone.
+fn wake_to_verified_clone(h: &mut H) -> Vec<Effect> {
     let e = ask_wake(h);
     let e = answer(
         h,
@@ -331,32 +320,35 @@ fn wake_clone_answered(h: &mut H, r: CocoonResult) -> Vec<Effect> {
         local_snapshot("S1"),
     );
     let op = evidence_op(&e);
-    let e = h.feed(Input::HibernateEvidence {
+    h.feed(Input::HibernateEvidence {
         op,
         result: Ok(Some(tag("S1"))),
-    });
+    })
+}
+
+/// A wake of `a` whose clone is killed at its deadline; the lookup that follows finds a
+/// record of the VM in `state`. Returns the effects after that lookup.
+fn wake_clone_killed_leaving(h: &mut H, state: &str) -> Vec<Effect> {
+    let e = wake_to_verified_clone(h);
     let (op, cmd) = one_cocoon(&e);
     assert!(argv(&cmd).starts_with("vm clone"));
-    h.cocoon(op, r)
+    let killed = CocoonResult {
+        timed_out: true,
+        ..CocoonResult::failed("")
+    };
+    let e = h.cocoon(op, killed);
+    assert!(
+        !events(&e).iter().any(|(r, _)| *r == "WakeCloneFailed"),
+        "not reported before the lookup"
+    );
+    let leftover = vm_json("VM2", VM, state, "02:00:00:00:00:02");
+    answer_leftover_lookup(h, &e, CocoonResult::ok(leftover))
 }
 
 #[test]
 fn a_failed_wake_clone_removes_the_record_it_left_before_the_retry() {
     let mut h = H::new(registry());
-    let killed = CocoonResult {
-        timed_out: true,
-        ..CocoonResult::failed("")
-    };
-    let e = wake_clone_answered(&mut h, killed);
-    assert!(
-        !events(&e).iter().any(|(r, _)| *r == "WakeCloneFailed"),
-        "not reported before the lookup"
-    );
-    let e = answer_leftover_lookup(
-        &mut h,
-        &e,
-        CocoonResult::ok(vm_json("VM2", VM, "created", "02:00:00:00:00:02")),
-    );
+    let e = wake_clone_killed_leaving(&mut h, "created");
     let e = answer(&mut h, &e, "vm rm --force VM2", CocoonResult::ok(""));
     assert!(events(&e).iter().any(|(r, _)| *r == "WakeCloneFailed"));
     assert!(has_metric(&e, &MetricUpdate::Wake { result: "failed" }));
@@ -370,16 +362,7 @@ fn a_failed_wake_clone_removes_the_record_it_left_before_the_retry() {
 #[test]
 fn a_wake_clone_that_finished_past_its_deadline_is_taken() {
     let mut h = H::new(registry());
-    let killed = CocoonResult {
-        timed_out: true,
-        ..CocoonResult::failed("")
-    };
-    let e = wake_clone_answered(&mut h, killed);
-    let e = answer_leftover_lookup(
-        &mut h,
-        &e,
-        CocoonResult::ok(vm_json("VM2", VM, "running", "02:00:00:00:00:02")),
-    );
+    let e = wake_clone_killed_leaving(&mut h, "running");
     assert!(events(&e)
         .iter()
         .any(|(r, m)| *r == "Woken" && m == &format!("cloned from local snapshot {VM}")));
