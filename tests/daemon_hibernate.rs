@@ -305,6 +305,67 @@ fn a_windows_guest_drops_its_nic_to_hibernate_and_gets_one_back_on_wake() {
     );
 }
 
+/// A VM removed from outside after its hibernate's push failed (the hibernate rolled back:
+/// id written back, lifecycle `failed`), then a restart. No hibernate tag exists, so the pod is
+/// not taken for hibernated (its wake would boot a fresh VM): it is evicted as a lost VM.
+#[test]
+fn a_vm_lost_after_a_failed_push_is_evicted_after_a_restart_not_taken_for_hibernated() {
+    let mut w = World::dhcp();
+    let (name, vm) = ("p4", "vk-default-p4");
+    let id = start_pod(&mut w, name);
+    w.set_fault(
+        "snapshot export",
+        VerbFault {
+            truncate_after: 4096,
+            ..Default::default()
+        },
+    );
+    set_hibernate(&w, name, true);
+    wait_for(&w, name, "HibernatePushFailed", || {
+        w.events_for(name)
+            .iter()
+            .any(|(r, _)| r == "HibernatePushFailed")
+            .then_some(())
+    });
+    wait_for(&w, name, "the id written back", || {
+        let p = w.pod(name)?;
+        (annotation(&p, "vm.cocoonstack.io/id").as_deref() == Some(id.as_str())).then_some(())
+    });
+    w.kill_daemon();
+    fs::remove_file(w.path("state/faults.json")).unwrap();
+    let (ok, out) = w.cocoon(&["fake", "vanish", &id]);
+    assert!(ok, "{out}");
+    assert!(tag_snapshot_id(&w, vm).is_none(), "the push never landed");
+
+    w.start_daemon();
+    wait_for(&w, name, "the pod evicted", || {
+        let evicted = match w.pod(name) {
+            None => true,
+            Some(p) => {
+                let st = p.status.unwrap_or_default();
+                st.phase.as_deref() == Some("Failed") && st.reason.as_deref() == Some("VMGone")
+            }
+        };
+        evicted.then_some(())
+    });
+    let events = w.events_for(name);
+    assert!(
+        events.iter().any(|(r, m)| r == "HibernateVMLost"
+            && m.contains(&format!("no {vm}:hibernate in the registry"))),
+        "{events:?}"
+    );
+    assert!(!w.vms().contains_key(vm), "no VM booted in its place");
+    let m = w.metrics();
+    assert_eq!(
+        metric_value(
+            &m,
+            "vk_cocoon_pod_lifecycle_total{op=\"startup\",reason=\"hibernate_vm_lost\",result=\"failed\"}"
+        ),
+        Some(1.0),
+        "{m}"
+    );
+}
+
 /// Whether a `<bin> <group> <verb> ...` cocoon process is alive (the daemon is in that step).
 fn cocoon_running(w: &World, group: &str, verb: &str) -> bool {
     let bin = w.path("bin/cocoon");
