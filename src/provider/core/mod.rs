@@ -18,7 +18,8 @@
 //! for a new step, the step enum in `state`.
 //!
 //! UpdatePod lives in `update` (the decision table and the op retry), hibernating a VM in
-//! `hibernate`, waking one (and CreatePod's restore) in `wake`. Clones that need a post-clone
+//! `hibernate`, waking one (and CreatePod's restore) in `wake`; `confirm_hibernated` is the
+//! owed lookup after a restart that tells a finished hibernate from a VM lost mid-hibernate. Clones that need a post-clone
 //! network fix-up (Windows, Firecracker, Cloud Hypervisor with a static NIC) get it from
 //! `post_clone` before the IP wait.
 //!
