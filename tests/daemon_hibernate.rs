@@ -332,7 +332,7 @@ fn a_vm_lost_after_a_failed_push_is_evicted_after_a_restart_not_taken_for_hibern
         (annotation(&p, "vm.cocoonstack.io/id").as_deref() == Some(id.as_str())).then_some(())
     });
     w.kill_daemon();
-    fs::remove_file(w.path("state/faults.json")).unwrap();
+    w.clear_faults();
     let (ok, out) = w.cocoon(&["fake", "vanish", &id]);
     assert!(ok, "{out}");
     assert!(tag_snapshot_id(&w, vm).is_none(), "the push never landed");
@@ -387,17 +387,19 @@ fn cocoon_running(w: &World, group: &str, verb: &str) -> bool {
 /// Ask for `hibernate=on` with the cocoon verb `group verb` slowed down, SIGKILL the daemon
 /// while that verb runs, then restart it without the fault.
 fn crash_during(w: &mut World, name: &str, on: bool, group: &str, verb: &str) {
-    fs::write(
-        w.path("state/faults.json"),
-        format!("{{\"{group} {verb}\": {{\"slow_ms\": 3000}}}}"),
-    )
-    .unwrap();
+    w.set_fault(
+        &format!("{group} {verb}"),
+        VerbFault {
+            slow_ms: 3000,
+            ..Default::default()
+        },
+    );
     set_hibernate(w, name, on);
     wait_for(w, name, &format!("{group} {verb} running"), || {
         cocoon_running(w, group, verb).then_some(())
     });
     w.kill_daemon();
-    fs::remove_file(w.path("state/faults.json")).unwrap();
+    w.clear_faults();
     // Whatever the killed daemon's child was doing finishes or dies before the restart.
     w.wait("the step's process gone", LIMIT, || {
         (!cocoon_running(w, group, verb)).then_some(())

@@ -30,6 +30,19 @@ fn ready_pod(w: &World, name: &str, limit: Duration) -> Pod {
     })
 }
 
+/// Starts the daemon and a Windows pod `name` cloned from a snapshot `win`; waits for Ready.
+fn ready_windows_pod(w: &mut World, name: &str) -> Pod {
+    w.seed_snapshot("win");
+    w.start_daemon();
+    let p = with_annotation(
+        demo_pod("default", name, "clone", "win"),
+        "cocoonset.cocoonstack.io/os",
+        "windows",
+    );
+    w.api.create_pod(&p).expect("create pod");
+    ready_pod(w, name, Duration::from_secs(40))
+}
+
 #[test]
 fn a_static_clone_is_fixed_through_vm_exec_with_retries_before_it_turns_ready() {
     let mut w = World::new();
@@ -127,15 +140,7 @@ fn a_firecracker_clone_is_cloned_and_gets_its_macs_reapplied() {
 #[test]
 fn a_dhcp_windows_pod_runs_and_gets_its_nics_reset() {
     let mut w = World::dhcp();
-    w.seed_snapshot("win");
-    w.start_daemon();
-    let p = with_annotation(
-        demo_pod("default", "win", "clone", "win"),
-        "cocoonset.cocoonstack.io/os",
-        "windows",
-    );
-    w.api.create_pod(&p).expect("create pod");
-    let pod = ready_pod(&w, "win", Duration::from_secs(40));
+    let pod = ready_windows_pod(&mut w, "win");
     let ip = pod.status.as_ref().and_then(|s| s.pod_ip.clone());
     assert!(ip.is_some_and(|ip| ip.starts_with("127.88.")));
     let runs = execs(&w);
@@ -213,15 +218,7 @@ fn sac_listing(w: &World, id: &str) -> String {
 #[test]
 fn a_static_windows_clone_gets_its_address_over_the_sac_console() {
     let mut w = World::new();
-    w.seed_snapshot("win");
-    w.start_daemon();
-    let p = with_annotation(
-        demo_pod("default", "winst", "clone", "win"),
-        "cocoonset.cocoonstack.io/os",
-        "windows",
-    );
-    w.api.create_pod(&p).expect("create pod");
-    let pod = ready_pod(&w, "winst", Duration::from_secs(40));
+    let pod = ready_windows_pod(&mut w, "winst");
     let id = annotation(&pod, "vm.cocoonstack.io/id").expect("id annotation");
     let vm = inspect(&w, &id);
     let ip = vm["network_configs"][0]["network"]["ip"]

@@ -103,6 +103,11 @@ impl World {
         fake_cocoon::write_faults(&self.path("state"), &faults).expect("faults");
     }
 
+    /// Makes the fake cocoon behave again.
+    pub fn clear_faults(&self) {
+        fake_cocoon::write_faults(&self.path("state"), &FaultFile::new()).expect("faults");
+    }
+
     pub fn path(&self, p: &str) -> PathBuf {
         self.dir.path().join(p)
     }
