@@ -84,6 +84,15 @@ fn forks_of_a_running_vm_share_one_save_and_see_its_files() {
         "one save for both forks\n{}",
         tail(&w.log(), 40)
     );
+    // The fork save is timed, labelled with the forks' namespace.
+    assert_eq!(
+        metric_value(
+            &m,
+            "vk_cocoon_snapshot_save_duration_seconds_count{namespace=\"default\"}"
+        ),
+        Some(1.0),
+        "{m}"
+    );
     // The source keeps running, untouched.
     assert_eq!(w.vms()[SOURCE_VM], (main_id, "running".to_string()));
 }
