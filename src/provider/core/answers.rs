@@ -50,8 +50,7 @@ impl Provider {
             }
             Op::ConfirmHibernated(c) => {
                 warn(self, &c.uid);
-                let failure = format!("{} answer at {:?}", res.kind(), c.step);
-                self.confirm_hibernated_retry(key, &failure)
+                self.confirm_hibernated_retry(key, &msg)
             }
             Op::PostClone(p) => {
                 warn(self, &p.uid);

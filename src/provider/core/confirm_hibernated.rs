@@ -23,13 +23,15 @@ pub(super) const REASON_VM_LOST: &str = "hibernate_vm_lost";
 /// Whether a pod asking for hibernate with no VM at startup records a VM that ran under it:
 /// the VM id annotation, or a hibernate that began (`hibernating`, or its failure). A pod
 /// recording none (never booted, or settled `hibernated` with its ids cleared) has nothing
-/// that could have been lost, and is hibernated without a lookup.
+/// that could have been lost, and is hibernated without a lookup. macOS guests never
+/// hibernate (their VMs are not cocoon's either): never looked up.
 pub(super) fn records_a_vm(spec: &VmSpec, intent: Option<&Intent>) -> bool {
-    !spec.vm_id.is_empty()
-        || intent.is_some_and(|i| {
-            i.state == State::Hibernating
-                || (i.state == State::Failed && i.message.starts_with("hibernate: "))
-        })
+    spec.os != Os::Macos
+        && (!spec.vm_id.is_empty()
+            || intent.is_some_and(|i| {
+                i.state == State::Hibernating
+                    || (i.state == State::Failed && i.message.starts_with("hibernate: "))
+            }))
 }
 
 impl Provider {

@@ -19,9 +19,9 @@
 //!
 //! UpdatePod lives in `update` (the decision table and the op retry), hibernating a VM in
 //! `hibernate`, waking one (and CreatePod's restore) in `wake`; `confirm_hibernated` is the
-//! owed lookup after a restart that tells a finished hibernate from a VM lost mid-hibernate. Clones that need a post-clone
-//! network fix-up (Windows, Firecracker, Cloud Hypervisor with a static NIC) get it from
-//! `post_clone` before the IP wait.
+//! owed lookup after a restart that tells a finished hibernate from a VM lost mid-hibernate.
+//! Clones that need a post-clone network fix-up (Windows, Firecracker, Cloud Hypervisor with a
+//! static NIC) get it from `post_clone` before the IP wait.
 //!
 //! Decisions for features not built yet: managed macOS guests fail the create clearly
 //! (Warning event, ProviderFailed status, counter) without touching cocoon.

@@ -480,7 +480,7 @@ impl Provider {
     /// update. One whose record says a VM ran under it (`records_a_vm`) may be hibernated (the
     /// removal finished before a restart) or may have lost its VM mid-hibernate: its record
     /// stays untouched and its owed work looks the snapshot up (`confirm_hibernated`). One
-    /// recording no VM has nothing to lose: a stale ip is cleared and it is hibernated.
+    /// recording no VM has nothing to lose: stale ids are cleared and it is hibernated.
     fn track_hibernated(&mut self, key: &PodKey, pod: &Arc<Pod>, spec: VmSpec) {
         let uid = pod_uid(pod);
         let ann = pod.metadata.annotations.clone().unwrap_or_default();
@@ -488,7 +488,7 @@ impl Provider {
         let spec = if confirm_hibernated::records_a_vm(&spec, intent.as_ref()) {
             spec
         } else {
-            if !spec.vm_ip.is_empty() {
+            if !spec.vm_id.is_empty() || !spec.vm_ip.is_empty() {
                 let mut a = BTreeMap::new();
                 for k in [ANN_VM_ID, ANN_VM_IP, spec::ANN_POST_CLONE_STATE] {
                     a.insert(k.to_string(), None);
@@ -496,6 +496,7 @@ impl Provider {
                 self.send_annotations(key, &uid, a, false);
             }
             VmSpec {
+                vm_id: String::new(),
                 vm_ip: String::new(),
                 ..spec
             }

@@ -265,3 +265,18 @@ fn a_delete_during_a_retried_lookup_does_not_wait_for_the_registry() {
     let (_, cmd) = one_cocoon(&e);
     assert!(argv(&cmd).starts_with("vm inspect"), "{}", argv(&cmd));
 }
+
+#[test]
+fn a_macos_guest_is_never_looked_up() {
+    // macOS guests cannot hibernate (nor are their VMs cocoon's): their record is not a lost VM.
+    let mut p = failed_push_pod();
+    if let Some(a) = p.metadata.annotations.as_mut() {
+        a.insert(ANN_OS.into(), "macos".into());
+    }
+    let (_, e) = restart(registry(), p);
+    assert!(cocoon_ops(&e).is_empty(), "{e:?}");
+    assert!(!e
+        .iter()
+        .any(|x| matches!(x, Effect::CheckHibernateEvidence { .. })));
+    assert!(deletes(&e).is_empty() && events(&e).is_empty(), "{e:?}");
+}
