@@ -22,12 +22,8 @@ fn ready(p: &k8s_openapi::api::core::v1::Pod) -> bool {
 
 #[test]
 fn a_dhcp_clone_pod_gets_the_lease_ip_and_becomes_ready() {
-    let mut w = World::new();
+    let mut w = World::dhcp();
     let leases = w.path("net/leases.json");
-    w.extra_env = vec![
-        ("FAKE_COCOON_DHCP".into(), "1".into()),
-        ("FAKE_COCOON_LEASES".into(), leases.display().to_string()),
-    ];
     w.seed_snapshot("base");
     w.start_daemon();
     w.api

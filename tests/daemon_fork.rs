@@ -8,6 +8,7 @@ use std::time::Duration;
 use daemon_support::{metric_value, running_with_vm, tail, World};
 use k8s_openapi::api::core::v1::Pod;
 use vk_cocoon::sandbox::demo_pod;
+use vk_cocoon::sandbox::fake_cocoon::VerbFault;
 
 const SOURCE_VM: &str = "vk-default-main";
 
@@ -83,6 +84,15 @@ fn forks_of_a_running_vm_share_one_save_and_see_its_files() {
         "one save for both forks\n{}",
         tail(&w.log(), 40)
     );
+    // The fork save is timed, labelled with the forks' namespace.
+    assert_eq!(
+        metric_value(
+            &m,
+            "vk_cocoon_snapshot_save_duration_seconds_count{namespace=\"default\"}"
+        ),
+        Some(1.0),
+        "{m}"
+    );
     // The source keeps running, untouched.
     assert_eq!(w.vms()[SOURCE_VM], (main_id, "running".to_string()));
 }
@@ -109,6 +119,32 @@ fn a_fork_of_a_missing_source_fails_clearly_and_creates_no_vm() {
     assert_eq!(snapshots_named(&w, &format!("fork-{SOURCE_VM}")), 0);
 }
 
+/// Slows the fake's `verb` down by `slow_ms`, creates the fork pod `name`, and SIGKILLs the
+/// daemon once `under_way` sees that step running; the fault is cleared after.
+fn crash_while(
+    w: &mut World,
+    verb: &str,
+    slow_ms: u64,
+    name: &str,
+    under_way: impl Fn(&World) -> bool,
+) {
+    w.set_fault(
+        verb,
+        VerbFault {
+            slow_ms,
+            ..Default::default()
+        },
+    );
+    w.api.create_pod(&fork_pod(name)).expect("create fork");
+    w.wait(
+        &format!("{name}: {verb} under way"),
+        Duration::from_secs(30),
+        || under_way(w).then_some(()),
+    );
+    w.kill_daemon();
+    w.clear_faults();
+}
+
 /// The daemon is SIGKILLed while the fork snapshot is being saved (the save dies with it and
 /// leaves a half-saved record), then while the fork's clone runs. After each restart the fork
 /// converges: one VM per pod, the source untouched, one fork snapshot, no half-saved record.
@@ -120,17 +156,9 @@ fn a_daemon_killed_mid_fork_resumes_without_a_lost_or_duplicate_vm_or_a_half_sav
     let main_id = running_source(&w);
 
     // 1. Killed during the save.
-    std::fs::write(
-        w.path("state/faults.json"),
-        r#"{"snapshot save": {"slow_ms": 60000}}"#,
-    )
-    .expect("faults");
-    w.api.create_pod(&fork_pod("sub-a")).expect("create fork");
-    w.wait("the fork save under way", Duration::from_secs(30), || {
-        (half_saved(&w) == 1).then_some(())
+    crash_while(&mut w, "snapshot save", 60_000, "sub-a", |w| {
+        half_saved(w) == 1
     });
-    w.kill_daemon();
-    std::fs::remove_file(w.path("state/faults.json")).expect("clear faults");
     assert_eq!(half_saved(&w), 1, "the killed save left its record");
     w.start_daemon();
     let (_, sub_a) = w.wait("sub-a Running", Duration::from_secs(30), || {
@@ -146,20 +174,11 @@ fn a_daemon_killed_mid_fork_resumes_without_a_lost_or_duplicate_vm_or_a_half_sav
     assert_eq!(guest(&w, &sub_a, "cat /root/mark").1, "written-in-main\n");
 
     // 2. Killed during the clone of a second fork (the snapshot exists by then).
-    std::fs::write(
-        w.path("state/faults.json"),
-        r#"{"vm clone": {"slow_ms": 3000}}"#,
-    )
-    .expect("faults");
-    w.api.create_pod(&fork_pod("sub-b")).expect("create fork");
-    w.wait("sub-b's clone under way", Duration::from_secs(30), || {
+    crash_while(&mut w, "vm clone", 3000, "sub-b", |w| {
         w.vms()
             .get("vk-default-sub-b")
-            .filter(|(_, state)| state == "creating")
-            .map(|_| ())
+            .is_some_and(|(_, state)| state == "creating")
     });
-    w.kill_daemon();
-    std::fs::remove_file(w.path("state/faults.json")).expect("clear faults");
     w.start_daemon();
     let (_, sub_b) = w.wait("sub-b Running", Duration::from_secs(60), || {
         running_with_vm(&w, "sub-b")

@@ -8,11 +8,13 @@ use std::fs;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use daemon_support::{annotation, phase, running_with_vm, World};
+use daemon_support::{
+    annotation, execs, metric_value, phase, running_with_vm, set_hibernate, with_annotation, World,
+};
 use vk_cocoon::sandbox::demo_pod;
+use vk_cocoon::sandbox::fake_cocoon::VerbFault;
 use vk_cocoon::snapshots::manifest_info;
 
-const HIBERNATE: &str = "vm.cocoonstack.io/hibernate";
 const LIFECYCLE: &str = "vm.cocoonstack.io/lifecycle-state";
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -21,22 +23,6 @@ fn guest_data(w: &World, vm_id: &str) -> PathBuf {
     w.path("root/run/cloudhypervisor")
         .join(vm_id)
         .join("guest.data")
-}
-
-fn set_hibernate(w: &World, name: &str, on: bool) {
-    // The daemon writes the pod too: retry on a resourceVersion conflict.
-    for _ in 0..100 {
-        let mut p = w.pod(name).expect("pod");
-        p.metadata
-            .annotations
-            .get_or_insert_with(Default::default)
-            .insert(HIBERNATE.into(), on.to_string());
-        if w.api.update_pod(&p).is_ok() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    panic!("could not set {HIBERNATE}={on} on {name}");
 }
 
 fn tag_snapshot_id(w: &World, vm: &str) -> Option<String> {
@@ -90,18 +76,6 @@ fn wait_for<T>(w: &World, pod: &str, what: &str, mut f: impl FnMut() -> Option<T
     }
 }
 
-/// A world whose fake cocoon plays cocoon-net (DHCP NICs, lease file): an all-DHCP clone needs
-/// no post-clone fix-up, so a woken VM turns Ready on its lease.
-fn dhcp_world() -> World {
-    let mut w = World::new();
-    let leases = w.path("net/leases.json");
-    w.extra_env = vec![
-        ("FAKE_COCOON_DHCP".into(), "1".into()),
-        ("FAKE_COCOON_LEASES".into(), leases.display().to_string()),
-    ];
-    w
-}
-
 fn start_pod(w: &mut World, name: &str) -> String {
     w.seed_snapshot("base");
     w.start_daemon();
@@ -113,7 +87,7 @@ fn start_pod(w: &mut World, name: &str) -> String {
 
 #[test]
 fn hibernate_then_wake_keeps_the_vm_name_and_its_data() {
-    let mut w = dhcp_world();
+    let mut w = World::dhcp();
     let vm = "vk-default-p0";
     let id = start_pod(&mut w, "p0");
     fs::write(guest_data(&w, &id), b"written before hibernate\n").unwrap();
@@ -165,7 +139,7 @@ fn hibernate_then_wake_keeps_the_vm_name_and_its_data() {
 
 #[test]
 fn a_pod_whose_hibernate_tag_another_daemon_pushed_is_restored() {
-    let mut w = dhcp_world();
+    let mut w = World::dhcp();
     let vm = "vk-default-p1";
     w.seed_snapshot("base");
     // Another daemon's hibernation: a VM with data, saved and pushed, then removed with its
@@ -214,6 +188,184 @@ fn a_pod_whose_hibernate_tag_another_daemon_pushed_is_restored() {
     );
 }
 
+/// The VM's NICs as the fake cocoon reports them.
+fn nic_count(w: &World, vm_ref: &str) -> usize {
+    let (ok, out) = w.cocoon(&["vm", "inspect", vm_ref]);
+    assert!(ok, "{out}");
+    let vm: serde_json::Value = serde_json::from_str(&out).expect("inspect JSON");
+    vm["network_configs"].as_array().map_or(0, Vec::len)
+}
+
+/// The NICs a local snapshot recorded for its VM.
+fn snapshot_nics(w: &World, name: &str) -> u64 {
+    let (ok, out) = w.cocoon(&["snapshot", "inspect", name]);
+    assert!(ok, "{out}");
+    let snap: serde_json::Value = serde_json::from_str(&out).expect("snapshot JSON");
+    snap["nics"].as_u64().unwrap_or(0)
+}
+
+/// Whether the fake cocoon ran this guest command in the VM.
+fn guest_ran(w: &World, vm_id: &str, command: &[&str]) -> bool {
+    execs(w).iter().any(|(vm, argv)| {
+        vm == vm_id && argv.iter().map(String::as_str).eq(command.iter().copied())
+    })
+}
+
+/// A Cloud Hypervisor Windows guest (DHCP): its hot-plugged NIC is dropped before the save and
+/// the clone brings one back. A failed drop renews the guest's lease and keeps the VM; the op
+/// retry then hibernates it; the wake waits for the lease and runs no fix-up on the new NIC.
+#[test]
+fn a_windows_guest_drops_its_nic_to_hibernate_and_gets_one_back_on_wake() {
+    let mut w = World::dhcp();
+    let (name, vm) = ("win", "vk-default-win");
+    w.seed_snapshot("winbase");
+    w.start_daemon();
+    let p = with_annotation(
+        with_annotation(
+            demo_pod("default", name, "clone", "winbase"),
+            "cocoonset.cocoonstack.io/os",
+            "windows",
+        ),
+        "vm.cocoonstack.io/backend",
+        "cloud-hypervisor",
+    );
+    w.api.create_pod(&p).expect("create pod");
+    let id = wait_for(&w, name, "Running and ready", || {
+        let (p, id) = running_with_vm(&w, name)?;
+        (annotation(&p, LIFECYCLE).as_deref() == Some("ready")).then_some(id)
+    });
+    fs::write(guest_data(&w, &id), b"windows data\n").unwrap();
+    assert_eq!(nic_count(&w, &id), 1);
+
+    // 1. The NIC drop fails: the guest is told to renew its lease, the VM keeps running.
+    w.set_fault(
+        "vm net",
+        VerbFault {
+            fail_count: 1,
+            fail_message: "net: hot-unplug refused by the guest".into(),
+            ..Default::default()
+        },
+    );
+    set_hibernate(&w, name, true);
+    wait_for(&w, name, "HibernateNetResizeFailed", || {
+        w.events_for(name)
+            .iter()
+            .any(|(r, m)| r == "HibernateNetResizeFailed" && m.contains("hot-unplug refused"))
+            .then_some(())
+    });
+    wait_for(&w, name, "the detached ipconfig /renew", || {
+        guest_ran(&w, &id, &["cmd", "/c", "ipconfig", "/renew"]).then_some(())
+    });
+    assert_eq!(w.vms().get(vm).map(|(i, _)| i.as_str()), Some(id.as_str()));
+    assert_eq!(nic_count(&w, &id), 1, "the NIC stays");
+    let failed = w.pod(name).and_then(|p| annotation(&p, LIFECYCLE));
+    assert_eq!(failed.as_deref(), Some("failed"));
+
+    // 2. The op retry (15 s) hibernates it: release, NIC dropped, then the save.
+    wait_for(&w, name, "hibernated on the retry", || {
+        hibernated(&w, name, vm)
+    });
+    assert!(guest_ran(&w, &id, &["cmd", "/c", "ipconfig", "/release"]));
+    // The snapshot records the NICs its VM had (the seed's VM had one; 0 is left out).
+    assert_eq!(snapshot_nics(&w, "winbase"), 1);
+    assert_eq!(snapshot_nics(&w, vm), 0, "saved without its NIC");
+    let m = w.metrics();
+    for (phase, result, n) in [
+        ("net_resize", "failed", 1.0),
+        ("net_resize", "ok", 1.0),
+        ("dhcp_release", "ok", 2.0),
+    ] {
+        let family = format!(
+            "vk_cocoon_hibernate_total{{namespace=\"default\",phase=\"{phase}\",result=\"{result}\"}}"
+        );
+        assert_eq!(metric_value(&m, &family), Some(n), "{family}\n{m}");
+    }
+
+    // 3. The wake clones with a NIC again and waits for its lease; the new NIC is not cycled.
+    set_hibernate(&w, name, false);
+    let new_id = wait_for(&w, name, "woken", || woken(&w, name, vm));
+    assert_eq!(nic_count(&w, &new_id), 1);
+    let pod = w.pod(name).expect("pod");
+    let ip = pod.status.as_ref().and_then(|s| s.pod_ip.clone());
+    assert!(ip.is_some_and(|ip| ip.starts_with("127.88.")), "{pod:?}");
+    assert!(
+        execs(&w).iter().all(|(vm, _)| *vm != new_id),
+        "no guest command on the woken VM: {:?}",
+        execs(&w)
+    );
+    assert_eq!(
+        fs::read(guest_data(&w, &new_id)).unwrap(),
+        b"windows data\n"
+    );
+    let m = w.metrics();
+    assert_eq!(
+        metric_value(&m, "vk_cocoon_wake_total{result=\"ok\"}"),
+        Some(1.0),
+        "{m}"
+    );
+}
+
+/// A VM removed from outside after its hibernate's push failed (the hibernate rolled back:
+/// id written back, lifecycle `failed`), then a restart. No hibernate tag exists, so the pod is
+/// not taken for hibernated (its wake would boot a fresh VM): it is evicted as a lost VM.
+#[test]
+fn a_vm_lost_after_a_failed_push_is_evicted_after_a_restart_not_taken_for_hibernated() {
+    let mut w = World::dhcp();
+    let (name, vm) = ("p4", "vk-default-p4");
+    let id = start_pod(&mut w, name);
+    w.set_fault(
+        "snapshot export",
+        VerbFault {
+            truncate_after: 4096,
+            ..Default::default()
+        },
+    );
+    set_hibernate(&w, name, true);
+    wait_for(&w, name, "HibernatePushFailed", || {
+        w.events_for(name)
+            .iter()
+            .any(|(r, _)| r == "HibernatePushFailed")
+            .then_some(())
+    });
+    wait_for(&w, name, "the id written back", || {
+        let p = w.pod(name)?;
+        (annotation(&p, "vm.cocoonstack.io/id").as_deref() == Some(id.as_str())).then_some(())
+    });
+    w.kill_daemon();
+    w.clear_faults();
+    let (ok, out) = w.cocoon(&["fake", "vanish", &id]);
+    assert!(ok, "{out}");
+    assert!(tag_snapshot_id(&w, vm).is_none(), "the push never landed");
+
+    w.start_daemon();
+    wait_for(&w, name, "the pod evicted", || {
+        let evicted = match w.pod(name) {
+            None => true,
+            Some(p) => {
+                let st = p.status.unwrap_or_default();
+                st.phase.as_deref() == Some("Failed") && st.reason.as_deref() == Some("VMGone")
+            }
+        };
+        evicted.then_some(())
+    });
+    let events = w.events_for(name);
+    assert!(
+        events.iter().any(|(r, m)| r == "HibernateVMLost"
+            && m.contains(&format!("no {vm}:hibernate in the registry"))),
+        "{events:?}"
+    );
+    assert!(!w.vms().contains_key(vm), "no VM booted in its place");
+    let m = w.metrics();
+    assert_eq!(
+        metric_value(
+            &m,
+            "vk_cocoon_pod_lifecycle_total{op=\"startup\",reason=\"hibernate_vm_lost\",result=\"failed\"}"
+        ),
+        Some(1.0),
+        "{m}"
+    );
+}
+
 /// Whether a `<bin> <group> <verb> ...` cocoon process is alive (the daemon is in that step).
 fn cocoon_running(w: &World, group: &str, verb: &str) -> bool {
     let bin = w.path("bin/cocoon");
@@ -235,17 +387,19 @@ fn cocoon_running(w: &World, group: &str, verb: &str) -> bool {
 /// Ask for `hibernate=on` with the cocoon verb `group verb` slowed down, SIGKILL the daemon
 /// while that verb runs, then restart it without the fault.
 fn crash_during(w: &mut World, name: &str, on: bool, group: &str, verb: &str) {
-    fs::write(
-        w.path("state/faults.json"),
-        format!("{{\"{group} {verb}\": {{\"slow_ms\": 3000}}}}"),
-    )
-    .unwrap();
+    w.set_fault(
+        &format!("{group} {verb}"),
+        VerbFault {
+            slow_ms: 3000,
+            ..Default::default()
+        },
+    );
     set_hibernate(w, name, on);
     wait_for(w, name, &format!("{group} {verb} running"), || {
         cocoon_running(w, group, verb).then_some(())
     });
     w.kill_daemon();
-    fs::remove_file(w.path("state/faults.json")).unwrap();
+    w.clear_faults();
     // Whatever the killed daemon's child was doing finishes or dies before the restart.
     w.wait("the step's process gone", LIMIT, || {
         (!cocoon_running(w, group, verb)).then_some(())
@@ -255,7 +409,7 @@ fn crash_during(w: &mut World, name: &str, on: bool, group: &str, verb: &str) {
 
 #[test]
 fn a_daemon_killed_at_each_step_of_hibernate_and_wake_converges() {
-    let mut w = dhcp_world();
+    let mut w = World::dhcp();
     let (name, vm) = ("p2", "vk-default-p2");
     let id = start_pod(&mut w, name);
     let data = b"kept through every crash\n".to_vec();

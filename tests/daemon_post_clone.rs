@@ -6,10 +6,10 @@ mod daemon_support;
 
 use std::time::Duration;
 
-use daemon_support::{annotation, metric_value, World};
+use daemon_support::{annotation, execs, metric_value, with_annotation, World};
 use k8s_openapi::api::core::v1::Pod;
 use vk_cocoon::sandbox::demo_pod;
-use vk_cocoon::sandbox::fake_cocoon::{self, FaultFile, VerbFault};
+use vk_cocoon::sandbox::fake_cocoon::VerbFault;
 
 fn ready(p: &Pod) -> bool {
     p.status
@@ -18,44 +18,10 @@ fn ready(p: &Pod) -> bool {
         .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
-/// The guest commands the fake cocoon ran, in order: (vm id, argv).
-fn execs(w: &World) -> Vec<(String, Vec<String>)> {
-    std::fs::read_to_string(w.path("state/exec.log"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .map(|v| {
-            let argv = v["argv"]
-                .as_array()
-                .map(|a| {
-                    a.iter()
-                        .map(|x| x.as_str().unwrap_or("").to_string())
-                        .collect()
-                })
-                .unwrap_or_default();
-            (v["vm"].as_str().unwrap_or("").to_string(), argv)
-        })
-        .collect()
-}
-
 fn inspect(w: &World, id: &str) -> serde_json::Value {
     let (ok, out) = w.cocoon(&["vm", "inspect", id]);
     assert!(ok, "{out}");
     serde_json::from_str(&out).expect("inspect JSON")
-}
-
-fn with_annotation(mut p: Pod, k: &str, v: &str) -> Pod {
-    p.metadata
-        .annotations
-        .get_or_insert_with(Default::default)
-        .insert(k.into(), v.into());
-    p
-}
-
-fn fault(w: &World, verb: &str, f: VerbFault) {
-    let mut faults = FaultFile::new();
-    faults.insert(verb.into(), f);
-    fake_cocoon::write_faults(&w.path("state"), &faults).expect("faults");
 }
 
 fn ready_pod(w: &World, name: &str, limit: Duration) -> Pod {
@@ -64,12 +30,24 @@ fn ready_pod(w: &World, name: &str, limit: Duration) -> Pod {
     })
 }
 
+/// Starts the daemon and a Windows pod `name` cloned from a snapshot `win`; waits for Ready.
+fn ready_windows_pod(w: &mut World, name: &str) -> Pod {
+    w.seed_snapshot("win");
+    w.start_daemon();
+    let p = with_annotation(
+        demo_pod("default", name, "clone", "win"),
+        "cocoonset.cocoonstack.io/os",
+        "windows",
+    );
+    w.api.create_pod(&p).expect("create pod");
+    ready_pod(w, name, Duration::from_secs(40))
+}
+
 #[test]
 fn a_static_clone_is_fixed_through_vm_exec_with_retries_before_it_turns_ready() {
     let mut w = World::new();
     w.seed_snapshot("base");
-    fault(
-        &w,
+    w.set_fault(
         "vm exec",
         VerbFault {
             fail_count: 2,
@@ -131,32 +109,10 @@ fn a_static_clone_is_fixed_through_vm_exec_with_retries_before_it_turns_ready() 
     );
 }
 
-/// A Firecracker snapshot: a VM run with `--fc`, saved.
-fn seed_fc_snapshot(w: &World, name: &str) {
-    assert!(w.cocoon(&["image", "pull", "ubuntu:24.04"]).0);
-    let (ok, out) = w.cocoon(&[
-        "vm",
-        "run",
-        "--output",
-        "json",
-        "--fc",
-        "--name",
-        "seedfc",
-        "ubuntu:24.04",
-    ]);
-    assert!(ok, "{out}");
-    let id = serde_json::from_str::<serde_json::Value>(&out).unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    assert!(w.cocoon(&["snapshot", "save", "--name", name, &id]).0);
-    assert!(w.cocoon(&["vm", "rm", "--force", &id]).0);
-}
-
 #[test]
 fn a_firecracker_clone_is_cloned_and_gets_its_macs_reapplied() {
     let mut w = World::new();
-    seed_fc_snapshot(&w, "basefc");
+    w.seed_snapshot_with("basefc", &["--fc"]);
     w.start_daemon();
     let p = with_annotation(
         demo_pod("default", "fc", "clone", "basefc"),
@@ -183,21 +139,8 @@ fn a_firecracker_clone_is_cloned_and_gets_its_macs_reapplied() {
 
 #[test]
 fn a_dhcp_windows_pod_runs_and_gets_its_nics_reset() {
-    let mut w = World::new();
-    let leases = w.path("net/leases.json");
-    w.extra_env = vec![
-        ("FAKE_COCOON_DHCP".into(), "1".into()),
-        ("FAKE_COCOON_LEASES".into(), leases.display().to_string()),
-    ];
-    w.seed_snapshot("win");
-    w.start_daemon();
-    let p = with_annotation(
-        demo_pod("default", "win", "clone", "win"),
-        "cocoonset.cocoonstack.io/os",
-        "windows",
-    );
-    w.api.create_pod(&p).expect("create pod");
-    let pod = ready_pod(&w, "win", Duration::from_secs(40));
+    let mut w = World::dhcp();
+    let pod = ready_windows_pod(&mut w, "win");
     let ip = pod.status.as_ref().and_then(|s| s.pod_ip.clone());
     assert!(ip.is_some_and(|ip| ip.starts_with("127.88.")));
     let runs = execs(&w);
@@ -218,8 +161,7 @@ fn a_fix_up_cut_short_by_a_restart_runs_again_after_it() {
     let mut w = World::new();
     w.seed_snapshot("base");
     // The guest agent answers slowly: the daemon dies while the first attempt runs.
-    fault(
-        &w,
+    w.set_fault(
         "vm exec",
         VerbFault {
             slow_ms: 15_000,
@@ -237,7 +179,7 @@ fn a_fix_up_cut_short_by_a_restart_runs_again_after_it() {
     });
     w.kill_daemon();
     assert!(!w.pod("web").is_some_and(|p| ready(&p)));
-    fault(&w, "vm exec", VerbFault::default());
+    w.set_fault("vm exec", VerbFault::default());
     w.start_daemon();
     let pod = ready_pod(&w, "web", Duration::from_secs(40));
     assert_eq!(
@@ -276,15 +218,7 @@ fn sac_listing(w: &World, id: &str) -> String {
 #[test]
 fn a_static_windows_clone_gets_its_address_over_the_sac_console() {
     let mut w = World::new();
-    w.seed_snapshot("win");
-    w.start_daemon();
-    let p = with_annotation(
-        demo_pod("default", "winst", "clone", "win"),
-        "cocoonset.cocoonstack.io/os",
-        "windows",
-    );
-    w.api.create_pod(&p).expect("create pod");
-    let pod = ready_pod(&w, "winst", Duration::from_secs(40));
+    let pod = ready_windows_pod(&mut w, "winst");
     let id = annotation(&pod, "vm.cocoonstack.io/id").expect("id annotation");
     let vm = inspect(&w, &id);
     let ip = vm["network_configs"][0]["network"]["ip"]
@@ -316,12 +250,7 @@ fn a_static_windows_clone_gets_its_address_over_the_sac_console() {
 #[test]
 #[ignore]
 fn bench_added_to_ready_with_and_without_a_fix_up() {
-    let mut w = World::new();
-    let leases = w.path("net/leases.json");
-    w.extra_env = vec![
-        ("FAKE_COCOON_DHCP".into(), "1".into()),
-        ("FAKE_COCOON_LEASES".into(), leases.display().to_string()),
-    ];
+    let mut w = World::dhcp();
     w.seed_snapshot("base");
     w.start_daemon();
     let rounds = 15;

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use daemon_support::{annotation, running_with_vm, World};
+use daemon_support::{annotation, running_with_vm, set_hibernate, World};
 use vk_cocoon::sandbox::demo_pod;
 use vk_cocoon::snapshots::{pull_snapshot, push_snapshot, PullRequest, PushKnobs, PushRequest};
 
@@ -33,21 +33,6 @@ fn cocoon(w: &World, args: &[&str]) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn set_hibernate(w: &World, name: &str, on: bool) {
-    for _ in 0..100 {
-        let mut p = w.pod(name).expect("pod");
-        p.metadata
-            .annotations
-            .get_or_insert_with(Default::default)
-            .insert("vm.cocoonstack.io/hibernate".into(), on.to_string());
-        if w.api.update_pod(&p).is_ok() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    panic!("could not set hibernate={on}");
 }
 
 fn lifecycle(w: &World, name: &str) -> Option<String> {

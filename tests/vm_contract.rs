@@ -562,6 +562,7 @@ fn the_provider_commands_are_the_contract_builders_and_deadlines() {
             CocoonCmd::SnapshotSave {
                 name: "s".into(),
                 vm_id: "X".into(),
+                deadline: None,
             },
             argv::snapshot_save("s", "X"),
         ),
@@ -583,8 +584,17 @@ fn the_provider_commands_are_the_contract_builders_and_deadlines() {
     let save = CocoonCmd::SnapshotSave {
         name: "s".into(),
         vm_id: "X".into(),
+        deadline: None,
     };
     assert_eq!(save.deadline(), Duration::from_secs(3600));
+    // A save whose caller bounds it (the fork flight) is killed at that bound instead.
+    let bounded = CocoonCmd::SnapshotSave {
+        name: "s".into(),
+        vm_id: "X".into(),
+        deadline: Some(Duration::from_secs(600)),
+    };
+    assert_eq!(bounded.deadline(), Duration::from_secs(600));
+    assert_eq!(bounded.argv(), argv::snapshot_save("s", "X"));
 }
 
 #[test]

@@ -31,9 +31,12 @@ pub enum CocoonCmd {
     SnapshotInspect {
         name: String,
     },
+    /// `snapshot save --name <name> <vm_id>`, killed at `deadline` when one is given, else at
+    /// the verb's transfer deadline.
     SnapshotSave {
         name: String,
         vm_id: String,
+        deadline: Option<Duration>,
     },
     SnapshotRm {
         name: String,
@@ -95,7 +98,7 @@ impl CocoonCmd {
             CocoonCmd::VmRm { id } => argv::vm_rm(id),
             CocoonCmd::ReconcileStaleCreate { id } => argv::vm_reconcile_stale_create(id),
             CocoonCmd::SnapshotInspect { name } => argv::snapshot_inspect(name),
-            CocoonCmd::SnapshotSave { name, vm_id } => argv::snapshot_save(name, vm_id),
+            CocoonCmd::SnapshotSave { name, vm_id, .. } => argv::snapshot_save(name, vm_id),
             CocoonCmd::SnapshotRm { name } => argv::snapshot_rm(name),
             CocoonCmd::SnapshotList => argv::snapshot_list(),
             CocoonCmd::ImageInspect { reference } => argv::image_inspect(reference),
@@ -112,8 +115,13 @@ impl CocoonCmd {
     /// How long the daemon lets the child run before killing it: the contract's per-verb
     /// deadline (every verb the core runs has one).
     pub fn deadline(&self) -> Duration {
-        if let CocoonCmd::VmExec { deadline, .. } = self {
-            return *deadline;
+        match self {
+            CocoonCmd::VmExec { deadline, .. }
+            | CocoonCmd::SnapshotSave {
+                deadline: Some(deadline),
+                ..
+            } => return *deadline,
+            _ => {}
         }
         let d = Deadlines::default();
         d.for_verb(self.verb()).unwrap_or(d.control)

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Pod;
 use registry_support::Registry;
 use vk_cocoon::sandbox::apiserver::{ApiServer, ApiServerHandle, ApiServerOptions, KubeconfigAuth};
+use vk_cocoon::sandbox::fake_cocoon::{self, FaultFile, VerbFault};
 use vk_cocoon::snapshots::{push_snapshot, PushKnobs, PushRequest, RegistryClient};
 
 pub const NODE: &str = "cocoon-sandbox";
@@ -80,6 +81,31 @@ impl World {
             extra_env: Vec::new(),
             daemon: None,
         }
+    }
+
+    /// A world whose fake cocoon plays cocoon-net: DHCP NICs and the lease file the daemon
+    /// reads (an all-DHCP clone then turns Ready on its lease, with no post-clone fix-up).
+    pub fn dhcp() -> World {
+        let mut w = World::new();
+        let leases = w.path("net/leases.json");
+        w.extra_env = vec![
+            ("FAKE_COCOON_DHCP".into(), "1".into()),
+            ("FAKE_COCOON_LEASES".into(), leases.display().to_string()),
+        ];
+        w
+    }
+
+    /// Makes the fake cocoon's `verb` (`"vm net"`, `"vm exec"`, ...) misbehave as `f` says
+    /// (replacing any fault set before).
+    pub fn set_fault(&self, verb: &str, f: VerbFault) {
+        let mut faults = FaultFile::new();
+        faults.insert(verb.into(), f);
+        fake_cocoon::write_faults(&self.path("state"), &faults).expect("faults");
+    }
+
+    /// Makes the fake cocoon behave again.
+    pub fn clear_faults(&self) {
+        fake_cocoon::write_faults(&self.path("state"), &FaultFile::new()).expect("faults");
     }
 
     pub fn path(&self, p: &str) -> PathBuf {
@@ -236,16 +262,16 @@ impl World {
     }
 
     pub fn seed_snapshot(&self, name: &str) {
+        self.seed_snapshot_with(name, &[]);
+    }
+
+    /// A snapshot `name` of a VM run from ubuntu:24.04 with the extra `vm run` flags (`--fc`).
+    pub fn seed_snapshot_with(&self, name: &str, run_flags: &[&str]) {
         assert!(self.cocoon(&["image", "pull", "ubuntu:24.04"]).0);
-        let (ok, out) = self.cocoon(&[
-            "vm",
-            "run",
-            "--output",
-            "json",
-            "--name",
-            "seed",
-            "ubuntu:24.04",
-        ]);
+        let mut args = vec!["vm", "run", "--output", "json"];
+        args.extend_from_slice(run_flags);
+        args.extend(["--name", "seed", "ubuntu:24.04"]);
+        let (ok, out) = self.cocoon(&args);
         assert!(ok, "{out}");
         let id = serde_json::from_str::<serde_json::Value>(&out).unwrap()["id"]
             .as_str()
@@ -351,4 +377,55 @@ pub fn pod_writes_per_pod(w: &World, prefix: &str, pods: usize) -> f64 {
         .filter(|r| r.resource.starts_with("pods") && r.path.contains(&needle))
         .count();
     writes as f64 / pods.max(1) as f64
+}
+
+/// Sets annotation `key` of pod `name` to `value`, retrying on a resourceVersion conflict (the
+/// daemon writes the pod too).
+pub fn set_annotation(w: &World, name: &str, key: &str, value: &str) {
+    for _ in 0..100 {
+        let mut p = w.pod(name).expect("pod");
+        p.metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(key.into(), value.into());
+        if w.api.update_pod(&p).is_ok() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    panic!("could not set {key}={value} on {name}");
+}
+
+/// Asks pod `name` to hibernate (`on`) or to wake.
+pub fn set_hibernate(w: &World, name: &str, on: bool) {
+    set_annotation(w, name, "vm.cocoonstack.io/hibernate", &on.to_string());
+}
+
+/// `p` with annotation `k` set to `v`.
+pub fn with_annotation(mut p: Pod, k: &str, v: &str) -> Pod {
+    p.metadata
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert(k.into(), v.into());
+    p
+}
+
+/// The guest commands the fake cocoon ran (its exec log), in order: (VM id, argv).
+pub fn execs(w: &World) -> Vec<(String, Vec<String>)> {
+    std::fs::read_to_string(w.path("state/exec.log"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .map(|v| {
+            let argv = v["argv"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .map(|x| x.as_str().unwrap_or("").to_string())
+                        .collect()
+                })
+                .unwrap_or_default();
+            (v["vm"].as_str().unwrap_or("").to_string(), argv)
+        })
+        .collect()
 }

@@ -48,6 +48,10 @@ impl Provider {
                 warn(self, &w.uid);
                 self.wake_unexpected(key, &msg)
             }
+            Op::ConfirmHibernated(c) => {
+                warn(self, &c.uid);
+                self.confirm_hibernated_retry(key, &msg)
+            }
             Op::PostClone(p) => {
                 warn(self, &p.uid);
                 self.post_clone_attempt_failed(key, msg)
@@ -78,6 +82,7 @@ impl Provider {
             Some(Op::Check(_)) => self.check_step(key, res),
             Some(Op::Hibernate(_)) => self.hibernate_step(key, res),
             Some(Op::Wake(_)) => self.wake_step(key, res),
+            Some(Op::ConfirmHibernated(_)) => self.confirm_hibernated_step(key, res),
             Some(Op::PostClone(_)) => self.post_clone_step(key, res),
             Some(Op::ReadyWait { .. }) => match res {
                 Res::Lease(r) => self.ready_wait_result(key, r),
@@ -288,6 +293,7 @@ impl Provider {
             Some(Op::Delete(_)) => self.delete_timer(key),
             Some(Op::Create(_)) => self.create_timer(key),
             Some(Op::Hibernate(_)) => self.hibernate_timer(key),
+            Some(Op::ConfirmHibernated(_)) => self.confirm_hibernated_timer(key),
             Some(_) => {}
         }
     }

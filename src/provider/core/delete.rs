@@ -256,6 +256,7 @@ impl Provider {
                         Ask::Cocoon(CocoonCmd::SnapshotSave {
                             name: d.vm_name.clone(),
                             vm_id: vm.id,
+                            deadline: None,
                         }),
                     ),
                     Some(_) => self.advance(
@@ -303,6 +304,7 @@ impl Provider {
                 Ask::Cocoon(CocoonCmd::SnapshotSave {
                     name: d.vm_name.clone(),
                     vm_id: vm.id,
+                    deadline: None,
                 }),
             ),
             (DeleteStep::Push, Res::Transfer(r)) => match r {

@@ -3,6 +3,15 @@
 
 use super::*;
 
+/// How long the fork save may run before it is killed. The contract gives the save no bound
+/// of its own (cocoon's verb class would let it hang for the one-hour transfer deadline, with
+/// every forking create waiting Pending all along). A fork save exists only to feed the
+/// creates waiting on it, so it gets their bound: the create deadline class of the clone that
+/// follows (10 min), past which a create is a failure to report and retry. It is also five
+/// times the top bucket of `snapshot_save_duration_seconds` (120 s): a save that long is hung,
+/// not slow. The retry finds the killed save's half-saved record and removes it first.
+pub(super) const FORK_SAVE_DEADLINE: Duration = Duration::from_secs(600);
+
 impl Provider {
     /// A fresh create with `fork-from` (after the `fork-<own vm>` removal): join the flight of
     /// its source, starting one when none runs. The pod waits in `ForkWait`.
@@ -40,6 +49,8 @@ impl Provider {
                 source_hypervisor: String::new(),
                 invalidated: false,
                 waiting: vec![key.clone()],
+                namespace: key.namespace.clone(),
+                save_started: self.now,
             },
         );
         let name = spec::fork_snapshot_name(source);
@@ -140,6 +151,13 @@ impl Provider {
                 self.fork_save(source, vm.id, vm.hypervisor, false)
             }
             ForkStep::Save { retried } => {
+                if let Some(f) = self.forks.get(source) {
+                    let secs = self.now.saturating_duration_since(f.save_started);
+                    self.metric(MetricUpdate::SnapshotSaveDuration {
+                        namespace: f.namespace.clone(),
+                        seconds: secs.as_secs_f64(),
+                    });
+                }
                 if r.success {
                     self.metric(MetricUpdate::SnapshotSave { result: "ok" });
                     return self.fork_done(source, Ok(source_hv));
@@ -188,9 +206,11 @@ impl Provider {
     }
 
     fn fork_save(&mut self, source: &str, source_id: String, hypervisor: String, retried: bool) {
+        let now = self.now;
         if let Some(f) = self.forks.get_mut(source) {
             f.source_id = source_id.clone();
             f.source_hypervisor = hypervisor;
+            f.save_started = now;
         }
         let name = spec::fork_snapshot_name(source);
         self.fork_cocoon(
@@ -199,6 +219,7 @@ impl Provider {
             CocoonCmd::SnapshotSave {
                 name,
                 vm_id: source_id,
+                deadline: Some(FORK_SAVE_DEADLINE),
             },
         )
     }

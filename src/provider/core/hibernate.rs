@@ -108,6 +108,7 @@ impl Provider {
         let ask = Ask::Cocoon(CocoonCmd::SnapshotSave {
             name: t.spec.vm_name.clone(),
             vm_id: h.vm.id.clone(),
+            deadline: None,
         });
         self.advance(key, HibernateStep::Save { retried }, ask)
     }

@@ -18,9 +18,10 @@
 //! for a new step, the step enum in `state`.
 //!
 //! UpdatePod lives in `update` (the decision table and the op retry), hibernating a VM in
-//! `hibernate`, waking one (and CreatePod's restore) in `wake`. Clones that need a post-clone
-//! network fix-up (Windows, Firecracker, Cloud Hypervisor with a static NIC) get it from
-//! `post_clone` before the IP wait.
+//! `hibernate`, waking one (and CreatePod's restore) in `wake`; `confirm_hibernated` is the
+//! owed lookup after a restart that tells a finished hibernate from a VM lost mid-hibernate.
+//! Clones that need a post-clone network fix-up (Windows, Firecracker, Cloud Hypervisor with a
+//! static NIC) get it from `post_clone` before the IP wait.
 //!
 //! Decisions for features not built yet: managed macOS guests fail the create clearly
 //! (Warning event, ProviderFailed status, counter) without touching cocoon.
@@ -54,6 +55,7 @@ use super::{LeaseError, TransferError};
 mod answers;
 mod bring_up;
 mod check;
+mod confirm_hibernated;
 mod create;
 mod delete;
 mod evict;
@@ -381,6 +383,7 @@ impl Provider {
             (Some(Op::Check(c)), Step::Check(s)) => c.step = s,
             (Some(Op::Hibernate(h)), Step::Hibernate(s)) => h.step = s,
             (Some(Op::Wake(w)), Step::Wake(s)) => w.step = s,
+            (Some(Op::ConfirmHibernated(c)), Step::ConfirmHibernated(s)) => c.step = s,
             (Some(Op::PostClone(p)), Step::PostClone(s)) => p.step = s,
             // A bug, not an input. The question is still asked: whichever op its answer then
             // reaches fails through `unexpected_answer` with a retry instead of stalling.
@@ -570,6 +573,19 @@ impl Provider {
                 // looks the VM up by name, so whatever the op made or kept is removed; a late
                 // answer finds the op gone and is dropped.
                 self.end_op(key);
+            }
+            // Startup's hibernate confirmation decides nothing a delete or a wake has to wait
+            // for: the pod has no VM, a delete looks one up by name, and a wake resolves its
+            // source with the same lookups. Its lookup may be retried for as long as the
+            // registry is down.
+            Some(Op::ConfirmHibernated(_))
+                if needs
+                    || slot
+                        .latest
+                        .as_ref()
+                        .is_some_and(|l| spec::parse(l).is_ok_and(|s| !s.hibernate)) =>
+            {
+                self.end_op(key)
             }
             Some(op) if op.preemptible() => {
                 if needs {

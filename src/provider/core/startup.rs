@@ -476,42 +476,43 @@ impl Provider {
         }
     }
 
-    /// A pod asking for hibernate whose VM is gone: hibernated (or its hibernate finished the
-    /// removal before a restart). Tracked without a VM, so waking it is an update; a stale id
-    /// is cleared, and a `hibernating` left by the killed daemon is finished as `hibernated`.
+    /// A pod asking for hibernate whose VM is gone. Tracked without a VM, so waking it is an
+    /// update. One whose record says a VM ran under it (`records_a_vm`) may be hibernated (the
+    /// removal finished before a restart) or may have lost its VM mid-hibernate: its record
+    /// stays untouched and its owed work looks the snapshot up (`confirm_hibernated`). One
+    /// recording no VM has nothing to lose: stale ids are cleared and it is hibernated.
     fn track_hibernated(&mut self, key: &PodKey, pod: &Arc<Pod>, spec: VmSpec) {
         let uid = pod_uid(pod);
         let ann = pod.metadata.annotations.clone().unwrap_or_default();
-        if !spec.vm_id.is_empty() || !spec.vm_ip.is_empty() {
-            let mut a = BTreeMap::new();
-            for k in [ANN_VM_ID, ANN_VM_IP, spec::ANN_POST_CLONE_STATE] {
-                a.insert(k.to_string(), None);
+        let intent = Intent::seed(&uid, &ann);
+        let spec = if confirm_hibernated::records_a_vm(&spec, intent.as_ref()) {
+            spec
+        } else {
+            if !spec.vm_id.is_empty() || !spec.vm_ip.is_empty() {
+                let mut a = BTreeMap::new();
+                for k in [ANN_VM_ID, ANN_VM_IP, spec::ANN_POST_CLONE_STATE] {
+                    a.insert(k.to_string(), None);
+                }
+                self.send_annotations(key, &uid, a, false);
             }
-            self.send_annotations(key, &uid, a, false);
-        }
-        let start_time = pod.status.as_ref().and_then(|s| s.start_time.clone());
-        let slot = self.slot(key);
-        slot.intent = Intent::seed(&uid, &ann);
-        slot.tracked = Some(Tracked {
-            uid,
-            pod: pod.clone(),
-            spec: VmSpec {
+            VmSpec {
                 vm_id: String::new(),
                 vm_ip: String::new(),
                 ..spec
-            },
+            }
+        };
+        let start_time = pod.status.as_ref().and_then(|s| s.start_time.clone());
+        let slot = self.slot(key);
+        slot.intent = intent;
+        slot.tracked = Some(Tracked {
+            uid,
+            pod: pod.clone(),
+            spec,
             vm: None,
             ip: String::new(),
             start_time,
             probe: None,
         });
-        let interrupted = slot
-            .intent
-            .as_ref()
-            .is_some_and(|i| i.state == State::Hibernating);
-        if interrupted {
-            self.set_lifecycle(key, State::Hibernated, "");
-        }
     }
 
     /// A pod that ran on a VM no longer there: its VM-gone event went to the previous process
@@ -555,7 +556,17 @@ impl Provider {
         let (Some(t), Some(pod)) = (slot.tracked.clone(), slot.latest.clone()) else {
             return;
         };
-        if deleting(&pod) || t.vm.is_none() {
+        if deleting(&pod) {
+            return;
+        }
+        if t.vm.is_none() {
+            let intent = slot.intent.as_ref().filter(|i| i.uid == t.uid);
+            if t.spec.managed
+                && t.spec.hibernate
+                && confirm_hibernated::records_a_vm(&t.spec, intent)
+            {
+                self.start_confirm_hibernated(key);
+            }
             return;
         }
         let vm = t.vm.clone().unwrap_or_default();

@@ -94,6 +94,11 @@ pub(super) struct ForkFlight {
     pub(super) invalidated: bool,
     /// The pods waiting for it (each in `CreateStep::ForkWait` of this source when it lands).
     pub(super) waiting: Vec<PodKey>,
+    /// The namespace of the pods forking (only pods of the source's namespace may): the label
+    /// of the save's duration.
+    pub(super) namespace: String,
+    /// When the `snapshot save` started (its duration histogram).
+    pub(super) save_started: Instant,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -265,6 +270,15 @@ pub(super) enum WakeStep {
     Clone {
         source: String,
     },
+    /// The clone failed: look for a record it may have left under the VM name.
+    CloneFailedInspect {
+        source: String,
+        error: String,
+    },
+    /// Removing that leftover before the failure is reported (and retried).
+    CloneFailedRm {
+        error: String,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -279,6 +293,27 @@ pub(super) struct WakeOp {
     pub(super) tag: Option<HibernateTag>,
     /// Where the clone comes from, for the `Woken` event.
     pub(super) source_label: String,
+}
+
+/// A step of startup's confirmation that a pod with no VM was hibernated (`confirm_hibernated`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum ConfirmStep {
+    /// Is there a local snapshot named after the VM (and which)?
+    LocalInspect,
+    /// The registry tag `<vm>:hibernate`; `local_id` is the local snapshot's id, if any.
+    Tag { local_id: Option<String> },
+    /// A lookup failed: waiting on the slot timer to look again.
+    Wait,
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct ConfirmOp {
+    pub(super) uid: String,
+    pub(super) step: ConfirmStep,
+    /// The backoff before the next lookup after a failed one.
+    pub(super) delay: Duration,
+    /// The Warning about an unreadable registry or cocoon was emitted (once per op).
+    pub(super) warned: bool,
 }
 
 /// Why a post-clone fix-up runs: after a clone, or as part of a wake (whose failures count as
@@ -345,6 +380,8 @@ pub(super) enum Op {
     PostClone(Box<PostCloneOp>),
     Hibernate(Box<HibernateOp>),
     Wake(Box<WakeOp>),
+    /// Startup: is a pod that asks for hibernate, has no VM and records one hibernated?
+    ConfirmHibernated(ConfirmOp),
     Delete(DeleteOp),
     Evict(EvictOp),
     Check(CheckOp),
@@ -528,7 +565,14 @@ pub(super) enum Step {
     Check(CheckStep),
     Hibernate(HibernateStep),
     Wake(WakeStep),
+    ConfirmHibernated(ConfirmStep),
     PostClone(PostCloneStep),
+}
+
+impl From<ConfirmStep> for Step {
+    fn from(s: ConfirmStep) -> Step {
+        Step::ConfirmHibernated(s)
+    }
 }
 
 impl From<PostCloneStep> for Step {

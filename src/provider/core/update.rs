@@ -158,7 +158,7 @@ impl Provider {
     /// A pod asking for hibernate with no VM is hibernated, whatever its record says: a wake
     /// that failed (or was interrupted by a restart) before its clone, then withdrawn, leaves
     /// `failed` or `creating` behind, and nothing else would ever settle it.
-    fn settle_hibernated(&mut self, key: &PodKey, uid: &str) {
+    pub(super) fn settle_hibernated(&mut self, key: &PodKey, uid: &str) {
         let slot = self.slot(key);
         slot.update_retry = None;
         let settled = slot

@@ -225,13 +225,39 @@ impl Provider {
                     });
                 }
                 if !r.success {
-                    let msg = format!("vm clone {vm} from {source}: {}", r.error_text());
-                    return self.wake_failed(key, fail("WakeCloneFailed", msg));
+                    // A clone killed at its deadline (or failing half-way) can leave a VM
+                    // record under the name: the retry's clone would then fail on the taken
+                    // name, and a delete before it would not know of the record. Look first.
+                    let error = format!("vm clone {vm} from {source}: {}", r.error_text());
+                    let ask = Ask::Cocoon(CocoonCmd::VmInspect {
+                        reference: vm.clone(),
+                    });
+                    return self.advance(key, WakeStep::CloneFailedInspect { source, error }, ask);
                 }
                 match parse_vm(&r.stdout) {
                     Ok(v) => self.woken(key, &w, v, &source),
                     Err(e) => self.wake_failed(key, fail("WakeCloneFailed", e)),
                 }
+            }
+            (WakeStep::CloneFailedInspect { source, error }, Res::Cocoon(r)) => {
+                match (r.success, parse_vm(&r.stdout)) {
+                    // The clone finished after all (a slow clone past its deadline).
+                    (true, Ok(v)) if v.running() => self.woken(key, &w, v, &source),
+                    (true, Ok(v)) => {
+                        let ask = Ask::Cocoon(CocoonCmd::VmRm { id: v.id });
+                        self.advance(key, WakeStep::CloneFailedRm { error }, ask)
+                    }
+                    _ => self.wake_failed(key, fail("WakeCloneFailed", error)),
+                }
+            }
+            (WakeStep::CloneFailedRm { error }, Res::Cocoon(r)) => {
+                if !r.success && !r.vm_not_found() {
+                    log::warn!(
+                        "provider: {key}: remove leftover of failed wake clone: {}",
+                        r.error_text()
+                    );
+                }
+                self.wake_failed(key, fail("WakeCloneFailed", error))
             }
             (step, res) => self.unexpected_answer(key, &step, &res),
         }

@@ -553,3 +553,81 @@ fn a_source_deleted_while_its_fork_snapshot_is_saved_is_not_handed_out() {
     assert_eq!(cmds, [format!("snapshot rm fork-{SRC}")], "{e:?}");
     failed_create(&e, "was deleted or re-created while it was being forked");
 }
+
+/// A fork of `sub` up to its flight's `snapshot save` (the source found by inspect); returns
+/// the save's op and command.
+fn to_fork_save(h: &mut H) -> (OpId, CocoonCmd) {
+    let e = to_flight(h, fork_pod("sub", "u1", "vk-ns-sub-0"));
+    let e = answer(
+        h,
+        &e,
+        &format!("snapshot inspect fork-{SRC}"),
+        CocoonResult::failed("Error: inspect: snapshot not found"),
+    );
+    let e = answer(
+        h,
+        &e,
+        &format!("vm inspect {SRC}"),
+        CocoonResult::ok(vm_json("SRCID", SRC, "running", "02:00:00:00:00:01")),
+    );
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), format!("snapshot save --name fork-{SRC} SRCID"));
+    (op, cmd)
+}
+
+fn save_seconds(e: &[Effect]) -> Vec<(String, f64)> {
+    e.iter()
+        .filter_map(|x| match x {
+            Effect::Metric(MetricUpdate::SnapshotSaveDuration { namespace, seconds }) => {
+                Some((namespace.clone(), *seconds))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn the_fork_save_is_timed_in_the_save_duration_histogram() {
+    let mut h = H::new(ProviderConfig::default());
+    let (op, _) = to_fork_save(&mut h);
+    h.now += Duration::from_secs(7);
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    // Labelled with the namespace of the forking pods (the source's own: forks stay in it).
+    assert_eq!(save_seconds(&e), vec![("ns".to_string(), 7.0)]);
+
+    // A failed save is timed too, as a hibernate's is.
+    let mut h = H::new(ProviderConfig::default());
+    let (op, _) = to_fork_save(&mut h);
+    h.now += Duration::from_secs(2);
+    let e = h.cocoon(op, CocoonResult::failed("Error: save: disk full"));
+    assert_eq!(save_seconds(&e), vec![("ns".to_string(), 2.0)]);
+    assert!(has_metric(
+        &e,
+        &MetricUpdate::SnapshotSave { result: "failed" }
+    ));
+}
+
+#[test]
+fn a_hung_fork_save_is_killed_at_the_create_deadline_not_the_transfer_one() {
+    let mut h = H::new(ProviderConfig::default());
+    let (op, cmd) = to_fork_save(&mut h);
+    // The forking creates wait for this save: it is bounded by their create deadline class.
+    assert_eq!(cmd.deadline(), Duration::from_secs(600));
+    assert!(cmd.deadline() < crate::provider::cocoon::Deadlines::default().transfer);
+    // Another fork of the same source joins the same flight (no second save).
+    let e = to_flight(&mut h, fork_pod("sub2", "u2", "vk-ns-sub2-0"));
+    assert!(cocoon_ops(&e).is_empty(), "{e:?}");
+    // The daemon kills the child at that deadline: both creates fail and retry.
+    h.now += cmd.deadline();
+    let killed = CocoonResult {
+        timed_out: true,
+        ..CocoonResult::failed("")
+    };
+    let e = h.cocoon(op, killed);
+    assert_eq!(save_seconds(&e), vec![("ns".to_string(), 600.0)]);
+    let failures = events(&e)
+        .iter()
+        .filter(|(r, m)| *r == "CreateBringUpFailed" && m.contains("timed out"))
+        .count();
+    assert_eq!(failures, 2, "{:?}", events(&e));
+}

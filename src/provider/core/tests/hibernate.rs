@@ -62,7 +62,7 @@ fn ids_cleared_op(e: &[Effect]) -> OpId {
         .expect("id / ip cleared")
 }
 
-fn lifecycle_written(e: &[Effect], state: &str) -> bool {
+pub(super) fn lifecycle_written(e: &[Effect], state: &str) -> bool {
     annotation_patches(e)
         .iter()
         .any(|(_, a)| a.get(ANN_LIFECYCLE_STATE) == Some(&Some(state.into())))
@@ -493,33 +493,6 @@ fn owed_hibernate_starts_a_stopped_vm_first() {
     let e = h.advance(Duration::from_secs(15));
     let (_, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm start VM1");
-}
-
-#[test]
-fn a_restart_after_the_removal_finishes_as_hibernated() {
-    let mut h = H {
-        p: Provider::new(registry()),
-        now: Instant::now(),
-        wall: SystemTime::UNIX_EPOCH,
-        quiet_reclaimer: true,
-    };
-    let mut ann = managed("a", VM);
-    ann.extend([
-        (ANN_HIBERNATE, "true".to_string()),
-        (ANN_VM_ID, "VM1".to_string()),
-        (ANN_LIFECYCLE_STATE, "hibernating".to_string()),
-    ]);
-    let e = h.feed(Input::StartupListed {
-        pods: vec![mk("a", "u1", &ann)],
-        vms: vec![],
-    });
-    assert!(cocoon_ops(&e).is_empty(), "{e:?}");
-    assert!(lifecycle_written(&e, "hibernated"));
-    assert!(annotation_patches(&e)
-        .iter()
-        .any(|(_, a)| a.get(ANN_VM_ID) == Some(&None)));
-    assert!(h.p.get_pod(&key()).is_some(), "tracked without a VM");
-    assert!(h.p.pod_vm(&key()).is_none());
 }
 
 #[test]

@@ -13,6 +13,7 @@ use crate::provider::status;
 use crate::provider::*;
 
 mod check;
+mod confirm_hibernated;
 mod cpu_class;
 mod create;
 mod delete;
@@ -36,18 +37,21 @@ struct H {
 
 impl H {
     fn new(cfg: ProviderConfig) -> Self {
+        let (h, e) = H::starting(cfg, vec![], vec![]);
+        assert!(e.is_empty(), "{e:?}");
+        h
+    }
+
+    /// A daemon whose startup lists these pods and VMs; returns the startup's effects too.
+    fn starting(cfg: ProviderConfig, pods: Vec<Pod>, vms: Vec<VmInfo>) -> (Self, Vec<Effect>) {
         let mut h = H {
             p: Provider::new(cfg),
             now: Instant::now(),
             wall: SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000),
             quiet_reclaimer: true,
         };
-        let e = h.feed(Input::StartupListed {
-            pods: vec![],
-            vms: vec![],
-        });
-        assert!(e.is_empty(), "{e:?}");
-        h
+        let e = h.feed(Input::StartupListed { pods, vms });
+        (h, e)
     }
 
     fn feed(&mut self, i: Input) -> Vec<Effect> {

@@ -7,7 +7,7 @@ use super::*;
 const VM: &str = "vk-ns-demo-0";
 const IMPORT: &str = "vk-ns-demo-0-hibernate-import";
 
-fn tag(id: &str) -> HibernateTag {
+pub(super) fn tag(id: &str) -> HibernateTag {
     HibernateTag {
         base_image: "team/agent:v3".into(),
         snapshot_id: id.into(),
@@ -15,7 +15,7 @@ fn tag(id: &str) -> HibernateTag {
     }
 }
 
-fn evidence_op(e: &[Effect]) -> OpId {
+pub(super) fn evidence_op(e: &[Effect]) -> OpId {
     e.iter()
         .find_map(|x| match x {
             Effect::CheckHibernateEvidence { op, vm_name } if vm_name == VM => Some(*op),
@@ -130,18 +130,7 @@ fn clone_answers(h: &mut H, e: &[Effect], source: &str) -> Vec<Effect> {
 #[test]
 fn wake_clones_from_the_verified_local_snapshot_under_the_same_name() {
     let mut h = H::new(registry());
-    let e = ask_wake(&mut h);
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("snapshot inspect {VM}"),
-        local_snapshot("S1"),
-    );
-    let op = evidence_op(&e);
-    let e = h.feed(Input::HibernateEvidence {
-        op,
-        result: Ok(Some(tag("S1"))),
-    });
+    let e = wake_to_verified_clone(&mut h);
     assert!(has_metric(
         &e,
         &MetricUpdate::SnapshotVerify { result: "ok" }
@@ -302,10 +291,84 @@ fn a_failed_pull_or_clone_is_reported_as_such() {
     );
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(op, CocoonResult::failed("Error: clone: restore failed"));
-    assert!(events(&e).iter().any(|(r, _)| *r == "WakeCloneFailed"));
     assert!(cocoon_ops(&e)
         .iter()
         .any(|(_, c)| argv(c) == format!("snapshot rm {IMPORT}")));
+    let e = answer_leftover_lookup(&mut h, &e, CocoonResult::failed("Error: vm not found"));
+    assert!(events(&e).iter().any(|(r, _)| *r == "WakeCloneFailed"));
+}
+
+/// After a failed clone the wake looks for a record it left under the VM name (the import's
+/// removal runs beside it): answers that `vm inspect` with `r`.
+fn answer_leftover_lookup(h: &mut H, e: &[Effect], r: CocoonResult) -> Vec<Effect> {
+    let inspect = cocoon_ops(e)
+        .into_iter()
+        .filter(|(_, c)| !argv(c).starts_with("snapshot rm"))
+        .collect::<Vec<_>>();
+    assert_eq!(inspect.len(), 1, "{e:?}");
+    assert_eq!(argv(&inspect[0].1), format!("vm inspect {VM}"));
+    h.cocoon(inspect[0].0, r)
+}
+
+/// A wake of `a` whose local copy the tag verifies: returns the effects up to its clone.
+fn wake_to_verified_clone(h: &mut H) -> Vec<Effect> {
+    let e = ask_wake(h);
+    let e = answer(
+        h,
+        &e,
+        &format!("snapshot inspect {VM}"),
+        local_snapshot("S1"),
+    );
+    let op = evidence_op(&e);
+    h.feed(Input::HibernateEvidence {
+        op,
+        result: Ok(Some(tag("S1"))),
+    })
+}
+
+/// A wake of `a` whose clone is killed at its deadline; the lookup that follows finds a
+/// record of the VM in `state`. Returns the effects after that lookup.
+fn wake_clone_killed_leaving(h: &mut H, state: &str) -> Vec<Effect> {
+    let e = wake_to_verified_clone(h);
+    let (op, cmd) = one_cocoon(&e);
+    assert!(argv(&cmd).starts_with("vm clone"));
+    let killed = CocoonResult {
+        timed_out: true,
+        ..CocoonResult::failed("")
+    };
+    let e = h.cocoon(op, killed);
+    assert!(
+        !events(&e).iter().any(|(r, _)| *r == "WakeCloneFailed"),
+        "not reported before the lookup"
+    );
+    let leftover = vm_json("VM2", VM, state, "02:00:00:00:00:02");
+    answer_leftover_lookup(h, &e, CocoonResult::ok(leftover))
+}
+
+#[test]
+fn a_failed_wake_clone_removes_the_record_it_left_before_the_retry() {
+    let mut h = H::new(registry());
+    let e = wake_clone_killed_leaving(&mut h, "created");
+    let e = answer(&mut h, &e, "vm rm --force VM2", CocoonResult::ok(""));
+    assert!(events(&e).iter().any(|(r, _)| *r == "WakeCloneFailed"));
+    assert!(has_metric(&e, &MetricUpdate::Wake { result: "failed" }));
+    assert!(h.p.pod_vm(&key()).is_none());
+    // The op retry clones again into the freed name.
+    let e = h.advance(Duration::from_secs(15));
+    let (_, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), format!("snapshot inspect {VM}"));
+}
+
+#[test]
+fn a_wake_clone_that_finished_past_its_deadline_is_taken() {
+    let mut h = H::new(registry());
+    let e = wake_clone_killed_leaving(&mut h, "running");
+    assert!(events(&e)
+        .iter()
+        .any(|(r, m)| *r == "Woken" && m == &format!("cloned from local snapshot {VM}")));
+    assert!(!events(&e).iter().any(|(r, _)| *r == "WakeCloneFailed"));
+    assert!(cocoon_ops(&e).is_empty(), "nothing removed: {e:?}");
+    assert_eq!(h.p.pod_vm(&key()).unwrap().id, "VM2");
 }
 
 #[test]
