@@ -68,6 +68,9 @@ impl Default for ProbeConfig {
 }
 
 /// What the provider knows about a pod's VM, as far as probing needs it.
+/// The port of the SSH probe of macOS guests without a `probe-port`.
+pub const SSH_PORT: u16 = 22;
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProbeTarget {
     pub namespace: String,

@@ -117,6 +117,9 @@ pub struct ProviderConfig {
     pub restore_mode: RestoreMode,
     /// Whether lease release is enabled (VK_COCOON_NET_CONTROL_SOCKET not set-but-empty).
     pub lease_release: bool,
+    /// COCOON_MACOS_VNC_PASSWORD is set: macOS guests get a VNC display (the password itself
+    /// stays with the daemon, which adds it to `cocoon-macos`'s argv).
+    pub macos_vnc: bool,
 }
 
 impl Default for ProviderConfig {
@@ -128,6 +131,7 @@ impl Default for ProviderConfig {
             orphan_policy: OrphanPolicy::Destroy,
             restore_mode: RestoreMode::Mmap,
             lease_release: true,
+            macos_vnc: false,
         }
     }
 }
@@ -323,6 +327,11 @@ pub enum Input {
         op: OpId,
         result: Result<(), crate::guest::sac::SacError>,
     },
+    /// Answer of [`Effect::CheckPid`]: the process exists and is not a zombie.
+    PidChecked {
+        op: OpId,
+        alive: bool,
+    },
     VmEvent {
         kind: VmEventKind,
         vm: VmInfo,
@@ -348,6 +357,12 @@ pub enum Effect {
     Cocoon {
         op: OpId,
         cmd: CocoonCmd,
+    },
+    /// Is process `pid` alive (signal 0 / `/proc/<pid>`)? The macOS guests' QEMU liveness
+    /// check; answered with [`Input::PidChecked`].
+    CheckPid {
+        op: OpId,
+        pid: i64,
     },
     LookupLease {
         op: OpId,
