@@ -9,6 +9,7 @@
 
 pub mod apiserver;
 pub mod fake_cocoon;
+pub mod fake_cocoon_macos;
 pub mod fake_sac;
 
 use std::path::{Path, PathBuf};

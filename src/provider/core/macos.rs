@@ -354,7 +354,11 @@ impl Provider {
             "Create pod in provider successfully",
         );
         self.arm_macos_watch();
-        self.push_status(key, false);
+        if !adopted {
+            // An adopted guest's pod already shows its status; the probe's first answer
+            // publishes it again (a Running, not-Ready write here would flap a Ready pod).
+            self.push_status(key, false);
+        }
         self.reconcile_slot(key);
     }
 

@@ -370,7 +370,7 @@ fn after_a_restart_a_macos_pod_is_adopted_by_its_create_not_left_untracked() {
     let mut p = Provider::new(vnc_on());
     let now = Instant::now();
     let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
-    let pod = mac_pod(
+    let mut pod = mac_pod(
         "mac-1",
         "u1",
         &[
@@ -378,6 +378,12 @@ fn after_a_restart_a_macos_pod_is_adopted_by_its_create_not_left_untracked() {
             ("vm.cocoonstack.io/vnc-port", "5903"),
         ],
     );
+    // Running before the restart, with no VM in cocoon's list: a cocoon guest would be
+    // checked for a VM gone meanwhile; a macOS guest is not cocoon's.
+    pod.status = Some(PodStatus {
+        phase: Some("Running".into()),
+        ..Default::default()
+    });
     let mut e = p.handle(
         Input::StartupListed {
             pods: vec![pod],
