@@ -178,6 +178,22 @@ fn a_macos_pod_runs_restarts_its_qemu_is_adopted_after_a_restart_and_is_deleted(
         "the VNC password must not reach the log"
     );
 
+    // Stats: the QEMU's RSS from /proc/<pid>/stat and the disk file's size (1 GiB sparse).
+    let line = w.wait("macOS guest stats", Duration::from_secs(15), || {
+        let m = w.metrics();
+        let rss = m.lines().find(|l| {
+            l.starts_with("vk_cocoon_vm_memory_rss_bytes{") && l.contains("backend=\"qemu\"")
+        })?;
+        let rss: f64 = rss.rsplit(' ').next()?.parse().ok()?;
+        (rss > 0.0).then_some(())?;
+        m.lines()
+            .find(|l| {
+                l.starts_with("vk_cocoon_vm_disk_cow_bytes{") && l.contains("backend=\"qemu\"")
+            })
+            .map(str::to_string)
+    });
+    assert!(line.ends_with(" 1073741824"), "{line}");
+
     // A killed QEMU is started again by the watch, and never twice within 10 s.
     let first = kill_and_await_restart(&w, vm, Duration::from_secs(25));
     let second = kill_and_await_restart(&w, vm, Duration::from_secs(25));
