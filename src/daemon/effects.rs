@@ -136,6 +136,7 @@ impl Daemon {
                     .pod_vm(&key)
                     .and_then(|vm| vm.nics.first())
                     .is_some_and(|nic| !nic.static_ip.is_empty());
+                target.ssh_banner = self.provider.probe_wants_ssh_banner(&key);
                 let now = self.reactor.now();
                 let out = self.probes.start(
                     &mut self.reactor,

@@ -381,6 +381,14 @@ impl Provider {
         });
     }
 
+    /// Whether the pod's probe must read an SSH banner: a macOS guest with no probe-port.
+    pub fn probe_wants_ssh_banner(&self, key: &PodKey) -> bool {
+        self.slots
+            .get(key)
+            .and_then(|s| s.tracked.as_ref())
+            .is_some_and(|t| is_macos(&t.spec) && t.spec.probe_port.is_none())
+    }
+
     /// A probe result of a macOS guest: Ready is published by the probe (probe ready, pod not
     /// failed), not at the end of the create. Returns whether it published.
     pub(super) fn macos_readiness(&mut self, key: &PodKey, ready: bool) -> bool {

@@ -106,8 +106,9 @@ fn a_new_guest_is_run_with_its_vnc_display_and_goes_ready_by_its_probe() {
         } => Some((*probe_port, mac.clone())),
         _ => None,
     });
-    // No probe-port: the SSH port (the probe wants its banner).
+    // No probe-port: the SSH port, whose banner the probe must read.
     assert_eq!(probe, Some((Some(22), "02:00:00:00:aa:01".into())));
+    assert!(h.p.probe_wants_ssh_banner(&PodKey::new("ns", "mac-0")));
     assert!(has_metric(
         &e,
         &MetricUpdate::PodLifecycle {
@@ -187,6 +188,10 @@ fn without_a_password_there_is_no_vnc_and_an_annotated_port_is_preferred_with_on
         &[("vm.cocoonstack.io/vnc-port", "5950")],
     );
     assert!(a.contains("--vnc 50 "), "{a}");
+    // A probe-port is a plain TCP connect, not an SSH banner.
+    to_run(&mut h, "mac-p", "up", &[(ANN_PROBE_PORT, "2222")]);
+    assert!(!h.p.probe_wants_ssh_banner(&PodKey::new("ns", "mac-p")));
+    assert!(h.p.probe_wants_ssh_banner(&PodKey::new("ns", "mac-0")));
     // An annotation outside the range is ignored.
     let (_, a) = to_run(
         &mut h,
@@ -194,7 +199,8 @@ fn without_a_password_there_is_no_vnc_and_an_annotated_port_is_preferred_with_on
         "u2",
         &[("vm.cocoonstack.io/vnc-port", "6001")],
     );
-    assert!(a.contains("--vnc 0 "), "{a}");
+    // (5900 went to mac-p above.)
+    assert!(a.contains("--vnc 1 "), "{a}");
 }
 
 #[test]
