@@ -14,6 +14,7 @@
 //!   directory beside a `cocoon-macos` symlink is used.
 //! - `FAKE_COCOON_MACOS_LEASES`: a cocoon-net lease file to keep in step (one row per VM whose
 //!   QEMU is alive, IP `127.89.0.<n>` on loopback), so the daemon finds the guest's address.
+//!   Rows of other MACs (not this fake's `02:00:4d:ac:` prefix) are kept as they are.
 //!
 //! # State directory
 //! `vms/<name>.json` (`name, pid, mac, tap, disk, vnc, vnc_password, ip`), `disks/<name>.img`
@@ -300,7 +301,11 @@ fn run_vm(state: &Path, args: &[&str]) -> Result<String, String> {
     if vm_path(state, &name).exists() {
         return Err(format!("vm {name} already exists"));
     }
-    let n = records(state).len() as u64 + 1;
+    // The lowest guest number no record holds: its MAC, tap and address stay unique.
+    let taken: Vec<String> = records(state).into_iter().map(|r| r.tap).collect();
+    let n = (1u64..)
+        .find(|n| !taken.contains(&format!("qtap{n}")))
+        .unwrap_or(1);
     let disk = state.join("disks").join(format!("{name}.img"));
     let f = File::create(&disk).map_err(|e| format!("create disk: {e}"))?;
     f.set_len(storage.unwrap_or(1 << 30))
@@ -308,7 +313,7 @@ fn run_vm(state: &Path, args: &[&str]) -> Result<String, String> {
     let r = MacosRecord {
         name: name.clone(),
         pid: spawn_qemu()?,
-        mac: format!("02:00:4d:ac:{:02x}:{:02x}", (n >> 8) & 0xff, n & 0xff),
+        mac: format!("{MAC_PREFIX}{:02x}:{:02x}", (n >> 8) & 0xff, n & 0xff),
         tap: format!("qtap{n}"),
         disk: disk.to_string_lossy().into_owned(),
         vnc: vnc.display,
@@ -355,17 +360,28 @@ fn log_call(state: &Path, args: &[String]) {
     }
 }
 
-/// Rewrites the lease file (if one is configured): a row per guest whose QEMU is alive.
+/// The MAC prefix of this fake's guests: its lease rows are the ones it rewrites.
+const MAC_PREFIX: &str = "02:00:4d:ac:";
+
+/// Rewrites this fake's rows of the lease file (if one is configured): a row per guest whose
+/// QEMU is alive; other rows stay.
 fn sync_leases(state: &Path) {
     let Some(path) = std::env::var_os("FAKE_COCOON_MACOS_LEASES").filter(|p| !p.is_empty()) else {
         return;
     };
     let expiry = rfc3339_at(SystemTime::now() + Duration::from_secs(3600));
-    let rows: Vec<serde_json::Value> = records(state)
-        .iter()
-        .filter(|r| pid_alive(r.pid))
-        .map(|r| serde_json::json!({"mac": r.mac, "ip": r.ip, "expiry": expiry}))
-        .collect();
+    let mut rows: Vec<serde_json::Value> = fs::read(&path)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Option<Vec<serde_json::Value>>>(&b).ok())
+        .flatten()
+        .unwrap_or_default();
+    rows.retain(|r| !r["mac"].as_str().unwrap_or("").starts_with(MAC_PREFIX));
+    rows.extend(
+        records(state)
+            .iter()
+            .filter(|r| pid_alive(r.pid))
+            .map(|r| serde_json::json!({"mac": r.mac, "ip": r.ip, "expiry": expiry})),
+    );
     if let Ok(bytes) = serde_json::to_vec(&rows) {
         let _ = write_atomic(Path::new(&path), &bytes);
     }

@@ -26,6 +26,12 @@ fn macos(cmd: MacosCmd) -> Ask {
     Ask::Cocoon(CocoonCmd::Macos(cmd))
 }
 
+/// A call pods asking the same share (one process, one answer to all): the image inspect and
+/// pull, de-duplicated per image as the contract wants.
+fn shared(cmd: MacosCmd) -> Ask {
+    Ask::SharedRead(CocoonCmd::Macos(cmd))
+}
+
 /// The VM record of a macOS guest from `cocoon-macos vm inspect`.
 fn vm_info(vm: &MacosVm) -> VmInfo {
     VmInfo {
@@ -199,7 +205,7 @@ impl Provider {
                 self.advance(
                     key,
                     CreateStep::MacosImageInspect,
-                    macos(MacosCmd::ImageInspect { image }),
+                    shared(MacosCmd::ImageInspect { image }),
                 )
             }
             (CreateStep::MacosAlive { vm }, Res::Pid(alive)) => {
@@ -228,7 +234,7 @@ impl Provider {
                 self.advance(
                     key,
                     CreateStep::MacosImagePull,
-                    macos(MacosCmd::ImagePull { image }),
+                    shared(MacosCmd::ImagePull { image }),
                 )
             }
             (CreateStep::MacosImagePull, Res::Cocoon(r)) => {

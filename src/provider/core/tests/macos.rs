@@ -131,6 +131,36 @@ fn ready(s: &PodStatus) -> bool {
 }
 
 #[test]
+fn two_guests_of_one_image_share_its_inspect_and_pull() {
+    let mut h = H::new(vnc_on());
+    let mut inspects = Vec::new();
+    for (name, uid) in [("mac-a", "ua"), ("mac-b", "ub")] {
+        let e = h.feed(Input::PodUpserted(Box::new(mac_pod(name, uid, &[]))));
+        let (op, _) = one_macos(&e);
+        inspects.push(h.cocoon(
+            op,
+            CocoonResult::failed(format!("Error: vm not found: vk-ns-{name}")),
+        ));
+    }
+    // The second pod joined the first one's image inspect: no second process.
+    let (op, a) = one_macos(&inspects[0]);
+    assert_eq!(a, format!("image inspect {IMAGE}"));
+    assert!(cocoon_ops(&inspects[1]).is_empty(), "{:?}", inspects[1]);
+    let e = h.cocoon(op, CocoonResult::failed("Error: image not found"));
+    let (op, a) = one_macos(&e);
+    assert_eq!(a, format!("image pull {IMAGE}"));
+    // One pull answers both: each goes on to its own `vm run`.
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let runs: Vec<String> = cocoon_ops(&e).iter().map(|(_, c)| argv(c)).collect();
+    assert_eq!(runs.len(), 2, "{runs:?}");
+    assert!(runs.iter().all(|a| a.starts_with("vm run ")));
+    assert!(
+        runs[0].contains("--vnc 0 ") && runs[1].contains("--vnc 1 "),
+        "{runs:?}"
+    );
+}
+
+#[test]
 fn a_running_guest_is_adopted_with_the_port_it_serves() {
     let mut h = H::new(vnc_on());
     let e = h.feed(Input::PodUpserted(Box::new(mac_pod("mac-1", "u1", &[]))));
