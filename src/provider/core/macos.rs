@@ -368,6 +368,27 @@ impl Provider {
         self.reconcile_slot(key);
     }
 
+    /// The status reconciler's endpoint check of a macOS guest: the vnc-port annotation the
+    /// API copy should carry when it differs from what it carries (`Some(None)`: remove a port
+    /// the guest no longer serves).
+    pub(super) fn macos_vnc_drift(&self, key: &PodKey) -> Option<Option<String>> {
+        let slot = self.slots.get(key)?;
+        let t = slot.tracked.as_ref().filter(|t| is_macos(&t.spec))?;
+        let api = slot.latest.as_ref()?;
+        let want = self
+            .vnc_ports
+            .iter()
+            .find(|(_, k)| *k == key)
+            .map(|(p, _)| p.to_string());
+        let has = api
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(ANN_VNC_PORT))
+            .cloned();
+        (t.vm.is_some() && want != has).then_some(want)
+    }
+
     /// (Re)starts the pod's probe with its current VM record: `probe-port` ⇒ TCP connect,
     /// else the SSH banner on port 22.
     fn macos_start_probe(&mut self, key: &PodKey) {

@@ -184,6 +184,25 @@ fn a_running_guest_is_adopted_with_the_port_it_serves() {
 }
 
 #[test]
+fn the_status_reconciler_repairs_a_lost_vnc_port_write() {
+    let mut h = H::new(vnc_on());
+    adopt(&mut h, "mac-1", "u1", 7);
+    // The API copy never got the annotation (a lost write): the first reconcile (10 s) writes
+    // it again; a copy that has it is left alone.
+    let e = h.advance(Duration::from_secs(10));
+    assert_eq!(vnc_annotation(&e), Some(Some("5907".into())), "{e:?}");
+    let with = mac_pod("mac-1", "u1", &[("vm.cocoonstack.io/vnc-port", "5907")]);
+    h.feed(Input::PodUpserted(Box::new(with)));
+    let e = h.advance(Duration::from_secs(30));
+    assert_eq!(vnc_annotation(&e), None, "{e:?}");
+    // A port other than the one it holds is corrected.
+    let stale = mac_pod("mac-1", "u1", &[("vm.cocoonstack.io/vnc-port", "5990")]);
+    h.feed(Input::PodUpserted(Box::new(stale)));
+    let e = h.advance(Duration::from_secs(30));
+    assert_eq!(vnc_annotation(&e), Some(Some("5907".into())), "{e:?}");
+}
+
+#[test]
 fn a_guest_whose_qemu_is_dead_is_started_on_its_display() {
     let mut h = H::new(vnc_on());
     let e = h.feed(Input::PodUpserted(Box::new(mac_pod("mac-1", "u1", &[]))));
