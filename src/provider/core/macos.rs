@@ -118,6 +118,14 @@ impl Provider {
         if let Some((&port, _)) = self.vnc_ports.iter().find(|(_, k)| *k == key) {
             return Ok(Some(port));
         }
+        // A pod gone from the API without a delete of ours (its create failed, then it was
+        // removed) holds its port no longer.
+        let slots = &self.slots;
+        self.vnc_ports.retain(|_, k| {
+            slots
+                .get(k)
+                .is_some_and(|s| s.latest.is_some() || s.tracked.is_some())
+        });
         let annotated = self
             .slots
             .get(key)
@@ -425,7 +433,10 @@ impl Provider {
         let Some(t) = slot.tracked.as_ref() else {
             return false;
         };
-        if !ready || !is_macos(&t.spec) || slot.op.is_some() || deleting(&t.pod) {
+        // The watch's liveness check may be running: it changes nothing Ready depends on, and
+        // a readiness change is reported once, so it must not be lost to it.
+        let busy = !matches!(slot.op, None | Some(Op::MacosWatch(_)));
+        if !ready || !is_macos(&t.spec) || busy || deleting(&t.pod) {
             return false;
         }
         let owed = slot

@@ -203,6 +203,29 @@ fn the_status_reconciler_repairs_a_lost_vnc_port_write() {
 }
 
 #[test]
+fn ready_is_published_even_while_the_watch_checks_the_qemu() {
+    let mut h = H::new(vnc_on());
+    adopt(&mut h, "mac-1", "u1", 1);
+    // The watch's liveness check is out when the probe first succeeds.
+    let e = h.advance(Duration::from_secs(10));
+    assert!(pid_check(&e).is_some());
+    let e = probe_ok(&mut h, "mac-1", "u1");
+    assert!(statuses(&e).iter().any(|(_, s)| ready(s)), "{e:?}");
+}
+
+#[test]
+fn the_port_of_a_pod_that_left_without_a_delete_is_free_again() {
+    let mut h = H::new(vnc_on());
+    let (op, a) = to_run(&mut h, "mac-0", "u1", &[]);
+    assert!(a.contains("--vnc 0 "), "{a}");
+    // The run fails; the pod is then removed from the API outright (no graceful delete).
+    h.cocoon(op, CocoonResult::failed("Error: qemu: no KVM"));
+    h.feed(Input::PodDeleted(Box::new(mac_pod("mac-0", "u1", &[]))));
+    let (_, a) = to_run(&mut h, "mac-1", "u2", &[]);
+    assert!(a.contains("--vnc 0 "), "{a}");
+}
+
+#[test]
 fn a_guest_whose_qemu_is_dead_is_started_on_its_display() {
     let mut h = H::new(vnc_on());
     let e = h.feed(Input::PodUpserted(Box::new(mac_pod("mac-1", "u1", &[]))));
