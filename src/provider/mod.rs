@@ -24,7 +24,11 @@
 //! Effects and the result each one owes back (same `op` id):
 //! * [`Effect::Cocoon`] `{op, cmd}`: run `cocoon` with `cmd.argv()` (deadline `cmd.deadline()`),
 //!   answer [`Input::CocoonDone`] `{op, result}` with the raw exit (success, stdout, stderr,
-//!   timed_out). The core reads it through the vm room's parsers and classification.
+//!   timed_out). The core reads it through the vm room's parsers and classification. A
+//!   [`cocoon::CocoonCmd::Macos`] call runs `VK_COCOON_MACOS_BIN` instead, with
+//!   `cmd.spawn_argv(password)` (the VNC password added; `argv()` shows it redacted).
+//! * [`Effect::CheckPid`] `{op, pid}`: is that process alive (not a zombie)? Answer
+//!   [`Input::PidChecked`] (a macOS guest's QEMU).
 //! * [`Effect::LookupLease`] `{op, mac}`: look the MAC up in the cocoon-net lease file, answer
 //!   [`Input::LeaseLooked`] (a [`LeaseError`] when the file cannot answer).
 //! * [`Effect::PatchPodStatus`], [`Effect::PatchPodAnnotations`], [`Effect::DeletePod`]: kube
