@@ -12,8 +12,9 @@
 //! # Environment
 //! - `FAKE_COCOON_MACOS_STATE`: the state directory; without it, a `fake-cocoon-macos-state`
 //!   directory beside a `cocoon-macos` symlink is used.
-//! - `FAKE_COCOON_MACOS_LEASES`: a cocoon-net lease file to keep in step (one row per VM whose
-//!   QEMU is alive, IP `127.89.0.<n>` on loopback), so the daemon finds the guest's address.
+//! - `FAKE_COCOON_MACOS_LEASES`: a cocoon-net lease file to keep in step (one row per guest,
+//!   IP `127.89.0.<n>` on loopback), so the daemon finds the guest's address. As with
+//!   cocoon-net, a guest keeps its lease while its QEMU is down; `vm rm` drops it.
 //!   Rows of other MACs (not this fake's `02:00:4d:ac:` prefix) are kept as they are.
 //!
 //! # State directory
@@ -363,8 +364,9 @@ fn log_call(state: &Path, args: &[String]) {
 /// The MAC prefix of this fake's guests: its lease rows are the ones it rewrites.
 const MAC_PREFIX: &str = "02:00:4d:ac:";
 
-/// Rewrites this fake's rows of the lease file (if one is configured): a row per guest whose
-/// QEMU is alive; other rows stay.
+/// Rewrites this fake's rows of the lease file (if one is configured): a row per guest (a
+/// dead QEMU's guest keeps its lease, as cocoon-net's leases outlive a guest reboot); other
+/// rows stay.
 fn sync_leases(state: &Path) {
     let Some(path) = std::env::var_os("FAKE_COCOON_MACOS_LEASES").filter(|p| !p.is_empty()) else {
         return;
@@ -379,7 +381,6 @@ fn sync_leases(state: &Path) {
     rows.extend(
         records(state)
             .iter()
-            .filter(|r| pid_alive(r.pid))
             .map(|r| serde_json::json!({"mac": r.mac, "ip": r.ip, "expiry": expiry})),
     );
     if let Ok(bytes) = serde_json::to_vec(&rows) {
