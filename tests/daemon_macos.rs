@@ -150,6 +150,7 @@ fn a_macos_pod_runs_restarts_its_qemu_is_adopted_after_a_restart_and_is_deleted(
     let probe = TcpListener::bind("127.89.0.1:0").expect("bind probe target");
     let port = probe.local_addr().expect("addr").port();
     w.start_daemon();
+    let created = std::time::Instant::now();
     w.api
         .create_pod(&macos_pod("mac", port))
         .expect("create pod");
@@ -157,6 +158,7 @@ fn a_macos_pod_runs_restarts_its_qemu_is_adopted_after_a_restart_and_is_deleted(
     let pod = w.wait("macOS pod Ready", Duration::from_secs(30), || {
         w.pod("mac").filter(ready)
     });
+    println!("macOS pod: created to Ready in {:?}", created.elapsed());
     assert_eq!(
         annotation(&pod, "vm.cocoonstack.io/id").as_deref(),
         Some("qemu-vk-default-mac")
@@ -195,7 +197,9 @@ fn a_macos_pod_runs_restarts_its_qemu_is_adopted_after_a_restart_and_is_deleted(
     assert!(line.ends_with(" 1073741824"), "{line}");
 
     // A killed QEMU is started again by the watch, and never twice within 10 s.
+    let killed = std::time::Instant::now();
     let first = kill_and_await_restart(&w, vm, Duration::from_secs(25));
+    println!("dead QEMU restarted after {:?}", killed.elapsed());
     let second = kill_and_await_restart(&w, vm, Duration::from_secs(25));
     assert_ne!(first, second);
     let s = starts(&w, vm);
