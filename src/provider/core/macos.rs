@@ -330,12 +330,15 @@ impl Provider {
             });
             self.lifecycle_metric("create", "ok", "");
         }
+        // An adopted guest keeps the address its pod shows until the probe, which looks the
+        // lease up by MAC on its first run, says otherwise (no blank ip written meanwhile).
         let ip = self
             .slot(key)
             .tracked
             .as_ref()
             .map(|t| t.ip.clone())
-            .unwrap_or_default();
+            .filter(|ip| !ip.is_empty() || !adopted)
+            .unwrap_or_else(|| spec.vm_ip.clone());
         let mut ann = BTreeMap::new();
         ann.insert(ANN_VM_ID.to_string(), Some(vm.id.clone()));
         ann.insert(ANN_VM_IP.to_string(), Some(ip.clone()));
@@ -352,6 +355,7 @@ impl Provider {
             slot.retry_at = None;
             if let Some(t) = slot.tracked.as_mut() {
                 t.vm = Some(vm.clone());
+                t.ip = ip.clone();
                 t.spec.vm_id = vm.id.clone();
                 t.probe = Some(initial_probe(&ip));
             }

@@ -453,6 +453,7 @@ fn after_a_restart_a_macos_pod_is_adopted_by_its_create_not_left_untracked() {
         "u1",
         &[
             (ANN_VM_ID, "qemu-vk-ns-mac-1"),
+            (ANN_VM_IP, "127.89.0.3"),
             ("vm.cocoonstack.io/vnc-port", "5903"),
         ],
     );
@@ -492,5 +493,11 @@ fn after_a_restart_a_macos_pod_is_adopted_by_its_create_not_left_untracked() {
     let (op, _) = pid_check(&e).expect("liveness check");
     let e = p.handle(Input::PidChecked { op, alive: true }, now, wall);
     assert_eq!(vnc_annotation(&e), Some(Some("5903".into())));
+    // Its address is kept (not blanked) until the probe looks the lease up.
+    let ips: Vec<Option<String>> = annotation_patches(&e)
+        .into_iter()
+        .filter_map(|(_, a)| a.get(ANN_VM_IP).cloned())
+        .collect();
+    assert_eq!(ips, vec![Some("127.89.0.3".to_string())]);
     assert!(cocoon_ops(&e).is_empty());
 }
