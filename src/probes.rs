@@ -68,6 +68,9 @@ impl Default for ProbeConfig {
 }
 
 /// What the provider knows about a pod's VM, as far as probing needs it.
+/// The port of the SSH probe of macOS guests without a `probe-port`.
+pub const SSH_PORT: u16 = 22;
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProbeTarget {
     pub namespace: String,
@@ -85,6 +88,9 @@ pub struct ProbeTarget {
     pub static_ip: bool,
     /// The `vm.cocoonstack.io/probe-port` annotation, verbatim (validated here).
     pub probe_port: Option<String>,
+    /// The port must greet with an SSH banner (`SSH-`), not only accept: the probe of a macOS
+    /// guest with no probe-port (its port is then [`SSH_PORT`]).
+    pub ssh_banner: bool,
 }
 
 impl ProbeTarget {
@@ -108,6 +114,7 @@ impl ProbeTarget {
             mac: (!mac.is_empty()).then(|| mac.to_string()),
             static_ip: false,
             probe_port: probe_port.map(|p| p.to_string()),
+            ssh_banner: false,
         }
     }
 }
@@ -125,6 +132,8 @@ pub struct ProbeResult {
 pub enum ProbeKind {
     Ping(Ipv4Addr),
     Tcp(SocketAddrV4),
+    /// Connect and read the greeting: ready only when it starts with `SSH-`.
+    SshBanner(SocketAddrV4),
 }
 
 /// Identifies one probe attempt; results carry it back. Never reused.
@@ -404,6 +413,9 @@ impl ProbeManager {
         let kind = match target.probe_port.as_deref() {
             None => ProbeKind::Ping(ip),
             Some(raw) => match parse_probe_port(raw) {
+                Some(port) if target.ssh_banner => {
+                    ProbeKind::SshBanner(SocketAddrV4::new(ip, port))
+                }
                 Some(port) => ProbeKind::Tcp(SocketAddrV4::new(ip, port)),
                 None => {
                     if agent.logged_bad_port.as_deref() != Some(raw) {
@@ -447,6 +459,10 @@ impl ProbeManager {
             (ProbeKind::Ping(_), Err(e)) => (false, format!("ping failed: {e}")),
             (ProbeKind::Tcp(_), Ok(())) => (true, "tcp ok".to_string()),
             (ProbeKind::Tcp(addr), Err(e)) => (false, format!("tcp probe {}: {e}", addr.port())),
+            (ProbeKind::SshBanner(_), Ok(())) => (true, "ssh ok".to_string()),
+            (ProbeKind::SshBanner(addr), Err(e)) => {
+                (false, format!("ssh probe {}: {e}", addr.port()))
+            }
         };
         self.settle(pod, ready, message, probe.started, now, out);
     }
@@ -816,9 +832,16 @@ impl<T: Copy> ProbeEngine<T> {
                 Ok(PingStart::AssumedReachable) => Err(Ok(())),
                 Err(e) => Err(Err(e.to_string())),
             },
-            ProbeKind::Tcp(addr) => {
+            ProbeKind::Tcp(addr) | ProbeKind::SshBanner(addr) => {
                 let token = self.spare_tokens.pop().unwrap_or_else(|| host.new_token());
-                match self.tcp.start(token, SocketAddr::V4(addr), host.registry()) {
+                let banner = matches!(kind, ProbeKind::SshBanner(_));
+                let started = if banner {
+                    self.tcp
+                        .start_banner(token, SocketAddr::V4(addr), host.registry())
+                } else {
+                    self.tcp.start(token, SocketAddr::V4(addr), host.registry())
+                };
+                match started {
                     Ok(()) => {
                         self.by_token.insert(token, id);
                         self.running.insert(id, Running::Tcp(token));

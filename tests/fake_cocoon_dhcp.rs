@@ -177,6 +177,29 @@ fn dhcp_nics_have_no_static_address_and_leases_follow_running_vms() {
 }
 
 #[test]
+fn rows_of_another_writer_outside_the_fakes_range_stay() {
+    let f = Fake::new();
+    f.seed();
+    let foreign =
+        r#"[{"mac":"02:00:4d:ac:00:01","ip":"127.89.0.1","expiry":"2099-01-01T00:00:00Z"}]"#;
+    std::fs::write(f.leases(), foreign).unwrap();
+    let vm = f.clone_vm("vk-ns-a-0", 1, true);
+    let rows = f.rows();
+    assert!(
+        rows.iter()
+            .any(|r| r.0 == "02:00:4d:ac:00:01" && r.1 == "127.89.0.1"),
+        "{rows:?}"
+    );
+    let mac = vm.network_configs[0].mac.to_ascii_lowercase();
+    assert!(rows.iter().any(|r| r.0 == mac), "{rows:?}");
+    // The fake's own rows still follow its VMs: removing the VM drops only its row.
+    f.ok(argv::vm_rm(&vm.id));
+    let rows = f.rows();
+    assert!(!rows.iter().any(|r| r.0 == mac), "{rows:?}");
+    assert!(rows.iter().any(|r| r.1 == "127.89.0.1"), "{rows:?}");
+}
+
+#[test]
 fn static_mode_is_unchanged_and_writes_no_lease_file() {
     let f = Fake::new();
     let (call, out) = f.call(

@@ -32,6 +32,7 @@ fn target(ip: Ipv4Addr, port: Option<u16>) -> Option<ProbeTarget> {
         mac: None,
         static_ip: false,
         probe_port: port.map(|p| p.to_string()),
+        ssh_banner: false,
     })
 }
 
@@ -205,6 +206,65 @@ fn tcp_probe_flips_ready_on_listener_and_back_after_three_refusals() {
     engine.forget(&mut lp, pod);
     assert_eq!(engine.host_timers(), 0);
     assert_eq!(lp.armed(), 0);
+    assert_eq!(engine.sockets_in_flight(), 0);
+}
+
+/// A loopback server that greets each connection with `greeting` (nothing when empty) and
+/// keeps it open for a while.
+fn greeter(greeting: &'static [u8]) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            std::thread::spawn(move || {
+                use std::io::Write;
+                let _ = conn.write_all(greeting);
+                std::thread::sleep(Duration::from_secs(5));
+            });
+        }
+    });
+    port
+}
+
+#[test]
+fn ssh_banner_probe_wants_an_ssh_greeting_not_just_an_open_port() {
+    let mut lp = TestLoop::new();
+    let manager = ProbeManager::new(fast(), None);
+    let mut engine = ProbeEngine::new(manager, Pinger::open(), &mut lp).unwrap();
+    let cases: [(&str, &'static [u8], bool, &str); 3] = [
+        ("ns1/sshd", b"SSH-2.0-OpenSSH_9.6\r\n", true, "ssh ok"),
+        (
+            "ns1/http",
+            b"HTTP/1.1 400 Bad Request\r\n\r\n",
+            false,
+            "no SSH banner",
+        ),
+        // Accepts and stays silent: the probe times out.
+        ("ns1/mute", b"", false, "ssh probe"),
+    ];
+    for (pod, greeting, want_ready, want_msg) in cases {
+        let port = greeter(greeting);
+        let mut t = target(Ipv4Addr::LOCALHOST, Some(port));
+        if let Some(t) = t.as_mut() {
+            t.ssh_banner = true;
+        }
+        let mut trace = Trace::default();
+        engine.start(&mut lp, pod, t, Instant::now(), SystemTime::now());
+        let done = lp.run(
+            &mut engine,
+            Instant::now() + Duration::from_secs(3),
+            |now, ev, e| {
+                trace.see(pod, now, ev, e);
+                !trace.results.is_empty()
+            },
+        );
+        assert!(done, "{pod}: no probe result");
+        let (_, ready, msg) = trace.results[0].clone();
+        assert_eq!(ready, want_ready, "{pod}: {msg}");
+        assert!(msg.contains(want_msg), "{pod}: {msg}");
+        engine.forget(&mut lp, pod);
+    }
     assert_eq!(engine.sockets_in_flight(), 0);
 }
 

@@ -152,6 +152,7 @@ fn target(ip: Option<Ipv4Addr>) -> ProbeTarget {
         mac: None,
         static_ip: false,
         probe_port: None,
+        ssh_banner: false,
     }
 }
 

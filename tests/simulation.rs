@@ -699,6 +699,12 @@ impl Sim {
                 let l = self.latency();
                 self.later(l, Delivery::Input(Input::SacDone { op, result: Ok(()) }));
             }
+            // The simulated pods are cocoon guests: no macOS QEMU runs here.
+            Effect::CheckPid { op, .. } => {
+                let l = self.latency();
+                let alive = false;
+                self.later(l, Delivery::Input(Input::PidChecked { op, alive }));
+            }
             Effect::StartProbe {
                 key, uid, vm_id, ..
             } => {
@@ -935,6 +941,7 @@ impl Sim {
                 Some(v) if v.state == "running" => CocoonResult::ok(""),
                 _ => CocoonResult::failed(format!("exec: vm {id} is not running")),
             },
+            CocoonCmd::Macos(_) => CocoonResult::failed("Error: cocoon-macos is not simulated"),
         }
     }
 

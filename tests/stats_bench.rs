@@ -43,6 +43,7 @@ fn pods(n: usize) -> Vec<PodInfo> {
                 pid,
                 tap: Some("lo".into()),
                 backend: "cloud-hypervisor".into(),
+                disk: String::new(),
             });
             p
         })

@@ -66,6 +66,7 @@ fn vm(id: &str, pid: u32, ns: &str, tap: &str) -> TrackedVm {
         pid,
         tap: Some(tap.to_string()),
         backend: "cloud-hypervisor".to_string(),
+        disk: None,
     }
 }
 

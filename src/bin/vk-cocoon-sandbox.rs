@@ -1,5 +1,5 @@
 //! vk-cocoon-sandbox: the sandbox (fake API server, fake cocoon, the real daemon code) and the
-//! fake `cocoon` CLI, kept out of the `vk-cocoon` binary that systemd runs.
+//! fake `cocoon` and `cocoon-macos` CLIs, kept out of the `vk-cocoon` binary that systemd runs.
 
 use std::path::Path;
 
@@ -22,12 +22,19 @@ fn real_main() -> i32 {
     if Path::new(argv0).file_name().is_some_and(|n| n == "cocoon") {
         return sandbox::fake_cocoon::main_as_cocoon(Path::new(argv0), rest);
     }
+    if Path::new(argv0)
+        .file_name()
+        .is_some_and(|n| n == "cocoon-macos")
+    {
+        return sandbox::fake_cocoon_macos::main_as_cocoon_macos(Path::new(argv0), rest);
+    }
     match rest.first().map(String::as_str) {
         Some("-V" | "--version" | "version") => {
             println!("{}", version::long_version());
             0
         }
         Some("fake-cocoon") => sandbox::fake_cocoon::main(rest[1..].to_vec()),
+        Some("fake-cocoon-macos") => sandbox::fake_cocoon_macos::main(rest[1..].to_vec()),
         _ => sandbox::run_sandbox(rest),
     }
 }

@@ -42,6 +42,23 @@ fn no_registry() -> TransferError {
     TransferError::Invalid("no OCI registry is configured (OCI_REGISTRY)".into())
 }
 
+/// Whether process `pid` exists and is not a zombie (`/proc/<pid>/stat`): the liveness check
+/// of a macOS guest's QEMU. A zombie is a dead QEMU its parent has not reaped yet.
+fn process_alive(pid: i64) -> bool {
+    if pid <= 0 {
+        return false;
+    }
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // The state is the first field after the parenthesised command (which may hold spaces).
+    let state = stat
+        .rfind(')')
+        .and_then(|i| stat.get(i + 1..))
+        .and_then(|rest| rest.split_whitespace().next());
+    !matches!(state, Some("Z") | Some("X") | None)
+}
+
 /// cocoon's JSON answers are small; a `vm list` of a dense host is the largest.
 const STDOUT_LIMIT: usize = 16 << 20;
 const STDERR_LIMIT: usize = 64 << 10;
@@ -62,6 +79,10 @@ impl Daemon {
                     self.cocoon_queue.push_back((op, cmd));
                 }
                 self.start_cocoon_calls();
+            }
+            Effect::CheckPid { op, pid } => {
+                let alive = process_alive(pid);
+                self.pending.push_back(Input::PidChecked { op, alive });
             }
             Effect::LookupLease { op, mac } => {
                 let result = match self.leases.lookup(&mac, SystemTime::now()) {
@@ -115,6 +136,7 @@ impl Daemon {
                     .pod_vm(&key)
                     .and_then(|vm| vm.nics.first())
                     .is_some_and(|nic| !nic.static_ip.is_empty());
+                target.ssh_banner = self.provider.probe_wants_ssh_banner(&key);
                 let now = self.reactor.now();
                 let out = self.probes.start(
                     &mut self.reactor,
@@ -304,9 +326,16 @@ impl Daemon {
                 return;
             };
             self.cocoon_inspects_queued = self.cocoon_inspects_queued.saturating_sub(1);
-            let mut argv = vec![self.cocoon_bin().to_string_lossy().into_owned()];
-            argv.extend(cmd.argv());
-            log::debug!("cocoon op {op}: {}", argv.join(" "));
+            let bin = if cmd.is_macos() {
+                self.config.cocoon_macos_bin.clone()
+            } else {
+                self.cocoon_bin()
+            };
+            let bin = bin.to_string_lossy().into_owned();
+            // Logged with the VNC password redacted; spawned with it.
+            log::debug!("cocoon op {op}: {bin} {}", cmd.argv().join(" "));
+            let mut argv = vec![bin.clone()];
+            argv.extend(cmd.spawn_argv(self.config.macos_vnc_password.as_deref()));
             let spec = ChildSpec::new(argv)
                 .deadline(cmd.deadline())
                 .stdin(StdinMode::Null)
@@ -325,10 +354,7 @@ impl Daemon {
                 }
                 Err(e) => self.pending.push_back(Input::CocoonDone {
                     op,
-                    result: CocoonResult::failed(format!(
-                        "Error: run {}: {e}",
-                        self.config.cocoon_bin.display()
-                    )),
+                    result: CocoonResult::failed(format!("Error: run {bin}: {e}")),
                 }),
             }
         }

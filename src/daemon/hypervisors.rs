@@ -139,8 +139,13 @@ impl HypervisorWatch {
 }
 
 /// A VM the watch covers: running, with an ID and a hypervisor PID.
+/// A running cocoon VM with a PID. A macOS guest's QEMU is not cocoon's: its liveness is the
+/// macOS watch's (a dead QEMU is restarted, not reported as a VM gone).
 fn watchable(vm: &VmInfo) -> bool {
-    vm.state == VmState::Running && vm.pid > 0 && !vm.id.is_empty()
+    vm.state == VmState::Running
+        && vm.pid > 0
+        && !vm.id.is_empty()
+        && vm.hypervisor != crate::guest::macos::HYPERVISOR
 }
 
 #[cfg(test)]
@@ -161,6 +166,23 @@ mod tests {
 
     /// A VM whose hypervisor PID changed (a restart learned by inspect) is watched under its new
     /// PID, and only the new process's exit is reported.
+    #[test]
+    fn a_macos_guests_qemu_is_left_to_the_macos_watch() {
+        let qemu = VmInfo {
+            id: "qemu-m".into(),
+            hypervisor: "qemu".into(),
+            state: VmState::Running,
+            pid: 5,
+            ..Default::default()
+        };
+        assert!(!watchable(&qemu));
+        let ch = VmInfo {
+            hypervisor: "cloud-hypervisor".into(),
+            ..qemu
+        };
+        assert!(watchable(&ch));
+    }
+
     #[test]
     fn a_changed_hypervisor_pid_is_watched_anew() {
         let mut reactor: Reactor<()> = Reactor::new(0, 1).unwrap();

@@ -331,6 +331,7 @@ impl Daemon {
             orphan_policy: config.orphan_policy,
             restore_mode: config.restore_mode,
             lease_release: config.cocoon_net_control_socket.is_some(),
+            macos_vnc: config.macos_vnc_password.is_some(),
         });
         let mut watch = PodWatch::new(&config.node_name, WatchConfig::default());
         watch.relist_by_caller();

@@ -23,6 +23,7 @@ impl Daemon {
                         .map(|n| n.tap.clone())
                         .filter(|t| !t.is_empty()),
                     backend: vm.hypervisor.clone(),
+                    disk: vm.disk.clone(),
                 });
                 PodInfo {
                     namespace: key.namespace,
@@ -81,6 +82,7 @@ mod tests {
                 pid: 0,
                 tap: None,
                 backend: String::new(),
+                disk: String::new(),
             }),
             pod: Arc::new(Default::default()),
             status: None,

@@ -149,6 +149,8 @@ pub struct VmInfo {
     pub tap: Option<String>,
     /// cocoon `hypervisor` value.
     pub backend: String,
+    /// A macOS guest's disk file (empty for cocoon's VMs).
+    pub disk: String,
 }
 
 /// One pod as the kubelet API sees it.

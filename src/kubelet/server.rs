@@ -220,6 +220,9 @@ impl KubeletServer {
                     pid: v.pid,
                     tap: v.tap.clone(),
                     backend: v.backend.clone(),
+                    disk: Some(&v.disk)
+                        .filter(|d| !d.is_empty())
+                        .map(std::path::PathBuf::from),
                 })
             })
             .collect();

@@ -241,6 +241,7 @@ mod tests {
             pid,
             tap: Some("lo".into()),
             backend: backend.into(),
+            disk: None,
         }
     }
 

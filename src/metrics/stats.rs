@@ -50,11 +50,19 @@ pub struct TrackedVm {
     pub pid: u32,
     /// First NIC's tap device name, if any.
     pub tap: Option<String>,
-    /// cocoon `hypervisor` value: `firecracker` or anything else (cloud-hypervisor).
+    /// cocoon `hypervisor` value: `firecracker`, `qemu` (a macOS guest) or anything else
+    /// (cloud-hypervisor).
     pub backend: String,
+    /// A macOS guest's disk file: its size is the guest's disk figure.
+    pub disk: Option<PathBuf>,
 }
 
 impl TrackedVm {
+    /// A macOS guest (`cocoon-macos`'s QEMU, hypervisor tag `qemu`).
+    pub fn is_macos(&self) -> bool {
+        self.backend == crate::guest::macos::HYPERVISOR
+    }
+
     /// The run-dir name for this backend: `firecracker` or `cloudhypervisor`.
     pub fn backend_dir(&self) -> &'static str {
         if self.backend == "firecracker" {
@@ -130,6 +138,7 @@ pub fn read_sample(paths: &StatsPaths, vms: &[TrackedVm], now: Instant) -> Sampl
     let mut errors = 0u32;
     let mut buf = String::with_capacity(4096);
     let page = procfs::page_size();
+    let ticks_per_second = procfs::ticks_per_second().max(1);
     let mut out = Vec::with_capacity(vms.len());
     for vm in vms.iter().filter(|v| v.pid != 0) {
         let mut s = VmSample {
@@ -159,11 +168,22 @@ pub fn read_sample(paths: &StatsPaths, vms: &[TrackedVm], now: Instant) -> Sampl
         }
         let pid_dir = paths.proc_root.join(vm.pid.to_string());
         match read_into(&pid_dir.join("stat"), &mut buf) {
-            Ok(true) => s.rss_bytes = parse_stat_rss_pages(&buf).unwrap_or(0) * page,
+            Ok(true) => {
+                s.rss_bytes = parse_stat_rss_pages(&buf).unwrap_or(0) * page;
+                if vm.is_macos() {
+                    // A macOS guest's QEMU runs in no cocoon cgroup: its CPU is the process's.
+                    let ticks = parse_stat_cpu_ticks(&buf).unwrap_or(0);
+                    s.cpu_usage_usec = ticks.saturating_mul(1_000_000) / ticks_per_second;
+                }
+            }
             Ok(false) => {}
             Err(_) => errors += 1,
         }
-        s.cow_bytes = cow_bytes(paths, vm);
+        s.cow_bytes = match (&vm.disk, vm.is_macos()) {
+            (Some(disk), true) => fs::metadata(disk).map(|m| m.len()).unwrap_or(0),
+            (None, true) => 0,
+            _ => cow_bytes(paths, vm),
+        };
         if let Some(tap) = vm.tap.as_deref().filter(|t| !t.is_empty()) {
             match read_into(&pid_dir.join("net/dev"), &mut buf) {
                 Ok(true) => {
@@ -507,6 +527,57 @@ mod tests {
     }
 
     #[test]
+    fn a_macos_guest_counts_its_qemu_cpu_and_the_size_of_its_disk_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let paths = StatsPaths {
+            proc_root: root.join("proc"),
+            cgroup_root: root.join("cg"),
+            cgroup_parent: "cocoon.slice".into(),
+            cocoon_root: root.join("cocoon"),
+        };
+        fs::create_dir_all(root.join("proc/77")).unwrap();
+        // utime 300 + stime 100 ticks; rss 5 pages.
+        let fields: Vec<String> = (3..=30)
+            .map(|i| match i {
+                14 => "300".into(),
+                15 => "100".into(),
+                24 => "5".into(),
+                _ => "0".into(),
+            })
+            .collect();
+        fs::write(
+            root.join("proc/77/stat"),
+            format!("77 (qemu system) {}\n", fields.join(" ")),
+        )
+        .unwrap();
+        let disk = root.join("mac.img");
+        fs::File::create(&disk).unwrap().set_len(64 << 20).unwrap();
+        let vm = TrackedVm {
+            vm_id: "qemu-m".into(),
+            vm_name: "m".into(),
+            namespace: "ns".into(),
+            pod: "p".into(),
+            pod_uid: "u".into(),
+            pid: 77,
+            tap: None,
+            backend: "qemu".into(),
+            disk: Some(disk),
+        };
+        let s = read_sample(&paths, &[vm], Instant::now());
+        let m = &s.vms[0];
+        let hz = procfs::ticks_per_second() as f64;
+        assert!(
+            (m.cpu_seconds() - 400.0 / hz).abs() < 1e-6,
+            "{}",
+            m.cpu_seconds()
+        );
+        assert_eq!(m.rss_bytes, 5 * procfs::page_size());
+        // The file's size (a sparse 64 MiB image), not its allocated blocks.
+        assert_eq!(m.cow_bytes, 64 << 20);
+    }
+
+    #[test]
     fn fixture_tree_sample_and_ttl() {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();
@@ -557,6 +628,7 @@ mod tests {
             pid,
             tap: Some("tapx".into()),
             backend: "cloud-hypervisor".into(),
+            disk: None,
         };
         let hub = StatsHub::new(paths);
         hub.set_vms(vec![vm("abc", 42), vm("zero", 0), vm("gone", 999_999)]);

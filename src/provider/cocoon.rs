@@ -61,6 +61,8 @@ pub enum CocoonCmd {
         command: Vec<String>,
         deadline: Duration,
     },
+    /// A `cocoon-macos` call (`VK_COCOON_MACOS_BIN`) of a managed macOS guest.
+    Macos(crate::guest::macos::MacosCmd),
 }
 
 /// How long a guest command of the core may run (the DHCP release before a NIC drop is best
@@ -85,12 +87,27 @@ impl CocoonCmd {
             CocoonCmd::ImagePull { .. } => Verb::ImagePull,
             CocoonCmd::VmNet { .. } => Verb::VmNet,
             CocoonCmd::VmExec { .. } => Verb::VmExec,
+            // The cocoon verb of the same meaning: its error classification applies.
+            CocoonCmd::Macos(m) => {
+                use crate::guest::macos::MacosCmd;
+                match m {
+                    MacosCmd::Inspect { .. } => Verb::VmInspect,
+                    MacosCmd::Start { .. } => Verb::VmStart,
+                    MacosCmd::Run(_) => Verb::VmRun,
+                    MacosCmd::Rm { .. } => Verb::VmRm,
+                    MacosCmd::ImageInspect { .. } => Verb::ImageInspect,
+                    MacosCmd::ImagePull { .. } => Verb::ImagePull,
+                }
+            }
         }
     }
 
-    /// The argument vector after the binary (`VK_COCOON_BIN`).
+    /// The argument vector after the binary (`VK_COCOON_BIN`, or `VK_COCOON_MACOS_BIN` for
+    /// [`CocoonCmd::Macos`], whose VNC password shows as `<redacted>` here: the daemon spawns
+    /// it with [`CocoonCmd::spawn_argv`]).
     pub fn argv(&self) -> Vec<String> {
         match self {
+            CocoonCmd::Macos(m) => m.redacted_argv(),
             CocoonCmd::VmInspect { reference } => argv::vm_inspect(reference),
             CocoonCmd::VmClone(o) => argv::vm_clone(o),
             CocoonCmd::VmRun(o) => argv::vm_run(o),
@@ -112,6 +129,19 @@ impl CocoonCmd {
         }
     }
 
+    /// The argv the daemon spawns: [`CocoonCmd::argv`] with the macOS VNC password filled in.
+    pub fn spawn_argv(&self, macos_vnc_password: Option<&str>) -> Vec<String> {
+        match self {
+            CocoonCmd::Macos(m) => m.argv(macos_vnc_password),
+            _ => self.argv(),
+        }
+    }
+
+    /// Whether this call runs `VK_COCOON_MACOS_BIN` instead of cocoon.
+    pub fn is_macos(&self) -> bool {
+        matches!(self, CocoonCmd::Macos(_))
+    }
+
     /// How long the daemon lets the child run before killing it: the contract's per-verb
     /// deadline (every verb the core runs has one).
     pub fn deadline(&self) -> Duration {
@@ -121,6 +151,7 @@ impl CocoonCmd {
                 deadline: Some(deadline),
                 ..
             } => return *deadline,
+            CocoonCmd::Macos(m) => return m.deadline(),
             _ => {}
         }
         let d = Deadlines::default();
@@ -237,6 +268,8 @@ pub struct VmInfo {
     /// A disk of the VM is a cloud image's qcow2 overlay: the guest runs cloud-init, which
     /// the post-clone fix-up re-runs instead of writing networkd files.
     pub cloud_image: bool,
+    /// A macOS guest's disk file (its size is the disk stat); empty for cocoon's VMs.
+    pub disk: String,
 }
 
 impl VmInfo {
@@ -276,6 +309,7 @@ impl From<crate::vm::Vm> for VmInfo {
             .iter()
             .any(|s| s.path.ends_with("/overlay.qcow2"));
         VmInfo {
+            disk: String::new(),
             cloud_image,
             id: vm.id,
             name: vm.config.name,

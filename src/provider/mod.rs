@@ -24,7 +24,11 @@
 //! Effects and the result each one owes back (same `op` id):
 //! * [`Effect::Cocoon`] `{op, cmd}`: run `cocoon` with `cmd.argv()` (deadline `cmd.deadline()`),
 //!   answer [`Input::CocoonDone`] `{op, result}` with the raw exit (success, stdout, stderr,
-//!   timed_out). The core reads it through the vm room's parsers and classification.
+//!   timed_out). The core reads it through the vm room's parsers and classification. A
+//!   [`cocoon::CocoonCmd::Macos`] call runs `VK_COCOON_MACOS_BIN` instead, with
+//!   `cmd.spawn_argv(password)` (the VNC password added; `argv()` shows it redacted).
+//! * [`Effect::CheckPid`] `{op, pid}`: is that process alive (not a zombie)? Answer
+//!   [`Input::PidChecked`] (a macOS guest's QEMU).
 //! * [`Effect::LookupLease`] `{op, mac}`: look the MAC up in the cocoon-net lease file, answer
 //!   [`Input::LeaseLooked`] (a [`LeaseError`] when the file cannot answer).
 //! * [`Effect::PatchPodStatus`], [`Effect::PatchPodAnnotations`], [`Effect::DeletePod`]: kube
@@ -117,6 +121,9 @@ pub struct ProviderConfig {
     pub restore_mode: RestoreMode,
     /// Whether lease release is enabled (VK_COCOON_NET_CONTROL_SOCKET not set-but-empty).
     pub lease_release: bool,
+    /// COCOON_MACOS_VNC_PASSWORD is set: macOS guests get a VNC display (the password itself
+    /// stays with the daemon, which adds it to `cocoon-macos`'s argv).
+    pub macos_vnc: bool,
 }
 
 impl Default for ProviderConfig {
@@ -128,6 +135,7 @@ impl Default for ProviderConfig {
             orphan_policy: OrphanPolicy::Destroy,
             restore_mode: RestoreMode::Mmap,
             lease_release: true,
+            macos_vnc: false,
         }
     }
 }
@@ -323,6 +331,11 @@ pub enum Input {
         op: OpId,
         result: Result<(), crate::guest::sac::SacError>,
     },
+    /// Answer of [`Effect::CheckPid`]: the process exists and is not a zombie.
+    PidChecked {
+        op: OpId,
+        alive: bool,
+    },
     VmEvent {
         kind: VmEventKind,
         vm: VmInfo,
@@ -348,6 +361,12 @@ pub enum Effect {
     Cocoon {
         op: OpId,
         cmd: CocoonCmd,
+    },
+    /// Is process `pid` alive (signal 0 / `/proc/<pid>`)? The macOS guests' QEMU liveness
+    /// check; answered with [`Input::PidChecked`].
+    CheckPid {
+        op: OpId,
+        pid: i64,
     },
     LookupLease {
         op: OpId,

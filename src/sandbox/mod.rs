@@ -9,6 +9,7 @@
 
 pub mod apiserver;
 pub mod fake_cocoon;
+pub mod fake_cocoon_macos;
 pub mod fake_sac;
 
 use std::path::{Path, PathBuf};
@@ -139,6 +140,9 @@ pub struct Sandbox {
     pub kubeconfig: PathBuf,
     pub cocoon: PathBuf,
     pub state: PathBuf,
+    /// The fake `cocoon-macos` (a symlink to this binary) and its state directory.
+    pub cocoon_macos: PathBuf,
+    pub macos_state: PathBuf,
     pub api: apiserver::ApiServerHandle,
 }
 
@@ -150,11 +154,13 @@ impl Sandbox {
             None => std::env::temp_dir().join(format!("vk-cocoon-sandbox-{}", std::process::id())),
         };
         let state = dir.join("cocoon-state");
+        let macos_state = dir.join("cocoon-macos-state");
         let bin = dir.join("bin");
         let examples = dir.join("examples");
         for d in [
             &dir,
             &state,
+            &macos_state,
             &bin,
             &dir.join("root"),
             &dir.join("net"),
@@ -171,6 +177,10 @@ impl Sandbox {
         let _ = std::fs::remove_file(&cocoon);
         std::os::unix::fs::symlink(&exe, &cocoon)
             .map_err(|e| format!("symlink {}: {e}", cocoon.display()))?;
+        let cocoon_macos = bin.join("cocoon-macos");
+        let _ = std::fs::remove_file(&cocoon_macos);
+        std::os::unix::fs::symlink(&exe, &cocoon_macos)
+            .map_err(|e| format!("symlink {}: {e}", cocoon_macos.display()))?;
 
         let api = ApiServer::start(ApiServerOptions {
             port: opts.api_port,
@@ -191,6 +201,8 @@ impl Sandbox {
             kubeconfig,
             cocoon,
             state,
+            cocoon_macos,
+            macos_state,
             api,
         })
     }
@@ -210,6 +222,15 @@ impl Sandbox {
             // lease file, as on a real host, so clones need no static-IP fix-up.
             ("FAKE_COCOON_DHCP", "1".to_string()),
             ("FAKE_COCOON_LEASES", p(&self.dir.join("net/leases.json"))),
+            // Managed macOS pods run on the fake cocoon-macos (each QEMU a `sleep`), whose
+            // guests get loopback leases in the same file, and a VNC display each.
+            ("VK_COCOON_MACOS_BIN", p(&self.cocoon_macos)),
+            ("FAKE_COCOON_MACOS_STATE", p(&self.macos_state)),
+            (
+                "FAKE_COCOON_MACOS_LEASES",
+                p(&self.dir.join("net/leases.json")),
+            ),
+            ("COCOON_MACOS_VNC_PASSWORD", "sandbox".to_string()),
             ("VK_COCOON_NET_CONTROL_SOCKET", String::new()),
             ("VK_METRICS_ADDR", opts.metrics_addr.clone()),
             // The snapshot peer server listens on every interface by default.
@@ -343,6 +364,7 @@ impl Sandbox {
              \n  {k} delete pod {clone_pod}\
              \n  curl -s http://{metrics}/metrics | grep vk_cocoon_\
              \n  FAKE_COCOON_STATE={state} {cocoon} vm list -o json\
+             \n  (a managed pod with cocoonset.cocoonstack.io/os=macos runs on the fake cocoon-macos)\
              \n\nMake your own pod (the annotations are the pod contract; see README.md):\
              \n  {k} apply -f {examples}/clone-pod.yaml\
              \n  {k} apply -f {examples}/run-pod.yaml\
@@ -383,9 +405,25 @@ impl Sandbox {
             .iter()
             .filter_map(|vm| vm["id"].as_str().map(str::to_string))
             .collect();
-        ids.iter()
+        let cocoon_vms = ids
+            .iter()
             .filter(|id| {
                 matches!(cocoon(&["vm", "rm", "--force", id.as_str()]), Ok(out) if out.status.success())
+            })
+            .count();
+        cocoon_vms + self.remove_macos_guests()
+    }
+
+    /// Removes every guest of the fake cocoon-macos (their QEMU `sleep`s with them).
+    fn remove_macos_guests(&self) -> usize {
+        fake_cocoon_macos::records(&self.macos_state)
+            .iter()
+            .filter(|r| {
+                std::process::Command::new(&self.cocoon_macos)
+                    .args(["vm", "rm", r.name.as_str()])
+                    .env("FAKE_COCOON_MACOS_STATE", &self.macos_state)
+                    .output()
+                    .is_ok_and(|out| out.status.success())
             })
             .count()
     }

@@ -192,6 +192,7 @@ pub fn pod(ns: &str, name: &str, vm: Option<(&str, u32)>) -> PodInfo {
             pid,
             tap: Some("lo".into()),
             backend: "cloud-hypervisor".into(),
+            disk: String::new(),
         }),
         pod: Arc::new(
             serde_json::from_value(serde_json::json!({"apiVersion":"v1","kind":"Pod","metadata":{"namespace":ns,"name":name,"uid":format!("uid-{name}")}}))

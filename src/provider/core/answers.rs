@@ -56,6 +56,11 @@ impl Provider {
                 warn(self, &p.uid);
                 self.post_clone_attempt_failed(key, msg)
             }
+            // The next watch round looks again.
+            Op::MacosWatch(w) => {
+                warn(self, &w.uid);
+                self.end_op(key)
+            }
             Op::ApiDelete { uid } => {
                 warn(self, &uid);
                 let failed = Res::Kube(Err(KubeError::Other(msg.clone())));
@@ -84,6 +89,7 @@ impl Provider {
             Some(Op::Wake(_)) => self.wake_step(key, res),
             Some(Op::ConfirmHibernated(_)) => self.confirm_hibernated_step(key, res),
             Some(Op::PostClone(_)) => self.post_clone_step(key, res),
+            Some(Op::MacosWatch(_)) => self.macos_watch_step(key, res),
             Some(Op::ReadyWait { .. }) => match res {
                 Res::Lease(r) => self.ready_wait_result(key, r),
                 Res::Cocoon(r) => self.renew_nudge_result(key, &r),
@@ -241,6 +247,7 @@ impl Provider {
                 TimerEntry::Drift => self.drift(),
                 TimerEntry::Lifecycle => self.lifecycle_reflush(),
                 TimerEntry::Reclaim => self.reclaim_tick(),
+                TimerEntry::MacosWatch => self.macos_watch_tick(),
                 TimerEntry::Reissue { waiter } => self.reissue(waiter),
                 TimerEntry::StaleWatch { vm, delay, until } => {
                     self.stale_watch_tick(vm, delay, until)
@@ -309,6 +316,8 @@ pub(super) enum Res {
     /// The fork-snapshot flight landed: the snapshot's hypervisor ("" unknown), or why not.
     Fork(Result<String, String>),
     Sac(Result<(), crate::guest::sac::SacError>),
+    /// A process liveness check (macOS guests' QEMU).
+    Pid(bool),
 }
 
 impl Res {
@@ -322,6 +331,7 @@ impl Res {
             Res::Evidence(_) => "hibernate evidence",
             Res::Fork(_) => "fork snapshot",
             Res::Sac(_) => "SAC pass",
+            Res::Pid(_) => "process check",
         }
     }
 

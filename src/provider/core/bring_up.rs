@@ -364,6 +364,9 @@ impl Provider {
                 }
             }
         }
+        if self.macos_readiness(key, ready) {
+            return;
+        }
         self.push_status(key, false);
     }
 }

@@ -24,15 +24,13 @@ impl Provider {
             };
             return self.reject(key, &pod, e);
         }
-        // Unsupported paths fail before anything is tracked or run.
-        let unsupported = if spec.managed && spec.os == Os::Macos {
-            Some("managed macOS guests are not supported yet")
-        } else {
-            None
-        };
-        if let Some(msg) = unsupported {
+        // A macOS guest's name and image go on cocoon-macos's command line: checked first.
+        if let Some(msg) = macos::is_macos(&spec)
+            .then(|| self.macos_input_error(&spec))
+            .flatten()
+        {
             let e = SpecError {
-                reason: "unsupported",
+                reason: "invalid_macos_spec",
                 message: format!("pod {key}: {msg}"),
             };
             return self.reject(key, &pod, e);
@@ -64,6 +62,9 @@ impl Provider {
             slot.failures
         };
         self.set_lifecycle(key, State::Creating, "");
+        if macos::is_macos(&spec) {
+            return self.macos_create(key, uid, spec);
+        }
         // Adopt an existing VM of this name.
         if let Some(vm) = self.by_name.get(&spec.vm_name).cloned() {
             self.slot(key).op = Some(Op::Create(Box::new(CreateOp {
@@ -409,6 +410,9 @@ impl Provider {
             // made (even the VM this very answer reports) is removed before the object goes.
             log::info!("provider: {key}: create stopped, the pod is being deleted");
             return self.end_op(key);
+        }
+        if macos::is_macos(spec) {
+            return self.macos_create_step(key, c.clone(), res);
         }
         match (c.step.clone(), res) {
             (CreateStep::InspectByName, Res::Cocoon(r)) => {

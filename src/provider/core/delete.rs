@@ -165,6 +165,9 @@ impl Provider {
             self.lifecycle_metric("delete", "ok", "");
             return self.delete_done(key, &t, &d);
         }
+        if macos::is_macos(&t.spec) {
+            return self.macos_delete(key, &t, &d);
+        }
         let Some(vm) = t.vm.clone() else {
             if !d.looked_up {
                 return self.find_vm_for_delete(key, &t, false);
@@ -366,6 +369,7 @@ impl Provider {
                 self.delete_vm_gone(key, &t, &d)
             }
             (DeleteStep::ApiLast, res @ Res::Kube(_)) => self.api_delete_result(key, d.uid, res),
+            (DeleteStep::MacosRm, Res::Cocoon(r)) => self.macos_removed(key, &t, &d, r),
             (step, res) => self.unexpected_answer(key, &step, &res),
         }
     }

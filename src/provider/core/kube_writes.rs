@@ -294,6 +294,10 @@ impl Provider {
                 ann.insert(ANN_VM_IP.to_string(), Some(ip));
                 self.send_annotations(&key, &uid, ann, false);
             }
+            if let Some(vnc) = self.macos_vnc_drift(&key) {
+                let ann = BTreeMap::from([(macos::ANN_VNC_PORT.to_string(), vnc)]);
+                self.send_annotations(&key, &uid, ann, false);
+            }
             if computed != current {
                 log::info!("provider: {key}: republishing drifted status");
                 self.push_status(&key, true);

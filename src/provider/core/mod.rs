@@ -23,8 +23,8 @@
 //! Clones that need a post-clone network fix-up (Windows, Firecracker, Cloud Hypervisor with a
 //! static NIC) get it from `post_clone` before the IP wait.
 //!
-//! Decisions for features not built yet: managed macOS guests fail the create clearly
-//! (Warning event, ProviderFailed status, counter) without touching cocoon.
+//! Managed macOS guests run through `cocoon-macos` on the same create and delete ops (their
+//! steps are in `macos`), plus a periodic liveness watch that restarts a dead QEMU.
 //!
 //! Ownership (issue 17): a VM belongs to at most one live pod. A create whose VM name, or
 //! unmanaged VM id, another tracked pod holds is refused for good (phase Failed, Warning,
@@ -62,6 +62,7 @@ mod evict;
 mod fork;
 mod hibernate;
 mod kube_writes;
+mod macos;
 mod post_clone;
 mod reclaim;
 mod startup;
@@ -122,6 +123,10 @@ pub struct Provider {
     forks: BTreeMap<String, ForkFlight>,
     /// Stale-create watcher state per VM ID: (current delay, budget end).
     stale_watch_state: BTreeMap<String, (Duration, Instant)>,
+    /// VNC ports (5900–5999) reserved for macOS guests, node-unique, by the pod holding each.
+    vnc_ports: BTreeMap<u16, PodKey>,
+    /// The macOS watch timer is armed.
+    macos_watch_armed: bool,
 }
 
 fn to_time(t: SystemTime) -> Time {
@@ -238,6 +243,8 @@ impl Provider {
             stale_watch_state: BTreeMap::new(),
             pulls: BTreeMap::new(),
             forks: BTreeMap::new(),
+            vnc_ports: BTreeMap::new(),
+            macos_watch_armed: false,
         }
     }
 
@@ -385,6 +392,7 @@ impl Provider {
             (Some(Op::Wake(w)), Step::Wake(s)) => w.step = s,
             (Some(Op::ConfirmHibernated(c)), Step::ConfirmHibernated(s)) => c.step = s,
             (Some(Op::PostClone(p)), Step::PostClone(s)) => p.step = s,
+            (Some(Op::MacosWatch(w)), Step::MacosWatch(s)) => w.step = s,
             // A bug, not an input. The question is still asked: whichever op its answer then
             // reaches fails through `unexpected_answer` with a retry instead of stalling.
             (_, step) => {
@@ -494,6 +502,7 @@ impl Provider {
             Input::TransferDone { op, result } => self.on_result(op, Res::Transfer(result)),
             Input::HibernateEvidence { op, result } => self.on_result(op, Res::Evidence(result)),
             Input::SacDone { op, result } => self.on_result(op, Res::Sac(result)),
+            Input::PidChecked { op, alive } => self.on_result(op, Res::Pid(alive)),
             Input::VmEvent { kind, vm } => self.vm_event(kind, vm),
             Input::Readiness {
                 key,
@@ -700,6 +709,7 @@ impl Provider {
         if drop_intent {
             slot.intent = None;
         }
+        self.vnc_ports.retain(|_, holder| holder != key);
         if had_vm {
             self.out.push(Effect::StopProbe { key: key.clone() });
         }
@@ -720,6 +730,8 @@ impl Provider {
                     .tracked
                     .as_ref()
                     .and_then(|t| t.vm.as_ref())
+                    // macOS guests are not cocoon's: its events never concern them.
+                    .filter(|v| v.hypervisor != crate::guest::macos::HYPERVISOR)
                     .map(|v| {
                         (!vm.id.is_empty() && v.id == vm.id)
                             || (vm.id.is_empty() && v.name == vm.name && !vm.name.is_empty())

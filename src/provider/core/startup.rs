@@ -314,6 +314,11 @@ impl Provider {
                     continue;
                 }
             };
+            // Managed macOS guests are not cocoon's (never in its list): left untracked here,
+            // their create adopts a running guest through `cocoon-macos vm inspect`.
+            if super::macos::is_macos(&spec) {
+                continue;
+            }
             let vm = if !spec.vm_id.is_empty() {
                 let known = by_id.get(&spec.vm_id);
                 // An id is honoured only for the VM of the name the pod gives; the create

@@ -49,6 +49,19 @@ pub(super) enum CreateStep {
     },
     RunInspect,
     Lease,
+    /// macOS (`cocoon-macos`, see `macos`): is there a VM of this name?
+    MacosInspect,
+    /// Is the inspected VM's QEMU alive (adopt) or dead (start it)?
+    MacosAlive {
+        vm: crate::guest::macos::MacosVm,
+    },
+    /// `vm start` of a VM whose QEMU was dead.
+    MacosStart,
+    MacosImageInspect,
+    MacosImagePull,
+    MacosRun,
+    /// Inspect after `vm start` / `vm run`: the new QEMU's pid, MAC and disk.
+    MacosLaunched,
 }
 
 #[derive(Debug, Clone)]
@@ -128,6 +141,8 @@ pub(super) enum DeleteStep {
     RmSnapshot,
     RmForkSnapshot,
     ApiLast,
+    /// A managed macOS guest: `cocoon-macos vm rm <name>` (no snapshot work).
+    MacosRm,
 }
 
 #[derive(Debug, Clone)]
@@ -363,9 +378,33 @@ pub(super) struct PostCloneOp {
     pub(super) until: Instant,
 }
 
+/// A step of the macOS guest watch (`macos`): the QEMU liveness check that backfills a missing
+/// MAC and restarts a dead QEMU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum MacosWatchStep {
+    /// Is the tracked QEMU pid alive?
+    Alive,
+    /// `vm inspect`: the record's pid and MAC (a MAC missing, or the QEMU dead).
+    Inspect { dead: bool },
+    /// The inspected pid's liveness (the record may name a QEMU started meanwhile).
+    InspectAlive { vm: crate::guest::macos::MacosVm },
+    /// `vm start` of the dead QEMU.
+    Start,
+    /// Inspect after the start.
+    Refresh,
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct MacosWatchOp {
+    pub(super) uid: String,
+    pub(super) step: MacosWatchStep,
+}
+
 #[derive(Debug, Clone)]
 pub(super) enum Op {
     Create(Box<CreateOp>),
+    /// The periodic liveness check of a macOS guest. Preemptible.
+    MacosWatch(MacosWatchOp),
     /// Poll the lease until the VM has an IP, then publish Ready. Preemptible. `mode` Wake:
     /// the follow-up of a wake or restore, whose outcome counts `wake_total`.
     ReadyWait {
@@ -397,6 +436,7 @@ impl Op {
             self,
             Op::ReadyWait { .. }
                 | Op::PostClone(_)
+                | Op::MacosWatch(_)
                 | Op::Check(CheckOp {
                     step: CheckStep::Deferred { .. },
                     ..
@@ -536,6 +576,8 @@ pub(super) enum TimerEntry {
     Lifecycle,
     /// The local snapshot reclaimer's next run.
     Reclaim,
+    /// The macOS guests' liveness check (every 10 s while one is tracked).
+    MacosWatch,
     Reissue {
         waiter: Waiter,
     },
@@ -567,6 +609,13 @@ pub(super) enum Step {
     Wake(WakeStep),
     ConfirmHibernated(ConfirmStep),
     PostClone(PostCloneStep),
+    MacosWatch(MacosWatchStep),
+}
+
+impl From<MacosWatchStep> for Step {
+    fn from(s: MacosWatchStep) -> Step {
+        Step::MacosWatch(s)
+    }
 }
 
 impl From<ConfirmStep> for Step {

@@ -5,7 +5,8 @@
 //! remembered in `<state>/dhcp_leases` so later invocations without the env (test harness
 //! helpers, library calls) behave the same. After every fake invocation (under the state lock)
 //! the file is rewritten: one row per NIC of every VM that reads `running`, rows of VMs that
-//! are gone or stopped are dropped. A MAC keeps its IP while it holds a lease; new MACs get the
+//! are gone or stopped are dropped (rows outside 127.88.0.0/16 are another writer's and stay).
+//! A MAC keeps its IP while it holds a lease; new MACs get the
 //! next address of 127.88.0.0/16 (loopback only, so the daemon's probes never leave the host).
 
 use super::store::{display_state, rfc3339_at, write_atomic, Store};
@@ -16,6 +17,9 @@ use std::io;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
+
+/// The addresses this fake hands out (`Store::next_ip`).
+const OWN_RANGE: &str = "127.88.";
 
 /// How long a fresh lease lasts.
 const LEASE_TTL: Duration = Duration::from_secs(3600);
@@ -80,7 +84,13 @@ pub fn sync(store: &Store) -> io::Result<()> {
         .map(|r| (r.mac.to_ascii_lowercase(), r))
         .collect();
     let expiry = rfc3339_at(SystemTime::now() + LEASE_TTL);
-    let mut rows = Vec::new();
+    // Rows outside this fake's range are another writer's (the fake cocoon-macos shares the
+    // sandbox's lease file): kept as they are.
+    let mut rows: Vec<LeaseRow> = old
+        .values()
+        .filter(|r| !r.ip.starts_with(OWN_RANGE))
+        .cloned()
+        .collect();
     for sv in store.load_vms() {
         if display_state(&sv.vm) != "running" {
             continue;

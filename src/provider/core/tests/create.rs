@@ -205,26 +205,6 @@ fn bad_input_fails_clearly_without_touching_cocoon() {
 }
 
 #[test]
-fn managed_macos_guests_fail_create_clearly() {
-    let mut h = H::new(ProviderConfig::default());
-    let mut ann = managed("a", "vk-ns-demo-1");
-    ann.push((ANN_OS, "macos".into()));
-    let e = h.feed(Input::PodUpserted(Box::new(mk("a", "u", &ann))));
-    assert!(cocoon_ops(&e).is_empty());
-    assert!(events(&e)
-        .iter()
-        .any(|(r, m)| *r == "ProviderCreateFailed" && m.contains("not supported yet")));
-    assert!(has_metric(
-        &e,
-        &MetricUpdate::PodLifecycle {
-            op: "create",
-            result: "failed",
-            reason: "unsupported"
-        }
-    ));
-}
-
-#[test]
 fn missing_snapshot_is_pulled_with_registry_and_fails_without() {
     let mut h = H::new(ProviderConfig::default());
     let e = h.feed(Input::PodUpserted(Box::new(mk(

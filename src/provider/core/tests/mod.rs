@@ -20,6 +20,7 @@ mod delete;
 mod fork;
 mod hibernate;
 mod kube_writes;
+mod macos;
 mod ownership;
 mod post_clone;
 mod reclaim;

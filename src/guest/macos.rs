@@ -1,0 +1,337 @@
+//! The `cocoon-macos` CLI contract (`VK_COCOON_MACOS_BIN`), the one place that spells it: the
+//! argv of every command run for managed macOS guests, its inspect JSON, and the VNC port rules.
+//!
+//! macOS guests are QEMU/KVM VMs of a separate binary. Its VMs are named by the pod's VM name,
+//! get the ID `qemu-<name>` and the hypervisor tag `qemu`, and never appear in `cocoon vm list`
+//! or cocoon's event stream. The VNC password never enters the core: the core asks for a
+//! display, and the daemon adds the password when it spawns the child (logs see `<redacted>`).
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// The first VNC port (display 0); displays 0–99 map onto 5900–5999.
+pub const VNC_FIRST_PORT: u16 = 5900;
+pub const VNC_LAST_PORT: u16 = 5999;
+/// The hypervisor tag of macOS VMs.
+pub const HYPERVISOR: &str = "qemu";
+/// vCPUs when the pod asks for none (QEMU's macOS guests want an even count).
+pub const DEFAULT_CPUS: u64 = 4;
+pub const DEFAULT_MEMORY_MIB: u64 = 8192;
+/// `vm run`, `vm start` and `image pull` launch or fetch: they may take minutes.
+pub const LAUNCH_DEADLINE: Duration = Duration::from_secs(5 * 60);
+/// `vm inspect`, `vm rm`, `image inspect`: bounded like cocoon's control calls.
+pub const CONTROL_DEADLINE: Duration = Duration::from_secs(90);
+/// What logs and debug output show instead of the VNC password.
+const REDACTED: &str = "<redacted>";
+
+/// The VM ID of a macOS guest.
+pub fn vm_id(name: &str) -> String {
+    format!("qemu-{name}")
+}
+
+/// The VNC port of a display, when it is one of the reserved range.
+pub fn port_of_display(display: u16) -> Option<u16> {
+    let port = VNC_FIRST_PORT.checked_add(display)?;
+    (port <= VNC_LAST_PORT).then_some(port)
+}
+
+/// The display of a reserved VNC port.
+pub fn display_of_port(port: u16) -> Option<u16> {
+    (VNC_FIRST_PORT..=VNC_LAST_PORT)
+        .contains(&port)
+        .then(|| port - VNC_FIRST_PORT)
+}
+
+/// vCPUs for `--cpus`: the pod's count rounded up to even, the default when it asks for none.
+pub fn even_cpus(requested: u64) -> u64 {
+    match requested {
+        0 => DEFAULT_CPUS,
+        n => n + n % 2,
+    }
+}
+
+/// MiB for `--memory`: the pod's bytes rounded up to whole MiB, the default when it asks none.
+pub fn memory_mib(bytes: Option<u64>) -> u64 {
+    match bytes {
+        Some(b) if b > 0 => b.div_ceil(1 << 20),
+        _ => DEFAULT_MEMORY_MIB,
+    }
+}
+
+/// A VM name or image reference that may go on `cocoon-macos`'s command line: it cannot read
+/// as an option and carries no whitespace, control character or shell-special text.
+pub fn argument_ok(value: &str) -> bool {
+    !value.is_empty()
+        && !value.starts_with('-')
+        && value.len() <= 512
+        && value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':' | '/' | '@'))
+}
+
+/// Options of `vm run`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MacosRun {
+    pub name: String,
+    pub cpus: u64,
+    pub memory_mib: u64,
+    /// VNC display; `None` = no VNC (no password configured).
+    pub vnc_display: Option<u16>,
+    /// Disk size in bytes; `None` = the image's.
+    pub storage_bytes: Option<u64>,
+    pub image: String,
+}
+
+/// One `cocoon-macos` invocation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MacosCmd {
+    /// `vm inspect <name>` ⇒ `{"name","pid","mac","tap","disk","vnc"}`.
+    Inspect {
+        name: String,
+    },
+    /// `vm start [--vnc <display> --vnc-password <pw>] <name>`: relaunch a dead QEMU.
+    Start {
+        name: String,
+        vnc_display: Option<u16>,
+    },
+    Run(MacosRun),
+    /// `vm rm <name>`.
+    Rm {
+        name: String,
+    },
+    ImageInspect {
+        image: String,
+    },
+    ImagePull {
+        image: String,
+    },
+}
+
+impl MacosCmd {
+    /// The arguments after the binary. `vnc_password` is added to the VNC flags; without one
+    /// no VNC flag is emitted at all (no password ⇒ no VNC).
+    pub fn argv(&self, vnc_password: Option<&str>) -> Vec<String> {
+        let s = |v: &str| v.to_string();
+        let vnc = |display: Option<u16>| -> Vec<String> {
+            match (display, vnc_password) {
+                (Some(d), Some(pw)) => {
+                    vec![s("--vnc"), d.to_string(), s("--vnc-password"), s(pw)]
+                }
+                _ => Vec::new(),
+            }
+        };
+        match self {
+            MacosCmd::Inspect { name } => vec![s("vm"), s("inspect"), s(name)],
+            MacosCmd::Start { name, vnc_display } => {
+                let mut a = vec![s("vm"), s("start")];
+                a.extend(vnc(*vnc_display));
+                a.push(s(name));
+                a
+            }
+            MacosCmd::Run(o) => {
+                let mut a = vec![
+                    s("vm"),
+                    s("run"),
+                    s("--name"),
+                    s(&o.name),
+                    s("--cpus"),
+                    o.cpus.to_string(),
+                    s("--memory"),
+                    o.memory_mib.to_string(),
+                ];
+                a.extend(vnc(o.vnc_display));
+                if let Some(b) = o.storage_bytes {
+                    a.extend([s("--storage"), b.to_string()]);
+                }
+                a.extend([
+                    s("--exit-on-reboot"),
+                    s("--random-smbios"),
+                    s("--net"),
+                    s("cni"),
+                    s(&o.image),
+                ]);
+                a
+            }
+            MacosCmd::Rm { name } => vec![s("vm"), s("rm"), s(name)],
+            MacosCmd::ImageInspect { image } => vec![s("image"), s("inspect"), s(image)],
+            MacosCmd::ImagePull { image } => vec![s("image"), s("pull"), s(image)],
+        }
+    }
+
+    /// The argv for logs and for telling calls apart: the password replaced.
+    pub fn redacted_argv(&self) -> Vec<String> {
+        self.argv(Some(REDACTED))
+    }
+
+    /// Launches and pulls get minutes; the rest are control calls.
+    pub fn deadline(&self) -> Duration {
+        match self {
+            MacosCmd::Start { .. } | MacosCmd::Run(_) | MacosCmd::ImagePull { .. } => {
+                LAUNCH_DEADLINE
+            }
+            _ => CONTROL_DEADLINE,
+        }
+    }
+}
+
+/// `vm inspect` output. `vnc` is the display number (absent, null or negative = no VNC).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MacosVm {
+    pub name: String,
+    pub pid: i64,
+    pub mac: String,
+    pub tap: String,
+    pub disk: String,
+    pub vnc_display: Option<u16>,
+}
+
+#[derive(Deserialize)]
+struct RawVm {
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    pid: i64,
+    #[serde(default)]
+    mac: String,
+    #[serde(default)]
+    tap: String,
+    #[serde(default)]
+    disk: String,
+    #[serde(default)]
+    vnc: Option<serde_json::Value>,
+}
+
+/// Parses `vm inspect`'s JSON; a display given as a number or a decimal string (`"3"`, `":3"`).
+pub fn parse_inspect(stdout: &str) -> Result<MacosVm, String> {
+    let raw: RawVm = serde_json::from_str(stdout.trim())
+        .map_err(|e| format!("cocoon-macos vm inspect: bad JSON: {e}"))?;
+    if raw.name.is_empty() {
+        return Err("cocoon-macos vm inspect: record without a name".into());
+    }
+    let vnc_display = match raw.vnc {
+        Some(serde_json::Value::Number(n)) => n.as_u64().and_then(|d| u16::try_from(d).ok()),
+        Some(serde_json::Value::String(s)) => s.trim().trim_start_matches(':').parse().ok(),
+        _ => None,
+    }
+    .filter(|d| port_of_display(*d).is_some());
+    Ok(MacosVm {
+        name: raw.name,
+        pid: raw.pid.max(0),
+        mac: raw.mac.trim().to_ascii_lowercase(),
+        tap: raw.tap,
+        disk: raw.disk,
+        vnc_display,
+    })
+}
+
+/// `cocoon-macos` says the VM does not exist (any "not found" / "no such vm" error text).
+pub fn not_found(stderr: &str) -> bool {
+    let t = stderr.to_ascii_lowercase();
+    t.contains("not found") || t.contains("no such vm")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(vnc: Option<u16>, storage: Option<u64>) -> MacosCmd {
+        MacosCmd::Run(MacosRun {
+            name: "vk-ns-mac-0".into(),
+            cpus: 4,
+            memory_mib: 8192,
+            vnc_display: vnc,
+            storage_bytes: storage,
+            image: "ghcr.io/org/sonoma:14".into(),
+        })
+    }
+
+    #[test]
+    fn run_argv_is_the_contract_order_with_vnc_only_when_a_password_exists() {
+        let with = run(Some(3), Some(64 << 30)).argv(Some("pw"));
+        assert_eq!(
+            with.join(" "),
+            "vm run --name vk-ns-mac-0 --cpus 4 --memory 8192 --vnc 3 --vnc-password pw \
+             --storage 68719476736 --exit-on-reboot --random-smbios --net cni ghcr.io/org/sonoma:14"
+        );
+        let without = run(Some(3), None).argv(None);
+        assert!(
+            !without.iter().any(|a| a.starts_with("--vnc")),
+            "{without:?}"
+        );
+        assert!(!without.contains(&"--storage".to_string()));
+        let no_display = run(None, None).argv(Some("pw"));
+        assert!(!no_display.iter().any(|a| a.starts_with("--vnc")));
+    }
+
+    #[test]
+    fn start_puts_the_name_last_and_logs_never_show_the_password() {
+        let cmd = MacosCmd::Start {
+            name: "m".into(),
+            vnc_display: Some(0),
+        };
+        assert_eq!(
+            cmd.argv(Some("s3cret")),
+            ["vm", "start", "--vnc", "0", "--vnc-password", "s3cret", "m"]
+        );
+        assert!(!cmd.redacted_argv().join(" ").contains("s3cret"));
+        assert_eq!(
+            MacosCmd::Rm { name: "m".into() }.argv(Some("x")),
+            ["vm", "rm", "m"]
+        );
+        assert_eq!(cmd.deadline(), LAUNCH_DEADLINE);
+        assert_eq!(
+            MacosCmd::Inspect { name: "m".into() }.deadline(),
+            CONTROL_DEADLINE
+        );
+    }
+
+    #[test]
+    fn vnc_ports_map_to_displays_inside_the_range_only() {
+        assert_eq!(port_of_display(0), Some(5900));
+        assert_eq!(port_of_display(99), Some(5999));
+        assert_eq!(port_of_display(100), None);
+        assert_eq!(port_of_display(u16::MAX), None);
+        assert_eq!(display_of_port(5907), Some(7));
+        assert_eq!(display_of_port(5899), None);
+        assert_eq!(display_of_port(6000), None);
+    }
+
+    #[test]
+    fn cpus_are_even_and_memory_whole_mib_with_defaults() {
+        assert_eq!(even_cpus(0), 4);
+        assert_eq!(even_cpus(3), 4);
+        assert_eq!(even_cpus(6), 6);
+        assert_eq!(memory_mib(None), 8192);
+        assert_eq!(memory_mib(Some(0)), 8192);
+        assert_eq!(memory_mib(Some((4 << 30) + 1)), 4097);
+    }
+
+    #[test]
+    fn inspect_parses_numbers_strings_and_rejects_garbage() {
+        let vm = parse_inspect(
+            r#"{"name":"m","pid":42,"mac":"02:AA:00:00:00:01","tap":"tap0","disk":"/d/m.qcow2","vnc":3}"#,
+        )
+        .unwrap();
+        assert_eq!(vm.pid, 42);
+        assert_eq!(vm.mac, "02:aa:00:00:00:01");
+        assert_eq!(vm.vnc_display, Some(3));
+        let s = parse_inspect(r#"{"name":"m","vnc":":7"}"#).unwrap();
+        assert_eq!(s.vnc_display, Some(7));
+        let out = parse_inspect(r#"{"name":"m","vnc":4000,"pid":-5}"#).unwrap();
+        assert_eq!((out.vnc_display, out.pid), (None, 0));
+        assert!(parse_inspect("{not json").is_err());
+        assert!(parse_inspect(r#"{"pid":1}"#).is_err());
+    }
+
+    #[test]
+    fn arguments_that_could_read_as_options_or_carry_spaces_are_refused() {
+        assert!(argument_ok("ghcr.io/org/sonoma:14"));
+        assert!(argument_ok("vk-ns-mac-0"));
+        for bad in ["", "-x", "--vnc", "a b", "a;b", "a\nb", "$(x)"] {
+            assert!(!argument_ok(bad), "{bad:?}");
+        }
+        assert!(not_found("Error: vm not found: m"));
+        assert!(!not_found("Error: qemu crashed"));
+    }
+}

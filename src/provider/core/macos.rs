@@ -1,0 +1,650 @@
+//! Managed macOS guests: the `cocoon-macos` steps of the create and delete ops, the node-unique
+//! VNC port reservation, Ready from the probe, and the watch that restarts a dead QEMU.
+//!
+//! Why branches of the create / delete ops and not an op of their own: a macOS pod goes through
+//! the same per-pod lifecycle (tracking, lifecycle triple, failure and backoff, delete fence,
+//! preemption by a delete) as any other; only the commands differ. A second state machine would
+//! duplicate all of that and drift from it. So `start_create` hands a managed macOS pod to
+//! [`Provider::macos_create`], whose steps (`CreateStep::Macos*`) end in the shared
+//! `fail_create` or in [`Provider::macos_up`]; the delete op takes one `MacosRm` step instead of
+//! its snapshot steps. Adopting a running guest after a restart is the create's first step
+//! (`vm inspect` + liveness): macOS VMs are never in `cocoon vm list`, so the startup reconcile
+//! leaves their pods untracked and the create that follows adopts them before any VNC port is
+//! handed to a new guest of the same pod.
+
+use super::*;
+use crate::guest::macos::{self as contract, MacosCmd, MacosRun, MacosVm};
+use crate::provider::cocoon::NicInfo;
+
+/// Annotation of the VNC port of a managed macOS guest.
+pub(super) const ANN_VNC_PORT: &str = "vm.cocoonstack.io/vnc-port";
+/// The watch's period, which is also the shortest time between two restarts of one QEMU and
+/// between two MAC backfills.
+pub(super) const MACOS_WATCH_EVERY: Duration = Duration::from_secs(10);
+
+fn macos(cmd: MacosCmd) -> Ask {
+    Ask::Cocoon(CocoonCmd::Macos(cmd))
+}
+
+/// A call pods asking the same share (one process, one answer to all): the image inspect and
+/// pull, de-duplicated per image as the contract wants.
+fn shared(cmd: MacosCmd) -> Ask {
+    Ask::SharedRead(CocoonCmd::Macos(cmd))
+}
+
+/// The VM record of a macOS guest from `cocoon-macos vm inspect`.
+fn vm_info(vm: &MacosVm) -> VmInfo {
+    VmInfo {
+        id: contract::vm_id(&vm.name),
+        name: vm.name.clone(),
+        hypervisor: contract::HYPERVISOR.into(),
+        state: VmState::Running,
+        pid: vm.pid,
+        nics: if vm.mac.is_empty() {
+            Vec::new()
+        } else {
+            vec![NicInfo {
+                tap: vm.tap.clone(),
+                mac: vm.mac.clone(),
+                ..Default::default()
+            }]
+        },
+        disk: vm.disk.clone(),
+        ..Default::default()
+    }
+}
+
+/// Whether the spec is a managed macOS guest.
+pub(super) fn is_macos(spec: &VmSpec) -> bool {
+    spec.managed && spec.os == Os::Macos
+}
+
+impl Provider {
+    /// Input checks of a macOS pod before anything is tracked: the image is required and both
+    /// it and the VM name go on `cocoon-macos`'s command line.
+    pub(super) fn macos_input_error(&self, spec: &VmSpec) -> Option<String> {
+        if spec.image.trim().is_empty() {
+            return Some(format!(
+                "macOS guest {} needs an image ({})",
+                spec.vm_name,
+                spec::ANN_IMAGE
+            ));
+        }
+        if !contract::argument_ok(&spec.vm_name) {
+            return Some(format!(
+                "macOS guest name {:?} is not a plain name ({})",
+                spec.vm_name,
+                spec::ANN_VM_NAME
+            ));
+        }
+        if !contract::argument_ok(&spec.image) {
+            return Some(format!(
+                "macOS guest image {:?} is not a plain image reference ({})",
+                spec.image,
+                spec::ANN_IMAGE
+            ));
+        }
+        None
+    }
+
+    /// The create of a tracked macOS pod: look for its VM first (adoption).
+    pub(super) fn macos_create(&mut self, key: &PodKey, uid: String, spec: VmSpec) {
+        let name = spec.vm_name.clone();
+        self.slot(key).op = Some(Op::Create(Box::new(CreateOp {
+            uid,
+            spec,
+            step: CreateStep::MacosInspect,
+            started: self.now,
+            local_snapshot: String::new(),
+            snapshot_image: String::new(),
+            vm: None,
+            vm_event_meanwhile: None,
+            adopted: false,
+        })));
+        self.advance(
+            key,
+            CreateStep::MacosInspect,
+            macos(MacosCmd::Inspect { name }),
+        );
+    }
+
+    /// The VNC port this pod holds, reserving one when it holds none: the port of its
+    /// annotation (a restart or re-create keeps its port), else `hint`, else the lowest free.
+    /// `Ok(None)` without a password (no VNC at all); `Err` when all 100 ports are taken.
+    fn reserve_vnc(&mut self, key: &PodKey, hint: Option<u16>) -> Result<Option<u16>, String> {
+        if !self.cfg.macos_vnc {
+            return Ok(None);
+        }
+        if let Some((&port, _)) = self.vnc_ports.iter().find(|(_, k)| *k == key) {
+            return Ok(Some(port));
+        }
+        // A pod gone from the API without a delete of ours (its create failed, then it was
+        // removed) holds its port no longer.
+        let slots = &self.slots;
+        self.vnc_ports.retain(|_, k| {
+            slots
+                .get(k)
+                .is_some_and(|s| s.latest.is_some() || s.tracked.is_some())
+        });
+        let annotated = self
+            .slots
+            .get(key)
+            .and_then(|s| s.tracked.as_ref())
+            .and_then(|t| t.pod.metadata.annotations.as_ref())
+            .and_then(|a| a.get(ANN_VNC_PORT))
+            .and_then(|v| v.trim().parse::<u16>().ok());
+        let free =
+            |p: &u16| contract::display_of_port(*p).is_some() && !self.vnc_ports.contains_key(p);
+        let port = annotated
+            .filter(free)
+            .or(hint.filter(free))
+            .or_else(|| (contract::VNC_FIRST_PORT..=contract::VNC_LAST_PORT).find(free));
+        match port {
+            Some(p) => {
+                self.vnc_ports.insert(p, key.clone());
+                Ok(Some(p))
+            }
+            None => Err(format!(
+                "no free VNC port: all of {}-{} are reserved by other macOS guests",
+                contract::VNC_FIRST_PORT,
+                contract::VNC_LAST_PORT
+            )),
+        }
+    }
+
+    /// The port a running guest actually serves VNC on becomes its reservation (reality wins
+    /// over what was reserved before it was seen).
+    fn hold_vnc(&mut self, key: &PodKey, display: Option<u16>) -> Option<u16> {
+        if !self.cfg.macos_vnc {
+            return None;
+        }
+        let Some(port) = display.and_then(contract::port_of_display) else {
+            return self
+                .vnc_ports
+                .iter()
+                .find(|(_, k)| *k == key)
+                .map(|(p, _)| *p);
+        };
+        if let Some(other) = self.vnc_ports.get(&port).filter(|k| *k != key) {
+            log::warn!("provider: {key}: its VM serves VNC port {port}, reserved for {other}");
+        }
+        self.vnc_ports.retain(|_, k| k != key);
+        self.vnc_ports.insert(port, key.clone());
+        Some(port)
+    }
+
+    /// The display of the pod's VNC port for `vm start` / `vm run`, or the failed create.
+    fn vnc_display_or_fail(
+        &mut self,
+        key: &PodKey,
+        c: &CreateOp,
+        hint: Option<u16>,
+    ) -> Option<Option<u16>> {
+        match self.reserve_vnc(key, hint) {
+            Ok(port) => Some(port.and_then(contract::display_of_port)),
+            Err(e) => {
+                let msg = format!("macOS guest {}: {e}", c.spec.vm_name);
+                self.fail_create(key, &c.uid, &msg, true);
+                None
+            }
+        }
+    }
+
+    /// Answers of the macOS create steps.
+    pub(super) fn macos_create_step(&mut self, key: &PodKey, c: CreateOp, res: Res) {
+        let name = c.spec.vm_name.clone();
+        match (c.step.clone(), res) {
+            (CreateStep::MacosInspect, Res::Cocoon(r)) => {
+                if r.success {
+                    return match contract::parse_inspect(&r.stdout) {
+                        Ok(vm) => {
+                            let pid = vm.pid;
+                            let ask = Ask::effect(move |op| Effect::CheckPid { op, pid });
+                            self.advance(key, CreateStep::MacosAlive { vm }, ask)
+                        }
+                        Err(e) => self.fail_create(key, &c.uid, &e, true),
+                    };
+                }
+                if r.timed_out || !contract::not_found(&r.stderr) {
+                    let msg = format!("cocoon-macos vm inspect {name}: {}", r.error_text());
+                    return self.fail_create(key, &c.uid, &msg, true);
+                }
+                let image = c.spec.image.clone();
+                self.advance(
+                    key,
+                    CreateStep::MacosImageInspect,
+                    shared(MacosCmd::ImageInspect { image }),
+                )
+            }
+            (CreateStep::MacosAlive { vm }, Res::Pid(alive)) => {
+                if alive {
+                    self.lifecycle_metric("create", "ok", "adopted");
+                    return self.macos_up(key, &vm, true);
+                }
+                let Some(vnc_display) = self.vnc_display_or_fail(
+                    key,
+                    &c,
+                    vm.vnc_display.and_then(contract::port_of_display),
+                ) else {
+                    return;
+                };
+                self.advance(
+                    key,
+                    CreateStep::MacosStart,
+                    macos(MacosCmd::Start { name, vnc_display }),
+                )
+            }
+            (CreateStep::MacosImageInspect, Res::Cocoon(r)) => {
+                if r.success {
+                    return self.macos_run(key, &c);
+                }
+                let image = c.spec.image.clone();
+                self.advance(
+                    key,
+                    CreateStep::MacosImagePull,
+                    shared(MacosCmd::ImagePull { image }),
+                )
+            }
+            (CreateStep::MacosImagePull, Res::Cocoon(r)) => {
+                if r.success {
+                    return self.macos_run(key, &c);
+                }
+                let msg = format!(
+                    "cocoon-macos image pull {}: {}",
+                    c.spec.image,
+                    r.error_text()
+                );
+                self.fail_create(key, &c.uid, &msg, true)
+            }
+            (CreateStep::MacosStart | CreateStep::MacosRun, Res::Cocoon(r)) => {
+                if !r.success {
+                    let verb = if matches!(c.step, CreateStep::MacosRun) {
+                        "run"
+                    } else {
+                        "start"
+                    };
+                    let msg = format!("cocoon-macos vm {verb} {name}: {}", r.error_text());
+                    return self.fail_create(key, &c.uid, &msg, true);
+                }
+                self.advance(
+                    key,
+                    CreateStep::MacosLaunched,
+                    macos(MacosCmd::Inspect { name }),
+                )
+            }
+            (CreateStep::MacosLaunched, Res::Cocoon(r)) => {
+                let parsed = if r.success {
+                    contract::parse_inspect(&r.stdout)
+                } else {
+                    Err(format!(
+                        "cocoon-macos vm inspect {name} after launch: {}",
+                        r.error_text()
+                    ))
+                };
+                match parsed {
+                    Ok(vm) => self.macos_up(key, &vm, false),
+                    Err(e) => self.fail_create(key, &c.uid, &e, true),
+                }
+            }
+            (step, res) => self.unexpected_answer(key, &step, &res),
+        }
+    }
+
+    /// `vm run` of a new guest: the pod's VNC port, even vCPUs, whole MiB.
+    fn macos_run(&mut self, key: &PodKey, c: &CreateOp) {
+        let Some(vnc_display) = self.vnc_display_or_fail(key, c, None) else {
+            return;
+        };
+        let r = &c.spec.resources;
+        let run = MacosRun {
+            name: c.spec.vm_name.clone(),
+            cpus: contract::even_cpus(r.vcpus()),
+            memory_mib: contract::memory_mib(r.memory_bytes()),
+            vnc_display,
+            storage_bytes: c.spec.storage_bytes,
+            image: c.spec.image.clone(),
+        };
+        self.advance(key, CreateStep::MacosRun, macos(MacosCmd::Run(run)))
+    }
+
+    /// The guest runs (launched or adopted): id / ip / vnc-port annotations, track, probe,
+    /// Running. Ready comes from the probe ([`Provider::macos_readiness`]).
+    fn macos_up(&mut self, key: &PodKey, mvm: &MacosVm, adopted: bool) {
+        let Some(c) = self.create_op(key) else {
+            return;
+        };
+        let (uid, spec, started) = (c.uid.clone(), c.spec.clone(), c.started);
+        let vm = vm_info(mvm);
+        let port = self.hold_vnc(key, mvm.vnc_display);
+        if !adopted {
+            let secs = self.now.saturating_duration_since(started).as_secs_f64();
+            self.metric(MetricUpdate::VmBootDuration {
+                namespace: key.namespace.clone(),
+                mode: if spec.mode_raw.is_empty() {
+                    "run".into()
+                } else {
+                    spec.mode_raw.clone()
+                },
+                backend: spec.backend.clone(),
+                seconds: secs,
+            });
+            self.lifecycle_metric("create", "ok", "");
+        }
+        // An adopted guest keeps the address its pod shows until the probe, which looks the
+        // lease up by MAC on its first run, says otherwise (no blank ip written meanwhile).
+        let ip = self
+            .slot(key)
+            .tracked
+            .as_ref()
+            .map(|t| t.ip.clone())
+            .filter(|ip| !ip.is_empty() || !adopted)
+            .unwrap_or_else(|| spec.vm_ip.clone());
+        let mut ann = BTreeMap::new();
+        ann.insert(ANN_VM_ID.to_string(), Some(vm.id.clone()));
+        ann.insert(ANN_VM_IP.to_string(), Some(ip.clone()));
+        // Written only when a port is served; an earlier one the guest no longer has goes.
+        ann.insert(ANN_VNC_PORT.to_string(), port.map(|p| p.to_string()));
+        if let Some(intent) = self.slot(key).intent.as_ref().filter(|i| i.uid == uid) {
+            ann.extend(intent.patch());
+        }
+        self.send_annotations(key, &uid, ann, false);
+        let deleting_now = self.slot(key).latest.as_ref().is_some_and(|p| deleting(p));
+        {
+            let slot = self.slot(key);
+            slot.failures = 0;
+            slot.retry_at = None;
+            if let Some(t) = slot.tracked.as_mut() {
+                t.vm = Some(vm.clone());
+                t.ip = ip.clone();
+                t.spec.vm_id = vm.id.clone();
+                t.probe = Some(initial_probe(&ip));
+            }
+            slot.op = None;
+        }
+        if !deleting_now {
+            self.macos_start_probe(key);
+        }
+        self.event(
+            key,
+            &uid,
+            EventType::Normal,
+            "ProviderCreateSuccess",
+            "Create pod in provider successfully",
+        );
+        self.arm_macos_watch();
+        if !adopted {
+            // An adopted guest's pod already shows its status; the probe's first answer
+            // publishes it again (a Running, not-Ready write here would flap a Ready pod).
+            self.push_status(key, false);
+        }
+        self.reconcile_slot(key);
+    }
+
+    /// The status reconciler's endpoint check of a macOS guest: the vnc-port annotation the
+    /// API copy should carry when it differs from what it carries (`Some(None)`: remove a port
+    /// the guest no longer serves).
+    pub(super) fn macos_vnc_drift(&self, key: &PodKey) -> Option<Option<String>> {
+        let slot = self.slots.get(key)?;
+        let t = slot.tracked.as_ref().filter(|t| is_macos(&t.spec))?;
+        let api = slot.latest.as_ref()?;
+        let want = self
+            .vnc_ports
+            .iter()
+            .find(|(_, k)| *k == key)
+            .map(|(p, _)| p.to_string());
+        let has = api
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(ANN_VNC_PORT))
+            .cloned();
+        (t.vm.is_some() && want != has).then_some(want)
+    }
+
+    /// (Re)starts the pod's probe with its current VM record: `probe-port` ⇒ TCP connect,
+    /// else the SSH banner on port 22.
+    fn macos_start_probe(&mut self, key: &PodKey) {
+        let Some(t) = self.slots.get(key).and_then(|s| s.tracked.as_ref()) else {
+            return;
+        };
+        let Some(vm) = t.vm.as_ref() else {
+            return;
+        };
+        self.out.push(Effect::StartProbe {
+            key: key.clone(),
+            uid: t.uid.clone(),
+            vm_id: vm.id.clone(),
+            ip: t.ip.clone(),
+            mac: vm.primary_mac(),
+            probe_port: Some(t.spec.probe_port.unwrap_or(crate::probes::SSH_PORT)),
+        });
+    }
+
+    /// Whether the pod's probe must read an SSH banner: a macOS guest with no probe-port.
+    pub fn probe_wants_ssh_banner(&self, key: &PodKey) -> bool {
+        self.slots
+            .get(key)
+            .and_then(|s| s.tracked.as_ref())
+            .is_some_and(|t| is_macos(&t.spec) && t.spec.probe_port.is_none())
+    }
+
+    /// A probe result of a macOS guest: Ready is published by the probe (probe ready, pod not
+    /// failed), not at the end of the create. Returns whether it published.
+    pub(super) fn macos_readiness(&mut self, key: &PodKey, ready: bool) -> bool {
+        let Some(slot) = self.slots.get(key) else {
+            return false;
+        };
+        let Some(t) = slot.tracked.as_ref() else {
+            return false;
+        };
+        // The watch's liveness check may be running: it changes nothing Ready depends on, and
+        // a readiness change is reported once, so it must not be lost to it.
+        let busy = !matches!(slot.op, None | Some(Op::MacosWatch(_)));
+        if !ready || !is_macos(&t.spec) || busy || deleting(&t.pod) {
+            return false;
+        }
+        let owed = slot
+            .intent
+            .as_ref()
+            .is_none_or(|i| i.uid != t.uid || i.state == State::Creating);
+        if owed {
+            self.publish_ready(key);
+        }
+        owed
+    }
+
+    /// The delete of a managed macOS guest: `cocoon-macos vm rm <name>`, no snapshot work.
+    pub(super) fn macos_delete(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp) {
+        if !contract::argument_ok(&t.spec.vm_name) {
+            // Nothing of ours can carry such a name: there is no VM to remove.
+            self.lifecycle_metric("delete", "skipped", "no_vm");
+            self.forget(key, true);
+            return self.delete_done(key, t, d);
+        }
+        let name = t.spec.vm_name.clone();
+        self.advance(key, DeleteStep::MacosRm, macos(MacosCmd::Rm { name }))
+    }
+
+    /// `vm rm` answered: a missing VM counts as removed; anything else keeps the pod.
+    pub(super) fn macos_removed(
+        &mut self,
+        key: &PodKey,
+        t: &Tracked,
+        d: &DeleteOp,
+        r: CocoonResult,
+    ) {
+        if !r.success && (r.timed_out || !contract::not_found(&r.stderr)) {
+            let msg = format!("cocoon-macos vm rm {}: {}", d.vm_name, r.error_text());
+            return self.delete_failed(key, &msg);
+        }
+        if let Some(vm) = t.vm.as_ref() {
+            self.release_leases(vm);
+            self.last_restart.remove(&vm.id);
+        }
+        self.delete_vm_gone(key, t, d)
+    }
+
+    // ----- the watch: dead QEMU restart and MAC backfill ------------------------------------
+
+    pub(super) fn arm_macos_watch(&mut self) {
+        if !self.macos_watch_armed {
+            self.macos_watch_armed = true;
+            let at = self.now + MACOS_WATCH_EVERY;
+            self.arm(at, TimerEntry::MacosWatch);
+        }
+    }
+
+    /// Every 10 s: each tracked macOS guest with no op running gets its liveness check.
+    pub(super) fn macos_watch_tick(&mut self) {
+        self.macos_watch_armed = false;
+        let due: Vec<(PodKey, String, i64)> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| s.op.is_none())
+            .filter_map(|(k, s)| {
+                let t = s.tracked.as_ref()?;
+                let vm = t.vm.as_ref()?;
+                (is_macos(&t.spec) && !deleting(&t.pod)).then(|| (k.clone(), t.uid.clone(), vm.pid))
+            })
+            .collect();
+        let any = self.slots.values().any(|s| {
+            s.tracked
+                .as_ref()
+                .is_some_and(|t| is_macos(&t.spec) && t.vm.is_some())
+        });
+        for (key, uid, pid) in due {
+            self.slot(&key).op = Some(Op::MacosWatch(MacosWatchOp {
+                uid,
+                step: MacosWatchStep::Alive,
+            }));
+            let ask = Ask::effect(move |op| Effect::CheckPid { op, pid });
+            self.advance(&key, MacosWatchStep::Alive, ask);
+        }
+        if any {
+            self.arm_macos_watch();
+        }
+    }
+
+    pub(super) fn macos_watch_step(&mut self, key: &PodKey, res: Res) {
+        let Some(slot) = self.slots.get(key) else {
+            return;
+        };
+        let (Some(Op::MacosWatch(w)), Some(t)) = (slot.op.clone(), slot.tracked.clone()) else {
+            return;
+        };
+        let Some(vm) = t.vm.clone().filter(|_| t.uid == w.uid) else {
+            return self.end_op(key);
+        };
+        let name = t.spec.vm_name.clone();
+        match (w.step, res) {
+            (MacosWatchStep::Alive, Res::Pid(alive)) => {
+                if alive && !vm.primary_mac().is_empty() {
+                    return self.end_op(key);
+                }
+                let step = MacosWatchStep::Inspect { dead: !alive };
+                self.advance(key, step, macos(MacosCmd::Inspect { name }))
+            }
+            (MacosWatchStep::Inspect { dead }, Res::Cocoon(r)) => {
+                match contract::parse_inspect(&r.stdout)
+                    .ok()
+                    .filter(|_| r.success)
+                {
+                    // A record with a new pid may be a QEMU started meanwhile: check that one.
+                    Some(m) if dead && m.pid != vm.pid => {
+                        let pid = m.pid;
+                        let ask = Ask::effect(move |op| Effect::CheckPid { op, pid });
+                        self.advance(key, MacosWatchStep::InspectAlive { vm: m }, ask)
+                    }
+                    Some(_) if dead => self.macos_restart(key, &vm),
+                    Some(m) => {
+                        self.macos_refresh(key, &m);
+                        self.end_op(key)
+                    }
+                    None => {
+                        log::warn!(
+                            "provider: {key}: cocoon-macos vm inspect {name}: {}",
+                            r.error_text()
+                        );
+                        self.end_op(key)
+                    }
+                }
+            }
+            (MacosWatchStep::InspectAlive { vm: m }, Res::Pid(alive)) => {
+                if alive {
+                    self.macos_refresh(key, &m);
+                    return self.end_op(key);
+                }
+                self.macos_restart(key, &vm)
+            }
+            (MacosWatchStep::Start, Res::Cocoon(r)) => {
+                if !r.success {
+                    // Tried again by the next round once the 10 s have passed.
+                    log::warn!(
+                        "provider: {key}: restart dead QEMU of {name}: {}",
+                        r.error_text()
+                    );
+                    return self.end_op(key);
+                }
+                self.advance(
+                    key,
+                    MacosWatchStep::Refresh,
+                    macos(MacosCmd::Inspect { name }),
+                )
+            }
+            (MacosWatchStep::Refresh, Res::Cocoon(r)) => {
+                if let Some(m) = contract::parse_inspect(&r.stdout)
+                    .ok()
+                    .filter(|_| r.success)
+                {
+                    self.macos_refresh(key, &m);
+                }
+                self.end_op(key)
+            }
+            (step, res) => self.unexpected_answer(key, &step, &res),
+        }
+    }
+
+    /// `vm start` of a dead QEMU, at most once per 10 s per VM.
+    fn macos_restart(&mut self, key: &PodKey, vm: &VmInfo) {
+        let recent = self
+            .last_restart
+            .get(&vm.id)
+            .is_some_and(|at| self.now.saturating_duration_since(*at) < MACOS_WATCH_EVERY);
+        if recent {
+            return self.end_op(key);
+        }
+        self.last_restart.insert(vm.id.clone(), self.now);
+        log::warn!("provider: {key}: QEMU of {} is dead; starting it", vm.name);
+        let vnc_display = self
+            .vnc_ports
+            .iter()
+            .find(|(_, k)| *k == key)
+            .and_then(|(p, _)| contract::display_of_port(*p));
+        let name = vm.name.clone();
+        self.advance(
+            key,
+            MacosWatchStep::Start,
+            macos(MacosCmd::Start { name, vnc_display }),
+        )
+    }
+
+    /// A fresher record of the running guest: new pid, backfilled MAC, disk. The probe is
+    /// restarted when the MAC changed (it looks the guest's address up by MAC).
+    fn macos_refresh(&mut self, key: &PodKey, m: &MacosVm) {
+        let Some(t) = self.slot(key).tracked.as_mut() else {
+            return;
+        };
+        let Some(vm) = t.vm.as_mut() else {
+            return;
+        };
+        let fresh = vm_info(m);
+        let mac_changed =
+            !fresh.primary_mac().is_empty() && fresh.primary_mac() != vm.primary_mac();
+        vm.pid = fresh.pid;
+        vm.disk = fresh.disk;
+        if mac_changed {
+            vm.nics = fresh.nics;
+            self.macos_start_probe(key);
+        }
+    }
+}

@@ -1,0 +1,389 @@
+//! A fake `cocoon-macos` CLI: macOS guests as JSON records under a state directory, each
+//! "QEMU" a real `sleep` process, so liveness checks, kills and restarts are real.
+//!
+//! Run when `vk-cocoon-sandbox` is invoked as `cocoon-macos` (its argv 0) or as
+//! `vk-cocoon-sandbox fake-cocoon-macos ...`. It accepts exactly the argv the daemon's
+//! `guest::macos` builds: `vm inspect <name>`, `vm run --name N --cpus C --memory MiB
+//! [--vnc D --vnc-password P] [--storage BYTES] --exit-on-reboot --random-smbios --net cni IMAGE`,
+//! `vm start [--vnc D --vnc-password P] <name>`, `vm rm <name>`, `image inspect|pull <ref>`.
+//! JSON on stdout, `Error: <msg>` on stderr with exit 1; a missing VM is `Error: vm not found:
+//! <name>`.
+//!
+//! # Environment
+//! - `FAKE_COCOON_MACOS_STATE`: the state directory; without it, a `fake-cocoon-macos-state`
+//!   directory beside a `cocoon-macos` symlink is used.
+//! - `FAKE_COCOON_MACOS_LEASES`: a cocoon-net lease file to keep in step (one row per guest,
+//!   IP `127.89.0.<n>` on loopback), so the daemon finds the guest's address. As with
+//!   cocoon-net, a guest keeps its lease while its QEMU is down; `vm rm` drops it.
+//!   Rows of other MACs (not this fake's `02:00:4d:ac:` prefix) are kept as they are.
+//!
+//! # State directory
+//! `vms/<name>.json` (`name, pid, mac, tap, disk, vnc, vnc_password, ip`), `disks/<name>.img`
+//! (sparse, `--storage` bytes or 1 GiB), `images/<hex of ref>`, `calls.log` (one line per call:
+//! `<unix ms> <argv with the password redacted>`), `lock`.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use super::fake_cocoon::store::{kill_pid, pid_alive, rfc3339_at, write_atomic};
+
+/// One macOS guest record.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct MacosRecord {
+    pub name: String,
+    pub pid: i64,
+    pub mac: String,
+    pub tap: String,
+    pub disk: String,
+    /// VNC display, absent without VNC.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vnc: Option<u16>,
+    /// The password the VM was launched with (a test checks the daemon passed it through).
+    #[serde(default)]
+    pub vnc_password: String,
+    pub ip: String,
+    pub image: String,
+    pub cpus: u64,
+    pub memory_mib: u64,
+}
+
+/// The state directory in use for this invocation.
+fn state_dir(program: Option<&Path>) -> Result<PathBuf, String> {
+    if let Ok(d) = std::env::var("FAKE_COCOON_MACOS_STATE") {
+        if !d.is_empty() {
+            return Ok(PathBuf::from(d));
+        }
+    }
+    program
+        .and_then(Path::parent)
+        .map(|d| d.join("fake-cocoon-macos-state"))
+        .filter(|d| d.is_dir())
+        .ok_or_else(|| "fake cocoon-macos: set FAKE_COCOON_MACOS_STATE".to_string())
+}
+
+/// Entry point when run through a `cocoon-macos` symlink.
+pub fn main_as_cocoon_macos(program: &Path, args: Vec<String>) -> i32 {
+    finish(state_dir(Some(program)).and_then(|s| run(&s, &args)))
+}
+
+/// Entry point of `vk-cocoon-sandbox fake-cocoon-macos <args>`.
+pub fn main(args: Vec<String>) -> i32 {
+    finish(state_dir(None).and_then(|s| run(&s, &args)))
+}
+
+fn finish(r: Result<String, String>) -> i32 {
+    match r {
+        Ok(out) => {
+            if !out.is_empty() {
+                println!("{out}");
+            }
+            0
+        }
+        Err(msg) => {
+            eprintln!("Error: {msg}");
+            1
+        }
+    }
+}
+
+/// An exclusive `flock` on `<state>/lock` for a read-modify-write, released when dropped.
+struct Lock(#[allow(dead_code)] File);
+
+fn lock(state: &Path) -> Result<Lock, String> {
+    let file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(state.join("lock"))
+        .map_err(|e| format!("open lock: {e}"))?;
+    loop {
+        // SAFETY: flock on a descriptor we own for the duration of the call; no memory is
+        // shared with the kernel. std's file locks need a newer toolchain than the MSRV.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
+        if rc == 0 {
+            return Ok(Lock(file));
+        }
+        let err = std::io::Error::last_os_error();
+        if err.kind() != std::io::ErrorKind::Interrupted {
+            return Err(format!("lock: {err}"));
+        }
+    }
+}
+
+fn vm_path(state: &Path, name: &str) -> PathBuf {
+    state.join("vms").join(format!("{name}.json"))
+}
+
+fn image_path(state: &Path, image: &str) -> PathBuf {
+    let hex: String = image.bytes().map(|b| format!("{b:02x}")).collect();
+    state.join("images").join(hex)
+}
+
+fn load(state: &Path, name: &str) -> Result<MacosRecord, String> {
+    let bytes = fs::read(vm_path(state, name)).map_err(|_| format!("vm not found: {name}"))?;
+    serde_json::from_slice(&bytes).map_err(|e| format!("record of {name}: {e}"))
+}
+
+fn save(state: &Path, r: &MacosRecord) -> Result<(), String> {
+    let bytes = serde_json::to_vec(r).map_err(|e| e.to_string())?;
+    write_atomic(&vm_path(state, &r.name), &bytes).map_err(|e| format!("save {}: {e}", r.name))
+}
+
+/// Every record (unreadable ones skipped).
+pub fn records(state: &Path) -> Vec<MacosRecord> {
+    let Ok(dir) = fs::read_dir(state.join("vms")) else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+        .filter_map(|e| fs::read(e.path()).ok())
+        .filter_map(|b| serde_json::from_slice(&b).ok())
+        .collect()
+}
+
+/// A plain name or reference, as the real CLI's argument parser would accept it.
+fn plain(what: &str, v: &str) -> Result<String, String> {
+    if v.is_empty() || v.starts_with('-') {
+        return Err(format!("invalid {what} {v:?}"));
+    }
+    Ok(v.to_string())
+}
+
+/// The VNC flags of `vm run` / `vm start`: a display needs a password of at most 8 bytes.
+struct Vnc {
+    display: Option<u16>,
+    password: Option<String>,
+}
+
+impl Vnc {
+    fn check(&self) -> Result<(), String> {
+        match (&self.display, &self.password) {
+            (None, None) => Ok(()),
+            (Some(d), Some(p)) if *d <= 99 && !p.is_empty() && p.len() <= 8 => Ok(()),
+            (Some(_), Some(_)) => {
+                Err("--vnc needs a display 0-99 and a password of 1-8 bytes".into())
+            }
+            _ => Err("--vnc and --vnc-password go together".into()),
+        }
+    }
+}
+
+fn run(state: &Path, args: &[String]) -> Result<String, String> {
+    for d in ["vms", "disks", "images"] {
+        fs::create_dir_all(state.join(d)).map_err(|e| format!("state dir: {e}"))?;
+    }
+    log_call(state, args);
+    let _guard = lock(state)?;
+    let words: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = match words.as_slice() {
+        ["vm", "inspect", name] => {
+            let r = load(state, name)?;
+            inspect_json(&r)
+        }
+        ["vm", "rm", name] => {
+            let r = load(state, name)?;
+            kill_pid(r.pid);
+            let _ = fs::remove_file(&r.disk);
+            fs::remove_file(vm_path(state, name)).map_err(|e| format!("rm {name}: {e}"))?;
+            String::new()
+        }
+        ["vm", "start", rest @ ..] => start(state, rest)?,
+        ["vm", "run", rest @ ..] => run_vm(state, rest)?,
+        ["image", "inspect", image] => {
+            if !image_path(state, image).exists() {
+                return Err(format!("image not found: {image}"));
+            }
+            format!(r#"{{"name":{}}}"#, serde_json::Value::from(*image))
+        }
+        ["image", "pull", image] => {
+            let image = plain("image", image)?;
+            write_atomic(&image_path(state, &image), image.as_bytes())
+                .map_err(|e| format!("pull {image}: {e}"))?;
+            String::new()
+        }
+        _ => return Err(format!("unknown command: {}", args.join(" "))),
+    };
+    sync_leases(state);
+    Ok(out)
+}
+
+fn inspect_json(r: &MacosRecord) -> String {
+    serde_json::json!({
+        "name": r.name, "pid": r.pid, "mac": r.mac, "tap": r.tap, "disk": r.disk, "vnc": r.vnc,
+    })
+    .to_string()
+}
+
+/// `[--vnc D --vnc-password P]` at the front of `args`; returns them and the rest.
+fn take_vnc<'a>(mut args: &'a [&'a str]) -> Result<(Vnc, &'a [&'a str]), String> {
+    let mut vnc = Vnc {
+        display: None,
+        password: None,
+    };
+    loop {
+        match args {
+            ["--vnc", d, rest @ ..] => {
+                vnc.display = Some(d.parse().map_err(|_| format!("bad --vnc {d:?}"))?);
+                args = rest;
+            }
+            ["--vnc-password", p, rest @ ..] => {
+                vnc.password = Some(p.to_string());
+                args = rest;
+            }
+            _ => break,
+        }
+    }
+    vnc.check()?;
+    Ok((vnc, args))
+}
+
+fn start(state: &Path, args: &[&str]) -> Result<String, String> {
+    let (vnc, rest) = take_vnc(args)?;
+    let [name] = rest else {
+        return Err("usage: vm start [--vnc D --vnc-password P] NAME".into());
+    };
+    let mut r = load(state, name)?;
+    if pid_alive(r.pid) {
+        return Ok(String::new());
+    }
+    r.pid = spawn_qemu()?;
+    r.vnc = vnc.display;
+    r.vnc_password = vnc.password.unwrap_or_default();
+    save(state, &r)?;
+    Ok(String::new())
+}
+
+fn run_vm(state: &Path, args: &[&str]) -> Result<String, String> {
+    let mut rest = args;
+    let (mut name, mut cpus, mut memory, mut storage) = (None, 0u64, 0u64, None);
+    let mut vnc = Vnc {
+        display: None,
+        password: None,
+    };
+    let (mut exit_on_reboot, mut smbios, mut net) = (false, false, false);
+    let image = loop {
+        match rest {
+            ["--name", n, r @ ..] => (name, rest) = (Some(plain("name", n)?), r),
+            ["--cpus", c, r @ ..] => (cpus, rest) = (c.parse().map_err(|_| "bad --cpus")?, r),
+            ["--memory", m, r @ ..] => (memory, rest) = (m.parse().map_err(|_| "bad --memory")?, r),
+            ["--storage", s, r @ ..] => {
+                (storage, rest) = (Some(s.parse::<u64>().map_err(|_| "bad --storage")?), r)
+            }
+            ["--vnc", d, r @ ..] => {
+                vnc.display = Some(d.parse().map_err(|_| format!("bad --vnc {d:?}"))?);
+                rest = r;
+            }
+            ["--vnc-password", p, r @ ..] => (vnc.password, rest) = (Some(p.to_string()), r),
+            ["--exit-on-reboot", r @ ..] => (exit_on_reboot, rest) = (true, r),
+            ["--random-smbios", r @ ..] => (smbios, rest) = (true, r),
+            ["--net", "cni", r @ ..] => (net, rest) = (true, r),
+            [image] => break plain("image", image)?,
+            _ => return Err(format!("vm run: unexpected arguments {rest:?}")),
+        }
+    };
+    vnc.check()?;
+    let name = name.ok_or("vm run: --name is required")?;
+    if cpus == 0 || cpus % 2 != 0 || memory == 0 {
+        return Err("vm run: --cpus must be even and --memory set".into());
+    }
+    if !(exit_on_reboot && smbios && net) {
+        return Err("vm run: --exit-on-reboot --random-smbios --net cni are required".into());
+    }
+    if !image_path(state, &image).exists() {
+        return Err(format!("image not found: {image}"));
+    }
+    if vm_path(state, &name).exists() {
+        return Err(format!("vm {name} already exists"));
+    }
+    // The lowest guest number no record holds: its MAC, tap and address stay unique.
+    let taken: Vec<String> = records(state).into_iter().map(|r| r.tap).collect();
+    let n = (1u64..)
+        .find(|n| !taken.contains(&format!("qtap{n}")))
+        .unwrap_or(1);
+    let disk = state.join("disks").join(format!("{name}.img"));
+    let f = File::create(&disk).map_err(|e| format!("create disk: {e}"))?;
+    f.set_len(storage.unwrap_or(1 << 30))
+        .map_err(|e| format!("size disk: {e}"))?;
+    let r = MacosRecord {
+        name: name.clone(),
+        pid: spawn_qemu()?,
+        mac: format!("{MAC_PREFIX}{:02x}:{:02x}", (n >> 8) & 0xff, n & 0xff),
+        tap: format!("qtap{n}"),
+        disk: disk.to_string_lossy().into_owned(),
+        vnc: vnc.display,
+        vnc_password: vnc.password.unwrap_or_default(),
+        ip: format!("127.89.{}.{}", (n >> 8) & 0xff, (n & 0xff).max(1)),
+        image,
+        cpus,
+        memory_mib: memory,
+    };
+    save(state, &r)?;
+    Ok(String::new())
+}
+
+/// The guest's "QEMU": a real process in its own process group that outlives this call.
+fn spawn_qemu() -> Result<i64, String> {
+    let child = Command::new("sleep")
+        .arg("infinity")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0)
+        .spawn()
+        .map_err(|e| format!("start qemu: {e}"))?;
+    Ok(i64::from(child.id()))
+}
+
+fn log_call(state: &Path, args: &[String]) {
+    let mut redacted = Vec::with_capacity(args.len());
+    let mut hide = false;
+    for a in args {
+        redacted.push(if hide { "<redacted>" } else { a.as_str() });
+        hide = a == "--vnc-password";
+    }
+    let ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis();
+    if let Ok(mut f) = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(state.join("calls.log"))
+    {
+        let _ = writeln!(f, "{ms} {}", redacted.join(" "));
+    }
+}
+
+/// The MAC prefix of this fake's guests: its lease rows are the ones it rewrites.
+const MAC_PREFIX: &str = "02:00:4d:ac:";
+
+/// Rewrites this fake's rows of the lease file (if one is configured): a row per guest (a
+/// dead QEMU's guest keeps its lease, as cocoon-net's leases outlive a guest reboot); other
+/// rows stay.
+fn sync_leases(state: &Path) {
+    let Some(path) = std::env::var_os("FAKE_COCOON_MACOS_LEASES").filter(|p| !p.is_empty()) else {
+        return;
+    };
+    let expiry = rfc3339_at(SystemTime::now() + Duration::from_secs(3600));
+    let mut rows: Vec<serde_json::Value> = fs::read(&path)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Option<Vec<serde_json::Value>>>(&b).ok())
+        .flatten()
+        .unwrap_or_default();
+    rows.retain(|r| !r["mac"].as_str().unwrap_or("").starts_with(MAC_PREFIX));
+    rows.extend(
+        records(state)
+            .iter()
+            .map(|r| serde_json::json!({"mac": r.mac, "ip": r.ip, "expiry": expiry})),
+    );
+    if let Ok(bytes) = serde_json::to_vec(&rows) {
+        let _ = write_atomic(Path::new(&path), &bytes);
+    }
+}
