@@ -140,8 +140,9 @@ fn bench_pod_lifecycle() {
     );
 
     println!(
-        "pod writes per pod, create -> Running: {:.2}",
-        pod_writes_per_pod(&w, "seq-", SEQUENTIAL)
+        "pod writes per pod, create -> Running: {:.2} ({})",
+        pod_writes_per_pod(&w, "seq-", SEQUENTIAL),
+        writes_by_kind(&w, "seq-", SEQUENTIAL)
     );
     let mut oldest_lease = 0.0f64;
 
@@ -268,13 +269,15 @@ fn print_after_burst(w: &World, pid: u32, n: usize, burst_cpu: Duration, oldest_
     );
     println!("RSS with {n} tracked pods: {} KiB", rss_kib(pid));
     println!(
-        "pod writes per pod in the burst (evicted sequential pods not counted): {:.2}",
-        pod_writes_per_pod(w, "pod-", n)
+        "pod writes per pod in the burst (evicted sequential pods not counted): {:.2} ({})",
+        pod_writes_per_pod(w, "pod-", n),
+        writes_by_kind(w, "pod-", n)
     );
     println!(
         "longest loop turn so far (sequential + burst): {:.1} ms",
         metric(w, "vk_cocoon_loop_longest_turn_seconds") * 1000.0
     );
+    print_turn_records(w);
     println!(
         "Lease: oldest renewTime seen {oldest_lease:.2} s (renewed every 10 s => {:.2} s late); \
          node tick started {:.3} s late at most recently",
@@ -312,8 +315,9 @@ fn deletes_and_restart(w: &mut World, n: usize) {
         })
         .sum();
     println!(
-        "pod writes per pod, delete -> gone: {:.2}",
-        delete_writes / deleted as f64
+        "pod writes per pod, delete -> gone: {:.2} ({})",
+        delete_writes / deleted as f64,
+        writes_by_kind(w, "pod-", deleted)
     );
 
     // 4. Restart: startup reconcile of n pods and VMs, nothing recreated.
@@ -343,4 +347,37 @@ fn deletes_and_restart(w: &mut World, n: usize) {
         "longest loop turn after restart: {:.1} ms",
         metric(w, "vk_cocoon_loop_longest_turn_seconds") * 1000.0
     );
+    print_turn_records(w);
+}
+
+/// Pod writes per pod by what they write: status patches, annotation patches, deletes.
+fn writes_by_kind(w: &World, prefix: &str, pods: usize) -> String {
+    let needle = format!("/pods/{prefix}");
+    let requests = w.api.requests();
+    let per_pod = |resource: &str, verb: &str| {
+        requests
+            .iter()
+            .filter(|r| r.resource == resource && r.verb == verb && r.path.contains(&needle))
+            .count() as f64
+            / pods.max(1) as f64
+    };
+    format!(
+        "status {:.2}, annotations {:.2}, delete {:.2}",
+        per_pod("pods/status", "patch"),
+        per_pod("pods", "patch"),
+        per_pod("pods", "delete")
+    )
+}
+
+/// The daemon logs what each record-setting loop turn spent its time on; the last few say
+/// what the longest turns were made of.
+fn print_turn_records(w: &World) {
+    let log = w.log();
+    let records: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("longest loop turn so far"))
+        .collect();
+    for line in &records[records.len().saturating_sub(3)..] {
+        println!("  {line}");
+    }
 }
