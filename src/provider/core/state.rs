@@ -507,6 +507,8 @@ pub(super) enum TimerEntry {
         delay: Duration,
         until: Instant,
     },
+    /// The startup adoption's next chunk.
+    Adopt,
 }
 
 pub(super) struct Startup {
@@ -517,6 +519,22 @@ pub(super) struct Startup {
     pub(super) in_flight: usize,
     /// Stale VMs handed to a background watcher (never adopted nor treated as orphans now).
     pub(super) watched: Vec<VmInfo>,
+}
+
+/// The startup reconcile's adoption between chunks: the pods still to match to VMs, then the
+/// pods still to kick. Pod and VM events wait until it ends; the orphan decision is taken
+/// only once every pod has claimed its VM.
+pub(super) struct Adoption {
+    /// Oldest first: a VM shared by name goes back to the pod that had it.
+    pub(super) pods: std::collections::VecDeque<Pod>,
+    pub(super) vms: Vec<VmInfo>,
+    pub(super) watched: Vec<VmInfo>,
+    pub(super) by_id: BTreeMap<String, VmInfo>,
+    pub(super) by_name: BTreeMap<String, VmInfo>,
+    pub(super) claimed: std::collections::HashSet<String>,
+    pub(super) adopted: usize,
+    /// Set once every pod is matched and the orphans handled: the pods still to kick.
+    pub(super) kicks: Option<std::collections::VecDeque<PodKey>>,
 }
 
 /// The step an op moves to. [`Provider::advance`] sets it together with the effect it waits on.
