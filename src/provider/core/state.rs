@@ -442,6 +442,9 @@ pub(super) struct Slot {
     pub(super) warned_hibernate: bool,
     /// A failed hibernate / wake is retried: (delay of the next retry, when it is due).
     pub(super) update_retry: Option<(Duration, Instant)>,
+    /// Annotations of an incarnation (uid) that ride on its next annotation patch instead of
+    /// a write of their own (post-clone-state `done`, see `kube_writes.rs`).
+    pub(super) owed_annotations: Option<(String, BTreeMap<String, Option<String>>)>,
 }
 
 /// What an outstanding effect result is for.
