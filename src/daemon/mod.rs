@@ -428,6 +428,16 @@ impl Daemon {
 
     /// The loop. Returns the exit status.
     pub fn serve(&mut self) -> i32 {
+        self.profile.watch_this_thread();
+        // Every pool and spawner thread exists by now and keeps the default weight.
+        use crate::reactor::priority;
+        match priority::set_thread_nice(priority::LOOP_NICE) {
+            Ok(()) => log::debug!("event loop thread at nice {}", priority::LOOP_NICE),
+            Err(e) => log::info!(
+                "event loop thread left at the default priority ({e}); loop turns may \
+                 wait behind busy helpers on a loaded host"
+            ),
+        }
         if self.watchdog.is_some() {
             self.fire_own(OwnTimer::Watchdog);
         }
@@ -462,18 +472,21 @@ impl Daemon {
                 self.longest_turn.set(took);
                 if took > 0.01 {
                     log::info!(
-                        "longest loop turn so far: {:.1} ms ({:.1} ms on CPU), {n_events} \
-                         events; {}",
+                        "longest loop turn so far: {:.1} ms ({:.1} ms on CPU, {:.1} ms \
+                         waiting for a CPU), {n_events} events; {}",
                         took * 1000.0,
                         self.profile.cpu().as_secs_f64() * 1000.0,
+                        self.profile.run_wait().as_secs_f64() * 1000.0,
                         self.profile.summary()
                     );
                 }
             } else if took > 0.05 {
                 log::debug!(
-                    "event loop turn took {:.1} ms ({:.1} ms on CPU), {n_events} events; {}",
+                    "event loop turn took {:.1} ms ({:.1} ms on CPU, {:.1} ms waiting for a \
+                     CPU), {n_events} events; {}",
                     took * 1000.0,
                     self.profile.cpu().as_secs_f64() * 1000.0,
+                    self.profile.run_wait().as_secs_f64() * 1000.0,
                     self.profile.summary()
                 );
             }

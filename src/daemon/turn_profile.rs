@@ -30,6 +30,10 @@ pub(super) struct TurnProfile {
     cpu_at_start: Duration,
     /// The thread's CPU time at the last lap.
     cpu_at_lap: Duration,
+    /// `/proc/thread-self/schedstat` of the loop thread (None where it cannot be read).
+    schedstat: Option<std::fs::File>,
+    /// Time the thread had waited on a run queue when the turn started (see `run_wait`).
+    wait_at_start: Duration,
 }
 
 impl TurnProfile {
@@ -37,6 +41,33 @@ impl TurnProfile {
         self.parts.clear();
         self.cpu_at_start = thread_cpu();
         self.cpu_at_lap = self.cpu_at_start;
+        self.wait_at_start = self.waited();
+    }
+
+    /// Opens the calling thread's scheduler statistics (call on the loop thread).
+    pub(super) fn watch_this_thread(&mut self) {
+        self.schedstat = std::fs::File::open("/proc/thread-self/schedstat").ok();
+    }
+
+    /// How long the loop thread waited on a run queue (runnable, not running: preempted by
+    /// other threads) since `clear`. Wall time beyond CPU and this wait was spent blocked.
+    pub(super) fn run_wait(&self) -> Duration {
+        self.waited().saturating_sub(self.wait_at_start)
+    }
+
+    /// The thread's total run-queue wait so far (the second field of its schedstat).
+    fn waited(&self) -> Duration {
+        use std::os::unix::fs::FileExt;
+        let Some(file) = self.schedstat.as_ref() else {
+            return Duration::ZERO;
+        };
+        let mut buf = [0u8; 96];
+        let n = file.read_at(&mut buf, 0).unwrap_or(0);
+        std::str::from_utf8(&buf[..n])
+            .ok()
+            .and_then(|text| text.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .map(Duration::from_nanos)
+            .unwrap_or(Duration::ZERO)
     }
 
     /// The loop thread's CPU time spent since `clear`.
