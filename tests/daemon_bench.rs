@@ -227,6 +227,7 @@ fn vanish_during_burst(
         daemon_support::metric_value(&w.metrics(), r#"vk_cocoon_kube_lane_queued{lane="pods"}"#)
             .unwrap_or(f64::NAN);
     let mut vanish = Vec::new();
+    let mut slowest = None;
     for (name, id) in ids.iter().filter(|(k, _)| k.starts_with("seq-")) {
         let t = Instant::now();
         assert!(w.cocoon(&["fake", "vanish", id]).0);
@@ -246,7 +247,27 @@ fn vanish_during_burst(
             std::thread::sleep(Duration::from_millis(2));
         }
         vanish.push(t.elapsed());
+        if vanish.iter().max() == vanish.last() {
+            slowest = Some((name.clone(), id.clone()));
+        }
         *oldest_lease = oldest_lease.max(lease_age(w).unwrap_or(0.0));
+    }
+    // What the daemon logged about the slowest one, to see where its time went.
+    if let Some((name, id)) = slowest {
+        println!("  daemon log of the slowest vanish ({name}, vm {id}):");
+        let log = w.log();
+        let lines: Vec<&str> = log
+            .lines()
+            .filter(|l| !l.contains("writing prelude") && !l.contains("sending request"))
+            .filter(|l| {
+                l.contains(&format!("/{name}"))
+                    || l.contains(&format!("{name}:"))
+                    || l.contains(id.as_str())
+            })
+            .collect();
+        for line in &lines[lines.len().saturating_sub(12)..] {
+            println!("    {}", &line[..line.len().min(300)]);
+        }
     }
     (vanish, queued_at_vanish)
 }

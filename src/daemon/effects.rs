@@ -58,6 +58,12 @@ impl Daemon {
                     self.cocoon_queue
                         .insert(self.cocoon_inspects_queued, (op, cmd));
                     self.cocoon_inspects_queued += 1;
+                    if self.cocoon_running >= MAX_COCOON_CALLS {
+                        log::debug!(
+                            "cocoon op {op}: inspect waits for a slot ({} run)",
+                            self.cocoon_running
+                        );
+                    }
                 } else {
                     self.cocoon_queue.push_back((op, cmd));
                 }
