@@ -371,14 +371,23 @@ fn deletes_and_restart(w: &mut World, n: usize) {
     print_turn_records(w);
 }
 
-/// Pod writes per pod by what they write: status patches, annotation patches, deletes.
+/// Pod writes per pod by what they write (status patches, annotation patches, deletes), for
+/// the pods named `prefix` + 0..pods.
 fn writes_by_kind(w: &World, prefix: &str, pods: usize) -> String {
-    let needle = format!("/pods/{prefix}");
     let requests = w.api.requests();
+    let ours = |path: &str| {
+        let Some(rest) = path.strip_prefix("/api/v1/namespaces/default/pods/") else {
+            return false;
+        };
+        let name = rest.strip_suffix("/status").unwrap_or(rest);
+        name.strip_prefix(prefix)
+            .and_then(|n| n.parse::<usize>().ok())
+            .is_some_and(|n| n < pods)
+    };
     let per_pod = |resource: &str, verb: &str| {
         requests
             .iter()
-            .filter(|r| r.resource == resource && r.verb == verb && r.path.contains(&needle))
+            .filter(|r| r.resource == resource && r.verb == verb && ours(&r.path))
             .count() as f64
             / pods.max(1) as f64
     };
