@@ -277,10 +277,12 @@ fn print_after_burst(w: &World, pid: u32, n: usize, burst_cpu: Duration, oldest_
     // The harness runs the daemon at debug level, which logs every cocoon call.
     let log = w.log();
     println!(
-        "cocoon calls so far: {} ({} clones, {} snapshot inspects)",
+        "cocoon calls so far: {} ({} clones, {} snapshot inspects; {} VM inspects waited for \
+         a slot)",
         log.matches("cocoon op ").count(),
         log.matches(" vm clone ").count(),
-        log.matches(" snapshot inspect ").count()
+        log.matches(" snapshot inspect ").count(),
+        log.matches("inspect waits for a slot").count()
     );
     let used = daemon_cpu(pid) - burst_cpu;
     println!(
@@ -309,8 +311,24 @@ fn print_after_burst(w: &World, pid: u32, n: usize, burst_cpu: Duration, oldest_
 
 /// Deletes (writes per deleted pod), then a restart with every pod and VM to adopt.
 fn deletes_and_restart(w: &mut World, n: usize) {
-    // 3. Deletes: pod writes per deleted pod until the object is gone.
+    // 3. Deletes: pod writes per deleted pod until the object is gone. The burst's last
+    // writes (the lifecycle `ready` that follows each Ready status) drain first, so they are
+    // not counted as the deletes'.
     let deleted = 20.min(n);
+    w.wait(
+        "the burst's writes drained",
+        Duration::from_secs(120),
+        || {
+            let text = w.metrics();
+            let queued =
+                daemon_support::metric_value(&text, r#"vk_cocoon_kube_lane_queued{lane="pods"}"#)?;
+            let in_flight = daemon_support::metric_value(
+                &text,
+                r#"vk_cocoon_kube_lane_in_flight{lane="pods"}"#,
+            )?;
+            (queued + in_flight == 0.0).then_some(())
+        },
+    );
     w.api.clear_requests();
     for i in 0..deleted {
         w.api
