@@ -140,8 +140,9 @@ fn bench_pod_lifecycle() {
     );
 
     println!(
-        "pod writes per pod, create -> Running: {:.2}",
-        pod_writes_per_pod(&w, "seq-", SEQUENTIAL)
+        "pod writes per pod, create -> Running: {:.2} ({})",
+        pod_writes_per_pod(&w, "seq-", SEQUENTIAL),
+        writes_by_kind(&w, "seq-", SEQUENTIAL)
     );
     let mut oldest_lease = 0.0f64;
 
@@ -226,6 +227,7 @@ fn vanish_during_burst(
         daemon_support::metric_value(&w.metrics(), r#"vk_cocoon_kube_lane_queued{lane="pods"}"#)
             .unwrap_or(f64::NAN);
     let mut vanish = Vec::new();
+    let mut slowest = None;
     for (name, id) in ids.iter().filter(|(k, _)| k.starts_with("seq-")) {
         let t = Instant::now();
         assert!(w.cocoon(&["fake", "vanish", id]).0);
@@ -245,7 +247,27 @@ fn vanish_during_burst(
             std::thread::sleep(Duration::from_millis(2));
         }
         vanish.push(t.elapsed());
+        if vanish.iter().max() == vanish.last() {
+            slowest = Some((name.clone(), id.clone()));
+        }
         *oldest_lease = oldest_lease.max(lease_age(w).unwrap_or(0.0));
+    }
+    // What the daemon logged about the slowest one, to see where its time went.
+    if let Some((name, id)) = slowest {
+        println!("  daemon log of the slowest vanish ({name}, vm {id}):");
+        let log = w.log();
+        let lines: Vec<&str> = log
+            .lines()
+            .filter(|l| !l.contains("writing prelude") && !l.contains("sending request"))
+            .filter(|l| {
+                l.contains(&format!("/{name}"))
+                    || l.contains(&format!("{name}:"))
+                    || l.contains(id.as_str())
+            })
+            .collect();
+        for line in &lines[lines.len().saturating_sub(12)..] {
+            println!("    {}", &line[..line.len().min(300)]);
+        }
     }
     (vanish, queued_at_vanish)
 }
@@ -255,10 +277,12 @@ fn print_after_burst(w: &World, pid: u32, n: usize, burst_cpu: Duration, oldest_
     // The harness runs the daemon at debug level, which logs every cocoon call.
     let log = w.log();
     println!(
-        "cocoon calls so far: {} ({} clones, {} snapshot inspects)",
+        "cocoon calls so far: {} ({} clones, {} snapshot inspects; {} VM inspects waited for \
+         a slot)",
         log.matches("cocoon op ").count(),
         log.matches(" vm clone ").count(),
-        log.matches(" snapshot inspect ").count()
+        log.matches(" snapshot inspect ").count(),
+        log.matches("inspect waits for a slot").count()
     );
     let used = daemon_cpu(pid) - burst_cpu;
     println!(
@@ -268,13 +292,15 @@ fn print_after_burst(w: &World, pid: u32, n: usize, burst_cpu: Duration, oldest_
     );
     println!("RSS with {n} tracked pods: {} KiB", rss_kib(pid));
     println!(
-        "pod writes per pod in the burst (evicted sequential pods not counted): {:.2}",
-        pod_writes_per_pod(w, "pod-", n)
+        "pod writes per pod in the burst (evicted sequential pods not counted): {:.2} ({})",
+        pod_writes_per_pod(w, "pod-", n),
+        writes_by_kind(w, "pod-", n)
     );
     println!(
         "longest loop turn so far (sequential + burst): {:.1} ms",
         metric(w, "vk_cocoon_loop_longest_turn_seconds") * 1000.0
     );
+    print_turn_records(w);
     println!(
         "Lease: oldest renewTime seen {oldest_lease:.2} s (renewed every 10 s => {:.2} s late); \
          node tick started {:.3} s late at most recently",
@@ -285,8 +311,24 @@ fn print_after_burst(w: &World, pid: u32, n: usize, burst_cpu: Duration, oldest_
 
 /// Deletes (writes per deleted pod), then a restart with every pod and VM to adopt.
 fn deletes_and_restart(w: &mut World, n: usize) {
-    // 3. Deletes: pod writes per deleted pod until the object is gone.
+    // 3. Deletes: pod writes per deleted pod until the object is gone. The burst's last
+    // writes (the lifecycle `ready` that follows each Ready status) drain first, so they are
+    // not counted as the deletes'.
     let deleted = 20.min(n);
+    w.wait(
+        "the burst's writes drained",
+        Duration::from_secs(120),
+        || {
+            let text = w.metrics();
+            let queued =
+                daemon_support::metric_value(&text, r#"vk_cocoon_kube_lane_queued{lane="pods"}"#)?;
+            let in_flight = daemon_support::metric_value(
+                &text,
+                r#"vk_cocoon_kube_lane_in_flight{lane="pods"}"#,
+            )?;
+            (queued + in_flight == 0.0).then_some(())
+        },
+    );
     w.api.clear_requests();
     for i in 0..deleted {
         w.api
@@ -312,8 +354,9 @@ fn deletes_and_restart(w: &mut World, n: usize) {
         })
         .sum();
     println!(
-        "pod writes per pod, delete -> gone: {:.2}",
-        delete_writes / deleted as f64
+        "pod writes per pod, delete -> gone: {:.2} ({})",
+        delete_writes / deleted as f64,
+        writes_by_kind(w, "pod-", deleted)
     );
 
     // 4. Restart: startup reconcile of n pods and VMs, nothing recreated.
@@ -343,4 +386,46 @@ fn deletes_and_restart(w: &mut World, n: usize) {
         "longest loop turn after restart: {:.1} ms",
         metric(w, "vk_cocoon_loop_longest_turn_seconds") * 1000.0
     );
+    print_turn_records(w);
+}
+
+/// Pod writes per pod by what they write (status patches, annotation patches, deletes), for
+/// the pods named `prefix` + 0..pods.
+fn writes_by_kind(w: &World, prefix: &str, pods: usize) -> String {
+    let requests = w.api.requests();
+    let ours = |path: &str| {
+        let Some(rest) = path.strip_prefix("/api/v1/namespaces/default/pods/") else {
+            return false;
+        };
+        let name = rest.strip_suffix("/status").unwrap_or(rest);
+        name.strip_prefix(prefix)
+            .and_then(|n| n.parse::<usize>().ok())
+            .is_some_and(|n| n < pods)
+    };
+    let per_pod = |resource: &str, verb: &str| {
+        requests
+            .iter()
+            .filter(|r| r.resource == resource && r.verb == verb && ours(&r.path))
+            .count() as f64
+            / pods.max(1) as f64
+    };
+    format!(
+        "status {:.2}, annotations {:.2}, delete {:.2}",
+        per_pod("pods/status", "patch"),
+        per_pod("pods", "patch"),
+        per_pod("pods", "delete")
+    )
+}
+
+/// The daemon logs what each record-setting loop turn spent its time on; the last few say
+/// what the longest turns were made of.
+fn print_turn_records(w: &World) {
+    let log = w.log();
+    let records: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("longest loop turn so far"))
+        .collect();
+    for line in &records[records.len().saturating_sub(3)..] {
+        println!("  {line}");
+    }
 }

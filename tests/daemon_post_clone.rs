@@ -81,10 +81,12 @@ fn a_static_clone_is_fixed_through_vm_exec_with_retries_before_it_turns_ready() 
     assert!(argv[2].contains(&format!("MACAddress={mac}")), "{argv:?}");
     assert!(argv[2].contains(&format!("Address={ip}/")), "{argv:?}");
 
-    assert_eq!(
-        annotation(&pod, "vm.cocoonstack.io/post-clone-state").as_deref(),
-        Some("done")
-    );
+    // `done` rides on the lifecycle `ready` patch, written once the Ready status landed.
+    w.wait("post-clone-state done", Duration::from_secs(10), || {
+        w.pod("web").filter(|p| {
+            annotation(p, "vm.cocoonstack.io/post-clone-state").as_deref() == Some("done")
+        })
+    });
     let events = w.events_for("web");
     let failed: Vec<_> = events
         .iter()
@@ -181,11 +183,13 @@ fn a_fix_up_cut_short_by_a_restart_runs_again_after_it() {
     assert!(!w.pod("web").is_some_and(|p| ready(&p)));
     w.set_fault("vm exec", VerbFault::default());
     w.start_daemon();
-    let pod = ready_pod(&w, "web", Duration::from_secs(40));
-    assert_eq!(
-        annotation(&pod, "vm.cocoonstack.io/post-clone-state").as_deref(),
-        Some("done")
-    );
+    ready_pod(&w, "web", Duration::from_secs(40));
+    // `done` rides on the lifecycle `ready` patch, written once the Ready status landed.
+    w.wait("post-clone-state done", Duration::from_secs(10), || {
+        w.pod("web").filter(|p| {
+            annotation(p, "vm.cocoonstack.io/post-clone-state").as_deref() == Some("done")
+        })
+    });
     assert!(w
         .events_for("web")
         .iter()

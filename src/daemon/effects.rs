@@ -64,6 +64,8 @@ const STDOUT_LIMIT: usize = 16 << 20;
 const STDERR_LIMIT: usize = 64 << 10;
 /// cocoon calls the provider may have running at once; the rest wait in order.
 pub(super) const MAX_COCOON_CALLS: usize = 32;
+/// Slots beyond `MAX_COCOON_CALLS` that only VM inspects (liveness checks) may take.
+const INSPECT_RESERVE: usize = 4;
 
 impl Daemon {
     pub(super) fn perform(&mut self, effect: Effect) {
@@ -75,6 +77,12 @@ impl Daemon {
                     self.cocoon_queue
                         .insert(self.cocoon_inspects_queued, (op, cmd));
                     self.cocoon_inspects_queued += 1;
+                    if self.cocoon_running >= MAX_COCOON_CALLS + INSPECT_RESERVE {
+                        log::debug!(
+                            "cocoon op {op}: inspect waits for a slot ({} run)",
+                            self.cocoon_running
+                        );
+                    }
                 } else {
                     self.cocoon_queue.push_back((op, cmd));
                 }
@@ -320,8 +328,18 @@ impl Daemon {
     /// Starts queued cocoon calls while fewer than `MAX_COCOON_CALLS` run: a burst of pods must
     /// not fork a thousand CLI processes at once (a stampede on cocoon's lock). A call's
     /// deadline counts from its start, not from its queueing.
+    /// VM inspects (they lead the queue) may also take `INSPECT_RESERVE` slots beyond the
+    /// limit: a VM-gone check never waits for a burst's clones to finish.
     pub(super) fn start_cocoon_calls(&mut self) {
-        while self.cocoon_running < MAX_COCOON_CALLS {
+        loop {
+            let limit = if self.cocoon_inspects_queued > 0 {
+                MAX_COCOON_CALLS + INSPECT_RESERVE
+            } else {
+                MAX_COCOON_CALLS
+            };
+            if self.cocoon_running >= limit {
+                return;
+            }
             let Some((op, cmd)) = self.cocoon_queue.pop_front() else {
                 return;
             };

@@ -31,10 +31,16 @@ impl Daemon {
                     continue;
                 }
             };
-            self.pending.push_back(Input::VmEvent {
-                kind,
-                vm: VmInfo::from(event.vm),
-            });
+            let vm = VmInfo::from(event.vm);
+            if kind == VmEventKind::Deleted || !vm.running() {
+                log::debug!(
+                    "cocoon event stream: vm {} ({}) {kind:?}, {:?}",
+                    vm.id,
+                    vm.name,
+                    vm.state
+                );
+            }
+            self.pending.push_back(Input::VmEvent { kind, vm });
         }
         if let Some((exit, stderr)) = out.ended {
             log::warn!(

@@ -28,6 +28,7 @@ mod hypervisors;
 mod kube_jobs;
 pub mod lane;
 mod startup;
+mod turn_profile;
 mod view;
 
 use std::collections::{HashMap, VecDeque};
@@ -221,6 +222,8 @@ pub struct Daemon {
     /// `vk_cocoon_loop_longest_turn_seconds`: the longest time one loop turn took, so a stall
     /// (a slow API call, a huge batch) shows up on the dashboard.
     longest_turn: prometheus::Gauge,
+    /// Where the current turn spends its time (logged when it sets a new record).
+    profile: turn_profile::TurnProfile,
     /// The peer snapshot listener and the Node address book peer restores dial from.
     peer: crate::peer::housekeeping::PeerService,
 }
@@ -419,12 +422,23 @@ impl Daemon {
             view_built: None,
             stopping: false,
             longest_turn,
+            profile: Default::default(),
             peer,
         })
     }
 
     /// The loop. Returns the exit status.
     pub fn serve(&mut self) -> i32 {
+        self.profile.watch_this_thread();
+        // Every pool and spawner thread exists by now and keeps the default weight.
+        use crate::reactor::priority;
+        match priority::set_thread_nice(priority::LOOP_NICE) {
+            Ok(()) => log::debug!("event loop thread at nice {}", priority::LOOP_NICE),
+            Err(e) => log::info!(
+                "event loop thread left at the default priority ({e}); loop turns may \
+                 wait behind busy helpers on a loaded host"
+            ),
+        }
         if self.watchdog.is_some() {
             self.fire_own(OwnTimer::Watchdog);
         }
@@ -432,33 +446,67 @@ impl Daemon {
         let mut events = Vec::new();
         loop {
             events.clear();
+            self.profile.clear();
             if let Err(e) = self.reactor.poll(&mut events) {
                 log::error!("event loop: {e}");
                 return 1;
             }
-            let turn = Instant::now();
+            // The turn starts when the poll returned: the reactor's own reads count too.
+            let turn = self.reactor.now();
+            let mut at = self.profile.lap("reactor", turn);
             let n_events = events.len();
             for event in events.drain(..) {
+                let kind = turn_profile::event_kind(&event, self.io_owner(&event));
                 self.route(event);
+                at = self.profile.lap(kind, at);
                 if self.stopping {
                     self.shutdown();
                     return 0;
                 }
             }
-            let routed = turn.elapsed();
             self.drain_inputs();
-            let drained = turn.elapsed();
+            at = Instant::now();
             self.after_turn();
+            self.profile.lap("after-turn", at);
             let took = turn.elapsed().as_secs_f64();
             if took > self.longest_turn.get() {
                 self.longest_turn.set(took);
-            }
-            if took > 0.05 {
+                if took > 0.01 {
+                    log::info!(
+                        "longest loop turn so far: {:.1} ms ({:.1} ms on CPU, {:.1} ms \
+                         waiting for a CPU), {n_events} events; {}",
+                        took * 1000.0,
+                        self.profile.cpu().as_secs_f64() * 1000.0,
+                        self.profile.run_wait().as_secs_f64() * 1000.0,
+                        self.profile.summary()
+                    );
+                }
+            } else if took > 0.05 {
                 log::debug!(
-                    "event loop turn took {took:.3}s ({n_events} events routed in {routed:?}, \
-                     inputs done at {drained:?})"
+                    "event loop turn took {:.1} ms ({:.1} ms on CPU, {:.1} ms waiting for a \
+                     CPU), {n_events} events; {}",
+                    took * 1000.0,
+                    self.profile.cpu().as_secs_f64() * 1000.0,
+                    self.profile.run_wait().as_secs_f64() * 1000.0,
+                    self.profile.summary()
                 );
             }
+        }
+    }
+
+    /// Who an I/O event is for, as the profile names it.
+    fn io_owner(&self, event: &Event<Work>) -> &'static str {
+        let Event::Io(ready) = event else {
+            return "";
+        };
+        if self.hypervisors.owns(ready.token) {
+            "io:hypervisor"
+        } else if ready.token == self.watch.token() {
+            "io:watch"
+        } else if self.kubelet.owns_token(ready.token) {
+            "io:kubelet"
+        } else {
+            "io:probes/metrics/stream"
         }
     }
 
@@ -680,7 +728,10 @@ impl Daemon {
         let started = Instant::now();
         'turn: loop {
             while let Some(effect) = self.owed_effects.pop_front() {
+                let kind = turn_profile::effect_kind(&effect);
+                let effect_at = Instant::now();
                 self.perform(effect);
+                self.profile.lap(kind, effect_at);
                 if started.elapsed() >= INPUT_BUDGET {
                     break 'turn;
                 }
@@ -692,7 +743,10 @@ impl Daemon {
                 break;
             };
             let now = self.reactor.now();
+            let kind = turn_profile::input_kind(&input);
+            let core_at = Instant::now();
             let effects = self.provider.handle(input, now, SystemTime::now());
+            self.profile.lap(kind, core_at);
             // Any input may change a tracked VM or its PID, effects or not (an inspect that
             // learns a new PID answers with none): the watch is checked after every such turn.
             self.hypervisors_dirty = true;
@@ -706,8 +760,10 @@ impl Daemon {
         }
         if self.hypervisors_dirty {
             self.hypervisors_dirty = false;
+            let sync_at = Instant::now();
             self.hypervisors
                 .sync(&mut self.reactor, || self.provider.tracked_vms());
+            self.profile.lap("hypervisor-sync", sync_at);
         }
     }
 

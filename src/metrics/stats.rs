@@ -354,6 +354,9 @@ pub fn parse_meminfo(text: &str) -> (u64, u64) {
 struct HubInner {
     vms: Arc<Vec<TrackedVm>>,
     cached: Option<Arc<Sample>>,
+    /// The cached sample was read for another VM list (background mode): served until the
+    /// refresh it triggers lands.
+    outdated: bool,
     /// A background refresh is running.
     refreshing: bool,
     /// Number of times the files were actually read (for tests and the benchmark).
@@ -382,6 +385,7 @@ impl StatsHub {
             inner: Arc::new(Mutex::new(HubInner {
                 vms: Arc::new(Vec::new()),
                 cached: None,
+                outdated: false,
                 refreshing: false,
                 reads: 0,
             })),
@@ -410,12 +414,35 @@ impl StatsHub {
 
     /// Replaces the tracked VM list. The next sample after the TTL reflects it; a change of
     /// the list also drops the cached sample so a removed VM is not reported again.
+    ///
+    /// In background mode the cached sample stays, without the VMs no longer tracked, and the
+    /// next sample refreshes it on the helper thread: the caller (the loop thread, many times
+    /// a second during a burst) never waits for the files of every VM.
     pub fn set_vms(&self, vms: Vec<TrackedVm>) {
         let mut g = lock(&self.inner);
-        if *g.vms != vms {
+        if *g.vms == vms {
+            return;
+        }
+        if !self.background {
             g.vms = Arc::new(vms);
             g.cached = None;
+            return;
         }
+        if let Some(old) = g.cached.take() {
+            let ids: std::collections::HashSet<&str> =
+                vms.iter().map(|v| v.vm_id.as_str()).collect();
+            g.cached = Some(
+                if old.vms.iter().all(|s| ids.contains(s.vm.vm_id.as_str())) {
+                    old
+                } else {
+                    let mut kept = (*old).clone();
+                    kept.vms.retain(|s| ids.contains(s.vm.vm_id.as_str()));
+                    Arc::new(kept)
+                },
+            );
+        }
+        g.vms = Arc::new(vms);
+        g.outdated = true;
     }
 
     pub fn vms(&self) -> Arc<Vec<TrackedVm>> {
@@ -427,7 +454,7 @@ impl StatsHub {
         let vms = {
             let mut g = lock(&self.inner);
             if let Some(s) = &g.cached {
-                if now.saturating_duration_since(s.taken_mono) < self.ttl {
+                if now.saturating_duration_since(s.taken_mono) < self.ttl && !g.outdated {
                     return s.clone();
                 }
                 if self.background {
@@ -445,6 +472,17 @@ impl StatsHub {
                                 g.refreshing = false;
                                 if Arc::ptr_eq(&g.vms, &vms) {
                                     g.cached = Some(fresh);
+                                    g.outdated = false;
+                                } else if g.outdated {
+                                    // The list moved on while reading (a burst): keep what
+                                    // was read for the VMs still tracked; the next sample
+                                    // refreshes again.
+                                    let current = g.vms.clone();
+                                    let ids: std::collections::HashSet<&str> =
+                                        current.iter().map(|v| v.vm_id.as_str()).collect();
+                                    let mut kept = (*fresh).clone();
+                                    kept.vms.retain(|s| ids.contains(s.vm.vm_id.as_str()));
+                                    g.cached = Some(Arc::new(kept));
                                 }
                             });
                         if spawned.is_err() {
@@ -463,6 +501,7 @@ impl StatsHub {
         g.reads += 1;
         if Arc::ptr_eq(&g.vms, &vms) {
             g.cached = Some(fresh.clone());
+            g.outdated = false;
         }
         fresh
     }
@@ -692,5 +731,24 @@ mod tests {
         }
         let fresh = bg.sample(Instant::now());
         assert_eq!(fresh.vms[0].cpu_seconds(), 4.0);
+
+        // A changed VM list (the loop sets one many times a second during a burst) never
+        // makes a sample read the files on the caller: the last sample is served at once,
+        // without the VMs no longer tracked, and a helper thread reads the new list.
+        let reads = bg.refresh_count();
+        bg.set_vms(vec![vm("gone", 999_999), vm("new", 42)]);
+        let served = bg.sample(Instant::now());
+        assert_eq!(bg.refresh_count(), reads, "read on the caller's thread");
+        let ids: Vec<&str> = served.vms.iter().map(|v| v.vm.vm_id.as_str()).collect();
+        assert_eq!(ids, ["gone"], "a removed VM reported again");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let s = bg.sample(Instant::now());
+            if s.vms.iter().any(|v| v.vm.vm_id == "new") {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the new VM never sampled");
+            std::thread::yield_now();
+        }
     }
 }

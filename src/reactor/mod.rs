@@ -43,6 +43,7 @@
 
 mod child;
 mod pool;
+pub mod priority;
 pub mod sd_notify;
 mod spawner;
 mod timers;

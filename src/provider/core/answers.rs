@@ -252,6 +252,7 @@ impl Provider {
                 TimerEntry::StaleWatch { vm, delay, until } => {
                     self.stale_watch_tick(vm, delay, until)
                 }
+                TimerEntry::Adopt => self.adopt_chunk(),
             }
         }
     }

@@ -10,11 +10,16 @@
 //! 2. `vm.cocoonstack.io/id` and `ip`, with the current lifecycle triple (annotations, once
 //!    the VM exists): the pod names its VM, which the startup reconcile adopts by ID and
 //!    users, exec and logs address; the triple keeps an earlier attempt's `failed` from
-//!    standing beside the new VM.
+//!    standing beside the new VM. A clone that needs a post-clone fix-up issues
+//!    post-clone-state `running` in the same input, which the lane merges into this patch:
+//!    the marker is on the pod before the guest is touched.
 //! 3. The Running status with Ready (status, after the first successful probe): the cluster
-//!    sees only what the daemon pushes.
+//!    sees only what the daemon pushes. A clone being fixed up shows Running, not Ready, while
+//!    the fix-up runs (a queued one is replaced by the Ready one).
 //! 4. `lifecycle-state=ready` (annotations, only after write 3 landed): a restart never
-//!    claims a Ready that the cluster did not see.
+//!    claims a Ready that the cluster did not see. It also carries post-clone-state `done`,
+//!    which has no write of its own: a crash before it leaves `running`, and the restart runs
+//!    the fix-up again, which only sets what it set before.
 //!
 //! A delete writes two: the terminal status (the pod's last phase is recorded before the
 //! object goes) and the DELETE with grace 0 once the VM is removed (the daemon, not the
@@ -59,6 +64,17 @@ impl Provider {
         ann: BTreeMap<String, Option<String>>,
         lifecycle: bool,
     ) {
+        let mut ann = ann;
+        if let Some(slot) = self.slots.get_mut(key) {
+            if let Some((owed_uid, owed)) = slot.owed_annotations.take() {
+                if owed_uid == uid {
+                    // The patch's own values win (a `failed` marker, a cleared key).
+                    for (k, v) in owed {
+                        ann.entry(k).or_insert(v);
+                    }
+                }
+            }
+        }
         let op = self.op_id();
         let effect = Effect::PatchPodAnnotations {
             op,

@@ -90,6 +90,13 @@ const RECHECK_FIRST: Duration = Duration::from_secs(1);
 const RECHECK_MAX: Duration = Duration::from_secs(30);
 const RECHECK_BUDGET: Duration = Duration::from_secs(30 * 60);
 const STALE_FANOUT: usize = 8;
+/// Pods the startup reconcile adopts (then kicks) per input: a restart with 1,000 pods is
+/// spread over many short loop turns instead of one long one.
+const ADOPT_CHUNK: usize = 64;
+/// The next adoption chunk is due this long after the current one: any instant after `now`
+/// makes it wait for the next `Tick` (a timer due now would run in this very tick), so the
+/// edge handles other inputs in between.
+const ADOPT_PAUSE: Duration = Duration::from_micros(1);
 /// How often a pod waiting for another pod's pull of its snapshot looks whether it landed.
 const PULL_WAIT_POLL: Duration = Duration::from_millis(500);
 
@@ -102,6 +109,8 @@ pub struct Provider {
     out: Vec<Effect>,
     started: bool,
     startup: Option<Startup>,
+    /// The startup reconcile's adoption, while it runs chunk by chunk.
+    adoption: Option<Box<Adoption>>,
     buffered: Vec<Input>,
     slots: BTreeMap<PodKey, Slot>,
     waiters: BTreeMap<OpId, Waiter>,
@@ -231,6 +240,7 @@ impl Provider {
             out: Vec::new(),
             started: false,
             startup: None,
+            adoption: None,
             buffered: Vec::new(),
             slots: BTreeMap::new(),
             waiters: BTreeMap::new(),
@@ -483,6 +493,12 @@ impl Provider {
             match input {
                 Input::StartupListed { pods, vms } => return self.startup(pods, vms),
                 Input::PodUpserted(_) | Input::PodDeleted(_) | Input::PodsRelisted(_) => {
+                    self.buffered.push(input);
+                    return;
+                }
+                // While the adoption runs in chunks, a VM event may be about a VM a later
+                // chunk adopts: it waits, so the pod that adopts the VM sees it.
+                Input::VmEvent { .. } if self.adoption.is_some() => {
                     self.buffered.push(input);
                     return;
                 }

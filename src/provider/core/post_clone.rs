@@ -243,7 +243,7 @@ impl Provider {
             result: "ok",
             attempts: p.attempts,
         });
-        self.write_post_clone_state(key, &p.uid, "done", BTreeMap::new());
+        self.owe_post_clone_done(key, &p.uid);
         self.event(
             key,
             &p.uid,
@@ -389,6 +389,30 @@ impl Provider {
         }
         extra.insert(spec::ANN_POST_CLONE_STATE.to_string(), Some(state.into()));
         self.send_annotations(key, uid, extra, false);
+    }
+
+    /// post-clone-state `done` rides on the pod's next annotation patch (normally the
+    /// lifecycle `ready` that follows the Ready status; `failed` if the IP wait fails) instead
+    /// of a write of its own. A crash before that patch leaves `running`, and the restart runs
+    /// the fix-up again: it only sets what it set before (hostname, MAC, addresses).
+    fn owe_post_clone_done(&mut self, key: &PodKey, uid: &str) {
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        let Some(t) = slot.tracked.as_ref() else {
+            return;
+        };
+        let marked_failed = slot
+            .latest
+            .as_deref()
+            .and_then(post_clone_state)
+            .is_some_and(|s| s == "failed");
+        if !t.spec.managed || marked_failed {
+            return;
+        }
+        let mut owed = BTreeMap::new();
+        owed.insert(spec::ANN_POST_CLONE_STATE.to_string(), Some("done".into()));
+        slot.owed_annotations = Some((uid.to_string(), owed));
     }
 
     /// Wait for the guest IP, then publish Ready; Windows guests get a renew nudge at 30 s.

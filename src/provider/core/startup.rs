@@ -260,7 +260,6 @@ impl Provider {
         let Some(s) = self.startup.take() else {
             return;
         };
-        self.started = true;
         let by_id: BTreeMap<String, VmInfo> =
             s.vms.iter().map(|v| (v.id.clone(), v.clone())).collect();
         let by_name: BTreeMap<String, VmInfo> = s
@@ -269,8 +268,6 @@ impl Provider {
             .filter(|v| !v.name.is_empty())
             .map(|v| (v.name.clone(), v.clone()))
             .collect();
-        let mut claimed: std::collections::HashSet<String> = Default::default();
-        let mut adopted = 0usize;
         // The oldest pod claims first: a VM shared by name goes back to the pod that had it,
         // not to whichever the list returns first; the others are refused at their create.
         let mut pods = s.pods;
@@ -280,125 +277,178 @@ impl Provider {
                 .cmp(&at(b))
                 .then_with(|| PodKey::of(a).cmp(&PodKey::of(b)))
         });
-        for pod in pods {
-            let pod = Arc::new(pod);
-            let key = PodKey::of(&pod);
-            self.slot(&key).latest = Some(pod.clone());
-            if terminal(&pod) {
+        self.adoption = Some(Box::new(Adoption {
+            pods: pods.into(),
+            vms: s.vms,
+            watched: s.watched,
+            by_id,
+            by_name,
+            claimed: Default::default(),
+            adopted: 0,
+            kicks: None,
+        }));
+        self.adopt_chunk();
+    }
+
+    /// One chunk of the startup adoption: up to `ADOPT_CHUNK` pods matched to their VMs, or,
+    /// once all are, kicked (owed work, then whatever each needs). Between the two, with every
+    /// claim known, the unclaimed VMs get the orphan policy. The next chunk waits for the next
+    /// tick; after the last one the buffered pod and VM events are handled.
+    pub(super) fn adopt_chunk(&mut self) {
+        let Some(mut a) = self.adoption.take() else {
+            return;
+        };
+        let mut budget = ADOPT_CHUNK;
+        while budget > 0 {
+            if let Some(kicks) = a.kicks.as_mut() {
+                let Some(key) = kicks.pop_front() else {
+                    break;
+                };
+                self.owed_work(&key);
+                self.kick(&key);
+                budget -= 1;
                 continue;
             }
-            let spec = match spec::parse(&pod) {
-                Ok(spec) => spec,
-                Err(e) => {
-                    // Startup reconcile matches by ID: a pod whose annotations no longer parse
-                    // still names its VM, which is claimed (never destroyed as an orphan because of
-                    // input we could not read) and kept tracked as at runtime, with a Warning.
-                    let Some(vm) = unreadable_pods_vm(&pod, &by_id, &by_name) else {
-                        continue;
-                    };
-                    if claimed.contains(&vm.id) {
-                        continue;
-                    }
-                    claimed.insert(vm.id.clone());
-                    adopted += 1;
-                    let uid = pod_uid(&pod);
-                    self.event(
-                        &key,
-                        &uid,
-                        EventType::Warning,
-                        "ProviderUpdateFailed",
-                        &e.message,
-                    );
-                    let spec = spec::salvage(&pod, &vm.name, &vm.id);
-                    self.adopt_at_startup(&key, &pod, spec, vm);
-                    continue;
+            match a.pods.pop_front() {
+                Some(pod) => {
+                    self.adopt_pod(&mut a, pod);
+                    budget -= 1;
                 }
-            };
-            // Managed macOS guests are not cocoon's (never in its list): left untracked here,
-            // their create adopts a running guest through `cocoon-macos vm inspect`.
-            if super::macos::is_macos(&spec) {
-                continue;
+                None => {
+                    self.sweep_orphans(&a);
+                    a.kicks = Some(self.slots.keys().cloned().collect());
+                }
             }
-            let vm = if !spec.vm_id.is_empty() {
-                let known = by_id.get(&spec.vm_id);
-                // An id is honoured only for the VM of the name the pod gives; the create
-                // that follows refuses the pod.
-                if known.is_some_and(|v| !v.name.is_empty() && v.name != spec.vm_name) {
-                    continue;
-                }
-                // A managed pod's id annotation can lag its VM: the write recording a re-created
-                // VM's id may be lost with a crash (queued in the kube lane). The VM of the
-                // name the pod gives is still its own; destroying it as an orphan would kill
-                // a running VM and boot it again.
-                match known {
-                    Some(v) => Some(v.clone()),
-                    None if spec.managed => {
-                        let v = by_name.get(&spec.vm_name).cloned();
-                        if v.is_some() {
-                            self.metric(MetricUpdate::ReconcileAdoptByName);
-                        }
-                        v
-                    }
-                    None => None,
-                }
-            } else {
-                let v = by_name.get(&spec.vm_name).cloned();
-                if v.is_some() {
-                    self.metric(MetricUpdate::ReconcileAdoptByName);
-                }
-                v
-            };
-            let vm = match vm {
-                Some(v) => v,
-                None if !spec.managed && !spec.vm_id.is_empty() && !spec.vm_ip.is_empty() => {
-                    VmInfo {
-                        id: spec.vm_id.clone(),
-                        name: spec.vm_name.clone(),
-                        state: VmState::Running,
-                        ..Default::default()
-                    }
-                }
-                None if spec.managed && spec.hibernate => {
-                    self.track_hibernated(&key, &pod, spec);
-                    continue;
-                }
-                None if vanished_while_down(&pod, &spec, &s.watched) => {
-                    self.track_vanished_at_startup(&key, &pod, spec);
-                    continue;
-                }
-                None => continue,
-            };
-            if claimed.contains(&vm.id) {
-                continue;
-            }
-            claimed.insert(vm.id.clone());
-            adopted += 1;
-            self.startup_cpu_class_gate(&key, &pod, &spec);
-            self.adopt_at_startup(&key, &pod, spec, vm);
         }
+        if a.kicks.as_ref().is_some_and(|k| k.is_empty()) {
+            self.started = true;
+            for input in std::mem::take(&mut self.buffered) {
+                self.dispatch(input);
+            }
+            return;
+        }
+        self.adoption = Some(a);
+        let at = self.now + ADOPT_PAUSE;
+        self.arm(at, TimerEntry::Adopt);
+    }
+
+    /// Matches one listed pod to its VM (by ID, else by name) and adopts it.
+    fn adopt_pod(&mut self, a: &mut Adoption, pod: Pod) {
+        let pod = Arc::new(pod);
+        let key = PodKey::of(&pod);
+        self.slot(&key).latest = Some(pod.clone());
+        if terminal(&pod) {
+            return;
+        }
+        let spec = match spec::parse(&pod) {
+            Ok(spec) => spec,
+            Err(e) => {
+                // Startup reconcile matches by ID: a pod whose annotations no longer parse
+                // still names its VM, which is claimed (never destroyed as an orphan because of
+                // input we could not read) and kept tracked as at runtime, with a Warning.
+                let Some(vm) = unreadable_pods_vm(&pod, &a.by_id, &a.by_name) else {
+                    return;
+                };
+                if a.claimed.contains(&vm.id) {
+                    return;
+                }
+                a.claimed.insert(vm.id.clone());
+                a.adopted += 1;
+                let uid = pod_uid(&pod);
+                self.event(
+                    &key,
+                    &uid,
+                    EventType::Warning,
+                    "ProviderUpdateFailed",
+                    &e.message,
+                );
+                let spec = spec::salvage(&pod, &vm.name, &vm.id);
+                self.adopt_at_startup(&key, &pod, spec, vm);
+                return;
+            }
+        };
+        // Managed macOS guests are not cocoon's (never in its list): left untracked here,
+        // their create adopts a running guest through `cocoon-macos vm inspect`.
+        if super::macos::is_macos(&spec) {
+            return;
+        }
+        let vm = if !spec.vm_id.is_empty() {
+            let known = a.by_id.get(&spec.vm_id);
+            // An id is honoured only for the VM of the name the pod gives; the create
+            // that follows refuses the pod.
+            if known.is_some_and(|v| !v.name.is_empty() && v.name != spec.vm_name) {
+                return;
+            }
+            // A managed pod's id annotation can lag its VM: the write recording a re-created
+            // VM's id may be lost with a crash (queued in the kube lane). The VM of the
+            // name the pod gives is still its own; destroying it as an orphan would kill
+            // a running VM and boot it again.
+            match known {
+                Some(v) => Some(v.clone()),
+                None if spec.managed => {
+                    let v = a.by_name.get(&spec.vm_name).cloned();
+                    if v.is_some() {
+                        self.metric(MetricUpdate::ReconcileAdoptByName);
+                    }
+                    v
+                }
+                None => None,
+            }
+        } else {
+            let v = a.by_name.get(&spec.vm_name).cloned();
+            if v.is_some() {
+                self.metric(MetricUpdate::ReconcileAdoptByName);
+            }
+            v
+        };
+        let vm = match vm {
+            Some(v) => v,
+            None if !spec.managed && !spec.vm_id.is_empty() && !spec.vm_ip.is_empty() => VmInfo {
+                id: spec.vm_id.clone(),
+                name: spec.vm_name.clone(),
+                state: VmState::Running,
+                ..Default::default()
+            },
+            None if spec.managed && spec.hibernate => {
+                self.track_hibernated(&key, &pod, spec);
+                return;
+            }
+            None if vanished_while_down(&pod, &spec, &a.watched) => {
+                self.track_vanished_at_startup(&key, &pod, spec);
+                return;
+            }
+            None => return,
+        };
+        if a.claimed.contains(&vm.id) {
+            return;
+        }
+        a.claimed.insert(vm.id.clone());
+        a.adopted += 1;
+        self.startup_cpu_class_gate(&key, &pod, &spec);
+        self.adopt_at_startup(&key, &pod, spec, vm);
+    }
+
+    /// Every listed pod has claimed its VM: the rest get the orphan policy, and the periodic
+    /// reconcilers start.
+    fn sweep_orphans(&mut self, a: &Adoption) {
         let mut orphans = 0usize;
-        for vm in s.vms.iter() {
-            if claimed.contains(&vm.id) {
+        for vm in a.vms.iter() {
+            if a.claimed.contains(&vm.id) {
                 continue;
             }
             orphans += 1;
             self.orphan(vm.clone());
         }
-        log::info!("provider: startup reconcile: {adopted} pods adopted, {orphans} orphan VMs");
+        log::info!(
+            "provider: startup reconcile: {} pods adopted, {orphans} orphan VMs",
+            a.adopted
+        );
         let first = self.now + DRIFT_FIRST;
         self.arm(first, TimerEntry::Drift);
         let lc = self.now + LIFECYCLE_EVERY;
         self.arm(lc, TimerEntry::Lifecycle);
         // The snapshot reclaimer's first run, right after the pods are known.
         self.arm(self.now, TimerEntry::Reclaim);
-        let keys: Vec<PodKey> = self.slots.keys().cloned().collect();
-        for key in keys {
-            self.owed_work(&key);
-            self.kick(&key);
-        }
-        for input in std::mem::take(&mut self.buffered) {
-            self.dispatch(input);
-        }
     }
 
     /// The snapshot CPU-class gate at startup, for a pod whose VM runs here. The contract makes

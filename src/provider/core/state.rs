@@ -519,6 +519,9 @@ pub(super) struct Slot {
     pub(super) warned_hibernate: bool,
     /// A failed hibernate / wake is retried: (delay of the next retry, when it is due).
     pub(super) update_retry: Option<(Duration, Instant)>,
+    /// Annotations of an incarnation (uid) that ride on its next annotation patch instead of
+    /// a write of their own (post-clone-state `done`, see `kube_writes.rs`).
+    pub(super) owed_annotations: Option<(String, BTreeMap<String, Option<String>>)>,
 }
 
 /// What an outstanding effect result is for.
@@ -586,6 +589,8 @@ pub(super) enum TimerEntry {
         delay: Duration,
         until: Instant,
     },
+    /// The startup adoption's next chunk.
+    Adopt,
 }
 
 pub(super) struct Startup {
@@ -596,6 +601,22 @@ pub(super) struct Startup {
     pub(super) in_flight: usize,
     /// Stale VMs handed to a background watcher (never adopted nor treated as orphans now).
     pub(super) watched: Vec<VmInfo>,
+}
+
+/// The startup reconcile's adoption between chunks: the pods still to match to VMs, then the
+/// pods still to kick. Pod and VM events wait until it ends; the orphan decision is taken
+/// only once every pod has claimed its VM.
+pub(super) struct Adoption {
+    /// Oldest first: a VM shared by name goes back to the pod that had it.
+    pub(super) pods: std::collections::VecDeque<Pod>,
+    pub(super) vms: Vec<VmInfo>,
+    pub(super) watched: Vec<VmInfo>,
+    pub(super) by_id: BTreeMap<String, VmInfo>,
+    pub(super) by_name: BTreeMap<String, VmInfo>,
+    pub(super) claimed: std::collections::HashSet<String>,
+    pub(super) adopted: usize,
+    /// Set once every pod is matched and the orphans handled: the pods still to kick.
+    pub(super) kicks: Option<std::collections::VecDeque<PodKey>>,
 }
 
 /// The step an op moves to. [`Provider::advance`] sets it together with the effect it waits on.

@@ -271,3 +271,97 @@ fn a_pending_pod_whose_recorded_vm_is_gone_is_created_at_startup() {
         "{e:?}"
     );
 }
+
+/// A restart with more pods than one chunk adopts them over several ticks (so no loop turn
+/// adopts a whole node): every pod claims its VM before any VM is taken for an orphan, a VM
+/// event that arrives between chunks waits until the pod that adopts its VM is tracked, and
+/// pod events wait for the end.
+#[test]
+fn a_large_startup_adopts_in_chunks_and_decides_orphans_after_the_last() {
+    let mut h = H {
+        p: Provider::new(ProviderConfig::default()),
+        now: Instant::now(),
+        wall: SystemTime::UNIX_EPOCH,
+        quiet_reclaimer: true,
+    };
+    let n = 150;
+    let pods: Vec<Pod> = (0..n)
+        .map(|i| {
+            let name = format!("p{i}");
+            let mut ann = managed(&name, &format!("vk-ns-p{i}-0"));
+            ann.push((ANN_VM_ID, format!("V{i}")));
+            ann.push((ANN_LIFECYCLE_STATE, "ready".into()));
+            mk(&name, &format!("u{i}"), &ann)
+        })
+        .collect();
+    let mut vms: Vec<VmInfo> = (0..n)
+        .map(|i| vm_info(&format!("V{i}"), &format!("vk-ns-p{i}-0"), "running"))
+        .collect();
+    vms.push(vm_info("VX", "vk-ns-gone-0", "running"));
+    let removals = |e: &[Effect]| -> Vec<String> {
+        cocoon_ops(e)
+            .iter()
+            .map(|(_, c)| argv(c))
+            .filter(|c| c.starts_with("vm rm"))
+            .collect()
+    };
+    // Pods of one age are taken by key: "p99" comes last.
+    let last = PodKey::new("ns", "p99");
+
+    let e = h.feed(Input::StartupListed { pods, vms });
+    assert!(h.p.pod_vm(&PodKey::new("ns", "p0")).is_some());
+    assert!(h.p.pod_vm(&last).is_none(), "all pods adopted in one input");
+    assert!(removals(&e).is_empty(), "{:?}", removals(&e));
+
+    // Between chunks: the last pod's VM stops, and a new pod is added.
+    let mut later = h.feed(Input::VmEvent {
+        kind: VmEventKind::Modified,
+        vm: vm_info("V99", "vk-ns-p99-0", "stopped"),
+    });
+    later.extend(h.feed(Input::PodUpserted(Box::new(mk(
+        "new",
+        "u-new",
+        &managed("new", "vk-ns-new-0"),
+    )))));
+    assert!(
+        cocoon_ops(&later).is_empty(),
+        "events handled mid-adoption: {later:?}"
+    );
+
+    let mut ticks = 0;
+    while h.p.pod_vm(&last).is_none() {
+        ticks += 1;
+        assert!(ticks < 20, "the adoption never finished");
+        let e = h.advance(Duration::from_millis(1));
+        if h.p.pod_vm(&last).is_none() {
+            assert!(removals(&e).is_empty(), "orphans removed mid-adoption");
+        }
+        later.extend(e);
+    }
+    // Whatever chunks remain (the kicks) run too.
+    for _ in 0..5 {
+        later.extend(h.advance(Duration::from_millis(1)));
+    }
+    assert!(ticks >= 2, "150 pods adopted in {ticks} ticks");
+    assert_eq!(removals(&later), vec!["vm rm --force VX".to_string()]);
+    let cmds: Vec<String> = cocoon_ops(&later).iter().map(|(_, c)| argv(c)).collect();
+    // The held VM event reached the pod that adopted the VM (a VM-gone check looks first),
+    // and the held pod event started its create.
+    assert!(
+        cmds.iter()
+            .any(|c| c.contains("V99") && c.starts_with("vm inspect")),
+        "{cmds:?}"
+    );
+    assert!(
+        cmds.contains(&"snapshot inspect vk-ns-new-0".to_string()),
+        "{cmds:?}"
+    );
+    assert_eq!(
+        later
+            .iter()
+            .chain(e.iter())
+            .filter(|x| matches!(x, Effect::StartProbe { .. }))
+            .count(),
+        n
+    );
+}
