@@ -1512,6 +1512,11 @@ fn hundreds_of_pods_converge_under_random_faults() {
             // and was sent after it.
             (9769298844641026897, 12),
             (6129124985284959465, 12),
+            // A VM removed (or stopped) while the startup reconcile still settled a stale
+            // create: its event came before any pod was tracked and was dropped, leaving the
+            // adopted pod Running on a VM that was gone (or stopped).
+            (1889015535896807287, 12),
+            (11675319387681154619, 12),
         ]);
         fixed
     };

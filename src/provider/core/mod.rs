@@ -471,7 +471,13 @@ impl Provider {
         if !self.started {
             match input {
                 Input::StartupListed { pods, vms } => return self.startup(pods, vms),
-                Input::PodUpserted(_) | Input::PodDeleted(_) | Input::PodsRelisted(_) => {
+                // A VM event too: it may tell of a VM the startup listing still shows (removed
+                // or stopped while a stale create is settled); with no pod tracked yet it would
+                // be dropped, leaving the adopted pod Running on a VM that is gone.
+                Input::PodUpserted(_)
+                | Input::PodDeleted(_)
+                | Input::PodsRelisted(_)
+                | Input::VmEvent { .. } => {
                     self.buffered.push(input);
                     return;
                 }
