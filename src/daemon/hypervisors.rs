@@ -5,6 +5,11 @@
 //! readable when its process exits; that is reported as a `MODIFIED` event with state
 //! `stopped`, which the core handles as any VM event (VM-gone handling inspects before acting, so a
 //! false alarm costs one inspect). Cocoon's event stream stays the authority beside it.
+//!
+//! An exit is reported once per PID. The core keeps listing the VM as running with that PID
+//! until its check has inspected and restarted or removed it, and a pidfd opened on an exited
+//! (not yet reaped) process is readable at once: re-watching it would report the same exit on
+//! every loop turn, thousands of times per kill, and starve the very check that handles it.
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -26,6 +31,9 @@ struct Watched {
 pub struct HypervisorWatch {
     by_token: HashMap<Token, Watched>,
     by_vm: HashMap<String, Token>,
+    /// The hypervisor PID whose exit was reported, by VM ID: not watched again. An entry
+    /// goes when the VM is no longer tracked as running or runs under another PID.
+    reported: HashMap<String, i64>,
 }
 
 impl HypervisorWatch {
@@ -37,7 +45,12 @@ impl HypervisorWatch {
     /// lookup per VM and no allocation, so it can run after every turn that changed anything.
     fn covers<'a>(&self, tracked: impl Iterator<Item = &'a VmInfo>) -> bool {
         let mut wanted = 0;
+        let mut reported = 0;
         for vm in tracked.filter(|vm| watchable(vm)) {
+            if self.already_reported(vm) {
+                reported += 1;
+                continue;
+            }
             let watched = self
                 .by_vm
                 .get(vm.id.as_str())
@@ -47,7 +60,12 @@ impl HypervisorWatch {
             }
             wanted += 1;
         }
-        wanted == self.by_vm.len()
+        wanted == self.by_vm.len() && reported == self.reported.len()
+    }
+
+    /// Whether this VM's current hypervisor PID already had its exit reported.
+    fn already_reported(&self, vm: &VmInfo) -> bool {
+        self.reported.get(vm.id.as_str()) == Some(&vm.pid)
     }
 
     /// Watch every running VM that `tracked()` lists with a PID, stop watching the others.
@@ -77,8 +95,10 @@ impl HypervisorWatch {
         for token in stale {
             self.forget(reactor, token);
         }
+        self.reported
+            .retain(|id, pid| wanted.get(id.as_str()).is_some_and(|v| v.pid == *pid));
         for (id, vm) in wanted {
-            if self.by_vm.contains_key(id) {
+            if self.by_vm.contains_key(id) || self.already_reported(vm) {
                 continue;
             }
             let Some(pid) = i32::try_from(vm.pid).ok().and_then(Pid::from_raw) else {
@@ -115,6 +135,7 @@ impl HypervisorWatch {
         token: Token,
     ) -> Option<VmInfo> {
         let mut vm = self.forget(reactor, token)?;
+        self.reported.insert(vm.id.clone(), vm.pid);
         log::info!(
             "hypervisor of vm {} ({}) pid {} exited",
             vm.name,
@@ -218,6 +239,64 @@ mod tests {
         };
         let gone = watch.exited(&mut reactor, ready.token).expect("watched");
         assert_eq!(gone.pid, i64::from(new.id()));
+        // Once the VM is no longer tracked, the next sync keeps nothing about it.
+        watch.sync(&mut reactor, std::iter::empty);
         assert!(watch.covers(std::iter::empty()));
+    }
+
+    /// A killed hypervisor nobody has reaped yet (its pidfd opens and is readable at once) while
+    /// the core still lists its VM as running under that PID: its exit is reported once, not
+    /// on every turn until the check catches up. A restart under a new PID is watched again.
+    #[test]
+    fn an_exit_is_reported_once_per_pid_while_the_vm_still_reads_running() {
+        let mut reactor: Reactor<()> = Reactor::new(0, 1).unwrap();
+        let mut first = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let mut watch = HypervisorWatch::default();
+        let tracked = [vm("a", first.id())];
+        watch.sync(&mut reactor, || tracked.iter());
+        first.kill().unwrap(); // not reaped: a zombie, as a dead hypervisor may be for a while
+        let io_within = |reactor: &mut Reactor<()>, d: Duration| {
+            let mut events = Vec::new();
+            reactor.timer_after(d, 0);
+            loop {
+                reactor.poll(&mut events).unwrap();
+                if let Some(Event::Io(ready)) = events.iter().find(|e| matches!(e, Event::Io(_))) {
+                    return Some(ready.token);
+                }
+                if events.iter().any(|e| matches!(e, Event::Timer { .. })) {
+                    return None;
+                }
+            }
+        };
+        let token = io_within(&mut reactor, Duration::from_secs(5)).expect("the exit is seen");
+        assert!(watch.exited(&mut reactor, token).is_some());
+        // The core has not inspected yet: the VM still reads running under the dead PID.
+        watch.sync(&mut reactor, || tracked.iter());
+        assert!(watch.covers(tracked.iter()), "nothing left to watch");
+        assert_eq!(
+            io_within(&mut reactor, Duration::from_millis(300)),
+            None,
+            "the same exit reported again"
+        );
+        first.wait().unwrap();
+        // Restarted under a new PID: watched, and its exit reported.
+        let mut second = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let restarted = [vm("a", second.id())];
+        assert!(!watch.covers(restarted.iter()));
+        watch.sync(&mut reactor, || restarted.iter());
+        second.kill().unwrap();
+        let token = io_within(&mut reactor, Duration::from_secs(5)).expect("the new exit is seen");
+        let gone = watch.exited(&mut reactor, token).expect("watched");
+        assert_eq!(gone.pid, i64::from(second.id()));
+        second.wait().unwrap();
+        // The VM is no longer tracked: nothing is kept about it.
+        watch.sync(&mut reactor, std::iter::empty);
+        assert!(watch.reported.is_empty() && watch.covers(std::iter::empty()));
     }
 }

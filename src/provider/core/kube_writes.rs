@@ -100,11 +100,14 @@ impl Provider {
         // written meanwhile must not be overwritten by this older one.
         // Other patches that carry the triple (the id/ip write) carry the current one.
         let mut waiter = waiter;
-        // A retry for an incarnation whose object we deleted (grace 0) or that is gone from
-        // the API has nothing left to write to: dropped.
+        // A retry for an incarnation whose object we deleted (grace 0), are deleting (the
+        // DELETE of a pod we never tracked is on its way: it may land before this retry) or
+        // that is gone from the API has nothing left to write to: dropped.
         if let Waiter::Status { key, uid, .. } | Waiter::Annotations { key, uid, .. } = &waiter {
             let ended = self.slots.get(key).is_none_or(|s| {
-                s.idle.api_deleted(uid) || s.latest.as_ref().is_none_or(|p| pod_uid(p) != *uid)
+                s.idle.api_deleted(uid)
+                    || matches!(&s.op, Some(Op::ApiDelete { uid: u }) if u == uid)
+                    || s.latest.as_ref().is_none_or(|p| pod_uid(p) != *uid)
             });
             if ended {
                 return;

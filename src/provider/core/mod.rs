@@ -492,13 +492,14 @@ impl Provider {
         if !self.started {
             match input {
                 Input::StartupListed { pods, vms } => return self.startup(pods, vms),
-                Input::PodUpserted(_) | Input::PodDeleted(_) | Input::PodsRelisted(_) => {
-                    self.buffered.push(input);
-                    return;
-                }
-                // While the adoption runs in chunks, a VM event may be about a VM a later
-                // chunk adopts: it waits, so the pod that adopts the VM sees it.
-                Input::VmEvent { .. } if self.adoption.is_some() => {
+                // A VM event too: it may tell of a VM the startup listing still shows (removed
+                // or stopped while a stale create is settled, or adopted by a later chunk);
+                // with its pod not tracked yet it would be dropped, leaving the adopted pod
+                // Running on a VM that is gone.
+                Input::PodUpserted(_)
+                | Input::PodDeleted(_)
+                | Input::PodsRelisted(_)
+                | Input::VmEvent { .. } => {
                     self.buffered.push(input);
                     return;
                 }

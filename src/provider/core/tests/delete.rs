@@ -276,3 +276,26 @@ fn the_vm_is_removed_before_the_object_even_with_no_running_container() {
     );
     assert_eq!(deletes(&e).len(), 1, "{e:?}");
 }
+
+/// A bad pod's Failed status meets a 500 and its retry is due; the pod is then deleted and
+/// force-deleted (grace 0) at once. The retry falls due while that DELETE is on its way: it
+/// must not be sent, the object it would patch is gone.
+#[test]
+fn a_status_retry_due_during_a_bad_pods_grace_0_delete_is_dropped() {
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk("a", "u1", &[(ANN_MANAGED, "true".into())]); // bad pod, never tracked
+    let e = h.feed(Input::PodUpserted(Box::new(p.clone())));
+    let (failed, _) = statuses(&e)[0].clone();
+    h.feed(Input::KubeDone {
+        op: failed,
+        result: Err(KubeError::Other("500 Internal Server Error".into())),
+    });
+    let e = h.feed(Input::PodUpserted(Box::new(deleting_pod(p, false))));
+    assert_eq!(deletes(&e).len(), 1);
+    let e = h.advance(Duration::from_secs(5));
+    assert!(
+        statuses(&e).is_empty(),
+        "status after the grace-0 delete: {e:?}"
+    );
+    assert!(annotation_patches(&e).is_empty(), "{e:?}");
+}

@@ -365,3 +365,68 @@ fn a_large_startup_adopts_in_chunks_and_decides_orphans_after_the_last() {
         n
     );
 }
+
+/// A VM removed or stopped while the startup reconcile still settles a stale create: its
+/// event arrives before any pod is tracked. It must still be looked at once the reconcile
+/// adopted the pod from the (now stale) listing; dropping it leaves the pod Running on a VM
+/// that is gone (evicted instead) or stopped (restarted instead), with no later event.
+#[test]
+fn a_vm_removed_or_stopped_during_the_startup_reconcile_is_checked_once_it_ends() {
+    for (kind, state, found, next) in [
+        (
+            VmEventKind::Deleted,
+            "running",
+            CocoonResult::failed("Error: inspect: vm V1: VM not found"),
+            None,
+        ),
+        (
+            VmEventKind::Modified,
+            "stopped",
+            CocoonResult::ok(vm_json(
+                "V1",
+                "vk-ns-demo-0",
+                "stopped",
+                "02:00:00:00:00:01",
+            )),
+            Some("vm start V1"),
+        ),
+    ] {
+        let mut h = H {
+            p: Provider::new(ProviderConfig::default()),
+            now: Instant::now(),
+            wall: SystemTime::UNIX_EPOCH,
+            quiet_reclaimer: true,
+        };
+        let mut ann = managed("a", "vk-ns-demo-0");
+        ann.push((ANN_VM_ID, "V1".into()));
+        ann.push((ANN_LIFECYCLE_STATE, "ready".into()));
+        let e = h.feed(Input::StartupListed {
+            pods: vec![mk("a", "u1", &ann)],
+            vms: vec![
+                vm_info("V1", "vk-ns-demo-0", "running"),
+                vm_info("V4", "vk-ns-half-0", "creating"),
+            ],
+        });
+        let (stale, cmd) = one_cocoon(&e);
+        assert_eq!(argv(&cmd), "vm reconcile-stale-create V4 -o json");
+        let e = h.feed(Input::VmEvent {
+            kind,
+            vm: vm_info("V1", "vk-ns-demo-0", state),
+        });
+        assert!(e.is_empty(), "{e:?}");
+        let e = h.cocoon(
+            stale,
+            CocoonResult::ok(r#"{"id":"V4","outcome":"collected"}"#),
+        );
+        let e = answer(&mut h, &e, "vm inspect V1", found);
+        match next {
+            Some(cmd) => assert_eq!(argv(&one_cocoon(&e).1), cmd, "{e:?}"),
+            None => assert!(
+                statuses(&e)
+                    .iter()
+                    .any(|(_, s)| s.phase.as_deref() == Some("Failed")),
+                "the pod is evicted, not left Running on no VM: {e:?}"
+            ),
+        }
+    }
+}
