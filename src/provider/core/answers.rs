@@ -100,6 +100,20 @@ impl Provider {
             Waiter::Ignore => {}
             Waiter::Reclaim(step) => self.reclaim_answer(step, res),
             Waiter::PodStep(key) => self.pod_step_result(&key, op, res),
+            Waiter::Staged { key, dir } => {
+                let live = self.slots.get(&key).is_some_and(|s| s.awaiting == Some(op));
+                // The clone from a staged copy has answered (either way), or a copy arrived
+                // that no op will clone from: it is spent.
+                let spent = match (dir, &res) {
+                    (Some(dir), _) => Some(dir),
+                    (None, Res::Transfer(Ok(dir))) if !live => Some(dir.clone()),
+                    _ => None,
+                };
+                if let Some(dir) = spent {
+                    self.out.push(Effect::RemoveStagedDir { dir });
+                }
+                self.pod_step_result(&key, op, res)
+            }
             Waiter::SharedRead { argv, keys } => {
                 self.shared_reads.remove(&argv);
                 if let Res::Cocoon(r) = res {

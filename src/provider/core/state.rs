@@ -486,6 +486,13 @@ pub(super) enum Waiter {
     },
     /// A step of the local snapshot reclaimer.
     Reclaim(super::reclaim::ReclaimStep),
+    /// A wake step whose answer ends the life of a peer restore's staging directory: the
+    /// restore itself (`dir` None; its answer names the directory) or the clone from `dir`.
+    /// The directory is removed once nothing will clone from it, even when the op is gone.
+    Staged {
+        key: PodKey,
+        dir: Option<String>,
+    },
     Ignore,
 }
 
