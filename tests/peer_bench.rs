@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 
 use vk_cocoon::peer::wire::Plan;
 use vk_cocoon::peer::{restore, AllowedPeers, PeerRestore, PeerServer};
-use vk_cocoon::snapshots::format::SnapshotConfig;
+use vk_cocoon::snapshots::client::sha256_digest;
+use vk_cocoon::snapshots::format::{LayerRef, SnapshotConfig};
 
 const ID: &str = "01BENCHSNAPSHOT";
 
@@ -80,6 +81,19 @@ fn peer_restore_vs_curl() {
             snapshot_id: ID.into(),
             ..Default::default()
         },
+        // The registry's layers: the restore checks every byte against them.
+        layers: ["config.json", "memory-ranges"]
+            .iter()
+            .map(|name| {
+                let data = std::fs::read(served.join(ID).join(name)).unwrap();
+                LayerRef {
+                    title: name.to_string(),
+                    digest: sha256_digest(&data),
+                    size: data.len() as u64,
+                    media_type: "application/octet-stream".into(),
+                }
+            })
+            .collect(),
         staging_root: staging.clone(),
     };
     let plan_text = Command::new("curl")

@@ -1,10 +1,12 @@
 //! The peer restore client: fetches a snapshot's raw files from the node that pushed it into a
 //! fresh staging directory, checked slice by slice, ready for `cocoon vm clone --from-dir`.
 //!
-//! Blocking; runs on a worker thread. Any failure removes the staging directory, so a bad or
-//! interrupted transfer leaves nothing behind and the caller falls back to the registry.
+//! Blocking; runs on a worker thread. Every file is checked against the registry manifest's
+//! layer digests before the copy is handed out. Any failure removes the staging directory, so
+//! a bad, lying or interrupted transfer leaves nothing behind and the caller falls back to the
+//! registry.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -14,7 +16,9 @@ use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::metrics::Metrics;
-use crate::snapshots::format::{envelope_for_import, import_mode, SnapshotConfig};
+use crate::snapshots::format::{envelope_for_import, import_mode, LayerRef, SnapshotConfig};
+
+use super::verify::{self, FileCheck};
 
 use super::wire::{
     self, crc_hex, plain_component, Plan, CRC_TRAILER, ENVELOPE_NAME, MAX_SLICE_LEN, PLAN_PATH,
@@ -47,6 +51,8 @@ pub struct PeerRestore {
     /// The registry's config of the tag being restored: its `snapshotId` must match the
     /// peer's plan, and it fills the staged envelope.
     pub expected: SnapshotConfig,
+    /// The same manifest's layers: every staged byte is checked against their digests.
+    pub layers: Vec<LayerRef>,
     /// `VK_STAGING_DIR`.
     pub staging_root: PathBuf,
 }
@@ -117,6 +123,8 @@ pub fn restore(req: &PeerRestore) -> Result<Staged, String> {
     if req.expected.snapshot_id.is_empty() {
         return Err("the registry config has no snapshotId to check the peer against".into());
     }
+    // Before any connection: a snapshot whose files cannot be checked is not fetched.
+    let checks = verify::expectations(&req.expected, &req.layers)?;
     let target = format!("{PLAN_PATH}?name={}", wire::percent_encode(&req.snapshot));
     let mut resp = get(req.peer, req.source, &target)?;
     if resp.status != 200 {
@@ -125,13 +133,13 @@ pub fn restore(req: &PeerRestore) -> Result<Staged, String> {
     let body = resp.body_to_end(PLAN_LIMIT)?;
     let plan: Plan =
         serde_json::from_slice(&body).map_err(|e| format!("{}: plan: {e}", req.peer))?;
-    check_plan(&plan, &req.expected)?;
+    check_plan(&plan, &req.expected, &checks)?;
 
     std::fs::create_dir_all(&req.staging_root)
         .map_err(|e| format!("staging dir {}: {e}", req.staging_root.display()))?;
     let dir = req.staging_root.join(unique_name(&req.local_name));
     std::fs::create_dir(&dir).map_err(|e| format!("staging {}: {e}", dir.display()))?;
-    match fill(req, &plan, &dir) {
+    match fill(req, &plan, &checks, &dir) {
         Ok(bytes) => Ok(Staged { dir, bytes }),
         Err(e) => {
             let _ = std::fs::remove_dir_all(&dir);
@@ -159,8 +167,13 @@ fn unique_name(local: &str) -> String {
     format!("{base}.{}-{nanos}", std::process::id())
 }
 
-/// The plan must describe the registry's snapshot and stay inside its own files.
-fn check_plan(plan: &Plan, expected: &SnapshotConfig) -> Result<(), String> {
+/// The plan must describe the registry's snapshot and stay inside its own files, and list
+/// every file the manifest has, at the size the manifest gives.
+fn check_plan(
+    plan: &Plan,
+    expected: &SnapshotConfig,
+    checks: &BTreeMap<String, FileCheck>,
+) -> Result<(), String> {
     if plan.snapshot_id != expected.snapshot_id {
         return Err(format!(
             "peer holds snapshot {:?}, the registry tag is {:?}",
@@ -183,6 +196,14 @@ fn check_plan(plan: &Plan, expected: &SnapshotConfig) -> Result<(), String> {
             }
             end = stop;
         }
+        if let Some(check) = checks.get(&f.name) {
+            if check.logical_size != f.size {
+                return Err(format!(
+                    "plan file {}: {} bytes, the registry's layers say {}",
+                    f.name, f.size, check.logical_size
+                ));
+            }
+        }
         if let Some(meta) = expected.files.get(&f.name) {
             let logical = if meta.sparse_size > 0 {
                 meta.sparse_size
@@ -200,6 +221,7 @@ fn check_plan(plan: &Plan, expected: &SnapshotConfig) -> Result<(), String> {
     if let Some(missing) = expected
         .files
         .keys()
+        .chain(checks.keys())
         .find(|k| !seen.contains(k.as_str()) && k.as_str() != ENVELOPE_NAME)
     {
         return Err(format!(
@@ -209,13 +231,31 @@ fn check_plan(plan: &Plan, expected: &SnapshotConfig) -> Result<(), String> {
     Ok(())
 }
 
-/// Writes every file of the plan and the envelope into `dir`; returns the data bytes.
-fn fill(req: &PeerRestore, plan: &Plan, dir: &Path) -> Result<u64, String> {
+/// Writes every file of the plan that the manifest lists, each checked against its layer
+/// digests, and the envelope into `dir`; returns the data bytes.
+fn fill(
+    req: &PeerRestore,
+    plan: &Plan,
+    checks: &BTreeMap<String, FileCheck>,
+    dir: &Path,
+) -> Result<u64, String> {
     let mut bytes = 0;
     for f in &plan.files {
+        let Some(check) = checks.get(&f.name) else {
+            // Not in the export the tag was pushed from: a registry import would not have
+            // it either, and nothing vouches for its bytes.
+            log::info!(
+                "peer restore: {} skips {}: not in the manifest",
+                req.snapshot,
+                f.name
+            );
+            continue;
+        };
         let mode = import_mode(req.expected.files.get(&f.name).map(|m| m.mode).unwrap_or(0));
         let path = dir.join(&f.name);
+        // Read too: the digest check reads the file back.
         let file = OpenOptions::new()
+            .read(true)
             .write(true)
             .create_new(true)
             .mode(mode)
@@ -253,6 +293,7 @@ fn fill(req: &PeerRestore, plan: &Plan, dir: &Path) -> Result<u64, String> {
             }
             bytes += s.length;
         }
+        verify::verify(&file, check, &f.slices, &f.name)?;
     }
     let envelope = envelope_for_import(&req.expected, &req.local_name);
     let path = dir.join(ENVELOPE_NAME);
