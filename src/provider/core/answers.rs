@@ -52,6 +52,10 @@ impl Provider {
                 warn(self, &p.uid);
                 self.post_clone_attempt_failed(key, msg)
             }
+            Op::Classify(c) => {
+                warn(self, &c.uid);
+                self.classify_lookup_failed(key, msg)
+            }
             Op::ApiDelete { uid } => {
                 warn(self, &uid);
                 let failed = Res::Kube(Err(KubeError::Other(msg.clone())));
@@ -79,6 +83,7 @@ impl Provider {
             Some(Op::Hibernate(_)) => self.hibernate_step(key, res),
             Some(Op::Wake(_)) => self.wake_step(key, res),
             Some(Op::PostClone(_)) => self.post_clone_step(key, res),
+            Some(Op::Classify(_)) => self.classify_step(key, res),
             Some(Op::ReadyWait { .. }) => match res {
                 Res::Lease(r) => self.ready_wait_result(key, r),
                 Res::Cocoon(r) => self.renew_nudge_result(key, &r),
@@ -273,6 +278,7 @@ impl Provider {
             None => self.reconcile_slot(key),
             Some(Op::ReadyWait { .. }) => self.ready_wait_poll(key),
             Some(Op::PostClone(_)) => self.post_clone_timer(key),
+            Some(Op::Classify(_)) => self.classify_timer(key),
             Some(Op::Check(c)) => match c.step {
                 CheckStep::Inspect { .. } => {
                     self.pod_cocoon(key, CocoonCmd::VmInspect { reference: c.vm_id })

@@ -54,6 +54,7 @@ use super::{LeaseError, TransferError};
 mod answers;
 mod bring_up;
 mod check;
+mod classify;
 mod create;
 mod delete;
 mod evict;
@@ -382,6 +383,7 @@ impl Provider {
             (Some(Op::Hibernate(h)), Step::Hibernate(s)) => h.step = s,
             (Some(Op::Wake(w)), Step::Wake(s)) => w.step = s,
             (Some(Op::PostClone(p)), Step::PostClone(s)) => p.step = s,
+            (Some(Op::Classify(c)), Step::Classify(s)) => c.step = s,
             // A bug, not an input. The question is still asked: whichever op its answer then
             // reaches fails through `unexpected_answer` with a retry instead of stalling.
             (_, step) => {

@@ -13,6 +13,7 @@ use crate::provider::status;
 use crate::provider::*;
 
 mod check;
+mod classify;
 mod cpu_class;
 mod create;
 mod delete;
