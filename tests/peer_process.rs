@@ -11,6 +11,7 @@ use std::time::Duration;
 use daemon_support::{free_ports, World};
 use k8s_openapi::api::core::v1::{Node, NodeAddress, NodeStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use vk_cocoon::peer::client::SLICE_STREAMS;
 use vk_cocoon::peer::{restore, PeerRestore};
 use vk_cocoon::snapshots::manifest_info;
 
@@ -68,6 +69,7 @@ fn another_node_restores_a_snapshot_from_the_daemons_peer_listener() {
         expected: expected.clone(),
         layers: tag.layers.clone(),
         staging_root: staging.clone(),
+        streams: SLICE_STREAMS,
     };
     // The daemon lists Nodes as it starts; node-b may take a moment to be allowed.
     let staged = a.wait("the restore from node-b", Duration::from_secs(40), || {

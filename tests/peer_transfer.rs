@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use vk_cocoon::peer::client::SLICE_STREAMS;
 use vk_cocoon::peer::server::MAX_SLICE_STREAMS;
 use vk_cocoon::peer::{restore, AllowedPeers, PeerRestore, PeerServer, Resolver};
 use vk_cocoon::snapshots::client::sha256_digest;
@@ -120,6 +121,7 @@ fn request(root: &Path, peer: SocketAddr, staging: &Path, id: &str) -> PeerResto
         expected: expected(id),
         layers: layers_of(&root.join(ID)),
         staging_root: staging.to_path_buf(),
+        streams: SLICE_STREAMS,
     }
 }
 

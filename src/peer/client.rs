@@ -12,6 +12,7 @@ use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -21,12 +22,17 @@ use crate::snapshots::format::{envelope_for_import, import_mode, LayerRef, Snaps
 use super::verify::{self, FileCheck};
 
 use super::wire::{
-    self, crc_hex, plain_component, Plan, CRC_TRAILER, ENVELOPE_NAME, MAX_SLICE_LEN, PLAN_PATH,
-    SLICE_PATH,
+    self, crc_hex, plain_component, Plan, PlanFile, Slice, CRC_TRAILER, ENVELOPE_NAME,
+    MAX_SLICE_LEN, PLAN_PATH, SLICE_PATH,
 };
 
 /// Peer restores running at once on this node; more wait.
 pub const MAX_CONCURRENT_RESTORES: usize = 2;
+/// Slice streams one restore keeps open at once by default: one stream leaves the link idle
+/// while each slice's response starts and its last write lands.
+pub const SLICE_STREAMS: usize = 4;
+/// Slice streams one restore may open at most (the peer answers 128 node-wide).
+const MAX_SLICE_STREAMS: usize = 16;
 /// Connecting to a peer.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// A peer that sends nothing for this long has failed.
@@ -55,6 +61,8 @@ pub struct PeerRestore {
     pub layers: Vec<LayerRef>,
     /// `VK_STAGING_DIR`.
     pub staging_root: PathBuf,
+    /// Slice streams at once (`SLICE_STREAMS` in the daemon; 1 = one after another).
+    pub streams: usize,
 }
 
 /// What a finished restore produced.
@@ -239,7 +247,8 @@ fn fill(
     checks: &BTreeMap<String, FileCheck>,
     dir: &Path,
 ) -> Result<u64, String> {
-    let mut bytes = 0;
+    // Every file is created at its full size first; the slices then land anywhere in it.
+    let mut files: Vec<(&PlanFile, &FileCheck, File)> = Vec::new();
     for f in &plan.files {
         let Some(check) = checks.get(&f.name) else {
             // Not in the export the tag was pushed from: a registry import would not have
@@ -263,37 +272,16 @@ fn fill(
             .map_err(|e| format!("create {}: {e}", path.display()))?;
         file.set_len(f.size)
             .map_err(|e| format!("size {}: {e}", path.display()))?;
-        for s in &f.slices {
-            let target = format!(
-                "{SLICE_PATH}?id={}&file={}&offset={}&length={}",
-                wire::percent_encode(&plan.snapshot_id),
-                wire::percent_encode(&f.name),
-                s.offset,
-                s.length
-            );
-            let mut resp = get(req.peer, req.source, &target)?;
-            if resp.status != 200 {
-                return Err(format!(
-                    "{}: slice {} @{}: HTTP {}",
-                    req.peer, f.name, s.offset, resp.status
-                ));
-            }
-            let crc = resp.body_into_file(&file, s.offset, s.length)?;
-            let trailer = resp.trailer(CRC_TRAILER);
-            if trailer.as_deref() != Some(crc_hex(crc).as_str()) {
-                return Err(format!(
-                    "{}: slice {} @{}+{}: CRC-32C {} but the peer says {:?}",
-                    req.peer,
-                    f.name,
-                    s.offset,
-                    s.length,
-                    crc_hex(crc),
-                    trailer
-                ));
-            }
-            bytes += s.length;
-        }
-        verify::verify(&file, check, &f.slices, &f.name)?;
+        files.push((f, check, file));
+    }
+    let jobs: Vec<(usize, Slice)> = files
+        .iter()
+        .enumerate()
+        .flat_map(|(i, (f, _, _))| f.slices.iter().map(move |s| (i, *s)))
+        .collect();
+    let bytes = fetch_all(req, &plan.snapshot_id, &files, &jobs)?;
+    for (f, check, file) in &files {
+        verify::verify(file, check, &f.slices, &f.name)?;
     }
     let envelope = envelope_for_import(&req.expected, &req.local_name);
     let path = dir.join(ENVELOPE_NAME);
@@ -308,6 +296,98 @@ fn fill(
     out.write_all(&envelope)
         .map_err(|e| format!("write {}: {e}", path.display()))?;
     Ok(bytes)
+}
+
+/// Fetches every (file, slice) job over up to `req.streams` connections at once; the first
+/// failure stops the others after their current slice. Returns the data bytes.
+fn fetch_all(
+    req: &PeerRestore,
+    snapshot_id: &str,
+    files: &[(&PlanFile, &FileCheck, File)],
+    jobs: &[(usize, Slice)],
+) -> Result<u64, String> {
+    let next = AtomicUsize::new(0);
+    let bytes = AtomicU64::new(0);
+    let failed: Mutex<Option<String>> = Mutex::new(None);
+    let stopped = || failed.lock().map(|f| f.is_some()).unwrap_or(true);
+    let fail = |e: String| {
+        if let Ok(mut f) = failed.lock() {
+            f.get_or_insert(e);
+        }
+    };
+    let worker = || {
+        while !stopped() {
+            let Some(&(i, slice)) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                return;
+            };
+            let (f, _, file) = &files[i];
+            match fetch_slice(req, snapshot_id, &f.name, slice, file) {
+                Ok(()) => {
+                    bytes.fetch_add(slice.length, Ordering::Relaxed);
+                }
+                Err(e) => return fail(e),
+            }
+        }
+    };
+    let streams = req
+        .streams
+        .clamp(1, MAX_SLICE_STREAMS)
+        .min(jobs.len().max(1));
+    std::thread::scope(|scope| {
+        for n in 1..streams {
+            let spawned = std::thread::Builder::new()
+                .name(format!("vk-peer-{n}"))
+                .spawn_scoped(scope, worker);
+            if let Err(e) = spawned {
+                // Fewer streams, not a failure: this thread still fetches everything.
+                log::warn!("peer restore: slice stream {n} not started: {e}");
+                break;
+            }
+        }
+        worker();
+    });
+    match failed.into_inner() {
+        Ok(Some(e)) => Err(e),
+        Ok(None) => Ok(bytes.into_inner()),
+        Err(_) => Err("a slice stream failed".into()),
+    }
+}
+
+/// GETs one slice into `file` at its offset, checked against its CRC-32C trailer.
+fn fetch_slice(
+    req: &PeerRestore,
+    snapshot_id: &str,
+    name: &str,
+    s: Slice,
+    file: &File,
+) -> Result<(), String> {
+    let target = format!(
+        "{SLICE_PATH}?id={}&file={}&offset={}&length={}",
+        wire::percent_encode(snapshot_id),
+        wire::percent_encode(name),
+        s.offset,
+        s.length
+    );
+    let mut resp = get(req.peer, req.source, &target)?;
+    if resp.status != 200 {
+        return Err(format!(
+            "{}: slice {name} @{}: HTTP {}",
+            req.peer, s.offset, resp.status
+        ));
+    }
+    let crc = resp.body_into_file(file, s.offset, s.length)?;
+    let trailer = resp.trailer(CRC_TRAILER);
+    if trailer.as_deref() != Some(crc_hex(crc).as_str()) {
+        return Err(format!(
+            "{}: slice {name} @{}+{}: CRC-32C {} but the peer says {:?}",
+            req.peer,
+            s.offset,
+            s.length,
+            crc_hex(crc),
+            trailer
+        ));
+    }
+    Ok(())
 }
 
 /// A response being read: status, framing, and the trailers once the body is done.

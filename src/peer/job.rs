@@ -78,6 +78,7 @@ pub fn run(
         expected,
         layers: info.layers,
         staging_root: site.staging_root.clone(),
+        streams: super::client::SLICE_STREAMS,
     };
     let staged = restore_counted(&req, metrics, &job.namespace).map_err(fail)?;
     log::info!(
