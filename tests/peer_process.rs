@@ -11,8 +11,9 @@ use std::time::Duration;
 use daemon_support::{free_ports, World};
 use k8s_openapi::api::core::v1::{Node, NodeAddress, NodeStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use vk_cocoon::peer::client::SLICE_STREAMS;
 use vk_cocoon::peer::{restore, PeerRestore};
-use vk_cocoon::snapshots::format::SnapshotConfig;
+use vk_cocoon::snapshots::manifest_info;
 
 fn node(name: &str, ip: &str) -> Node {
     Node {
@@ -54,19 +55,21 @@ fn another_node_restores_a_snapshot_from_the_daemons_peer_listener() {
     let b = tempfile::tempdir().unwrap();
     let staging = b.path().join("staging");
     let peer = SocketAddr::new(IpAddr::from([127, 0, 0, 1]), peer_port);
+    // What the registry says of the tag: the restore is checked against its config and layers.
+    let tag = manifest_info(&a.registry_client(), "vk-demo-hib", "hibernate")
+        .unwrap()
+        .unwrap();
+    let expected = tag.config.clone().unwrap();
+    assert_eq!(expected.snapshot_id, id);
     let req = |source: [u8; 4]| PeerRestore {
         peer,
         source: Some(IpAddr::from(source)),
         snapshot: "vk-demo-hib".into(),
         local_name: "vk-demo-hib".into(),
-        expected: SnapshotConfig {
-            snapshot_id: id.clone(),
-            hypervisor: "cloud-hypervisor".into(),
-            cpu: 2,
-            memory: 1 << 30,
-            ..Default::default()
-        },
+        expected: expected.clone(),
+        layers: tag.layers.clone(),
         staging_root: staging.clone(),
+        streams: SLICE_STREAMS,
     };
     // The daemon lists Nodes as it starts; node-b may take a moment to be allowed.
     let staged = a.wait("the restore from node-b", Duration::from_secs(40), || {

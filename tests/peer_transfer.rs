@@ -10,9 +10,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use vk_cocoon::peer::client::SLICE_STREAMS;
 use vk_cocoon::peer::server::MAX_SLICE_STREAMS;
 use vk_cocoon::peer::{restore, AllowedPeers, PeerRestore, PeerServer, Resolver};
-use vk_cocoon::snapshots::format::{SnapshotConfig, SnapshotFile};
+use vk_cocoon::snapshots::client::sha256_digest;
+use vk_cocoon::snapshots::format::{LayerRef, SnapshotConfig, SnapshotFile};
 
 const ID: &str = "01SNAPSHOTID";
 const MEM_SIZE: u64 = 64 << 20;
@@ -91,14 +93,35 @@ fn expected(id: &str) -> SnapshotConfig {
     }
 }
 
-fn request(peer: SocketAddr, staging: &Path, id: &str) -> PeerRestore {
+/// The layers a registry would list for the files of `snap` as they are now: one raw layer
+/// per file, its digest the sha256 of the whole file.
+fn layers_of(snap: &Path) -> Vec<LayerRef> {
+    let mut out: Vec<LayerRef> = entries(snap)
+        .into_iter()
+        .map(|p| {
+            let data = std::fs::read(&p).unwrap();
+            LayerRef {
+                title: p.file_name().unwrap().to_string_lossy().into_owned(),
+                digest: sha256_digest(&data),
+                size: data.len() as u64,
+                media_type: "application/octet-stream".into(),
+            }
+        })
+        .collect();
+    out.sort_by(|a, b| a.title.cmp(&b.title));
+    out
+}
+
+fn request(root: &Path, peer: SocketAddr, staging: &Path, id: &str) -> PeerRestore {
     PeerRestore {
         peer,
         source: Some(ip("127.0.0.1")),
         snapshot: "vk-demo".into(),
         local_name: "vk-demo-peer".into(),
         expected: expected(id),
+        layers: layers_of(&root.join(ID)),
         staging_root: staging.to_path_buf(),
+        streams: SLICE_STREAMS,
     }
 }
 
@@ -126,7 +149,13 @@ fn restore_copies_every_file_and_writes_the_clone_envelope() {
     let root = snapshot_root();
     let staging = tempfile::tempdir().unwrap();
     let (server, _) = serve(root.path(), &["127.0.0.1"]);
-    let staged = restore(&request(server.local_addr(), staging.path(), ID)).unwrap();
+    let staged = restore(&request(
+        root.path(),
+        server.local_addr(),
+        staging.path(),
+        ID,
+    ))
+    .unwrap();
 
     assert_eq!(staged.dir.parent(), Some(staging.path()));
     for name in ["memory-ranges", "cow.raw", "config.json"] {
@@ -211,7 +240,7 @@ fn a_corrupted_transfer_stages_nothing() {
     let staging = tempfile::tempdir().unwrap();
     let (server, _) = serve(root.path(), &["127.0.0.1"]);
     let proxy = corrupting_proxy(server.local_addr());
-    let err = restore(&request(proxy, staging.path(), ID)).unwrap_err();
+    let err = restore(&request(root.path(), proxy, staging.path(), ID)).unwrap_err();
     assert!(err.contains("CRC-32C"), "{err}");
     assert!(
         entries(staging.path()).is_empty(),
@@ -220,16 +249,68 @@ fn a_corrupted_transfer_stages_nothing() {
     );
 }
 
+/// A peer that lies: its file differs from what the registry tag holds, and it sends the
+/// CRC-32C of the bytes it sends, so every slice checks out. The layer digests do not.
+#[test]
+fn a_peer_serving_other_bytes_with_matching_crcs_stages_nothing() {
+    let root = snapshot_root();
+    let staging = tempfile::tempdir().unwrap();
+    let (server, _) = serve(root.path(), &["127.0.0.1"]);
+    let req = request(root.path(), server.local_addr(), staging.path(), ID);
+    // Same length, one byte changed after the registry's digests were taken.
+    let disk = root.path().join(ID).join("cow.raw");
+    let mut f = std::fs::OpenOptions::new().write(true).open(&disk).unwrap();
+    f.seek(SeekFrom::Start(1 << 20)).unwrap();
+    f.write_all(b"\0evil").unwrap();
+    drop(f);
+    let err = restore(&req).unwrap_err();
+    assert!(err.contains("sha256") && err.contains("cow.raw"), "{err}");
+    assert!(
+        entries(staging.path()).is_empty(),
+        "{:?}",
+        entries(staging.path())
+    );
+    // A byte planted in the memory file's hole is caught as well.
+    let req = request(root.path(), server.local_addr(), staging.path(), ID);
+    let mem = root.path().join(ID).join("memory-ranges");
+    let mut f = std::fs::OpenOptions::new().write(true).open(&mem).unwrap();
+    f.seek(SeekFrom::Start(MEM_SIZE / 2)).unwrap();
+    f.write_all(b"x").unwrap();
+    drop(f);
+    let err = restore(&req).unwrap_err();
+    assert!(err.contains("memory-ranges"), "{err}");
+    assert!(entries(staging.path()).is_empty());
+}
+
+/// A manifest whose layers a raw copy cannot reproduce (zstd) is never fetched from a peer.
+#[test]
+fn a_snapshot_with_zstd_layers_is_not_fetched_from_a_peer() {
+    let root = snapshot_root();
+    let staging = tempfile::tempdir().unwrap();
+    let (server, _) = serve(root.path(), &["127.0.0.1"]);
+    let mut req = request(root.path(), server.local_addr(), staging.path(), ID);
+    req.layers[0].media_type = "application/vnd.cocoonstack.vm.memory+zstd".into();
+    let err = restore(&req).unwrap_err();
+    assert!(err.contains("zstd"), "{err}");
+    assert!(entries(staging.path()).is_empty());
+}
+
 #[test]
 fn a_peer_holding_another_snapshot_is_not_used() {
     let root = snapshot_root();
     let staging = tempfile::tempdir().unwrap();
     let (server, _) = serve(root.path(), &["127.0.0.1"]);
-    let err = restore(&request(server.local_addr(), staging.path(), "01NEWERPUSH")).unwrap_err();
+    let err = restore(&request(
+        root.path(),
+        server.local_addr(),
+        staging.path(),
+        "01NEWERPUSH",
+    ))
+    .unwrap_err();
     assert!(err.contains("01NEWERPUSH"), "{err}");
     assert!(entries(staging.path()).is_empty());
     // A file the registry lists but the peer lacks is refused too.
-    let mut req = request(server.local_addr(), staging.path(), ID);
+    let mut req = request(root.path(), server.local_addr(), staging.path(), ID);
     req.expected
         .files
         .insert("state.json".into(), SnapshotFile::default());
@@ -249,13 +330,13 @@ fn only_cluster_node_addresses_are_answered() {
     assert!(raw_get(addr, "127.0.0.1", plan).starts_with("HTTP/1.1 403"));
     let ok = raw_get(addr, "127.0.0.2", plan);
     assert!(ok.starts_with("HTTP/1.1 200") && ok.contains(ID), "{ok}");
-    let err = restore(&request(addr, staging.path(), ID)).unwrap_err();
+    let err = restore(&request(root.path(), addr, staging.path(), ID)).unwrap_err();
     assert!(err.contains("403"), "{err}");
     assert!(entries(staging.path()).is_empty());
     // The allowlist follows the Node list.
     peers.replace([ip("127.0.0.1")]);
     assert!(raw_get(addr, "127.0.0.2", plan).starts_with("HTTP/1.1 403"));
-    assert!(restore(&request(addr, staging.path(), ID)).is_ok());
+    assert!(restore(&request(root.path(), addr, staging.path(), ID)).is_ok());
 }
 
 #[test]

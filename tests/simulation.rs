@@ -715,7 +715,10 @@ impl Sim {
             Effect::StopProbe { key } => {
                 self.probes.remove(&key);
             }
-            Effect::Event { .. } | Effect::ReleaseLeases { .. } | Effect::Metric(_) => {}
+            Effect::Event { .. }
+            | Effect::ReleaseLeases { .. }
+            | Effect::RemoveStagedDir { .. }
+            | Effect::Metric(_) => {}
         }
     }
 

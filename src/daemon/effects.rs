@@ -178,6 +178,16 @@ impl Daemon {
                     log::warn!("lease release skipped: worker queue full");
                 }
             }
+            Effect::RemoveStagedDir { dir } => {
+                let root = self.config.staging_dir.clone();
+                // Off the loop: unlinking a multi-GiB memory file can take a while.
+                let spawned = std::thread::Builder::new()
+                    .name("vk-unstage".into())
+                    .spawn(move || crate::peer::staging::remove_entry(&root, Path::new(&dir)));
+                if let Err(e) = spawned {
+                    log::warn!("staged dir left for the sweep: no thread: {e}");
+                }
+            }
             Effect::PullSnapshot {
                 op,
                 repo,

@@ -1,28 +1,38 @@
 //! The peer restore client: fetches a snapshot's raw files from the node that pushed it into a
 //! fresh staging directory, checked slice by slice, ready for `cocoon vm clone --from-dir`.
 //!
-//! Blocking; runs on a worker thread. Any failure removes the staging directory, so a bad or
-//! interrupted transfer leaves nothing behind and the caller falls back to the registry.
+//! Blocking; runs on a worker thread. Every file is checked against the registry manifest's
+//! layer digests before the copy is handed out. Any failure removes the staging directory, so
+//! a bad, lying or interrupted transfer leaves nothing behind and the caller falls back to the
+//! registry.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::metrics::Metrics;
-use crate::snapshots::format::{envelope_for_import, import_mode, SnapshotConfig};
+use crate::snapshots::format::{envelope_for_import, import_mode, LayerRef, SnapshotConfig};
+
+use super::verify::{self, FileCheck};
 
 use super::wire::{
-    self, crc_hex, plain_component, Plan, CRC_TRAILER, ENVELOPE_NAME, MAX_SLICE_LEN, PLAN_PATH,
-    SLICE_PATH,
+    self, crc_hex, plain_component, Plan, PlanFile, Slice, CRC_TRAILER, ENVELOPE_NAME,
+    MAX_SLICE_LEN, PLAN_PATH, SLICE_PATH,
 };
 
 /// Peer restores running at once on this node; more wait.
 pub const MAX_CONCURRENT_RESTORES: usize = 2;
+/// Slice streams one restore keeps open at once by default: one stream leaves the link idle
+/// while each slice's response starts and its last write lands.
+pub const SLICE_STREAMS: usize = 4;
+/// Slice streams one restore may open at most (the peer answers 128 node-wide).
+const MAX_SLICE_STREAMS: usize = 16;
 /// Connecting to a peer.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// A peer that sends nothing for this long has failed.
@@ -47,8 +57,12 @@ pub struct PeerRestore {
     /// The registry's config of the tag being restored: its `snapshotId` must match the
     /// peer's plan, and it fills the staged envelope.
     pub expected: SnapshotConfig,
+    /// The same manifest's layers: every staged byte is checked against their digests.
+    pub layers: Vec<LayerRef>,
     /// `VK_STAGING_DIR`.
     pub staging_root: PathBuf,
+    /// Slice streams at once (`SLICE_STREAMS` in the daemon; 1 = one after another).
+    pub streams: usize,
 }
 
 /// What a finished restore produced.
@@ -117,6 +131,8 @@ pub fn restore(req: &PeerRestore) -> Result<Staged, String> {
     if req.expected.snapshot_id.is_empty() {
         return Err("the registry config has no snapshotId to check the peer against".into());
     }
+    // Before any connection: a snapshot whose files cannot be checked is not fetched.
+    let checks = verify::expectations(&req.expected, &req.layers)?;
     let target = format!("{PLAN_PATH}?name={}", wire::percent_encode(&req.snapshot));
     let mut resp = get(req.peer, req.source, &target)?;
     if resp.status != 200 {
@@ -125,13 +141,13 @@ pub fn restore(req: &PeerRestore) -> Result<Staged, String> {
     let body = resp.body_to_end(PLAN_LIMIT)?;
     let plan: Plan =
         serde_json::from_slice(&body).map_err(|e| format!("{}: plan: {e}", req.peer))?;
-    check_plan(&plan, &req.expected)?;
+    check_plan(&plan, &req.expected, &checks)?;
 
     std::fs::create_dir_all(&req.staging_root)
         .map_err(|e| format!("staging dir {}: {e}", req.staging_root.display()))?;
     let dir = req.staging_root.join(unique_name(&req.local_name));
     std::fs::create_dir(&dir).map_err(|e| format!("staging {}: {e}", dir.display()))?;
-    match fill(req, &plan, &dir) {
+    match fill(req, &plan, &checks, &dir) {
         Ok(bytes) => Ok(Staged { dir, bytes }),
         Err(e) => {
             let _ = std::fs::remove_dir_all(&dir);
@@ -159,8 +175,13 @@ fn unique_name(local: &str) -> String {
     format!("{base}.{}-{nanos}", std::process::id())
 }
 
-/// The plan must describe the registry's snapshot and stay inside its own files.
-fn check_plan(plan: &Plan, expected: &SnapshotConfig) -> Result<(), String> {
+/// The plan must describe the registry's snapshot and stay inside its own files, and list
+/// every file the manifest has, at the size the manifest gives.
+fn check_plan(
+    plan: &Plan,
+    expected: &SnapshotConfig,
+    checks: &BTreeMap<String, FileCheck>,
+) -> Result<(), String> {
     if plan.snapshot_id != expected.snapshot_id {
         return Err(format!(
             "peer holds snapshot {:?}, the registry tag is {:?}",
@@ -183,6 +204,14 @@ fn check_plan(plan: &Plan, expected: &SnapshotConfig) -> Result<(), String> {
             }
             end = stop;
         }
+        if let Some(check) = checks.get(&f.name) {
+            if check.logical_size != f.size {
+                return Err(format!(
+                    "plan file {}: {} bytes, the registry's layers say {}",
+                    f.name, f.size, check.logical_size
+                ));
+            }
+        }
         if let Some(meta) = expected.files.get(&f.name) {
             let logical = if meta.sparse_size > 0 {
                 meta.sparse_size
@@ -200,6 +229,7 @@ fn check_plan(plan: &Plan, expected: &SnapshotConfig) -> Result<(), String> {
     if let Some(missing) = expected
         .files
         .keys()
+        .chain(checks.keys())
         .find(|k| !seen.contains(k.as_str()) && k.as_str() != ENVELOPE_NAME)
     {
         return Err(format!(
@@ -209,13 +239,32 @@ fn check_plan(plan: &Plan, expected: &SnapshotConfig) -> Result<(), String> {
     Ok(())
 }
 
-/// Writes every file of the plan and the envelope into `dir`; returns the data bytes.
-fn fill(req: &PeerRestore, plan: &Plan, dir: &Path) -> Result<u64, String> {
-    let mut bytes = 0;
+/// Writes every file of the plan that the manifest lists, each checked against its layer
+/// digests, and the envelope into `dir`; returns the data bytes.
+fn fill(
+    req: &PeerRestore,
+    plan: &Plan,
+    checks: &BTreeMap<String, FileCheck>,
+    dir: &Path,
+) -> Result<u64, String> {
+    // Every file is created at its full size first; the slices then land anywhere in it.
+    let mut files: Vec<(&PlanFile, &FileCheck, File)> = Vec::new();
     for f in &plan.files {
+        let Some(check) = checks.get(&f.name) else {
+            // Not in the export the tag was pushed from: a registry import would not have
+            // it either, and nothing vouches for its bytes.
+            log::info!(
+                "peer restore: {} skips {}: not in the manifest",
+                req.snapshot,
+                f.name
+            );
+            continue;
+        };
         let mode = import_mode(req.expected.files.get(&f.name).map(|m| m.mode).unwrap_or(0));
         let path = dir.join(&f.name);
+        // Read too: the digest check reads the file back.
         let file = OpenOptions::new()
+            .read(true)
             .write(true)
             .create_new(true)
             .mode(mode)
@@ -223,36 +272,16 @@ fn fill(req: &PeerRestore, plan: &Plan, dir: &Path) -> Result<u64, String> {
             .map_err(|e| format!("create {}: {e}", path.display()))?;
         file.set_len(f.size)
             .map_err(|e| format!("size {}: {e}", path.display()))?;
-        for s in &f.slices {
-            let target = format!(
-                "{SLICE_PATH}?id={}&file={}&offset={}&length={}",
-                wire::percent_encode(&plan.snapshot_id),
-                wire::percent_encode(&f.name),
-                s.offset,
-                s.length
-            );
-            let mut resp = get(req.peer, req.source, &target)?;
-            if resp.status != 200 {
-                return Err(format!(
-                    "{}: slice {} @{}: HTTP {}",
-                    req.peer, f.name, s.offset, resp.status
-                ));
-            }
-            let crc = resp.body_into_file(&file, s.offset, s.length)?;
-            let trailer = resp.trailer(CRC_TRAILER);
-            if trailer.as_deref() != Some(crc_hex(crc).as_str()) {
-                return Err(format!(
-                    "{}: slice {} @{}+{}: CRC-32C {} but the peer says {:?}",
-                    req.peer,
-                    f.name,
-                    s.offset,
-                    s.length,
-                    crc_hex(crc),
-                    trailer
-                ));
-            }
-            bytes += s.length;
-        }
+        files.push((f, check, file));
+    }
+    let jobs: Vec<(usize, Slice)> = files
+        .iter()
+        .enumerate()
+        .flat_map(|(i, (f, _, _))| f.slices.iter().map(move |s| (i, *s)))
+        .collect();
+    let bytes = fetch_all(req, &plan.snapshot_id, &files, &jobs)?;
+    for (f, check, file) in &files {
+        verify::verify(file, check, &f.slices, &f.name)?;
     }
     let envelope = envelope_for_import(&req.expected, &req.local_name);
     let path = dir.join(ENVELOPE_NAME);
@@ -267,6 +296,98 @@ fn fill(req: &PeerRestore, plan: &Plan, dir: &Path) -> Result<u64, String> {
     out.write_all(&envelope)
         .map_err(|e| format!("write {}: {e}", path.display()))?;
     Ok(bytes)
+}
+
+/// Fetches every (file, slice) job over up to `req.streams` connections at once; the first
+/// failure stops the others after their current slice. Returns the data bytes.
+fn fetch_all(
+    req: &PeerRestore,
+    snapshot_id: &str,
+    files: &[(&PlanFile, &FileCheck, File)],
+    jobs: &[(usize, Slice)],
+) -> Result<u64, String> {
+    let next = AtomicUsize::new(0);
+    let bytes = AtomicU64::new(0);
+    let failed: Mutex<Option<String>> = Mutex::new(None);
+    let stopped = || failed.lock().map(|f| f.is_some()).unwrap_or(true);
+    let fail = |e: String| {
+        if let Ok(mut f) = failed.lock() {
+            f.get_or_insert(e);
+        }
+    };
+    let worker = || {
+        while !stopped() {
+            let Some(&(i, slice)) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                return;
+            };
+            let (f, _, file) = &files[i];
+            match fetch_slice(req, snapshot_id, &f.name, slice, file) {
+                Ok(()) => {
+                    bytes.fetch_add(slice.length, Ordering::Relaxed);
+                }
+                Err(e) => return fail(e),
+            }
+        }
+    };
+    let streams = req
+        .streams
+        .clamp(1, MAX_SLICE_STREAMS)
+        .min(jobs.len().max(1));
+    std::thread::scope(|scope| {
+        for n in 1..streams {
+            let spawned = std::thread::Builder::new()
+                .name(format!("vk-peer-{n}"))
+                .spawn_scoped(scope, worker);
+            if let Err(e) = spawned {
+                // Fewer streams, not a failure: this thread still fetches everything.
+                log::warn!("peer restore: slice stream {n} not started: {e}");
+                break;
+            }
+        }
+        worker();
+    });
+    match failed.into_inner() {
+        Ok(Some(e)) => Err(e),
+        Ok(None) => Ok(bytes.into_inner()),
+        Err(_) => Err("a slice stream failed".into()),
+    }
+}
+
+/// GETs one slice into `file` at its offset, checked against its CRC-32C trailer.
+fn fetch_slice(
+    req: &PeerRestore,
+    snapshot_id: &str,
+    name: &str,
+    s: Slice,
+    file: &File,
+) -> Result<(), String> {
+    let target = format!(
+        "{SLICE_PATH}?id={}&file={}&offset={}&length={}",
+        wire::percent_encode(snapshot_id),
+        wire::percent_encode(name),
+        s.offset,
+        s.length
+    );
+    let mut resp = get(req.peer, req.source, &target)?;
+    if resp.status != 200 {
+        return Err(format!(
+            "{}: slice {name} @{}: HTTP {}",
+            req.peer, s.offset, resp.status
+        ));
+    }
+    let crc = resp.body_into_file(file, s.offset, s.length)?;
+    let trailer = resp.trailer(CRC_TRAILER);
+    if trailer.as_deref() != Some(crc_hex(crc).as_str()) {
+        return Err(format!(
+            "{}: slice {name} @{}+{}: CRC-32C {} but the peer says {:?}",
+            req.peer,
+            s.offset,
+            s.length,
+            crc_hex(crc),
+            trailer
+        ));
+    }
+    Ok(())
 }
 
 /// A response being read: status, framing, and the trailers once the body is done.

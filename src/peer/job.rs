@@ -76,7 +76,9 @@ pub fn run(
         snapshot: job.vm_name.clone(),
         local_name: job.local_name.clone(),
         expected,
+        layers: info.layers,
         staging_root: site.staging_root.clone(),
+        streams: super::client::SLICE_STREAMS,
     };
     let staged = restore_counted(&req, metrics, &job.namespace).map_err(fail)?;
     log::info!(

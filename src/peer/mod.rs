@@ -11,6 +11,7 @@ pub mod job;
 pub mod server;
 pub mod staging;
 pub mod store;
+pub mod verify;
 pub mod wire;
 
 pub use client::{restore, restore_counted, PeerRestore, Staged};

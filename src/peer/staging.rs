@@ -69,6 +69,35 @@ pub fn sweep(root: &Path, now: SystemTime) -> usize {
     removed
 }
 
+/// Removes the staged entry `dir` once its clone has answered. Only an entry directly under
+/// `root` is touched (a symlink there is removed itself, never followed); anything else is
+/// refused and logged. A missing entry is already gone.
+pub fn remove_entry(root: &Path, dir: &Path) {
+    let inside = dir.parent() == Some(root)
+        && dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(super::wire::plain_component);
+    if !inside {
+        log::warn!(
+            "staging: {} is not an entry of {}; not removed",
+            dir.display(),
+            root.display()
+        );
+        return;
+    }
+    let res = match dir.symlink_metadata() {
+        Ok(meta) if meta.is_dir() => std::fs::remove_dir_all(dir),
+        Ok(_) => std::fs::remove_file(dir),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    };
+    match res {
+        Ok(()) => log::info!("staging: removed {} after its clone", dir.display()),
+        Err(e) => log::warn!("staging: remove {}: {e}; the sweep retries", dir.display()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -101,5 +130,31 @@ mod tests {
         assert!(mine.exists());
         assert!(outside.path().join("keep").exists());
         assert_eq!(sweep(&root.path().join("absent"), SystemTime::now()), 0);
+    }
+
+    #[test]
+    fn remove_entry_removes_only_direct_entries_of_the_root() {
+        let root = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(outside.path().join("keep"), b"x").unwrap();
+        let staged = root.path().join("vk-a.1-5");
+        std::fs::create_dir(&staged).unwrap();
+        std::fs::write(staged.join("memory-ranges"), b"x").unwrap();
+        let link = root.path().join("vk-b.1-5");
+        std::os::unix::fs::symlink(outside.path(), &link).unwrap();
+
+        // Not directly under the root: refused, whatever the path says.
+        remove_entry(root.path(), outside.path());
+        remove_entry(root.path(), &root.path().join("vk-a.1-5/../../x"));
+        remove_entry(root.path(), &staged.join("memory-ranges"));
+        assert!(outside.path().join("keep").exists());
+        assert!(staged.join("memory-ranges").exists());
+
+        remove_entry(root.path(), &staged);
+        assert!(!staged.exists());
+        remove_entry(root.path(), &link);
+        assert!(link.symlink_metadata().is_err());
+        assert!(outside.path().join("keep").exists());
+        remove_entry(root.path(), &staged);
     }
 }

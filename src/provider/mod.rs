@@ -41,7 +41,7 @@
 //!   pool jobs (snapshots room); answer [`Input::TransferDone`] (a [`TransferError`] on failure).
 //! * [`Effect::PeerRestore`]: a worker job (peer room) fetching `<vm_name>:hibernate`'s raw
 //!   files from node `from_node`; answer [`Input::TransferDone`] with the staged directory for
-//!   `vm clone --from-dir` (the daemon removes it after the clone answers), or an error.
+//!   `vm clone --from-dir`, or an error.
 //! * [`Effect::CheckHibernateEvidence`] `{op, vm_name}`: look the registry tag
 //!   `<vm_name>:hibernate` up (a worker job); answer [`Input::HibernateEvidence`].
 //! * [`Effect::DeleteSnapshotTag`] `{op, repo, tag}`: delete that manifest (404 = done);
@@ -49,7 +49,8 @@
 //! * [`Effect::SacPass`] `{op, vm_id, plan}`: run the Windows SAC static-IP pass on the VM's
 //!   console socket (a thread of its own); answer [`Input::SacDone`].
 //! * Fire-and-forget (no answer): [`Effect::Event`], [`Effect::StartProbe`],
-//!   [`Effect::StopProbe`], [`Effect::ReleaseLeases`], [`Effect::Metric`].
+//!   [`Effect::StopProbe`], [`Effect::ReleaseLeases`], [`Effect::RemoveStagedDir`],
+//!   [`Effect::Metric`].
 
 pub mod cocoon;
 pub mod core;
@@ -415,6 +416,12 @@ pub enum Effect {
     },
     StopProbe {
         key: PodKey,
+    },
+    /// Remove a staging directory a peer restore filled (`dir`, as its `TransferDone` named
+    /// it) once the clone from it has answered; the daemon removes only entries directly
+    /// under `VK_STAGING_DIR`.
+    RemoveStagedDir {
+        dir: String,
     },
     /// Release these DHCP leases with cocoon-net (best effort; count lease_release_total).
     ReleaseLeases {

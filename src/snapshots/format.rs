@@ -268,6 +268,20 @@ pub struct ManifestInfo {
     pub snapshot_id: Option<String>,
     /// The parsed config blob (snapshots only).
     pub config: Option<SnapshotConfig>,
+    /// The manifest's layers in order (snapshots only): what a copy of the snapshot's files
+    /// from elsewhere (a peer) is checked against.
+    pub layers: Vec<LayerRef>,
+}
+
+/// One layer descriptor of a snapshot manifest, as far as a file check needs it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LayerRef {
+    /// `org.opencontainers.image.title`: the snapshot file the layer belongs to.
+    pub title: String,
+    /// `sha256:<hex>` of the blob.
+    pub digest: String,
+    pub size: u64,
+    pub media_type: String,
 }
 
 impl ManifestInfo {

@@ -226,10 +226,21 @@ pub fn manifest_info(
         annotations,
         snapshot_id: None,
         config: None,
+        layers: Vec::new(),
     };
     if r.kind.is_snapshot() {
         let m = format::parse_manifest(&r.body, &r.reference.to_string())?;
         let cfg = fetch_config(client, &r, &m)?;
+        info.layers = m
+            .layers()
+            .iter()
+            .map(|d| format::LayerRef {
+                title: title_of(d).unwrap_or_default(),
+                digest: d.digest().to_string(),
+                size: d.size(),
+                media_type: d.media_type().to_string(),
+            })
+            .collect();
         info.snapshot_id = Some(cfg.snapshot_id.clone());
         info.config = Some(cfg);
     }

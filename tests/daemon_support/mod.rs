@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
@@ -23,8 +24,12 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_vk-cocoon");
 /// The fake cocoon: a binary of its own, so the daemon binary carries none of it.
 pub const SANDBOX_BIN: &str = env!("CARGO_BIN_EXE_vk-cocoon-sandbox");
 pub struct World {
-    pub api: ApiServerHandle,
-    pub registry: Registry,
+    /// Shared by the worlds of one cluster (`World::beside`).
+    pub api: Arc<ApiServerHandle>,
+    pub registry: Arc<Registry>,
+    /// VK_NODE_NAME and VK_NODE_IP of this world's daemon.
+    pub node: String,
+    pub node_ip: String,
     pub dir: tempfile::TempDir,
     pub metrics_port: u16,
     pub kubelet_port: u16,
@@ -51,6 +56,24 @@ impl World {
     pub fn new_in(parent: &std::path::Path) -> World {
         let api = ApiServer::start(ApiServerOptions::default()).expect("fake API server");
         let dir = tempfile::tempdir_in(parent).expect("temp dir");
+        let registry = Registry::start(Some(dir.path()), None);
+        World::in_cluster(Arc::new(api), Arc::new(registry), dir, NODE, "127.0.0.1")
+    }
+
+    /// Another node of this world's cluster: the same API server and registry, a fake cocoon
+    /// state of its own, a daemon of its own named `node` at `node_ip`.
+    pub fn beside(&self, node: &str, node_ip: &str) -> World {
+        let dir = tempfile::tempdir().expect("temp dir");
+        World::in_cluster(self.api.clone(), self.registry.clone(), dir, node, node_ip)
+    }
+
+    fn in_cluster(
+        api: Arc<ApiServerHandle>,
+        registry: Arc<Registry>,
+        dir: tempfile::TempDir,
+        node: &str,
+        node_ip: &str,
+    ) -> World {
         for d in ["state", "root", "bin", "net"] {
             std::fs::create_dir_all(dir.path().join(d)).expect("mkdir");
         }
@@ -65,16 +88,17 @@ impl World {
         api.write_kubeconfig(
             &dir.path().join("kubeconfig"),
             &KubeconfigAuth::ClientCert {
-                user: "system:node:cocoon-sandbox".into(),
+                user: format!("system:node:{node}"),
                 groups: vec!["system:nodes".into(), "system:masters".into()],
             },
         )
         .expect("kubeconfig");
-        let registry = Registry::start(Some(dir.path()), None);
         let [metrics_port, kubelet_port] = free_ports();
         World {
             api,
             registry,
+            node: node.into(),
+            node_ip: node_ip.into(),
             dir,
             metrics_port,
             kubelet_port,
@@ -152,8 +176,8 @@ impl World {
             .env("HOME", self.dir.path())
             .env("KUBECONFIG", self.path("kubeconfig"))
             .env("VK_LOG_LEVEL", "debug")
-            .env("VK_NODE_NAME", NODE)
-            .env("VK_NODE_IP", "127.0.0.1")
+            .env("VK_NODE_NAME", &self.node)
+            .env("VK_NODE_IP", &self.node_ip)
             .env("VK_COCOON_BIN", self.path("bin/cocoon"))
             .env("FAKE_COCOON_STATE", self.path("state"))
             .env("COCOON_ROOT_DIR", self.path("root"))
@@ -196,7 +220,7 @@ impl World {
             tag: tag.into(),
             cocoon_bin: self.path("bin/cocoon"),
             base_image: Some(base_image.to_string()).filter(|b| !b.is_empty()),
-            from_node: Some(NODE.into()),
+            from_node: Some(self.node.clone()),
             annotations: BTreeMap::new(),
             knobs: PushKnobs::default(),
             temp_dir: Some(self.dir.path().to_path_buf()),

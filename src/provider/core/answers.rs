@@ -61,6 +61,10 @@ impl Provider {
                 warn(self, &w.uid);
                 self.end_op(key)
             }
+            Op::Classify(c) => {
+                warn(self, &c.uid);
+                self.classify_lookup_failed(key, msg)
+            }
             Op::ApiDelete { uid } => {
                 warn(self, &uid);
                 let failed = Res::Kube(Err(KubeError::Other(msg.clone())));
@@ -90,6 +94,7 @@ impl Provider {
             Some(Op::ConfirmHibernated(_)) => self.confirm_hibernated_step(key, res),
             Some(Op::PostClone(_)) => self.post_clone_step(key, res),
             Some(Op::MacosWatch(_)) => self.macos_watch_step(key, res),
+            Some(Op::Classify(_)) => self.classify_step(key, res),
             Some(Op::ReadyWait { .. }) => match res {
                 Res::Lease(r) => self.ready_wait_result(key, r),
                 Res::Cocoon(r) => self.renew_nudge_result(key, &r),
@@ -111,6 +116,20 @@ impl Provider {
             Waiter::Ignore => {}
             Waiter::Reclaim(step) => self.reclaim_answer(step, res),
             Waiter::PodStep(key) => self.pod_step_result(&key, op, res),
+            Waiter::Staged { key, dir } => {
+                let live = self.slots.get(&key).is_some_and(|s| s.awaiting == Some(op));
+                // The clone from a staged copy has answered (either way), or a copy arrived
+                // that no op will clone from: it is spent.
+                let spent = match (dir, &res) {
+                    (Some(dir), _) => Some(dir),
+                    (None, Res::Transfer(Ok(dir))) if !live => Some(dir.clone()),
+                    _ => None,
+                };
+                if let Some(dir) = spent {
+                    self.out.push(Effect::RemoveStagedDir { dir });
+                }
+                self.pod_step_result(&key, op, res)
+            }
             Waiter::SharedRead { argv, keys } => {
                 self.shared_reads.remove(&argv);
                 if let Res::Cocoon(r) = res {
@@ -272,6 +291,7 @@ impl Provider {
             None => self.reconcile_slot(key),
             Some(Op::ReadyWait { .. }) => self.ready_wait_poll(key),
             Some(Op::PostClone(_)) => self.post_clone_timer(key),
+            Some(Op::Classify(_)) => self.classify_timer(key),
             Some(Op::Check(c)) => match c.step {
                 CheckStep::Inspect { .. } => {
                     self.pod_cocoon(key, CocoonCmd::VmInspect { reference: c.vm_id })

@@ -55,6 +55,7 @@ use super::{LeaseError, TransferError};
 mod answers;
 mod bring_up;
 mod check;
+mod classify;
 mod confirm_hibernated;
 mod create;
 mod delete;
@@ -403,6 +404,7 @@ impl Provider {
             (Some(Op::ConfirmHibernated(c)), Step::ConfirmHibernated(s)) => c.step = s,
             (Some(Op::PostClone(p)), Step::PostClone(s)) => p.step = s,
             (Some(Op::MacosWatch(w)), Step::MacosWatch(s)) => w.step = s,
+            (Some(Op::Classify(c)), Step::Classify(s)) => c.step = s,
             // A bug, not an input. The question is still asked: whichever op its answer then
             // reaches fails through `unexpected_answer` with a retry instead of stalling.
             (_, step) => {

@@ -1,6 +1,7 @@
 //! Startup reconcile: adopt VMs by ID and name, settle stale `creating` records, apply the
 //! orphan policy, and resume the work each adopted pod still owes.
 
+use super::hibernate::drops_nic;
 use super::*;
 use crate::provider::fixup;
 
@@ -674,12 +675,14 @@ impl Provider {
         }
         let cloned = !(t.spec.mode == Mode::Run && t.spec.clone_from_dir.is_none());
         // `running`: the fix-up was cut short, run it again; `done`: only the IP wait is owed;
-        // no marker: whatever the clone needs. (A CH Windows clone with no marker may have been
-        // woken from a hibernation that dropped its NIC; this build re-runs its fix-up, which
-        // re-detects the NICs either way.)
+        // no marker: whatever the clone needs. A CH Windows VM with no marker may have been
+        // woken from a hibernation that dropped its NIC, which must not be cycled by a fix-up:
+        // the registry's hibernate evidence tells (without a registry there is none to ask,
+        // and the clone's needs decide).
         let op = match pcs.as_deref() {
             Some("running") => "post_clone",
             Some("done") => "ready_wait",
+            None if drops_nic(&t.spec) && self.cfg.registry => "classify_drop_nic",
             _ if cloned && fixup::classify(t.spec.os, &vm).is_some() => "post_clone",
             _ => "ready_wait",
         };
@@ -692,6 +695,9 @@ impl Provider {
             "ResumedAfterRestart",
             &format!("op={op}"),
         );
+        if op == "classify_drop_nic" {
+            return self.start_classify(key, t.uid.clone(), vm.id.clone(), cloned);
+        }
         if op == "post_clone" {
             return self.post_clone_or_ready_wait(key, &vm, false, PostCloneMode::Clone);
         }

@@ -400,6 +400,30 @@ pub(super) struct MacosWatchOp {
     pub(super) step: MacosWatchStep,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ClassifyStep {
+    /// The registry is asked whether the VM's hibernate tag exists.
+    Evidence,
+    /// Waiting (the slot timer) to ask again after the registry failed to answer.
+    Pause,
+}
+
+/// Owed work after a restart for an unmarked CH Windows clone: was it woken from a hibernation
+/// that dropped its NIC (hibernate evidence: only the IP wait is owed, its hot-added NIC must
+/// not be cycled) or freshly cloned (no evidence: the post-clone fix-up is owed)?
+#[derive(Debug, Clone)]
+pub(super) struct ClassifyOp {
+    pub(super) uid: String,
+    pub(super) vm_id: String,
+    pub(super) step: ClassifyStep,
+    /// The pod clones its VM (not `mode=run`): without evidence, the fix-up its clone needs.
+    pub(super) cloned: bool,
+    /// Failed lookups so far (the backoff doubles from 1 s to 30 s).
+    pub(super) failures: u32,
+    /// No lookup starts after this; the op then fails with `ResumeClassifyFailed`.
+    pub(super) until: Instant,
+}
+
 #[derive(Debug, Clone)]
 pub(super) enum Op {
     Create(Box<CreateOp>),
@@ -417,6 +441,8 @@ pub(super) enum Op {
     },
     /// Post-clone fix-up of the VM just cloned (or woken). Preemptible.
     PostClone(Box<PostCloneOp>),
+    /// Owed-work classification of an unmarked CH Windows clone. Preemptible.
+    Classify(ClassifyOp),
     Hibernate(Box<HibernateOp>),
     Wake(Box<WakeOp>),
     /// Startup: is a pod that asks for hibernate, has no VM and records one hibernated?
@@ -437,6 +463,7 @@ impl Op {
             Op::ReadyWait { .. }
                 | Op::PostClone(_)
                 | Op::MacosWatch(_)
+                | Op::Classify(_)
                 | Op::Check(CheckOp {
                     step: CheckStep::Deferred { .. },
                     ..
@@ -566,6 +593,13 @@ pub(super) enum Waiter {
     },
     /// A step of the local snapshot reclaimer.
     Reclaim(super::reclaim::ReclaimStep),
+    /// A wake step whose answer ends the life of a peer restore's staging directory: the
+    /// restore itself (`dir` None; its answer names the directory) or the clone from `dir`.
+    /// The directory is removed once nothing will clone from it, even when the op is gone.
+    Staged {
+        key: PodKey,
+        dir: Option<String>,
+    },
     Ignore,
 }
 
@@ -631,6 +665,13 @@ pub(super) enum Step {
     ConfirmHibernated(ConfirmStep),
     PostClone(PostCloneStep),
     MacosWatch(MacosWatchStep),
+    Classify(ClassifyStep),
+}
+
+impl From<ClassifyStep> for Step {
+    fn from(s: ClassifyStep) -> Step {
+        Step::Classify(s)
+    }
 }
 
 impl From<MacosWatchStep> for Step {

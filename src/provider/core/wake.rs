@@ -180,7 +180,8 @@ impl Provider {
             (WakeStep::Peer, Res::Transfer(r)) => match r {
                 Ok(dir) => {
                     let label = format!("peer {}", w.tag.as_ref().map_or("", |t| &t.from_node));
-                    self.wake_clone(key, &w, CloneSource::FromDir(dir), false, label)
+                    self.wake_clone(key, &w, CloneSource::FromDir(dir.clone()), false, label);
+                    self.own_staging(key, Some(dir))
                 }
                 Err(e) => {
                     log::warn!(
@@ -289,9 +290,19 @@ impl Provider {
                 from_node,
                 local_name,
             });
-            return self.advance(key, WakeStep::Peer, ask);
+            self.advance(key, WakeStep::Peer, ask);
+            return self.own_staging(key, None);
         }
         self.wake_pull(key, &vm)
+    }
+
+    /// The step just asked (the peer restore, or the clone from its staged copy) answers
+    /// through a waiter that removes the staged copy once it is spent.
+    fn own_staging(&mut self, key: &PodKey, dir: Option<String>) {
+        if let Some(op) = self.slots.get(key).and_then(|s| s.awaiting) {
+            let key = key.clone();
+            self.waiters.insert(op, Waiter::Staged { key, dir });
+        }
     }
 
     /// The registry pull of the hibernate tag into the import snapshot.

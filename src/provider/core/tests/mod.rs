@@ -13,6 +13,7 @@ use crate::provider::status;
 use crate::provider::*;
 
 mod check;
+mod classify;
 mod confirm_hibernated;
 mod cpu_class;
 mod create;

@@ -547,6 +547,108 @@ fn a_wake_restores_from_the_peer_that_pushed_the_tag() {
     assert!(a.starts_with("vm clone"), "{a}");
     assert!(a.contains("--from-dir /var/lib/vk/staging/peer-1"), "{a}");
     assert!(a.contains(&format!("--name {VM}")), "{a}");
+    assert!(
+        staged_removals(&e).is_empty(),
+        "the copy is kept until its clone answers"
+    );
+    let e = clone_answers(&mut h, &e, STAGED);
+    assert_eq!(staged_removals(&e), vec![STAGED]);
+    assert!(events(&e)
+        .iter()
+        .any(|(r, m)| *r == "Woken" && m == "cloned from peer node-b"));
+}
+
+const STAGED: &str = "/var/lib/vk/staging/peer-1";
+
+fn staged_removals(e: &[Effect]) -> Vec<&str> {
+    e.iter()
+        .filter_map(|x| match x {
+            Effect::RemoveStagedDir { dir } => Some(dir.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A wake whose peer restore is in flight (its op returned).
+fn waiting_on_the_peer(h: &mut H) -> OpId {
+    let e = ask_wake(h);
+    let e = no_local_copy_then(h, &e, Ok(Some(tag("S1"))));
+    peer_op(&e).expect("peer restore from node-b first")
+}
+
+fn deleted_asking_wake() -> Pod {
+    let mut p = asking(false);
+    p.metadata.deletion_timestamp = Some(Time(
+        k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap(),
+    ));
+    p
+}
+
+/// A clone from the staged copy that fails spends the copy too: a retry restores afresh.
+#[test]
+fn a_failed_clone_from_a_peer_copy_removes_the_copy() {
+    let mut h = H::new(registry());
+    let op = waiting_on_the_peer(&mut h);
+    let e = h.feed(Input::TransferDone {
+        op,
+        result: Ok(STAGED.into()),
+    });
+    let (cop, _) = one_cocoon(&e);
+    let e = h.cocoon(cop, CocoonResult::failed("Error: clone failed: disk full"));
+    assert_eq!(staged_removals(&e), vec![STAGED]);
+    let e = answer_leftover_lookup(&mut h, &e, CocoonResult::failed("Error: vm not found"));
+    assert!(events(&e).iter().any(|(r, _)| *r == "WakeCloneFailed"));
+}
+
+/// A pod deleted while its peer restore runs: the copy that arrives afterwards is removed at
+/// once, and nothing clones from it.
+#[test]
+fn a_peer_copy_arriving_after_the_pods_delete_is_removed() {
+    let mut h = H::new(registry());
+    let op = waiting_on_the_peer(&mut h);
+    h.feed(Input::PodUpserted(Box::new(deleted_asking_wake())));
+    let e = h.feed(Input::TransferDone {
+        op,
+        result: Ok(STAGED.into()),
+    });
+    assert_eq!(staged_removals(&e), vec![STAGED]);
+    assert!(!cocoon_ops(&e)
+        .iter()
+        .any(|(_, c)| argv(c).starts_with("vm clone")));
+}
+
+/// A pod deleted while the clone from the staged copy runs: the late clone answer still
+/// removes the copy, though the wake is over.
+#[test]
+fn a_clone_answer_after_the_pods_delete_still_removes_the_copy() {
+    let mut h = H::new(registry());
+    let op = waiting_on_the_peer(&mut h);
+    let e = h.feed(Input::TransferDone {
+        op,
+        result: Ok(STAGED.into()),
+    });
+    let (cop, _) = one_cocoon(&e);
+    let e = h.feed(Input::PodUpserted(Box::new(deleted_asking_wake())));
+    assert!(staged_removals(&e).is_empty());
+    let e = h.cocoon(
+        cop,
+        CocoonResult::ok(vm_json("VM2", VM, "running", "02:00:00:00:00:02")),
+    );
+    assert_eq!(staged_removals(&e), vec![STAGED]);
+}
+
+/// A failed peer restore staged nothing (the client removed its partial copy): nothing to
+/// remove, and the registry pull follows.
+#[test]
+fn a_failed_peer_restore_removes_nothing_and_pulls() {
+    let mut h = H::new(registry());
+    let op = waiting_on_the_peer(&mut h);
+    let e = h.feed(Input::TransferDone {
+        op,
+        result: Err(TransferError::Transient("sha256 mismatch".into())),
+    });
+    assert!(staged_removals(&e).is_empty());
+    assert!(e.iter().any(|x| matches!(x, Effect::PullSnapshot { .. })));
 }
 
 /// A tag this node pushed has no peer to ask: the registry pull is the source.
