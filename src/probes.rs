@@ -163,12 +163,15 @@ pub enum ProbeAction {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ProbeEvent {
     /// The lease file gave the VM a different IP: update the tracked VM,
-    /// unless it no longer has this `vm_id` (then the update is dropped).
+    /// unless it no longer has this `vm_id` (then the update is dropped). `ready` is the
+    /// readiness last notified, not the last probe's result: a lease missing for fewer probes
+    /// than flip a ready pod must not publish not-ready, since no later result would undo it.
     IpChanged {
         pod: String,
         uid: String,
         vm_id: String,
         ip: Option<Ipv4Addr>,
+        ready: bool,
     },
     /// Readiness for the provider (`Input::Readiness`). `first` marks the first result after
     /// `start`, which the Go daemon never notifies because its caller publishes the status
@@ -388,6 +391,7 @@ impl ProbeManager {
         let Some(agent) = self.agents.get_mut(pod) else {
             return;
         };
+        let notified_ready = agent.started && agent.ready;
         let Some(target) = agent.target.as_mut() else {
             self.settle(pod, false, "vm gone".to_string(), now, now, out);
             return;
@@ -400,6 +404,7 @@ impl ProbeManager {
                 uid: target.uid.clone(),
                 vm_id: target.vm_id.clone(),
                 ip,
+                ready: notified_ready,
             }));
         }
         let Some(ip) = ip else {

@@ -28,7 +28,8 @@ struct World {
     rtt: Duration,
     started: Vec<(Duration, ProbeKind)>,
     readiness: Vec<(Duration, bool, bool)>,
-    ip_changes: Vec<Option<Ipv4Addr>>,
+    /// IP changes with the readiness they carry.
+    ip_changes: Vec<(Option<Ipv4Addr>, bool)>,
 }
 
 impl World {
@@ -77,9 +78,9 @@ impl World {
                         .remove(&id)
                         .expect("abort of a probe not running");
                 }
-                ProbeAction::Notify(ProbeEvent::IpChanged { ip, uid, .. }) => {
+                ProbeAction::Notify(ProbeEvent::IpChanged { ip, uid, ready, .. }) => {
                     assert_eq!(uid, "uid-1");
-                    self.ip_changes.push(ip)
+                    self.ip_changes.push((ip, ready))
                 }
                 ProbeAction::Notify(ProbeEvent::Readiness {
                     pod,
@@ -248,7 +249,10 @@ fn not_ready_backoff_grows_by_half_to_one_second_then_ready_switches_to_five() {
     // cocoon-net hands out a lease: the next probe (at 5078.125 ms) finds it and pings.
     write_leases(&path, &[(MAC, "10.88.0.5")]);
     w.run(&mut m, ms(5100));
-    assert_eq!(w.ip_changes, vec![Some(Ipv4Addr::new(10, 88, 0, 5))]);
+    assert_eq!(
+        w.ip_changes,
+        vec![(Some(Ipv4Addr::new(10, 88, 0, 5)), false)]
+    );
     assert_eq!(w.started.len(), 1);
     assert_eq!(w.started[0].0, Duration::from_micros(5_078_125));
     assert_eq!(w.started[0].1, ProbeKind::Ping(Ipv4Addr::new(10, 88, 0, 5)));
@@ -444,6 +448,45 @@ fn static_nic_and_lease_errors_keep_the_tracked_ip() {
     assert_eq!(
         w.started.last().unwrap().1,
         ProbeKind::Ping(Ipv4Addr::new(10, 0, 0, 7))
+    );
+}
+
+/// A lease missing for fewer probes than flip a ready pod: the IP changes it causes carry the
+/// readiness last notified (ready), not the failed probe's result. Publishing not-ready there
+/// would never be undone: the probes that follow succeed, and a ready agent notifies nothing.
+#[test]
+fn a_lease_missing_for_one_probe_keeps_a_ready_pod_ready() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("leases.json");
+    write_leases(&path, &[(MAC, "10.88.0.5")]);
+    let mut w = World::new();
+    let mut m = ProbeManager::new(ProbeConfig::default(), Some(LeaseFile::new(&path)));
+    let mut t = target(None);
+    t.mac = Some(MAC.into());
+    let actions = m.start(POD, Some(t), w.now, SystemTime::now());
+    w.apply(actions);
+    w.run(&mut m, ms(100));
+    assert_eq!(m.is_ready(POD), Some(true));
+    // The lease goes away for one probe (5 s later), then comes back.
+    write_leases(&path, &[]);
+    w.run(&mut m, ms(5_100));
+    assert_eq!(
+        m.result(POD).map(|r| r.ready),
+        Some(false),
+        "the probe saw no lease"
+    );
+    write_leases(&path, &[(MAC, "10.88.0.5")]);
+    w.run(&mut m, ms(20_000));
+    let ip = Ipv4Addr::new(10, 88, 0, 5);
+    assert_eq!(
+        w.ip_changes,
+        vec![(Some(ip), false), (None, true), (Some(ip), true)]
+    );
+    assert_eq!(m.is_ready(POD), Some(true));
+    assert!(
+        w.readiness.iter().all(|(_, ready, _)| *ready),
+        "{:?}",
+        w.readiness
     );
 }
 

@@ -698,9 +698,14 @@ impl Daemon {
                     ip,
                     ..
                 } => (pod, uid, ready, message, ip),
-                ProbeEvent::IpChanged { pod, uid, ip, .. } => {
+                ProbeEvent::IpChanged {
+                    pod,
+                    uid,
+                    ip,
+                    ready,
+                    ..
+                } => {
                     let latest = self.probes.manager().result(&pod);
-                    let ready = latest.is_some_and(|r| r.ready);
                     let message = latest.map(|r| r.message.clone()).unwrap_or_default();
                     (pod, uid, ready, message, ip)
                 }
