@@ -1,5 +1,5 @@
 //! Reactor behaviour through its public API: timers, children, workers, signals.
-//! Children are coreutils programs run by argv (tee, cat, sleep, true, head); no shell.
+//! Children are coreutils programs run by argv (tee, cat, sleep, true, head, env); no shell.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -261,6 +261,46 @@ fn hung_child_is_killed_at_its_deadline() {
     assert_eq!(exit.code(), None);
     assert!(took >= Duration::from_millis(300), "killed early: {took:?}");
     assert!(took < Duration::from_secs(3), "killed late: {took:?}");
+    assert_not_zombie(exit.pid);
+}
+
+/// With a grace the deadline sends SIGTERM first: a child that stops on it ends there.
+#[test]
+fn a_child_with_a_grace_gets_sigterm_at_its_deadline() {
+    let mut r = reactor();
+    let start = Instant::now();
+    let spec = ChildSpec::new(["sleep", "30"])
+        .deadline(Duration::from_millis(300))
+        .term_grace(Duration::from_secs(20));
+    let id = r.spawn(spec).unwrap();
+    let exit = wait_exit(&mut r, id, Duration::from_secs(10));
+    assert!(exit.timed_out);
+    assert_eq!(exit.signal(), Some(libc::SIGTERM));
+    assert!(
+        start.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+/// A child that ignores SIGTERM gets SIGKILL once the grace has run out.
+#[test]
+fn a_child_ignoring_sigterm_is_killed_after_its_grace() {
+    let mut r = reactor();
+    let start = Instant::now();
+    let spec = ChildSpec::new(["env", "--ignore-signal=TERM", "sleep", "30"])
+        .deadline(Duration::from_millis(300))
+        .term_grace(Duration::from_millis(700));
+    let id = r.spawn(spec).unwrap();
+    let exit = wait_exit(&mut r, id, Duration::from_secs(10));
+    let took = start.elapsed();
+    assert!(exit.timed_out);
+    assert_eq!(exit.signal(), Some(libc::SIGKILL));
+    assert!(
+        took >= Duration::from_millis(1000),
+        "killed before the grace: {took:?}"
+    );
+    assert!(took < Duration::from_secs(4), "killed late: {took:?}");
     assert_not_zombie(exit.pid);
 }
 

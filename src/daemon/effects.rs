@@ -364,7 +364,7 @@ impl Daemon {
             log::debug!("cocoon op {op}: {bin} {}", cmd.argv().join(" "));
             let mut argv = vec![bin.clone()];
             argv.extend(cmd.spawn_argv(self.config.macos_vnc_password.as_deref()));
-            let spec = ChildSpec::new(argv)
+            let mut spec = ChildSpec::new(argv)
                 .deadline(cmd.deadline())
                 .stdin(StdinMode::Null)
                 .stdout(OutputMode::Capture {
@@ -373,6 +373,9 @@ impl Daemon {
                 .stderr(OutputMode::Capture {
                     limit: STDERR_LIMIT,
                 });
+            if let crate::provider::CocoonCmd::Macos(m) = &cmd {
+                spec.term_grace = m.term_grace();
+            }
             // The spawn itself runs on the reactor's spawner threads; a child that cannot be
             // started answers later as a `ChildExit` with its spawn error.
             match self.reactor.spawn(spec) {

@@ -22,6 +22,8 @@ pub const DEFAULT_MEMORY_MIB: u64 = 8192;
 pub const LAUNCH_DEADLINE: Duration = Duration::from_secs(5 * 60);
 /// `vm inspect`, `vm rm`, `image inspect`: bounded like cocoon's control calls.
 pub const CONTROL_DEADLINE: Duration = Duration::from_secs(90);
+/// A control call past its deadline is stopped with SIGTERM, then SIGKILL after this grace.
+pub const CONTROL_TERM_GRACE: Duration = Duration::from_secs(90);
 /// What logs and debug output show instead of the VNC password.
 const REDACTED: &str = "<redacted>";
 
@@ -164,6 +166,16 @@ impl MacosCmd {
         self.argv(Some(REDACTED))
     }
 
+    /// How long a control call that passed its deadline gets between SIGTERM and SIGKILL
+    /// (cocoon-macos may be stopping a QEMU). Launches are detached: their QEMU outlives the
+    /// call, which is killed at its deadline.
+    pub fn term_grace(&self) -> Option<Duration> {
+        match self {
+            MacosCmd::Start { .. } | MacosCmd::Run(_) | MacosCmd::ImagePull { .. } => None,
+            _ => Some(CONTROL_TERM_GRACE),
+        }
+    }
+
     /// Launches and pulls get minutes; the rest are control calls.
     pub fn deadline(&self) -> Duration {
         match self {
@@ -283,6 +295,11 @@ mod tests {
         assert_eq!(
             MacosCmd::Inspect { name: "m".into() }.deadline(),
             CONTROL_DEADLINE
+        );
+        assert_eq!(cmd.term_grace(), None, "a launch is killed at its deadline");
+        assert_eq!(
+            MacosCmd::Rm { name: "m".into() }.term_grace(),
+            Some(CONTROL_TERM_GRACE)
         );
     }
 

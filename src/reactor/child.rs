@@ -71,6 +71,9 @@ pub struct ChildSpec {
     pub stderr: OutputMode,
     /// After this long from spawn the child gets SIGKILL and is reported with `timed_out`.
     pub deadline: Option<Duration>,
+    /// With a deadline: the child gets SIGTERM at the deadline and SIGKILL only this long
+    /// after, for programs that must tidy up (cocoon-macos stopping its QEMU).
+    pub term_grace: Option<Duration>,
 }
 
 impl ChildSpec {
@@ -84,6 +87,11 @@ impl ChildSpec {
 
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.deadline = Some(deadline);
+        self
+    }
+
+    pub fn term_grace(mut self, grace: Duration) -> Self {
+        self.term_grace = Some(grace);
         self
     }
 
@@ -348,5 +356,7 @@ pub(crate) struct ChildState {
     pub(crate) timed_out: bool,
     pub(crate) killed: bool,
     pub(crate) deadline_timer: Option<TimerId>,
+    /// The SIGTERM grace still to give at the deadline (taken when SIGTERM is sent).
+    pub(crate) term_grace: Option<Duration>,
     pub(crate) drain_timer: Option<TimerId>,
 }

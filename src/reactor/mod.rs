@@ -33,7 +33,8 @@
 //! * Signals are opt-in through `watch_signals` (the daemon watches SIGTERM, SIGINT and SIGHUP) so
 //!   test processes that build reactors keep their default signal behaviour.
 //! * A child past its `deadline` gets SIGKILL (the child only, never its process group: cocoon's
-//!   hypervisors must outlive a killed CLI call) and is reported with `timed_out = true`.
+//!   hypervisors must outlive a killed CLI call) and is reported with `timed_out = true`. With a
+//!   `term_grace` it gets SIGTERM at the deadline and SIGKILL once the grace has run out.
 //! * Exit detection uses a pidfd per child (Linux >= 5.3). If `pidfd_open` is unavailable the
 //!   reactor falls back to a SIGCHLD self-pipe and sweeps its children with `try_wait`.
 //! * Dropping the reactor SIGKILLs and reaps every child still running: no zombies, ever.
@@ -427,6 +428,7 @@ impl<M: Send + 'static> Reactor<M> {
             timed_out: starting.timed_out,
             killed: starting.killed,
             deadline_timer: starting.deadline_timer,
+            term_grace: starting.spec.term_grace,
             drain_timer: None,
         };
         let setup = self.setup_child(
@@ -786,13 +788,35 @@ impl<M: Send + 'static> Reactor<M> {
                         }
                         if let Some(state) = self.children.get_mut(&id) {
                             state.deadline_timer = None;
-                            if state.reaped.is_none() {
-                                log::debug!(
-                                    "{id} (pid {}) passed its deadline; killing",
-                                    state.pid
-                                );
-                                state.timed_out = true;
-                                let _ = state.child.kill();
+                            if state.reaped.is_some() {
+                                continue;
+                            }
+                            state.timed_out = true;
+                            // Not reaped yet, so the PID is still this child's.
+                            let pid = i32::try_from(state.pid)
+                                .ok()
+                                .and_then(rustix::process::Pid::from_raw);
+                            match (state.term_grace.take(), pid) {
+                                (Some(grace), Some(pid)) => {
+                                    log::debug!(
+                                        "{id} (pid {}) passed its deadline; SIGTERM, SIGKILL \
+                                         in {grace:?}",
+                                        state.pid
+                                    );
+                                    let term = rustix::process::Signal::Term;
+                                    let _ = rustix::process::kill_process(pid, term);
+                                    state.deadline_timer = Some(
+                                        self.timers
+                                            .insert(self.now + grace, TimerKind::Deadline(id)),
+                                    );
+                                }
+                                _ => {
+                                    log::debug!(
+                                        "{id} (pid {}) passed its deadline; killing",
+                                        state.pid
+                                    );
+                                    let _ = state.child.kill();
+                                }
                             }
                         }
                     }

@@ -37,6 +37,7 @@ impl CocoonCall {
                 limit: self.stderr_limit,
             },
             deadline: self.deadline,
+            term_grace: None,
         }
     }
 
@@ -155,6 +156,7 @@ impl EventStream {
                         limit: STREAM_STDERR_LIMIT,
                     },
                     deadline: None,
+                    term_grace: None,
                 };
                 match reactor.spawn(spec) {
                     Ok(id) => {
