@@ -129,6 +129,57 @@ fn callers_without_rights_are_refused_on_every_route() {
     assert_eq!((c.connections, c.children), (0, 0), "nothing leaked: {c:?}");
 }
 
+/// cocoon-macos has no exec or console log: a macOS guest's logs and exec are refused with a
+/// message that says so (not cocoon's "vm not found" for an id it never had).
+#[test]
+fn a_macos_guests_logs_and_exec_are_refused_plainly() {
+    let mut mac = pod("ns1", "mac", Some(("qemu-vk-ns1-mac", 0)));
+    if let Some(vm) = mac.vm.as_mut() {
+        vm.backend = "qemu".into();
+    }
+    let h = Harness::start(Options {
+        pods: vec![mac],
+        ..Default::default()
+    });
+    let cfg = h.client_config(None, &h.pki.ca_pem);
+    let auth = bearer("admin-token");
+    let logs = h
+        .request(
+            cfg.clone(),
+            "GET",
+            "/containerLogs/ns1/mac/agent",
+            &[("Authorization", &auth)],
+        )
+        .unwrap();
+    assert_eq!(logs.status, 400);
+    assert!(
+        logs.text()
+            .contains("logs is not available for macOS guests"),
+        "{}",
+        logs.text()
+    );
+    let exec = h
+        .request(
+            cfg,
+            "POST",
+            "/exec/ns1/mac/agent?command=true&output=1",
+            &[
+                ("Authorization", &auth),
+                ("Connection", "Upgrade"),
+                ("Upgrade", "SPDY/3.1"),
+                ("X-Stream-Protocol-Version", "v4.channel.k8s.io"),
+            ],
+        )
+        .unwrap();
+    assert_eq!(exec.status, 400);
+    assert!(
+        exec.text()
+            .contains("exec is not available for macOS guests"),
+        "{}",
+        exec.text()
+    );
+}
+
 #[test]
 fn open_mode_serves_without_credentials() {
     let h = Harness::start(Options {

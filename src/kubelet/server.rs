@@ -1093,6 +1093,9 @@ impl KubeletServer {
                         close,
                     )
                 }
+                Some(v) if is_macos(v) => {
+                    return self.respond(r, token, macos_unsupported("logs"), close)
+                }
                 Some(v) => v.id.clone(),
             },
         };
@@ -1155,9 +1158,9 @@ impl KubeletServer {
         attach: bool,
     ) {
         let close = req.wants_close();
-        let vm_id = match self.pod_for(ns, pod, container) {
+        let vm = match self.pod_for(ns, pod, container) {
             Err(resp) => return self.respond(r, token, resp, close),
-            Ok(p) => p.vm.as_ref().map(|v| v.id.clone()),
+            Ok(p) => p.vm.clone(),
         };
         let opts = match exec::parse_options(req, attach) {
             Ok(o) => o,
@@ -1169,13 +1172,20 @@ impl KubeletServer {
                 return self.respond(r, token, routes::text(code, &text, false), close)
             }
         };
-        let Some(vm_id) = vm_id else {
-            return self.respond(
-                r,
-                token,
-                routes::text(500, "vk-cocoon: pod has no live VM", false),
-                close,
-            );
+        let vm_id = match vm {
+            None => {
+                return self.respond(
+                    r,
+                    token,
+                    routes::text(500, "vk-cocoon: pod has no live VM", false),
+                    close,
+                )
+            }
+            Some(v) if is_macos(&v) => {
+                let what = if attach { "attach" } else { "exec" };
+                return self.respond(r, token, macos_unsupported(what), close);
+            }
+            Some(v) => v.id,
         };
         let argv = if attach {
             let o = logs::LogOptions {
@@ -1693,4 +1703,18 @@ fn too_many_reviews() -> Vec<u8> {
         "Too Many Requests: authentication reviews in flight",
         true,
     )
+}
+
+/// A macOS guest runs under cocoon-macos, which has no exec, attach or console-log command.
+fn is_macos(vm: &super::VmInfo) -> bool {
+    vm.backend == crate::guest::macos::HYPERVISOR
+}
+
+/// The answer for what a macOS guest cannot do here: said plainly, with the way in that works.
+fn macos_unsupported(what: &str) -> Vec<u8> {
+    let text = format!(
+        "vk-cocoon: {what} is not available for macOS guests (cocoon-macos has no {what}); \
+         reach the guest over SSH or VNC\n"
+    );
+    routes::text(400, &text, false)
 }
