@@ -544,3 +544,72 @@ fn check_config_lists_every_problem_at_once() {
     );
     assert!(stdout.ends_with("configuration OK\n"), "{stdout}");
 }
+
+/// The daemon's children start as `vk-cocoon __exec-child <daemon pid> <program> <args...>`
+/// (spawned without a fork of the daemon): the program runs with its arguments, its own exit
+/// status and its parent-death signal set, so it dies when the thread that spawned it ends.
+#[test]
+fn the_exec_trampoline_runs_the_program_and_ties_it_to_its_parent() {
+    let me = std::process::id().to_string();
+    let out = Command::new(BIN)
+        .args(["__exec-child", &me, "printf", "%s-%s", "a b", "c"])
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "a b-c");
+    assert!(out.status.success());
+    let out = Command::new(BIN)
+        .args(["__exec-child", &me, "false"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "the program's own exit status");
+    // A parent that is not the one named (it died before the signal was set): nothing runs.
+    let out = Command::new(BIN)
+        .args(["__exec-child", "1", "echo", "ran"])
+        .output()
+        .unwrap();
+    assert!(out.stdout.is_empty());
+    assert_eq!(out.status.code(), Some(127));
+    let out = Command::new(BIN)
+        .args(["__exec-child", &me, "/nonexistent/program"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(127));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("exec /nonexistent/program"));
+
+    // Spawned from a thread that then ends: the child is killed with it.
+    let pid = std::thread::spawn(move || {
+        let child = Command::new(BIN)
+            .args(["__exec-child", &me, "sleep", "30"])
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        // Wait until the trampoline has exec'd sleep (the signal is set by then).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default() != "sleep\n"
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the trampoline never exec'd sleep"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::mem::forget(child);
+        pid
+    })
+    .join()
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // Gone, or a zombie (killed; this process, its parent, has not reaped it).
+        let state = stat.rfind(')').and_then(|i| stat[i + 2..].chars().next());
+        if matches!(state, None | Some('Z')) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the child outlived the thread that spawned it"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}

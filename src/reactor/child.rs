@@ -125,10 +125,11 @@ impl ChildSpec {
 ///
 /// Why a `pre_exec` hook: the standard library offers no parent-death setting, and no safe
 /// crate API sets it in the child. The hook makes `Command` fork and exec instead of using
-/// posix_spawn (vfork-like); the extra cost is copying the page tables of a daemon of a few tens
-/// of MiB, well below the cost of the cocoon call itself. The fork and the wait for the exec
-/// happen on the reactor's spawner threads, which live as long as the thread that owns the
-/// reactor (see `spawner`), so that thread's end still kills the children.
+/// posix_spawn (vfork-like), which costs a busy daemon dearly, so the daemon spawns through
+/// `exec_trampoline` instead and this hook serves only processes that enabled none. The spawn
+/// and the wait for the exec happen on the reactor's spawner threads, which live as long as
+/// the thread that owns the reactor (see `spawner`), so that thread's end still kills the
+/// children.
 pub(crate) fn die_with_parent(cmd: &mut std::process::Command) {
     use std::os::unix::process::CommandExt;
     let parent = std::process::id();

@@ -43,6 +43,7 @@
 //!   the loop; the remainder is read on the next turn without waiting for readiness again.
 
 mod child;
+pub mod exec_trampoline;
 mod pool;
 pub mod priority;
 pub mod sd_notify;
@@ -328,11 +329,13 @@ impl<M: Send + 'static> Reactor<M> {
     /// resource limits) is reported as a `ChildExit` with `spawn_error`. The only immediate
     /// errors are an empty argv and spawner threads that are gone.
     pub fn spawn(&mut self, spec: ChildSpec) -> io::Result<ChildId> {
-        let Some(program) = spec.argv.first() else {
+        if spec.argv.is_empty() {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty argv"));
-        };
-        let mut cmd = Command::new(program);
-        cmd.args(&spec.argv[1..]);
+        }
+        let trampoline = exec_trampoline::wrap(&spec.argv, &spec.env);
+        let argv = trampoline.as_deref().unwrap_or(&spec.argv);
+        let mut cmd = Command::new(&argv[0]);
+        cmd.args(&argv[1..]);
         for (k, v) in &spec.env {
             cmd.env(k, v);
         }
@@ -351,7 +354,9 @@ impl<M: Send + 'static> Reactor<M> {
                 cmd.stderr(stdio);
             }
         }
-        child::die_with_parent(&mut cmd);
+        if trampoline.is_none() {
+            child::die_with_parent(&mut cmd);
+        }
         let id = ChildId(self.next_child);
         self.spawner.request(Request { id, cmd })?;
         self.next_child += 1;

@@ -5,8 +5,9 @@
 //! error pipe), and a fork+exec child needs its own CPU time before that: 10-50 ms on a loaded
 //! host, which the loop thread must not spend waiting.
 //!
-//! Parent death: every child is spawned with PR_SET_PDEATHSIG (see `child::die_with_parent`),
-//! which fires when the *thread* that forked it ends. The spawner threads therefore live exactly
+//! Parent death: every child is spawned with PR_SET_PDEATHSIG (set by `exec_trampoline` in the
+//! daemon, by `child::die_with_parent` elsewhere), which fires when the *thread* that spawned
+//! it ends. The spawner threads therefore live exactly
 //! as long as the thread that first spawned through the reactor (the daemon's loop thread): a
 //! thread-local guard of that thread closes the request line when the thread ends, the spawner
 //! threads then end too, and the kernel kills the children as before. Dropping the reactor also
