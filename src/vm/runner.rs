@@ -38,6 +38,7 @@ impl CocoonCall {
             },
             deadline: self.deadline,
             term_grace: None,
+            nice: None,
         }
     }
 
@@ -157,6 +158,7 @@ impl EventStream {
                     },
                     deadline: None,
                     term_grace: None,
+                    nice: None,
                 };
                 match reactor.spawn(spec) {
                     Ok(id) => {
