@@ -545,52 +545,32 @@ fn check_config_lists_every_problem_at_once() {
     assert!(stdout.ends_with("configuration OK\n"), "{stdout}");
 }
 
-/// The daemon's children start as `vk-cocoon __exec-child <daemon pid> <nice> <program>
-/// <args...>` (spawned without a fork of the daemon): the program runs with its arguments, its
-/// own exit status, the nice value asked and its parent-death signal set, so it dies when the
-/// thread that spawned it ends.
+/// The daemon's children start as `vk-cocoon __exec-child <daemon pid> <program> <args...>`
+/// (spawned without a fork of the daemon): the program runs with its arguments, its own exit
+/// status and its parent-death signal set, so it dies when the thread that spawned it ends.
 #[test]
 fn the_exec_trampoline_runs_the_program_and_ties_it_to_its_parent() {
     let me = std::process::id().to_string();
     let out = Command::new(BIN)
-        .args(["__exec-child", &me, "0", "printf", "%s-%s", "a b", "c"])
+        .args(["__exec-child", &me, "printf", "%s-%s", "a b", "c"])
         .output()
         .unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout), "a b-c");
     assert!(out.status.success());
     let out = Command::new(BIN)
-        .args(["__exec-child", &me, "0", "false"])
+        .args(["__exec-child", &me, "false"])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1), "the program's own exit status");
-    // A nice value (raising it needs no privilege): field 19 of the program's stat.
-    let out = Command::new(BIN)
-        .args(["__exec-child", &me, "7", "cat", "/proc/self/stat"])
-        .output()
-        .unwrap();
-    let stat = String::from_utf8_lossy(&out.stdout).into_owned();
-    let after_comm = &stat[stat.rfind(')').unwrap() + 2..];
-    let nice: i32 = after_comm.split(' ').nth(16).unwrap().parse().unwrap();
-    let own: i32 = std::fs::read_to_string("/proc/self/stat")
-        .unwrap()
-        .rsplit(')')
-        .next()
-        .unwrap()[1..]
-        .split(' ')
-        .nth(16)
-        .unwrap()
-        .parse()
-        .unwrap();
-    assert_eq!(nice, own + 7, "{stat}");
     // A parent that is not the one named (it died before the signal was set): nothing runs.
     let out = Command::new(BIN)
-        .args(["__exec-child", "1", "0", "echo", "ran"])
+        .args(["__exec-child", "1", "echo", "ran"])
         .output()
         .unwrap();
     assert!(out.stdout.is_empty());
     assert_eq!(out.status.code(), Some(127));
     let out = Command::new(BIN)
-        .args(["__exec-child", &me, "0", "/nonexistent/program"])
+        .args(["__exec-child", &me, "/nonexistent/program"])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(127));
@@ -599,7 +579,7 @@ fn the_exec_trampoline_runs_the_program_and_ties_it_to_its_parent() {
     // Spawned from a thread that then ends: the child is killed with it.
     let pid = std::thread::spawn(move || {
         let child = Command::new(BIN)
-            .args(["__exec-child", &me, "0", "sleep", "30"])
+            .args(["__exec-child", &me, "sleep", "30"])
             .spawn()
             .unwrap();
         let pid = child.id();

@@ -66,11 +66,6 @@ const STDERR_LIMIT: usize = 64 << 10;
 pub(super) const MAX_COCOON_CALLS: usize = 32;
 /// Slots beyond `MAX_COCOON_CALLS` that only VM inspects (liveness checks) may take.
 const INSPECT_RESERVE: usize = 4;
-/// `vm inspect` runs at a better nice value than the other cocoon calls: it is the answer a
-/// VM-gone check waits for before the pod is failed, and on a busy host it otherwise queues
-/// for a CPU behind a burst's 32 clones (a 200 ms vanish-to-Failed on 2 cores). Calls that
-/// start VMs keep the default, which their hypervisors inherit.
-const INSPECT_NICE: i32 = -5;
 
 impl Daemon {
     pub(super) fn perform(&mut self, effect: Effect) {
@@ -378,10 +373,8 @@ impl Daemon {
                 .stderr(OutputMode::Capture {
                     limit: STDERR_LIMIT,
                 });
-            match &cmd {
-                crate::provider::CocoonCmd::Macos(m) => spec.term_grace = m.term_grace(),
-                crate::provider::CocoonCmd::VmInspect { .. } => spec.nice = Some(INSPECT_NICE),
-                _ => {}
+            if let crate::provider::CocoonCmd::Macos(m) = &cmd {
+                spec.term_grace = m.term_grace();
             }
             // The spawn itself runs on the reactor's spawner threads; a child that cannot be
             // started answers later as a `ChildExit` with its spawn error.

@@ -74,9 +74,6 @@ pub struct ChildSpec {
     /// With a deadline: the child gets SIGTERM at the deadline and SIGKILL only this long
     /// after, for programs that must tidy up (cocoon-macos stopping its QEMU).
     pub term_grace: Option<Duration>,
-    /// The child's nice value, where the daemon spawns through `exec_trampoline` (elsewhere
-    /// the child keeps the spawner's).
-    pub nice: Option<i32>,
 }
 
 impl ChildSpec {
@@ -90,11 +87,6 @@ impl ChildSpec {
 
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.deadline = Some(deadline);
-        self
-    }
-
-    pub fn nice(mut self, nice: i32) -> Self {
-        self.nice = Some(nice);
         self
     }
 

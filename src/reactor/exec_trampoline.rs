@@ -13,7 +13,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-/// The trampoline's first argument: `<exe> __exec-child <daemon pid> <nice> <program> <args...>`.
+/// The trampoline's first argument: `<exe> __exec-child <daemon pid> <program> <args...>`.
 /// Not a command for people; `vk-cocoon --help` does not list it.
 pub const TRAMPOLINE_ARG: &str = "__exec-child";
 
@@ -34,11 +34,7 @@ pub fn enable(exe: PathBuf) -> bool {
 /// The argv that runs `argv` through the trampoline, when one is enabled and `argv[0]` can be
 /// executed. A program that cannot (missing, not executable) is left to the direct spawn, so it
 /// still fails as a spawn error rather than as an exit of the trampoline.
-pub(crate) fn wrap(
-    argv: &[String],
-    env: &[(String, String)],
-    nice: Option<i32>,
-) -> Option<Vec<String>> {
+pub(crate) fn wrap(argv: &[String], env: &[(String, String)]) -> Option<Vec<String>> {
     let exe = TRAMPOLINE.get()?;
     let program = argv.first()?;
     if !executable(program, env) {
@@ -48,7 +44,6 @@ pub(crate) fn wrap(
     wrapped.push(exe.to_string_lossy().into_owned());
     wrapped.push(TRAMPOLINE_ARG.to_string());
     wrapped.push(std::process::id().to_string());
-    wrapped.push(nice.unwrap_or(0).to_string());
     wrapped.extend(argv.iter().cloned());
     Some(wrapped)
 }
@@ -73,8 +68,7 @@ fn can_run(p: &Path) -> bool {
     p.is_file() && rustix::fs::access(p, rustix::fs::Access::EXEC_OK).is_ok()
 }
 
-/// In the trampoline: sets the parent-death signal (and the nice value asked) and execs the
-/// program. Returns None when
+/// In the trampoline: sets the parent-death signal and execs the program. Returns None when
 /// this process was not started as a trampoline; otherwise only on failure, with the exit code.
 pub fn run_if_asked() -> Option<i32> {
     let mut args = std::env::args_os().skip(1);
@@ -84,9 +78,6 @@ pub fn run_if_asked() -> Option<i32> {
     let parent = args
         .next()
         .and_then(|p| p.to_str().and_then(|p| p.parse::<i32>().ok()));
-    let nice = args
-        .next()
-        .and_then(|n| n.to_str().and_then(|n| n.parse::<i32>().ok()));
     let Some(program) = args.next() else {
         eprintln!("vk-cocoon: {TRAMPOLINE_ARG}: no program");
         return Some(127);
@@ -100,10 +91,6 @@ pub fn run_if_asked() -> Option<i32> {
     // The daemon may have died between the spawn and the prctl: no signal would come then.
     if parent.is_none() || rustix::process::getppid().map(|p| p.as_raw_nonzero().get()) != parent {
         return Some(127);
-    }
-    // Below 0 needs CAP_SYS_NICE: without it the program runs at the daemon's weight.
-    if let Some(n) = nice.filter(|n| *n != 0) {
-        let _ = rustix::process::setpriority_process(None, n);
     }
     let err = std::process::Command::new(&program).args(args).exec();
     eprintln!("vk-cocoon: exec {}: {err}", Path::new(&program).display());

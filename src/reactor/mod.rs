@@ -332,7 +332,7 @@ impl<M: Send + 'static> Reactor<M> {
         if spec.argv.is_empty() {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty argv"));
         }
-        let trampoline = exec_trampoline::wrap(&spec.argv, &spec.env, spec.nice);
+        let trampoline = exec_trampoline::wrap(&spec.argv, &spec.env);
         let argv = trampoline.as_deref().unwrap_or(&spec.argv);
         let mut cmd = Command::new(&argv[0]);
         cmd.args(&argv[1..]);

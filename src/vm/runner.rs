@@ -38,7 +38,6 @@ impl CocoonCall {
             },
             deadline: self.deadline,
             term_grace: None,
-            nice: None,
         }
     }
 
@@ -158,7 +157,6 @@ impl EventStream {
                     },
                     deadline: None,
                     term_grace: None,
-                    nice: None,
                 };
                 match reactor.spawn(spec) {
                     Ok(id) => {
