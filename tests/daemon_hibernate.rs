@@ -348,12 +348,15 @@ fn a_vm_lost_after_a_failed_push_is_evicted_after_a_restart_not_taken_for_hibern
         };
         evicted.then_some(())
     });
-    let events = w.events_for(name);
-    assert!(
-        events.iter().any(|(r, m)| r == "HibernateVMLost"
-            && m.contains(&format!("no {vm}:hibernate in the registry"))),
-        "{events:?}"
-    );
+    // Events go last in the kube lane: the Warning may land after the Failed status.
+    wait_for(&w, name, "the HibernateVMLost Warning", || {
+        w.events_for(name)
+            .iter()
+            .any(|(r, m)| {
+                r == "HibernateVMLost" && m.contains(&format!("no {vm}:hibernate in the registry"))
+            })
+            .then_some(())
+    });
     assert!(!w.vms().contains_key(vm), "no VM booted in its place");
     let m = w.metrics();
     assert_eq!(
