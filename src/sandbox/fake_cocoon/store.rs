@@ -258,13 +258,34 @@ impl Store {
         if let Some(v) = self.vm_by_name(r) {
             return Ok(v);
         }
-        // Only a possible ID prefix needs the scan (IDs are upper-case base32).
+        // Only a possible ID prefix needs the scan (IDs are upper-case base32), and it reads
+        // file names, not records: a not-found inspect on a host of thousands of VMs would
+        // otherwise parse every record, which cocoon's own index never does.
         let id_like = r.len() >= 3 && r.bytes().all(|b| matches!(b, b'A'..=b'Z' | b'2'..=b'7'));
         if !id_like {
             return Err(RefError::NotFound);
         }
-        let vms = self.load_vms();
+        let vms: Vec<StoredVm> = self
+            .vm_ids()
+            .into_iter()
+            .filter(|id| id.starts_with(r))
+            .filter_map(|id| self.load_vm(&id))
+            .collect();
         resolve(vms, r, |v| (&v.vm.id, &v.vm.config.name))
+    }
+
+    /// The IDs of all stored VMs, from the record file names.
+    fn vm_ids(&self) -> Vec<String> {
+        let Ok(entries) = fs::read_dir(self.vms_dir()) else {
+            return Vec::new();
+        };
+        entries
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().into_string().ok()?;
+                name.strip_suffix(".json").map(str::to_string)
+            })
+            .collect()
     }
 
     pub fn resolve_snapshot(&self, r: &str) -> Result<Snapshot, RefError> {
@@ -563,6 +584,10 @@ mod tests {
         assert_eq!(id("QRS").as_deref(), Ok("QRSTUV567"));
         assert_eq!(id("vk-c"), Err(RefError::NotFound));
         assert_eq!(id("../x"), Err(RefError::NotFound));
+        assert_eq!(id("QRSTUV567ZZ"), Err(RefError::NotFound));
+        store.save_vm(&mk("ABCXYZ222", "vk-c2")).unwrap();
+        assert_eq!(id("ABC"), Err(RefError::Ambiguous));
+        assert_eq!(id("ABCX").as_deref(), Ok("ABCXYZ222"));
         store.delete_vm("QRSTUV567");
         assert_eq!(id("vk-b"), Err(RefError::NotFound));
         assert!(store.vm_by_name("vk-b").is_none());
