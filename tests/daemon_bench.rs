@@ -272,6 +272,27 @@ fn vanish_during_burst(
     (vanish, queued_at_vanish)
 }
 
+/// `vm clone 1100, vm inspect 1700, ...`: the daemon's cocoon calls by their first two words,
+/// most frequent first (each call is a process, so this is where the host's CPU goes).
+fn cocoon_calls_by_command(log: &str) -> String {
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    for line in log.lines() {
+        let Some((_, call)) = line.split_once("cocoon op ") else {
+            continue;
+        };
+        let words: Vec<&str> = call.split_whitespace().collect();
+        if !words.get(1).is_some_and(|bin| bin.ends_with("/cocoon")) {
+            continue;
+        }
+        let words: Vec<&str> = words.into_iter().skip(2).take(2).collect();
+        *counts.entry(words.join(" ")).or_default() += 1;
+    }
+    let mut counts: Vec<(String, usize)> = counts.into_iter().collect();
+    counts.sort_by_key(|c| std::cmp::Reverse(c.1));
+    let parts: Vec<String> = counts.iter().map(|(c, n)| format!("{c} {n}")).collect();
+    parts.join(", ")
+}
+
 /// Cocoon calls, CPU, RSS, writes per pod, longest turn and Lease after the burst.
 fn print_after_burst(w: &World, pid: u32, n: usize, burst_cpu: Duration, oldest_lease: f64) {
     // The harness runs the daemon at debug level, which logs every cocoon call.
@@ -284,6 +305,7 @@ fn print_after_burst(w: &World, pid: u32, n: usize, burst_cpu: Duration, oldest_
         log.matches(" snapshot inspect ").count(),
         log.matches("inspect waits for a slot").count()
     );
+    println!("  by command: {}", cocoon_calls_by_command(&log));
     let used = daemon_cpu(pid) - burst_cpu;
     println!(
         "daemon CPU for the burst: {used:?} = {:?} per pod => {:.0} pods per daemon CPU-second",
