@@ -157,6 +157,9 @@ struct Sim {
     /// Fork snapshots (`fork-*` only; other snapshot names keep their fixed answers): name →
     /// `None` when complete, `Some(holder id)` for the half-saved record of a save cut short.
     fork_snaps: BTreeMap<String, Option<String>>,
+    /// The VM ID each complete fork snapshot was saved from: a clone from `fork-<source>` must
+    /// copy the VM now named `<source>`, never an earlier VM of that name.
+    fork_saved_from: BTreeMap<String, String>,
     next_snap: u64,
     // --- the "operator": desired pod names → vm name (None = bad pod without a VM name)
     desired: BTreeMap<String, Option<String>>,
@@ -233,6 +236,7 @@ impl Sim {
             vms: BTreeMap::new(),
             next_vm: 1,
             fork_snaps: BTreeMap::new(),
+            fork_saved_from: BTreeMap::new(),
             next_snap: 1,
             desired: BTreeMap::new(),
             fork_of: BTreeMap::new(),
@@ -789,9 +793,24 @@ impl Sim {
             }
         }
         // The snapshot reclaimer's listing is answered at once and draws nothing from the
-        // generator, so every seed replays the same pod history with or without it.
+        // generator. It shows what exists: the complete fork snapshots and the hibernate run's
+        // local snapshots (a half-saved record is invisible, as in cocoon).
         if cmd == CocoonCmd::SnapshotList {
-            let result = CocoonResult::ok("[]");
+            let forks = self
+                .fork_snaps
+                .iter()
+                .filter(|(_, holder)| holder.is_none())
+                .map(|(name, _)| (format!("F{name}"), name.clone()));
+            let local = self.hib.iter().flat_map(|h| {
+                h.snapshots
+                    .iter()
+                    .map(|(name, id)| (id.clone(), name.clone()))
+            });
+            let items: Vec<String> = forks
+                .chain(local)
+                .map(|(id, name)| format!(r#"{{"id":"{id}","name":"{name}"}}"#))
+                .collect();
+            let result = CocoonResult::ok(format!("[{}]", items.join(",")));
             self.later(
                 Duration::ZERO,
                 Delivery::Input(Input::CocoonDone { op, result }),
@@ -826,6 +845,24 @@ impl Sim {
         }
         match cmd {
             CocoonCmd::VmClone(a) => {
+                if let vk_cocoon::vm::CloneSource::Snapshot(src) = &a.source {
+                    if let Some(source) = src.strip_prefix("fork-") {
+                        if !matches!(self.fork_snaps.get(src), Some(None)) {
+                            return CocoonResult::failed(format!(
+                                "Error: clone: snapshot \"{src}\": snapshot not found"
+                            ));
+                        }
+                        let saved_from = self.fork_saved_from.get(src).cloned();
+                        let now_named = self.find_vm(source);
+                        if now_named.is_some() && saved_from != now_named {
+                            self.violations.push(format!(
+                                "vm {} cloned from stale {src} (saved from {saved_from:?}, \
+                                 {source} is now {now_named:?})",
+                                a.name
+                            ));
+                        }
+                    }
+                }
                 if let Some(id) = self.find_vm(&a.name) {
                     return CocoonResult::failed(format!(
                         "vm name \"{}\" already exists (id: {id})",
@@ -903,6 +940,7 @@ impl Sim {
             CocoonCmd::SnapshotRm { name } if self.fork_snap_ref(name).is_some() => {
                 if let Some(n) = self.fork_snap_ref(name) {
                     self.fork_snaps.remove(&n);
+                    self.fork_saved_from.remove(&n);
                 }
                 CocoonResult::ok("")
             }
@@ -929,6 +967,7 @@ impl Sim {
                 }
                 self.count("fork_save");
                 self.fork_snaps.insert(name.clone(), None);
+                self.fork_saved_from.insert(name.clone(), vm_id.clone());
                 CocoonResult::ok("")
             }
             CocoonCmd::SnapshotInspect { name } if name == "team/agent:v1" => CocoonResult::ok(

@@ -223,7 +223,7 @@ impl Provider {
     }
 
     /// The verdict on the hibernate evidence. No evidence: the fresh bring-up starts (with
-    /// the `fork-<vm>` removal that opens it), unless the pod itself asks for a restore. Evidence
+    /// the `fork-<vm>` removal that opens it when that snapshot may exist), unless the pod itself asks for a restore. Evidence
     /// restores the VM from its hibernate snapshot; a conflicting clone source or image fails
     /// the create (retried with backoff, so removing the tag lets the pod boot): that is the
     /// user's to settle, and a fresh boot would silently lose the hibernated state. An
@@ -253,7 +253,10 @@ impl Provider {
             }
             Ok(None) => {
                 self.fork_invalidate(vm);
-                let name = format!("fork-{vm}");
+                let name = spec::fork_snapshot_name(vm);
+                if !self.snapshot_may_exist(&name) {
+                    return self.fresh_bring_up(key, c);
+                }
                 return self.advance(
                     key,
                     CreateStep::RmFork,
@@ -314,6 +317,29 @@ impl Provider {
         };
         self.metric(MetricUpdate::HibernateEvidence { verdict });
         self.fail_create_as(key, &c.uid, "HibernateEvidenceFailed", &msg, true)
+    }
+
+    /// The fresh bring-up from the pod's source: a directory, a fork, an image to run, or the
+    /// image's local clone snapshot.
+    fn fresh_bring_up(&mut self, key: &PodKey, c: &CreateOp) {
+        let spec = &c.spec;
+        if let Some(dir) = spec.clone_from_dir.clone() {
+            let args = self.clone_args(spec, CloneSource::FromDir(dir), true);
+            self.advance(key, CreateStep::Boot, Ask::Cocoon(CocoonCmd::VmClone(args)))
+        } else if !spec.fork_from.is_empty() {
+            self.fork_begin(key, &spec.fork_from)
+        } else if spec.mode == Mode::Run {
+            let ask = self.materialise(&spec.image, spec.force_pull);
+            self.advance(key, CreateStep::MaterialiseRun, ask)
+        } else {
+            self.advance(
+                key,
+                CreateStep::SnapInspect { pulled: false },
+                Ask::SharedRead(CocoonCmd::SnapshotInspect {
+                    name: c.local_snapshot.clone(),
+                }),
+            )
+        }
     }
 
     /// Bad input / unsupported request: failure status + Warning, counter; no VM touched.
@@ -463,25 +489,14 @@ impl Provider {
                 };
                 self.evidence_verdict(key, &c, found)
             }
-            (CreateStep::RmFork, Res::Cocoon(_)) => {
+            (CreateStep::RmFork, Res::Cocoon(r)) => {
                 // Failure only logged, as the create contract says.
-                if let Some(dir) = spec.clone_from_dir.clone() {
-                    let args = self.clone_args(spec, CloneSource::FromDir(dir), true);
-                    self.advance(key, CreateStep::Boot, Ask::Cocoon(CocoonCmd::VmClone(args)))
-                } else if !spec.fork_from.is_empty() {
-                    self.fork_begin(key, &spec.fork_from)
-                } else if spec.mode == Mode::Run {
-                    let ask = self.materialise(&spec.image, spec.force_pull);
-                    self.advance(key, CreateStep::MaterialiseRun, ask)
-                } else {
-                    self.advance(
-                        key,
-                        CreateStep::SnapInspect { pulled: false },
-                        Ask::SharedRead(CocoonCmd::SnapshotInspect {
-                            name: c.local_snapshot.clone(),
-                        }),
-                    )
+                let name = spec::fork_snapshot_name(&spec.vm_name);
+                if !r.success && !r.snapshot_not_found() {
+                    log::warn!("provider: {key}: remove {name}: {}", r.error_text());
                 }
+                self.snapshot_removed(&name, &r);
+                self.fresh_bring_up(key, &c)
             }
             (CreateStep::SnapInspect { pulled }, Res::Cocoon(r)) => {
                 if !r.success {

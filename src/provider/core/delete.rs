@@ -178,11 +178,7 @@ impl Provider {
                 return self.delete_done(key, &t, &d);
             }
             self.lifecycle_metric("delete", "skipped", "no_vm");
-            return self.advance(
-                key,
-                DeleteStep::RmSnapshot,
-                Ask::Cocoon(CocoonCmd::SnapshotRm { name: d.vm_name }),
-            );
+            return self.delete_rm_snapshots(key, &t, &d);
         };
         let role = spec::role(&key.namespace, &t.spec.owner_cocoonset, &t.spec.vm_name);
         if self.cfg.registry && spec::should_snapshot(&t.spec.snapshot_policy, role) {
@@ -345,33 +341,56 @@ impl Provider {
                 if d.keep {
                     return self.delete_vm_gone(key, &t, &d);
                 }
-                self.advance(
-                    key,
-                    DeleteStep::RmSnapshot,
-                    Ask::Cocoon(CocoonCmd::SnapshotRm { name: d.vm_name }),
-                )
+                self.delete_rm_snapshots(key, &t, &d)
             }
-            (DeleteStep::RmSnapshot, Res::Cocoon(_)) => {
-                self.fork_invalidate(&d.vm_name);
-                self.advance(
-                    key,
-                    DeleteStep::RmForkSnapshot,
-                    Ask::Cocoon(CocoonCmd::SnapshotRm {
-                        name: format!("fork-{}", d.vm_name),
-                    }),
-                )
+            (DeleteStep::RmSnapshot, Res::Cocoon(r)) => {
+                self.snapshot_removed(&d.vm_name, &r);
+                self.delete_rm_fork_snapshot(key, &t, &d)
             }
-            (DeleteStep::RmForkSnapshot, Res::Cocoon(_)) => {
-                if t.vm.is_none() {
-                    self.forget(key, true);
-                    return self.delete_done(key, &t, &d);
-                }
-                self.delete_vm_gone(key, &t, &d)
+            (DeleteStep::RmForkSnapshot, Res::Cocoon(r)) => {
+                self.snapshot_removed(&spec::fork_snapshot_name(&d.vm_name), &r);
+                self.delete_snapshots_gone(key, &t, &d)
             }
             (DeleteStep::ApiLast, res @ Res::Kube(_)) => self.api_delete_result(key, d.uid, res),
             (DeleteStep::MacosRm, Res::Cocoon(r)) => self.macos_removed(key, &t, &d, r),
             (step, res) => self.unexpected_answer(key, &step, &res),
         }
+    }
+
+    /// Unless kept, the VM's local snapshots go with it: `<vm>` (its hibernate snapshot when
+    /// there is no registry), then `fork-<vm>`; each removal only when that snapshot may exist.
+    fn delete_rm_snapshots(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp) {
+        if !self.snapshot_may_exist(&d.vm_name) {
+            return self.delete_rm_fork_snapshot(key, t, d);
+        }
+        let name = d.vm_name.clone();
+        self.advance(
+            key,
+            DeleteStep::RmSnapshot,
+            Ask::Cocoon(CocoonCmd::SnapshotRm { name }),
+        )
+    }
+
+    fn delete_rm_fork_snapshot(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp) {
+        // A flight saving it meanwhile must not hand out what it lands.
+        self.fork_invalidate(&d.vm_name);
+        let name = spec::fork_snapshot_name(&d.vm_name);
+        if !self.snapshot_may_exist(&name) {
+            return self.delete_snapshots_gone(key, t, d);
+        }
+        self.advance(
+            key,
+            DeleteStep::RmForkSnapshot,
+            Ask::Cocoon(CocoonCmd::SnapshotRm { name }),
+        )
+    }
+
+    fn delete_snapshots_gone(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp) {
+        if t.vm.is_none() {
+            self.forget(key, true);
+            return self.delete_done(key, t, d);
+        }
+        self.delete_vm_gone(key, t, d)
     }
 
     /// VM removed: forget, report Succeeded, count, then delete the API object.

@@ -13,8 +13,8 @@ use super::*;
 pub(super) const FORK_SAVE_DEADLINE: Duration = Duration::from_secs(600);
 
 impl Provider {
-    /// A fresh create with `fork-from` (after the `fork-<own vm>` removal): join the flight of
-    /// its source, starting one when none runs. The pod waits in `ForkWait`.
+    /// A fresh create with `fork-from` (after the `fork-<own vm>` removal, when it may exist):
+    /// join the flight of its source, starting one when none runs. The pod waits in `ForkWait`.
     pub(super) fn fork_begin(&mut self, key: &PodKey, source: &str) {
         if !self.fork_source_of_namespace(key, source) {
             let uid = self

@@ -131,6 +131,8 @@ pub struct Provider {
     pulls: BTreeMap<String, PodKey>,
     /// Fork-snapshot flights running, by source VM name (`fork`).
     forks: BTreeMap<String, ForkFlight>,
+    /// The local snapshots that may exist on the node (`reclaim`).
+    local_snapshots: LocalSnapshots,
     /// Stale-create watcher state per VM ID: (current delay, budget end).
     stale_watch_state: BTreeMap<String, (Duration, Instant)>,
     /// VNC ports (5900–5999) reserved for macOS guests, node-unique, by the pod holding each.
@@ -254,6 +256,7 @@ impl Provider {
             stale_watch_state: BTreeMap::new(),
             pulls: BTreeMap::new(),
             forks: BTreeMap::new(),
+            local_snapshots: LocalSnapshots::default(),
             vnc_ports: BTreeMap::new(),
             macos_watch_armed: false,
         }
@@ -264,6 +267,7 @@ impl Provider {
         self.now = now;
         self.wall = to_time(wall);
         self.dispatch(input);
+        self.note_snapshot_writes();
         std::mem::take(&mut self.out)
     }
 

@@ -4,6 +4,7 @@
 //! One run at a time: `snapshot list`, then per candidate a removal (wake imports, tagged base
 //! snapshots) or a registry check of `<name>:hibernate` (stale: remove it and `fork-<name>`;
 //! the check failing: keep). Names are checked against the pods again just before removal.
+//! Its listings also feed the record of which local snapshots may exist (`LocalSnapshots`).
 
 use super::*;
 
@@ -94,6 +95,10 @@ impl Provider {
                         return;
                     }
                 };
+                self.local_snapshots.listed = true;
+                self.local_snapshots
+                    .may_exist
+                    .extend(snaps.iter().map(|s| s.name.clone()));
                 // One set for the whole listing: a node lists hundreds of snapshots, and the
                 // set walks every pod.
                 let used = self.snapshots_in_use();
@@ -140,6 +145,40 @@ impl Provider {
                 );
                 self.reclaim = None;
             }
+        }
+    }
+
+    /// Whether local snapshot `name` may exist: always before the first listing answered.
+    pub(super) fn snapshot_may_exist(&self, name: &str) -> bool {
+        !self.local_snapshots.listed || self.local_snapshots.may_exist.contains(name)
+    }
+
+    /// Records the names of the snapshots this input's effects may create (saves, pulls, peer
+    /// restores), the moment they are started: a listing running meanwhile may miss them.
+    pub(super) fn note_snapshot_writes(&mut self) {
+        for e in &self.out {
+            let name = match e {
+                Effect::Cocoon {
+                    cmd: CocoonCmd::SnapshotSave { name, .. },
+                    ..
+                } => name,
+                Effect::PullSnapshot { local_name, .. }
+                | Effect::PeerRestore { local_name, .. } => local_name,
+                _ => continue,
+            };
+            self.local_snapshots.may_exist.insert(name.clone());
+        }
+    }
+
+    /// A removal of local snapshot `name` answered. Gone (or never there) leaves the record
+    /// unless a fork flight or a pull may be creating it again.
+    pub(super) fn snapshot_removed(&mut self, name: &str, r: &CocoonResult) {
+        let recreating = self.pulls.contains_key(name)
+            || name
+                .strip_prefix("fork-")
+                .is_some_and(|source| self.forks.contains_key(source));
+        if (r.success || r.snapshot_not_found()) && !recreating {
+            self.local_snapshots.may_exist.remove(name);
         }
     }
 

@@ -114,6 +114,19 @@ pub(super) struct ForkFlight {
     pub(super) save_started: Instant,
 }
 
+/// The local snapshots that may exist on the node, so that the removals the contract asks
+/// "if it exists" (`fork-<vm>` at a fresh bring-up, `<vm>` and `fork-<vm>` at a delete) cost a
+/// cocoon call only when they may: on a dense host each is one more process and one more
+/// turn of cocoon's snapshot lock per pod.
+#[derive(Debug, Clone, Default)]
+pub(super) struct LocalSnapshots {
+    /// False until a `snapshot list` answered: until then every such removal runs.
+    pub(super) listed: bool,
+    /// Every listed name, and every name a save, pull or peer restore was started for since.
+    /// A name leaves only when its removal answered and nothing may be creating it again.
+    pub(super) may_exist: std::collections::HashSet<String>,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum DeleteStep {
     ApiFirst,

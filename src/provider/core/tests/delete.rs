@@ -3,7 +3,7 @@
 
 use super::*;
 
-fn deleting_pod(mut p: Pod, running: bool) -> Pod {
+pub(super) fn deleting_pod(mut p: Pod, running: bool) -> Pod {
     p.metadata.deletion_timestamp = Some(Time(
         k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap(),
     ));

@@ -184,3 +184,138 @@ fn an_unreadable_listing_ends_the_run_and_the_next_one_still_comes() {
     assert!(removals(&e).is_empty() && verification(&e).is_empty());
     assert!(snapshot_list(&h.advance(EVERY)).is_some());
 }
+
+/// A node whose startup listing is still outstanding: the `snapshot list` op, unanswered.
+fn listing_outstanding(cfg: ProviderConfig) -> (H, OpId) {
+    let mut h = H {
+        p: Provider::new(cfg),
+        now: Instant::now(),
+        wall: SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000),
+        quiet_reclaimer: false,
+    };
+    h.feed(Input::StartupListed {
+        pods: vec![],
+        vms: vec![],
+    });
+    let op = snapshot_list(&h.advance(Duration::ZERO)).expect("a first run at start");
+    h.quiet_reclaimer = true;
+    (h, op)
+}
+
+/// Feed a managed clone pod up to its first call after the hibernate evidence (none).
+fn fresh_create(h: &mut H, name: &str, uid: &str, vm: &str) -> Vec<Effect> {
+    let p = mk(name, uid, &managed(name, vm));
+    let e = h.feed(Input::PodUpserted(Box::new(p)));
+    no_evidence(h, &e)
+}
+
+/// Answer the rest of a clone create from `snapshot inspect` of its image on.
+fn finish_clone(h: &mut H, e: &[Effect], vm: &str, vm_id: &str) {
+    let snap = r#"{"id":"S","name":"team/agent:v3","hypervisor":"cloud-hypervisor"}"#;
+    let e = answer(
+        h,
+        e,
+        "snapshot inspect team/agent:v3",
+        CocoonResult::ok(snap),
+    );
+    let (op, cmd) = one_cocoon(&e);
+    assert!(argv(&cmd).starts_with("vm clone"), "{}", argv(&cmd));
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(vm_json(vm_id, vm, "running", "02:00:00:00:00:01")),
+    );
+    let op = lookup(&e).expect("lease lookup");
+    h.feed(Input::LeaseLooked {
+        op,
+        result: Ok(Some("10.0.0.9".into())),
+    });
+}
+
+fn delete(h: &mut H, name: &str, uid: &str, vm: &str) -> Vec<Effect> {
+    let p = super::delete::deleting_pod(mk(name, uid, &managed(name, vm)), true);
+    h.feed(Input::PodUpserted(Box::new(p)))
+}
+
+#[test]
+fn a_listed_node_removes_only_the_snapshots_that_may_exist() {
+    let (mut h, list) = listing_outstanding(ProviderConfig::default());
+    h.cocoon(list, listing(&[("SF", "fork-vk-ns-b-0")]));
+
+    // Not listed: the fresh bring-up goes straight to its image's snapshot.
+    let e = fresh_create(&mut h, "a", "u1", "vk-ns-demo-0");
+    finish_clone(&mut h, &e, "vk-ns-demo-0", "VM1");
+    // Listed: removed first.
+    let e = fresh_create(&mut h, "b", "u2", "vk-ns-b-0");
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot rm fork-vk-ns-b-0",
+        CocoonResult::ok(""),
+    );
+    finish_clone(&mut h, &e, "vk-ns-b-0", "VM2");
+
+    // Neither VM has a local snapshot left: a delete is the VM's removal and the object's.
+    for (name, uid, vm, id) in [
+        ("a", "u1", "vk-ns-demo-0", "VM1"),
+        ("b", "u2", "vk-ns-b-0", "VM2"),
+    ] {
+        let e = delete(&mut h, name, uid, vm);
+        let e = answer(
+            &mut h,
+            &e,
+            &format!("vm rm --force {id}"),
+            CocoonResult::ok(""),
+        );
+        assert!(cocoon_ops(&e).is_empty(), "{vm}: {e:?}");
+        assert_eq!(deletes(&e).len(), 1, "{vm}: {e:?}");
+    }
+}
+
+#[test]
+fn a_snapshot_saved_while_the_listing_runs_is_still_removed_at_delete() {
+    let (mut h, list) = listing_outstanding(ProviderConfig {
+        registry: true,
+        ..Default::default()
+    });
+    // Before the listing answers, every removal runs.
+    let e = fresh_create(&mut h, "a", "u1", "vk-ns-demo-0");
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot rm fork-vk-ns-demo-0",
+        CocoonResult::failed("Error: rm: resolve \"fork-vk-ns-demo-0\": snapshot not found"),
+    );
+    finish_clone(&mut h, &e, "vk-ns-demo-0", "VM1");
+
+    let mut p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
+    p.metadata.owner_references = Some(vec![OwnerReference {
+        kind: "CocoonSet".into(),
+        name: "demo".into(),
+        ..Default::default()
+    }]);
+    let mut ann = p.metadata.annotations.clone().unwrap_or_default();
+    ann.insert(ANN_SNAPSHOT_POLICY.into(), "main-only".into());
+    p.metadata.annotations = Some(ann);
+    let p = super::delete::deleting_pod(p, true);
+    let e = h.feed(Input::PodUpserted(Box::new(p)));
+    let running = vm_json("VM1", "vk-ns-demo-0", "running", "02:00:00:00:00:01");
+    let e = answer(&mut h, &e, "vm inspect VM1", CocoonResult::ok(running));
+    let (save, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "snapshot save --name vk-ns-demo-0 VM1");
+    // The listing was taken before the save landed: it shows neither snapshot.
+    h.cocoon(list, listing(&[]));
+    let e = h.cocoon(save, CocoonResult::ok(""));
+    let push = e.iter().find_map(|x| match x {
+        Effect::PushSnapshot { op, .. } => Some(*op),
+        _ => None,
+    });
+    let e = h.feed(Input::TransferDone {
+        op: push.expect("a push"),
+        result: Ok(String::new()),
+    });
+    let e = answer(&mut h, &e, "vm rm --force VM1", CocoonResult::ok(""));
+    // The saved snapshot goes; the fork snapshot, removed at the create, is not looked for.
+    let e = answer(&mut h, &e, "snapshot rm vk-ns-demo-0", CocoonResult::ok(""));
+    assert!(cocoon_ops(&e).is_empty(), "{e:?}");
+    assert_eq!(deletes(&e).len(), 1, "{e:?}");
+}
