@@ -76,6 +76,50 @@ fn a_pod_becomes_a_running_vm_and_deleting_it_removes_the_vm_and_the_pod() {
     );
 }
 
+/// cocoon's clone answers PID 0; the daemon takes the hypervisor's PID from its pid file in
+/// cocoon's run dir rather than from one more `vm inspect` process, and watches it from the
+/// start: its exit is reported by PID.
+#[test]
+fn a_cloned_vms_pid_comes_from_its_pid_file_not_from_an_inspect() {
+    let mut w = World::new();
+    w.seed_snapshot("base");
+    w.start_daemon();
+    w.api
+        .create_pod(&demo_pod("default", "pidfile", "clone", "base"))
+        .expect("create pod");
+    let (_, id) = w.wait("pod pidfile Running", Duration::from_secs(20), || {
+        running_with_vm(&w, "pidfile")
+    });
+    let log = w.log();
+    assert!(
+        log.contains("vm clone --output json --name vk-default-pidfile"),
+        "the VM was cloned:\n{}",
+        daemon_support::tail(&log, 40)
+    );
+    let inspects: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("cocoon op ") && l.contains(&format!("vm inspect {id}")))
+        .collect();
+    assert!(inspects.is_empty(), "{inspects:?}");
+
+    let (ok, out) = w.cocoon(&["vm", "inspect", &id]);
+    assert!(ok, "{out}");
+    let pid = serde_json::from_str::<serde_json::Value>(&out).unwrap_or_default()["pid"]
+        .as_i64()
+        .unwrap_or(0);
+    let hypervisor = i32::try_from(pid)
+        .ok()
+        .and_then(rustix::process::Pid::from_raw)
+        .expect("the VM has a hypervisor PID");
+    rustix::process::kill_process(hypervisor, rustix::process::Signal::Kill).expect("kill");
+    let exited = format!("({id}) pid {pid} exited");
+    w.wait(
+        "the daemon saw its PID exit",
+        Duration::from_secs(10),
+        || w.log().contains(&exited).then_some(()),
+    );
+}
+
 #[test]
 fn a_vm_that_vanishes_gets_its_pod_evicted_quickly() {
     let mut w = World::new();

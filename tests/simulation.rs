@@ -637,6 +637,14 @@ impl Sim {
     fn perform(&mut self, e: Effect) {
         match e {
             Effect::Cocoon { op, cmd } => self.cocoon(op, cmd),
+            // The hypervisor's pid file: there while the VM runs, unless cocoon's layout is
+            // not the one the daemon knows (then the daemon asks cocoon).
+            Effect::ReadVmPid { op, vm_id, .. } => {
+                let running = self.vms.get(&vm_id).is_some_and(|v| v.state == "running");
+                let pid = (running && !(self.faults && self.rng.chance(100))).then_some(100);
+                let l = self.latency();
+                self.later(l, Delivery::Input(Input::VmPidRead { op, pid }));
+            }
             Effect::LookupLease { op, mac } => {
                 let ip = self.vms.values().find(|v| v.mac == mac).map(|v| v.ip());
                 let l = self.latency();
@@ -887,7 +895,8 @@ impl Sim {
                         n & 255
                     ),
                 };
-                let json = vm.json();
+                // cocoon's clone answers before it reads the PID back: pid 0.
+                let json = vm.json().replace(r#""pid":100"#, r#""pid":0"#);
                 self.vms.insert(vm.id.clone(), vm);
                 CocoonResult::ok(json)
             }

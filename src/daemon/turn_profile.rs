@@ -164,6 +164,7 @@ pub(super) fn input_kind(input: &Input) -> &'static str {
         Input::HibernateEvidence { .. } => "core:HibernateEvidence",
         Input::SacDone { .. } => "core:SacDone",
         Input::PidChecked { .. } => "core:PidChecked",
+        Input::VmPidRead { .. } => "core:VmPidRead",
         Input::VmEvent { .. } => "core:VmEvent",
         Input::Readiness { .. } => "core:Readiness",
         Input::Tick => "core:Tick",
@@ -185,6 +186,7 @@ pub(super) fn effect_kind(effect: &Effect) -> &'static str {
         Effect::ReleaseLeases { .. } => "effect:ReleaseLeases",
         Effect::Metric(_) => "effect:Metric",
         Effect::CheckPid { .. } => "effect:CheckPid",
+        Effect::ReadVmPid { .. } => "effect:ReadVmPid",
         _ => "effect:transfer",
     }
 }

@@ -29,6 +29,9 @@
 //!   `cmd.spawn_argv(password)` (the VNC password added; `argv()` shows it redacted).
 //! * [`Effect::CheckPid`] `{op, pid}`: is that process alive (not a zombie)? Answer
 //!   [`Input::PidChecked`] (a macOS guest's QEMU).
+//! * [`Effect::ReadVmPid`] `{op, vm_id, firecracker}`: read the hypervisor's PID from the
+//!   VM's pid file in cocoon's run dir; answer [`Input::VmPidRead`] (None unless it names a
+//!   live process).
 //! * [`Effect::LookupLease`] `{op, mac}`: look the MAC up in the cocoon-net lease file, answer
 //!   [`Input::LeaseLooked`] (a [`LeaseError`] when the file cannot answer).
 //! * [`Effect::PatchPodStatus`], [`Effect::PatchPodAnnotations`], [`Effect::DeletePod`]: kube
@@ -337,6 +340,11 @@ pub enum Input {
         op: OpId,
         alive: bool,
     },
+    /// Answer of [`Effect::ReadVmPid`]: the PID, when the file names a live process.
+    VmPidRead {
+        op: OpId,
+        pid: Option<i64>,
+    },
     VmEvent {
         kind: VmEventKind,
         vm: VmInfo,
@@ -368,6 +376,13 @@ pub enum Effect {
     CheckPid {
         op: OpId,
         pid: i64,
+    },
+    /// The hypervisor PID of a VM just cloned, from `<root>/run/<backend dir>/<vm_id>/`
+    /// `ch.pid` (`fc.pid` for Firecracker): a file read instead of a `vm inspect` process.
+    ReadVmPid {
+        op: OpId,
+        vm_id: String,
+        firecracker: bool,
     },
     LookupLease {
         op: OpId,

@@ -339,6 +339,8 @@ pub(super) enum Res {
     Sac(Result<(), crate::guest::sac::SacError>),
     /// A process liveness check (macOS guests' QEMU).
     Pid(bool),
+    /// A VM's hypervisor PID read from its pid file (None: no file or no such process).
+    VmPid(Option<i64>),
 }
 
 impl Res {
@@ -353,6 +355,7 @@ impl Res {
             Res::Fork(_) => "fork snapshot",
             Res::Sac(_) => "SAC pass",
             Res::Pid(_) => "process check",
+            Res::VmPid(_) => "pid file",
         }
     }
 

@@ -319,6 +319,16 @@ impl Provider {
         self.fail_create_as(key, &c.uid, "HibernateEvidenceFailed", &msg, true)
     }
 
+    /// Asks cocoon for the VM just booted (its state, its PID); `vm` stands if it cannot say.
+    fn run_inspect(&mut self, key: &PodKey, vm: VmInfo) {
+        let reference = vm.id.clone();
+        if let Some(c) = self.create_op(key) {
+            c.vm = Some(vm);
+        }
+        let ask = Ask::Cocoon(CocoonCmd::VmInspect { reference });
+        self.advance(key, CreateStep::RunInspect, ask)
+    }
+
     /// The fresh bring-up from the pod's source: a directory, a fork, an image to run, or the
     /// image's local clone snapshot.
     fn fresh_bring_up(&mut self, key: &PodKey, c: &CreateOp) {
@@ -663,17 +673,38 @@ impl Provider {
                     Err(e) => return self.fail_create(key, &c.uid, &e, true),
                 };
                 self.by_name.insert(spec.vm_name.clone(), vm.clone());
-                // A clone answers with pid 0 too; without the inspect its VM would have no
-                // stats until a restart re-adopted it (stats skip pid-0 VMs).
                 let fresh_run = spec.fresh_boot();
-                if (fresh_run && !vm.running()) || vm.pid == 0 {
+                if fresh_run && !vm.running() {
+                    return self.run_inspect(key, vm);
+                }
+                // A clone answers with pid 0 (cocoon reads the PID back only later); without
+                // one the VM has no stats until a restart re-adopts it (stats skip pid-0 VMs).
+                // The hypervisor's pid file tells it without another cocoon process.
+                if vm.pid == 0 {
                     if let Some(c) = self.create_op(key) {
                         c.vm = Some(vm.clone());
                     }
-                    let ask = Ask::Cocoon(CocoonCmd::VmInspect { reference: vm.id });
-                    return self.advance(key, CreateStep::RunInspect, ask);
+                    let (vm_id, firecracker) = (vm.id.clone(), vm.hypervisor == "firecracker");
+                    let ask = Ask::effect(move |op| Effect::ReadVmPid {
+                        op,
+                        vm_id,
+                        firecracker,
+                    });
+                    return self.advance(key, CreateStep::PidFile, ask);
                 }
                 self.vm_up(key, vm, false)
+            }
+            (CreateStep::PidFile, Res::VmPid(pid)) => {
+                let mut vm = c.vm.clone().unwrap_or_default();
+                match pid {
+                    Some(pid) => {
+                        vm.pid = pid;
+                        self.by_name.insert(spec.vm_name.clone(), vm.clone());
+                        self.vm_up(key, vm, false)
+                    }
+                    // No file (another cocoon layout) or no process: cocoon answers.
+                    None => self.run_inspect(key, vm),
+                }
             }
             (CreateStep::BootFailedInspect { error }, Res::Cocoon(r)) => {
                 match (r.success, parse_vm(&r.stdout)) {

@@ -526,6 +526,7 @@ impl Provider {
             Input::HibernateEvidence { op, result } => self.on_result(op, Res::Evidence(result)),
             Input::SacDone { op, result } => self.on_result(op, Res::Sac(result)),
             Input::PidChecked { op, alive } => self.on_result(op, Res::Pid(alive)),
+            Input::VmPidRead { op, pid } => self.on_result(op, Res::VmPid(pid)),
             Input::VmEvent { kind, vm } => self.vm_event(kind, vm),
             Input::Readiness {
                 key,

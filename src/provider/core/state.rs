@@ -47,6 +47,8 @@ pub(super) enum CreateStep {
     BootFailedRm {
         error: String,
     },
+    /// A clone answered with PID 0 (cocoon reads it back only later): its pid file.
+    PidFile,
     RunInspect,
     Lease,
     /// macOS (`cocoon-macos`, see `macos`): is there a VM of this name?

@@ -833,3 +833,70 @@ fn one_pull_per_snapshot_at_a_time_later_pods_wait_for_it() {
     assert!(pulls(&e).is_empty());
     assert!(argv(&one_cocoon(&e).1).starts_with("vm clone --output json --name vk-ns-demo-1"));
 }
+
+fn pid_file_read(e: &[Effect]) -> Option<(OpId, String, bool)> {
+    e.iter().find_map(|x| match x {
+        Effect::ReadVmPid {
+            op,
+            vm_id,
+            firecracker,
+        } => Some((*op, vm_id.clone(), *firecracker)),
+        _ => None,
+    })
+}
+
+/// A clone answering PID 0 as cocoon's does; the create's effects after that answer.
+fn clone_with_pid_0(h: &mut H) -> Vec<Effect> {
+    let p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
+    let (op, _) = drive_to_clone(h, p);
+    let json = vm_json("VM1", "vk-ns-demo-0", "running", "02:00:00:00:00:01")
+        .replace(r#""pid":42"#, r#""pid":0"#);
+    h.cocoon(op, CocoonResult::ok(json))
+}
+
+#[test]
+fn a_clone_answered_with_pid_0_takes_the_pid_from_the_hypervisor_pid_file() {
+    let mut h = H::new(ProviderConfig::default());
+    let e = clone_with_pid_0(&mut h);
+    assert!(cocoon_ops(&e).is_empty(), "no vm inspect: {e:?}");
+    let (op, vm_id, firecracker) = pid_file_read(&e).expect("a pid file read");
+    assert_eq!((vm_id.as_str(), firecracker), ("VM1", false));
+    let e = h.feed(Input::VmPidRead {
+        op,
+        pid: Some(4242),
+    });
+    assert!(cocoon_ops(&e).is_empty(), "{e:?}");
+    let op = lookup(&e).expect("the bring-up goes on");
+    h.feed(Input::LeaseLooked {
+        op,
+        result: Ok(Some("10.0.0.9".into())),
+    });
+    let key = PodKey::new("ns", "a");
+    assert_eq!(h.p.pod_vm(&key).map(|v| v.pid), Some(4242));
+}
+
+#[test]
+fn without_a_readable_pid_file_cocoon_is_asked() {
+    let mut h = H::new(ProviderConfig::default());
+    let e = clone_with_pid_0(&mut h);
+    let (op, _, _) = pid_file_read(&e).expect("a pid file read");
+    let e = h.feed(Input::VmPidRead { op, pid: None });
+    let e = answer(
+        &mut h,
+        &e,
+        "vm inspect VM1",
+        CocoonResult::ok(vm_json(
+            "VM1",
+            "vk-ns-demo-0",
+            "running",
+            "02:00:00:00:00:01",
+        )),
+    );
+    let op = lookup(&e).expect("the bring-up goes on");
+    h.feed(Input::LeaseLooked {
+        op,
+        result: Ok(Some("10.0.0.9".into())),
+    });
+    let key = PodKey::new("ns", "a");
+    assert_eq!(h.p.pod_vm(&key).map(|v| v.pid), Some(42));
+}
