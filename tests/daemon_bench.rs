@@ -5,7 +5,9 @@
 //!
 //! BENCH_PODS (default 1000) sets the pod count; BENCH_QPS the client rate limit
 //! (COCOON_K8S_QPS; default the shipped 50, 0 = off); BENCH_DIR where the fake cocoon's state
-//! lives (default /dev/shm). Figures are printed, not asserted.
+//! lives (default /dev/shm); BENCH_BIN_DIR a directory holding the `vk-cocoon` and
+//! `vk-cocoon-sandbox` binaries to run instead of these (e.g. the static musl build). Figures
+//! are printed, not asserted.
 
 mod daemon_support;
 

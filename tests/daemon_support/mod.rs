@@ -23,6 +23,15 @@ pub const NODE: &str = "cocoon-sandbox";
 pub const BIN: &str = env!("CARGO_BIN_EXE_vk-cocoon");
 /// The fake cocoon: a binary of its own, so the daemon binary carries none of it.
 pub const SANDBOX_BIN: &str = env!("CARGO_BIN_EXE_vk-cocoon-sandbox");
+
+/// The binary a world runs as `name`: from `BENCH_BIN_DIR` when set (a bench measuring, say, the
+/// static musl build the hosts run), else the one cargo built for this test.
+fn world_bin(name: &str, built: &str) -> std::path::PathBuf {
+    match std::env::var_os("BENCH_BIN_DIR") {
+        Some(dir) => std::path::Path::new(&dir).join(name),
+        None => built.into(),
+    }
+}
 pub struct World {
     /// Shared by the worlds of one cluster (`World::beside`).
     pub api: Arc<ApiServerHandle>,
@@ -77,7 +86,11 @@ impl World {
         for d in ["state", "root", "bin", "net"] {
             std::fs::create_dir_all(dir.path().join(d)).expect("mkdir");
         }
-        std::os::unix::fs::symlink(SANDBOX_BIN, dir.path().join("bin/cocoon")).expect("symlink");
+        std::os::unix::fs::symlink(
+            world_bin("vk-cocoon-sandbox", SANDBOX_BIN),
+            dir.path().join("bin/cocoon"),
+        )
+        .expect("symlink");
         // The fake finds its state beside the symlink when the environment names none, as for
         // the snapshot transfers this test process runs itself.
         std::os::unix::fs::symlink(
@@ -170,7 +183,7 @@ impl World {
 
     fn spawn_daemon(&self) -> Child {
         let log = std::fs::File::create(self.path("daemon.log")).expect("log file");
-        Command::new(BIN)
+        Command::new(world_bin("vk-cocoon", BIN))
             .env_clear()
             .env("PATH", std::env::var("PATH").unwrap_or_default())
             .env("HOME", self.dir.path())
