@@ -102,16 +102,7 @@ fn a_cloned_vms_pid_comes_from_its_pid_file_not_from_an_inspect() {
         .collect();
     assert!(inspects.is_empty(), "{inspects:?}");
 
-    let (ok, out) = w.cocoon(&["vm", "inspect", &id]);
-    assert!(ok, "{out}");
-    let pid = serde_json::from_str::<serde_json::Value>(&out).unwrap_or_default()["pid"]
-        .as_i64()
-        .unwrap_or(0);
-    let hypervisor = i32::try_from(pid)
-        .ok()
-        .and_then(rustix::process::Pid::from_raw)
-        .expect("the VM has a hypervisor PID");
-    rustix::process::kill_process(hypervisor, rustix::process::Signal::Kill).expect("kill");
+    let pid = kill_hypervisor(&w, &id);
     let exited = format!("({id}) pid {pid} exited");
     w.wait(
         "the daemon saw its PID exit",
@@ -810,6 +801,21 @@ fn a_restart_keeps_vms_whose_pod_annotations_no_longer_parse() {
 /// (RestartFailed) within milliseconds although cocoon's event ticker runs every 5 s (the
 /// fake's default), because the daemon watches each hypervisor PID itself. Returns the
 /// kill → Failed latencies.
+/// SIGKILLs the hypervisor process of VM `id` (its PID as cocoon reports it); returns the PID.
+fn kill_hypervisor(w: &World, id: &str) -> i32 {
+    let (ok, out) = w.cocoon(&["vm", "inspect", id]);
+    assert!(ok, "{out}");
+    let pid = serde_json::from_str::<serde_json::Value>(&out).unwrap_or_default()["pid"]
+        .as_i64()
+        .unwrap_or(0);
+    let hypervisor = i32::try_from(pid)
+        .ok()
+        .and_then(rustix::process::Pid::from_raw)
+        .expect("the VM has a hypervisor PID");
+    rustix::process::kill_process(hypervisor, rustix::process::Signal::Kill).expect("kill");
+    hypervisor.as_raw_nonzero().get()
+}
+
 fn hypervisor_kill_to_failed(pods: usize) -> Vec<Duration> {
     let mut w = World::new();
     w.start_daemon();
@@ -830,17 +836,8 @@ fn hypervisor_kill_to_failed(pods: usize) -> Vec<Duration> {
             running_with_vm(&w, name)
         });
         let uid = pod.metadata.uid.clone().unwrap_or_default();
-        let (ok, out) = w.cocoon(&["vm", "inspect", &id]);
-        assert!(ok, "{out}");
-        let pid = serde_json::from_str::<serde_json::Value>(&out).unwrap_or_default()["pid"]
-            .as_i64()
-            .unwrap_or(0);
-        let pid = i32::try_from(pid)
-            .ok()
-            .and_then(rustix::process::Pid::from_raw)
-            .expect("the VM has a hypervisor PID");
         let killed = Instant::now();
-        rustix::process::kill_process(pid, rustix::process::Signal::Kill).expect("kill");
+        kill_hypervisor(&w, &id);
         w.wait(
             &format!("{name} Failed"),
             Duration::from_secs(10),

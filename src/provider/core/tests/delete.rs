@@ -20,21 +20,28 @@ pub(super) fn deleting_pod(mut p: Pod, running: bool) -> Pod {
     p
 }
 
-#[test]
-fn delete_snapshots_pushes_removes_then_deletes_the_object() {
-    let mut h = H::new(ProviderConfig {
-        registry: true,
-        ..Default::default()
-    });
+/// Pod `a` (VM `vk-ns-demo-0`), the main VM of CocoonSet `demo` with snapshot policy
+/// `main-only`: its delete saves and pushes a snapshot first.
+pub(super) fn main_snapshotted_pod() -> Pod {
     let mut p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
     p.metadata.owner_references = Some(vec![OwnerReference {
         kind: "CocoonSet".into(),
         name: "demo".into(),
         ..Default::default()
     }]);
-    let mut ann = p.metadata.annotations.clone().unwrap();
+    let mut ann = p.metadata.annotations.clone().unwrap_or_default();
     ann.insert(ANN_SNAPSHOT_POLICY.into(), "main-only".into());
     p.metadata.annotations = Some(ann);
+    p
+}
+
+#[test]
+fn delete_snapshots_pushes_removes_then_deletes_the_object() {
+    let mut h = H::new(ProviderConfig {
+        registry: true,
+        ..Default::default()
+    });
+    let p = main_snapshotted_pod();
     create_clone(&mut h, p.clone(), "VM1");
     let e = h.feed(Input::PodUpserted(Box::new(deleting_pod(p, true))));
     let (op, cmd) = one_cocoon(&e);

@@ -273,7 +273,13 @@ fn create_clone(h: &mut H, p: Pod, vm_id: &str) -> Vec<Effect> {
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), format!("snapshot rm fork-{vm_name}"));
     let e = h.cocoon(op, CocoonResult::failed("snapshot not found"));
-    let (op, cmd) = one_cocoon(&e);
+    finish_clone(h, &e, &vm_name, vm_id)
+}
+
+/// Answer the rest of a clone create of VM `vm_name` from the `snapshot inspect` of its image
+/// on; returns the effects of the last answer (the lease lookup's).
+fn finish_clone(h: &mut H, e: &[Effect], vm_name: &str, vm_id: &str) -> Vec<Effect> {
+    let (op, cmd) = one_cocoon(e);
     assert_eq!(argv(&cmd), "snapshot inspect team/agent:v3");
     let e = h.cocoon(
         op,
@@ -283,7 +289,7 @@ fn create_clone(h: &mut H, p: Pod, vm_id: &str) -> Vec<Effect> {
     assert!(argv(&cmd).starts_with(&format!("vm clone --output json --name {vm_name}")));
     let e = h.cocoon(
         op,
-        CocoonResult::ok(vm_json(vm_id, &vm_name, "running", "02:00:00:00:00:01")),
+        CocoonResult::ok(vm_json(vm_id, vm_name, "running", "02:00:00:00:00:01")),
     );
     let lop = lookup(&e).expect("lease lookup");
     h.feed(Input::LeaseLooked {

@@ -209,28 +209,6 @@ fn fresh_create(h: &mut H, name: &str, uid: &str, vm: &str) -> Vec<Effect> {
     no_evidence(h, &e)
 }
 
-/// Answer the rest of a clone create from `snapshot inspect` of its image on.
-fn finish_clone(h: &mut H, e: &[Effect], vm: &str, vm_id: &str) {
-    let snap = r#"{"id":"S","name":"team/agent:v3","hypervisor":"cloud-hypervisor"}"#;
-    let e = answer(
-        h,
-        e,
-        "snapshot inspect team/agent:v3",
-        CocoonResult::ok(snap),
-    );
-    let (op, cmd) = one_cocoon(&e);
-    assert!(argv(&cmd).starts_with("vm clone"), "{}", argv(&cmd));
-    let e = h.cocoon(
-        op,
-        CocoonResult::ok(vm_json(vm_id, vm, "running", "02:00:00:00:00:01")),
-    );
-    let op = lookup(&e).expect("lease lookup");
-    h.feed(Input::LeaseLooked {
-        op,
-        result: Ok(Some("10.0.0.9".into())),
-    });
-}
-
 fn delete(h: &mut H, name: &str, uid: &str, vm: &str) -> Vec<Effect> {
     let p = super::delete::deleting_pod(mk(name, uid, &managed(name, vm)), true);
     h.feed(Input::PodUpserted(Box::new(p)))
@@ -287,16 +265,7 @@ fn a_snapshot_saved_while_the_listing_runs_is_still_removed_at_delete() {
     );
     finish_clone(&mut h, &e, "vk-ns-demo-0", "VM1");
 
-    let mut p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
-    p.metadata.owner_references = Some(vec![OwnerReference {
-        kind: "CocoonSet".into(),
-        name: "demo".into(),
-        ..Default::default()
-    }]);
-    let mut ann = p.metadata.annotations.clone().unwrap_or_default();
-    ann.insert(ANN_SNAPSHOT_POLICY.into(), "main-only".into());
-    p.metadata.annotations = Some(ann);
-    let p = super::delete::deleting_pod(p, true);
+    let p = super::delete::deleting_pod(super::delete::main_snapshotted_pod(), true);
     let e = h.feed(Input::PodUpserted(Box::new(p)));
     let running = vm_json("VM1", "vk-ns-demo-0", "running", "02:00:00:00:00:01");
     let e = answer(&mut h, &e, "vm inspect VM1", CocoonResult::ok(running));
