@@ -59,6 +59,7 @@ pub mod cocoon;
 pub mod core;
 pub mod fixup;
 pub mod lifecycle;
+pub mod naming;
 pub mod spec;
 pub mod status;
 

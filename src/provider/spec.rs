@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::Pod;
 use sha2::{Digest, Sha256};
 
+use super::naming::NAME_MAX;
 use crate::snapshots::reference::split_image_ref;
 
 pub const ANN_VM_NAME: &str = "vm.cocoonstack.io/name";
@@ -440,9 +441,6 @@ pub fn cpu_class_gate(
     })
 }
 
-/// The longest VM name cocoon accepts; snapshot names share the limit.
-const NAME_MAX: usize = 63;
-
 /// A `fork-from` value names a VM on this host and reaches cocoon's argv (`vm inspect <source>`,
 /// `snapshot save --name fork-<source>`): it must be a cocoon VM name
 /// (`[a-zA-Z0-9][a-zA-Z0-9._-]*`), short enough that `fork-<source>` is a legal snapshot name,
@@ -470,27 +468,6 @@ pub fn validate_fork_source(source: &str, own_vm: &str) -> Result<(), String> {
 /// The local snapshot a fork of `source` clones from (shared by every pod forking it).
 pub fn fork_snapshot_name(source: &str) -> String {
     format!("fork-{source}")
-}
-
-/// Role for the snapshot policy: `main`, `sub-agent` or `toolbox` (CC-B naming rules).
-pub fn role(namespace: &str, cocoonset: &str, vm_name: &str) -> &'static str {
-    let prefix = format!("vk-{namespace}-{cocoonset}-");
-    let Some(rest) = vm_name.strip_prefix(&prefix) else {
-        return "toolbox";
-    };
-    if rest.contains('-') {
-        return "toolbox";
-    }
-    // Go's Atoi: optional sign, decimal digits, leading zeros allowed.
-    let digits = rest.strip_prefix('+').unwrap_or(rest);
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return "toolbox";
-    }
-    if digits.bytes().all(|b| b == b'0') {
-        "main"
-    } else {
-        "sub-agent"
-    }
 }
 
 /// Snapshot-before-delete wanted, from the pod's snapshot policy and role.
@@ -759,14 +736,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn roles_follow_slot_rules() {
-        assert_eq!(role("prod", "demo", "vk-prod-demo-0"), "main");
-        assert_eq!(role("prod", "demo", "vk-prod-demo-00"), "main");
-        assert_eq!(role("prod", "demo", "vk-prod-demo-3"), "sub-agent");
-        assert_eq!(role("prod", "demo", "vk-prod-demo-+1"), "sub-agent");
-        assert_eq!(role("prod", "demo", "vk-prod-demo-db-2"), "toolbox");
-        assert_eq!(role("prod", "demo", "vk-prod-other-0"), "toolbox");
-        assert_eq!(role("prod", "", "vk-prod-demo-0"), "toolbox");
+    fn snapshot_policy_and_owner_set() {
         assert!(should_snapshot("", "toolbox"));
         assert!(should_snapshot("weird", "toolbox"));
         assert!(!should_snapshot("never", "main"));

@@ -180,7 +180,8 @@ impl Provider {
             self.lifecycle_metric("delete", "skipped", "no_vm");
             return self.delete_rm_snapshots(key, &t, &d);
         };
-        let role = spec::role(&key.namespace, &t.spec.owner_cocoonset, &t.spec.vm_name);
+        let role =
+            crate::provider::naming::role(&key.namespace, &t.spec.owner_cocoonset, &t.spec.vm_name);
         if self.cfg.registry && spec::should_snapshot(&t.spec.snapshot_policy, role) {
             return self.advance(
                 key,
