@@ -17,6 +17,9 @@ impl Provider {
             Ok(s) => s,
             Err(e) => return self.reject(key, &pod, e),
         };
+        if let Some(message) = isolation::vm_name_refusal(key, &spec.vm_name) {
+            return self.refuse_vm_name(key, &pod, message);
+        }
         if let Err(message) = self.cpu_class_gate(key, &spec) {
             let e = SpecError {
                 reason: REASON_CPU_CLASS,
@@ -354,6 +357,21 @@ impl Provider {
 
     /// Bad input / unsupported request: failure status + Warning, counter; no VM touched.
     pub(super) fn reject(&mut self, key: &PodKey, pod: &Arc<Pod>, e: SpecError) {
+        // A VM held by another pod is a conflict no retry settles: the pod fails for good.
+        let terminal = restart_never(pod) || e.reason == REASON_VM_OWNED;
+        self.reject_as(key, pod, "ProviderCreateFailed", e, terminal)
+    }
+
+    /// A pod refused before anything is tracked: Warning `event_reason`, the counter, the
+    /// failure status (phase Failed when `terminal`); retried only when the pod changes.
+    pub(super) fn reject_as(
+        &mut self,
+        key: &PodKey,
+        pod: &Arc<Pod>,
+        event_reason: &'static str,
+        e: SpecError,
+        terminal: bool,
+    ) {
         let uid = pod_uid(pod);
         let result = if e.reason == "missing_vmname" {
             "skipped"
@@ -361,15 +379,7 @@ impl Provider {
             "failed"
         };
         self.lifecycle_metric("create", result, e.reason);
-        self.event(
-            key,
-            &uid,
-            EventType::Warning,
-            "ProviderCreateFailed",
-            &e.message,
-        );
-        // A VM held by another pod is a conflict no retry settles: the pod fails for good.
-        let terminal = restart_never(pod) || e.reason == REASON_VM_OWNED;
+        self.event(key, &uid, EventType::Warning, event_reason, &e.message);
         let st = status::provider_failed(terminal, &e.message);
         let sum = status::summary(&st);
         let slot = self.slot(key);

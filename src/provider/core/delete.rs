@@ -59,7 +59,7 @@ impl Provider {
         let Ok(spec) = spec::parse(pod) else {
             return false;
         };
-        if !spec.managed || !lookup_reference_ok(&spec.vm_name) {
+        if !spec.managed || isolation::vm_name_refusal(key, &spec.vm_name).is_some() {
             return false;
         }
         // A VM another live pod holds (or one not named for this namespace) is not this pod's

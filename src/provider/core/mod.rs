@@ -62,6 +62,7 @@ mod delete;
 mod evict;
 mod fork;
 mod hibernate;
+mod isolation;
 mod kube_writes;
 mod macos;
 mod post_clone;

@@ -169,14 +169,14 @@ impl Provider {
         let named_by = self
             .slots
             .iter()
-            .find(|(_, s)| {
+            .find(|(k, s)| {
                 s.latest.as_ref().is_some_and(|p| {
                     p.metadata
                         .annotations
                         .as_ref()
                         .and_then(|a| a.get(spec::ANN_VM_NAME))
                         .is_some_and(|n| !vm.name.is_empty() && *n == vm.name)
-                })
+                }) && isolation::vm_name_refusal(k, &vm.name).is_none()
             })
             .map(|(k, _)| k.clone());
         match named_by {
@@ -346,8 +346,18 @@ impl Provider {
             Err(e) => {
                 // Startup reconcile matches by ID: a pod whose annotations no longer parse
                 // still names its VM, which is claimed (never destroyed as an orphan because of
-                // input we could not read) and kept tracked as at runtime, with a Warning.
-                let Some(vm) = unreadable_pods_vm(&pod, &a.by_id, &a.by_name) else {
+                // input we could not read) and kept tracked as at runtime, with a Warning. It
+                // is tracked only when it still gives that VM's name (one of its namespace's):
+                // an ID alone never hands a pod a VM.
+                let Some(vm) = unreadable_pods_vm(&key, &pod, &a.by_id, &a.by_name) else {
+                    let named = pod
+                        .metadata
+                        .annotations
+                        .as_ref()
+                        .and_then(|a| a.get(ANN_VM_ID));
+                    if let Some(v) = named.and_then(|id| a.by_id.get(id)) {
+                        a.claimed.insert(v.id.clone());
+                    }
                     return;
                 };
                 if a.claimed.contains(&vm.id) {
@@ -371,6 +381,16 @@ impl Provider {
         // Managed macOS guests are not cocoon's (never in its list): left untracked here,
         // their create adopts a running guest through `cocoon-macos vm inspect`.
         if super::macos::is_macos(&spec) {
+            return;
+        }
+        if isolation::vm_name_refusal(&key, &spec.vm_name).is_some() {
+            // Not this namespace's VM name: never tracked (its create refuses the pod). The VM
+            // of that name is claimed all the same, so it is not destroyed as an orphan on
+            // account of a pod that only named it: the next start with no pod naming it
+            // applies the orphan policy.
+            if let Some(vm) = a.by_name.get(&spec.vm_name) {
+                a.claimed.insert(vm.id.clone());
+            }
             return;
         }
         let vm = if !spec.vm_id.is_empty() {
@@ -707,16 +727,23 @@ impl Provider {
     }
 }
 
-/// The VM an unparseable pod names: by its ID annotation, else by its name annotation.
+/// The VM an unparseable pod names: a VM of the name it gives (one of its namespace's), found
+/// by its ID annotation (exactly) or by that name.
 fn unreadable_pods_vm(
+    key: &PodKey,
     pod: &Pod,
     by_id: &BTreeMap<String, VmInfo>,
     by_name: &BTreeMap<String, VmInfo>,
 ) -> Option<VmInfo> {
     let ann = pod.metadata.annotations.as_ref()?;
+    let name = ann.get(spec::ANN_VM_NAME)?;
+    if isolation::vm_name_refusal(key, name).is_some() {
+        return None;
+    }
     ann.get(ANN_VM_ID)
         .and_then(|id| by_id.get(id))
-        .or_else(|| ann.get(spec::ANN_VM_NAME).and_then(|n| by_name.get(n)))
+        .filter(|v| v.name == *name)
+        .or_else(|| by_name.get(name))
         .cloned()
 }
 

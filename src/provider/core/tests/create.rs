@@ -703,7 +703,7 @@ fn an_answer_the_create_step_does_not_expect_fails_it_with_a_warning_and_a_retry
 #[test]
 fn a_rejected_pod_stays_rejected_through_its_own_annotation_writes() {
     let mut h = H::new(ProviderConfig::default());
-    let p = mk("a", "u1", &[(ANN_VM_NAME, "v".into())]);
+    let p = mk("a", "u1", &[(ANN_VM_NAME, "vk-ns-v".into())]);
     let e = h.feed(Input::PodUpserted(Box::new(p.clone())));
     let warnings = |e: &[Effect]| {
         events(e)

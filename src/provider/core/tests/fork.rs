@@ -455,13 +455,13 @@ fn a_pod_forks_only_vms_of_its_own_namespace() {
 
     // A VM of another name that a pod of the namespace holds is its own.
     let mut h = H::new(ProviderConfig::default());
-    let p = mk("main", "u0", &managed("main", "vk-mainvm"));
+    let p = mk("main", "u0", &managed("main", "vk-ns-mainvm"));
     create_clone(&mut h, p, "VM0");
     let mut a = managed("sub", "vk-ns-sub-0");
-    a.push((ANN_FORK_FROM, "vk-mainvm".to_string()));
+    a.push((ANN_FORK_FROM, "vk-ns-mainvm".to_string()));
     let e = to_flight(&mut h, mk("sub", "u1", &a));
     let (_, cmd) = one_cocoon(&e);
-    assert_eq!(argv(&cmd), "snapshot inspect fork-vk-mainvm");
+    assert_eq!(argv(&cmd), "snapshot inspect fork-vk-ns-mainvm");
 }
 
 /// A Firecracker source forks into a Firecracker pod (whose clone then gets the post-clone

@@ -20,6 +20,7 @@ mod create;
 mod delete;
 mod fork;
 mod hibernate;
+mod isolation;
 mod kube_writes;
 mod macos;
 mod ownership;
