@@ -94,16 +94,10 @@ impl Provider {
                 self.slot(key).op = None;
                 return self.fail_create(key, &uid, &msg, false);
             }
-            let vm = VmInfo {
-                id: spec.vm_id.clone(),
-                name: spec.vm_name.clone(),
-                state: VmState::Running,
-                ..Default::default()
-            };
             self.slot(key).op = Some(Op::Create(Box::new(CreateOp {
                 uid,
                 spec: spec.clone(),
-                step: CreateStep::Boot,
+                step: CreateStep::UnmanagedInspect,
                 started: self.now,
                 local_snapshot: String::new(),
                 snapshot_image: String::new(),
@@ -114,7 +108,19 @@ impl Provider {
             if let Some(t) = self.slot(key).tracked.as_mut() {
                 t.ip = spec.vm_ip.clone();
             }
-            return self.finish_create(key, vm, false, "");
+            if !super::delete::lookup_reference_ok(&spec.vm_id) {
+                let msg = format!("pod {key}: {ANN_VM_ID} {:?} is not a VM ID", spec.vm_id);
+                let (event, reason) = (
+                    isolation::EVENT_VM_REFERENCE,
+                    isolation::REASON_VM_REFERENCE,
+                );
+                return self.refuse_create(key, event, reason, msg);
+            }
+            // The id must name exactly one VM by its exact ID, of the pod's VM name.
+            let ask = Ask::Cocoon(CocoonCmd::VmInspect {
+                reference: spec.vm_id.clone(),
+            });
+            return self.advance(key, CreateStep::UnmanagedInspect, ask);
         }
         let op = CreateOp {
             uid,
@@ -463,7 +469,9 @@ impl Provider {
         match (c.step.clone(), res) {
             (CreateStep::InspectByName, Res::Cocoon(r)) => {
                 if r.success {
-                    if let Ok(vm) = parse_vm(&r.stdout) {
+                    // Only a VM of this very name (not one whose ID it prefixes).
+                    let vm = parse_vm(&r.stdout).ok();
+                    if let Some(vm) = vm.filter(|v| isolation::vm_named(v, &spec.vm_name)) {
                         if vm.running() {
                             self.lifecycle_metric("create", "ok", "adopted");
                             return self.vm_up(key, vm, true);
@@ -477,6 +485,7 @@ impl Provider {
                 }
                 self.check_evidence(key, &spec.vm_name)
             }
+            (CreateStep::UnmanagedInspect, Res::Cocoon(r)) => self.unmanaged_found(key, &c, r),
             (CreateStep::RmStaleByName, Res::Cocoon(r)) => {
                 if !r.success && !r.vm_not_found() {
                     let msg = format!("remove leftover vm {}: {}", spec.vm_name, r.error_text());
@@ -489,12 +498,12 @@ impl Provider {
                 // No registry: a local snapshot named after the VM is the evidence. A failed
                 // inspect means there is none; one that hung says nothing, so fail closed.
                 let found = if r.success {
-                    parse_snapshot(&r.stdout)
+                    isolation::inspected_snapshot(&r, &spec.vm_name)
                         .map(|s| {
-                            Some(HibernateTag {
+                            s.map(|s| HibernateTag {
                                 base_image: s.image,
                                 snapshot_id: s.id,
-                                from_node: String::new(),
+                                ..Default::default()
                             })
                         })
                         .map_err(TransferError::Cocoon)
@@ -519,22 +528,33 @@ impl Provider {
                 self.fresh_bring_up(key, &c)
             }
             (CreateStep::SnapInspect { pulled }, Res::Cocoon(r)) => {
-                if !r.success {
+                // Another snapshot than the one asked for (an ID-prefix match) is none.
+                let found = match r.success {
+                    true => match isolation::inspected_snapshot(&r, &c.local_snapshot) {
+                        Ok(s) => s,
+                        Err(e) => return self.fail_create(key, &c.uid, &e, true),
+                    },
+                    false => None,
+                };
+                let Some(snap) = found else {
+                    let why = if r.success {
+                        "cocoon answered with another snapshot".to_string()
+                    } else {
+                        r.error_text()
+                    };
                     if pulled {
                         self.metric(MetricUpdate::SnapshotPull { result: "failed" });
                         let msg = format!(
-                            "snapshot {} still missing after pull: {}",
-                            c.local_snapshot,
-                            r.error_text()
+                            "snapshot {} still missing after pull: {why}",
+                            c.local_snapshot
                         );
                         return self.fail_create(key, &c.uid, &msg, true);
                     }
                     if !self.cfg.registry {
                         self.metric(MetricUpdate::SnapshotPull { result: "failed" });
                         let msg = format!(
-                            "snapshot {} not found locally and no registry is configured: {}",
-                            c.local_snapshot,
-                            r.error_text()
+                            "snapshot {} not found locally and no registry is configured: {why}",
+                            c.local_snapshot
                         );
                         return self.fail_create(key, &c.uid, &msg, true);
                     }
@@ -552,14 +572,10 @@ impl Provider {
                         local_name: local,
                     });
                     return self.advance(key, CreateStep::PullSnapshot, ask);
-                }
+                };
                 if !pulled {
                     self.metric(MetricUpdate::SnapshotPull { result: "ok" });
                 }
-                let snap = match parse_snapshot(&r.stdout) {
-                    Ok(s) => s,
-                    Err(e) => return self.fail_create(key, &c.uid, &e, true),
-                };
                 let want = if spec.backend.is_empty() {
                     spec::BACKEND_CH
                 } else {
@@ -717,17 +733,20 @@ impl Provider {
                 }
             }
             (CreateStep::BootFailedInspect { error }, Res::Cocoon(r)) => {
-                match (r.success, parse_vm(&r.stdout)) {
+                // Only a VM of this very name is the bring-up's: cocoon may answer a lookup by
+                // name with a VM whose ID starts with it, which is left alone.
+                let vm = parse_vm(&r.stdout).ok();
+                match vm.filter(|v| r.success && isolation::vm_named(v, &spec.vm_name)) {
                     // The bring-up finished after all (a slow clone past its deadline).
-                    (true, Ok(vm)) if vm.running() => {
+                    Some(vm) if vm.running() => {
                         self.by_name.insert(spec.vm_name.clone(), vm.clone());
                         self.vm_up(key, vm, false)
                     }
-                    (true, Ok(vm)) => {
+                    Some(vm) => {
                         let ask = Ask::Cocoon(CocoonCmd::VmRm { id: vm.id });
                         self.advance(key, CreateStep::BootFailedRm { error }, ask)
                     }
-                    _ => self.fail_create(key, &c.uid, &error, true),
+                    None => self.fail_create(key, &c.uid, &error, true),
                 }
             }
             (CreateStep::BootFailedRm { error }, Res::Cocoon(r)) => {
@@ -756,6 +775,42 @@ impl Provider {
                 self.finish_create(key, vm, cloned, &ip)
             }
             (step, res) => self.unexpected_answer(key, &step, &res),
+        }
+    }
+
+    /// The lookup of an unmanaged pod's VM by its id annotation: adopted only when cocoon
+    /// answers with that exact ID and the pod's VM name (an ID prefix, or another VM's ID,
+    /// fails the pod for good); not found, or no answer, fails the create and is retried.
+    fn unmanaged_found(&mut self, key: &PodKey, c: &CreateOp, r: CocoonResult) {
+        let spec = &c.spec;
+        if r.vm_not_found() || !r.success {
+            let msg = format!(
+                "unmanaged vm {} ({}) not found: {}",
+                spec.vm_name,
+                spec.vm_id,
+                r.error_text()
+            );
+            return self.fail_create(key, &c.uid, &msg, true);
+        }
+        match parse_vm(&r.stdout) {
+            Ok(vm) if isolation::vm_is(&vm, &spec.vm_id, &spec.vm_name) => {
+                self.finish_create(key, vm, false, "")
+            }
+            Ok(_) => {
+                // Nothing of the VM found goes into the message: it may be another tenant's.
+                let msg = format!(
+                    "pod {key}: {ANN_VM_ID} {} does not name vm {} exactly; an unmanaged pod \
+                     gives its VM's full ID",
+                    spec.vm_id, spec.vm_name
+                );
+                self.refuse_create(
+                    key,
+                    isolation::EVENT_VM_REFERENCE,
+                    isolation::REASON_VM_REFERENCE,
+                    msg,
+                )
+            }
+            Err(e) => self.fail_create(key, &c.uid, &e, true),
         }
     }
 

@@ -101,7 +101,21 @@ impl Provider {
     /// The answer of that lookup: a VM found is removed as the tracked one would be; one still
     /// being created is looked at again shortly; none lets the delete finish.
     fn found_vm_for_delete(&mut self, key: &PodKey, t: &Tracked, by_id: bool, r: CocoonResult) {
-        if r.vm_not_found() {
+        let found = if r.success {
+            parse_vm(&r.stdout).ok()
+        } else {
+            None
+        };
+        // The pod's own VM only: of its name exactly, and by ID only with that name. An answer
+        // for another VM (its ID prefixed by the value looked up) is as good as none.
+        let other = found.as_ref().is_some_and(|v| {
+            if by_id {
+                !isolation::vm_is(v, &t.spec.vm_id, &t.spec.vm_name)
+            } else {
+                !isolation::vm_named(v, &t.spec.vm_name)
+            }
+        });
+        if r.vm_not_found() || other {
             if !by_id && t.spec.vm_id != t.spec.vm_name && lookup_reference_ok(&t.spec.vm_id) {
                 return self.find_vm_for_delete(key, t, true);
             }
@@ -110,11 +124,6 @@ impl Provider {
             }
             return self.delete_after_api_first(key);
         }
-        let found = if r.success {
-            parse_vm(&r.stdout).ok()
-        } else {
-            None
-        };
         let reference = if by_id {
             &t.spec.vm_id
         } else {

@@ -106,10 +106,14 @@ impl Provider {
         };
         match step {
             ForkStep::Inspect => {
-                if r.success {
-                    return self.fork_done(source, hypervisor_of(&r.stdout));
+                // Another snapshot than `fork-<source>` (an ID-prefix match) is none.
+                let found = r.success.then(|| isolation::inspected_snapshot(&r, &name));
+                match found {
+                    Some(Ok(Some(s))) => return self.fork_done(source, Ok(s.hypervisor)),
+                    Some(Err(e)) => return self.fork_done(source, Err(e)),
+                    Some(Ok(None)) | None => {}
                 }
-                if !r.snapshot_not_found() {
+                if !r.success && !r.snapshot_not_found() {
                     // A hung or failing inspect says nothing: fail, the creates retry.
                     let msg = format!("inspect fork snapshot {name}: {}", r.error_text());
                     return self.fork_done(source, Err(msg));
@@ -134,7 +138,12 @@ impl Provider {
                     return self.fork_done(source, Err(msg));
                 }
                 let vm = match (r.success, parse_vm(&r.stdout)) {
-                    (true, Ok(vm)) => vm,
+                    (true, Ok(vm)) if isolation::vm_named(&vm, source) => vm,
+                    // An answer for a VM whose ID the name prefixes is no source VM.
+                    (true, Ok(_)) => {
+                        let msg = format!("fork-from: source vm {source} not found on this node");
+                        return self.fork_done(source, Err(msg));
+                    }
                     (true, Err(e)) => return self.fork_done(source, Err(e)),
                     (false, _) => {
                         let msg = format!("fork-from: inspect vm {source}: {}", r.error_text());
@@ -175,9 +184,10 @@ impl Provider {
                 self.fork_done(source, Err(msg))
             }
             ForkStep::TakenInspect { holder } => {
-                if r.success {
+                let found = r.success.then(|| isolation::inspected_snapshot(&r, &name));
+                if let Some(landed) = found.and_then(Result::transpose) {
                     // Another save (a create of an earlier process) landed it: reuse it.
-                    return self.fork_done(source, hypervisor_of(&r.stdout));
+                    return self.fork_done(source, landed.map(|s| s.hypervisor));
                 }
                 // Invisible but holding the name: the half-saved record of an interrupted
                 // save. Removing it is what lets this fork (and any later one) save again.
@@ -283,11 +293,6 @@ impl Provider {
         let args = self.clone_args(&c.spec, CloneSource::Snapshot(name), false);
         self.advance(key, CreateStep::Boot, Ask::Cocoon(CocoonCmd::VmClone(args)))
     }
-}
-
-/// The hypervisor a `snapshot inspect` answer records ("" when it says none).
-fn hypervisor_of(json: &str) -> Result<String, String> {
-    parse_snapshot(json).map(|s| s.hypervisor)
 }
 
 /// The record holding a taken snapshot name, from cocoon's collision text: the word after

@@ -394,10 +394,11 @@ impl Provider {
             return;
         }
         let vm = if !spec.vm_id.is_empty() {
+            // Looked up by its exact ID (a map, never cocoon's prefix resolution).
             let known = a.by_id.get(&spec.vm_id);
             // An id is honoured only for the VM of the name the pod gives; the create
             // that follows refuses the pod.
-            if known.is_some_and(|v| !v.name.is_empty() && v.name != spec.vm_name) {
+            if known.is_some_and(|v| v.name != spec.vm_name) {
                 return;
             }
             // A managed pod's id annotation can lag its VM: the write recording a re-created
@@ -424,12 +425,8 @@ impl Provider {
         };
         let vm = match vm {
             Some(v) => v,
-            None if !spec.managed && !spec.vm_id.is_empty() && !spec.vm_ip.is_empty() => VmInfo {
-                id: spec.vm_id.clone(),
-                name: spec.vm_name.clone(),
-                state: VmState::Running,
-                ..Default::default()
-            },
+            // An unmanaged pod whose id names no listed VM exactly is left to its create,
+            // whose lookup refuses or retries it.
             None if spec.managed && spec.hibernate => {
                 self.track_hibernated(&key, &pod, spec);
                 return;

@@ -20,6 +20,8 @@ pub(super) struct Tracked {
 
 #[derive(Debug, Clone)]
 pub(super) enum CreateStep {
+    /// An unmanaged pod: `vm inspect <id>`, adopted only on an exact answer.
+    UnmanagedInspect,
     InspectByName,
     RmStaleByName,
     /// Hibernate evidence: was this VM hibernated (registry tag, or local snapshot if no registry)?

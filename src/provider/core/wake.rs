@@ -83,11 +83,15 @@ impl Provider {
             |vm_name: String| Ask::effect(move |op| Effect::CheckHibernateEvidence { op, vm_name });
         match (w.step.clone(), res) {
             (WakeStep::LocalInspect, Res::Cocoon(r)) => {
-                if r.success {
-                    let snap = match parse_snapshot(&r.stdout) {
+                // Another snapshot than `<vm>` (an ID-prefix match) is none.
+                let local = match r.success {
+                    true => match isolation::inspected_snapshot(&r, &vm) {
                         Ok(s) => s,
                         Err(e) => return self.wake_failed(key, fail("WakePullFailed", e)),
-                    };
+                    },
+                    false => None,
+                };
+                if let Some(snap) = local {
                     if !self.cfg.registry {
                         // Without a registry the local copy is the only one, and trusted.
                         let label = format!("local snapshot {vm}");
@@ -105,7 +109,7 @@ impl Provider {
                     };
                     return self.advance(key, step, evidence(vm));
                 }
-                if !r.snapshot_not_found() {
+                if !r.success && !r.snapshot_not_found() {
                     let msg = format!("inspect local snapshot {vm}: {}", r.error_text());
                     return self.wake_failed(key, fail("WakePullFailed", msg));
                 }
@@ -205,8 +209,11 @@ impl Provider {
             },
             (WakeStep::ImportInspect, Res::Cocoon(r)) => {
                 let import = import_name(&vm);
-                match (r.success, parse_snapshot(&r.stdout)) {
-                    (true, Ok(snap)) => {
+                let found = r
+                    .success
+                    .then(|| isolation::inspected_snapshot(&r, &import));
+                match found {
+                    Some(Ok(Some(snap))) => {
                         let label = format!("registry {vm}:{HIBERNATE_TAG}");
                         let from = CloneSource::Snapshot(import);
                         self.wake_clone(key, &w, from, !snap.image.is_empty(), label)
@@ -241,14 +248,16 @@ impl Provider {
                 }
             }
             (WakeStep::CloneFailedInspect { source, error }, Res::Cocoon(r)) => {
-                match (r.success, parse_vm(&r.stdout)) {
+                // Only a VM of this very name is the clone's (not one its name ID-prefixes).
+                let found = parse_vm(&r.stdout).ok();
+                match found.filter(|v| r.success && isolation::vm_named(v, &vm)) {
                     // The clone finished after all (a slow clone past its deadline).
-                    (true, Ok(v)) if v.running() => self.woken(key, &w, v, &source),
-                    (true, Ok(v)) => {
+                    Some(v) if v.running() => self.woken(key, &w, v, &source),
+                    Some(v) => {
                         let ask = Ask::Cocoon(CocoonCmd::VmRm { id: v.id });
                         self.advance(key, WakeStep::CloneFailedRm { error }, ask)
                     }
-                    _ => self.wake_failed(key, fail("WakeCloneFailed", error)),
+                    None => self.wake_failed(key, fail("WakeCloneFailed", error)),
                 }
             }
             (WakeStep::CloneFailedRm { error }, Res::Cocoon(r)) => {

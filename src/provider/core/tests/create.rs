@@ -269,7 +269,7 @@ fn missing_snapshot_is_pulled_with_registry_and_fails_without() {
     let e = h.cocoon(
         op,
         CocoonResult::ok(
-            r#"{"id":"S","name":"x","image":"ubuntu:24.04","image_digest":"sha256:ab"}"#,
+            r#"{"id":"S","name":"team/agent:v3","image":"ubuntu:24.04","image_digest":"sha256:ab"}"#,
         ),
     );
     let (op, cmd) = one_cocoon(&e);
@@ -291,7 +291,7 @@ fn backend_mismatch_refuses_to_clone() {
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(
         op,
-        CocoonResult::ok(r#"{"id":"S","name":"x","hypervisor":"firecracker"}"#),
+        CocoonResult::ok(r#"{"id":"S","name":"team/agent:v3","hypervisor":"firecracker"}"#),
     );
     assert!(cocoon_ops(&e).is_empty());
     assert!(events(&e)
@@ -376,8 +376,10 @@ fn clone_from_dir_uses_from_dir_and_counts() {
     ));
 }
 
+/// An unmanaged pod adopts the VM its id names once cocoon confirms that exact ID and name
+/// (nothing is created or changed; the IP is the pod's).
 #[test]
-fn unmanaged_pod_adopts_preassigned_vm_without_cocoon() {
+fn unmanaged_pod_adopts_preassigned_vm_found_by_its_exact_id() {
     let mut h = H::new(ProviderConfig::default());
     let p = mk(
         "s",
@@ -389,6 +391,17 @@ fn unmanaged_pod_adopts_preassigned_vm_without_cocoon() {
         ],
     );
     let e = h.feed(Input::PodUpserted(Box::new(p)));
+    let e = answer(
+        &mut h,
+        &e,
+        "vm inspect PRE",
+        CocoonResult::ok(vm_json(
+            "PRE",
+            "vk-ns-static",
+            "running",
+            "02:00:00:00:00:07",
+        )),
+    );
     assert!(cocoon_ops(&e).is_empty());
     assert!(statuses(&e)
         .iter()

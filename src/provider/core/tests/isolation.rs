@@ -176,3 +176,244 @@ fn a_vm_name_change_then_delete_removes_the_tracked_vm_and_its_snapshots_only() 
         "nothing runs against the new name: {seen:?}"
     );
 }
+
+// ----- rule 3: exact references ---------------------------------------------------------------
+
+/// Another VM whose ID a looked-up value prefixes, as cocoon answers such a lookup.
+fn victim_json() -> String {
+    vm_json(
+        "VKNSDEMOVICTIM",
+        "vk-other-victim-0",
+        "running",
+        "02:00:00:00:00:99",
+    )
+}
+
+#[test]
+fn a_failed_boots_lookup_answered_with_another_vm_neither_adopts_nor_removes_it() {
+    let mut h = H::new(ProviderConfig::default());
+    let (op, _) = drive_to_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")));
+    let e = h.cocoon(op, CocoonResult::failed("Error: clone: boom"));
+    let e = answer(
+        &mut h,
+        &e,
+        "vm inspect vk-ns-demo-0",
+        CocoonResult::ok(victim_json()),
+    );
+    assert!(cocoon_ops(&e).is_empty(), "no vm rm of the other VM: {e:?}");
+    assert!(h.p.pod_vm(&PodKey::new("ns", "a")).is_none());
+    assert!(events(&e).iter().any(|(r, _)| *r == "ProviderCreateFailed"));
+    // The retry's lookup by name is held to the name too: it goes on to the evidence.
+    let e = h.advance(Duration::from_secs(2));
+    let e = answer(
+        &mut h,
+        &e,
+        "vm inspect vk-ns-demo-0",
+        CocoonResult::ok(victim_json()),
+    );
+    assert!(cocoon_ops(&e)
+        .iter()
+        .all(|(_, c)| argv(c).starts_with("snapshot inspect vk-ns-demo-0")));
+    assert!(h.p.pod_vm(&PodKey::new("ns", "a")).is_none());
+}
+
+#[test]
+fn a_managed_pods_id_finds_a_vm_at_delete_only_under_the_pods_own_vm_name() {
+    let mut h = H::new(ProviderConfig::default());
+    let mut ann = managed("a", "vk-ns-demo-0");
+    ann.push((ANN_VM_ID, "VKNSDEMOVICTIM".into()));
+    let e = h.feed(Input::PodUpserted(Box::new(deleted(mk("a", "u1", &ann)))));
+    let e = answer(
+        &mut h,
+        &e,
+        "vm inspect vk-ns-demo-0",
+        CocoonResult::failed("Error: vm not found"),
+    );
+    // By ID: the VM of that exact ID carries another name, so it is not the pod's.
+    let e = answer(
+        &mut h,
+        &e,
+        "vm inspect VKNSDEMOVICTIM",
+        CocoonResult::ok(victim_json()),
+    );
+    let mut all = e.clone();
+    let mut e = e;
+    while let Some((op, _)) = cocoon_ops(&e).first().cloned() {
+        e = h.cocoon(op, CocoonResult::failed("Error: snapshot not found"));
+        all.extend(e.clone());
+    }
+    for (_, c) in cocoon_ops(&all) {
+        let a = argv(&c);
+        assert!(
+            !a.contains("VKNSDEMOVICTIM") && !a.contains("victim"),
+            "{a}"
+        );
+    }
+    assert!(!deletes(&all).is_empty(), "the pod object goes: {all:?}");
+}
+
+fn unmanaged(id: &str) -> Pod {
+    mk(
+        "s",
+        "u1",
+        &[
+            (ANN_VM_NAME, "vk-ns-static".into()),
+            (ANN_VM_ID, id.into()),
+            (ANN_VM_IP, "10.9.9.9".into()),
+        ],
+    )
+}
+
+#[test]
+fn an_unmanaged_pods_id_must_be_its_vms_exact_id_and_name() {
+    for (id, answer_json) in [
+        // An ID prefix: cocoon answers with the VM it resolves to.
+        ("VKNS", victim_json()),
+        // The exact ID of a VM of another name.
+        ("VKNSDEMOVICTIM", victim_json()),
+    ] {
+        let mut h = H::new(ProviderConfig::default());
+        let e = h.feed(Input::PodUpserted(Box::new(unmanaged(id))));
+        let e = answer(
+            &mut h,
+            &e,
+            &format!("vm inspect {id}"),
+            CocoonResult::ok(answer_json),
+        );
+        assert!(
+            refused_as(&e, "VMReferenceMismatch", "vm_reference_mismatch"),
+            "{id}: {e:?}"
+        );
+        assert!(
+            events(&e).iter().all(|(_, m)| !m.contains("victim")),
+            "nothing of the other VM is told: {e:?}"
+        );
+        assert!(cocoon_ops(&e).is_empty());
+        assert!(h.p.pod_vm(&PodKey::new("ns", "s")).is_none(), "{id}");
+        // Nothing more happens to it until it changes.
+        let e = h.feed(Input::PodUpserted(Box::new(unmanaged(id))));
+        assert!(cocoon_ops(&e).is_empty());
+    }
+    // A value that reads as an option never reaches the argv.
+    let mut h = H::new(ProviderConfig::default());
+    let e = h.feed(Input::PodUpserted(Box::new(unmanaged("--all"))));
+    assert!(refused_as(
+        &e,
+        "VMReferenceMismatch",
+        "vm_reference_mismatch"
+    ));
+    assert!(cocoon_ops(&e).is_empty());
+}
+
+#[test]
+fn a_vm_vanished_across_a_restart_is_not_replaced_by_the_vm_its_id_prefixes() {
+    let mut ann = managed("a", "vk-ns-demo-0");
+    ann.push((ANN_VM_ID, "VKNS".into()));
+    let mut p = mk("a", "u1", &ann);
+    p.status = Some(status::running(
+        "10.0.0.9",
+        true,
+        None,
+        None,
+        &Time(k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap()),
+    ));
+    let (mut h, e) = H::starting(ProviderConfig::default(), vec![p], vec![]);
+    let e = answer(
+        &mut h,
+        &e,
+        "vm inspect VKNS",
+        CocoonResult::ok(victim_json()),
+    );
+    // Evicted as gone: never tracked on the other VM, nothing started or removed.
+    assert!(cocoon_ops(&e).is_empty(), "{e:?}");
+    assert!(statuses(&e)
+        .iter()
+        .any(|(_, s)| s.reason.as_deref() == Some("VMGone")));
+}
+
+#[test]
+fn a_snapshot_lookup_answered_with_another_snapshot_finds_none() {
+    let mut h = H::new(ProviderConfig::default());
+    let e = h.feed(Input::PodUpserted(Box::new(mk(
+        "a",
+        "u1",
+        &managed("a", "vk-ns-demo-0"),
+    ))));
+    // No registry: `snapshot inspect <vm>` is the hibernate evidence; another one is none.
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot inspect vk-ns-demo-0",
+        CocoonResult::ok(r#"{"id":"vk-ns-demo-0X","name":"vk-other-x-0"}"#),
+    );
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot rm fork-vk-ns-demo-0",
+        CocoonResult::failed("Error: snapshot not found"),
+    );
+    // The image's snapshot answered by another one: not cloned.
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot inspect team/agent:v3",
+        CocoonResult::ok(r#"{"id":"team/agent:v3X","name":"vk-other-x-0"}"#),
+    );
+    assert!(cocoon_ops(&e).is_empty(), "{e:?}");
+    assert!(events(&e)
+        .iter()
+        .any(|(_, m)| m.contains("not found locally")));
+}
+
+#[test]
+fn a_fork_source_lookup_answered_with_another_vm_is_no_source() {
+    let mut h = H::new(ProviderConfig::default());
+    let mut ann = managed("sub", "vk-ns-sub-0");
+    ann.push((ANN_FORK_FROM, "vk-ns-main-0".into()));
+    let e = h.feed(Input::PodUpserted(Box::new(mk("sub", "u1", &ann))));
+    let e = no_evidence(&mut h, &e);
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot rm fork-vk-ns-sub-0",
+        CocoonResult::failed("Error: snapshot not found"),
+    );
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot inspect fork-vk-ns-main-0",
+        CocoonResult::failed("Error: snapshot not found"),
+    );
+    let e = answer(
+        &mut h,
+        &e,
+        "vm inspect vk-ns-main-0",
+        CocoonResult::ok(victim_json()),
+    );
+    assert!(cocoon_ops(&e).is_empty(), "nothing saved: {e:?}");
+    assert!(events(&e)
+        .iter()
+        .any(|(_, m)| m.contains("source vm vk-ns-main-0 not found")));
+}
+
+#[test]
+fn a_pod_that_lost_its_vm_name_keeps_its_vm_at_startup_without_holding_it() {
+    let p = mk(
+        "a",
+        "u1",
+        &[(ANN_MANAGED, "true".into()), (ANN_VM_ID, "V1".into())],
+    );
+    let (h, e) = H::starting(
+        ProviderConfig::default(),
+        vec![p],
+        vec![vm_info("V1", "vk-ns-demo-0", "running")],
+    );
+    assert!(
+        cocoon_ops(&e).iter().all(|(_, c)| !argv(c).contains("rm")),
+        "not destroyed as an orphan: {e:?}"
+    );
+    assert!(
+        h.p.pod_vm(&PodKey::new("ns", "a")).is_none(),
+        "an ID alone holds nothing"
+    );
+}

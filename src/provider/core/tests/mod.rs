@@ -314,7 +314,7 @@ fn drive_to_clone(h: &mut H, p: Pod) -> (OpId, Vec<Effect>) {
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(op, CocoonResult::ok(""));
     let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"S","name":"x"}"#));
+    let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"S","name":"team/agent:v3"}"#));
     let (op, cmd) = one_cocoon(&e);
     assert!(argv(&cmd).starts_with("vm clone"));
     (op, first)

@@ -134,7 +134,7 @@ fn firecracker_clones_are_cloned_and_fixed_instead_of_refused() {
         &mut h,
         &e,
         "snapshot inspect team/agent:v3",
-        CocoonResult::ok(r#"{"id":"S","name":"x","hypervisor":"firecracker"}"#),
+        CocoonResult::ok(r#"{"id":"S","name":"team/agent:v3","hypervisor":"firecracker"}"#),
     );
     let (op, cmd) = one_cocoon(&e);
     assert!(argv(&cmd).starts_with("vm clone"), "{}", argv(&cmd));
@@ -519,7 +519,7 @@ fn windows_clones_are_restored_by_copy_whatever_the_node_default() {
         &mut h,
         &e,
         "snapshot inspect team/agent:v3",
-        CocoonResult::ok(r#"{"id":"S","name":"x"}"#),
+        CocoonResult::ok(r#"{"id":"S","name":"team/agent:v3"}"#),
     );
     let (_, cmd) = one_cocoon(&e);
     assert!(argv(&cmd).contains("--restore-mode copy"), "{}", argv(&cmd));
