@@ -269,16 +269,24 @@ impl Provider {
                 CheckStep::Inspect { attempt: 1 },
             );
         }
-        let creating = self
-            .slot(key)
-            .intent
-            .as_ref()
-            .map(|i| i.uid == c.uid && i.state == State::Creating)
-            .unwrap_or(false);
-        if creating {
+        let intent = self.slot(key).intent.clone().filter(|i| i.uid == c.uid);
+        if intent.as_ref().is_some_and(|i| i.state == State::Creating) {
             return self.start_ready_wait(key, c.uid.clone(), c.vm_id.clone());
         }
+        if intent.is_none() && self.tracked_managed(key, &c.uid) {
+            // Adopted at startup with no lifecycle record on a VM that was stopped: the owed
+            // work ran this check instead of publishing Ready, which is owed all the same.
+            self.publish_ready(key);
+        }
         self.end_op(key)
+    }
+
+    /// Whether `key` tracks incarnation `uid` of a managed pod.
+    fn tracked_managed(&self, key: &PodKey, uid: &str) -> bool {
+        self.slots
+            .get(key)
+            .and_then(|s| s.tracked.as_ref())
+            .is_some_and(|t| t.uid == uid && t.spec.managed)
     }
 
     /// Forgets restarts older than `RESTART_COOLDOWN_GC_AGE` (they no longer hold a cooldown),

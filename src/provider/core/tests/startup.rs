@@ -424,3 +424,36 @@ fn a_vm_removed_or_stopped_during_the_startup_reconcile_is_checked_once_it_ends(
         }
     }
 }
+
+/// A pod adopted at startup with no lifecycle record whose VM was stopped: the owed work
+/// restarts the VM first, and Ready (owed to a pod adopted without a record) follows the
+/// restart instead of never coming (the pod would stay Running but not Ready).
+#[test]
+fn an_unrecorded_pod_on_a_stopped_vm_is_published_ready_after_its_restart() {
+    let mut ann = managed("a", "vk-ns-demo-0");
+    ann.push((ANN_VM_ID, "V1".into()));
+    let mut p = mk("a", "u1", &ann);
+    p.status = Some(status::running(
+        "10.0.0.9",
+        true,
+        None,
+        None,
+        &Time(k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap()),
+    ));
+    let (mut h, e) = H::starting(
+        ProviderConfig::default(),
+        vec![p],
+        vec![vm_info("V1", "vk-ns-demo-0", "stopped")],
+    );
+    let stopped = vm_json("V1", "vk-ns-demo-0", "stopped", "02:00:00:00:00:01");
+    let e = answer(&mut h, &e, "vm inspect V1", CocoonResult::ok(stopped));
+    let e = answer(&mut h, &e, "vm start V1", CocoonResult::ok(""));
+    let running = vm_json("V1", "vk-ns-demo-0", "running", "02:00:00:00:00:01");
+    let e = answer(&mut h, &e, "vm inspect V1", CocoonResult::ok(running));
+    let (op, st) = statuses(&e).pop().expect("Ready published");
+    assert_eq!(st.phase.as_deref(), Some("Running"), "{st:?}");
+    let e = h.kube_ok(op);
+    assert!(annotation_patches(&e)
+        .iter()
+        .any(|(_, a)| a.get(ANN_LIFECYCLE_STATE) == Some(&Some("ready".into()))));
+}
