@@ -241,6 +241,7 @@ impl Daemon {
                 repo,
                 tag,
                 base_image,
+                owner,
             } => {
                 let metrics = self.metrics.clone();
                 let push = PushRequest {
@@ -249,7 +250,10 @@ impl Daemon {
                     cocoon_bin: self.cocoon_bin(),
                     base_image: Some(base_image).filter(|b| !b.is_empty()),
                     from_node: Some(self.config.node_name.clone()),
-                    annotations: BTreeMap::new(),
+                    annotations: crate::snapshots::format::owner_annotations(
+                        &owner.namespace,
+                        &owner.pod_uid,
+                    ),
                     knobs: push_knobs(&self.config),
                     temp_dir: None,
                 };
@@ -282,6 +286,13 @@ impl Daemon {
                 });
             }
             Effect::SacPass { op, vm_id, plan } => self.sac_pass(op, &vm_id, plan),
+            Effect::RecordOwners { op, changes } => {
+                // Off the loop: the ledger's own thread writes and answers.
+                if !self.ledger.send(op, changes) {
+                    let result = Err("the ownership ledger writer has stopped".to_string());
+                    self.pending.push_back(Input::OwnersRecorded { op, result });
+                }
+            }
             Effect::PeerRestore {
                 op,
                 namespace,

@@ -204,6 +204,7 @@ impl World {
             .env("VK_TLS_CERT", "")
             .env("VK_TLS_KEY", "")
             .env("VK_STAGING_DIR", self.path("staging"))
+            .env("VK_STATE_DIR", self.path("vk-state"))
             .env("VK_PEER_ADDR", "127.0.0.1:0")
             .env("VK_COCOON_SNAPSHOT_DIR", self.path("state/snapshots"))
             .env("OCI_REGISTRY", self.registry_base())

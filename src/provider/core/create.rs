@@ -344,7 +344,7 @@ impl Provider {
         let spec = &c.spec;
         if let Some(dir) = spec.clone_from_dir.clone() {
             let args = self.clone_args(spec, CloneSource::FromDir(dir), true);
-            self.advance(key, CreateStep::Boot, Ask::Cocoon(CocoonCmd::VmClone(args)))
+            self.boot(key, CocoonCmd::VmClone(args))
         } else if !spec.fork_from.is_empty() {
             self.fork_begin(key, &spec.fork_from)
         } else if spec.mode == Mode::Run {
@@ -491,6 +491,7 @@ impl Provider {
                     let msg = format!("remove leftover vm {}: {}", spec.vm_name, r.error_text());
                     return self.fail_create(key, &c.uid, &msg, true);
                 }
+                self.forget_owner(Owned::Vm, &spec.vm_name);
                 self.check_evidence(key, &spec.vm_name)
             }
             (CreateStep::Evidence, Res::Evidence(found)) => self.evidence_verdict(key, &c, found),
@@ -663,7 +664,7 @@ impl Provider {
                         no_direct_io: spec.no_direct_io,
                         image: boot,
                     };
-                    self.advance(key, CreateStep::Boot, Ask::Cocoon(CocoonCmd::VmRun(args)))
+                    self.boot(key, CocoonCmd::VmRun(args))
                 }
                 Err(e) => {
                     let msg = format!("make image {} available: {e}", spec.image);
@@ -746,7 +747,12 @@ impl Provider {
                         let ask = Ask::Cocoon(CocoonCmd::VmRm { id: vm.id });
                         self.advance(key, CreateStep::BootFailedRm { error }, ask)
                     }
-                    None => self.fail_create(key, &c.uid, &error, true),
+                    None => {
+                        if r.vm_not_found() {
+                            self.forget_owner(Owned::Vm, &spec.vm_name);
+                        }
+                        self.fail_create(key, &c.uid, &error, true)
+                    }
                 }
             }
             (CreateStep::BootFailedRm { error }, Res::Cocoon(r)) => {
@@ -755,6 +761,8 @@ impl Provider {
                         "provider: {key}: remove leftover of failed bring-up: {}",
                         r.error_text()
                     );
+                } else {
+                    self.forget_owner(Owned::Vm, &spec.vm_name);
                 }
                 self.fail_create(key, &c.uid, &error, true)
             }
@@ -851,7 +859,19 @@ impl Provider {
             c.snapshot_image.clone(),
         );
         let args = self.clone_args(&spec, CloneSource::Snapshot(local), !img.is_empty());
-        self.advance(key, CreateStep::Boot, Ask::Cocoon(CocoonCmd::VmClone(args)));
+        self.boot(key, CocoonCmd::VmClone(args));
+    }
+
+    /// The bring-up call (`vm clone` / `vm run`), once the VM's owner (the pod's namespace) is
+    /// on record: a crash after it leaves the VM owned, never ownerless.
+    pub(super) fn boot(&mut self, key: &PodKey, cmd: CocoonCmd) {
+        let Some(c) = self.create_op(key) else {
+            return;
+        };
+        let owner = Owner::new(&key.namespace, &c.uid);
+        let name = c.spec.vm_name.clone();
+        let ask = Self::owned_then(Owned::Vm, &name, owner, Deferred::Cocoon(cmd));
+        self.advance(key, CreateStep::Boot, ask)
     }
 
     /// `mode=run` image materialisation: with a registry and an OCI ref the snapshots room

@@ -122,6 +122,8 @@ impl Provider {
             if let Some(Op::Delete(d)) = self.slot(key).op.as_mut() {
                 d.looked_up = true;
             }
+            // No VM of the pod's name: none is owned under it either.
+            self.forget_owner(Owned::Vm, &t.spec.vm_name);
             return self.delete_after_api_first(key);
         }
         let reference = if by_id {
@@ -259,15 +261,7 @@ impl Provider {
                         key,
                         &format!("inspect vm {} before delete: {}", vm.id, r.error_text()),
                     ),
-                    Some(v) if v.running() => self.advance(
-                        key,
-                        DeleteStep::Save { retried: false },
-                        Ask::Cocoon(CocoonCmd::SnapshotSave {
-                            name: d.vm_name.clone(),
-                            vm_id: vm.id,
-                            deadline: None,
-                        }),
-                    ),
+                    Some(v) if v.running() => self.delete_save(key, &t, &d, false),
                     Some(_) => self.advance(
                         key,
                         DeleteStep::Rm,
@@ -279,12 +273,14 @@ impl Provider {
                 if r.success {
                     self.metric(MetricUpdate::SnapshotSave { result: "ok" });
                     let (name, image) = (d.vm_name.clone(), t.spec.image.clone());
+                    let owner = Owner::new(&key.namespace, &t.uid);
                     let ask = Ask::effect(|op| Effect::PushSnapshot {
                         op,
                         local_name: name.clone(),
                         repo: name,
                         tag: "latest".into(),
                         base_image: image,
+                        owner,
                     });
                     return self.advance(key, DeleteStep::Push, ask);
                 }
@@ -307,15 +303,7 @@ impl Provider {
                     ),
                 )
             }
-            (DeleteStep::RmHolder, Res::Cocoon(_)) => self.advance(
-                key,
-                DeleteStep::Save { retried: true },
-                Ask::Cocoon(CocoonCmd::SnapshotSave {
-                    name: d.vm_name.clone(),
-                    vm_id: vm.id,
-                    deadline: None,
-                }),
-            ),
+            (DeleteStep::RmHolder, Res::Cocoon(_)) => self.delete_save(key, &t, &d, true),
             (DeleteStep::Push, Res::Transfer(r)) => match r {
                 Ok(_) => {
                     self.metric(MetricUpdate::SnapshotPush { result: "ok" });
@@ -339,6 +327,7 @@ impl Provider {
                         .delete_failed(key, &format!("vm rm {}: {}", vm.id, r.error_text()));
                 }
                 self.release_leases(&vm);
+                self.forget_owner(Owned::Vm, &d.vm_name);
                 if self
                     .by_name
                     .get(&d.vm_name)
@@ -365,6 +354,19 @@ impl Provider {
             (DeleteStep::MacosRm, Res::Cocoon(r)) => self.macos_removed(key, &t, &d, r),
             (step, res) => self.unexpected_answer(key, &step, &res),
         }
+    }
+
+    /// The snapshot-before-delete's save of `<vm>`, once its owner is on record.
+    fn delete_save(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp, retried: bool) {
+        let vm_id = t.vm.as_ref().map(|v| v.id.clone()).unwrap_or_default();
+        let save = CocoonCmd::SnapshotSave {
+            name: d.vm_name.clone(),
+            vm_id,
+            deadline: None,
+        };
+        let owner = Owner::new(&key.namespace, &t.uid);
+        let ask = Self::owned_then(Owned::Snapshot, &d.vm_name, owner, Deferred::Cocoon(save));
+        self.advance(key, DeleteStep::Save { retried }, ask)
     }
 
     /// Unless kept, the VM's local snapshots go with it: `<vm>` (its hibernate snapshot when

@@ -200,6 +200,11 @@ impl Provider {
                     CocoonCmd::SnapshotRm { name: holder },
                 )
             }
+            // Waiting on the ledger, not on cocoon.
+            ForkStep::Record { .. } => {
+                let msg = format!("fork snapshot {name}: unexpected cocoon answer");
+                self.fork_done(source, Err(msg))
+            }
             ForkStep::RmHolder => {
                 if !r.success && !r.snapshot_not_found() {
                     self.metric(MetricUpdate::SnapshotSave { result: "failed" });
@@ -222,6 +227,60 @@ impl Provider {
             f.source_hypervisor = hypervisor;
             f.save_started = now;
         }
+        // `fork-<source>` is the source's: its owner goes on record before the save.
+        let change = crate::provider::owners::OwnerChange::Set {
+            kind: Owned::Snapshot,
+            name: spec::fork_snapshot_name(source),
+            owner: self.fork_owner(source),
+        };
+        if self
+            .record(vec![change], RecordFor::Fork(source.to_string()))
+            .is_some()
+        {
+            if let Some(f) = self.forks.get_mut(source) {
+                f.step = ForkStep::Record { retried };
+            }
+            return;
+        }
+        self.fork_save_now(source, retried)
+    }
+
+    /// The owner of `fork-<source>`: the source VM's record, else the namespace forking it
+    /// (only pods of the source's namespace may) and the pod holding the source.
+    fn fork_owner(&self, source: &str) -> Owner {
+        if let Some(o) = self.owner_of(Owned::Vm, source) {
+            return o.clone();
+        }
+        let ns = self.forks.get(source).map_or("", |f| f.namespace.as_str());
+        let uid = self
+            .slots
+            .iter()
+            .filter(|(k, _)| k.namespace == ns)
+            .filter_map(|(_, s)| s.tracked.as_ref())
+            .find(|t| t.spec.vm_name == source)
+            .map_or("", |t| t.uid.as_str());
+        Owner::new(ns, uid)
+    }
+
+    /// The record of `fork-<source>`'s owner answered: the save, or the flight fails.
+    pub(super) fn fork_owner_recorded(&mut self, source: &str, result: Result<(), String>) {
+        let Some(ForkStep::Record { retried }) = self.forks.get(source).map(|f| f.step.clone())
+        else {
+            return;
+        };
+        match result {
+            Ok(()) => self.fork_save_now(source, retried),
+            Err(e) => {
+                let name = spec::fork_snapshot_name(source);
+                self.fork_done(source, Err(format!("record the owner of {name}: {e}")))
+            }
+        }
+    }
+
+    fn fork_save_now(&mut self, source: &str, retried: bool) {
+        let Some(source_id) = self.forks.get(source).map(|f| f.source_id.clone()) else {
+            return;
+        };
         let name = spec::fork_snapshot_name(source);
         self.fork_cocoon(
             source,
@@ -251,7 +310,7 @@ impl Provider {
         let result = match result {
             Ok(_) if flight.invalidated => {
                 let name = spec::fork_snapshot_name(source);
-                self.fire_and_forget_cocoon(CocoonCmd::SnapshotRm { name });
+                self.remove_snapshot_detached(&name);
                 Err(format!(
                     "fork-from: source vm {source} was deleted or re-created while it was being \
                      forked; its fork snapshot is discarded"
@@ -291,7 +350,7 @@ impl Provider {
         }
         // The source runs on this node, so its base image is here: no `--pull`.
         let args = self.clone_args(&c.spec, CloneSource::Snapshot(name), false);
-        self.advance(key, CreateStep::Boot, Ask::Cocoon(CocoonCmd::VmClone(args)))
+        self.boot(key, CocoonCmd::VmClone(args))
     }
 }
 

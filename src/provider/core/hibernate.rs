@@ -105,11 +105,18 @@ impl Provider {
         if let Some(h) = self.hibernate_mut(key) {
             h.save_started = now;
         }
-        let ask = Ask::Cocoon(CocoonCmd::SnapshotSave {
+        let save = CocoonCmd::SnapshotSave {
             name: t.spec.vm_name.clone(),
             vm_id: h.vm.id.clone(),
             deadline: None,
-        });
+        };
+        let owner = Owner::new(&key.namespace, &t.uid);
+        let ask = Self::owned_then(
+            Owned::Snapshot,
+            &t.spec.vm_name,
+            owner,
+            Deferred::Cocoon(save),
+        );
         self.advance(key, HibernateStep::Save { retried }, ask)
     }
 
@@ -311,12 +318,14 @@ impl Provider {
             return self.hibernate_clear_ids(key, t);
         }
         let (name, image) = (t.spec.vm_name.clone(), t.spec.image.clone());
+        let owner = Owner::new(&key.namespace, &t.uid);
         let ask = Ask::effect(|op| Effect::PushSnapshot {
             op,
             local_name: name.clone(),
             repo: name,
             tag: HIBERNATE_TAG.into(),
             base_image: image,
+            owner,
         });
         self.advance(key, HibernateStep::Push, ask)
     }
@@ -380,6 +389,7 @@ impl Provider {
     fn hibernated(&mut self, key: &PodKey, h: &HibernateOp, t: &Tracked) {
         self.release_leases(&h.vm);
         let name = t.spec.vm_name.clone();
+        self.forget_owner(Owned::Vm, &name);
         if self.by_name.get(&name).is_some_and(|v| v.id == h.vm.id) {
             self.by_name.remove(&name);
         }

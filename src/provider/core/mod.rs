@@ -44,6 +44,7 @@ use super::cocoon::{
     CocoonResult, RunOptions, StaleCreateOutcome, VmInfo, VmState,
 };
 use super::lifecycle::{self, Intent, State};
+use super::owners::{Owned, Owner};
 use super::spec::{self, Mode, Os, SpecError, VmSpec, ANN_VM_ID, ANN_VM_IP};
 use super::status::{self, StatusSummary};
 use super::{
@@ -64,6 +65,7 @@ mod fork;
 mod hibernate;
 mod isolation;
 mod kube_writes;
+mod ledger;
 mod macos;
 mod post_clone;
 mod reclaim;
@@ -75,6 +77,7 @@ mod update;
 mod wake;
 
 use self::answers::Res;
+use self::ledger::{Deferred, RecordFor};
 use self::state::*;
 
 const DRIFT_FIRST: Duration = Duration::from_secs(10);
@@ -136,6 +139,8 @@ pub struct Provider {
     local_snapshots: LocalSnapshots,
     /// Stale-create watcher state per VM ID: (current delay, budget end).
     stale_watch_state: BTreeMap<String, (Duration, Instant)>,
+    /// The ownership ledger (`ledger`): who each VM and local snapshot belongs to.
+    owners: crate::provider::owners::Owners,
     /// VNC ports (5900–5999) reserved for macOS guests, node-unique, by the pod holding each.
     vnc_ports: BTreeMap<u16, PodKey>,
     /// The macOS watch timer is armed.
@@ -260,6 +265,7 @@ impl Provider {
             local_snapshots: LocalSnapshots::default(),
             vnc_ports: BTreeMap::new(),
             macos_watch_armed: false,
+            owners: Default::default(),
         }
     }
 
@@ -417,6 +423,7 @@ impl Provider {
             }
         }
         match ask {
+            Ask::Recorded(changes, then) => self.pod_record_then(key, changes, then),
             Ask::Cocoon(cmd) => self.pod_cocoon(key, cmd),
             Ask::SharedRead(cmd) => self.pod_cocoon_read(key, cmd),
             Ask::Effect(mk) => self.pod_effect(key, mk),
@@ -498,7 +505,10 @@ impl Provider {
     fn dispatch(&mut self, input: Input) {
         if !self.started {
             match input {
-                Input::StartupListed { pods, vms } => return self.startup(pods, vms),
+                Input::StartupListed { pods, vms, owners } => {
+                    self.owners = owners;
+                    return self.startup(pods, vms);
+                }
                 // A VM event too: it may tell of a VM the startup listing still shows (removed
                 // or stopped while a stale create is settled, or adopted by a later chunk);
                 // with its pod not tracked yet it would be dropped, leaving the adopted pod
@@ -526,6 +536,7 @@ impl Provider {
             Input::TransferDone { op, result } => self.on_result(op, Res::Transfer(result)),
             Input::HibernateEvidence { op, result } => self.on_result(op, Res::Evidence(result)),
             Input::SacDone { op, result } => self.on_result(op, Res::Sac(result)),
+            Input::OwnersRecorded { op, result } => self.on_result(op, Res::Owners(result)),
             Input::PidChecked { op, alive } => self.on_result(op, Res::Pid(alive)),
             Input::VmPidRead { op, pid } => self.on_result(op, Res::VmPid(pid)),
             Input::VmEvent { kind, vm } => self.vm_event(kind, vm),
@@ -644,6 +655,7 @@ impl Provider {
         if let Some(slot) = self.slots.get_mut(key) {
             slot.op = None;
             slot.awaiting = None;
+            slot.deferred = None;
             slot.timer = None;
         }
         self.reconcile_slot(key);

@@ -192,6 +192,7 @@ impl Provider {
                     vm.id
                 );
                 self.fire_and_forget_cocoon(CocoonCmd::VmRm { id: vm.id.clone() });
+                self.forget_owner(Owned::Vm, &vm.name);
                 self.release_leases(&vm);
             }
         }
@@ -234,6 +235,7 @@ impl Provider {
             OrphanPolicy::Destroy => {
                 log::warn!("provider: destroying orphan vm {} ({})", vm.name, vm.id);
                 self.fire_and_forget_cocoon(CocoonCmd::VmRm { id: vm.id.clone() });
+                self.forget_owner(Owned::Vm, &vm.name);
                 self.release_leases(&vm);
             }
             OrphanPolicy::Alert => {
@@ -261,6 +263,14 @@ impl Provider {
         let Some(s) = self.startup.take() else {
             return;
         };
+        // The ledger keeps the VMs that exist (or whose create may still land).
+        let listed: std::collections::HashSet<String> = s
+            .vms
+            .iter()
+            .chain(s.watched.iter())
+            .map(|v| v.name.clone())
+            .collect();
+        self.trim_vm_owners(&listed);
         let by_id: BTreeMap<String, VmInfo> =
             s.vms.iter().map(|v| (v.id.clone(), v.clone())).collect();
         let by_name: BTreeMap<String, VmInfo> = s
@@ -518,6 +528,7 @@ impl Provider {
         }
         if spec.managed && !vm.name.is_empty() {
             self.by_name.insert(vm.name.clone(), vm.clone());
+            self.own_adopted(key, &uid, &vm.name);
         }
         let start_time = pod
             .status

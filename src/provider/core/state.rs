@@ -90,6 +90,8 @@ pub(super) enum ForkStep {
     Inspect,
     /// The source VM is not in the name index: `vm inspect <source>`.
     FindSource,
+    /// The owner of `fork-<source>` is being recorded; the save follows.
+    Record { retried: bool },
     /// `snapshot save --name fork-<source> <source id>`.
     Save { retried: bool },
     /// The save found the name taken: did another save land it meanwhile?
@@ -555,6 +557,8 @@ pub(super) struct Slot {
     pub(super) retry_at: Option<Instant>,
     /// What the core last settled about an incarnation of this pod while no op runs for it.
     pub(super) idle: Idle,
+    /// The call the op makes once the ownership record it waits for (`awaiting`) is on disk.
+    pub(super) deferred: Option<super::ledger::Deferred>,
     pub(super) last_pushed: Option<StatusSummary>,
     /// The last status written for an incarnation (uid): what the cluster shows, and what the
     /// kubelet view serves without building a copy per pod.
@@ -610,6 +614,15 @@ pub(super) enum Waiter {
     },
     /// A step of the local snapshot reclaimer.
     Reclaim(super::reclaim::ReclaimStep),
+    /// A write of the ownership ledger; `undo` restores memory if it fails.
+    Owners {
+        for_: super::ledger::RecordFor,
+        undo: Vec<crate::provider::owners::OwnerChange>,
+    },
+    /// A detached removal of a local snapshot: its record goes once it answers.
+    SnapshotRm {
+        name: String,
+    },
     /// A wake step whose answer ends the life of a peer restore's staging directory: the
     /// restore itself (`dir` None; its answer names the directory) or the clone from `dir`.
     /// The directory is removed once nothing will clone from it, even when the op is gone.
@@ -747,6 +760,12 @@ impl From<CheckStep> for Step {
 
 /// What a step waits on: the effect issued when the step is set.
 pub(super) enum Ask {
+    /// Record these owners in the ledger, then (once on disk) make the call that creates
+    /// what they own.
+    Recorded(
+        Vec<crate::provider::owners::OwnerChange>,
+        super::ledger::Deferred,
+    ),
     /// A cocoon call of this pod alone.
     Cocoon(CocoonCmd),
     /// A read-only cocoon call that concurrent pods asking the same share.

@@ -47,12 +47,13 @@ impl Provider {
             }
             self.send_annotations(key, &t.uid, ann, false);
         }
+        // The VM's owner goes on record before anything of the wake runs: the clone that ends
+        // it then finds it there (its staged copy's clean-up waits on the clone itself).
         let name = t.spec.vm_name.clone();
-        self.advance(
-            key,
-            WakeStep::LocalInspect,
-            Ask::Cocoon(CocoonCmd::SnapshotInspect { name }),
-        )
+        let owner = Owner::new(&key.namespace, &t.uid);
+        let inspect = CocoonCmd::SnapshotInspect { name: name.clone() };
+        let ask = Self::owned_then(Owned::Vm, &name, owner, Deferred::Cocoon(inspect));
+        self.advance(key, WakeStep::LocalInspect, ask)
     }
 
     fn wake_op(&self, key: &PodKey) -> Option<WakeOp> {
@@ -162,12 +163,16 @@ impl Provider {
                         r.error_text()
                     );
                 }
+                self.snapshot_removed(&vm, &r);
                 self.fork_invalidate(&vm);
                 let name = spec::fork_snapshot_name(&vm);
                 let ask = Ask::Cocoon(CocoonCmd::SnapshotRm { name });
                 self.advance(key, WakeStep::RmStaleFork, ask)
             }
-            (WakeStep::RmStaleFork, Res::Cocoon(_)) => self.wake_from_tag(key, &w),
+            (WakeStep::RmStaleFork, Res::Cocoon(r)) => {
+                self.snapshot_removed(&spec::fork_snapshot_name(&vm), &r);
+                self.wake_from_tag(key, &w)
+            }
             (WakeStep::Tag, Res::Evidence(found)) => match found {
                 Ok(tag) => {
                     self.wake_set_tag(key, tag);
@@ -228,9 +233,7 @@ impl Provider {
             (WakeStep::Clone { source }, Res::Cocoon(r)) => {
                 if source == import_name(&vm) {
                     // The import served its clone (or failed it); a retry pulls afresh.
-                    self.fire_and_forget_cocoon(CocoonCmd::SnapshotRm {
-                        name: source.clone(),
-                    });
+                    self.remove_snapshot_detached(&source);
                 }
                 if !r.success {
                     // A clone killed at its deadline (or failing half-way) can leave a VM
@@ -257,7 +260,12 @@ impl Provider {
                         let ask = Ask::Cocoon(CocoonCmd::VmRm { id: v.id });
                         self.advance(key, WakeStep::CloneFailedRm { error }, ask)
                     }
-                    None => self.wake_failed(key, fail("WakeCloneFailed", error)),
+                    None => {
+                        if r.vm_not_found() {
+                            self.forget_owner(Owned::Vm, &vm);
+                        }
+                        self.wake_failed(key, fail("WakeCloneFailed", error))
+                    }
                 }
             }
             (WakeStep::CloneFailedRm { error }, Res::Cocoon(r)) => {
@@ -266,6 +274,8 @@ impl Provider {
                         "provider: {key}: remove leftover of failed wake clone: {}",
                         r.error_text()
                     );
+                } else {
+                    self.forget_owner(Owned::Vm, &vm);
                 }
                 self.wake_failed(key, fail("WakeCloneFailed", error))
             }
@@ -314,15 +324,21 @@ impl Provider {
         }
     }
 
-    /// The registry pull of the hibernate tag into the import snapshot.
+    /// The registry pull of the hibernate tag into the import snapshot, once the import's
+    /// owner (the pod's namespace) is on record.
     fn wake_pull(&mut self, key: &PodKey, vm: &str) {
+        let Some(w) = self.wake_op(key) else {
+            return;
+        };
         let (repo, local_name) = (vm.to_string(), import_name(vm));
-        let ask = Ask::effect(move |op| Effect::PullSnapshot {
-            op,
+        let pull = Effect::PullSnapshot {
+            op: 0,
             repo,
             tag: HIBERNATE_TAG.into(),
-            local_name,
-        });
+            local_name: local_name.clone(),
+        };
+        let owner = Owner::new(&key.namespace, &w.uid);
+        let ask = Self::owned_then(Owned::Snapshot, &local_name, owner, Deferred::Effect(pull));
         self.advance(key, WakeStep::Pull, ask)
     }
 

@@ -108,10 +108,13 @@ fn a_source_in_the_name_index_is_saved_by_its_id_without_an_inspect() {
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH,
         quiet_reclaimer: true,
+        ledger: Default::default(),
+        hold_ledger: false,
     };
     h.feed(Input::StartupListed {
         pods: vec![],
         vms: vec![vm_info("SRCID", SRC, "running")],
+        owners: Default::default(),
     });
     let e = to_flight(&mut h, fork_pod("sub", "u1", "vk-ns-sub-0"));
     let e = answer(

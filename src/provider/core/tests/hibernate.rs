@@ -32,10 +32,12 @@ fn push_op(e: &[Effect]) -> OpId {
                 repo,
                 tag,
                 base_image,
+                owner,
             } => {
                 assert_eq!((local_name.as_str(), repo.as_str()), (VM, VM));
                 assert_eq!(tag, "hibernate");
                 assert_eq!(base_image, "team/agent:v3");
+                assert_eq!(owner, &crate::provider::owners::Owner::new("ns", "u1"));
                 Some(*op)
             }
             _ => None,
@@ -390,6 +392,8 @@ fn windows_resumed(state: &str) -> (H, Vec<Effect>) {
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH,
         quiet_reclaimer: true,
+        ledger: Default::default(),
+        hold_ledger: false,
     };
     let mut ann = managed("a", VM);
     ann.extend([
@@ -402,6 +406,7 @@ fn windows_resumed(state: &str) -> (H, Vec<Effect>) {
     let e = h.feed(Input::StartupListed {
         pods: vec![mk("a", "u1", &ann)],
         vms: vec![vm_info("VM1", VM, state)],
+        owners: Default::default(),
     });
     assert!(has_metric(
         &e,

@@ -417,3 +417,198 @@ fn a_pod_that_lost_its_vm_name_keeps_its_vm_at_startup_without_holding_it() {
         "an ID alone holds nothing"
     );
 }
+
+// ----- the ownership ledger -----------------------------------------------------------------
+
+use crate::provider::owners::{Owned, Owner, OwnerChange, Owners};
+
+fn records(e: &[Effect]) -> Vec<(OpId, Vec<OwnerChange>)> {
+    e.iter()
+        .filter_map(|x| match x {
+            Effect::RecordOwners { op, changes } => Some((*op, changes.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn set(kind: Owned, name: &str, ns: &str, uid: &str) -> OwnerChange {
+    OwnerChange::Set {
+        kind,
+        name: name.into(),
+        owner: Owner::new(ns, uid),
+    }
+}
+
+#[test]
+fn a_clone_runs_only_once_its_vms_owner_is_on_disk_and_not_when_the_write_fails() {
+    for ok in [true, false] {
+        let mut h = H::new(ProviderConfig::default());
+        let first = h.feed(Input::PodUpserted(Box::new(mk(
+            "a",
+            "u1",
+            &managed("a", "vk-ns-demo-0"),
+        ))));
+        let e = no_evidence(&mut h, &first);
+        let e = answer(
+            &mut h,
+            &e,
+            "snapshot rm fork-vk-ns-demo-0",
+            CocoonResult::ok(""),
+        );
+        h.hold_ledger = true;
+        let e = answer(
+            &mut h,
+            &e,
+            "snapshot inspect team/agent:v3",
+            CocoonResult::ok(r#"{"id":"S","name":"team/agent:v3"}"#),
+        );
+        let rec = records(&e);
+        assert_eq!(rec.len(), 1, "{e:?}");
+        assert_eq!(rec[0].1, vec![set(Owned::Vm, "vk-ns-demo-0", "ns", "u1")]);
+        assert!(
+            cocoon_ops(&e).is_empty(),
+            "no clone before the record: {e:?}"
+        );
+        let result = if ok {
+            Ok(())
+        } else {
+            Err("disk full".to_string())
+        };
+        let e = h.feed(Input::OwnersRecorded {
+            op: rec[0].0,
+            result,
+        });
+        if ok {
+            let (_, cmd) = one_cocoon(&e);
+            assert!(argv(&cmd).starts_with("vm clone"), "{}", argv(&cmd));
+        } else {
+            // No clone; the record is undone on the edge's copy too, and the create fails
+            // the way a failed clone does (its lookup, then a retry).
+            assert!(cocoon_ops(&e)
+                .iter()
+                .all(|(_, c)| !argv(c).starts_with("vm clone")));
+            let undo = records(&e);
+            assert_eq!(
+                undo.last().map(|(_, c)| c.clone()),
+                Some(vec![OwnerChange::Remove {
+                    kind: Owned::Vm,
+                    name: "vk-ns-demo-0".into()
+                }])
+            );
+        }
+    }
+}
+
+#[test]
+fn saves_and_pulls_run_once_their_snapshots_owner_is_on_disk() {
+    // Hibernate: `<vm>` is the pod's before the save.
+    let mut h = H::new(registry());
+    create_clone(&mut h, asking(false), "VM1");
+    h.hold_ledger = true;
+    let e = h.feed(Input::PodUpserted(Box::new(asking(true))));
+    let rec = records(&e);
+    assert_eq!(rec.len(), 1, "{e:?}");
+    assert_eq!(
+        rec[0].1,
+        vec![set(Owned::Snapshot, "vk-ns-demo-0", "ns", "u1")]
+    );
+    assert!(cocoon_ops(&e).is_empty());
+    let e = h.feed(Input::OwnersRecorded {
+        op: rec[0].0,
+        result: Ok(()),
+    });
+    assert_eq!(
+        argv(&one_cocoon(&e).1),
+        "snapshot save --name vk-ns-demo-0 VM1"
+    );
+}
+
+#[test]
+fn the_ledger_follows_what_exists_vms_and_snapshots_go_with_their_removal() {
+    let mut h = H::new(ProviderConfig::default());
+    create_clone(&mut h, asking(false), "VM1");
+    assert_eq!(
+        h.ledger.get(Owned::Vm, "vk-ns-demo-0"),
+        Some(&Owner::new("ns", "u1"))
+    );
+    let gone = deleted(asking(false));
+    let mut e = h.feed(Input::PodUpserted(Box::new(gone)));
+    while let Some((op, cmd)) = cocoon_ops(&e).first().cloned() {
+        let r = if argv(&cmd).starts_with("snapshot rm") {
+            CocoonResult::failed("Error: snapshot not found")
+        } else {
+            CocoonResult::ok("")
+        };
+        e = h.cocoon(op, r);
+    }
+    assert_eq!(h.ledger, Owners::default(), "{:?}", h.ledger);
+}
+
+#[test]
+fn at_startup_records_of_vms_that_are_gone_go_and_an_adopted_vm_is_recorded() {
+    let mut owners = Owners::default();
+    owners.apply(&set(Owned::Vm, "vk-ns-gone-0", "ns", "u9"));
+    owners.apply(&set(Owned::Vm, "vk-ns-demo-0", "ns", "u1"));
+    let mut ann = managed("b", "vk-ns-b-0");
+    ann.push((ANN_VM_ID, "V2".into()));
+    let keep = ProviderConfig {
+        orphan_policy: OrphanPolicy::Keep,
+        ..Default::default()
+    };
+    let (h, _) = H::starting_with(
+        keep,
+        vec![mk("b", "u2", &ann)],
+        vec![
+            vm_info("V1", "vk-ns-demo-0", "running"),
+            vm_info("V2", "vk-ns-b-0", "running"),
+        ],
+        owners,
+    );
+    assert_eq!(h.ledger.get(Owned::Vm, "vk-ns-gone-0"), None);
+    assert_eq!(
+        h.ledger.get(Owned::Vm, "vk-ns-demo-0"),
+        Some(&Owner::new("ns", "u1"))
+    );
+    assert_eq!(
+        h.ledger.get(Owned::Vm, "vk-ns-b-0"),
+        Some(&Owner::new("ns", "u2")),
+        "an earlier daemon's VM is recorded for the pod that holds it"
+    );
+}
+
+#[test]
+fn a_snapshot_listing_trims_the_records_of_snapshots_that_are_gone() {
+    let mut owners = Owners::default();
+    owners.apply(&set(Owned::Snapshot, "vk-ns-a-0", "ns", "u1"));
+    owners.apply(&set(Owned::Snapshot, "vk-ns-gone-0", "ns", "u9"));
+    let mut h = H {
+        p: Provider::new(ProviderConfig::default()),
+        now: Instant::now(),
+        wall: SystemTime::UNIX_EPOCH,
+        quiet_reclaimer: false,
+        ledger: owners.clone(),
+        hold_ledger: false,
+    };
+    let mut e = h.feed(Input::StartupListed {
+        pods: vec![],
+        vms: vec![],
+        owners,
+    });
+    e.extend(h.feed(Input::Tick));
+    let list = e
+        .iter()
+        .find_map(|x| match x {
+            Effect::Cocoon {
+                op,
+                cmd: CocoonCmd::SnapshotList,
+            } => Some(*op),
+            _ => None,
+        })
+        .expect("snapshot list");
+    h.cocoon(
+        list,
+        CocoonResult::ok(r#"[{"id":"S1","name":"vk-ns-a-0"}]"#),
+    );
+    assert!(h.ledger.get(Owned::Snapshot, "vk-ns-a-0").is_some());
+    assert_eq!(h.ledger.get(Owned::Snapshot, "vk-ns-gone-0"), None);
+}

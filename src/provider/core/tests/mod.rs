@@ -37,6 +37,11 @@ struct H {
     /// other operations' tests see only their own effects, and every "if it exists" snapshot
     /// removal runs as on a node not listed yet (the reclaimer's tests turn it off).
     quiet_reclaimer: bool,
+    /// The ownership ledger as the edge would have written it: every `RecordOwners` is
+    /// applied here and answered at once with success (unless `hold_ledger`).
+    ledger: crate::provider::owners::Owners,
+    /// Leave `RecordOwners` effects unanswered in what `feed` returns.
+    hold_ledger: bool,
 }
 
 impl H {
@@ -48,18 +53,46 @@ impl H {
 
     /// A daemon whose startup lists these pods and VMs; returns the startup's effects too.
     fn starting(cfg: ProviderConfig, pods: Vec<Pod>, vms: Vec<VmInfo>) -> (Self, Vec<Effect>) {
+        H::starting_with(cfg, pods, vms, Default::default())
+    }
+
+    /// A daemon whose startup lists these pods and VMs with this ownership ledger.
+    fn starting_with(
+        cfg: ProviderConfig,
+        pods: Vec<Pod>,
+        vms: Vec<VmInfo>,
+        owners: crate::provider::owners::Owners,
+    ) -> (Self, Vec<Effect>) {
         let mut h = H {
             p: Provider::new(cfg),
             now: Instant::now(),
             wall: SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000),
             quiet_reclaimer: true,
+            ledger: owners.clone(),
+            hold_ledger: false,
         };
-        let e = h.feed(Input::StartupListed { pods, vms });
+        let e = h.feed(Input::StartupListed { pods, vms, owners });
         (h, e)
     }
 
     fn feed(&mut self, i: Input) -> Vec<Effect> {
         let mut out = self.p.handle(i, self.now, self.wall);
+        while !self.hold_ledger {
+            let Some(at) = out
+                .iter()
+                .position(|e| matches!(e, Effect::RecordOwners { .. }))
+            else {
+                break;
+            };
+            let Effect::RecordOwners { op, changes } = out.remove(at) else {
+                break;
+            };
+            for c in &changes {
+                self.ledger.apply(c);
+            }
+            let answer = Input::OwnersRecorded { op, result: Ok(()) };
+            out.extend(self.p.handle(answer, self.now, self.wall));
+        }
         while self.quiet_reclaimer {
             let Some(at) = out.iter().position(|e| {
                 matches!(

@@ -107,8 +107,14 @@ fn started_with(vms: Vec<VmInfo>, pods: Vec<Pod>) -> (H, Vec<Effect>) {
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH,
         quiet_reclaimer: true,
+        ledger: Default::default(),
+        hold_ledger: false,
     };
-    let e = h.feed(Input::StartupListed { pods, vms });
+    let e = h.feed(Input::StartupListed {
+        pods,
+        vms,
+        owners: Default::default(),
+    });
     (h, e)
 }
 

@@ -450,11 +450,14 @@ fn restart_with(pcs: Option<&str>, vm: &str) -> Vec<Effect> {
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000),
         quiet_reclaimer: true,
+        ledger: Default::default(),
+        hold_ledger: false,
     };
     let vm = crate::provider::cocoon::parse_vm(vm).unwrap();
     h.feed(Input::StartupListed {
         pods: vec![mk("a", "u1", &ann)],
         vms: vec![vm],
+        owners: Default::default(),
     })
 }
 
@@ -657,11 +660,14 @@ fn a_resumed_windows_clone_whose_fix_up_was_done_runs_the_sac_pass_again() {
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000),
         quiet_reclaimer: true,
+        ledger: Default::default(),
+        hold_ledger: false,
     };
     let vm = crate::provider::cocoon::parse_vm(WINDOWS_STATIC_VM).unwrap();
     let e = h.feed(Input::StartupListed {
         pods: vec![mk("a", "u1", &ann)],
         vms: vec![vm],
+        owners: Default::default(),
     });
     assert!(events(&e)
         .iter()

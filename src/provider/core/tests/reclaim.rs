@@ -192,10 +192,13 @@ fn listing_outstanding(cfg: ProviderConfig) -> (H, OpId) {
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000),
         quiet_reclaimer: false,
+        ledger: Default::default(),
+        hold_ledger: false,
     };
     h.feed(Input::StartupListed {
         pods: vec![],
         vms: vec![],
+        owners: Default::default(),
     });
     let op = snapshot_list(&h.advance(Duration::ZERO)).expect("a first run at start");
     h.quiet_reclaimer = true;

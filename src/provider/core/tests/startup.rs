@@ -10,6 +10,8 @@ fn startup_adopts_by_id_and_name_and_destroys_orphans() {
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH,
         quiet_reclaimer: true,
+        ledger: Default::default(),
+        hold_ledger: false,
     };
     let mut by_id = managed("a", "vk-ns-demo-0");
     by_id.push((ANN_VM_ID, "V1".into()));
@@ -30,7 +32,11 @@ fn startup_adopts_by_id_and_name_and_destroys_orphans() {
             &managed("c", "vk-ns-demo-2")
         ))))
         .is_empty());
-    let e = h.feed(Input::StartupListed { pods, vms });
+    let e = h.feed(Input::StartupListed {
+        pods,
+        vms,
+        owners: Default::default(),
+    });
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm reconcile-stale-create V4 -o json");
     let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"V4","outcome":"collected"}"#));
@@ -74,10 +80,13 @@ fn orphan_alert_counts_and_keeps_for_adoption() {
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH,
         quiet_reclaimer: true,
+        ledger: Default::default(),
+        hold_ledger: false,
     };
     let e = h.feed(Input::StartupListed {
         pods: vec![],
         vms: vec![vm_info("V9", "vk-ns-demo-0", "running")],
+        owners: Default::default(),
     });
     assert!(has_metric(&e, &MetricUpdate::OrphanVm));
     assert!(cocoon_ops(&e).is_empty());
@@ -145,6 +154,8 @@ fn a_restart_keeps_the_vm_of_a_pod_whose_annotations_no_longer_parse() {
             now: Instant::now(),
             wall: SystemTime::UNIX_EPOCH,
             quiet_reclaimer: true,
+            ledger: Default::default(),
+            hold_ledger: false,
         };
         let mut ann = broken.clone();
         ann.push((ANN_VM_ID, "V1".into()));
@@ -160,6 +171,7 @@ fn a_restart_keeps_the_vm_of_a_pod_whose_annotations_no_longer_parse() {
         let e = h.feed(Input::StartupListed {
             pods: vec![p],
             vms: vec![vm_info("V1", "vk-ns-demo-0", "running")],
+            owners: Default::default(),
         });
         assert!(
             cocoon_ops(&e).iter().all(|(_, c)| !argv(c).contains("rm")),
@@ -198,6 +210,8 @@ fn a_running_pod_whose_vm_vanished_across_a_restart_is_evicted_not_recreated() {
             now: Instant::now(),
             wall: SystemTime::UNIX_EPOCH,
             quiet_reclaimer: true,
+            ledger: Default::default(),
+            hold_ledger: false,
         };
         let mut ann = managed("a", "vk-ns-demo-0");
         if let Some(id) = id {
@@ -215,6 +229,7 @@ fn a_running_pod_whose_vm_vanished_across_a_restart_is_evicted_not_recreated() {
         let e = h.feed(Input::StartupListed {
             pods: vec![p],
             vms: vec![],
+            owners: Default::default(),
         });
         let (op, cmd) = one_cocoon(&e);
         assert_eq!(argv(&cmd), format!("vm inspect {reference}"));
@@ -245,12 +260,15 @@ fn a_pending_pod_whose_recorded_vm_is_gone_is_created_at_startup() {
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH,
         quiet_reclaimer: true,
+        ledger: Default::default(),
+        hold_ledger: false,
     };
     let mut ann = managed("a", "vk-ns-demo-0");
     ann.push((ANN_VM_ID, "V1".into()));
     let e = h.feed(Input::StartupListed {
         pods: vec![mk("a", "u1", &ann)],
         vms: vec![],
+        owners: Default::default(),
     });
     let cmds: Vec<String> = cocoon_ops(&e).iter().map(|(_, c)| argv(c)).collect();
     assert!(
@@ -277,6 +295,8 @@ fn a_large_startup_adopts_in_chunks_and_decides_orphans_after_the_last() {
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH,
         quiet_reclaimer: true,
+        ledger: Default::default(),
+        hold_ledger: false,
     };
     let n = 150;
     let pods: Vec<Pod> = (0..n)
@@ -302,7 +322,11 @@ fn a_large_startup_adopts_in_chunks_and_decides_orphans_after_the_last() {
     // Pods of one age are taken by key: "p99" comes last.
     let last = PodKey::new("ns", "p99");
 
-    let e = h.feed(Input::StartupListed { pods, vms });
+    let e = h.feed(Input::StartupListed {
+        pods,
+        vms,
+        owners: Default::default(),
+    });
     assert!(h.p.pod_vm(&PodKey::new("ns", "p0")).is_some());
     assert!(h.p.pod_vm(&last).is_none(), "all pods adopted in one input");
     assert!(removals(&e).is_empty(), "{:?}", removals(&e));
@@ -390,6 +414,8 @@ fn a_vm_removed_or_stopped_during_the_startup_reconcile_is_checked_once_it_ends(
             now: Instant::now(),
             wall: SystemTime::UNIX_EPOCH,
             quiet_reclaimer: true,
+            ledger: Default::default(),
+            hold_ledger: false,
         };
         let mut ann = managed("a", "vk-ns-demo-0");
         ann.push((ANN_VM_ID, "V1".into()));
@@ -400,6 +426,7 @@ fn a_vm_removed_or_stopped_during_the_startup_reconcile_is_checked_once_it_ends(
                 vm_info("V1", "vk-ns-demo-0", "running"),
                 vm_info("V4", "vk-ns-half-0", "creating"),
             ],
+            owners: Default::default(),
         });
         let (stale, cmd) = one_cocoon(&e);
         assert_eq!(argv(&cmd), "vm reconcile-stale-create V4 -o json");
