@@ -338,6 +338,7 @@ impl Sim {
                         base_image: "team/agent:v1".into(),
                         snapshot_id: id.clone(),
                         from_node: "sim".into(),
+                        ..Default::default()
                     }))
                 };
                 Input::HibernateEvidence { op: *op, result }
@@ -714,6 +715,12 @@ impl Sim {
             Effect::SacPass { op, .. } => {
                 let l = self.latency();
                 self.later(l, Delivery::Input(Input::SacDone { op, result: Ok(()) }));
+            }
+            // The simulated images are base images: their manifests name no owner.
+            Effect::ReadSnapshotTag { op, .. } => {
+                let l = self.latency();
+                let result = Ok(Some(HibernateTag::default()));
+                self.later(l, Delivery::Input(Input::HibernateEvidence { op, result }));
             }
             Effect::RecordOwners { op, changes } => {
                 for c in &changes {

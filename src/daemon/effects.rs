@@ -278,7 +278,10 @@ impl Daemon {
                     materialise_image(registry, &bin, &image, force)
                 });
             }
-            Effect::CheckHibernateEvidence { op, vm_name } => self.check_evidence(op, vm_name),
+            Effect::CheckHibernateEvidence { op, vm_name } => {
+                self.read_tag(op, vm_name, "hibernate".into())
+            }
+            Effect::ReadSnapshotTag { op, repo, tag } => self.read_tag(op, repo, tag),
             Effect::DeleteSnapshotTag { op, repo, tag } => {
                 self.transfer(op, move |registry| {
                     let r = registry.reference(&repo, &tag)?;
@@ -349,9 +352,10 @@ impl Daemon {
         }
     }
 
-    /// One manifest GET of `<vm>:hibernate` on the pool, outside the transfer queue: a create
-    /// must not wait for unrelated multi-GiB pulls to learn whether its VM was hibernated.
-    fn check_evidence(&mut self, op: OpId, vm_name: String) {
+    /// One manifest GET of `repo:tag` on the pool, outside the transfer queue: a create must
+    /// not wait for unrelated multi-GiB pulls to learn whether its VM was hibernated, nor
+    /// whose snapshot an image is.
+    fn read_tag(&mut self, op: OpId, repo: String, tag: String) {
         let Some(registry) = self.registry.clone() else {
             let result = Err(no_registry());
             self.pending
@@ -359,11 +363,14 @@ impl Daemon {
             return;
         };
         let job = move || {
-            let result = manifest_info(&registry, &vm_name, "hibernate").map(|found| {
+            let result = manifest_info(&registry, &repo, &tag).map(|found| {
                 found.map(|info| HibernateTag {
                     base_image: info.base_image().unwrap_or("").to_string(),
                     snapshot_id: info.snapshot_id.clone().unwrap_or_default(),
                     from_node: info.from_node().unwrap_or("").to_string(),
+                    owner_namespace: info.owner_namespace().unwrap_or("").to_string(),
+                    owner_pod_uid: info.owner_pod_uid().unwrap_or("").to_string(),
+                    digest: info.digest.clone(),
                 })
             });
             Work::Evidence { op, result }

@@ -48,6 +48,8 @@
 //!   `vm clone --from-dir`, or an error.
 //! * [`Effect::CheckHibernateEvidence`] `{op, vm_name}`: look the registry tag
 //!   `<vm_name>:hibernate` up (a worker job); answer [`Input::HibernateEvidence`].
+//! * [`Effect::ReadSnapshotTag`] `{op, repo, tag}`: the same lookup for any tag; answer
+//!   [`Input::HibernateEvidence`].
 //! * [`Effect::DeleteSnapshotTag`] `{op, repo, tag}`: delete that manifest (404 = done);
 //!   answer [`Input::TransferDone`].
 //! * [`Effect::RecordOwners`] `{op, changes}`: apply the changes to the ownership ledger on
@@ -150,7 +152,8 @@ impl Default for ProviderConfig {
     }
 }
 
-/// What the registry's `<vm>:hibernate` manifest says (each field empty when absent).
+/// What a registry tag's manifest says (`<vm>:hibernate`, or any tag read with
+/// [`Effect::ReadSnapshotTag`]); each field empty when absent.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HibernateTag {
     /// Manifest annotation `cocoonstack.snapshot.baseimage`.
@@ -159,6 +162,12 @@ pub struct HibernateTag {
     pub snapshot_id: String,
     /// Manifest annotation `cocoonstack.snapshot.from-node`.
     pub from_node: String,
+    /// Manifest annotations `cocoonstack.snapshot.owner-namespace` / `owner-pod-uid`: whose
+    /// VM snapshot this is (empty for a base image, or a snapshot pushed before owners were).
+    pub owner_namespace: String,
+    pub owner_pod_uid: String,
+    /// `sha256:` digest of the manifest as read: a pull of exactly what was checked.
+    pub digest: String,
 }
 
 /// Kubernetes API failure classes the core distinguishes.
@@ -496,6 +505,13 @@ pub enum Effect {
     CheckHibernateEvidence {
         op: OpId,
         vm_name: String,
+    },
+    /// Read the manifest of `repo:tag` (its owner, before a pull reads or a push replaces
+    /// it); answer [`Input::HibernateEvidence`] (`Ok(None)` when the tag does not exist).
+    ReadSnapshotTag {
+        op: OpId,
+        repo: String,
+        tag: String,
     },
     /// DELETE the registry manifest `repo:tag` (a 404 counts as done); answer `TransferDone`.
     DeleteSnapshotTag {

@@ -45,6 +45,9 @@ impl Provider {
             };
             return self.reject(key, &pod, e);
         }
+        if let Some(message) = self.unheld_vm_refusal(key, &spec) {
+            return self.refuse_vm_name(key, &pod, message);
+        }
         let start_time = pod
             .status
             .as_ref()
@@ -191,19 +194,6 @@ impl Provider {
                 spec.vm_name
             ));
         }
-        // A VM no live pod holds (kept at startup, or left by a failed create) is adopted by
-        // name only from the namespace its name was made for: operator names are
-        // `vk-<namespace>-…` or `vk-<namespace>.…` (the operator's VM naming).
-        let namespace_held_it = self.last_holder_ns.get(&spec.vm_name) == Some(&key.namespace);
-        if self.by_name.contains_key(&spec.vm_name)
-            && !namespace_held_it
-            && !named_for(&spec.vm_name, &key.namespace)
-        {
-            return Some(format!(
-                "vm {} exists and is not named for namespace {}; it is not adopted",
-                spec.vm_name, key.namespace
-            ));
-        }
         if !spec.managed && !spec.vm_id.is_empty() {
             let other = self
                 .by_name
@@ -255,7 +245,7 @@ impl Provider {
                 format!("remove the local snapshot {vm}"),
             )
         };
-        let base = match found {
+        let tag = match found {
             Ok(None) if c.spec.restore_from_hibernate => {
                 // Asked for explicitly: the wake source resolution says what is missing.
                 return self.start_wake(key, true);
@@ -263,7 +253,9 @@ impl Provider {
             Ok(None) => {
                 self.fork_invalidate(vm);
                 let name = spec::fork_snapshot_name(vm);
-                if !self.snapshot_may_exist(&name) {
+                // A fork snapshot recorded for another namespace is left (and never handed
+                // out: the fork flight checks its owner); an unrecorded one is only a cache.
+                if !self.snapshot_may_exist(&name) || self.snapshot_of_another(key, &name) {
                     return self.fresh_bring_up(key, c);
                 }
                 return self.advance(
@@ -286,8 +278,14 @@ impl Provider {
                 );
                 return self.fail_create_as(key, &c.uid, "HibernateEvidenceFailed", &msg, true);
             }
-            Ok(Some(tag)) => tag.base_image,
+            Ok(Some(tag)) => tag,
         };
+        let ours = if self.cfg.registry {
+            self.tag_readable(key, vm, &tag)
+        } else {
+            self.owns_snapshot(key, vm, vm)
+        };
+        let base = tag.base_image;
         let explicit_source = c.spec.clone_from_dir.is_some() || !c.spec.fork_from.is_empty();
         let (verdict, msg) = if explicit_source {
             (
@@ -306,6 +304,20 @@ impl Provider {
                     c.spec.image
                 ),
             )
+        } else if !ours {
+            // Restoring would read another namespace's hibernation (or one no record or name
+            // ties to this one).
+            let msg = format!(
+                "pod {key}: vm {vm} has a hibernate snapshot ({place}) that is not recorded \
+                 for namespace {}; it is not restored",
+                key.namespace
+            );
+            return self.refuse_create(
+                key,
+                isolation::EVENT_SNAPSHOT_NOT_IN_NS,
+                isolation::REASON_SNAPSHOT_NOT_IN_NS,
+                msg,
+            );
         } else {
             self.metric(MetricUpdate::HibernateEvidence {
                 verdict: "restored",
@@ -406,7 +418,8 @@ impl Provider {
         let pulling = puller != key
             && self.slots.get(puller).is_some_and(|s| {
                 matches!(&s.op, Some(Op::Create(c))
-                    if matches!(c.step, CreateStep::PullSnapshot) && c.local_snapshot == local)
+                    if matches!(c.step, CreateStep::ImageTag | CreateStep::PullSnapshot)
+                        && c.local_snapshot == local)
             });
         if !pulling {
             self.pulls.remove(local);
@@ -420,6 +433,81 @@ impl Provider {
             self.pulls.remove(&c.local_snapshot);
         }
         r
+    }
+
+    /// Whether pod `key` may clone the local snapshot of its image: one recorded for its
+    /// namespace; with no record, a base image (its repository is no VM's name) or a VM
+    /// snapshot whose name proves the namespace.
+    fn image_snapshot_readable(&self, key: &PodKey, c: &CreateOp) -> bool {
+        let (repo, _) = crate::snapshots::reference::split_image_ref(&c.spec.image);
+        match self.owner_of(Owned::Snapshot, &c.local_snapshot) {
+            Some(o) => o.namespace == key.namespace,
+            None => !isolation::vm_repository(&repo) || isolation::owned_by(None, &repo, key),
+        }
+    }
+
+    /// The image's manifest, read before its pull: a VM snapshot of another namespace (or of
+    /// none the record or name ties to the pod's) is refused; otherwise exactly the manifest
+    /// read is pulled (by its digest), a VM snapshot once its owner is on record.
+    fn image_tag_read(
+        &mut self,
+        key: &PodKey,
+        c: &CreateOp,
+        r: Result<Option<HibernateTag>, TransferError>,
+    ) {
+        let (repo, tag) = crate::snapshots::reference::split_image_ref(&c.spec.image);
+        let local = c.local_snapshot.clone();
+        let found = match r {
+            Ok(found) => found,
+            Err(e) => {
+                self.pull_done(key, c, ());
+                self.metric(MetricUpdate::SnapshotPull { result: "failed" });
+                let msg = format!("read the manifest of {}: {e}", c.spec.image);
+                return self.fail_create(key, &c.uid, &msg, true);
+            }
+        };
+        let vm_snapshot = found.as_ref().map_or(isolation::vm_repository(&repo), |t| {
+            isolation::vm_snapshot_tag(&repo, t)
+        });
+        let owner = found.as_ref().map(|t| t.owner_namespace.as_str());
+        if vm_snapshot && !isolation::owned_by(owner, &repo, key) {
+            self.pull_done(key, c, ());
+            let msg = format!(
+                "pod {key}: image {} is a VM snapshot not recorded for namespace {}; a pod \
+                 clones only its own namespace's VM snapshots",
+                c.spec.image, key.namespace
+            );
+            return self.refuse_create(
+                key,
+                isolation::EVENT_SNAPSHOT_NOT_IN_NS,
+                isolation::REASON_SNAPSHOT_NOT_IN_NS,
+                msg,
+            );
+        }
+        let target = found
+            .as_ref()
+            .map(|t| t.digest.clone())
+            .filter(|d| !d.is_empty())
+            .unwrap_or(tag);
+        let pull = Effect::PullSnapshot {
+            op: 0,
+            repo,
+            tag: target,
+            local_name: local.clone(),
+        };
+        let ask = match found.filter(|_| vm_snapshot) {
+            Some(t) => {
+                let ns = if t.owner_namespace.is_empty() {
+                    key.namespace.clone()
+                } else {
+                    t.owner_namespace
+                };
+                let owner = Owner::new(&ns, &t.owner_pod_uid);
+                Self::owned_then(Owned::Snapshot, &local, owner, Deferred::Effect(pull))
+            }
+            None => Ask::effect(move |op| ledger::with_op_id(pull, op)),
+        };
+        self.advance(key, CreateStep::PullSnapshot, ask)
     }
 
     /// The poll timer of a pod waiting for another pod's pull: look at the snapshot again.
@@ -472,6 +560,20 @@ impl Provider {
                     // Only a VM of this very name (not one whose ID it prefixes).
                     let vm = parse_vm(&r.stdout).ok();
                     if let Some(vm) = vm.filter(|v| isolation::vm_named(v, &spec.vm_name)) {
+                        // A VM no live pod holds: only the namespace that owns it takes it
+                        // (or removes it as a leftover).
+                        if !self.vm_adoptable(key, &spec.vm_id, &vm) {
+                            let msg = format!(
+                                "pod {key}: vm {} exists and is not recorded for namespace {}; \
+                                 it is not adopted",
+                                spec.vm_name, key.namespace
+                            );
+                            let (event, reason) = (
+                                isolation::EVENT_VM_NOT_IN_NS,
+                                isolation::REASON_VM_NOT_IN_NS,
+                            );
+                            return self.refuse_create(key, event, reason, msg);
+                        }
                         if vm.running() {
                             self.lifecycle_metric("create", "ok", "adopted");
                             return self.vm_up(key, vm, true);
@@ -563,17 +665,25 @@ impl Provider {
                         let at = self.now + PULL_WAIT_POLL;
                         return self.advance(key, CreateStep::PullWait, Ask::Timer(at));
                     }
+                    // Whose snapshot the image is, before anything of it is pulled.
                     self.pulls.insert(c.local_snapshot.clone(), key.clone());
                     let (repo, tag) = crate::snapshots::reference::split_image_ref(&spec.image);
-                    let local = c.local_snapshot.clone();
-                    let ask = Ask::effect(|op| Effect::PullSnapshot {
-                        op,
-                        repo,
-                        tag,
-                        local_name: local,
-                    });
-                    return self.advance(key, CreateStep::PullSnapshot, ask);
+                    let ask = Ask::effect(|op| Effect::ReadSnapshotTag { op, repo, tag });
+                    return self.advance(key, CreateStep::ImageTag, ask);
                 };
+                if !self.image_snapshot_readable(key, &c) {
+                    let msg = format!(
+                        "pod {key}: image {} is a VM snapshot not recorded for namespace {}; \
+                         a pod clones only its own namespace's VM snapshots",
+                        spec.image, key.namespace
+                    );
+                    return self.refuse_create(
+                        key,
+                        isolation::EVENT_SNAPSHOT_NOT_IN_NS,
+                        isolation::REASON_SNAPSHOT_NOT_IN_NS,
+                        msg,
+                    );
+                }
                 if !pulled {
                     self.metric(MetricUpdate::SnapshotPull { result: "ok" });
                 }
@@ -610,6 +720,7 @@ impl Provider {
                 self.do_clone(key)
             }
             (CreateStep::ForkWait { .. }, Res::Fork(r)) => self.fork_landed(key, &c, r),
+            (CreateStep::ImageTag, Res::Evidence(r)) => self.image_tag_read(key, &c, r),
             (CreateStep::PullSnapshot, Res::Transfer(r)) => match self.pull_done(key, &c, r) {
                 Ok(_) => {
                     self.metric(MetricUpdate::SnapshotPull { result: "ok" });
@@ -888,12 +999,4 @@ impl Provider {
             })
         }
     }
-}
-
-/// Whether a VM name carries the operator's prefix for `namespace` (`vk-<ns>-` or `vk-<ns>.`).
-pub(super) fn named_for(vm_name: &str, namespace: &str) -> bool {
-    vm_name
-        .strip_prefix("vk-")
-        .and_then(|rest| rest.strip_prefix(namespace))
-        .is_some_and(|rest| rest.starts_with('-') || rest.starts_with('.'))
 }

@@ -67,6 +67,7 @@ impl Provider {
         if self
             .vm_claimed_elsewhere(key, &pod_uid(pod), &spec)
             .is_some()
+            || self.unheld_vm_refusal(key, &spec).is_some()
         {
             return false;
         }
@@ -109,11 +110,16 @@ impl Provider {
         // The pod's own VM only: of its name exactly, and by ID only with that name. An answer
         // for another VM (its ID prefixed by the value looked up) is as good as none.
         let other = found.as_ref().is_some_and(|v| {
-            if by_id {
-                !isolation::vm_is(v, &t.spec.vm_id, &t.spec.vm_name)
+            let exact = if by_id {
+                isolation::vm_is(v, &t.spec.vm_id, &t.spec.vm_name)
             } else {
-                !isolation::vm_named(v, &t.spec.vm_name)
-            }
+                isolation::vm_named(v, &t.spec.vm_name)
+            };
+            // A VM of the name recorded for another namespace is not this pod's either.
+            !exact
+                || self
+                    .owner_of(Owned::Vm, &v.name)
+                    .is_some_and(|o| o.namespace != key.namespace)
         });
         if r.vm_not_found() || other {
             if !by_id && t.spec.vm_id != t.spec.vm_name && lookup_reference_ok(&t.spec.vm_id) {
@@ -371,8 +377,13 @@ impl Provider {
 
     /// Unless kept, the VM's local snapshots go with it: `<vm>` (its hibernate snapshot when
     /// there is no registry), then `fork-<vm>`; each removal only when that snapshot may exist.
+    /// `<vm>` is removed only when the pod's namespace owns it (by record, or unrecorded and
+    /// proved by the name): it may be the only copy of a hibernation, and another's, or an
+    /// earlier daemon's the name does not tie to the namespace, is left to the reclaimer.
+    /// `fork-<vm>` (a cache) is removed unless recorded for another namespace.
     fn delete_rm_snapshots(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp) {
-        if !self.snapshot_may_exist(&d.vm_name) {
+        if !self.snapshot_may_exist(&d.vm_name) || !self.owns_snapshot(key, &d.vm_name, &d.vm_name)
+        {
             return self.delete_rm_fork_snapshot(key, t, d);
         }
         let name = d.vm_name.clone();
@@ -387,7 +398,7 @@ impl Provider {
         // A flight saving it meanwhile must not hand out what it lands.
         self.fork_invalidate(&d.vm_name);
         let name = spec::fork_snapshot_name(&d.vm_name);
-        if !self.snapshot_may_exist(&name) {
+        if !self.snapshot_may_exist(&name) || self.snapshot_of_another(key, &name) {
             return self.delete_snapshots_gone(key, t, d);
         }
         self.advance(

@@ -3,6 +3,13 @@
 
 use super::*;
 
+/// Whose VM a fork source is, for the pod forking it.
+enum SourceOwner {
+    Own,
+    Other,
+    Unknown,
+}
+
 /// How long the fork save may run before it is killed. The contract gives the save no bound
 /// of its own (cocoon's verb class would let it hang for the one-hour transfer deadline, with
 /// every forking create waiting Pending all along). A fork save exists only to feed the
@@ -16,17 +23,33 @@ impl Provider {
     /// A fresh create with `fork-from` (after the `fork-<own vm>` removal, when it may exist):
     /// join the flight of its source, starting one when none runs. The pod waits in `ForkWait`.
     pub(super) fn fork_begin(&mut self, key: &PodKey, source: &str) {
-        if !self.fork_source_of_namespace(key, source) {
-            let uid = self
-                .create_op(key)
-                .map(|c| c.uid.clone())
-                .unwrap_or_default();
-            let msg = format!(
-                "fork-from: vm {source} is not a VM of namespace {}; a pod forks only VMs of \
-                 its own namespace (named vk-{}-… or held by a pod there)",
-                key.namespace, key.namespace
-            );
-            return self.fail_create(key, &uid, &msg, true);
+        let uid = self
+            .create_op(key)
+            .map(|c| c.uid.clone())
+            .unwrap_or_default();
+        match self.fork_source_owner(key, source) {
+            SourceOwner::Own => {}
+            SourceOwner::Other => {
+                let msg = format!(
+                    "pod {key}: fork-from: vm {source} is not a VM of namespace {}; a pod forks \
+                     only VMs of its own namespace",
+                    key.namespace
+                );
+                let (event, reason) = (
+                    isolation::EVENT_VM_NOT_IN_NS,
+                    isolation::REASON_VM_NOT_IN_NS,
+                );
+                return self.refuse_create(key, event, reason, msg);
+            }
+            // Not known yet (the source's pod may not be up): the create is retried.
+            SourceOwner::Unknown => {
+                let msg = format!(
+                    "fork-from: vm {source} is not known to be a VM of namespace {}: no pod of \
+                     the namespace holds it, none recorded it and its name does not prove it",
+                    key.namespace
+                );
+                return self.fail_create(key, &uid, &msg, true);
+            }
         }
         self.advance(
             key,
@@ -61,17 +84,28 @@ impl Provider {
         );
     }
 
-    /// Ownership: a fork copies the source's memory and disk, so a pod may fork only a VM of
-    /// its own namespace: one named for it (the operator's `vk-<namespace>-` names) or one a
-    /// pod of that namespace holds or names. Never a VM of another tenant.
-    fn fork_source_of_namespace(&self, key: &PodKey, source: &str) -> bool {
-        create::named_for(source, &key.namespace)
-            || self.slots.iter().any(|(k, s)| {
-                k.namespace == key.namespace
-                    && s.tracked.as_ref().is_some_and(|t| {
-                        t.spec.vm_name == source || t.vm.as_ref().is_some_and(|v| v.name == source)
-                    })
-            })
+    /// Ownership: a fork copies the source's memory and disk, so a pod forks only a VM of its
+    /// own namespace. A live pod holding the source decides; else the VM's record; else its
+    /// name when it proves a namespace. The `vk-<ns>-` prefix alone proves nothing: `team`
+    /// shares it with `team-prod`.
+    fn fork_source_owner(&self, key: &PodKey, source: &str) -> SourceOwner {
+        let holder = self.slots.iter().find_map(|(k, s)| {
+            let t = s.tracked.as_ref()?;
+            let holds = t.spec.vm_name == source || t.vm.as_ref().is_some_and(|v| v.name == source);
+            holds.then_some(k.namespace.as_str())
+        });
+        let record = self
+            .owner_of(Owned::Vm, source)
+            .map(|o| o.namespace.as_str());
+        let ns = key.namespace.as_str();
+        let by_name = crate::provider::naming::owner(source, &[]);
+        match holder.or(record) {
+            Some(owner) if owner == ns => SourceOwner::Own,
+            Some(_) => SourceOwner::Other,
+            None if by_name.proves(ns) => SourceOwner::Own,
+            None if by_name.admits(ns) => SourceOwner::Unknown,
+            None => SourceOwner::Other,
+        }
     }
 
     /// Moves the flight of `source` to `step` and runs the cocoon call that step waits on.
@@ -109,7 +143,7 @@ impl Provider {
                 // Another snapshot than `fork-<source>` (an ID-prefix match) is none.
                 let found = r.success.then(|| isolation::inspected_snapshot(&r, &name));
                 match found {
-                    Some(Ok(Some(s))) => return self.fork_done(source, Ok(s.hypervisor)),
+                    Some(Ok(Some(s))) => return self.fork_snapshot_found(source, s.hypervisor),
                     Some(Err(e)) => return self.fork_done(source, Err(e)),
                     Some(Ok(None)) | None => {}
                 }
@@ -118,19 +152,15 @@ impl Provider {
                     let msg = format!("inspect fork snapshot {name}: {}", r.error_text());
                     return self.fork_done(source, Err(msg));
                 }
-                match self.by_name.get(source).filter(|v| !v.id.is_empty()) {
-                    Some(vm) => {
-                        let (id, hv) = (vm.id.clone(), vm.hypervisor.clone());
-                        self.fork_save(source, id, hv, false)
-                    }
-                    None => self.fork_cocoon(
-                        source,
-                        ForkStep::FindSource,
-                        CocoonCmd::VmInspect {
-                            reference: source.to_string(),
-                        },
-                    ),
+                self.fork_find_source(source, false)
+            }
+            ForkStep::RmUnowned => {
+                if !r.success && !r.snapshot_not_found() {
+                    let msg = format!("remove unrecorded {name}: {}", r.error_text());
+                    return self.fork_done(source, Err(msg));
                 }
+                self.snapshot_removed(&name, &r);
+                self.fork_find_source(source, true)
             }
             ForkStep::FindSource => {
                 if r.vm_not_found() {
@@ -185,9 +215,11 @@ impl Provider {
             }
             ForkStep::TakenInspect { holder } => {
                 let found = r.success.then(|| isolation::inspected_snapshot(&r, &name));
-                if let Some(landed) = found.and_then(Result::transpose) {
+                match found.and_then(Result::transpose) {
                     // Another save (a create of an earlier process) landed it: reuse it.
-                    return self.fork_done(source, landed.map(|s| s.hypervisor));
+                    Some(Ok(s)) => return self.fork_snapshot_found(source, s.hypervisor),
+                    Some(Err(e)) => return self.fork_done(source, Err(e)),
+                    None => {}
                 }
                 // Invisible but holding the name: the half-saved record of an interrupted
                 // save. Removing it is what lets this fork (and any later one) save again.
@@ -217,6 +249,43 @@ impl Provider {
                 }
                 self.fork_save(source, source_id, source_hv, true)
             }
+        }
+    }
+
+    /// `fork-<source>` exists: handed out when it is recorded for the flight's namespace;
+    /// one recorded for another namespace fails the flight; an unrecorded one (an earlier
+    /// daemon's) is removed and saved afresh from the source.
+    fn fork_snapshot_found(&mut self, source: &str, hypervisor: String) {
+        let name = spec::fork_snapshot_name(source);
+        let ns = self
+            .forks
+            .get(source)
+            .map(|f| f.namespace.clone())
+            .unwrap_or_default();
+        match self.owner_of(Owned::Snapshot, &name) {
+            Some(o) if o.namespace == ns => self.fork_done(source, Ok(hypervisor)),
+            Some(_) => {
+                let msg = format!("fork-from: {name} is not recorded for namespace {ns}");
+                self.fork_done(source, Err(msg))
+            }
+            None => self.fork_cocoon(source, ForkStep::RmUnowned, CocoonCmd::SnapshotRm { name }),
+        }
+    }
+
+    /// The source VM: from the name index, else `vm inspect <source>`; then the save.
+    fn fork_find_source(&mut self, source: &str, retried: bool) {
+        match self.by_name.get(source).filter(|v| !v.id.is_empty()) {
+            Some(vm) => {
+                let (id, hv) = (vm.id.clone(), vm.hypervisor.clone());
+                self.fork_save(source, id, hv, retried)
+            }
+            None => self.fork_cocoon(
+                source,
+                ForkStep::FindSource,
+                CocoonCmd::VmInspect {
+                    reference: source.to_string(),
+                },
+            ),
         }
     }
 

@@ -25,7 +25,7 @@ pub(super) enum RecordFor {
 }
 
 /// `effect` with its op id set (the registry effects a step may defer).
-fn with_op_id(mut effect: Effect, id: OpId) -> Effect {
+pub(super) fn with_op_id(mut effect: Effect, id: OpId) -> Effect {
     match &mut effect {
         Effect::PullSnapshot { op, .. } | Effect::PushSnapshot { op, .. } => *op = id,
         _ => {}

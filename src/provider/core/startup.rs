@@ -374,6 +374,15 @@ impl Provider {
                     return;
                 }
                 a.claimed.insert(vm.id.clone());
+                let id = pod
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get(ANN_VM_ID));
+                if !self.vm_adoptable(&key, id.map_or("", String::as_str), &vm) {
+                    // Claimed (never destroyed on input we could not read), not tracked.
+                    return;
+                }
                 a.adopted += 1;
                 let uid = pod_uid(&pod);
                 self.event(
@@ -451,6 +460,13 @@ impl Provider {
             return;
         }
         a.claimed.insert(vm.id.clone());
+        // A VM recorded for another namespace (or, unrecorded, one neither its name nor the
+        // pod's exact id ties to the pod's) is not adopted: its create refuses the pod. It is
+        // left alone all the same (claimed): no VM is destroyed on account of a pod that
+        // only named it; the next start with no pod naming it applies the orphan policy.
+        if !self.vm_adoptable(&key, &spec.vm_id, &vm) {
+            return;
+        }
         a.adopted += 1;
         self.startup_cpu_class_gate(&key, &pod, &spec);
         self.adopt_at_startup(&key, &pod, spec, vm);

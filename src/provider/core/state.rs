@@ -30,6 +30,8 @@ pub(super) enum CreateStep {
     SnapInspect {
         pulled: bool,
     },
+    /// The image's manifest is read (whose snapshot it is) before its pull.
+    ImageTag,
     PullSnapshot,
     /// Another pod is pulling this snapshot: look again when the poll timer fires.
     PullWait,
@@ -90,6 +92,8 @@ pub(super) enum ForkStep {
     Inspect,
     /// The source VM is not in the name index: `vm inspect <source>`.
     FindSource,
+    /// An unrecorded `fork-<source>` (an earlier daemon's) is removed before a fresh save.
+    RmUnowned,
     /// The owner of `fork-<source>` is being recorded; the save follows.
     Record { retried: bool },
     /// `snapshot save --name fork-<source> <source id>`.

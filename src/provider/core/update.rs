@@ -214,8 +214,20 @@ impl Provider {
         reason: &'static str,
         err: &str,
     ) {
+        self.update_failed_as(key, uid, reason, "", err)
+    }
+
+    /// `update_failed` counted under `metric_reason`.
+    pub(super) fn update_failed_as(
+        &mut self,
+        key: &PodKey,
+        uid: &str,
+        reason: &'static str,
+        metric_reason: &'static str,
+        err: &str,
+    ) {
         log::warn!("provider: {key}: {err}");
-        self.lifecycle_metric("update", "failed", "");
+        self.lifecycle_metric("update", "failed", metric_reason);
         self.event(
             key,
             uid,

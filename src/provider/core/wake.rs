@@ -8,6 +8,11 @@ fn fail(reason: &'static str, message: String) -> OpFailure {
     OpFailure { reason, message }
 }
 
+/// Why a wake does not read tag `<vm>:hibernate` (nothing of its owner is told).
+fn tag_refusal(vm: &str, ns: &str) -> String {
+    format!("{vm}:{HIBERNATE_TAG} is not recorded for namespace {ns}; it is not restored")
+}
+
 /// The local snapshot a registry pull of the hibernate tag lands in (removed after the clone).
 pub(super) fn import_name(vm_name: &str) -> String {
     format!("{vm_name}-hibernate-import")
@@ -92,7 +97,25 @@ impl Provider {
                     },
                     false => None,
                 };
-                if let Some(snap) = local {
+                // A local copy recorded for another namespace is never read; one that no
+                // record or name ties to the pod's is passed over for the registry's tag.
+                if local.is_some() && self.snapshot_of_another(key, &vm) {
+                    let msg = format!(
+                        "the local snapshot {vm} is not recorded for namespace {}",
+                        key.namespace
+                    );
+                    return self.wake_refused(key, &w.uid, w.restore, msg);
+                }
+                let owned = self.owns_snapshot(key, &vm, &vm);
+                if local.is_some() && !owned && !self.cfg.registry {
+                    let msg = format!(
+                        "the local snapshot {vm} is not recorded for namespace {} and its name \
+                         does not prove it",
+                        key.namespace
+                    );
+                    return self.wake_refused(key, &w.uid, w.restore, msg);
+                }
+                if let Some(snap) = local.filter(|_| owned) {
                     if !self.cfg.registry {
                         // Without a registry the local copy is the only one, and trusted.
                         let label = format!("local snapshot {vm}");
@@ -130,6 +153,10 @@ impl Provider {
                 },
                 Res::Evidence(found),
             ) => match found {
+                Ok(Some(tag)) if !self.tag_readable(key, &vm, &tag) => {
+                    let msg = tag_refusal(&vm, &key.namespace);
+                    self.wake_refused(key, &w.uid, w.restore, msg)
+                }
                 Ok(Some(tag)) if !tag.snapshot_id.is_empty() && tag.snapshot_id == local_id => {
                     self.metric(MetricUpdate::SnapshotVerify { result: "ok" });
                     let label = format!("local snapshot {vm}");
@@ -296,6 +323,11 @@ impl Provider {
             let why = format!("no local snapshot and no {vm}:{HIBERNATE_TAG} in the registry");
             return self.no_wake_source(key, w, &why);
         };
+        // Whose hibernation the tag holds, before a peer or the registry serves any of it.
+        if !self.tag_readable(key, &vm, tag) {
+            let msg = tag_refusal(&vm, &key.namespace);
+            return self.wake_refused(key, &w.uid, w.restore, msg);
+        }
         // Peer restore first: the raw snapshot files straight from the node that pushed the
         // tag (its from-node), checked against the tag's snapshot id. Any failure falls
         // through to the registry pull.
@@ -331,10 +363,17 @@ impl Provider {
             return;
         };
         let (repo, local_name) = (vm.to_string(), import_name(vm));
+        // Exactly the manifest whose owner was checked, by its digest.
+        let tag = w
+            .tag
+            .as_ref()
+            .map(|t| t.digest.clone())
+            .filter(|d| !d.is_empty())
+            .unwrap_or_else(|| HIBERNATE_TAG.into());
         let pull = Effect::PullSnapshot {
             op: 0,
             repo,
-            tag: HIBERNATE_TAG.into(),
+            tag,
             local_name: local_name.clone(),
         };
         let owner = Owner::new(&key.namespace, &w.uid);

@@ -51,6 +51,8 @@ fn tag() -> HibernateTag {
         base_image: "team/agent:v3".into(),
         snapshot_id: "S1".into(),
         from_node: "node-b".into(),
+        owner_namespace: "ns".into(),
+        ..Default::default()
     }
 }
 

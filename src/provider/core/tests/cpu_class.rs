@@ -49,7 +49,7 @@ fn startup_keeps_and_adopts_the_vm_of_a_mismatched_pod_and_reports_it() {
     let e = h.feed(Input::StartupListed {
         pods,
         vms,
-        owners: Default::default(),
+        owners: owned_vms(&[("vk-ns-demo-1", "ns")]),
     });
     assert!(h.p.is_started());
     // No VM destroyed, both adopted.

@@ -245,6 +245,7 @@ fn missing_snapshot_is_pulled_with_registry_and_fails_without() {
     let e = h.cocoon(op, CocoonResult::ok(""));
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(op, CocoonResult::failed("snapshot not found"));
+    let e = base_manifest(&mut h, &e);
     let pull = e.iter().find_map(|x| match x {
         Effect::PullSnapshot {
             op,
@@ -560,7 +561,8 @@ fn a_conflicting_hibernate_tag_fails_the_create_closed() {
     let tag = |base: &str| HibernateTag {
         base_image: base.into(),
         snapshot_id: "S1".into(),
-        from_node: String::new(),
+        owner_namespace: "ns".into(),
+        ..Default::default()
     };
     // Another base image: image_conflict.
     let mut h = H::new(registry.clone());
@@ -806,6 +808,11 @@ fn one_pull_per_snapshot_at_a_time_later_pods_wait_for_it() {
             "snapshot inspect team/agent:v3",
             CocoonResult::failed("snapshot not found"),
         );
+        let e = if name == "a" {
+            base_manifest(&mut h, &e)
+        } else {
+            e
+        };
         let p = pulls(&e);
         if name == "a" {
             assert_eq!(p.len(), 1, "{e:?}");

@@ -1,7 +1,7 @@
 //! Transition tests of tenant isolation: VM name admission, the VM name a tracked pod keeps,
 //! exact references, the ownership ledger and the ownership checks of reads and writes.
 
-use super::hibernate::{asking, key, registry};
+use super::hibernate::{asking, hibernate_fully, key, registry};
 use super::*;
 use crate::provider::naming::hashed_name;
 
@@ -369,7 +369,7 @@ fn a_snapshot_lookup_answered_with_another_snapshot_finds_none() {
 fn a_fork_source_lookup_answered_with_another_vm_is_no_source() {
     let mut h = H::new(ProviderConfig::default());
     let mut ann = managed("sub", "vk-ns-sub-0");
-    ann.push((ANN_FORK_FROM, "vk-ns-main-0".into()));
+    ann.push((ANN_FORK_FROM, "vk-ns.main-0".into()));
     let e = h.feed(Input::PodUpserted(Box::new(mk("sub", "u1", &ann))));
     let e = no_evidence(&mut h, &e);
     let e = answer(
@@ -381,19 +381,19 @@ fn a_fork_source_lookup_answered_with_another_vm_is_no_source() {
     let e = answer(
         &mut h,
         &e,
-        "snapshot inspect fork-vk-ns-main-0",
+        "snapshot inspect fork-vk-ns.main-0",
         CocoonResult::failed("Error: snapshot not found"),
     );
     let e = answer(
         &mut h,
         &e,
-        "vm inspect vk-ns-main-0",
+        "vm inspect vk-ns.main-0",
         CocoonResult::ok(victim_json()),
     );
     assert!(cocoon_ops(&e).is_empty(), "nothing saved: {e:?}");
     assert!(events(&e)
         .iter()
-        .any(|(_, m)| m.contains("source vm vk-ns-main-0 not found")));
+        .any(|(_, m)| m.contains("source vm vk-ns.main-0 not found")));
 }
 
 #[test]
@@ -611,4 +611,498 @@ fn a_snapshot_listing_trims_the_records_of_snapshots_that_are_gone() {
     );
     assert!(h.ledger.get(Owned::Snapshot, "vk-ns-a-0").is_some());
     assert_eq!(h.ledger.get(Owned::Snapshot, "vk-ns-gone-0"), None);
+}
+
+// ----- rule 5: reads check ownership --------------------------------------------------------
+
+fn evidence(e: &[Effect]) -> OpId {
+    e.iter()
+        .find_map(|x| match x {
+            Effect::CheckHibernateEvidence { op, .. } => Some(*op),
+            _ => None,
+        })
+        .expect("evidence lookup")
+}
+
+fn owned_tag(ns: &str) -> HibernateTag {
+    HibernateTag {
+        base_image: "team/agent:v3".into(),
+        snapshot_id: "S1".into(),
+        from_node: "node-b".into(),
+        owner_namespace: ns.into(),
+        digest: "sha256:0123".into(),
+        ..Default::default()
+    }
+}
+
+fn reads_nothing(e: &[Effect]) -> bool {
+    cocoon_ops(e).is_empty()
+        && !e.iter().any(|x| {
+            matches!(
+                x,
+                Effect::PullSnapshot { .. }
+                    | Effect::PeerRestore { .. }
+                    | Effect::PushSnapshot { .. }
+            )
+        })
+}
+
+#[test]
+fn a_hibernate_tag_of_another_namespace_is_never_restored() {
+    // `vk-team-b-app-0` is admitted for `team` (pod `b-app-0`); the tag is team-b's.
+    let mut h = H::new(registry());
+    let p = in_namespace(
+        mk("b-app-0", "u1", &managed("b-app-0", "vk-team-b-app-0")),
+        "team",
+    );
+    let e = h.feed(Input::PodUpserted(Box::new(p)));
+    let e = h.feed(Input::HibernateEvidence {
+        op: evidence(&e),
+        result: Ok(Some(owned_tag("team-b"))),
+    });
+    assert!(
+        refused_as(&e, "SnapshotNotInNamespace", "snapshot_not_in_namespace"),
+        "{e:?}"
+    );
+    assert!(reads_nothing(&e), "{e:?}");
+    assert!(
+        events(&e).iter().all(|(_, m)| !m.contains("team-b:")),
+        "{e:?}"
+    );
+    // An unrecorded tag (an older daemon's) is restored only when the name proves the
+    // namespace: this plain name reads as two.
+    let mut h = H::new(registry());
+    let p = in_namespace(
+        mk("b-app-0", "u1", &managed("b-app-0", "vk-team-b-app-0")),
+        "team",
+    );
+    let e = h.feed(Input::PodUpserted(Box::new(p)));
+    let e = h.feed(Input::HibernateEvidence {
+        op: evidence(&e),
+        result: Ok(Some(owned_tag(""))),
+    });
+    assert!(refused_as(
+        &e,
+        "SnapshotNotInNamespace",
+        "snapshot_not_in_namespace"
+    ));
+    // The namespace's own tag is restored: the wake starts (its VM's owner first).
+    for (vm, owner) in [("vk-team-b-app-0", "team"), ("vk-team.b-app-0", "")] {
+        let mut h = H::new(registry());
+        let p = in_namespace(mk("b-app-0", "u1", &managed("b-app-0", vm)), "team");
+        let e = h.feed(Input::PodUpserted(Box::new(p)));
+        let e = h.feed(Input::HibernateEvidence {
+            op: evidence(&e),
+            result: Ok(Some(owned_tag(owner))),
+        });
+        let (_, cmd) = one_cocoon(&e);
+        assert_eq!(argv(&cmd), format!("snapshot inspect {vm}"), "{vm}");
+    }
+}
+
+#[test]
+fn a_wake_never_reads_another_namespaces_tag_and_keeps_the_pod_hibernated() {
+    let mut h = H::new(registry());
+    hibernate_fully(&mut h);
+    let e = h.feed(Input::PodUpserted(Box::new(asking(false))));
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot inspect vk-ns-demo-0",
+        CocoonResult::failed("Error: snapshot not found"),
+    );
+    let e = h.feed(Input::HibernateEvidence {
+        op: evidence(&e),
+        result: Ok(Some(owned_tag("other"))),
+    });
+    assert!(
+        reads_nothing(&e),
+        "no peer restore, pull, nor fresh boot: {e:?}"
+    );
+    assert!(events(&e)
+        .iter()
+        .any(|(r, _)| *r == "SnapshotNotInNamespace"));
+    assert!(has_metric(
+        &e,
+        &MetricUpdate::PodLifecycle {
+            op: "update",
+            result: "failed",
+            reason: "snapshot_not_in_namespace"
+        }
+    ));
+    assert!(h.p.pod_vm(&key()).is_none());
+    // The namespace's own tag is pulled by the digest that was checked.
+    let e = h.advance(Duration::from_secs(16));
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot inspect vk-ns-demo-0",
+        CocoonResult::failed("Error: snapshot not found"),
+    );
+    let mut own = owned_tag("ns");
+    own.from_node = String::new();
+    let e = h.feed(Input::HibernateEvidence {
+        op: evidence(&e),
+        result: Ok(Some(own)),
+    });
+    assert!(
+        e.iter()
+            .any(|x| matches!(x, Effect::PullSnapshot { tag, local_name, .. }
+            if tag == "sha256:0123" && local_name == "vk-ns-demo-0-hibernate-import")),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn a_wake_never_clones_a_local_snapshot_recorded_for_another_namespace() {
+    for registry_on in [false, true] {
+        let mut owners = Owners::default();
+        owners.apply(&set(Owned::Snapshot, "vk-ns-demo-0", "other", "u9"));
+        // A pod hibernated before a restart (no VM, its ids cleared).
+        let mut ann = managed("a", "vk-ns-demo-0");
+        ann.push((ANN_HIBERNATE, "true".into()));
+        ann.push((ANN_LIFECYCLE_STATE, "hibernated".into()));
+        let cfg = ProviderConfig {
+            registry: registry_on,
+            ..Default::default()
+        };
+        let (mut h, _) = H::starting_with(cfg, vec![mk("a", "u1", &ann)], vec![], owners);
+        let e = h.feed(Input::PodUpserted(Box::new(asking(false))));
+        let e = answer(
+            &mut h,
+            &e,
+            "snapshot inspect vk-ns-demo-0",
+            CocoonResult::ok(r#"{"id":"S1","name":"vk-ns-demo-0"}"#),
+        );
+        assert!(reads_nothing(&e), "{e:?}");
+        assert!(
+            events(&e)
+                .iter()
+                .any(|(r, _)| *r == "SnapshotNotInNamespace"),
+            "{e:?}"
+        );
+        assert!(h.p.pod_vm(&key()).is_none());
+    }
+}
+
+#[test]
+fn an_image_that_is_another_namespaces_vm_snapshot_is_never_pulled_nor_cloned() {
+    let evil = |image: &str| {
+        let mut ann = managed("x", "vk-evil-x");
+        ann.retain(|(k, _)| *k != ANN_IMAGE);
+        ann.push((ANN_IMAGE, image.to_string()));
+        in_namespace(mk("x", "u1", &ann), "evil")
+    };
+    let to_image = |h: &mut H, image: &str| {
+        let e = h.feed(Input::PodUpserted(Box::new(evil(image))));
+        let e = h.feed(Input::HibernateEvidence {
+            op: evidence(&e),
+            result: Ok(None),
+        });
+        answer(h, &e, "snapshot rm fork-vk-evil-x", CocoonResult::ok(""))
+    };
+    // Not on the node: its manifest says whose it is before any pull.
+    for tag in [owned_tag("teamb"), owned_tag(""), {
+        // A snapshot a daemon pushed (from-node) under a name that is no VM's.
+        let mut t = owned_tag("");
+        t.from_node = "node-b".into();
+        t
+    }] {
+        for image in ["vk-teamb-app-0", "golden:v1"] {
+            if image == "golden:v1" && tag.owner_namespace.is_empty() && tag.from_node.is_empty() {
+                continue;
+            }
+            let mut h = H::new(registry());
+            let e = to_image(&mut h, image);
+            let e = answer(
+                &mut h,
+                &e,
+                &format!(
+                    "snapshot inspect {}",
+                    crate::provider::spec::local_snapshot_name(image)
+                ),
+                CocoonResult::failed("Error: snapshot not found"),
+            );
+            let read = e
+                .iter()
+                .find_map(|x| match x {
+                    Effect::ReadSnapshotTag { op, .. } => Some(*op),
+                    _ => None,
+                })
+                .expect("manifest read");
+            let e = h.feed(Input::HibernateEvidence {
+                op: read,
+                result: Ok(Some(tag.clone())),
+            });
+            assert!(
+                refused_as(&e, "SnapshotNotInNamespace", "snapshot_not_in_namespace"),
+                "{image} {tag:?}: {e:?}"
+            );
+            assert!(reads_nothing(&e), "{e:?}");
+        }
+    }
+    // On the node: recorded for another namespace, or unrecorded under another's VM name.
+    let mut owners = Owners::default();
+    owners.apply(&set(Owned::Snapshot, "golden:v1", "teamb", ""));
+    for image in ["vk-teamb-app-0", "golden:v1"] {
+        let (mut h, _) = H::starting_with(registry(), vec![], vec![], owners.clone());
+        let e = to_image(&mut h, image);
+        let e = answer(
+            &mut h,
+            &e,
+            &format!("snapshot inspect {image}"),
+            CocoonResult::ok(format!(r#"{{"id":"S7","name":"{image}"}}"#)),
+        );
+        assert!(
+            refused_as(&e, "SnapshotNotInNamespace", "snapshot_not_in_namespace"),
+            "{image}: {e:?}"
+        );
+        assert!(reads_nothing(&e), "{e:?}");
+    }
+}
+
+#[test]
+fn a_base_image_is_pulled_by_its_digest_and_the_namespaces_own_vm_snapshot_with_its_owner() {
+    let mut h = H::new(registry());
+    let e = h.feed(Input::PodUpserted(Box::new(mk(
+        "a",
+        "u1",
+        &managed("a", "vk-ns-demo-0"),
+    ))));
+    let e = no_evidence(&mut h, &e);
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot rm fork-vk-ns-demo-0",
+        CocoonResult::ok(""),
+    );
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot inspect team/agent:v3",
+        CocoonResult::failed("Error: snapshot not found"),
+    );
+    let read = e
+        .iter()
+        .find_map(|x| match x {
+            Effect::ReadSnapshotTag { op, repo, tag } if repo == "team/agent" && tag == "v3" => {
+                Some(*op)
+            }
+            _ => None,
+        })
+        .expect("manifest read");
+    let base = HibernateTag {
+        digest: "sha256:abcd".into(),
+        ..Default::default()
+    };
+    let e = h.feed(Input::HibernateEvidence {
+        op: read,
+        result: Ok(Some(base)),
+    });
+    assert!(e
+        .iter()
+        .any(|x| matches!(x, Effect::PullSnapshot { tag, .. } if tag == "sha256:abcd")));
+    assert_eq!(
+        h.ledger.get(Owned::Snapshot, "team/agent:v3"),
+        None,
+        "base images stay shared"
+    );
+
+    // The namespace's own VM snapshot: recorded for its owner before the pull.
+    let mut h = H::new(registry());
+    let mut ann = managed("b", "vk-ns-b-0");
+    ann.retain(|(k, _)| *k != ANN_IMAGE);
+    ann.push((ANN_IMAGE, "vk-ns-demo-0".into()));
+    let e = h.feed(Input::PodUpserted(Box::new(mk("b", "u2", &ann))));
+    let e = no_evidence(&mut h, &e);
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot rm fork-vk-ns-b-0",
+        CocoonResult::ok(""),
+    );
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot inspect vk-ns-demo-0",
+        CocoonResult::failed("Error: snapshot not found"),
+    );
+    let read = e
+        .iter()
+        .find_map(|x| match x {
+            Effect::ReadSnapshotTag { op, .. } => Some(*op),
+            _ => None,
+        })
+        .expect("manifest read");
+    let mut own = owned_tag("ns");
+    own.owner_pod_uid = "u1".into();
+    let e = h.feed(Input::HibernateEvidence {
+        op: read,
+        result: Ok(Some(own)),
+    });
+    assert!(e
+        .iter()
+        .any(|x| matches!(x, Effect::PullSnapshot { tag, local_name, .. }
+        if tag == "sha256:0123" && local_name == "vk-ns-demo-0")));
+    assert_eq!(
+        h.ledger.get(Owned::Snapshot, "vk-ns-demo-0"),
+        Some(&Owner::new("ns", "u1"))
+    );
+}
+
+#[test]
+fn fork_from_across_team_and_team_prod_is_refused() {
+    // A source a pod of team-prod holds: its `vk-team-` prefix does not make it team's.
+    let mut h = H::new(ProviderConfig::default());
+    let main = in_namespace(
+        mk("main-0", "u0", &managed("main-0", "vk-team-prod-main-0")),
+        "team-prod",
+    );
+    create_clone(&mut h, main, "VM0");
+    let mut a = managed("sub", "vk-team-sub-0");
+    a.push((ANN_FORK_FROM, "vk-team-prod-main-0".into()));
+    let e = h.feed(Input::PodUpserted(Box::new(in_namespace(
+        mk("sub", "u1", &a),
+        "team",
+    ))));
+    let e = no_evidence(&mut h, &e);
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot rm fork-vk-team-sub-0",
+        CocoonResult::ok(""),
+    );
+    assert!(
+        refused_as(&e, "VMNotInNamespace", "vm_not_in_namespace"),
+        "{e:?}"
+    );
+    assert!(cocoon_ops(&e).is_empty());
+    // No pod holds it, but its record says team-prod.
+    let mut owners = Owners::default();
+    owners.apply(&set(Owned::Vm, "vk-team-prod-main-0", "team-prod", "u0"));
+    let keep = ProviderConfig {
+        orphan_policy: OrphanPolicy::Keep,
+        ..Default::default()
+    };
+    let kept = vec![vm_info("V0", "vk-team-prod-main-0", "running")];
+    let (mut h, _) = H::starting_with(keep, vec![], kept, owners);
+    let e = h.feed(Input::PodUpserted(Box::new(in_namespace(
+        mk("sub", "u1", &a),
+        "team",
+    ))));
+    let e = no_evidence(&mut h, &e);
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot rm fork-vk-team-sub-0",
+        CocoonResult::ok(""),
+    );
+    assert!(
+        refused_as(&e, "VMNotInNamespace", "vm_not_in_namespace"),
+        "{e:?}"
+    );
+    // A fork snapshot of the namespace's own source recorded for another namespace is never
+    // handed out.
+    let mut owners = Owners::default();
+    owners.apply(&set(Owned::Snapshot, "fork-vk-ns.main-0", "other", ""));
+    let (mut h, _) = H::starting_with(ProviderConfig::default(), vec![], vec![], owners);
+    let mut a = managed("sub", "vk-ns-sub-0");
+    a.push((ANN_FORK_FROM, "vk-ns.main-0".into()));
+    let e = h.feed(Input::PodUpserted(Box::new(mk("sub", "u1", &a))));
+    let e = no_evidence(&mut h, &e);
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot rm fork-vk-ns-sub-0",
+        CocoonResult::ok(""),
+    );
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot inspect fork-vk-ns.main-0",
+        CocoonResult::ok(r#"{"id":"F1","name":"fork-vk-ns.main-0"}"#),
+    );
+    assert!(cocoon_ops(&e).is_empty(), "no clone: {e:?}");
+    assert!(events(&e)
+        .iter()
+        .any(|(_, m)| m.contains("not recorded for namespace ns")));
+}
+
+#[test]
+fn a_kept_vm_is_adopted_only_by_the_namespace_it_is_recorded_for_or_its_exact_id() {
+    let keep = ProviderConfig {
+        orphan_policy: OrphanPolicy::Keep,
+        ..Default::default()
+    };
+    let mut owners = Owners::default();
+    owners.apply(&set(Owned::Vm, "vk-team-b-app-0", "team-b", "u0"));
+    let vms = vec![
+        vm_info("V1", "vk-team-b-app-0", "running"),
+        vm_info("V2", "vk-team-web-0", "running"),
+    ];
+    let (mut h, _) = H::starting_with(keep, vec![], vms, owners);
+    // Recorded for team-b: team's pod of that name is refused, nothing runs.
+    let p = in_namespace(
+        mk("b-app-0", "u1", &managed("b-app-0", "vk-team-b-app-0")),
+        "team",
+    );
+    let e = h.feed(Input::PodUpserted(Box::new(p)));
+    assert!(
+        refused_as(&e, "VMNotInNamespace", "vm_not_in_namespace"),
+        "{e:?}"
+    );
+    assert!(cocoon_ops(&e).is_empty());
+    // An earlier daemon's VM (no record, a name of two readings): adopted by the pod whose id
+    // annotation is its exact ID, and then recorded for it.
+    let mut ann = managed("web-0", "vk-team-web-0");
+    ann.push((ANN_VM_ID, "V2".into()));
+    let p = in_namespace(mk("web-0", "u2", &ann), "team");
+    let e = h.feed(Input::PodUpserted(Box::new(p)));
+    assert!(has_metric(
+        &e,
+        &MetricUpdate::PodLifecycle {
+            op: "create",
+            result: "ok",
+            reason: "adopted"
+        }
+    ));
+    h.feed(Input::LeaseLooked {
+        op: lookup(&e).expect("lease lookup"),
+        result: Ok(Some("10.0.0.5".into())),
+    });
+    assert_eq!(
+        h.ledger.get(Owned::Vm, "vk-team-web-0"),
+        Some(&Owner::new("team", "u2"))
+    );
+}
+
+#[test]
+fn a_delete_never_removes_a_snapshot_of_its_vm_name_recorded_for_another_namespace() {
+    let mut owners = Owners::default();
+    owners.apply(&set(Owned::Snapshot, "vk-team-b-app-0", "team-b", "u0"));
+    owners.apply(&set(
+        Owned::Snapshot,
+        "fork-vk-team-b-app-0",
+        "team-b",
+        "u0",
+    ));
+    let (mut h, _) = H::starting_with(ProviderConfig::default(), vec![], vec![], owners);
+    let p = in_namespace(
+        mk("b-app-0", "u1", &managed("b-app-0", "vk-team-b-app-0")),
+        "team",
+    );
+    let mut all = Vec::new();
+    let mut e = h.feed(Input::PodUpserted(Box::new(deleted(p))));
+    while let Some((op, _)) = cocoon_ops(&e).first().cloned() {
+        all.extend(e.clone());
+        e = h.cocoon(op, CocoonResult::failed("Error: vm not found"));
+    }
+    all.extend(e);
+    assert!(
+        cocoon_ops(&all)
+            .iter()
+            .all(|(_, c)| !argv(c).starts_with("snapshot rm")),
+        "{all:?}"
+    );
+    assert!(h.ledger.get(Owned::Snapshot, "vk-team-b-app-0").is_some());
 }

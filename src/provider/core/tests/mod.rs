@@ -139,6 +139,18 @@ impl H {
     }
 }
 
+/// A ledger recording each VM name of `pairs` for its namespace (VMs this daemon created).
+fn owned_vms(pairs: &[(&str, &str)]) -> crate::provider::owners::Owners {
+    let mut o = crate::provider::owners::Owners::default();
+    for (name, ns) in pairs {
+        o.vms.insert(
+            name.to_string(),
+            crate::provider::owners::Owner::new(ns, ""),
+        );
+    }
+    o
+}
+
 fn pod(name: &str, uid: &str, ann: &[(&str, &str)]) -> Pod {
     Pod {
         metadata: ObjectMeta {
@@ -297,6 +309,22 @@ fn no_evidence(h: &mut H, e: &[Effect]) -> Vec<Effect> {
         argv(&cmd)
     );
     h.cocoon(op, CocoonResult::failed("Error: snapshot not found"))
+}
+
+/// Answer the manifest read that precedes an image pull: a base image (no owner, no
+/// from-node, no digest: the pull is by tag). Returns the answer's effects.
+fn base_manifest(h: &mut H, e: &[Effect]) -> Vec<Effect> {
+    let op = e
+        .iter()
+        .find_map(|x| match x {
+            Effect::ReadSnapshotTag { op, .. } => Some(*op),
+            _ => None,
+        })
+        .expect("the image's manifest is read before its pull");
+    h.feed(Input::HibernateEvidence {
+        op,
+        result: Ok(Some(HibernateTag::default())),
+    })
 }
 
 /// Drive a managed clone create of `p` to its ReadyWait; returns (effects so far, vm id).

@@ -98,7 +98,21 @@ fn an_unmanaged_pod_carrying_another_pods_vm_id_is_refused() {
     assert!(h.p.pod_vm(&PodKey::new("evil", "thief")).is_none());
 }
 
+/// A daemon keeping orphans whose startup lists these VMs (each recorded for the namespace
+/// its name is for, as this daemon records the VMs it creates) and pods.
 fn started_with(vms: Vec<VmInfo>, pods: Vec<Pod>) -> (H, Vec<Effect>) {
+    let owners: Vec<(String, &str)> = vms
+        .iter()
+        .map(|v| {
+            let ns = ["team-b", "default", "evil"]
+                .into_iter()
+                .find(|ns| v.name.starts_with(&format!("vk-{ns}-")))
+                .unwrap_or("");
+            (v.name.clone(), ns)
+        })
+        .collect();
+    let pairs: Vec<(&str, &str)> = owners.iter().map(|(n, ns)| (n.as_str(), *ns)).collect();
+    let owners = owned_vms(&pairs);
     let mut h = H {
         p: Provider::new(ProviderConfig {
             orphan_policy: OrphanPolicy::Keep,
@@ -110,11 +124,7 @@ fn started_with(vms: Vec<VmInfo>, pods: Vec<Pod>) -> (H, Vec<Effect>) {
         ledger: Default::default(),
         hold_ledger: false,
     };
-    let e = h.feed(Input::StartupListed {
-        pods,
-        vms,
-        owners: Default::default(),
-    });
+    let e = h.feed(Input::StartupListed { pods, vms, owners });
     (h, e)
 }
 

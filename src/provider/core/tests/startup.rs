@@ -32,10 +32,11 @@ fn startup_adopts_by_id_and_name_and_destroys_orphans() {
             &managed("c", "vk-ns-demo-2")
         ))))
         .is_empty());
+    // The VM adopted by name was created by this daemon: its owner is on record.
     let e = h.feed(Input::StartupListed {
         pods,
         vms,
-        owners: Default::default(),
+        owners: owned_vms(&[("vk-ns-demo-1", "ns")]),
     });
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm reconcile-stale-create V4 -o json");
@@ -86,7 +87,7 @@ fn orphan_alert_counts_and_keeps_for_adoption() {
     let e = h.feed(Input::StartupListed {
         pods: vec![],
         vms: vec![vm_info("V9", "vk-ns-demo-0", "running")],
-        owners: Default::default(),
+        owners: owned_vms(&[("vk-ns-demo-0", "ns")]),
     });
     assert!(has_metric(&e, &MetricUpdate::OrphanVm));
     assert!(cocoon_ops(&e).is_empty());
