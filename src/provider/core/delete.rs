@@ -278,17 +278,10 @@ impl Provider {
             (DeleteStep::Save { retried }, Res::Cocoon(r)) => {
                 if r.success {
                     self.metric(MetricUpdate::SnapshotSave { result: "ok" });
-                    let (name, image) = (d.vm_name.clone(), t.spec.image.clone());
-                    let owner = Owner::new(&key.namespace, &t.uid);
-                    let ask = Ask::effect(|op| Effect::PushSnapshot {
-                        op,
-                        local_name: name.clone(),
-                        repo: name,
-                        tag: "latest".into(),
-                        base_image: image,
-                        owner,
-                    });
-                    return self.advance(key, DeleteStep::Push, ask);
+                    // Whose `<vm>:latest` the push would replace, first.
+                    let (repo, tag) = (d.vm_name.clone(), "latest".to_string());
+                    let ask = Ask::effect(|op| Effect::ReadSnapshotTag { op, repo, tag });
+                    return self.advance(key, DeleteStep::PushCheck, ask);
                 }
                 if r.name_taken() && !retried {
                     return self.advance(
@@ -310,6 +303,34 @@ impl Provider {
                 )
             }
             (DeleteStep::RmHolder, Res::Cocoon(_)) => self.delete_save(key, &t, &d, true),
+            (DeleteStep::PushCheck, Res::Evidence(r)) => match r {
+                Ok(Some(tag)) if isolation::tag_of_another(key, &tag) => {
+                    let msg = format!(
+                        "{}:latest in the registry is not recorded for namespace {}; the \
+                         snapshot before delete is not pushed over it",
+                        d.vm_name, key.namespace
+                    );
+                    self.push_refused_at_delete(key, &t, &msg)
+                }
+                Ok(_) => {
+                    let (name, image) = (d.vm_name.clone(), t.spec.image.clone());
+                    let owner = Owner::new(&key.namespace, &t.uid);
+                    let ask = Ask::effect(|op| Effect::PushSnapshot {
+                        op,
+                        local_name: name.clone(),
+                        repo: name,
+                        tag: "latest".into(),
+                        base_image: image,
+                        owner,
+                    });
+                    self.advance(key, DeleteStep::Push, ask)
+                }
+                Err(e) => {
+                    self.metric(MetricUpdate::SnapshotPush { result: "failed" });
+                    let msg = format!("read {}:latest before the push: {e}", d.vm_name);
+                    self.delete_failed(key, &msg)
+                }
+            },
             (DeleteStep::Push, Res::Transfer(r)) => match r {
                 Ok(_) => {
                     self.metric(MetricUpdate::SnapshotPush { result: "ok" });
@@ -362,8 +383,33 @@ impl Provider {
         }
     }
 
+    /// The snapshot before delete would replace another namespace's snapshot (local or in the
+    /// registry): it is not taken or not pushed (Warning, counter); the VM is removed all the
+    /// same, as the pod is gone.
+    fn push_refused_at_delete(&mut self, key: &PodKey, t: &Tracked, msg: &str) {
+        self.metric(MetricUpdate::SnapshotPush { result: "failed" });
+        self.lifecycle_metric("delete", "skipped", isolation::REASON_SNAPSHOT_NOT_IN_NS);
+        self.event(
+            key,
+            &t.uid,
+            EventType::Warning,
+            isolation::EVENT_SNAPSHOT_NOT_IN_NS,
+            msg,
+        );
+        let id = t.vm.as_ref().map(|v| v.id.clone()).unwrap_or_default();
+        self.advance(key, DeleteStep::Rm, Ask::Cocoon(CocoonCmd::VmRm { id }))
+    }
+
     /// The snapshot-before-delete's save of `<vm>`, once its owner is on record.
     fn delete_save(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp, retried: bool) {
+        if self.snapshot_of_another(key, &d.vm_name) {
+            let msg = format!(
+                "the local snapshot {} is not recorded for namespace {}; no snapshot before \
+                 delete is taken",
+                d.vm_name, key.namespace
+            );
+            return self.push_refused_at_delete(key, t, &msg);
+        }
         let vm_id = t.vm.as_ref().map(|v| v.id.clone()).unwrap_or_default();
         let save = CocoonCmd::SnapshotSave {
             name: d.vm_name.clone(),

@@ -94,6 +94,12 @@ pub(super) fn vm_snapshot_tag(repo: &str, tag: &HibernateTag) -> bool {
     vm_repository(repo) || !tag.owner_namespace.is_empty() || !tag.from_node.is_empty()
 }
 
+/// Whether a registry tag is recorded for another namespace than `key`'s: a push would
+/// replace another tenant's snapshot (an unrecorded tag, an older daemon's, is replaced).
+pub(super) fn tag_of_another(key: &PodKey, tag: &HibernateTag) -> bool {
+    !tag.owner_namespace.is_empty() && tag.owner_namespace != key.namespace
+}
+
 impl Provider {
     /// Whether pod `key` owns local snapshot `name`, made from VM `vm_name`: may read it, and
     /// may have it removed (nothing is removed on a pod's behalf that it does not own).

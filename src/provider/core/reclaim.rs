@@ -132,8 +132,16 @@ impl Provider {
                 self.reclaim_next();
             }
             (ReclaimStep::Verify { name, local_id }, Res::Evidence(r)) => {
+                let recorded = self
+                    .owner_of(Owned::Snapshot, &name)
+                    .map(|o| o.namespace.clone());
                 let stale = match r {
-                    Ok(Some(tag)) => tag.snapshot_id != local_id,
+                    // Another snapshot id, or the tag now another namespace's than the copy's.
+                    Ok(Some(tag)) => {
+                        tag.snapshot_id != local_id
+                            || (!tag.owner_namespace.is_empty()
+                                && recorded.is_some_and(|ns| ns != tag.owner_namespace))
+                    }
                     Ok(None) => true,
                     Err(e) => {
                         log::warn!("snapshot reclaimer: keeping {name}: cannot verify it: {e}");

@@ -357,9 +357,22 @@ impl Provider {
                 // Startup reconcile matches by ID: a pod whose annotations no longer parse
                 // still names its VM, which is claimed (never destroyed as an orphan because of
                 // input we could not read) and kept tracked as at runtime, with a Warning. It
-                // is tracked only when it still gives that VM's name (one of its namespace's):
-                // an ID alone never hands a pod a VM.
-                let Some(vm) = unreadable_pods_vm(&key, &pod, &a.by_id, &a.by_name) else {
+                // is tracked only when it still gives that VM's name (one of its namespace's),
+                // or the ledger records that VM for this very pod: an ID alone never hands a
+                // pod a VM.
+                let recorded_for_pod = |v: &VmInfo| {
+                    self.owner_of(Owned::Vm, &v.name).is_some_and(|o| {
+                        o.namespace == key.namespace
+                            && !o.pod_uid.is_empty()
+                            && o.pod_uid == pod_uid(&pod)
+                    })
+                };
+                let found = unreadable_pods_vm(&key, &pod, &a.by_id, &a.by_name).or_else(|| {
+                    let ann = pod.metadata.annotations.as_ref()?;
+                    let v = a.by_id.get(ann.get(ANN_VM_ID)?)?;
+                    recorded_for_pod(v).then(|| v.clone())
+                });
+                let Some(vm) = found else {
                     let named = pod
                         .metadata
                         .annotations

@@ -159,6 +159,8 @@ pub(super) enum DeleteStep {
         retried: bool,
     },
     RmHolder,
+    /// The registry's `<vm>:latest` is read before it is replaced.
+    PushCheck,
     Push,
     Rm,
     RmSnapshot,
@@ -232,6 +234,8 @@ pub(super) struct CheckOp {
 pub(super) struct OpFailure {
     pub(super) reason: &'static str,
     pub(super) message: String,
+    /// The `pod_lifecycle_total` reason it is counted under ("" for most).
+    pub(super) metric_reason: &'static str,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -252,6 +256,9 @@ pub(super) enum HibernateStep {
     RmHolderWait {
         until: Instant,
     },
+    /// The registry's `<vm>:hibernate` is read before it is replaced: another namespace's
+    /// is never pushed over.
+    PushCheck,
     Push,
     /// Null the id / ip / post-clone-state annotations before the VM goes.
     ClearIds,

@@ -5,7 +5,11 @@ use super::hibernate::{drops_nic, HIBERNATE_TAG};
 use super::*;
 
 fn fail(reason: &'static str, message: String) -> OpFailure {
-    OpFailure { reason, message }
+    OpFailure {
+        reason,
+        message,
+        metric_reason: "",
+    }
 }
 
 /// Why a wake does not read tag `<vm>:hibernate` (nothing of its owner is told).

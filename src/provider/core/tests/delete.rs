@@ -58,6 +58,7 @@ fn delete_snapshots_pushes_removes_then_deletes_the_object() {
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "snapshot save --name vk-ns-demo-0 VM1");
     let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = no_tag_yet(&mut h, e);
     let push = e.iter().find_map(|x| match x {
         Effect::PushSnapshot {
             op,

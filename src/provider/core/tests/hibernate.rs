@@ -88,12 +88,13 @@ pub(super) fn ask_hibernate(h: &mut H) -> Vec<Effect> {
 /// Drive a hibernate to its end (the push only with a registry): the pod is tracked with no VM.
 pub(super) fn hibernate_fully(h: &mut H) -> Vec<Effect> {
     let e = ask_hibernate(h);
-    let mut e = answer(
+    let e = answer(
         h,
         &e,
         &format!("snapshot save --name {VM} VM1"),
         CocoonResult::ok(""),
     );
+    let mut e = no_tag_yet(h, e);
     if e.iter().any(|x| matches!(x, Effect::PushSnapshot { .. })) {
         let op = push_op(&e);
         e = h.feed(Input::TransferDone {
@@ -188,6 +189,7 @@ fn the_save_counts_its_metrics_and_a_taken_name_has_its_holder_removed() {
         e.iter().any(|x| matches!(x,
         Effect::Metric(MetricUpdate::SnapshotSaveDuration { namespace, .. }) if namespace == "ns"))
     );
+    let e = no_tag_yet(&mut h, e);
     push_op(&e);
 }
 
@@ -201,6 +203,7 @@ fn a_failed_push_keeps_the_vm_and_retries_on_the_op_schedule() {
         &format!("snapshot save --name {VM} VM1"),
         CocoonResult::ok(""),
     );
+    let e = no_tag_yet(&mut h, e);
     let op = push_op(&e);
     let e = h.feed(Input::TransferDone {
         op,
@@ -250,6 +253,7 @@ fn a_failed_removal_deletes_the_pushed_tag_and_keeps_the_vm() {
         &format!("snapshot save --name {VM} VM1"),
         CocoonResult::ok(""),
     );
+    let e = no_tag_yet(&mut h, e);
     let op = push_op(&e);
     let e = h.feed(Input::TransferDone {
         op,
@@ -298,6 +302,7 @@ fn without_a_registry_the_snapshot_stays_local() {
         &format!("snapshot save --name {VM} VM1"),
         CocoonResult::ok(""),
     );
+    let e = no_tag_yet(&mut h, e);
     assert!(!e.iter().any(|x| matches!(x, Effect::PushSnapshot { .. })));
     let op = ids_cleared_op(&e);
     let e = h.kube_ok(op);
@@ -510,6 +515,7 @@ fn a_hibernate_withdrawn_before_the_removal_keeps_the_vm_and_drops_the_tag() {
         &format!("snapshot save --name {VM} VM1"),
         CocoonResult::ok(""),
     );
+    let e = no_tag_yet(&mut h, e);
     let op = push_op(&e);
     // The operator changes its mind while the push runs: the op finishes its step first.
     let e2 = h.feed(Input::PodUpserted(Box::new(asking(false))));

@@ -416,6 +416,24 @@ fn a_pod_that_lost_its_vm_name_keeps_its_vm_at_startup_without_holding_it() {
         h.p.pod_vm(&PodKey::new("ns", "a")).is_none(),
         "an ID alone holds nothing"
     );
+    // With the VM recorded for this very pod, its id still finds it (and only then).
+    for (uid, held) in [("u1", true), ("u2", false)] {
+        let mut owners = Owners::default();
+        owners.apply(&set(Owned::Vm, "vk-ns-demo-0", "ns", uid));
+        let p = mk(
+            "a",
+            "u1",
+            &[(ANN_MANAGED, "true".into()), (ANN_VM_ID, "V1".into())],
+        );
+        let (h, e) = H::starting_with(
+            ProviderConfig::default(),
+            vec![p],
+            vec![vm_info("V1", "vk-ns-demo-0", "running")],
+            owners,
+        );
+        assert!(cocoon_ops(&e).iter().all(|(_, c)| !argv(c).contains("rm")));
+        assert_eq!(h.p.pod_vm(&PodKey::new("ns", "a")).is_some(), held, "{uid}");
+    }
 }
 
 // ----- the ownership ledger -----------------------------------------------------------------
@@ -1105,4 +1123,120 @@ fn a_delete_never_removes_a_snapshot_of_its_vm_name_recorded_for_another_namespa
         "{all:?}"
     );
     assert!(h.ledger.get(Owned::Snapshot, "vk-team-b-app-0").is_some());
+}
+
+// ----- rule 6: writes never replace another namespace's snapshot ---------------------------
+
+fn tag_read(e: &[Effect], want_tag: &str) -> OpId {
+    e.iter()
+        .find_map(|x| match x {
+            Effect::ReadSnapshotTag { op, repo, tag }
+                if repo == "vk-ns-demo-0" && tag == want_tag =>
+            {
+                Some(*op)
+            }
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("read of vk-ns-demo-0:{want_tag} before the push: {e:?}"))
+}
+
+#[test]
+fn a_hibernate_never_pushes_over_another_namespaces_tag_and_keeps_the_vm() {
+    let mut h = H::new(registry());
+    create_clone(&mut h, asking(false), "VM1");
+    let e = h.feed(Input::PodUpserted(Box::new(asking(true))));
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot save --name vk-ns-demo-0 VM1",
+        CocoonResult::ok(""),
+    );
+    let e = h.feed(Input::HibernateEvidence {
+        op: tag_read(&e, "hibernate"),
+        result: Ok(Some(owned_tag("other"))),
+    });
+    assert!(reads_nothing(&e), "no push, no vm rm: {e:?}");
+    assert!(events(&e)
+        .iter()
+        .any(|(r, _)| *r == "SnapshotNotInNamespace"));
+    assert!(has_metric(
+        &e,
+        &MetricUpdate::PodLifecycle {
+            op: "update",
+            result: "failed",
+            reason: "snapshot_not_in_namespace"
+        }
+    ));
+    assert_eq!(
+        h.p.pod_vm(&key()).map(|v| v.id.clone()).as_deref(),
+        Some("VM1")
+    );
+    // An unreadable registry fails closed the same way (the push is not attempted).
+    let mut h = H::new(registry());
+    create_clone(&mut h, asking(false), "VM1");
+    let e = h.feed(Input::PodUpserted(Box::new(asking(true))));
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot save --name vk-ns-demo-0 VM1",
+        CocoonResult::ok(""),
+    );
+    let e = h.feed(Input::HibernateEvidence {
+        op: tag_read(&e, "hibernate"),
+        result: Err(TransferError::Transient("HTTP 503".into())),
+    });
+    assert!(reads_nothing(&e), "{e:?}");
+}
+
+#[test]
+fn a_local_snapshot_of_another_namespace_is_neither_replaced_nor_re_recorded() {
+    let mut owners = Owners::default();
+    owners.apply(&set(Owned::Snapshot, "vk-ns-demo-0", "other", "u9"));
+    let (mut h, _) = H::starting_with(registry(), vec![], vec![], owners);
+    create_clone(&mut h, asking(false), "VM1");
+    let e = h.feed(Input::PodUpserted(Box::new(asking(true))));
+    assert!(reads_nothing(&e), "no save: {e:?}");
+    assert!(events(&e)
+        .iter()
+        .any(|(r, _)| *r == "SnapshotNotInNamespace"));
+    assert_eq!(
+        h.ledger.get(Owned::Snapshot, "vk-ns-demo-0"),
+        Some(&Owner::new("other", "u9"))
+    );
+}
+
+#[test]
+fn a_delete_never_pushes_over_another_namespaces_latest_and_still_removes_the_vm() {
+    let mut h = H::new(registry());
+    let p = super::delete::main_snapshotted_pod();
+    create_clone(&mut h, p.clone(), "VM1");
+    let e = h.feed(Input::PodUpserted(Box::new(super::delete::deleting_pod(
+        p, true,
+    ))));
+    let running = vm_json("VM1", "vk-ns-demo-0", "running", "02:00:00:00:00:01");
+    let e = answer(&mut h, &e, "vm inspect VM1", CocoonResult::ok(running));
+    let e = answer(
+        &mut h,
+        &e,
+        "snapshot save --name vk-ns-demo-0 VM1",
+        CocoonResult::ok(""),
+    );
+    let e = h.feed(Input::HibernateEvidence {
+        op: tag_read(&e, "latest"),
+        result: Ok(Some(owned_tag("other"))),
+    });
+    assert!(!e.iter().any(|x| matches!(x, Effect::PushSnapshot { .. })));
+    assert!(events(&e)
+        .iter()
+        .any(|(r, _)| *r == "SnapshotNotInNamespace"));
+    assert!(has_metric(
+        &e,
+        &MetricUpdate::PodLifecycle {
+            op: "delete",
+            result: "skipped",
+            reason: "snapshot_not_in_namespace"
+        }
+    ));
+    let (_, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "vm rm --force VM1");
 }

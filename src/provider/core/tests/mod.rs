@@ -311,6 +311,24 @@ fn no_evidence(h: &mut H, e: &[Effect]) -> Vec<Effect> {
     h.cocoon(op, CocoonResult::failed("Error: snapshot not found"))
 }
 
+/// Answer the read of the tag a push would replace (`<vm>:hibernate` / `latest`) with "none
+/// there yet", when `e` holds one; else `e` as it is.
+fn no_tag_yet(h: &mut H, e: Vec<Effect>) -> Vec<Effect> {
+    let op = e.iter().find_map(|x| match x {
+        Effect::ReadSnapshotTag { op, tag, .. } if tag == "hibernate" || tag == "latest" => {
+            Some(*op)
+        }
+        _ => None,
+    });
+    match op {
+        Some(op) => h.feed(Input::HibernateEvidence {
+            op,
+            result: Ok(None),
+        }),
+        None => e,
+    }
+}
+
 /// Answer the manifest read that precedes an image pull: a base image (no owner, no
 /// from-node, no digest: the pull is by tag). Returns the answer's effects.
 fn base_manifest(h: &mut H, e: &[Effect]) -> Vec<Effect> {

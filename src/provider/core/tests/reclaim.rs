@@ -277,6 +277,7 @@ fn a_snapshot_saved_while_the_listing_runs_is_still_removed_at_delete() {
     // The listing was taken before the save landed: it shows neither snapshot.
     h.cocoon(list, listing(&[]));
     let e = h.cocoon(save, CocoonResult::ok(""));
+    let e = no_tag_yet(&mut h, e);
     let push = e.iter().find_map(|x| match x {
         Effect::PushSnapshot { op, .. } => Some(*op),
         _ => None,
