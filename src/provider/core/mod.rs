@@ -28,8 +28,12 @@
 //!
 //! Ownership (issue 17): a VM belongs to at most one live pod. A create whose VM name, or
 //! unmanaged VM id, another tracked pod holds is refused for good (phase Failed, Warning,
-//! `pod_lifecycle_total{reason=vm_owned_by_another_pod}`); a VM no pod holds is adopted by
-//! name only from the namespace of its last holder or the one its `vk-<ns>-` name is for.
+//! `pod_lifecycle_total{reason=vm_owned_by_another_pod}`).
+//!
+//! Tenant isolation (`isolation`, `ledger`): a pod's VM name is one of its namespace's, a
+//! tracked pod keeps it, cocoon answers to lookups by a pod's value count only when exact, and
+//! every VM and VM snapshot is read, adopted or pushed over only for the namespace the
+//! ownership ledger (or a manifest's owner annotation, or the name itself) ties it to.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -642,6 +642,16 @@ fn evidence(e: &[Effect]) -> OpId {
         .expect("evidence lookup")
 }
 
+/// The op of the manifest read that precedes an image pull.
+fn image_read(e: &[Effect]) -> OpId {
+    e.iter()
+        .find_map(|x| match x {
+            Effect::ReadSnapshotTag { op, .. } => Some(*op),
+            _ => None,
+        })
+        .expect("manifest read")
+}
+
 fn owned_tag(ns: &str) -> HibernateTag {
     HibernateTag {
         base_image: "team/agent:v3".into(),
@@ -841,13 +851,7 @@ fn an_image_that_is_another_namespaces_vm_snapshot_is_never_pulled_nor_cloned() 
                 ),
                 CocoonResult::failed("Error: snapshot not found"),
             );
-            let read = e
-                .iter()
-                .find_map(|x| match x {
-                    Effect::ReadSnapshotTag { op, .. } => Some(*op),
-                    _ => None,
-                })
-                .expect("manifest read");
+            let read = image_read(&e);
             let e = h.feed(Input::HibernateEvidence {
                 op: read,
                 result: Ok(Some(tag.clone())),
@@ -945,13 +949,7 @@ fn a_base_image_is_pulled_by_its_digest_and_the_namespaces_own_vm_snapshot_with_
         "snapshot inspect vk-ns-demo-0",
         CocoonResult::failed("Error: snapshot not found"),
     );
-    let read = e
-        .iter()
-        .find_map(|x| match x {
-            Effect::ReadSnapshotTag { op, .. } => Some(*op),
-            _ => None,
-        })
-        .expect("manifest read");
+    let read = image_read(&e);
     let mut own = owned_tag("ns");
     own.owner_pod_uid = "u1".into();
     let e = h.feed(Input::HibernateEvidence {

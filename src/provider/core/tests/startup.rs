@@ -140,22 +140,39 @@ fn failed_pod_left_by_an_interrupted_eviction_is_deleted_after_restart() {
     assert!(e.is_empty(), "{e:?}");
 }
 
-/// A Running pod whose annotations stopped parsing (probe port garbage) keeps its VM across a
-/// restart: claimed by its ID annotation, tracked, warned about; never destroyed as an orphan
-/// nor failed.
+/// A Running pod whose annotations stopped parsing (its name removed, probe port garbage)
+/// keeps its VM across a restart: claimed by its ID annotation, tracked, warned about; never
+/// destroyed as an orphan nor failed. With its name gone, the ID finds the VM because the
+/// ownership ledger records that VM for this very pod.
 #[test]
 fn a_restart_keeps_the_vm_of_a_pod_whose_annotations_no_longer_parse() {
-    for broken in [vec![
-        (ANN_VM_NAME, "vk-ns-demo-0".to_string()),
-        (ANN_MANAGED, "true".into()),
-        (ANN_PROBE_PORT, "not-a-port".into()),
-    ]] {
+    for (broken, owners) in [
+        (
+            vec![
+                (ANN_MANAGED, "true".to_string()),
+                (ANN_IMAGE, "team/agent:v3".into()),
+            ],
+            owned_vms(&[("vk-ns-demo-0", "ns")]),
+        ),
+        (
+            vec![
+                (ANN_VM_NAME, "vk-ns-demo-0".to_string()),
+                (ANN_MANAGED, "true".into()),
+                (ANN_PROBE_PORT, "not-a-port".into()),
+            ],
+            Default::default(),
+        ),
+    ] {
+        let mut owners: crate::provider::owners::Owners = owners;
+        if let Some(o) = owners.vms.get_mut("vk-ns-demo-0") {
+            o.pod_uid = "u1".into();
+        }
         let mut h = H {
             p: Provider::new(ProviderConfig::default()),
             now: Instant::now(),
             wall: SystemTime::UNIX_EPOCH,
             quiet_reclaimer: true,
-            ledger: Default::default(),
+            ledger: owners.clone(),
             hold_ledger: false,
         };
         let mut ann = broken.clone();
@@ -172,7 +189,7 @@ fn a_restart_keeps_the_vm_of_a_pod_whose_annotations_no_longer_parse() {
         let e = h.feed(Input::StartupListed {
             pods: vec![p],
             vms: vec![vm_info("V1", "vk-ns-demo-0", "running")],
-            owners: Default::default(),
+            owners,
         });
         assert!(
             cocoon_ops(&e).iter().all(|(_, c)| !argv(c).contains("rm")),
