@@ -51,6 +51,7 @@ pub const VARIABLES: &[Variable] = &[
     var("VK_ORPHAN_POLICY", "destroy", "What to do with VMs that have no pod at startup: `destroy`, `alert` or `keep`."),
     var("VK_RESTORE_MODE", "mmap", "Snapshot restore mode: `copy`, `ondemand` or `mmap`."),
     var("VK_STAGING_DIR", "/var/lib/cocoon/vk-staging", "Peer-restore staging directory."),
+    var("VK_STATE_DIR", "/var/lib/cocoon/vk-cocoon", "The daemon's own state (absolute path, made mode 0700): the ownership ledger `owners.json`."),
     var("VK_PEER_ADDR", ":12501", "Peer snapshot HTTP listener (`host:port`); its port is dialled on peers."),
     var("VK_COCOON_SNAPSHOT_DIR", "/var/lib/cocoon/snapshot/localfile", "Snapshot store served to peers."),
     var("VK_TLS_CERT", "/etc/cocoon/vk/tls/vk-kubelet.crt", "Kubelet API serving certificate."),
@@ -175,6 +176,8 @@ pub struct Config {
     pub orphan_policy: OrphanPolicy,
     pub restore_mode: RestoreMode,
     pub staging_dir: PathBuf,
+    /// VK_STATE_DIR: the daemon's state directory (the ownership ledger).
+    pub state_dir: PathBuf,
     pub peer_addr: ListenAddr,
     pub cocoon_snapshot_dir: PathBuf,
     pub tls_cert: PathBuf,
@@ -301,6 +304,17 @@ const MAX_QUANTITY: f64 = 9.2e18;
 
 /// VK_CLIENT_CA_FILE must name a readable PEM bundle of at least one usable CA certificate:
 /// checked here so a bad file is a configuration error, not a failure after start-up.
+/// VK_STATE_DIR: an absolute path (the daemon creates it at start).
+fn state_dir(env: Lookup) -> Result<PathBuf, ConfigError> {
+    const NAME: &str = "VK_STATE_DIR";
+    let dir = path_or(env, NAME, "/var/lib/cocoon/vk-cocoon");
+    if !dir.is_absolute() {
+        let raw = dir.display().to_string();
+        return Err(invalid(NAME, &raw, "an absolute directory path"));
+    }
+    Ok(dir)
+}
+
 fn client_ca_file(env: Lookup) -> Result<Option<PathBuf>, ConfigError> {
     const NAME: &str = "VK_CLIENT_CA_FILE";
     let Some(raw) = get(env, NAME) else {
@@ -565,6 +579,7 @@ impl Config {
             orphan_policy,
             restore_mode,
             staging_dir: path_or(env, "VK_STAGING_DIR", "/var/lib/cocoon/vk-staging"),
+            state_dir: state_dir(env)?,
             peer_addr: listen_addr(env, "VK_PEER_ADDR", ":12501")?,
             cocoon_snapshot_dir: path_or(
                 env,
@@ -764,6 +779,7 @@ mod tests {
         assert_eq!(c.orphan_policy, OrphanPolicy::Destroy);
         assert_eq!(c.restore_mode, RestoreMode::Mmap);
         assert_eq!(c.staging_dir, PathBuf::from("/var/lib/cocoon/vk-staging"));
+        assert_eq!(c.state_dir, PathBuf::from("/var/lib/cocoon/vk-cocoon"));
         assert_eq!(
             c.peer_addr,
             ListenAddr {
@@ -976,6 +992,15 @@ mod tests {
                 "got {line:?}, want prefix {want_prefix:?}"
             );
         }
+    }
+
+    #[test]
+    fn the_state_dir_must_be_absolute() {
+        let line = err(&[("VK_STATE_DIR", "var/lib/vk")]);
+        assert!(line.starts_with("VK_STATE_DIR="), "{line}");
+        assert!(line.contains("absolute"), "{line}");
+        let c = ok(&[("VK_STATE_DIR", "/srv/vk")]);
+        assert_eq!(c.state_dir, PathBuf::from("/srv/vk"));
     }
 
     #[test]

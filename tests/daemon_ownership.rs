@@ -57,34 +57,38 @@ fn a_pod_naming_another_namespaces_vm_is_refused_and_cannot_reach_it() {
     w.extra_env.push(("VK_KUBELET_AUTH".into(), "off".into()));
     w.seed_snapshot("base");
     w.start_daemon();
+    // `vk-default-x-app` is a VM name of `default` (pod `x-app`) and of `default-x`.
     w.api
-        .create_pod(&pod_in("default", "victim", "vk-shared-vm"))
+        .create_pod(&pod_in("default", "victim", "vk-default-x-app"))
         .expect("create victim");
     let (_, victim_vm) = w.wait("victim Running", Duration::from_secs(20), || {
         running_with_vm(&w, "victim")
     });
 
     w.api
-        .create_pod(&pod_in("evil", "attacker", "vk-shared-vm"))
+        .create_pod(&pod_in("default-x", "attacker", "vk-default-x-app"))
         .expect("create attacker");
     w.wait(
         "attacker Failed with a Warning",
         Duration::from_secs(20),
-        || failed_with_warning(&w, "evil", "attacker"),
+        || failed_with_warning(&w, "default-x", "attacker"),
     );
-    let attacker = w.api.get_pod("evil", "attacker").expect("attacker pod");
+    let attacker = w
+        .api
+        .get_pod("default-x", "attacker")
+        .expect("attacker pod");
     assert_eq!(annotation(&attacker, "vm.cocoonstack.io/id"), None);
     assert!(w.metrics().contains("reason=\"vm_owned_by_another_pod\""));
 
     // Logs and exec on the attacker do not reach the victim's VM.
-    let (code, body) = kubelet_call(&w, "/containerLogs/evil/attacker/agent", &[]);
+    let (code, body) = kubelet_call(&w, "/containerLogs/default-x/attacker/agent", &[]);
     assert!(
         body.contains("no live VM") || code != "200",
         "logs: {code} {body}"
     );
     let (code, body) = kubelet_call(
         &w,
-        "/exec/evil/attacker/agent?command=cat&command=/etc/secret&stdout=1",
+        "/exec/default-x/attacker/agent?command=cat&command=/etc/secret&stdout=1",
         &[
             "-H",
             "Connection: Upgrade",
@@ -102,14 +106,17 @@ fn a_pod_naming_another_namespaces_vm_is_refused_and_cannot_reach_it() {
 
     // Deleting the attacker leaves the victim's VM running and the victim in place.
     w.api
-        .delete_pod("evil", "attacker", Some(30))
+        .delete_pod("default-x", "attacker", Some(30))
         .expect("delete attacker");
     w.wait("attacker gone", Duration::from_secs(20), || {
-        w.api.get_pod("evil", "attacker").is_none().then_some(())
+        w.api
+            .get_pod("default-x", "attacker")
+            .is_none()
+            .then_some(())
     });
     let vms = w.vms();
     assert_eq!(
-        vms.get("vk-shared-vm"),
+        vms.get("vk-default-x-app"),
         Some(&(victim_vm.clone(), "running".to_string())),
         "the victim's VM is untouched"
     );

@@ -40,7 +40,7 @@ fn more_pulls_than_transfer_slots_run_three_at_a_time_and_all_pods_start() {
     w.seed_snapshot("base");
     // Publish the seed under PODS tags on the world's registry (the daemon's OCI_REGISTRY).
     for i in 0..PODS {
-        w.push_snapshot("base", &format!("t{i}"), "");
+        w.push_base_snapshot("base", &format!("t{i}"));
     }
     // Every import takes IMPORT_MS, so pulls that may overlap do.
     fs::write(

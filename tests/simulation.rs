@@ -172,6 +172,9 @@ struct Sim {
     lane: Option<SimLane>,
     /// Probe agents the provider started: pod → (uid, VM id).
     probes: BTreeMap<PodKey, (String, String)>,
+    /// The ownership ledger on the simulated disk: each write lands when asked, survives
+    /// restarts, and is answered after a latency.
+    ledger: vk_cocoon::provider::owners::Owners,
     // --- invariants checked as the run goes
     /// Incarnations the API has seen Running.
     ran: std::collections::BTreeSet<String>,
@@ -244,6 +247,7 @@ impl Sim {
             stats: BTreeMap::new(),
             lane: None,
             probes: BTreeMap::new(),
+            ledger: Default::default(),
             ran: Default::default(),
             gone: Default::default(),
             violations: Vec::new(),
@@ -334,6 +338,7 @@ impl Sim {
                         base_image: "team/agent:v1".into(),
                         snapshot_id: id.clone(),
                         from_node: "sim".into(),
+                        ..Default::default()
                     }))
                 };
                 Input::HibernateEvidence { op: *op, result }
@@ -711,6 +716,20 @@ impl Sim {
                 let l = self.latency();
                 self.later(l, Delivery::Input(Input::SacDone { op, result: Ok(()) }));
             }
+            // The simulated images are base images: their manifests name no owner.
+            Effect::ReadSnapshotTag { op, .. } => {
+                let l = self.latency();
+                let result = Ok(Some(HibernateTag::default()));
+                self.later(l, Delivery::Input(Input::HibernateEvidence { op, result }));
+            }
+            Effect::RecordOwners { op, changes } => {
+                for c in &changes {
+                    self.ledger.apply(c);
+                }
+                let l = self.latency();
+                let result = Ok(());
+                self.later(l, Delivery::Input(Input::OwnersRecorded { op, result }));
+            }
             // The simulated pods are cocoon guests: no macOS QEMU runs here.
             Effect::CheckPid { op, .. } => {
                 let l = self.latency();
@@ -1023,7 +1042,8 @@ impl Sim {
         }
         let pods: Vec<Pod> = self.api.values().cloned().collect();
         let vms: Vec<VmInfo> = self.vms.values().map(|v| v.info()).collect();
-        self.feed(Input::StartupListed { pods, vms });
+        let owners = self.ledger.clone();
+        self.feed(Input::StartupListed { pods, vms, owners });
     }
 
     fn operator(&mut self) {
@@ -1426,6 +1446,7 @@ fn run_world(
     sim.feed(Input::StartupListed {
         pods: vec![],
         vms: vec![],
+        owners: Default::default(),
     });
     let mut n = 0u64;
     for _ in 0..pods {

@@ -241,6 +241,7 @@ impl Daemon {
                 repo,
                 tag,
                 base_image,
+                owner,
             } => {
                 let metrics = self.metrics.clone();
                 let push = PushRequest {
@@ -249,7 +250,10 @@ impl Daemon {
                     cocoon_bin: self.cocoon_bin(),
                     base_image: Some(base_image).filter(|b| !b.is_empty()),
                     from_node: Some(self.config.node_name.clone()),
-                    annotations: BTreeMap::new(),
+                    annotations: crate::snapshots::format::owner_annotations(
+                        &owner.namespace,
+                        &owner.pod_uid,
+                    ),
                     knobs: push_knobs(&self.config),
                     temp_dir: None,
                 };
@@ -274,7 +278,10 @@ impl Daemon {
                     materialise_image(registry, &bin, &image, force)
                 });
             }
-            Effect::CheckHibernateEvidence { op, vm_name } => self.check_evidence(op, vm_name),
+            Effect::CheckHibernateEvidence { op, vm_name } => {
+                self.read_tag(op, vm_name, "hibernate".into())
+            }
+            Effect::ReadSnapshotTag { op, repo, tag } => self.read_tag(op, repo, tag),
             Effect::DeleteSnapshotTag { op, repo, tag } => {
                 self.transfer(op, move |registry| {
                     let r = registry.reference(&repo, &tag)?;
@@ -282,6 +289,13 @@ impl Daemon {
                 });
             }
             Effect::SacPass { op, vm_id, plan } => self.sac_pass(op, &vm_id, plan),
+            Effect::RecordOwners { op, changes } => {
+                // Off the loop: the ledger's own thread writes and answers.
+                if !self.ledger.send(op, changes) {
+                    let result = Err("the ownership ledger writer has stopped".to_string());
+                    self.pending.push_back(Input::OwnersRecorded { op, result });
+                }
+            }
             Effect::PeerRestore {
                 op,
                 namespace,
@@ -338,9 +352,10 @@ impl Daemon {
         }
     }
 
-    /// One manifest GET of `<vm>:hibernate` on the pool, outside the transfer queue: a create
-    /// must not wait for unrelated multi-GiB pulls to learn whether its VM was hibernated.
-    fn check_evidence(&mut self, op: OpId, vm_name: String) {
+    /// One manifest GET of `repo:tag` on the pool, outside the transfer queue: a create must
+    /// not wait for unrelated multi-GiB pulls to learn whether its VM was hibernated, nor
+    /// whose snapshot an image is.
+    fn read_tag(&mut self, op: OpId, repo: String, tag: String) {
         let Some(registry) = self.registry.clone() else {
             let result = Err(no_registry());
             self.pending
@@ -348,11 +363,14 @@ impl Daemon {
             return;
         };
         let job = move || {
-            let result = manifest_info(&registry, &vm_name, "hibernate").map(|found| {
+            let result = manifest_info(&registry, &repo, &tag).map(|found| {
                 found.map(|info| HibernateTag {
                     base_image: info.base_image().unwrap_or("").to_string(),
                     snapshot_id: info.snapshot_id.clone().unwrap_or_default(),
                     from_node: info.from_node().unwrap_or("").to_string(),
+                    owner_namespace: info.owner_namespace().unwrap_or("").to_string(),
+                    owner_pod_uid: info.owner_pod_uid().unwrap_or("").to_string(),
+                    digest: info.digest.clone(),
                 })
             });
             Work::Evidence { op, result }

@@ -27,6 +27,7 @@ mod event_stream;
 mod hypervisors;
 mod kube_jobs;
 pub mod lane;
+mod ledger;
 mod startup;
 mod turn_profile;
 mod view;
@@ -100,6 +101,11 @@ pub enum Work {
     PodsListed {
         startup: bool,
         result: Result<crate::kube::PodList, crate::kube::KubeError>,
+    },
+    /// The ledger writer wrote (or failed to write) these ops' ownership changes.
+    OwnersRecorded {
+        ops: Vec<OpId>,
+        result: Result<(), String>,
     },
 }
 
@@ -226,6 +232,8 @@ pub struct Daemon {
     profile: turn_profile::TurnProfile,
     /// The peer snapshot listener and the Node address book peer restores dial from.
     peer: crate::peer::housekeeping::PeerService,
+    /// The ownership ledger's writer thread (VK_STATE_DIR).
+    ledger: ledger::LedgerWriter,
 }
 
 /// A fatal start-up error: the message and the process exit status.
@@ -327,6 +335,13 @@ impl Daemon {
         let probes = ProbeEngine::new(probe_manager, pinger, &mut reactor)
             .map_err(|e| StartError::new(1, format!("probe socket: {e}")))?;
 
+        let (owners, ledger) =
+            ledger::open(&config.state_dir, reactor.notifier()).map_err(|e| {
+                StartError::new(
+                    1,
+                    format!("VK_STATE_DIR {}: {e}", config.state_dir.display()),
+                )
+            })?;
         let provider = Provider::new(ProviderConfig {
             node_name: config.node_name.clone(),
             cpu_class: config.snapshot_cpu_class.clone(),
@@ -378,7 +393,7 @@ impl Daemon {
                 KEY_EVENT_STREAM,
                 now,
             ),
-            startup: Some(Startup::new()),
+            startup: Some(Startup::new(owners)),
             config,
             reactor,
             metrics,
@@ -424,6 +439,7 @@ impl Daemon {
             longest_turn,
             profile: Default::default(),
             peer,
+            ledger,
         })
     }
 
@@ -659,6 +675,12 @@ impl Daemon {
             Work::EventWritten { event, result } => self.event_written(*event, *result),
             Work::NodeTicked(agent) => self.node_ticked(agent),
             Work::PodsListed { startup, result } => self.pods_listed(startup, result),
+            Work::OwnersRecorded { ops, result } => {
+                for op in ops {
+                    let result = result.clone();
+                    self.pending.push_back(Input::OwnersRecorded { op, result });
+                }
+            }
         }
     }
 

@@ -28,14 +28,17 @@ const RETRY_MAX: Duration = Duration::from_secs(30);
 pub(super) struct Startup {
     /// Pods listed from the API, waiting for the VM list.
     pods: Option<Vec<k8s_openapi::api::core::v1::Pod>>,
+    /// The ownership ledger as read at start, handed to the provider with the lists.
+    owners: Option<crate::provider::owners::Owners>,
     retry: Duration,
     attempts: u32,
 }
 
 impl Startup {
-    pub(super) fn new() -> Startup {
+    pub(super) fn new(owners: crate::provider::owners::Owners) -> Startup {
         Startup {
             pods: None,
+            owners: Some(owners),
             retry: RETRY_FIRST,
             attempts: 0,
         }
@@ -104,6 +107,11 @@ impl Daemon {
         let Some(pods) = self.startup.as_mut().and_then(|s| s.pods.take()) else {
             return;
         };
+        let owners = self
+            .startup
+            .as_mut()
+            .and_then(|s| s.owners.take())
+            .unwrap_or_default();
         log::info!(
             "startup reconcile: {} pods bound to {}, {} VMs on this host",
             pods.len(),
@@ -111,7 +119,8 @@ impl Daemon {
             vms.len()
         );
         self.startup = None;
-        self.pending.push_back(Input::StartupListed { pods, vms });
+        self.pending
+            .push_back(Input::StartupListed { pods, vms, owners });
         self.drain_inputs();
         // Register the node now (first NodeAgent tick, on the node thread), then watch and
         // stream events.

@@ -163,6 +163,7 @@ pub(super) fn input_kind(input: &Input) -> &'static str {
         Input::TransferDone { .. } => "core:TransferDone",
         Input::HibernateEvidence { .. } => "core:HibernateEvidence",
         Input::SacDone { .. } => "core:SacDone",
+        Input::OwnersRecorded { .. } => "core:OwnersRecorded",
         Input::PidChecked { .. } => "core:PidChecked",
         Input::VmPidRead { .. } => "core:VmPidRead",
         Input::VmEvent { .. } => "core:VmEvent",
@@ -221,6 +222,7 @@ pub(super) fn event_kind(event: &Event<Work>, io: &'static str) -> &'static str 
             Work::EventWritten { .. } => "work:EventWritten",
             Work::NodeTicked(_) => "work:NodeTicked",
             Work::PodsListed { .. } => "work:PodsListed",
+            Work::OwnersRecorded { .. } => "work:OwnersRecorded",
         },
     }
 }

@@ -12,8 +12,9 @@
 //!
 //! Inputs, who sends them:
 //! * [`Input::StartupListed`] once, after listing pods (`spec.nodeName=<node>`) and
-//!   `cocoon vm list -o json` (parsed with [`cocoon::parse_vm_list`]). Pod events that arrive
-//!   before it are buffered. A provider restart = a new `Provider` fed a fresh `StartupListed`.
+//!   `cocoon vm list -o json` (parsed with [`cocoon::parse_vm_list`]), with the ownership
+//!   ledger as the daemon loaded it ([`owners::Owners`]). Pod events that arrive before it are
+//!   buffered. A provider restart = a new `Provider` fed a fresh `StartupListed`.
 //! * [`Input::PodUpserted`] / [`Input::PodDeleted`] from the watch (ADDED/MODIFIED, DELETED).
 //!   After a watch re-list send [`Input::PodsRelisted`] with the whole list: pods that vanished
 //!   meanwhile are handled as deleted (relist tombstones count as deletions).
@@ -47,8 +48,13 @@
 //!   `vm clone --from-dir`, or an error.
 //! * [`Effect::CheckHibernateEvidence`] `{op, vm_name}`: look the registry tag
 //!   `<vm_name>:hibernate` up (a worker job); answer [`Input::HibernateEvidence`].
+//! * [`Effect::ReadSnapshotTag`] `{op, repo, tag}`: the same lookup for any tag; answer
+//!   [`Input::HibernateEvidence`].
 //! * [`Effect::DeleteSnapshotTag`] `{op, repo, tag}`: delete that manifest (404 = done);
 //!   answer [`Input::TransferDone`].
+//! * [`Effect::RecordOwners`] `{op, changes}`: apply the changes to the ownership ledger on
+//!   disk (atomically, in the order asked), answer [`Input::OwnersRecorded`] once they are
+//!   durable. The core waits for it before the cocoon call that creates what it records.
 //! * [`Effect::SacPass`] `{op, vm_id, plan}`: run the Windows SAC static-IP pass on the VM's
 //!   console socket (a thread of its own); answer [`Input::SacDone`].
 //! * Fire-and-forget (no answer): [`Effect::Event`], [`Effect::StartProbe`],
@@ -60,6 +66,7 @@ pub mod core;
 pub mod fixup;
 pub mod lifecycle;
 pub mod naming;
+pub mod owners;
 pub mod spec;
 pub mod status;
 
@@ -145,7 +152,8 @@ impl Default for ProviderConfig {
     }
 }
 
-/// What the registry's `<vm>:hibernate` manifest says (each field empty when absent).
+/// What a registry tag's manifest says (`<vm>:hibernate`, or any tag read with
+/// [`Effect::ReadSnapshotTag`]); each field empty when absent.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HibernateTag {
     /// Manifest annotation `cocoonstack.snapshot.baseimage`.
@@ -154,6 +162,12 @@ pub struct HibernateTag {
     pub snapshot_id: String,
     /// Manifest annotation `cocoonstack.snapshot.from-node`.
     pub from_node: String,
+    /// Manifest annotations `cocoonstack.snapshot.owner-namespace` / `owner-pod-uid`: whose
+    /// VM snapshot this is (empty for a base image, or a snapshot pushed before owners were).
+    pub owner_namespace: String,
+    pub owner_pod_uid: String,
+    /// `sha256:` digest of the manifest as read: a pull of exactly what was checked.
+    pub digest: String,
 }
 
 /// Kubernetes API failure classes the core distinguishes.
@@ -300,6 +314,8 @@ pub enum Input {
     StartupListed {
         pods: Vec<Pod>,
         vms: Vec<VmInfo>,
+        /// The ownership ledger as the daemon loaded it.
+        owners: owners::Owners,
     },
     /// Watch ADDED / MODIFIED.
     PodUpserted(Box<Pod>),
@@ -335,6 +351,11 @@ pub enum Input {
     SacDone {
         op: OpId,
         result: Result<(), crate::guest::sac::SacError>,
+    },
+    /// Answer of [`Effect::RecordOwners`]: Ok once the changes are on disk.
+    OwnersRecorded {
+        op: OpId,
+        result: Result<(), String>,
     },
     /// Answer of [`Effect::CheckPid`]: the process exists and is not a zombie.
     PidChecked {
@@ -450,13 +471,16 @@ pub enum Effect {
         tag: String,
         local_name: String,
     },
-    /// Push local snapshot `local_name` as `repo:tag` (annotations on the manifest).
+    /// Push local snapshot `local_name` as `repo:tag` (annotations on the manifest: the base
+    /// image, this node, and `owner` as `cocoonstack.snapshot.owner-namespace` /
+    /// `owner-pod-uid`).
     PushSnapshot {
         op: OpId,
         local_name: String,
         repo: String,
         tag: String,
         base_image: String,
+        owner: owners::Owner,
     },
     /// Make `image` available to `cocoon vm run` (with a registry); answer with the
     /// boot reference.
@@ -482,11 +506,23 @@ pub enum Effect {
         op: OpId,
         vm_name: String,
     },
+    /// Read the manifest of `repo:tag` (its owner, before a pull reads or a push replaces
+    /// it); answer [`Input::HibernateEvidence`] (`Ok(None)` when the tag does not exist).
+    ReadSnapshotTag {
+        op: OpId,
+        repo: String,
+        tag: String,
+    },
     /// DELETE the registry manifest `repo:tag` (a 404 counts as done); answer `TransferDone`.
     DeleteSnapshotTag {
         op: OpId,
         repo: String,
         tag: String,
+    },
+    /// Write these changes to the ownership ledger; answer [`Input::OwnersRecorded`].
+    RecordOwners {
+        op: OpId,
+        changes: Vec<owners::OwnerChange>,
     },
     /// Set the static addresses of a Windows guest over SAC on the console socket of `vm_id`
     /// (a worker thread); answer [`Input::SacDone`].

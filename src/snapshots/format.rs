@@ -23,6 +23,9 @@ pub const TITLE: &str = "org.opencontainers.image.title";
 pub const CREATED: &str = "org.opencontainers.image.created";
 pub const BASEIMAGE: &str = "cocoonstack.snapshot.baseimage";
 pub const FROM_NODE: &str = "cocoonstack.snapshot.from-node";
+/// The namespace (and pod) a pushed VM snapshot belongs to.
+pub const OWNER_NAMESPACE: &str = "cocoonstack.snapshot.owner-namespace";
+pub const OWNER_POD_UID: &str = "cocoonstack.snapshot.owner-pod-uid";
 pub const CHUNK_INDEX: &str = "cocoonstack.chunk.index";
 pub const CHUNK_COUNT: &str = "cocoonstack.chunk.count";
 pub const SPARSE_MAP: &str = "COCOON.sparse.map";
@@ -297,6 +300,29 @@ impl ManifestInfo {
             .map(String::as_str)
             .filter(|s| !s.is_empty())
     }
+    /// `cocoonstack.snapshot.owner-namespace`: the namespace the VM snapshot belongs to.
+    pub fn owner_namespace(&self) -> Option<&str> {
+        self.annotations
+            .get(OWNER_NAMESPACE)
+            .map(String::as_str)
+            .filter(|s| !s.is_empty())
+    }
+    /// `cocoonstack.snapshot.owner-pod-uid`: the pod that pushed it.
+    pub fn owner_pod_uid(&self) -> Option<&str> {
+        self.annotations
+            .get(OWNER_POD_UID)
+            .map(String::as_str)
+            .filter(|s| !s.is_empty())
+    }
+}
+
+/// The owner annotations of a pushed VM snapshot (empty values are left out).
+pub fn owner_annotations(namespace: &str, pod_uid: &str) -> BTreeMap<String, String> {
+    [(OWNER_NAMESPACE, namespace), (OWNER_POD_UID, pod_uid)]
+        .into_iter()
+        .filter(|(_, v)| !v.is_empty())
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
 }
 
 fn is_zero_i64(v: &i64) -> bool {

@@ -204,6 +204,7 @@ impl World {
             .env("VK_TLS_CERT", "")
             .env("VK_TLS_KEY", "")
             .env("VK_STAGING_DIR", self.path("staging"))
+            .env("VK_STATE_DIR", self.path("vk-state"))
             .env("VK_PEER_ADDR", "127.0.0.1:0")
             .env("VK_COCOON_SNAPSHOT_DIR", self.path("state/snapshots"))
             .env("OCI_REGISTRY", self.registry_base())
@@ -226,15 +227,34 @@ impl World {
         RegistryClient::from_env(&self.registry_base()).expect("registry client")
     }
 
-    /// Pushes the fake's local snapshot `name` to `<OCI_REGISTRY>/<name>:<tag>`.
+    /// Pushes the fake's local snapshot `name` to `<OCI_REGISTRY>/<name>:<tag>` as this node's
+    /// daemon pushes a VM's snapshot (with its from-node, no owner: an older daemon's push).
     pub fn push_snapshot(&self, name: &str, tag: &str, base_image: &str) {
+        self.push_snapshot_as(name, tag, base_image, Some(&self.node), BTreeMap::new());
+    }
+
+    /// Publishes the fake's local snapshot `name` as a base image (no daemon annotations), as
+    /// an operator's tooling publishes the golden snapshots pods clone.
+    pub fn push_base_snapshot(&self, name: &str, tag: &str) {
+        self.push_snapshot_as(name, tag, "", None, BTreeMap::new());
+    }
+
+    /// Pushes local snapshot `name` to `<name>:<tag>` with these from-node and annotations.
+    pub fn push_snapshot_as(
+        &self,
+        name: &str,
+        tag: &str,
+        base_image: &str,
+        from_node: Option<&str>,
+        annotations: BTreeMap<String, String>,
+    ) {
         let req = PushRequest {
             name: name.into(),
             tag: tag.into(),
             cocoon_bin: self.path("bin/cocoon"),
             base_image: Some(base_image.to_string()).filter(|b| !b.is_empty()),
-            from_node: Some(self.node.clone()),
-            annotations: BTreeMap::new(),
+            from_node: from_node.map(str::to_string),
+            annotations,
             knobs: PushKnobs::default(),
             temp_dir: Some(self.dir.path().to_path_buf()),
         };

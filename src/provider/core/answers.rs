@@ -114,6 +114,18 @@ impl Provider {
         };
         match waiter {
             Waiter::Ignore => {}
+            Waiter::Owners { for_, undo } => {
+                let result = match res {
+                    Res::Owners(r) => r,
+                    other => Err(format!("unexpected {} answer", other.kind())),
+                };
+                self.owners_recorded(op, for_, undo, result)
+            }
+            Waiter::SnapshotRm { name } => {
+                if let Res::Cocoon(r) = &res {
+                    self.snapshot_removed(&name, r);
+                }
+            }
             Waiter::Reclaim(step) => self.reclaim_answer(step, res),
             Waiter::PodStep(key) => self.pod_step_result(&key, op, res),
             Waiter::Staged { key, dir } => {
@@ -341,6 +353,8 @@ pub(super) enum Res {
     Pid(bool),
     /// A VM's hypervisor PID read from its pid file (None: no file or no such process).
     VmPid(Option<i64>),
+    /// A write of the ownership ledger.
+    Owners(Result<(), String>),
 }
 
 impl Res {
@@ -356,6 +370,7 @@ impl Res {
             Res::Sac(_) => "SAC pass",
             Res::Pid(_) => "process check",
             Res::VmPid(_) => "pid file",
+            Res::Owners(_) => "ownership record",
         }
     }
 

@@ -90,6 +90,7 @@ impl Provider {
         }
         if spec.managed {
             self.by_name.insert(spec.vm_name.clone(), vm.clone());
+            self.own_adopted(key, &uid, &spec.vm_name);
         }
         let deleting_now = self
             .slot(key)

@@ -137,6 +137,9 @@ impl Provider {
                         self.metric(MetricUpdate::VmInspectTransientFail);
                         self.defer_check(key, c.uid, c.vm_id);
                     }
+                    Some(vm) if !self.checked_vm_is_ours(key, &c, &vm) => {
+                        self.start_evict(key, EvictReason::VmGone, "vm no longer exists", false)
+                    }
                     Some(vm) => self.check_state(key, &c, vm),
                 }
             }
@@ -164,6 +167,9 @@ impl Provider {
                         let delay = (delay * 2).min(RECHECK_MAX);
                         let at = self.now + delay;
                         self.advance(key, CheckStep::Deferred { delay, until }, Ask::Timer(at));
+                    }
+                    Some(vm) if !self.checked_vm_is_ours(key, &c, &vm) => {
+                        self.start_evict(key, EvictReason::VmGone, "vm no longer exists", false)
                     }
                     Some(vm) => self.check_state(key, &c, vm),
                 }
@@ -205,7 +211,7 @@ impl Provider {
                     None
                 } {
                     // The start went through after all: the restart succeeded.
-                    Some(vm) if vm.running() => {
+                    Some(vm) if vm.running() && self.checked_vm_is_ours(key, &c, &vm) => {
                         if let Some(v) = self.slot(key).tracked.as_mut().and_then(|t| t.vm.as_mut())
                         {
                             v.pid = vm.pid;
@@ -227,7 +233,8 @@ impl Provider {
                         false,
                     );
                 }
-                if let (true, Ok(vm)) = (r.success, parse_vm(&r.stdout)) {
+                let vm = parse_vm(&r.stdout).ok();
+                if let Some(vm) = vm.filter(|v| r.success && self.checked_vm_is_ours(key, &c, v)) {
                     if let Some(t) = self.slot(key).tracked.as_mut() {
                         if let Some(v) = t.vm.as_mut() {
                             v.pid = vm.pid;
@@ -262,16 +269,24 @@ impl Provider {
                 CheckStep::Inspect { attempt: 1 },
             );
         }
-        let creating = self
-            .slot(key)
-            .intent
-            .as_ref()
-            .map(|i| i.uid == c.uid && i.state == State::Creating)
-            .unwrap_or(false);
-        if creating {
+        let intent = self.slot(key).intent.clone().filter(|i| i.uid == c.uid);
+        if intent.as_ref().is_some_and(|i| i.state == State::Creating) {
             return self.start_ready_wait(key, c.uid.clone(), c.vm_id.clone());
         }
+        if intent.is_none() && self.tracked_managed(key, &c.uid) {
+            // Adopted at startup with no lifecycle record on a VM that was stopped: the owed
+            // work ran this check instead of publishing Ready, which is owed all the same.
+            self.publish_ready(key);
+        }
         self.end_op(key)
+    }
+
+    /// Whether `key` tracks incarnation `uid` of a managed pod.
+    fn tracked_managed(&self, key: &PodKey, uid: &str) -> bool {
+        self.slots
+            .get(key)
+            .and_then(|s| s.tracked.as_ref())
+            .is_some_and(|t| t.uid == uid && t.spec.managed)
     }
 
     /// Forgets restarts older than `RESTART_COOLDOWN_GC_AGE` (they no longer hold a cooldown),
@@ -280,6 +295,18 @@ impl Provider {
         let now = self.now;
         self.last_restart
             .retain(|_, t| now.saturating_duration_since(*t) < RESTART_COOLDOWN_GC_AGE);
+    }
+
+    /// Whether an answer to the check's `vm inspect <vm_id>` is the pod's VM: of that exact
+    /// ID, or of the pod's VM name. The reference may be an ID the pod gave (a VM that vanished
+    /// across a restart), which cocoon would also resolve as a prefix of another VM's ID.
+    fn checked_vm_is_ours(&self, key: &PodKey, c: &CheckOp, vm: &VmInfo) -> bool {
+        let name = self
+            .slots
+            .get(key)
+            .and_then(|s| s.tracked.as_ref())
+            .map_or("", |t| t.spec.vm_name.as_str());
+        (!c.vm_id.is_empty() && vm.id == c.vm_id) || isolation::vm_named(vm, name)
     }
 
     pub(super) fn check_state(&mut self, key: &PodKey, c: &CheckOp, vm: VmInfo) {

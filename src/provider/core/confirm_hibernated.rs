@@ -86,8 +86,9 @@ impl Provider {
         match (c.step.clone(), res) {
             (ConfirmStep::LocalInspect, Res::Cocoon(r)) => {
                 let local_id = if r.success {
-                    match parse_snapshot(&r.stdout) {
-                        Ok(s) => Some(s.id),
+                    // Another snapshot than `<vm>` (an ID-prefix match) is none.
+                    match isolation::inspected_snapshot(&r, &vm) {
+                        Ok(s) => s.map(|s| s.id),
                         Err(e) => return self.confirm_unreadable(key, &c, &e),
                     }
                 } else if r.snapshot_not_found() {

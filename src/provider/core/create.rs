@@ -17,6 +17,9 @@ impl Provider {
             Ok(s) => s,
             Err(e) => return self.reject(key, &pod, e),
         };
+        if let Some(message) = isolation::vm_name_refusal(key, &spec.vm_name) {
+            return self.refuse_vm_name(key, &pod, message);
+        }
         if let Err(message) = self.cpu_class_gate(key, &spec) {
             let e = SpecError {
                 reason: REASON_CPU_CLASS,
@@ -41,6 +44,9 @@ impl Provider {
                 message: format!("pod {key}: {msg}"),
             };
             return self.reject(key, &pod, e);
+        }
+        if let Some(message) = self.unheld_vm_refusal(key, &spec) {
+            return self.refuse_vm_name(key, &pod, message);
         }
         let start_time = pod
             .status
@@ -91,16 +97,10 @@ impl Provider {
                 self.slot(key).op = None;
                 return self.fail_create(key, &uid, &msg, false);
             }
-            let vm = VmInfo {
-                id: spec.vm_id.clone(),
-                name: spec.vm_name.clone(),
-                state: VmState::Running,
-                ..Default::default()
-            };
             self.slot(key).op = Some(Op::Create(Box::new(CreateOp {
                 uid,
                 spec: spec.clone(),
-                step: CreateStep::Boot,
+                step: CreateStep::UnmanagedInspect,
                 started: self.now,
                 local_snapshot: String::new(),
                 snapshot_image: String::new(),
@@ -111,7 +111,19 @@ impl Provider {
             if let Some(t) = self.slot(key).tracked.as_mut() {
                 t.ip = spec.vm_ip.clone();
             }
-            return self.finish_create(key, vm, false, "");
+            if !super::delete::lookup_reference_ok(&spec.vm_id) {
+                let msg = format!("pod {key}: {ANN_VM_ID} {:?} is not a VM ID", spec.vm_id);
+                let (event, reason) = (
+                    isolation::EVENT_VM_REFERENCE,
+                    isolation::REASON_VM_REFERENCE,
+                );
+                return self.refuse_create(key, event, reason, msg);
+            }
+            // The id must name exactly one VM by its exact ID, of the pod's VM name.
+            let ask = Ask::Cocoon(CocoonCmd::VmInspect {
+                reference: spec.vm_id.clone(),
+            });
+            return self.advance(key, CreateStep::UnmanagedInspect, ask);
         }
         let op = CreateOp {
             uid,
@@ -182,19 +194,6 @@ impl Provider {
                 spec.vm_name
             ));
         }
-        // A VM no live pod holds (kept at startup, or left by a failed create) is adopted by
-        // name only from the namespace its name was made for: operator names are
-        // `vk-<namespace>-…` or `vk-<namespace>.…` (the operator's VM naming).
-        let namespace_held_it = self.last_holder_ns.get(&spec.vm_name) == Some(&key.namespace);
-        if self.by_name.contains_key(&spec.vm_name)
-            && !namespace_held_it
-            && !named_for(&spec.vm_name, &key.namespace)
-        {
-            return Some(format!(
-                "vm {} exists and is not named for namespace {}; it is not adopted",
-                spec.vm_name, key.namespace
-            ));
-        }
         if !spec.managed && !spec.vm_id.is_empty() {
             let other = self
                 .by_name
@@ -246,7 +245,7 @@ impl Provider {
                 format!("remove the local snapshot {vm}"),
             )
         };
-        let base = match found {
+        let tag = match found {
             Ok(None) if c.spec.restore_from_hibernate => {
                 // Asked for explicitly: the wake source resolution says what is missing.
                 return self.start_wake(key, true);
@@ -254,7 +253,9 @@ impl Provider {
             Ok(None) => {
                 self.fork_invalidate(vm);
                 let name = spec::fork_snapshot_name(vm);
-                if !self.snapshot_may_exist(&name) {
+                // A fork snapshot recorded for another namespace is left (and never handed
+                // out: the fork flight checks its owner); an unrecorded one is only a cache.
+                if !self.snapshot_may_exist(&name) || self.snapshot_of_another(key, &name) {
                     return self.fresh_bring_up(key, c);
                 }
                 return self.advance(
@@ -277,8 +278,14 @@ impl Provider {
                 );
                 return self.fail_create_as(key, &c.uid, "HibernateEvidenceFailed", &msg, true);
             }
-            Ok(Some(tag)) => tag.base_image,
+            Ok(Some(tag)) => tag,
         };
+        let ours = if self.cfg.registry {
+            self.tag_readable(key, vm, &tag)
+        } else {
+            self.owns_snapshot(key, vm, vm)
+        };
+        let base = tag.base_image;
         let explicit_source = c.spec.clone_from_dir.is_some() || !c.spec.fork_from.is_empty();
         let (verdict, msg) = if explicit_source {
             (
@@ -297,6 +304,20 @@ impl Provider {
                     c.spec.image
                 ),
             )
+        } else if !ours {
+            // Restoring would read another namespace's hibernation (or one no record or name
+            // ties to this one).
+            let msg = format!(
+                "pod {key}: vm {vm} has a hibernate snapshot ({place}) that is not recorded \
+                 for namespace {}; it is not restored",
+                key.namespace
+            );
+            return self.refuse_create(
+                key,
+                isolation::EVENT_SNAPSHOT_NOT_IN_NS,
+                isolation::REASON_SNAPSHOT_NOT_IN_NS,
+                msg,
+            );
         } else {
             self.metric(MetricUpdate::HibernateEvidence {
                 verdict: "restored",
@@ -335,7 +356,7 @@ impl Provider {
         let spec = &c.spec;
         if let Some(dir) = spec.clone_from_dir.clone() {
             let args = self.clone_args(spec, CloneSource::FromDir(dir), true);
-            self.advance(key, CreateStep::Boot, Ask::Cocoon(CocoonCmd::VmClone(args)))
+            self.boot(key, CocoonCmd::VmClone(args))
         } else if !spec.fork_from.is_empty() {
             self.fork_begin(key, &spec.fork_from)
         } else if spec.mode == Mode::Run {
@@ -354,6 +375,21 @@ impl Provider {
 
     /// Bad input / unsupported request: failure status + Warning, counter; no VM touched.
     pub(super) fn reject(&mut self, key: &PodKey, pod: &Arc<Pod>, e: SpecError) {
+        // A VM held by another pod is a conflict no retry settles: the pod fails for good.
+        let terminal = restart_never(pod) || e.reason == REASON_VM_OWNED;
+        self.reject_as(key, pod, "ProviderCreateFailed", e, terminal)
+    }
+
+    /// A pod refused before anything is tracked: Warning `event_reason`, the counter, the
+    /// failure status (phase Failed when `terminal`); retried only when the pod changes.
+    pub(super) fn reject_as(
+        &mut self,
+        key: &PodKey,
+        pod: &Arc<Pod>,
+        event_reason: &'static str,
+        e: SpecError,
+        terminal: bool,
+    ) {
         let uid = pod_uid(pod);
         let result = if e.reason == "missing_vmname" {
             "skipped"
@@ -361,15 +397,7 @@ impl Provider {
             "failed"
         };
         self.lifecycle_metric("create", result, e.reason);
-        self.event(
-            key,
-            &uid,
-            EventType::Warning,
-            "ProviderCreateFailed",
-            &e.message,
-        );
-        // A VM held by another pod is a conflict no retry settles: the pod fails for good.
-        let terminal = restart_never(pod) || e.reason == REASON_VM_OWNED;
+        self.event(key, &uid, EventType::Warning, event_reason, &e.message);
         let st = status::provider_failed(terminal, &e.message);
         let sum = status::summary(&st);
         let slot = self.slot(key);
@@ -390,7 +418,8 @@ impl Provider {
         let pulling = puller != key
             && self.slots.get(puller).is_some_and(|s| {
                 matches!(&s.op, Some(Op::Create(c))
-                    if matches!(c.step, CreateStep::PullSnapshot) && c.local_snapshot == local)
+                    if matches!(c.step, CreateStep::ImageTag | CreateStep::PullSnapshot)
+                        && c.local_snapshot == local)
             });
         if !pulling {
             self.pulls.remove(local);
@@ -404,6 +433,81 @@ impl Provider {
             self.pulls.remove(&c.local_snapshot);
         }
         r
+    }
+
+    /// Whether pod `key` may clone the local snapshot of its image: one recorded for its
+    /// namespace; with no record, a base image (its repository is no VM's name) or a VM
+    /// snapshot whose name proves the namespace.
+    fn image_snapshot_readable(&self, key: &PodKey, c: &CreateOp) -> bool {
+        let (repo, _) = crate::snapshots::reference::split_image_ref(&c.spec.image);
+        match self.owner_of(Owned::Snapshot, &c.local_snapshot) {
+            Some(o) => o.namespace == key.namespace,
+            None => !isolation::vm_repository(&repo) || isolation::owned_by(None, &repo, key),
+        }
+    }
+
+    /// The image's manifest, read before its pull: a VM snapshot of another namespace (or of
+    /// none the record or name ties to the pod's) is refused; otherwise exactly the manifest
+    /// read is pulled (by its digest), a VM snapshot once its owner is on record.
+    fn image_tag_read(
+        &mut self,
+        key: &PodKey,
+        c: &CreateOp,
+        r: Result<Option<HibernateTag>, TransferError>,
+    ) {
+        let (repo, tag) = crate::snapshots::reference::split_image_ref(&c.spec.image);
+        let local = c.local_snapshot.clone();
+        let found = match r {
+            Ok(found) => found,
+            Err(e) => {
+                self.pull_done(key, c, ());
+                self.metric(MetricUpdate::SnapshotPull { result: "failed" });
+                let msg = format!("read the manifest of {}: {e}", c.spec.image);
+                return self.fail_create(key, &c.uid, &msg, true);
+            }
+        };
+        let vm_snapshot = found.as_ref().map_or(isolation::vm_repository(&repo), |t| {
+            isolation::vm_snapshot_tag(&repo, t)
+        });
+        let owner = found.as_ref().map(|t| t.owner_namespace.as_str());
+        if vm_snapshot && !isolation::owned_by(owner, &repo, key) {
+            self.pull_done(key, c, ());
+            let msg = format!(
+                "pod {key}: image {} is a VM snapshot not recorded for namespace {}; a pod \
+                 clones only its own namespace's VM snapshots",
+                c.spec.image, key.namespace
+            );
+            return self.refuse_create(
+                key,
+                isolation::EVENT_SNAPSHOT_NOT_IN_NS,
+                isolation::REASON_SNAPSHOT_NOT_IN_NS,
+                msg,
+            );
+        }
+        let target = found
+            .as_ref()
+            .map(|t| t.digest.clone())
+            .filter(|d| !d.is_empty())
+            .unwrap_or(tag);
+        let pull = Effect::PullSnapshot {
+            op: 0,
+            repo,
+            tag: target,
+            local_name: local.clone(),
+        };
+        let ask = match found.filter(|_| vm_snapshot) {
+            Some(t) => {
+                let ns = if t.owner_namespace.is_empty() {
+                    key.namespace.clone()
+                } else {
+                    t.owner_namespace
+                };
+                let owner = Owner::new(&ns, &t.owner_pod_uid);
+                Self::owned_then(Owned::Snapshot, &local, owner, Deferred::Effect(pull))
+            }
+            None => Ask::effect(move |op| ledger::with_op_id(pull, op)),
+        };
+        self.advance(key, CreateStep::PullSnapshot, ask)
     }
 
     /// The poll timer of a pod waiting for another pod's pull: look at the snapshot again.
@@ -453,7 +557,23 @@ impl Provider {
         match (c.step.clone(), res) {
             (CreateStep::InspectByName, Res::Cocoon(r)) => {
                 if r.success {
-                    if let Ok(vm) = parse_vm(&r.stdout) {
+                    // Only a VM of this very name (not one whose ID it prefixes).
+                    let vm = parse_vm(&r.stdout).ok();
+                    if let Some(vm) = vm.filter(|v| isolation::vm_named(v, &spec.vm_name)) {
+                        // A VM no live pod holds: only the namespace that owns it takes it
+                        // (or removes it as a leftover).
+                        if !self.vm_adoptable(key, &spec.vm_id, &vm) {
+                            let msg = format!(
+                                "pod {key}: vm {} exists and is not recorded for namespace {}; \
+                                 it is not adopted",
+                                spec.vm_name, key.namespace
+                            );
+                            let (event, reason) = (
+                                isolation::EVENT_VM_NOT_IN_NS,
+                                isolation::REASON_VM_NOT_IN_NS,
+                            );
+                            return self.refuse_create(key, event, reason, msg);
+                        }
                         if vm.running() {
                             self.lifecycle_metric("create", "ok", "adopted");
                             return self.vm_up(key, vm, true);
@@ -467,11 +587,13 @@ impl Provider {
                 }
                 self.check_evidence(key, &spec.vm_name)
             }
+            (CreateStep::UnmanagedInspect, Res::Cocoon(r)) => self.unmanaged_found(key, &c, r),
             (CreateStep::RmStaleByName, Res::Cocoon(r)) => {
                 if !r.success && !r.vm_not_found() {
                     let msg = format!("remove leftover vm {}: {}", spec.vm_name, r.error_text());
                     return self.fail_create(key, &c.uid, &msg, true);
                 }
+                self.forget_owner(Owned::Vm, &spec.vm_name);
                 self.check_evidence(key, &spec.vm_name)
             }
             (CreateStep::Evidence, Res::Evidence(found)) => self.evidence_verdict(key, &c, found),
@@ -479,12 +601,12 @@ impl Provider {
                 // No registry: a local snapshot named after the VM is the evidence. A failed
                 // inspect means there is none; one that hung says nothing, so fail closed.
                 let found = if r.success {
-                    parse_snapshot(&r.stdout)
+                    isolation::inspected_snapshot(&r, &spec.vm_name)
                         .map(|s| {
-                            Some(HibernateTag {
+                            s.map(|s| HibernateTag {
                                 base_image: s.image,
                                 snapshot_id: s.id,
-                                from_node: String::new(),
+                                ..Default::default()
                             })
                         })
                         .map_err(TransferError::Cocoon)
@@ -509,22 +631,33 @@ impl Provider {
                 self.fresh_bring_up(key, &c)
             }
             (CreateStep::SnapInspect { pulled }, Res::Cocoon(r)) => {
-                if !r.success {
+                // Another snapshot than the one asked for (an ID-prefix match) is none.
+                let found = match r.success {
+                    true => match isolation::inspected_snapshot(&r, &c.local_snapshot) {
+                        Ok(s) => s,
+                        Err(e) => return self.fail_create(key, &c.uid, &e, true),
+                    },
+                    false => None,
+                };
+                let Some(snap) = found else {
+                    let why = if r.success {
+                        "cocoon answered with another snapshot".to_string()
+                    } else {
+                        r.error_text()
+                    };
                     if pulled {
                         self.metric(MetricUpdate::SnapshotPull { result: "failed" });
                         let msg = format!(
-                            "snapshot {} still missing after pull: {}",
-                            c.local_snapshot,
-                            r.error_text()
+                            "snapshot {} still missing after pull: {why}",
+                            c.local_snapshot
                         );
                         return self.fail_create(key, &c.uid, &msg, true);
                     }
                     if !self.cfg.registry {
                         self.metric(MetricUpdate::SnapshotPull { result: "failed" });
                         let msg = format!(
-                            "snapshot {} not found locally and no registry is configured: {}",
-                            c.local_snapshot,
-                            r.error_text()
+                            "snapshot {} not found locally and no registry is configured: {why}",
+                            c.local_snapshot
                         );
                         return self.fail_create(key, &c.uid, &msg, true);
                     }
@@ -532,24 +665,28 @@ impl Provider {
                         let at = self.now + PULL_WAIT_POLL;
                         return self.advance(key, CreateStep::PullWait, Ask::Timer(at));
                     }
+                    // Whose snapshot the image is, before anything of it is pulled.
                     self.pulls.insert(c.local_snapshot.clone(), key.clone());
                     let (repo, tag) = crate::snapshots::reference::split_image_ref(&spec.image);
-                    let local = c.local_snapshot.clone();
-                    let ask = Ask::effect(|op| Effect::PullSnapshot {
-                        op,
-                        repo,
-                        tag,
-                        local_name: local,
-                    });
-                    return self.advance(key, CreateStep::PullSnapshot, ask);
+                    let ask = Ask::effect(|op| Effect::ReadSnapshotTag { op, repo, tag });
+                    return self.advance(key, CreateStep::ImageTag, ask);
+                };
+                if !self.image_snapshot_readable(key, &c) {
+                    let msg = format!(
+                        "pod {key}: image {} is a VM snapshot not recorded for namespace {}; \
+                         a pod clones only its own namespace's VM snapshots",
+                        spec.image, key.namespace
+                    );
+                    return self.refuse_create(
+                        key,
+                        isolation::EVENT_SNAPSHOT_NOT_IN_NS,
+                        isolation::REASON_SNAPSHOT_NOT_IN_NS,
+                        msg,
+                    );
                 }
                 if !pulled {
                     self.metric(MetricUpdate::SnapshotPull { result: "ok" });
                 }
-                let snap = match parse_snapshot(&r.stdout) {
-                    Ok(s) => s,
-                    Err(e) => return self.fail_create(key, &c.uid, &e, true),
-                };
                 let want = if spec.backend.is_empty() {
                     spec::BACKEND_CH
                 } else {
@@ -583,6 +720,7 @@ impl Provider {
                 self.do_clone(key)
             }
             (CreateStep::ForkWait { .. }, Res::Fork(r)) => self.fork_landed(key, &c, r),
+            (CreateStep::ImageTag, Res::Evidence(r)) => self.image_tag_read(key, &c, r),
             (CreateStep::PullSnapshot, Res::Transfer(r)) => match self.pull_done(key, &c, r) {
                 Ok(_) => {
                     self.metric(MetricUpdate::SnapshotPull { result: "ok" });
@@ -637,7 +775,7 @@ impl Provider {
                         no_direct_io: spec.no_direct_io,
                         image: boot,
                     };
-                    self.advance(key, CreateStep::Boot, Ask::Cocoon(CocoonCmd::VmRun(args)))
+                    self.boot(key, CocoonCmd::VmRun(args))
                 }
                 Err(e) => {
                     let msg = format!("make image {} available: {e}", spec.image);
@@ -707,17 +845,25 @@ impl Provider {
                 }
             }
             (CreateStep::BootFailedInspect { error }, Res::Cocoon(r)) => {
-                match (r.success, parse_vm(&r.stdout)) {
+                // Only a VM of this very name is the bring-up's: cocoon may answer a lookup by
+                // name with a VM whose ID starts with it, which is left alone.
+                let vm = parse_vm(&r.stdout).ok();
+                match vm.filter(|v| r.success && isolation::vm_named(v, &spec.vm_name)) {
                     // The bring-up finished after all (a slow clone past its deadline).
-                    (true, Ok(vm)) if vm.running() => {
+                    Some(vm) if vm.running() => {
                         self.by_name.insert(spec.vm_name.clone(), vm.clone());
                         self.vm_up(key, vm, false)
                     }
-                    (true, Ok(vm)) => {
+                    Some(vm) => {
                         let ask = Ask::Cocoon(CocoonCmd::VmRm { id: vm.id });
                         self.advance(key, CreateStep::BootFailedRm { error }, ask)
                     }
-                    _ => self.fail_create(key, &c.uid, &error, true),
+                    None => {
+                        if r.vm_not_found() {
+                            self.forget_owner(Owned::Vm, &spec.vm_name);
+                        }
+                        self.fail_create(key, &c.uid, &error, true)
+                    }
                 }
             }
             (CreateStep::BootFailedRm { error }, Res::Cocoon(r)) => {
@@ -726,6 +872,8 @@ impl Provider {
                         "provider: {key}: remove leftover of failed bring-up: {}",
                         r.error_text()
                     );
+                } else {
+                    self.forget_owner(Owned::Vm, &spec.vm_name);
                 }
                 self.fail_create(key, &c.uid, &error, true)
             }
@@ -746,6 +894,42 @@ impl Provider {
                 self.finish_create(key, vm, cloned, &ip)
             }
             (step, res) => self.unexpected_answer(key, &step, &res),
+        }
+    }
+
+    /// The lookup of an unmanaged pod's VM by its id annotation: adopted only when cocoon
+    /// answers with that exact ID and the pod's VM name (an ID prefix, or another VM's ID,
+    /// fails the pod for good); not found, or no answer, fails the create and is retried.
+    fn unmanaged_found(&mut self, key: &PodKey, c: &CreateOp, r: CocoonResult) {
+        let spec = &c.spec;
+        if r.vm_not_found() || !r.success {
+            let msg = format!(
+                "unmanaged vm {} ({}) not found: {}",
+                spec.vm_name,
+                spec.vm_id,
+                r.error_text()
+            );
+            return self.fail_create(key, &c.uid, &msg, true);
+        }
+        match parse_vm(&r.stdout) {
+            Ok(vm) if isolation::vm_is(&vm, &spec.vm_id, &spec.vm_name) => {
+                self.finish_create(key, vm, false, "")
+            }
+            Ok(_) => {
+                // Nothing of the VM found goes into the message: it may be another tenant's.
+                let msg = format!(
+                    "pod {key}: {ANN_VM_ID} {} does not name vm {} exactly; an unmanaged pod \
+                     gives its VM's full ID",
+                    spec.vm_id, spec.vm_name
+                );
+                self.refuse_create(
+                    key,
+                    isolation::EVENT_VM_REFERENCE,
+                    isolation::REASON_VM_REFERENCE,
+                    msg,
+                )
+            }
+            Err(e) => self.fail_create(key, &c.uid, &e, true),
         }
     }
 
@@ -786,7 +970,19 @@ impl Provider {
             c.snapshot_image.clone(),
         );
         let args = self.clone_args(&spec, CloneSource::Snapshot(local), !img.is_empty());
-        self.advance(key, CreateStep::Boot, Ask::Cocoon(CocoonCmd::VmClone(args)));
+        self.boot(key, CocoonCmd::VmClone(args));
+    }
+
+    /// The bring-up call (`vm clone` / `vm run`), once the VM's owner (the pod's namespace) is
+    /// on record: a crash after it leaves the VM owned, never ownerless.
+    pub(super) fn boot(&mut self, key: &PodKey, cmd: CocoonCmd) {
+        let Some(c) = self.create_op(key) else {
+            return;
+        };
+        let owner = Owner::new(&key.namespace, &c.uid);
+        let name = c.spec.vm_name.clone();
+        let ask = Self::owned_then(Owned::Vm, &name, owner, Deferred::Cocoon(cmd));
+        self.advance(key, CreateStep::Boot, ask)
     }
 
     /// `mode=run` image materialisation: with a registry and an OCI ref the snapshots room
@@ -803,12 +999,4 @@ impl Provider {
             })
         }
     }
-}
-
-/// Whether a VM name carries the operator's prefix for `namespace` (`vk-<ns>-` or `vk-<ns>.`).
-pub(super) fn named_for(vm_name: &str, namespace: &str) -> bool {
-    vm_name
-        .strip_prefix("vk-")
-        .and_then(|rest| rest.strip_prefix(namespace))
-        .is_some_and(|rest| rest.starts_with('-') || rest.starts_with('.'))
 }

@@ -59,7 +59,7 @@ impl Provider {
         let Ok(spec) = spec::parse(pod) else {
             return false;
         };
-        if !spec.managed || !lookup_reference_ok(&spec.vm_name) {
+        if !spec.managed || isolation::vm_name_refusal(key, &spec.vm_name).is_some() {
             return false;
         }
         // A VM another live pod holds (or one not named for this namespace) is not this pod's
@@ -67,6 +67,7 @@ impl Provider {
         if self
             .vm_claimed_elsewhere(key, &pod_uid(pod), &spec)
             .is_some()
+            || self.unheld_vm_refusal(key, &spec).is_some()
         {
             return false;
         }
@@ -101,20 +102,36 @@ impl Provider {
     /// The answer of that lookup: a VM found is removed as the tracked one would be; one still
     /// being created is looked at again shortly; none lets the delete finish.
     fn found_vm_for_delete(&mut self, key: &PodKey, t: &Tracked, by_id: bool, r: CocoonResult) {
-        if r.vm_not_found() {
+        let found = if r.success {
+            parse_vm(&r.stdout).ok()
+        } else {
+            None
+        };
+        // The pod's own VM only: of its name exactly, and by ID only with that name. An answer
+        // for another VM (its ID prefixed by the value looked up) is as good as none.
+        let other = found.as_ref().is_some_and(|v| {
+            let exact = if by_id {
+                isolation::vm_is(v, &t.spec.vm_id, &t.spec.vm_name)
+            } else {
+                isolation::vm_named(v, &t.spec.vm_name)
+            };
+            // A VM of the name recorded for another namespace is not this pod's either.
+            !exact
+                || self
+                    .owner_of(Owned::Vm, &v.name)
+                    .is_some_and(|o| o.namespace != key.namespace)
+        });
+        if r.vm_not_found() || other {
             if !by_id && t.spec.vm_id != t.spec.vm_name && lookup_reference_ok(&t.spec.vm_id) {
                 return self.find_vm_for_delete(key, t, true);
             }
             if let Some(Op::Delete(d)) = self.slot(key).op.as_mut() {
                 d.looked_up = true;
             }
+            // No VM of the pod's name: none is owned under it either.
+            self.forget_owner(Owned::Vm, &t.spec.vm_name);
             return self.delete_after_api_first(key);
         }
-        let found = if r.success {
-            parse_vm(&r.stdout).ok()
-        } else {
-            None
-        };
         let reference = if by_id {
             &t.spec.vm_id
         } else {
@@ -250,15 +267,7 @@ impl Provider {
                         key,
                         &format!("inspect vm {} before delete: {}", vm.id, r.error_text()),
                     ),
-                    Some(v) if v.running() => self.advance(
-                        key,
-                        DeleteStep::Save { retried: false },
-                        Ask::Cocoon(CocoonCmd::SnapshotSave {
-                            name: d.vm_name.clone(),
-                            vm_id: vm.id,
-                            deadline: None,
-                        }),
-                    ),
+                    Some(v) if v.running() => self.delete_save(key, &t, &d, false),
                     Some(_) => self.advance(
                         key,
                         DeleteStep::Rm,
@@ -269,15 +278,10 @@ impl Provider {
             (DeleteStep::Save { retried }, Res::Cocoon(r)) => {
                 if r.success {
                     self.metric(MetricUpdate::SnapshotSave { result: "ok" });
-                    let (name, image) = (d.vm_name.clone(), t.spec.image.clone());
-                    let ask = Ask::effect(|op| Effect::PushSnapshot {
-                        op,
-                        local_name: name.clone(),
-                        repo: name,
-                        tag: "latest".into(),
-                        base_image: image,
-                    });
-                    return self.advance(key, DeleteStep::Push, ask);
+                    // Whose `<vm>:latest` the push would replace, first.
+                    let (repo, tag) = (d.vm_name.clone(), "latest".to_string());
+                    let ask = Ask::effect(|op| Effect::ReadSnapshotTag { op, repo, tag });
+                    return self.advance(key, DeleteStep::PushCheck, ask);
                 }
                 if r.name_taken() && !retried {
                     return self.advance(
@@ -298,15 +302,35 @@ impl Provider {
                     ),
                 )
             }
-            (DeleteStep::RmHolder, Res::Cocoon(_)) => self.advance(
-                key,
-                DeleteStep::Save { retried: true },
-                Ask::Cocoon(CocoonCmd::SnapshotSave {
-                    name: d.vm_name.clone(),
-                    vm_id: vm.id,
-                    deadline: None,
-                }),
-            ),
+            (DeleteStep::RmHolder, Res::Cocoon(_)) => self.delete_save(key, &t, &d, true),
+            (DeleteStep::PushCheck, Res::Evidence(r)) => match r {
+                Ok(Some(tag)) if isolation::tag_of_another(key, &tag) => {
+                    let msg = format!(
+                        "{}:latest in the registry is not recorded for namespace {}; the \
+                         snapshot before delete is not pushed over it",
+                        d.vm_name, key.namespace
+                    );
+                    self.push_refused_at_delete(key, &t, &msg)
+                }
+                Ok(_) => {
+                    let (name, image) = (d.vm_name.clone(), t.spec.image.clone());
+                    let owner = Owner::new(&key.namespace, &t.uid);
+                    let ask = Ask::effect(|op| Effect::PushSnapshot {
+                        op,
+                        local_name: name.clone(),
+                        repo: name,
+                        tag: "latest".into(),
+                        base_image: image,
+                        owner,
+                    });
+                    self.advance(key, DeleteStep::Push, ask)
+                }
+                Err(e) => {
+                    self.metric(MetricUpdate::SnapshotPush { result: "failed" });
+                    let msg = format!("read {}:latest before the push: {e}", d.vm_name);
+                    self.delete_failed(key, &msg)
+                }
+            },
             (DeleteStep::Push, Res::Transfer(r)) => match r {
                 Ok(_) => {
                     self.metric(MetricUpdate::SnapshotPush { result: "ok" });
@@ -330,6 +354,7 @@ impl Provider {
                         .delete_failed(key, &format!("vm rm {}: {}", vm.id, r.error_text()));
                 }
                 self.release_leases(&vm);
+                self.forget_owner(Owned::Vm, &d.vm_name);
                 if self
                     .by_name
                     .get(&d.vm_name)
@@ -358,10 +383,53 @@ impl Provider {
         }
     }
 
+    /// The snapshot before delete would replace another namespace's snapshot (local or in the
+    /// registry): it is not taken or not pushed (Warning, counter); the VM is removed all the
+    /// same, as the pod is gone.
+    fn push_refused_at_delete(&mut self, key: &PodKey, t: &Tracked, msg: &str) {
+        self.metric(MetricUpdate::SnapshotPush { result: "failed" });
+        self.lifecycle_metric("delete", "skipped", isolation::REASON_SNAPSHOT_NOT_IN_NS);
+        self.event(
+            key,
+            &t.uid,
+            EventType::Warning,
+            isolation::EVENT_SNAPSHOT_NOT_IN_NS,
+            msg,
+        );
+        let id = t.vm.as_ref().map(|v| v.id.clone()).unwrap_or_default();
+        self.advance(key, DeleteStep::Rm, Ask::Cocoon(CocoonCmd::VmRm { id }))
+    }
+
+    /// The snapshot-before-delete's save of `<vm>`, once its owner is on record.
+    fn delete_save(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp, retried: bool) {
+        if self.snapshot_of_another(key, &d.vm_name) {
+            let msg = format!(
+                "the local snapshot {} is not recorded for namespace {}; no snapshot before \
+                 delete is taken",
+                d.vm_name, key.namespace
+            );
+            return self.push_refused_at_delete(key, t, &msg);
+        }
+        let vm_id = t.vm.as_ref().map(|v| v.id.clone()).unwrap_or_default();
+        let save = CocoonCmd::SnapshotSave {
+            name: d.vm_name.clone(),
+            vm_id,
+            deadline: None,
+        };
+        let owner = Owner::new(&key.namespace, &t.uid);
+        let ask = Self::owned_then(Owned::Snapshot, &d.vm_name, owner, Deferred::Cocoon(save));
+        self.advance(key, DeleteStep::Save { retried }, ask)
+    }
+
     /// Unless kept, the VM's local snapshots go with it: `<vm>` (its hibernate snapshot when
     /// there is no registry), then `fork-<vm>`; each removal only when that snapshot may exist.
+    /// `<vm>` is removed only when the pod's namespace owns it (by record, or unrecorded and
+    /// proved by the name): it may be the only copy of a hibernation, and another's, or an
+    /// earlier daemon's the name does not tie to the namespace, is left to the reclaimer.
+    /// `fork-<vm>` (a cache) is removed unless recorded for another namespace.
     fn delete_rm_snapshots(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp) {
-        if !self.snapshot_may_exist(&d.vm_name) {
+        if !self.snapshot_may_exist(&d.vm_name) || !self.owns_snapshot(key, &d.vm_name, &d.vm_name)
+        {
             return self.delete_rm_fork_snapshot(key, t, d);
         }
         let name = d.vm_name.clone();
@@ -376,7 +444,7 @@ impl Provider {
         // A flight saving it meanwhile must not hand out what it lands.
         self.fork_invalidate(&d.vm_name);
         let name = spec::fork_snapshot_name(&d.vm_name);
-        if !self.snapshot_may_exist(&name) {
+        if !self.snapshot_may_exist(&name) || self.snapshot_of_another(key, &name) {
             return self.delete_snapshots_gone(key, t, d);
         }
         self.advance(

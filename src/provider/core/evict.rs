@@ -95,6 +95,9 @@ impl Provider {
                     .and_then(|t| t.vm.clone())
                     .unwrap_or_default();
                 self.release_leases(&vm);
+                if !vm.name.is_empty() {
+                    self.forget_owner(Owned::Vm, &vm.name);
+                }
                 self.evict_status(key)
             }
             (EvictStep::Status, Res::Kube(_)) => self.evict_delete(key),

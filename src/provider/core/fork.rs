@@ -3,6 +3,13 @@
 
 use super::*;
 
+/// Whose VM a fork source is, for the pod forking it.
+enum SourceOwner {
+    Own,
+    Other,
+    Unknown,
+}
+
 /// How long the fork save may run before it is killed. The contract gives the save no bound
 /// of its own (cocoon's verb class would let it hang for the one-hour transfer deadline, with
 /// every forking create waiting Pending all along). A fork save exists only to feed the
@@ -16,17 +23,33 @@ impl Provider {
     /// A fresh create with `fork-from` (after the `fork-<own vm>` removal, when it may exist):
     /// join the flight of its source, starting one when none runs. The pod waits in `ForkWait`.
     pub(super) fn fork_begin(&mut self, key: &PodKey, source: &str) {
-        if !self.fork_source_of_namespace(key, source) {
-            let uid = self
-                .create_op(key)
-                .map(|c| c.uid.clone())
-                .unwrap_or_default();
-            let msg = format!(
-                "fork-from: vm {source} is not a VM of namespace {}; a pod forks only VMs of \
-                 its own namespace (named vk-{}-… or held by a pod there)",
-                key.namespace, key.namespace
-            );
-            return self.fail_create(key, &uid, &msg, true);
+        let uid = self
+            .create_op(key)
+            .map(|c| c.uid.clone())
+            .unwrap_or_default();
+        match self.fork_source_owner(key, source) {
+            SourceOwner::Own => {}
+            SourceOwner::Other => {
+                let msg = format!(
+                    "pod {key}: fork-from: vm {source} is not a VM of namespace {}; a pod forks \
+                     only VMs of its own namespace",
+                    key.namespace
+                );
+                let (event, reason) = (
+                    isolation::EVENT_VM_NOT_IN_NS,
+                    isolation::REASON_VM_NOT_IN_NS,
+                );
+                return self.refuse_create(key, event, reason, msg);
+            }
+            // Not known yet (the source's pod may not be up): the create is retried.
+            SourceOwner::Unknown => {
+                let msg = format!(
+                    "fork-from: vm {source} is not known to be a VM of namespace {}: no pod of \
+                     the namespace holds it, none recorded it and its name does not prove it",
+                    key.namespace
+                );
+                return self.fail_create(key, &uid, &msg, true);
+            }
         }
         self.advance(
             key,
@@ -61,17 +84,28 @@ impl Provider {
         );
     }
 
-    /// Ownership: a fork copies the source's memory and disk, so a pod may fork only a VM of
-    /// its own namespace: one named for it (the operator's `vk-<namespace>-` names) or one a
-    /// pod of that namespace holds or names. Never a VM of another tenant.
-    fn fork_source_of_namespace(&self, key: &PodKey, source: &str) -> bool {
-        create::named_for(source, &key.namespace)
-            || self.slots.iter().any(|(k, s)| {
-                k.namespace == key.namespace
-                    && s.tracked.as_ref().is_some_and(|t| {
-                        t.spec.vm_name == source || t.vm.as_ref().is_some_and(|v| v.name == source)
-                    })
-            })
+    /// Ownership: a fork copies the source's memory and disk, so a pod forks only a VM of its
+    /// own namespace. A live pod holding the source decides; else the VM's record; else its
+    /// name when it proves a namespace. The `vk-<ns>-` prefix alone proves nothing: `team`
+    /// shares it with `team-prod`.
+    fn fork_source_owner(&self, key: &PodKey, source: &str) -> SourceOwner {
+        let holder = self.slots.iter().find_map(|(k, s)| {
+            let t = s.tracked.as_ref()?;
+            let holds = t.spec.vm_name == source || t.vm.as_ref().is_some_and(|v| v.name == source);
+            holds.then_some(k.namespace.as_str())
+        });
+        let record = self
+            .owner_of(Owned::Vm, source)
+            .map(|o| o.namespace.as_str());
+        let ns = key.namespace.as_str();
+        let by_name = crate::provider::naming::owner(source, &[]);
+        match holder.or(record) {
+            Some(owner) if owner == ns => SourceOwner::Own,
+            Some(_) => SourceOwner::Other,
+            None if by_name.proves(ns) => SourceOwner::Own,
+            None if by_name.admits(ns) => SourceOwner::Unknown,
+            None => SourceOwner::Other,
+        }
     }
 
     /// Moves the flight of `source` to `step` and runs the cocoon call that step waits on.
@@ -106,27 +140,27 @@ impl Provider {
         };
         match step {
             ForkStep::Inspect => {
-                if r.success {
-                    return self.fork_done(source, hypervisor_of(&r.stdout));
+                // Another snapshot than `fork-<source>` (an ID-prefix match) is none.
+                let found = r.success.then(|| isolation::inspected_snapshot(&r, &name));
+                match found {
+                    Some(Ok(Some(s))) => return self.fork_snapshot_found(source, s.hypervisor),
+                    Some(Err(e)) => return self.fork_done(source, Err(e)),
+                    Some(Ok(None)) | None => {}
                 }
-                if !r.snapshot_not_found() {
+                if !r.success && !r.snapshot_not_found() {
                     // A hung or failing inspect says nothing: fail, the creates retry.
                     let msg = format!("inspect fork snapshot {name}: {}", r.error_text());
                     return self.fork_done(source, Err(msg));
                 }
-                match self.by_name.get(source).filter(|v| !v.id.is_empty()) {
-                    Some(vm) => {
-                        let (id, hv) = (vm.id.clone(), vm.hypervisor.clone());
-                        self.fork_save(source, id, hv, false)
-                    }
-                    None => self.fork_cocoon(
-                        source,
-                        ForkStep::FindSource,
-                        CocoonCmd::VmInspect {
-                            reference: source.to_string(),
-                        },
-                    ),
+                self.fork_find_source(source, false)
+            }
+            ForkStep::RmUnowned => {
+                if !r.success && !r.snapshot_not_found() {
+                    let msg = format!("remove unrecorded {name}: {}", r.error_text());
+                    return self.fork_done(source, Err(msg));
                 }
+                self.snapshot_removed(&name, &r);
+                self.fork_find_source(source, true)
             }
             ForkStep::FindSource => {
                 if r.vm_not_found() {
@@ -134,7 +168,12 @@ impl Provider {
                     return self.fork_done(source, Err(msg));
                 }
                 let vm = match (r.success, parse_vm(&r.stdout)) {
-                    (true, Ok(vm)) => vm,
+                    (true, Ok(vm)) if isolation::vm_named(&vm, source) => vm,
+                    // An answer for a VM whose ID the name prefixes is no source VM.
+                    (true, Ok(_)) => {
+                        let msg = format!("fork-from: source vm {source} not found on this node");
+                        return self.fork_done(source, Err(msg));
+                    }
                     (true, Err(e)) => return self.fork_done(source, Err(e)),
                     (false, _) => {
                         let msg = format!("fork-from: inspect vm {source}: {}", r.error_text());
@@ -175,9 +214,12 @@ impl Provider {
                 self.fork_done(source, Err(msg))
             }
             ForkStep::TakenInspect { holder } => {
-                if r.success {
+                let found = r.success.then(|| isolation::inspected_snapshot(&r, &name));
+                match found.and_then(Result::transpose) {
                     // Another save (a create of an earlier process) landed it: reuse it.
-                    return self.fork_done(source, hypervisor_of(&r.stdout));
+                    Some(Ok(s)) => return self.fork_snapshot_found(source, s.hypervisor),
+                    Some(Err(e)) => return self.fork_done(source, Err(e)),
+                    None => {}
                 }
                 // Invisible but holding the name: the half-saved record of an interrupted
                 // save. Removing it is what lets this fork (and any later one) save again.
@@ -189,6 +231,11 @@ impl Provider {
                     ForkStep::RmHolder,
                     CocoonCmd::SnapshotRm { name: holder },
                 )
+            }
+            // Waiting on the ledger, not on cocoon.
+            ForkStep::Record { .. } => {
+                let msg = format!("fork snapshot {name}: unexpected cocoon answer");
+                self.fork_done(source, Err(msg))
             }
             ForkStep::RmHolder => {
                 if !r.success && !r.snapshot_not_found() {
@@ -205,6 +252,43 @@ impl Provider {
         }
     }
 
+    /// `fork-<source>` exists: handed out when it is recorded for the flight's namespace;
+    /// one recorded for another namespace fails the flight; an unrecorded one (an earlier
+    /// daemon's) is removed and saved afresh from the source.
+    fn fork_snapshot_found(&mut self, source: &str, hypervisor: String) {
+        let name = spec::fork_snapshot_name(source);
+        let ns = self
+            .forks
+            .get(source)
+            .map(|f| f.namespace.clone())
+            .unwrap_or_default();
+        match self.owner_of(Owned::Snapshot, &name) {
+            Some(o) if o.namespace == ns => self.fork_done(source, Ok(hypervisor)),
+            Some(_) => {
+                let msg = format!("fork-from: {name} is not recorded for namespace {ns}");
+                self.fork_done(source, Err(msg))
+            }
+            None => self.fork_cocoon(source, ForkStep::RmUnowned, CocoonCmd::SnapshotRm { name }),
+        }
+    }
+
+    /// The source VM: from the name index, else `vm inspect <source>`; then the save.
+    fn fork_find_source(&mut self, source: &str, retried: bool) {
+        match self.by_name.get(source).filter(|v| !v.id.is_empty()) {
+            Some(vm) => {
+                let (id, hv) = (vm.id.clone(), vm.hypervisor.clone());
+                self.fork_save(source, id, hv, retried)
+            }
+            None => self.fork_cocoon(
+                source,
+                ForkStep::FindSource,
+                CocoonCmd::VmInspect {
+                    reference: source.to_string(),
+                },
+            ),
+        }
+    }
+
     fn fork_save(&mut self, source: &str, source_id: String, hypervisor: String, retried: bool) {
         let now = self.now;
         if let Some(f) = self.forks.get_mut(source) {
@@ -212,6 +296,60 @@ impl Provider {
             f.source_hypervisor = hypervisor;
             f.save_started = now;
         }
+        // `fork-<source>` is the source's: its owner goes on record before the save.
+        let change = crate::provider::owners::OwnerChange::Set {
+            kind: Owned::Snapshot,
+            name: spec::fork_snapshot_name(source),
+            owner: self.fork_owner(source),
+        };
+        if self
+            .record(vec![change], RecordFor::Fork(source.to_string()))
+            .is_some()
+        {
+            if let Some(f) = self.forks.get_mut(source) {
+                f.step = ForkStep::Record { retried };
+            }
+            return;
+        }
+        self.fork_save_now(source, retried)
+    }
+
+    /// The owner of `fork-<source>`: the source VM's record, else the namespace forking it
+    /// (only pods of the source's namespace may) and the pod holding the source.
+    fn fork_owner(&self, source: &str) -> Owner {
+        if let Some(o) = self.owner_of(Owned::Vm, source) {
+            return o.clone();
+        }
+        let ns = self.forks.get(source).map_or("", |f| f.namespace.as_str());
+        let uid = self
+            .slots
+            .iter()
+            .filter(|(k, _)| k.namespace == ns)
+            .filter_map(|(_, s)| s.tracked.as_ref())
+            .find(|t| t.spec.vm_name == source)
+            .map_or("", |t| t.uid.as_str());
+        Owner::new(ns, uid)
+    }
+
+    /// The record of `fork-<source>`'s owner answered: the save, or the flight fails.
+    pub(super) fn fork_owner_recorded(&mut self, source: &str, result: Result<(), String>) {
+        let Some(ForkStep::Record { retried }) = self.forks.get(source).map(|f| f.step.clone())
+        else {
+            return;
+        };
+        match result {
+            Ok(()) => self.fork_save_now(source, retried),
+            Err(e) => {
+                let name = spec::fork_snapshot_name(source);
+                self.fork_done(source, Err(format!("record the owner of {name}: {e}")))
+            }
+        }
+    }
+
+    fn fork_save_now(&mut self, source: &str, retried: bool) {
+        let Some(source_id) = self.forks.get(source).map(|f| f.source_id.clone()) else {
+            return;
+        };
         let name = spec::fork_snapshot_name(source);
         self.fork_cocoon(
             source,
@@ -241,7 +379,7 @@ impl Provider {
         let result = match result {
             Ok(_) if flight.invalidated => {
                 let name = spec::fork_snapshot_name(source);
-                self.fire_and_forget_cocoon(CocoonCmd::SnapshotRm { name });
+                self.remove_snapshot_detached(&name);
                 Err(format!(
                     "fork-from: source vm {source} was deleted or re-created while it was being \
                      forked; its fork snapshot is discarded"
@@ -281,13 +419,8 @@ impl Provider {
         }
         // The source runs on this node, so its base image is here: no `--pull`.
         let args = self.clone_args(&c.spec, CloneSource::Snapshot(name), false);
-        self.advance(key, CreateStep::Boot, Ask::Cocoon(CocoonCmd::VmClone(args)))
+        self.boot(key, CocoonCmd::VmClone(args))
     }
-}
-
-/// The hypervisor a `snapshot inspect` answer records ("" when it says none).
-fn hypervisor_of(json: &str) -> Result<String, String> {
-    parse_snapshot(json).map(|s| s.hypervisor)
 }
 
 /// The record holding a taken snapshot name, from cocoon's collision text: the word after

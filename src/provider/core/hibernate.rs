@@ -26,7 +26,20 @@ pub(super) fn drops_nic(spec: &VmSpec) -> bool {
 }
 
 fn fail(reason: &'static str, message: String) -> OpFailure {
-    OpFailure { reason, message }
+    OpFailure {
+        reason,
+        message,
+        metric_reason: "",
+    }
+}
+
+/// A hibernate refused: its snapshot would replace another namespace's.
+fn not_in_namespace(message: String) -> OpFailure {
+    OpFailure {
+        reason: isolation::EVENT_SNAPSHOT_NOT_IN_NS,
+        message,
+        metric_reason: isolation::REASON_SNAPSHOT_NOT_IN_NS,
+    }
 }
 
 /// Not a failure: the pod stopped asking for hibernate before its VM was removed.
@@ -101,15 +114,31 @@ impl Provider {
         let Some((h, t)) = self.hibernate_op(key) else {
             return;
         };
+        // A local snapshot of the name recorded for another namespace is neither replaced
+        // nor re-recorded.
+        if self.snapshot_of_another(key, &t.spec.vm_name) {
+            let msg = format!(
+                "the local snapshot {} is not recorded for namespace {}",
+                t.spec.vm_name, key.namespace
+            );
+            return self.hibernate_failed(key, not_in_namespace(msg));
+        }
         let now = self.now;
         if let Some(h) = self.hibernate_mut(key) {
             h.save_started = now;
         }
-        let ask = Ask::Cocoon(CocoonCmd::SnapshotSave {
+        let save = CocoonCmd::SnapshotSave {
             name: t.spec.vm_name.clone(),
             vm_id: h.vm.id.clone(),
             deadline: None,
-        });
+        };
+        let owner = Owner::new(&key.namespace, &t.uid);
+        let ask = Self::owned_then(
+            Owned::Snapshot,
+            &t.spec.vm_name,
+            owner,
+            Deferred::Cocoon(save),
+        );
         self.advance(key, HibernateStep::Save { retried }, ask)
     }
 
@@ -211,6 +240,25 @@ impl Provider {
                 }
                 self.hibernate_save(key, true)
             }
+            (HibernateStep::PushCheck, Res::Evidence(r)) => match r {
+                Ok(Some(tag)) if isolation::tag_of_another(key, &tag) => {
+                    self.metric(MetricUpdate::SnapshotPush { result: "failed" });
+                    self.phase(key, "push", false);
+                    let msg = format!(
+                        "{vm_name}:{HIBERNATE_TAG} in the registry is not recorded for \
+                         namespace {}; it is not replaced",
+                        key.namespace
+                    );
+                    self.hibernate_failed(key, not_in_namespace(msg))
+                }
+                Ok(_) => self.hibernate_push_now(key, &t),
+                Err(e) => {
+                    self.metric(MetricUpdate::SnapshotPush { result: "failed" });
+                    self.phase(key, "push", false);
+                    let msg = format!("read {vm_name}:{HIBERNATE_TAG} before the push: {e}");
+                    self.hibernate_failed(key, fail("HibernatePushFailed", msg))
+                }
+            },
             (HibernateStep::Push, Res::Transfer(r)) => match r {
                 Ok(_) => {
                     self.metric(MetricUpdate::SnapshotPush { result: "ok" });
@@ -310,13 +358,22 @@ impl Provider {
         if !self.cfg.registry {
             return self.hibernate_clear_ids(key, t);
         }
+        let (repo, tag) = (t.spec.vm_name.clone(), HIBERNATE_TAG.to_string());
+        let ask = Ask::effect(|op| Effect::ReadSnapshotTag { op, repo, tag });
+        self.advance(key, HibernateStep::PushCheck, ask)
+    }
+
+    /// The push, once the tag it replaces is known not to be another namespace's.
+    fn hibernate_push_now(&mut self, key: &PodKey, t: &Tracked) {
         let (name, image) = (t.spec.vm_name.clone(), t.spec.image.clone());
+        let owner = Owner::new(&key.namespace, &t.uid);
         let ask = Ask::effect(|op| Effect::PushSnapshot {
             op,
             local_name: name.clone(),
             repo: name,
             tag: HIBERNATE_TAG.into(),
             base_image: image,
+            owner,
         });
         self.advance(key, HibernateStep::Push, ask)
     }
@@ -380,6 +437,7 @@ impl Provider {
     fn hibernated(&mut self, key: &PodKey, h: &HibernateOp, t: &Tracked) {
         self.release_leases(&h.vm);
         let name = t.spec.vm_name.clone();
+        self.forget_owner(Owned::Vm, &name);
         if self.by_name.get(&name).is_some_and(|v| v.id == h.vm.id) {
             self.by_name.remove(&name);
         }
@@ -471,7 +529,7 @@ impl Provider {
             self.reconcile_slot(key);
         } else {
             let err = format!("hibernate: {}", failure.message);
-            self.update_failed(key, &t.uid, failure.reason, &err);
+            self.update_failed_as(key, &t.uid, failure.reason, failure.metric_reason, &err);
         }
         if h.vm_event_meanwhile {
             // The VM may have died under the hibernate: look at it now.

@@ -197,6 +197,13 @@ impl Provider {
             (CreateStep::MacosInspect, Res::Cocoon(r)) => {
                 if r.success {
                     return match contract::parse_inspect(&r.stdout) {
+                        // Only the guest of this very name is adopted.
+                        Ok(vm) if vm.name != name => {
+                            let msg = format!(
+                                "cocoon-macos vm inspect {name} answered for another guest"
+                            );
+                            self.fail_create(key, &c.uid, &msg, true)
+                        }
                         Ok(vm) => {
                             let pid = vm.pid;
                             let ask = Ask::effect(move |op| Effect::CheckPid { op, pid });

@@ -28,8 +28,12 @@
 //!
 //! Ownership (issue 17): a VM belongs to at most one live pod. A create whose VM name, or
 //! unmanaged VM id, another tracked pod holds is refused for good (phase Failed, Warning,
-//! `pod_lifecycle_total{reason=vm_owned_by_another_pod}`); a VM no pod holds is adopted by
-//! name only from the namespace of its last holder or the one its `vk-<ns>-` name is for.
+//! `pod_lifecycle_total{reason=vm_owned_by_another_pod}`).
+//!
+//! Tenant isolation (`isolation`, `ledger`): a pod's VM name is one of its namespace's, a
+//! tracked pod keeps it, cocoon answers to lookups by a pod's value count only when exact, and
+//! every VM and VM snapshot is read, adopted or pushed over only for the namespace the
+//! ownership ledger (or a manifest's owner annotation, or the name itself) ties it to.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -44,6 +48,7 @@ use super::cocoon::{
     CocoonResult, RunOptions, StaleCreateOutcome, VmInfo, VmState,
 };
 use super::lifecycle::{self, Intent, State};
+use super::owners::{Owned, Owner};
 use super::spec::{self, Mode, Os, SpecError, VmSpec, ANN_VM_ID, ANN_VM_IP};
 use super::status::{self, StatusSummary};
 use super::{
@@ -62,7 +67,9 @@ mod delete;
 mod evict;
 mod fork;
 mod hibernate;
+mod isolation;
 mod kube_writes;
+mod ledger;
 mod macos;
 mod post_clone;
 mod reclaim;
@@ -74,6 +81,7 @@ mod update;
 mod wake;
 
 use self::answers::Res;
+use self::ledger::{Deferred, RecordFor};
 use self::state::*;
 
 const DRIFT_FIRST: Duration = Duration::from_secs(10);
@@ -135,6 +143,8 @@ pub struct Provider {
     local_snapshots: LocalSnapshots,
     /// Stale-create watcher state per VM ID: (current delay, budget end).
     stale_watch_state: BTreeMap<String, (Duration, Instant)>,
+    /// The ownership ledger (`ledger`): who each VM and local snapshot belongs to.
+    owners: crate::provider::owners::Owners,
     /// VNC ports (5900–5999) reserved for macOS guests, node-unique, by the pod holding each.
     vnc_ports: BTreeMap<u16, PodKey>,
     /// The macOS watch timer is armed.
@@ -259,6 +269,7 @@ impl Provider {
             local_snapshots: LocalSnapshots::default(),
             vnc_ports: BTreeMap::new(),
             macos_watch_armed: false,
+            owners: Default::default(),
         }
     }
 
@@ -416,6 +427,7 @@ impl Provider {
             }
         }
         match ask {
+            Ask::Recorded(changes, then) => self.pod_record_then(key, changes, then),
             Ask::Cocoon(cmd) => self.pod_cocoon(key, cmd),
             Ask::SharedRead(cmd) => self.pod_cocoon_read(key, cmd),
             Ask::Effect(mk) => self.pod_effect(key, mk),
@@ -497,7 +509,10 @@ impl Provider {
     fn dispatch(&mut self, input: Input) {
         if !self.started {
             match input {
-                Input::StartupListed { pods, vms } => return self.startup(pods, vms),
+                Input::StartupListed { pods, vms, owners } => {
+                    self.owners = owners;
+                    return self.startup(pods, vms);
+                }
                 // A VM event too: it may tell of a VM the startup listing still shows (removed
                 // or stopped while a stale create is settled, or adopted by a later chunk);
                 // with its pod not tracked yet it would be dropped, leaving the adopted pod
@@ -525,6 +540,7 @@ impl Provider {
             Input::TransferDone { op, result } => self.on_result(op, Res::Transfer(result)),
             Input::HibernateEvidence { op, result } => self.on_result(op, Res::Evidence(result)),
             Input::SacDone { op, result } => self.on_result(op, Res::Sac(result)),
+            Input::OwnersRecorded { op, result } => self.on_result(op, Res::Owners(result)),
             Input::PidChecked { op, alive } => self.on_result(op, Res::Pid(alive)),
             Input::VmPidRead { op, pid } => self.on_result(op, Res::VmPid(pid)),
             Input::VmEvent { kind, vm } => self.vm_event(kind, vm),
@@ -643,6 +659,7 @@ impl Provider {
         if let Some(slot) = self.slots.get_mut(key) {
             slot.op = None;
             slot.awaiting = None;
+            slot.deferred = None;
             slot.timer = None;
         }
         self.reconcile_slot(key);

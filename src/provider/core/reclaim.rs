@@ -7,6 +7,7 @@
 //! Its listings also feed the record of which local snapshots may exist (`LocalSnapshots`).
 
 use super::*;
+use crate::provider::owners::OwnerChange;
 
 /// How often the reclaimer runs after the first run at start.
 pub(super) const RECLAIM_EVERY: Duration = Duration::from_secs(600);
@@ -74,8 +75,18 @@ impl Provider {
     /// Removes a snapshot the caller found in use by nobody.
     fn reclaim_remove(&mut self, name: &str, why: &str) {
         log::info!("snapshot reclaimer: removing local snapshot {name} ({why})");
-        self.fire_and_forget_cocoon(CocoonCmd::SnapshotRm {
-            name: name.to_string(),
+        self.remove_snapshot_detached(name);
+    }
+
+    /// `snapshot rm <name>` that no op waits for; the snapshot's records go once it answers.
+    pub(super) fn remove_snapshot_detached(&mut self, name: &str) {
+        let op = self.op_id();
+        let name = name.to_string();
+        self.waiters
+            .insert(op, Waiter::SnapshotRm { name: name.clone() });
+        self.out.push(Effect::Cocoon {
+            op,
+            cmd: CocoonCmd::SnapshotRm { name },
         });
     }
 
@@ -99,6 +110,7 @@ impl Provider {
                 self.local_snapshots
                     .may_exist
                     .extend(snaps.iter().map(|s| s.name.clone()));
+                self.trim_snapshot_owners();
                 // One set for the whole listing: a node lists hundreds of snapshots, and the
                 // set walks every pod.
                 let used = self.snapshots_in_use();
@@ -120,8 +132,16 @@ impl Provider {
                 self.reclaim_next();
             }
             (ReclaimStep::Verify { name, local_id }, Res::Evidence(r)) => {
+                let recorded = self
+                    .owner_of(Owned::Snapshot, &name)
+                    .map(|o| o.namespace.clone());
                 let stale = match r {
-                    Ok(Some(tag)) => tag.snapshot_id != local_id,
+                    // Another snapshot id, or the tag now another namespace's than the copy's.
+                    Ok(Some(tag)) => {
+                        tag.snapshot_id != local_id
+                            || (!tag.owner_namespace.is_empty()
+                                && recorded.is_some_and(|ns| ns != tag.owner_namespace))
+                    }
                     Ok(None) => true,
                     Err(e) => {
                         log::warn!("snapshot reclaimer: keeping {name}: cannot verify it: {e}");
@@ -154,19 +174,33 @@ impl Provider {
     }
 
     /// Records the names of the snapshots this input's effects may create (saves, pulls, peer
-    /// restores), the moment they are started: a listing running meanwhile may miss them.
+    /// restores, and the ownership records written just before those), the moment they are
+    /// started: a listing running meanwhile may miss them, and must not trim their owners.
     pub(super) fn note_snapshot_writes(&mut self) {
         for e in &self.out {
-            let name = match e {
+            let names: Vec<&String> = match e {
                 Effect::Cocoon {
                     cmd: CocoonCmd::SnapshotSave { name, .. },
                     ..
-                } => name,
+                } => vec![name],
                 Effect::PullSnapshot { local_name, .. }
-                | Effect::PeerRestore { local_name, .. } => local_name,
+                | Effect::PeerRestore { local_name, .. } => vec![local_name],
+                Effect::RecordOwners { changes, .. } => changes
+                    .iter()
+                    .filter_map(|c| match c {
+                        OwnerChange::Set {
+                            kind: Owned::Snapshot,
+                            name,
+                            ..
+                        } => Some(name),
+                        _ => None,
+                    })
+                    .collect(),
                 _ => continue,
             };
-            self.local_snapshots.may_exist.insert(name.clone());
+            for name in names {
+                self.local_snapshots.may_exist.insert(name.clone());
+            }
         }
     }
 
@@ -179,6 +213,7 @@ impl Provider {
                 .is_some_and(|source| self.forks.contains_key(source));
         if (r.success || r.snapshot_not_found()) && !recreating {
             self.local_snapshots.may_exist.remove(name);
+            self.forget_owner(Owned::Snapshot, name);
         }
     }
 

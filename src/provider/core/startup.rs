@@ -169,14 +169,14 @@ impl Provider {
         let named_by = self
             .slots
             .iter()
-            .find(|(_, s)| {
+            .find(|(k, s)| {
                 s.latest.as_ref().is_some_and(|p| {
                     p.metadata
                         .annotations
                         .as_ref()
                         .and_then(|a| a.get(spec::ANN_VM_NAME))
                         .is_some_and(|n| !vm.name.is_empty() && *n == vm.name)
-                })
+                }) && isolation::vm_name_refusal(k, &vm.name).is_none()
             })
             .map(|(k, _)| k.clone());
         match named_by {
@@ -192,6 +192,7 @@ impl Provider {
                     vm.id
                 );
                 self.fire_and_forget_cocoon(CocoonCmd::VmRm { id: vm.id.clone() });
+                self.forget_owner(Owned::Vm, &vm.name);
                 self.release_leases(&vm);
             }
         }
@@ -234,6 +235,7 @@ impl Provider {
             OrphanPolicy::Destroy => {
                 log::warn!("provider: destroying orphan vm {} ({})", vm.name, vm.id);
                 self.fire_and_forget_cocoon(CocoonCmd::VmRm { id: vm.id.clone() });
+                self.forget_owner(Owned::Vm, &vm.name);
                 self.release_leases(&vm);
             }
             OrphanPolicy::Alert => {
@@ -261,6 +263,14 @@ impl Provider {
         let Some(s) = self.startup.take() else {
             return;
         };
+        // The ledger keeps the VMs that exist (or whose create may still land).
+        let listed: std::collections::HashSet<String> = s
+            .vms
+            .iter()
+            .chain(s.watched.iter())
+            .map(|v| v.name.clone())
+            .collect();
+        self.trim_vm_owners(&listed);
         let by_id: BTreeMap<String, VmInfo> =
             s.vms.iter().map(|v| (v.id.clone(), v.clone())).collect();
         let by_name: BTreeMap<String, VmInfo> = s
@@ -346,14 +356,46 @@ impl Provider {
             Err(e) => {
                 // Startup reconcile matches by ID: a pod whose annotations no longer parse
                 // still names its VM, which is claimed (never destroyed as an orphan because of
-                // input we could not read) and kept tracked as at runtime, with a Warning.
-                let Some(vm) = unreadable_pods_vm(&pod, &a.by_id, &a.by_name) else {
+                // input we could not read) and kept tracked as at runtime, with a Warning. It
+                // is tracked only when it still gives that VM's name (one of its namespace's),
+                // or the ledger records that VM for this very pod: an ID alone never hands a
+                // pod a VM.
+                let recorded_for_pod = |v: &VmInfo| {
+                    self.owner_of(Owned::Vm, &v.name).is_some_and(|o| {
+                        o.namespace == key.namespace
+                            && !o.pod_uid.is_empty()
+                            && o.pod_uid == pod_uid(&pod)
+                    })
+                };
+                let found = unreadable_pods_vm(&key, &pod, &a.by_id, &a.by_name).or_else(|| {
+                    let ann = pod.metadata.annotations.as_ref()?;
+                    let v = a.by_id.get(ann.get(ANN_VM_ID)?)?;
+                    recorded_for_pod(v).then(|| v.clone())
+                });
+                let Some(vm) = found else {
+                    let named = pod
+                        .metadata
+                        .annotations
+                        .as_ref()
+                        .and_then(|a| a.get(ANN_VM_ID));
+                    if let Some(v) = named.and_then(|id| a.by_id.get(id)) {
+                        a.claimed.insert(v.id.clone());
+                    }
                     return;
                 };
                 if a.claimed.contains(&vm.id) {
                     return;
                 }
                 a.claimed.insert(vm.id.clone());
+                let id = pod
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get(ANN_VM_ID));
+                if !self.vm_adoptable(&key, id.map_or("", String::as_str), &vm) {
+                    // Claimed (never destroyed on input we could not read), not tracked.
+                    return;
+                }
                 a.adopted += 1;
                 let uid = pod_uid(&pod);
                 self.event(
@@ -373,11 +415,22 @@ impl Provider {
         if super::macos::is_macos(&spec) {
             return;
         }
+        if isolation::vm_name_refusal(&key, &spec.vm_name).is_some() {
+            // Not this namespace's VM name: never tracked (its create refuses the pod). The VM
+            // of that name is claimed all the same, so it is not destroyed as an orphan on
+            // account of a pod that only named it: the next start with no pod naming it
+            // applies the orphan policy.
+            if let Some(vm) = a.by_name.get(&spec.vm_name) {
+                a.claimed.insert(vm.id.clone());
+            }
+            return;
+        }
         let vm = if !spec.vm_id.is_empty() {
+            // Looked up by its exact ID (a map, never cocoon's prefix resolution).
             let known = a.by_id.get(&spec.vm_id);
             // An id is honoured only for the VM of the name the pod gives; the create
             // that follows refuses the pod.
-            if known.is_some_and(|v| !v.name.is_empty() && v.name != spec.vm_name) {
+            if known.is_some_and(|v| v.name != spec.vm_name) {
                 return;
             }
             // A managed pod's id annotation can lag its VM: the write recording a re-created
@@ -404,12 +457,8 @@ impl Provider {
         };
         let vm = match vm {
             Some(v) => v,
-            None if !spec.managed && !spec.vm_id.is_empty() && !spec.vm_ip.is_empty() => VmInfo {
-                id: spec.vm_id.clone(),
-                name: spec.vm_name.clone(),
-                state: VmState::Running,
-                ..Default::default()
-            },
+            // An unmanaged pod whose id names no listed VM exactly is left to its create,
+            // whose lookup refuses or retries it.
             None if spec.managed && spec.hibernate => {
                 self.track_hibernated(&key, &pod, spec);
                 return;
@@ -424,6 +473,13 @@ impl Provider {
             return;
         }
         a.claimed.insert(vm.id.clone());
+        // A VM recorded for another namespace (or, unrecorded, one neither its name nor the
+        // pod's exact id ties to the pod's) is not adopted: its create refuses the pod. It is
+        // left alone all the same (claimed): no VM is destroyed on account of a pod that
+        // only named it; the next start with no pod naming it applies the orphan policy.
+        if !self.vm_adoptable(&key, &spec.vm_id, &vm) {
+            return;
+        }
         a.adopted += 1;
         self.startup_cpu_class_gate(&key, &pod, &spec);
         self.adopt_at_startup(&key, &pod, spec, vm);
@@ -501,6 +557,7 @@ impl Provider {
         }
         if spec.managed && !vm.name.is_empty() {
             self.by_name.insert(vm.name.clone(), vm.clone());
+            self.own_adopted(key, &uid, &vm.name);
         }
         let start_time = pod
             .status
@@ -707,16 +764,23 @@ impl Provider {
     }
 }
 
-/// The VM an unparseable pod names: by its ID annotation, else by its name annotation.
+/// The VM an unparseable pod names: a VM of the name it gives (one of its namespace's), found
+/// by its ID annotation (exactly) or by that name.
 fn unreadable_pods_vm(
+    key: &PodKey,
     pod: &Pod,
     by_id: &BTreeMap<String, VmInfo>,
     by_name: &BTreeMap<String, VmInfo>,
 ) -> Option<VmInfo> {
     let ann = pod.metadata.annotations.as_ref()?;
+    let name = ann.get(spec::ANN_VM_NAME)?;
+    if isolation::vm_name_refusal(key, name).is_some() {
+        return None;
+    }
     ann.get(ANN_VM_ID)
         .and_then(|id| by_id.get(id))
-        .or_else(|| ann.get(spec::ANN_VM_NAME).and_then(|n| by_name.get(n)))
+        .filter(|v| v.name == *name)
+        .or_else(|| by_name.get(name))
         .cloned()
 }
 

@@ -20,6 +20,8 @@ pub(super) struct Tracked {
 
 #[derive(Debug, Clone)]
 pub(super) enum CreateStep {
+    /// An unmanaged pod: `vm inspect <id>`, adopted only on an exact answer.
+    UnmanagedInspect,
     InspectByName,
     RmStaleByName,
     /// Hibernate evidence: was this VM hibernated (registry tag, or local snapshot if no registry)?
@@ -28,6 +30,8 @@ pub(super) enum CreateStep {
     SnapInspect {
         pulled: bool,
     },
+    /// The image's manifest is read (whose snapshot it is) before its pull.
+    ImageTag,
     PullSnapshot,
     /// Another pod is pulling this snapshot: look again when the poll timer fires.
     PullWait,
@@ -88,6 +92,10 @@ pub(super) enum ForkStep {
     Inspect,
     /// The source VM is not in the name index: `vm inspect <source>`.
     FindSource,
+    /// An unrecorded `fork-<source>` (an earlier daemon's) is removed before a fresh save.
+    RmUnowned,
+    /// The owner of `fork-<source>` is being recorded; the save follows.
+    Record { retried: bool },
     /// `snapshot save --name fork-<source> <source id>`.
     Save { retried: bool },
     /// The save found the name taken: did another save land it meanwhile?
@@ -151,6 +159,8 @@ pub(super) enum DeleteStep {
         retried: bool,
     },
     RmHolder,
+    /// The registry's `<vm>:latest` is read before it is replaced.
+    PushCheck,
     Push,
     Rm,
     RmSnapshot,
@@ -224,6 +234,8 @@ pub(super) struct CheckOp {
 pub(super) struct OpFailure {
     pub(super) reason: &'static str,
     pub(super) message: String,
+    /// The `pod_lifecycle_total` reason it is counted under ("" for most).
+    pub(super) metric_reason: &'static str,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -244,6 +256,9 @@ pub(super) enum HibernateStep {
     RmHolderWait {
         until: Instant,
     },
+    /// The registry's `<vm>:hibernate` is read before it is replaced: another namespace's
+    /// is never pushed over.
+    PushCheck,
     Push,
     /// Null the id / ip / post-clone-state annotations before the VM goes.
     ClearIds,
@@ -553,6 +568,8 @@ pub(super) struct Slot {
     pub(super) retry_at: Option<Instant>,
     /// What the core last settled about an incarnation of this pod while no op runs for it.
     pub(super) idle: Idle,
+    /// The call the op makes once the ownership record it waits for (`awaiting`) is on disk.
+    pub(super) deferred: Option<super::ledger::Deferred>,
     pub(super) last_pushed: Option<StatusSummary>,
     /// The last status written for an incarnation (uid): what the cluster shows, and what the
     /// kubelet view serves without building a copy per pod.
@@ -608,6 +625,15 @@ pub(super) enum Waiter {
     },
     /// A step of the local snapshot reclaimer.
     Reclaim(super::reclaim::ReclaimStep),
+    /// A write of the ownership ledger; `undo` restores memory if it fails.
+    Owners {
+        for_: super::ledger::RecordFor,
+        undo: Vec<crate::provider::owners::OwnerChange>,
+    },
+    /// A detached removal of a local snapshot: its record goes once it answers.
+    SnapshotRm {
+        name: String,
+    },
     /// A wake step whose answer ends the life of a peer restore's staging directory: the
     /// restore itself (`dir` None; its answer names the directory) or the clone from `dir`.
     /// The directory is removed once nothing will clone from it, even when the op is gone.
@@ -745,6 +771,12 @@ impl From<CheckStep> for Step {
 
 /// What a step waits on: the effect issued when the step is set.
 pub(super) enum Ask {
+    /// Record these owners in the ledger, then (once on disk) make the call that creates
+    /// what they own.
+    Recorded(
+        Vec<crate::provider::owners::OwnerChange>,
+        super::ledger::Deferred,
+    ),
     /// A cocoon call of this pod alone.
     Cocoon(CocoonCmd),
     /// A read-only cocoon call that concurrent pods asking the same share.

@@ -25,6 +25,7 @@ impl Provider {
         let changed = changed(&t.pod, pod);
         let pod = pod.clone();
         let uid = t.uid.clone();
+        let tracked_name = t.spec.vm_name.clone();
         if !changed {
             // Only status or bookkeeping moved (our own writes come back as MODIFIED): share
             // the newer copy so the older one is freed instead of kept beside it.
@@ -52,12 +53,15 @@ impl Provider {
                 return;
             }
         };
+        // A tracked pod keeps its VM: hibernate and delete act on the tracked name only.
+        self.keep_vm_name(key, &uid, &tracked_name, &new_spec.vm_name);
         if !self.update_cpu_class_gate(key, &pod, &new_spec) {
             return;
         }
         if let Some(t) = self.slot(key).tracked.as_mut() {
             t.pod = pod;
             t.spec = VmSpec {
+                vm_name: tracked_name,
                 vm_id: t.spec.vm_id.clone(),
                 vm_ip: t.spec.vm_ip.clone(),
                 ..new_spec
@@ -210,8 +214,20 @@ impl Provider {
         reason: &'static str,
         err: &str,
     ) {
+        self.update_failed_as(key, uid, reason, "", err)
+    }
+
+    /// `update_failed` counted under `metric_reason`.
+    pub(super) fn update_failed_as(
+        &mut self,
+        key: &PodKey,
+        uid: &str,
+        reason: &'static str,
+        metric_reason: &'static str,
+        err: &str,
+    ) {
         log::warn!("provider: {key}: {err}");
-        self.lifecycle_metric("update", "failed", "");
+        self.lifecycle_metric("update", "failed", metric_reason);
         self.event(
             key,
             uid,

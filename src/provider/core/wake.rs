@@ -5,7 +5,16 @@ use super::hibernate::{drops_nic, HIBERNATE_TAG};
 use super::*;
 
 fn fail(reason: &'static str, message: String) -> OpFailure {
-    OpFailure { reason, message }
+    OpFailure {
+        reason,
+        message,
+        metric_reason: "",
+    }
+}
+
+/// Why a wake does not read tag `<vm>:hibernate` (nothing of its owner is told).
+fn tag_refusal(vm: &str, ns: &str) -> String {
+    format!("{vm}:{HIBERNATE_TAG} is not recorded for namespace {ns}; it is not restored")
 }
 
 /// The local snapshot a registry pull of the hibernate tag lands in (removed after the clone).
@@ -47,12 +56,13 @@ impl Provider {
             }
             self.send_annotations(key, &t.uid, ann, false);
         }
+        // The VM's owner goes on record before anything of the wake runs: the clone that ends
+        // it then finds it there (its staged copy's clean-up waits on the clone itself).
         let name = t.spec.vm_name.clone();
-        self.advance(
-            key,
-            WakeStep::LocalInspect,
-            Ask::Cocoon(CocoonCmd::SnapshotInspect { name }),
-        )
+        let owner = Owner::new(&key.namespace, &t.uid);
+        let inspect = CocoonCmd::SnapshotInspect { name: name.clone() };
+        let ask = Self::owned_then(Owned::Vm, &name, owner, Deferred::Cocoon(inspect));
+        self.advance(key, WakeStep::LocalInspect, ask)
     }
 
     fn wake_op(&self, key: &PodKey) -> Option<WakeOp> {
@@ -83,11 +93,33 @@ impl Provider {
             |vm_name: String| Ask::effect(move |op| Effect::CheckHibernateEvidence { op, vm_name });
         match (w.step.clone(), res) {
             (WakeStep::LocalInspect, Res::Cocoon(r)) => {
-                if r.success {
-                    let snap = match parse_snapshot(&r.stdout) {
+                // Another snapshot than `<vm>` (an ID-prefix match) is none.
+                let local = match r.success {
+                    true => match isolation::inspected_snapshot(&r, &vm) {
                         Ok(s) => s,
                         Err(e) => return self.wake_failed(key, fail("WakePullFailed", e)),
-                    };
+                    },
+                    false => None,
+                };
+                // A local copy recorded for another namespace is never read; one that no
+                // record or name ties to the pod's is passed over for the registry's tag.
+                if local.is_some() && self.snapshot_of_another(key, &vm) {
+                    let msg = format!(
+                        "the local snapshot {vm} is not recorded for namespace {}",
+                        key.namespace
+                    );
+                    return self.wake_refused(key, &w.uid, w.restore, msg);
+                }
+                let owned = self.owns_snapshot(key, &vm, &vm);
+                if local.is_some() && !owned && !self.cfg.registry {
+                    let msg = format!(
+                        "the local snapshot {vm} is not recorded for namespace {} and its name \
+                         does not prove it",
+                        key.namespace
+                    );
+                    return self.wake_refused(key, &w.uid, w.restore, msg);
+                }
+                if let Some(snap) = local.filter(|_| owned) {
                     if !self.cfg.registry {
                         // Without a registry the local copy is the only one, and trusted.
                         let label = format!("local snapshot {vm}");
@@ -105,7 +137,7 @@ impl Provider {
                     };
                     return self.advance(key, step, evidence(vm));
                 }
-                if !r.snapshot_not_found() {
+                if !r.success && !r.snapshot_not_found() {
                     let msg = format!("inspect local snapshot {vm}: {}", r.error_text());
                     return self.wake_failed(key, fail("WakePullFailed", msg));
                 }
@@ -125,6 +157,10 @@ impl Provider {
                 },
                 Res::Evidence(found),
             ) => match found {
+                Ok(Some(tag)) if !self.tag_readable(key, &vm, &tag) => {
+                    let msg = tag_refusal(&vm, &key.namespace);
+                    self.wake_refused(key, &w.uid, w.restore, msg)
+                }
                 Ok(Some(tag)) if !tag.snapshot_id.is_empty() && tag.snapshot_id == local_id => {
                     self.metric(MetricUpdate::SnapshotVerify { result: "ok" });
                     let label = format!("local snapshot {vm}");
@@ -158,12 +194,16 @@ impl Provider {
                         r.error_text()
                     );
                 }
+                self.snapshot_removed(&vm, &r);
                 self.fork_invalidate(&vm);
                 let name = spec::fork_snapshot_name(&vm);
                 let ask = Ask::Cocoon(CocoonCmd::SnapshotRm { name });
                 self.advance(key, WakeStep::RmStaleFork, ask)
             }
-            (WakeStep::RmStaleFork, Res::Cocoon(_)) => self.wake_from_tag(key, &w),
+            (WakeStep::RmStaleFork, Res::Cocoon(r)) => {
+                self.snapshot_removed(&spec::fork_snapshot_name(&vm), &r);
+                self.wake_from_tag(key, &w)
+            }
             (WakeStep::Tag, Res::Evidence(found)) => match found {
                 Ok(tag) => {
                     self.wake_set_tag(key, tag);
@@ -205,8 +245,11 @@ impl Provider {
             },
             (WakeStep::ImportInspect, Res::Cocoon(r)) => {
                 let import = import_name(&vm);
-                match (r.success, parse_snapshot(&r.stdout)) {
-                    (true, Ok(snap)) => {
+                let found = r
+                    .success
+                    .then(|| isolation::inspected_snapshot(&r, &import));
+                match found {
+                    Some(Ok(Some(snap))) => {
                         let label = format!("registry {vm}:{HIBERNATE_TAG}");
                         let from = CloneSource::Snapshot(import);
                         self.wake_clone(key, &w, from, !snap.image.is_empty(), label)
@@ -221,9 +264,7 @@ impl Provider {
             (WakeStep::Clone { source }, Res::Cocoon(r)) => {
                 if source == import_name(&vm) {
                     // The import served its clone (or failed it); a retry pulls afresh.
-                    self.fire_and_forget_cocoon(CocoonCmd::SnapshotRm {
-                        name: source.clone(),
-                    });
+                    self.remove_snapshot_detached(&source);
                 }
                 if !r.success {
                     // A clone killed at its deadline (or failing half-way) can leave a VM
@@ -241,14 +282,21 @@ impl Provider {
                 }
             }
             (WakeStep::CloneFailedInspect { source, error }, Res::Cocoon(r)) => {
-                match (r.success, parse_vm(&r.stdout)) {
+                // Only a VM of this very name is the clone's (not one its name ID-prefixes).
+                let found = parse_vm(&r.stdout).ok();
+                match found.filter(|v| r.success && isolation::vm_named(v, &vm)) {
                     // The clone finished after all (a slow clone past its deadline).
-                    (true, Ok(v)) if v.running() => self.woken(key, &w, v, &source),
-                    (true, Ok(v)) => {
+                    Some(v) if v.running() => self.woken(key, &w, v, &source),
+                    Some(v) => {
                         let ask = Ask::Cocoon(CocoonCmd::VmRm { id: v.id });
                         self.advance(key, WakeStep::CloneFailedRm { error }, ask)
                     }
-                    _ => self.wake_failed(key, fail("WakeCloneFailed", error)),
+                    None => {
+                        if r.vm_not_found() {
+                            self.forget_owner(Owned::Vm, &vm);
+                        }
+                        self.wake_failed(key, fail("WakeCloneFailed", error))
+                    }
                 }
             }
             (WakeStep::CloneFailedRm { error }, Res::Cocoon(r)) => {
@@ -257,6 +305,8 @@ impl Provider {
                         "provider: {key}: remove leftover of failed wake clone: {}",
                         r.error_text()
                     );
+                } else {
+                    self.forget_owner(Owned::Vm, &vm);
                 }
                 self.wake_failed(key, fail("WakeCloneFailed", error))
             }
@@ -277,6 +327,11 @@ impl Provider {
             let why = format!("no local snapshot and no {vm}:{HIBERNATE_TAG} in the registry");
             return self.no_wake_source(key, w, &why);
         };
+        // Whose hibernation the tag holds, before a peer or the registry serves any of it.
+        if !self.tag_readable(key, &vm, tag) {
+            let msg = tag_refusal(&vm, &key.namespace);
+            return self.wake_refused(key, &w.uid, w.restore, msg);
+        }
         // Peer restore first: the raw snapshot files straight from the node that pushed the
         // tag (its from-node), checked against the tag's snapshot id. Any failure falls
         // through to the registry pull.
@@ -305,15 +360,28 @@ impl Provider {
         }
     }
 
-    /// The registry pull of the hibernate tag into the import snapshot.
+    /// The registry pull of the hibernate tag into the import snapshot, once the import's
+    /// owner (the pod's namespace) is on record.
     fn wake_pull(&mut self, key: &PodKey, vm: &str) {
+        let Some(w) = self.wake_op(key) else {
+            return;
+        };
         let (repo, local_name) = (vm.to_string(), import_name(vm));
-        let ask = Ask::effect(move |op| Effect::PullSnapshot {
-            op,
+        // Exactly the manifest whose owner was checked, by its digest.
+        let tag = w
+            .tag
+            .as_ref()
+            .map(|t| t.digest.clone())
+            .filter(|d| !d.is_empty())
+            .unwrap_or_else(|| HIBERNATE_TAG.into());
+        let pull = Effect::PullSnapshot {
+            op: 0,
             repo,
-            tag: HIBERNATE_TAG.into(),
-            local_name,
-        });
+            tag,
+            local_name: local_name.clone(),
+        };
+        let owner = Owner::new(&key.namespace, &w.uid);
+        let ask = Self::owned_then(Owned::Snapshot, &local_name, owner, Deferred::Effect(pull));
         self.advance(key, WakeStep::Pull, ask)
     }
 

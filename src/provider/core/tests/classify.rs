@@ -21,11 +21,14 @@ fn restart(cfg: ProviderConfig) -> (H, Vec<Effect>) {
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000),
         quiet_reclaimer: true,
+        ledger: Default::default(),
+        hold_ledger: false,
     };
     let vm = crate::provider::cocoon::parse_vm(WINDOWS_VM).unwrap();
     let e = h.feed(Input::StartupListed {
         pods: vec![mk("a", "u1", &ann)],
         vms: vec![vm],
+        owners: Default::default(),
     });
     (h, e)
 }
@@ -48,6 +51,8 @@ fn tag() -> HibernateTag {
         base_image: "team/agent:v3".into(),
         snapshot_id: "S1".into(),
         from_node: "node-b".into(),
+        owner_namespace: "ns".into(),
+        ..Default::default()
     }
 }
 

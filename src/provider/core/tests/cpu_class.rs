@@ -18,6 +18,8 @@ fn node(class: Option<&str>) -> H {
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH,
         quiet_reclaimer: true,
+        ledger: Default::default(),
+        hold_ledger: false,
     }
 }
 
@@ -44,7 +46,11 @@ fn startup_keeps_and_adopts_the_vm_of_a_mismatched_pod_and_reports_it() {
         vm_info("V1", "vk-ns-demo-0", "running"),
         vm_info("V2", "vk-ns-demo-1", "running"),
     ];
-    let e = h.feed(Input::StartupListed { pods, vms });
+    let e = h.feed(Input::StartupListed {
+        pods,
+        vms,
+        owners: owned_vms(&[("vk-ns-demo-1", "ns")]),
+    });
     assert!(h.p.is_started());
     // No VM destroyed, both adopted.
     assert!(
@@ -89,6 +95,7 @@ fn startup_on_an_unclassified_node_reports_it_and_leaves_vmless_pods_to_the_crea
     let e = h.feed(Input::StartupListed {
         pods,
         vms: vec![vm_info("V1", "vk-ns-demo-0", "running")],
+        owners: Default::default(),
     });
     assert!(events(&e)
         .iter()
@@ -113,6 +120,7 @@ fn an_update_of_a_mismatched_pod_is_refused_with_a_warning_once_per_change() {
     h.feed(Input::StartupListed {
         pods: vec![p.clone()],
         vms: vec![vm_info("V1", "vk-ns-demo-0", "running")],
+        owners: Default::default(),
     });
     // A hibernate request: refused, nothing started, the VM stays.
     let mut hib = p.clone();
@@ -137,6 +145,7 @@ fn an_update_of_a_mismatched_pod_is_refused_with_a_warning_once_per_change() {
     h.feed(Input::StartupListed {
         pods: vec![p.clone()],
         vms: vec![vm_info("V1", "vk-ns-demo-0", "running")],
+        owners: Default::default(),
     });
     let mut gen = p;
     gen.metadata

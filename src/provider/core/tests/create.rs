@@ -245,6 +245,7 @@ fn missing_snapshot_is_pulled_with_registry_and_fails_without() {
     let e = h.cocoon(op, CocoonResult::ok(""));
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(op, CocoonResult::failed("snapshot not found"));
+    let e = base_manifest(&mut h, &e);
     let pull = e.iter().find_map(|x| match x {
         Effect::PullSnapshot {
             op,
@@ -269,7 +270,7 @@ fn missing_snapshot_is_pulled_with_registry_and_fails_without() {
     let e = h.cocoon(
         op,
         CocoonResult::ok(
-            r#"{"id":"S","name":"x","image":"ubuntu:24.04","image_digest":"sha256:ab"}"#,
+            r#"{"id":"S","name":"team/agent:v3","image":"ubuntu:24.04","image_digest":"sha256:ab"}"#,
         ),
     );
     let (op, cmd) = one_cocoon(&e);
@@ -291,7 +292,7 @@ fn backend_mismatch_refuses_to_clone() {
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(
         op,
-        CocoonResult::ok(r#"{"id":"S","name":"x","hypervisor":"firecracker"}"#),
+        CocoonResult::ok(r#"{"id":"S","name":"team/agent:v3","hypervisor":"firecracker"}"#),
     );
     assert!(cocoon_ops(&e).is_empty());
     assert!(events(&e)
@@ -376,8 +377,10 @@ fn clone_from_dir_uses_from_dir_and_counts() {
     ));
 }
 
+/// An unmanaged pod adopts the VM its id names once cocoon confirms that exact ID and name
+/// (nothing is created or changed; the IP is the pod's).
 #[test]
-fn unmanaged_pod_adopts_preassigned_vm_without_cocoon() {
+fn unmanaged_pod_adopts_preassigned_vm_found_by_its_exact_id() {
     let mut h = H::new(ProviderConfig::default());
     let p = mk(
         "s",
@@ -389,6 +392,17 @@ fn unmanaged_pod_adopts_preassigned_vm_without_cocoon() {
         ],
     );
     let e = h.feed(Input::PodUpserted(Box::new(p)));
+    let e = answer(
+        &mut h,
+        &e,
+        "vm inspect PRE",
+        CocoonResult::ok(vm_json(
+            "PRE",
+            "vk-ns-static",
+            "running",
+            "02:00:00:00:00:07",
+        )),
+    );
     assert!(cocoon_ops(&e).is_empty());
     assert!(statuses(&e)
         .iter()
@@ -547,7 +561,8 @@ fn a_conflicting_hibernate_tag_fails_the_create_closed() {
     let tag = |base: &str| HibernateTag {
         base_image: base.into(),
         snapshot_id: "S1".into(),
-        from_node: String::new(),
+        owner_namespace: "ns".into(),
+        ..Default::default()
     };
     // Another base image: image_conflict.
     let mut h = H::new(registry.clone());
@@ -703,7 +718,7 @@ fn an_answer_the_create_step_does_not_expect_fails_it_with_a_warning_and_a_retry
 #[test]
 fn a_rejected_pod_stays_rejected_through_its_own_annotation_writes() {
     let mut h = H::new(ProviderConfig::default());
-    let p = mk("a", "u1", &[(ANN_VM_NAME, "v".into())]);
+    let p = mk("a", "u1", &[(ANN_VM_NAME, "vk-ns-v".into())]);
     let e = h.feed(Input::PodUpserted(Box::new(p.clone())));
     let warnings = |e: &[Effect]| {
         events(e)
@@ -793,6 +808,11 @@ fn one_pull_per_snapshot_at_a_time_later_pods_wait_for_it() {
             "snapshot inspect team/agent:v3",
             CocoonResult::failed("snapshot not found"),
         );
+        let e = if name == "a" {
+            base_manifest(&mut h, &e)
+        } else {
+            e
+        };
         let p = pulls(&e);
         if name == "a" {
             assert_eq!(p.len(), 1, "{e:?}");

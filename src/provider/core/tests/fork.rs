@@ -3,7 +3,8 @@
 
 use super::*;
 
-const SRC: &str = "vk-ns-main-0";
+/// A source no pod here holds: its dotted name proves its namespace.
+const SRC: &str = "vk-ns.main-0";
 
 fn fork_pod(name: &str, uid: &str, vm: &str) -> Pod {
     let mut a = managed(name, vm);
@@ -58,7 +59,13 @@ fn failed_create(e: &[Effect], want: &str) {
 
 #[test]
 fn an_existing_fork_snapshot_is_reused_without_a_save() {
-    let mut h = H::new(ProviderConfig::default());
+    // Saved for this namespace by an earlier fork: its owner is on record.
+    let mut owners = crate::provider::owners::Owners::default();
+    owners.snapshots.insert(
+        format!("fork-{SRC}"),
+        crate::provider::owners::Owner::new("ns", ""),
+    );
+    let (mut h, _) = H::starting_with(ProviderConfig::default(), vec![], vec![], owners);
     let e = to_flight(&mut h, fork_pod("sub", "u1", "vk-ns-sub-0"));
     let e = answer(
         &mut h,
@@ -108,10 +115,13 @@ fn a_source_in_the_name_index_is_saved_by_its_id_without_an_inspect() {
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH,
         quiet_reclaimer: true,
+        ledger: Default::default(),
+        hold_ledger: false,
     };
     h.feed(Input::StartupListed {
         pods: vec![],
         vms: vec![vm_info("SRCID", SRC, "running")],
+        owners: Default::default(),
     });
     let e = to_flight(&mut h, fork_pod("sub", "u1", "vk-ns-sub-0"));
     let e = answer(
@@ -451,17 +461,22 @@ fn a_pod_forks_only_vms_of_its_own_namespace() {
     a.push((ANN_FORK_FROM, "vk-other-main-0".to_string()));
     let e = to_flight(&mut h, mk("sub", "u1", &a));
     assert!(cocoon_ops(&e).is_empty(), "{e:?}");
-    failed_create(&e, "is not a VM of namespace ns");
+    assert!(events(&e)
+        .iter()
+        .any(|(r, m)| *r == "VMNotInNamespace" && m.contains("is not a VM of namespace ns")));
+    assert!(statuses(&e)
+        .iter()
+        .any(|(_, s)| s.phase.as_deref() == Some("Failed")));
 
     // A VM of another name that a pod of the namespace holds is its own.
     let mut h = H::new(ProviderConfig::default());
-    let p = mk("main", "u0", &managed("main", "vk-mainvm"));
+    let p = mk("main", "u0", &managed("main", "vk-ns-mainvm"));
     create_clone(&mut h, p, "VM0");
     let mut a = managed("sub", "vk-ns-sub-0");
-    a.push((ANN_FORK_FROM, "vk-mainvm".to_string()));
+    a.push((ANN_FORK_FROM, "vk-ns-mainvm".to_string()));
     let e = to_flight(&mut h, mk("sub", "u1", &a));
     let (_, cmd) = one_cocoon(&e);
-    assert_eq!(argv(&cmd), "snapshot inspect fork-vk-mainvm");
+    assert_eq!(argv(&cmd), "snapshot inspect fork-vk-ns-mainvm");
 }
 
 /// A Firecracker source forks into a Firecracker pod (whose clone then gets the post-clone

@@ -32,10 +32,12 @@ fn push_op(e: &[Effect]) -> OpId {
                 repo,
                 tag,
                 base_image,
+                owner,
             } => {
                 assert_eq!((local_name.as_str(), repo.as_str()), (VM, VM));
                 assert_eq!(tag, "hibernate");
                 assert_eq!(base_image, "team/agent:v3");
+                assert_eq!(owner, &crate::provider::owners::Owner::new("ns", "u1"));
                 Some(*op)
             }
             _ => None,
@@ -86,12 +88,13 @@ pub(super) fn ask_hibernate(h: &mut H) -> Vec<Effect> {
 /// Drive a hibernate to its end (the push only with a registry): the pod is tracked with no VM.
 pub(super) fn hibernate_fully(h: &mut H) -> Vec<Effect> {
     let e = ask_hibernate(h);
-    let mut e = answer(
+    let e = answer(
         h,
         &e,
         &format!("snapshot save --name {VM} VM1"),
         CocoonResult::ok(""),
     );
+    let mut e = no_tag_yet(h, e);
     if e.iter().any(|x| matches!(x, Effect::PushSnapshot { .. })) {
         let op = push_op(&e);
         e = h.feed(Input::TransferDone {
@@ -186,6 +189,7 @@ fn the_save_counts_its_metrics_and_a_taken_name_has_its_holder_removed() {
         e.iter().any(|x| matches!(x,
         Effect::Metric(MetricUpdate::SnapshotSaveDuration { namespace, .. }) if namespace == "ns"))
     );
+    let e = no_tag_yet(&mut h, e);
     push_op(&e);
 }
 
@@ -199,6 +203,7 @@ fn a_failed_push_keeps_the_vm_and_retries_on_the_op_schedule() {
         &format!("snapshot save --name {VM} VM1"),
         CocoonResult::ok(""),
     );
+    let e = no_tag_yet(&mut h, e);
     let op = push_op(&e);
     let e = h.feed(Input::TransferDone {
         op,
@@ -248,6 +253,7 @@ fn a_failed_removal_deletes_the_pushed_tag_and_keeps_the_vm() {
         &format!("snapshot save --name {VM} VM1"),
         CocoonResult::ok(""),
     );
+    let e = no_tag_yet(&mut h, e);
     let op = push_op(&e);
     let e = h.feed(Input::TransferDone {
         op,
@@ -296,6 +302,7 @@ fn without_a_registry_the_snapshot_stays_local() {
         &format!("snapshot save --name {VM} VM1"),
         CocoonResult::ok(""),
     );
+    let e = no_tag_yet(&mut h, e);
     assert!(!e.iter().any(|x| matches!(x, Effect::PushSnapshot { .. })));
     let op = ids_cleared_op(&e);
     let e = h.kube_ok(op);
@@ -390,6 +397,8 @@ fn windows_resumed(state: &str) -> (H, Vec<Effect>) {
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH,
         quiet_reclaimer: true,
+        ledger: Default::default(),
+        hold_ledger: false,
     };
     let mut ann = managed("a", VM);
     ann.extend([
@@ -402,6 +411,7 @@ fn windows_resumed(state: &str) -> (H, Vec<Effect>) {
     let e = h.feed(Input::StartupListed {
         pods: vec![mk("a", "u1", &ann)],
         vms: vec![vm_info("VM1", VM, state)],
+        owners: Default::default(),
     });
     assert!(has_metric(
         &e,
@@ -505,6 +515,7 @@ fn a_hibernate_withdrawn_before_the_removal_keeps_the_vm_and_drops_the_tag() {
         &format!("snapshot save --name {VM} VM1"),
         CocoonResult::ok(""),
     );
+    let e = no_tag_yet(&mut h, e);
     let op = push_op(&e);
     // The operator changes its mind while the push runs: the op finishes its step first.
     let e2 = h.feed(Input::PodUpserted(Box::new(asking(false))));

@@ -467,6 +467,7 @@ fn after_a_restart_a_macos_pod_is_adopted_by_its_create_not_left_untracked() {
         Input::StartupListed {
             pods: vec![pod],
             vms: vec![],
+            owners: Default::default(),
         },
         now,
         wall,

@@ -20,6 +20,7 @@ mod create;
 mod delete;
 mod fork;
 mod hibernate;
+mod isolation;
 mod kube_writes;
 mod macos;
 mod ownership;
@@ -36,6 +37,11 @@ struct H {
     /// other operations' tests see only their own effects, and every "if it exists" snapshot
     /// removal runs as on a node not listed yet (the reclaimer's tests turn it off).
     quiet_reclaimer: bool,
+    /// The ownership ledger as the edge would have written it: every `RecordOwners` is
+    /// applied here and answered at once with success (unless `hold_ledger`).
+    ledger: crate::provider::owners::Owners,
+    /// Leave `RecordOwners` effects unanswered in what `feed` returns.
+    hold_ledger: bool,
 }
 
 impl H {
@@ -47,18 +53,46 @@ impl H {
 
     /// A daemon whose startup lists these pods and VMs; returns the startup's effects too.
     fn starting(cfg: ProviderConfig, pods: Vec<Pod>, vms: Vec<VmInfo>) -> (Self, Vec<Effect>) {
+        H::starting_with(cfg, pods, vms, Default::default())
+    }
+
+    /// A daemon whose startup lists these pods and VMs with this ownership ledger.
+    fn starting_with(
+        cfg: ProviderConfig,
+        pods: Vec<Pod>,
+        vms: Vec<VmInfo>,
+        owners: crate::provider::owners::Owners,
+    ) -> (Self, Vec<Effect>) {
         let mut h = H {
             p: Provider::new(cfg),
             now: Instant::now(),
             wall: SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000),
             quiet_reclaimer: true,
+            ledger: owners.clone(),
+            hold_ledger: false,
         };
-        let e = h.feed(Input::StartupListed { pods, vms });
+        let e = h.feed(Input::StartupListed { pods, vms, owners });
         (h, e)
     }
 
     fn feed(&mut self, i: Input) -> Vec<Effect> {
         let mut out = self.p.handle(i, self.now, self.wall);
+        while !self.hold_ledger {
+            let Some(at) = out
+                .iter()
+                .position(|e| matches!(e, Effect::RecordOwners { .. }))
+            else {
+                break;
+            };
+            let Effect::RecordOwners { op, changes } = out.remove(at) else {
+                break;
+            };
+            for c in &changes {
+                self.ledger.apply(c);
+            }
+            let answer = Input::OwnersRecorded { op, result: Ok(()) };
+            out.extend(self.p.handle(answer, self.now, self.wall));
+        }
         while self.quiet_reclaimer {
             let Some(at) = out.iter().position(|e| {
                 matches!(
@@ -103,6 +137,18 @@ impl H {
     fn kube_ok(&mut self, op: OpId) -> Vec<Effect> {
         self.feed(Input::KubeDone { op, result: Ok(()) })
     }
+}
+
+/// A ledger recording each VM name of `pairs` for its namespace (VMs this daemon created).
+fn owned_vms(pairs: &[(&str, &str)]) -> crate::provider::owners::Owners {
+    let mut o = crate::provider::owners::Owners::default();
+    for (name, ns) in pairs {
+        o.vms.insert(
+            name.to_string(),
+            crate::provider::owners::Owner::new(ns, ""),
+        );
+    }
+    o
 }
 
 fn pod(name: &str, uid: &str, ann: &[(&str, &str)]) -> Pod {
@@ -265,6 +311,40 @@ fn no_evidence(h: &mut H, e: &[Effect]) -> Vec<Effect> {
     h.cocoon(op, CocoonResult::failed("Error: snapshot not found"))
 }
 
+/// Answer the read of the tag a push would replace (`<vm>:hibernate` / `latest`) with "none
+/// there yet", when `e` holds one; else `e` as it is.
+fn no_tag_yet(h: &mut H, e: Vec<Effect>) -> Vec<Effect> {
+    let op = e.iter().find_map(|x| match x {
+        Effect::ReadSnapshotTag { op, tag, .. } if tag == "hibernate" || tag == "latest" => {
+            Some(*op)
+        }
+        _ => None,
+    });
+    match op {
+        Some(op) => h.feed(Input::HibernateEvidence {
+            op,
+            result: Ok(None),
+        }),
+        None => e,
+    }
+}
+
+/// Answer the manifest read that precedes an image pull: a base image (no owner, no
+/// from-node, no digest: the pull is by tag). Returns the answer's effects.
+fn base_manifest(h: &mut H, e: &[Effect]) -> Vec<Effect> {
+    let op = e
+        .iter()
+        .find_map(|x| match x {
+            Effect::ReadSnapshotTag { op, .. } => Some(*op),
+            _ => None,
+        })
+        .expect("the image's manifest is read before its pull");
+    h.feed(Input::HibernateEvidence {
+        op,
+        result: Ok(Some(HibernateTag::default())),
+    })
+}
+
 /// Drive a managed clone create of `p` to its ReadyWait; returns (effects so far, vm id).
 fn create_clone(h: &mut H, p: Pod, vm_id: &str) -> Vec<Effect> {
     let vm_name = p.metadata.annotations.as_ref().unwrap()[ANN_VM_NAME].clone();
@@ -313,7 +393,7 @@ fn drive_to_clone(h: &mut H, p: Pod) -> (OpId, Vec<Effect>) {
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(op, CocoonResult::ok(""));
     let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"S","name":"x"}"#));
+    let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"S","name":"team/agent:v3"}"#));
     let (op, cmd) = one_cocoon(&e);
     assert!(argv(&cmd).starts_with("vm clone"));
     (op, first)

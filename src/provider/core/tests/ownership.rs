@@ -30,17 +30,21 @@ fn no_vm_command(e: &[Effect]) -> bool {
 
 #[test]
 fn a_pod_naming_another_pods_vm_is_refused_and_its_delete_leaves_the_vm() {
+    // `vk-team-b-app-0` reads as a VM name of `team` (pod `b-app-0`) and of `team-b`.
     let mut h = H::new(ProviderConfig::default());
-    let victim = mk("victim", "u1", &managed("victim", "vk-shared-vm"));
+    let victim = in_namespace(
+        mk("victim", "u1", &managed("victim", "vk-team-b-app-0")),
+        "team-b",
+    );
     create_clone(&mut h, victim, "VM1");
     let attacker = in_namespace(
-        mk("attacker", "u2", &managed("attacker", "vk-shared-vm")),
-        "evil",
+        mk("attacker", "u2", &managed("attacker", "vk-team-b-app-0")),
+        "team",
     );
     let e = h.feed(Input::PodUpserted(Box::new(attacker.clone())));
     assert!(refused(&e), "{e:?}");
     assert!(no_vm_command(&e));
-    assert!(h.p.pod_vm(&PodKey::new("evil", "attacker")).is_none());
+    assert!(h.p.pod_vm(&PodKey::new("team", "attacker")).is_none());
     // Deleting the refused pod runs nothing against the victim's VM.
     let mut gone = attacker;
     gone.metadata.deletion_timestamp = Some(Time(
@@ -50,7 +54,7 @@ fn a_pod_naming_another_pods_vm_is_refused_and_its_delete_leaves_the_vm() {
     all.extend(h.feed(Input::PodDeleted(Box::new(gone))));
     assert!(no_vm_command(&all), "{all:?}");
     assert_eq!(
-        h.p.pod_vm(&PodKey::new("ns", "victim"))
+        h.p.pod_vm(&PodKey::new("team-b", "victim"))
             .map(|v| v.id.clone()),
         Some("VM1".to_string())
     );
@@ -94,7 +98,21 @@ fn an_unmanaged_pod_carrying_another_pods_vm_id_is_refused() {
     assert!(h.p.pod_vm(&PodKey::new("evil", "thief")).is_none());
 }
 
+/// A daemon keeping orphans whose startup lists these VMs (each recorded for the namespace
+/// its name is for, as this daemon records the VMs it creates) and pods.
 fn started_with(vms: Vec<VmInfo>, pods: Vec<Pod>) -> (H, Vec<Effect>) {
+    let owners: Vec<(String, &str)> = vms
+        .iter()
+        .map(|v| {
+            let ns = ["team-b", "default", "evil"]
+                .into_iter()
+                .find(|ns| v.name.starts_with(&format!("vk-{ns}-")))
+                .unwrap_or("");
+            (v.name.clone(), ns)
+        })
+        .collect();
+    let pairs: Vec<(&str, &str)> = owners.iter().map(|(n, ns)| (n.as_str(), *ns)).collect();
+    let owners = owned_vms(&pairs);
     let mut h = H {
         p: Provider::new(ProviderConfig {
             orphan_policy: OrphanPolicy::Keep,
@@ -103,8 +121,10 @@ fn started_with(vms: Vec<VmInfo>, pods: Vec<Pod>) -> (H, Vec<Effect>) {
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH,
         quiet_reclaimer: true,
+        ledger: Default::default(),
+        hold_ledger: false,
     };
-    let e = h.feed(Input::StartupListed { pods, vms });
+    let e = h.feed(Input::StartupListed { pods, vms, owners });
     (h, e)
 }
 
@@ -140,34 +160,40 @@ fn at_startup_the_older_pod_keeps_a_shared_vm_name_and_an_id_needs_its_name() {
             k8s_openapi::chrono::DateTime::from_timestamp(secs, 0).unwrap(),
         ))
     };
-    let mut victim = mk("victim", "u1", &managed("victim", "vk-shared-vm"));
+    let mut victim = in_namespace(
+        mk("victim", "u1", &managed("victim", "vk-team-b-app-0")),
+        "team-b",
+    );
     victim.metadata.creation_timestamp = at(100);
     let mut attacker = in_namespace(
-        mk("attacker", "u2", &managed("attacker", "vk-shared-vm")),
-        "a-first",
+        mk("attacker", "u2", &managed("attacker", "vk-team-b-app-0")),
+        "team",
     );
     attacker.metadata.creation_timestamp = at(200);
-    let mut by_id = mk(
-        "thief",
-        "u3",
-        &[
-            (ANN_VM_NAME, "vk-evil-x".into()),
-            (ANN_VM_ID, "V1".into()),
-            (ANN_VM_IP, "10.9.9.9".into()),
-        ],
+    let mut by_id = in_namespace(
+        mk(
+            "thief",
+            "u3",
+            &[
+                (ANN_VM_NAME, "vk-evil-x".into()),
+                (ANN_VM_ID, "V1".into()),
+                (ANN_VM_IP, "10.9.9.9".into()),
+            ],
+        ),
+        "evil",
     );
     by_id.metadata.creation_timestamp = at(50);
     let (h, _) = started_with(
-        vec![vm_info("V1", "vk-shared-vm", "running")],
+        vec![vm_info("V1", "vk-team-b-app-0", "running")],
         vec![by_id, attacker, victim],
     );
     assert_eq!(
-        h.p.pod_vm(&PodKey::new("ns", "victim"))
+        h.p.pod_vm(&PodKey::new("team-b", "victim"))
             .map(|v| v.id.clone()),
         Some("V1".to_string())
     );
-    assert!(h.p.pod_vm(&PodKey::new("a-first", "attacker")).is_none());
-    assert!(h.p.pod_vm(&PodKey::new("ns", "thief")).is_none());
+    assert!(h.p.pod_vm(&PodKey::new("team", "attacker")).is_none());
+    assert!(h.p.pod_vm(&PodKey::new("evil", "thief")).is_none());
 }
 
 #[test]
@@ -183,7 +209,7 @@ fn a_kept_vm_is_adopted_only_from_the_namespace_its_name_is_for() {
     ))));
     assert!(events(&e)
         .iter()
-        .any(|(_, m)| m.contains("not named for namespace evil")));
+        .any(|(r, m)| *r == "VMNotInNamespace" && m.contains("not a VM name of namespace evil")));
     assert!(no_vm_command(&e));
     assert!(h.p.pod_vm(&PodKey::new("evil", "x")).is_none());
     let e = h.feed(Input::PodUpserted(Box::new(in_namespace(
@@ -203,11 +229,11 @@ fn a_kept_vm_is_adopted_only_from_the_namespace_its_name_is_for() {
 #[test]
 fn a_recreated_pod_of_the_same_name_keeps_its_vm_whatever_the_name() {
     let mut h = H::new(ProviderConfig::default());
-    create_clone(&mut h, mk("a", "u1", &managed("a", "vk-shared-vm")), "VM1");
+    create_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-shared")), "VM1");
     let e = h.feed(Input::PodUpserted(Box::new(mk(
         "a",
         "u2",
-        &managed("a", "vk-shared-vm"),
+        &managed("a", "vk-ns-shared"),
     ))));
     assert!(no_vm_command(&e));
     assert!(has_metric(

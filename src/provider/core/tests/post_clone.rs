@@ -134,7 +134,7 @@ fn firecracker_clones_are_cloned_and_fixed_instead_of_refused() {
         &mut h,
         &e,
         "snapshot inspect team/agent:v3",
-        CocoonResult::ok(r#"{"id":"S","name":"x","hypervisor":"firecracker"}"#),
+        CocoonResult::ok(r#"{"id":"S","name":"team/agent:v3","hypervisor":"firecracker"}"#),
     );
     let (op, cmd) = one_cocoon(&e);
     assert!(argv(&cmd).starts_with("vm clone"), "{}", argv(&cmd));
@@ -450,11 +450,14 @@ fn restart_with(pcs: Option<&str>, vm: &str) -> Vec<Effect> {
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000),
         quiet_reclaimer: true,
+        ledger: Default::default(),
+        hold_ledger: false,
     };
     let vm = crate::provider::cocoon::parse_vm(vm).unwrap();
     h.feed(Input::StartupListed {
         pods: vec![mk("a", "u1", &ann)],
         vms: vec![vm],
+        owners: Default::default(),
     })
 }
 
@@ -519,7 +522,7 @@ fn windows_clones_are_restored_by_copy_whatever_the_node_default() {
         &mut h,
         &e,
         "snapshot inspect team/agent:v3",
-        CocoonResult::ok(r#"{"id":"S","name":"x"}"#),
+        CocoonResult::ok(r#"{"id":"S","name":"team/agent:v3"}"#),
     );
     let (_, cmd) = one_cocoon(&e);
     assert!(argv(&cmd).contains("--restore-mode copy"), "{}", argv(&cmd));
@@ -657,11 +660,14 @@ fn a_resumed_windows_clone_whose_fix_up_was_done_runs_the_sac_pass_again() {
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000),
         quiet_reclaimer: true,
+        ledger: Default::default(),
+        hold_ledger: false,
     };
     let vm = crate::provider::cocoon::parse_vm(WINDOWS_STATIC_VM).unwrap();
     let e = h.feed(Input::StartupListed {
         pods: vec![mk("a", "u1", &ann)],
         vms: vec![vm],
+        owners: Default::default(),
     });
     assert!(events(&e)
         .iter()

@@ -192,10 +192,13 @@ fn listing_outstanding(cfg: ProviderConfig) -> (H, OpId) {
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000),
         quiet_reclaimer: false,
+        ledger: Default::default(),
+        hold_ledger: false,
     };
     h.feed(Input::StartupListed {
         pods: vec![],
         vms: vec![],
+        owners: Default::default(),
     });
     let op = snapshot_list(&h.advance(Duration::ZERO)).expect("a first run at start");
     h.quiet_reclaimer = true;
@@ -274,6 +277,7 @@ fn a_snapshot_saved_while_the_listing_runs_is_still_removed_at_delete() {
     // The listing was taken before the save landed: it shows neither snapshot.
     h.cocoon(list, listing(&[]));
     let e = h.cocoon(save, CocoonResult::ok(""));
+    let e = no_tag_yet(&mut h, e);
     let push = e.iter().find_map(|x| match x {
         Effect::PushSnapshot { op, .. } => Some(*op),
         _ => None,

@@ -10,6 +10,8 @@ fn startup_adopts_by_id_and_name_and_destroys_orphans() {
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH,
         quiet_reclaimer: true,
+        ledger: Default::default(),
+        hold_ledger: false,
     };
     let mut by_id = managed("a", "vk-ns-demo-0");
     by_id.push((ANN_VM_ID, "V1".into()));
@@ -30,7 +32,12 @@ fn startup_adopts_by_id_and_name_and_destroys_orphans() {
             &managed("c", "vk-ns-demo-2")
         ))))
         .is_empty());
-    let e = h.feed(Input::StartupListed { pods, vms });
+    // The VM adopted by name was created by this daemon: its owner is on record.
+    let e = h.feed(Input::StartupListed {
+        pods,
+        vms,
+        owners: owned_vms(&[("vk-ns-demo-1", "ns")]),
+    });
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm reconcile-stale-create V4 -o json");
     let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"V4","outcome":"collected"}"#));
@@ -74,10 +81,13 @@ fn orphan_alert_counts_and_keeps_for_adoption() {
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH,
         quiet_reclaimer: true,
+        ledger: Default::default(),
+        hold_ledger: false,
     };
     let e = h.feed(Input::StartupListed {
         pods: vec![],
         vms: vec![vm_info("V9", "vk-ns-demo-0", "running")],
+        owners: owned_vms(&[("vk-ns-demo-0", "ns")]),
     });
     assert!(has_metric(&e, &MetricUpdate::OrphanVm));
     assert!(cocoon_ops(&e).is_empty());
@@ -130,27 +140,40 @@ fn failed_pod_left_by_an_interrupted_eviction_is_deleted_after_restart() {
     assert!(e.is_empty(), "{e:?}");
 }
 
-/// A Running pod whose annotations stopped parsing (name removed, probe port garbage) keeps
-/// its VM across a restart: claimed by its ID annotation, tracked, warned about; never
-/// destroyed as an orphan nor failed.
+/// A Running pod whose annotations stopped parsing (its name removed, probe port garbage)
+/// keeps its VM across a restart: claimed by its ID annotation, tracked, warned about; never
+/// destroyed as an orphan nor failed. With its name gone, the ID finds the VM because the
+/// ownership ledger records that VM for this very pod.
 #[test]
 fn a_restart_keeps_the_vm_of_a_pod_whose_annotations_no_longer_parse() {
-    for broken in [
-        vec![
-            (ANN_MANAGED, "true".to_string()),
-            (ANN_IMAGE, "team/agent:v3".into()),
-        ],
-        vec![
-            (ANN_VM_NAME, "vk-ns-demo-0".to_string()),
-            (ANN_MANAGED, "true".into()),
-            (ANN_PROBE_PORT, "not-a-port".into()),
-        ],
+    for (broken, owners) in [
+        (
+            vec![
+                (ANN_MANAGED, "true".to_string()),
+                (ANN_IMAGE, "team/agent:v3".into()),
+            ],
+            owned_vms(&[("vk-ns-demo-0", "ns")]),
+        ),
+        (
+            vec![
+                (ANN_VM_NAME, "vk-ns-demo-0".to_string()),
+                (ANN_MANAGED, "true".into()),
+                (ANN_PROBE_PORT, "not-a-port".into()),
+            ],
+            Default::default(),
+        ),
     ] {
+        let mut owners: crate::provider::owners::Owners = owners;
+        if let Some(o) = owners.vms.get_mut("vk-ns-demo-0") {
+            o.pod_uid = "u1".into();
+        }
         let mut h = H {
             p: Provider::new(ProviderConfig::default()),
             now: Instant::now(),
             wall: SystemTime::UNIX_EPOCH,
             quiet_reclaimer: true,
+            ledger: owners.clone(),
+            hold_ledger: false,
         };
         let mut ann = broken.clone();
         ann.push((ANN_VM_ID, "V1".into()));
@@ -166,6 +189,7 @@ fn a_restart_keeps_the_vm_of_a_pod_whose_annotations_no_longer_parse() {
         let e = h.feed(Input::StartupListed {
             pods: vec![p],
             vms: vec![vm_info("V1", "vk-ns-demo-0", "running")],
+            owners,
         });
         assert!(
             cocoon_ops(&e).iter().all(|(_, c)| !argv(c).contains("rm")),
@@ -204,6 +228,8 @@ fn a_running_pod_whose_vm_vanished_across_a_restart_is_evicted_not_recreated() {
             now: Instant::now(),
             wall: SystemTime::UNIX_EPOCH,
             quiet_reclaimer: true,
+            ledger: Default::default(),
+            hold_ledger: false,
         };
         let mut ann = managed("a", "vk-ns-demo-0");
         if let Some(id) = id {
@@ -221,6 +247,7 @@ fn a_running_pod_whose_vm_vanished_across_a_restart_is_evicted_not_recreated() {
         let e = h.feed(Input::StartupListed {
             pods: vec![p],
             vms: vec![],
+            owners: Default::default(),
         });
         let (op, cmd) = one_cocoon(&e);
         assert_eq!(argv(&cmd), format!("vm inspect {reference}"));
@@ -251,12 +278,15 @@ fn a_pending_pod_whose_recorded_vm_is_gone_is_created_at_startup() {
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH,
         quiet_reclaimer: true,
+        ledger: Default::default(),
+        hold_ledger: false,
     };
     let mut ann = managed("a", "vk-ns-demo-0");
     ann.push((ANN_VM_ID, "V1".into()));
     let e = h.feed(Input::StartupListed {
         pods: vec![mk("a", "u1", &ann)],
         vms: vec![],
+        owners: Default::default(),
     });
     let cmds: Vec<String> = cocoon_ops(&e).iter().map(|(_, c)| argv(c)).collect();
     assert!(
@@ -283,6 +313,8 @@ fn a_large_startup_adopts_in_chunks_and_decides_orphans_after_the_last() {
         now: Instant::now(),
         wall: SystemTime::UNIX_EPOCH,
         quiet_reclaimer: true,
+        ledger: Default::default(),
+        hold_ledger: false,
     };
     let n = 150;
     let pods: Vec<Pod> = (0..n)
@@ -308,7 +340,11 @@ fn a_large_startup_adopts_in_chunks_and_decides_orphans_after_the_last() {
     // Pods of one age are taken by key: "p99" comes last.
     let last = PodKey::new("ns", "p99");
 
-    let e = h.feed(Input::StartupListed { pods, vms });
+    let e = h.feed(Input::StartupListed {
+        pods,
+        vms,
+        owners: Default::default(),
+    });
     assert!(h.p.pod_vm(&PodKey::new("ns", "p0")).is_some());
     assert!(h.p.pod_vm(&last).is_none(), "all pods adopted in one input");
     assert!(removals(&e).is_empty(), "{:?}", removals(&e));
@@ -396,6 +432,8 @@ fn a_vm_removed_or_stopped_during_the_startup_reconcile_is_checked_once_it_ends(
             now: Instant::now(),
             wall: SystemTime::UNIX_EPOCH,
             quiet_reclaimer: true,
+            ledger: Default::default(),
+            hold_ledger: false,
         };
         let mut ann = managed("a", "vk-ns-demo-0");
         ann.push((ANN_VM_ID, "V1".into()));
@@ -406,6 +444,7 @@ fn a_vm_removed_or_stopped_during_the_startup_reconcile_is_checked_once_it_ends(
                 vm_info("V1", "vk-ns-demo-0", "running"),
                 vm_info("V4", "vk-ns-half-0", "creating"),
             ],
+            owners: Default::default(),
         });
         let (stale, cmd) = one_cocoon(&e);
         assert_eq!(argv(&cmd), "vm reconcile-stale-create V4 -o json");
@@ -429,4 +468,37 @@ fn a_vm_removed_or_stopped_during_the_startup_reconcile_is_checked_once_it_ends(
             ),
         }
     }
+}
+
+/// A pod adopted at startup with no lifecycle record whose VM was stopped: the owed work
+/// restarts the VM first, and Ready (owed to a pod adopted without a record) follows the
+/// restart instead of never coming (the pod would stay Running but not Ready).
+#[test]
+fn an_unrecorded_pod_on_a_stopped_vm_is_published_ready_after_its_restart() {
+    let mut ann = managed("a", "vk-ns-demo-0");
+    ann.push((ANN_VM_ID, "V1".into()));
+    let mut p = mk("a", "u1", &ann);
+    p.status = Some(status::running(
+        "10.0.0.9",
+        true,
+        None,
+        None,
+        &Time(k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap()),
+    ));
+    let (mut h, e) = H::starting(
+        ProviderConfig::default(),
+        vec![p],
+        vec![vm_info("V1", "vk-ns-demo-0", "stopped")],
+    );
+    let stopped = vm_json("V1", "vk-ns-demo-0", "stopped", "02:00:00:00:00:01");
+    let e = answer(&mut h, &e, "vm inspect V1", CocoonResult::ok(stopped));
+    let e = answer(&mut h, &e, "vm start V1", CocoonResult::ok(""));
+    let running = vm_json("V1", "vk-ns-demo-0", "running", "02:00:00:00:00:01");
+    let e = answer(&mut h, &e, "vm inspect V1", CocoonResult::ok(running));
+    let (op, st) = statuses(&e).pop().expect("Ready published");
+    assert_eq!(st.phase.as_deref(), Some("Running"), "{st:?}");
+    let e = h.kube_ok(op);
+    assert!(annotation_patches(&e)
+        .iter()
+        .any(|(_, a)| a.get(ANN_LIFECYCLE_STATE) == Some(&Some("ready".into()))));
 }

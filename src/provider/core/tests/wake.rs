@@ -12,6 +12,9 @@ pub(super) fn tag(id: &str) -> HibernateTag {
         base_image: "team/agent:v3".into(),
         snapshot_id: id.into(),
         from_node: "node-b".into(),
+        owner_namespace: "ns".into(),
+        owner_pod_uid: "u1".into(),
+        ..Default::default()
     }
 }
 
