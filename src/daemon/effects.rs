@@ -389,6 +389,17 @@ impl Daemon {
                 self.cocoon_bin()
             };
             let bin = bin.to_string_lossy().into_owned();
+            // The last line of defence: a name that is not the contract's never reaches argv.
+            if let Err(e) = argv::check(&cmd.argv()) {
+                log::warn!("cocoon op {op}: not run: {e}");
+                self.pending.push_back(Input::CocoonDone {
+                    op,
+                    result: CocoonResult::failed(format!(
+                        "Error: vk-cocoon refused to run {bin}: {e}"
+                    )),
+                });
+                continue;
+            }
             // Logged with the VNC password redacted; spawned with it.
             log::debug!("cocoon op {op}: {bin} {}", cmd.argv().join(" "));
             let mut argv = vec![bin.clone()];
@@ -602,6 +613,7 @@ fn image_pull(cocoon: &Path, image: &str, force: bool) -> Result<String, String>
 /// on exit 0, Ok(false) when the contract's classification says the object is absent, Err on
 /// anything else.
 fn cocoon_ok(cocoon: &Path, verb: Verb, args: &[String]) -> Result<bool, String> {
+    argv::check(args).map_err(|e| format!("vk-cocoon refused to run cocoon: {e}"))?;
     let out = std::process::Command::new(cocoon)
         .args(args)
         .stdin(std::process::Stdio::null())

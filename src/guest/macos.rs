@@ -88,17 +88,17 @@ pub struct MacosRun {
 /// One `cocoon-macos` invocation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MacosCmd {
-    /// `vm inspect <name>` ⇒ `{"name","pid","mac","tap","disk","vnc"}`.
+    /// `vm inspect -- <name>` ⇒ `{"name","pid","mac","tap","disk","vnc"}`.
     Inspect {
         name: String,
     },
-    /// `vm start [--vnc <display> --vnc-password <pw>] <name>`: relaunch a dead QEMU.
+    /// `vm start [--vnc <display> --vnc-password <pw>] -- <name>`: relaunch a dead QEMU.
     Start {
         name: String,
         vnc_display: Option<u16>,
     },
     Run(MacosRun),
-    /// `vm rm <name>`.
+    /// `vm rm -- <name>`.
     Rm {
         name: String,
     },
@@ -124,11 +124,11 @@ impl MacosCmd {
             }
         };
         match self {
-            MacosCmd::Inspect { name } => vec![s("vm"), s("inspect"), s(name)],
+            MacosCmd::Inspect { name } => vec![s("vm"), s("inspect"), s("--"), s(name)],
             MacosCmd::Start { name, vnc_display } => {
                 let mut a = vec![s("vm"), s("start")];
                 a.extend(vnc(*vnc_display));
-                a.push(s(name));
+                a.extend([s("--"), s(name)]);
                 a
             }
             MacosCmd::Run(o) => {
@@ -151,13 +151,16 @@ impl MacosCmd {
                     s("--random-smbios"),
                     s("--net"),
                     s("cni"),
+                    s("--"),
                     s(&o.image),
                 ]);
                 a
             }
-            MacosCmd::Rm { name } => vec![s("vm"), s("rm"), s(name)],
-            MacosCmd::ImageInspect { image } => vec![s("image"), s("inspect"), s(image)],
-            MacosCmd::ImagePull { image } => vec![s("image"), s("pull"), s(image)],
+            MacosCmd::Rm { name } => vec![s("vm"), s("rm"), s("--"), s(name)],
+            MacosCmd::ImageInspect { image } => {
+                vec![s("image"), s("inspect"), s("--"), s(image)]
+            }
+            MacosCmd::ImagePull { image } => vec![s("image"), s("pull"), s("--"), s(image)],
         }
     }
 
@@ -264,7 +267,7 @@ mod tests {
         assert_eq!(
             with.join(" "),
             "vm run --name vk-ns-mac-0 --cpus 4 --memory 8192 --vnc 3 --vnc-password pw \
-             --storage 68719476736 --exit-on-reboot --random-smbios --net cni ghcr.io/org/sonoma:14"
+             --storage 68719476736 --exit-on-reboot --random-smbios --net cni -- ghcr.io/org/sonoma:14"
         );
         let without = run(Some(3), None).argv(None);
         assert!(
@@ -284,12 +287,21 @@ mod tests {
         };
         assert_eq!(
             cmd.argv(Some("s3cret")),
-            ["vm", "start", "--vnc", "0", "--vnc-password", "s3cret", "m"]
+            [
+                "vm",
+                "start",
+                "--vnc",
+                "0",
+                "--vnc-password",
+                "s3cret",
+                "--",
+                "m"
+            ]
         );
         assert!(!cmd.redacted_argv().join(" ").contains("s3cret"));
         assert_eq!(
             MacosCmd::Rm { name: "m".into() }.argv(Some("x")),
-            ["vm", "rm", "m"]
+            ["vm", "rm", "--", "m"]
         );
         assert_eq!(cmd.deadline(), LAUNCH_DEADLINE);
         assert_eq!(

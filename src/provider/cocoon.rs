@@ -446,7 +446,7 @@ mod tests {
         assert_eq!(
             cmd.argv().join(" "),
             "vm clone --output json --name vk-ns-demo-0 --network net1 --no-direct-io --pull \
-             --restore-mode mmap --cpu-weight 79 --cpu-quota-us 200000 --cpu-period-us 100000 team/agent:v3"
+             --restore-mode mmap --cpu-weight 79 --cpu-quota-us 200000 --cpu-period-us 100000 -- team/agent:v3"
         );
     }
 
@@ -483,7 +483,7 @@ mod tests {
         });
         assert_eq!(
             cmd.argv().join(" "),
-            "vm run --output json --name v --cpu 2 --cpu-weight 79 --memory 4294967296 --fc ubuntu:24.04"
+            "vm run --output json --name v --cpu 2 --cpu-weight 79 --memory 4294967296 --fc -- ubuntu:24.04"
         );
     }
 

@@ -320,7 +320,7 @@ fn run_mode_pulls_the_image_then_runs_with_resources() {
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(op, CocoonResult::ok(""));
     let (op, cmd) = one_cocoon(&e);
-    assert_eq!(argv(&cmd), "image pull --force -- team/agent:v3");
+    assert_eq!(argv(&cmd), "image pull --force team/agent:v3");
     let e = h.cocoon(op, CocoonResult::ok(""));
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(
