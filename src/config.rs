@@ -47,7 +47,7 @@ pub const VARIABLES: &[Variable] = &[
     var("VK_COCOON_NET_CONTROL_SOCKET", "/run/cocoon-net/control.sock", "cocoon-net control socket; set but empty disables lease release."),
     var("VK_COCOON_BIN", "/usr/local/bin/cocoon", "The cocoon CLI."),
     var("VK_COCOON_MACOS_BIN", "/usr/local/bin/cocoon-macos", "cocoon CLI for managed `os=macos` pods."),
-    var("COCOON_MACOS_VNC_PASSWORD", "unset (VNC off)", "VNC password for macOS guests: at most 8 bytes, no control characters."),
+    var("COCOON_MACOS_VNC_PASSWORD", "unset (VNC off)", "Secret each macOS guest's own VNC password is derived from (8 characters of HMAC-SHA256 over the VM name; `vk-cocoon vnc-password VM` prints one), given to cocoon-macos in its environment, never on its command line: 1-256 bytes, no control characters; 16 or more random bytes recommended."),
     var("VK_ORPHAN_POLICY", "destroy", "What to do with VMs that have no pod at startup: `destroy`, `alert` or `keep`."),
     var("VK_RESTORE_MODE", "mmap", "Snapshot restore mode: `copy`, `ondemand` or `mmap`."),
     var("VK_STAGING_DIR", "/var/lib/cocoon/vk-staging", "Peer-restore staging directory."),
@@ -236,6 +236,22 @@ fn invalid(variable: &'static str, value: &str, allowed: impl Into<String>) -> C
         value: Some(value.to_string()),
         allowed: allowed.into(),
     }
+}
+
+/// The macOS VNC secret's limits (the Go daemon's 8-byte passwords stay valid secrets).
+const VNC_SECRET_MAX: usize = 256;
+const VNC_SECRET_RECOMMENDED: usize = 16;
+
+/// COCOON_MACOS_VNC_PASSWORD: an error that never echoes the secret.
+pub fn macos_vnc_secret_ok(secret: &str) -> Result<(), ConfigError> {
+    if secret.is_empty() || secret.len() > VNC_SECRET_MAX || secret.chars().any(char::is_control) {
+        return Err(ConfigError {
+            variable: "COCOON_MACOS_VNC_PASSWORD",
+            value: Some(format!("<redacted, {} bytes>", secret.len())),
+            allowed: format!("1-{VNC_SECRET_MAX} bytes without control characters"),
+        });
+    }
+    Ok(())
 }
 
 /// The value, or None when unset or empty.
@@ -443,12 +459,14 @@ impl Config {
 
         let macos_vnc_password = get(env, "COCOON_MACOS_VNC_PASSWORD");
         if let Some(p) = &macos_vnc_password {
-            if p.len() > 8 || p.chars().any(char::is_control) {
-                return Err(ConfigError {
-                    variable: "COCOON_MACOS_VNC_PASSWORD",
-                    value: Some(format!("<redacted, {} bytes>", p.len())),
-                    allowed: "at most 8 bytes without control characters".into(),
-                });
+            macos_vnc_secret_ok(p)?;
+            if p.len() < VNC_SECRET_RECOMMENDED {
+                warnings.push(format!(
+                    "COCOON_MACOS_VNC_PASSWORD has {} bytes: a tenant who knows their own VM's VNC \
+                     password can search for a short secret offline and derive every other \
+                     guest's; use {VNC_SECRET_RECOMMENDED} or more random bytes",
+                    p.len()
+                ));
             }
         }
 
@@ -1009,16 +1027,27 @@ mod tests {
     }
 
     #[test]
-    fn vnc_password_errors_never_echo_the_secret() {
-        for bad in ["123456789", "ab\u{7}c"] {
+    fn vnc_secret_errors_never_echo_the_secret_and_short_ones_are_warned() {
+        let long = "x".repeat(257);
+        for bad in [long.as_str(), "ab\u{7}c"] {
             let line = err(&[("COCOON_MACOS_VNC_PASSWORD", bad)]);
             assert!(
                 line.starts_with("COCOON_MACOS_VNC_PASSWORD=\"<redacted"),
                 "{line}"
             );
             assert!(!line.contains(bad), "{line}");
-            assert!(line.contains("at most 8 bytes without control characters"));
+            assert!(line.contains("1-256 bytes without control characters"));
         }
+        // The Go daemon's 8-byte passwords stay valid secrets, with a warning.
+        let short = ok(&[("COCOON_MACOS_VNC_PASSWORD", "12345678")]);
+        assert!(
+            short.warnings.iter().any(|w| w.contains("8 bytes")),
+            "{:?}",
+            short.warnings
+        );
+        assert!(!short.warnings.iter().any(|w| w.contains("12345678")));
+        let strong = ok(&[("COCOON_MACOS_VNC_PASSWORD", "k3J9-vQ2xLm8pR4t")]);
+        assert!(strong.warnings.is_empty(), "{:?}", strong.warnings);
     }
 
     #[test]

@@ -400,10 +400,9 @@ impl Daemon {
                 });
                 continue;
             }
-            // Logged with the VNC password redacted; spawned with it.
             log::debug!("cocoon op {op}: {bin} {}", cmd.argv().join(" "));
             let mut argv = vec![bin.clone()];
-            argv.extend(cmd.spawn_argv(self.config.macos_vnc_password.as_deref()));
+            argv.extend(cmd.argv());
             let mut spec = ChildSpec::new(argv)
                 .deadline(cmd.deadline())
                 .stdin(StdinMode::Null)
@@ -416,6 +415,7 @@ impl Daemon {
             if let crate::provider::CocoonCmd::Macos(m) = &cmd {
                 spec.term_grace = m.term_grace();
             }
+            spec.env = cmd.child_env(self.config.macos_vnc_password.as_deref());
             // The spawn itself runs on the reactor's spawner threads; a child that cannot be
             // started answers later as a `ChildExit` with its spawn error.
             match self.reactor.spawn(spec) {

@@ -103,11 +103,10 @@ impl CocoonCmd {
     }
 
     /// The argument vector after the binary (`VK_COCOON_BIN`, or `VK_COCOON_MACOS_BIN` for
-    /// [`CocoonCmd::Macos`], whose VNC password shows as `<redacted>` here: the daemon spawns
-    /// it with [`CocoonCmd::spawn_argv`]).
+    /// [`CocoonCmd::Macos`]).
     pub fn argv(&self) -> Vec<String> {
         match self {
-            CocoonCmd::Macos(m) => m.redacted_argv(),
+            CocoonCmd::Macos(m) => m.argv(),
             CocoonCmd::VmInspect { reference } => argv::vm_inspect(reference),
             CocoonCmd::VmClone(o) => argv::vm_clone(o),
             CocoonCmd::VmRun(o) => argv::vm_run(o),
@@ -129,11 +128,12 @@ impl CocoonCmd {
         }
     }
 
-    /// The argv the daemon spawns: [`CocoonCmd::argv`] with the macOS VNC password filled in.
-    pub fn spawn_argv(&self, macos_vnc_password: Option<&str>) -> Vec<String> {
+    /// Environment the child gets beyond the daemon's: a macOS launch's VNC password, derived
+    /// from the configured secret (`COCOON_MACOS_VNC_PASSWORD`) and its VM name.
+    pub fn child_env(&self, macos_vnc_secret: Option<&str>) -> Vec<(String, String)> {
         match self {
-            CocoonCmd::Macos(m) => m.argv(macos_vnc_password),
-            _ => self.argv(),
+            CocoonCmd::Macos(m) => m.vnc_env(macos_vnc_secret).into_iter().collect(),
+            _ => Vec::new(),
         }
     }
 

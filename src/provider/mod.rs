@@ -25,8 +25,8 @@
 //! * [`Effect::Cocoon`] `{op, cmd}`: run `cocoon` with `cmd.argv()` (deadline `cmd.deadline()`),
 //!   answer [`Input::CocoonDone`] `{op, result}` with the raw exit (success, stdout, stderr,
 //!   timed_out). The core reads it through the vm room's parsers and classification. A
-//!   [`cocoon::CocoonCmd::Macos`] call runs `VK_COCOON_MACOS_BIN` instead, with
-//!   `cmd.spawn_argv(password)` (the VNC password added; `argv()` shows it redacted).
+//!   [`cocoon::CocoonCmd::Macos`] call runs `VK_COCOON_MACOS_BIN` instead, with the VM's VNC
+//!   password in the child's environment (`cmd.child_env(secret)`), never on its argv.
 //! * [`Effect::CheckPid`] `{op, pid}`: is that process alive (not a zombie)? Answer
 //!   [`Input::PidChecked`] (a macOS guest's QEMU).
 //! * [`Effect::ReadVmPid`] `{op, vm_id, firecracker}`: read the hypervisor's PID from the
@@ -125,8 +125,8 @@ pub struct ProviderConfig {
     pub restore_mode: RestoreMode,
     /// Whether lease release is enabled (VK_COCOON_NET_CONTROL_SOCKET not set-but-empty).
     pub lease_release: bool,
-    /// COCOON_MACOS_VNC_PASSWORD is set: macOS guests get a VNC display (the password itself
-    /// stays with the daemon, which adds it to `cocoon-macos`'s argv).
+    /// COCOON_MACOS_VNC_PASSWORD is set: macOS guests get a VNC display (the secret stays with
+    /// the daemon, which gives each `cocoon-macos` launch its VM's password in the environment).
     pub macos_vnc: bool,
 }
 

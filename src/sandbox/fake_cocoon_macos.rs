@@ -5,9 +5,10 @@
 //! `vk-cocoon-sandbox fake-cocoon-macos ...`. It parses its command line as cocoon-macos's
 //! cobra does (flags anywhere, `--` ends them, an argument starting with `-` before `--` is a
 //! flag) and takes the commands the daemon's `guest::macos` builds: `vm inspect NAME`,
-//! `vm run --name N --cpus C --memory MiB [--vnc D --vnc-password P] [--storage BYTES]
-//! --exit-on-reboot --random-smbios --net cni IMAGE`, `vm start [--vnc D --vnc-password P] NAME`,
-//! `vm rm NAME`, `image inspect|pull REF`.
+//! `vm run --name N --cpus C --memory MiB [--vnc D] [--storage BYTES] --exit-on-reboot
+//! --random-smbios --net cni IMAGE`, `vm start [--vnc D] NAME`, `vm rm NAME`,
+//! `image inspect|pull REF`. A `--vnc` display's password comes from `--vnc-password` or the
+//! environment variable `COCOON_MACOS_VNC_PASSWORD` (how the daemon passes it).
 //! JSON on stdout, `Error: <msg>` on stderr with exit 1; a missing VM is `Error: vm not found:
 //! <name>`.
 //!
@@ -187,7 +188,9 @@ fn parse(args: &[String], flags: &[Flag], want: usize) -> Result<Parsed, String>
     Ok(p)
 }
 
-/// The VNC flags of `vm run` / `vm start`: a display needs a password of at most 8 bytes.
+/// The VNC flags of `vm run` / `vm start`: a display needs a password of at most 8 bytes,
+/// from `--vnc-password` or, as the daemon passes it, from `COCOON_MACOS_VNC_PASSWORD` in the
+/// environment.
 struct Vnc {
     display: Option<u16>,
     password: Option<String>,
@@ -199,9 +202,17 @@ impl Vnc {
             None => None,
             Some(d) => Some(d.parse().map_err(|_| format!("bad --vnc {d:?}"))?),
         };
+        let from_env = || {
+            std::env::var(crate::guest::macos::VNC_PASSWORD_ENV)
+                .ok()
+                .filter(|v| !v.is_empty())
+        };
         let vnc = Vnc {
             display,
-            password: p.get("vnc-password").map(String::from),
+            password: p
+                .get("vnc-password")
+                .map(String::from)
+                .or_else(|| display.and_then(|_| from_env())),
         };
         match (&vnc.display, &vnc.password) {
             (None, None) => Ok(vnc),
