@@ -50,7 +50,7 @@ pub const VARIABLES: &[Variable] = &[
     var("COCOON_MACOS_VNC_PASSWORD", "unset (VNC off)", "Secret each macOS guest's own VNC password is derived from (8 characters of HMAC-SHA256 over the VM name; `vk-cocoon vnc-password VM` prints one), given to cocoon-macos in its environment, never on its command line: 1-256 bytes, no control characters; 16 or more random bytes recommended."),
     var("VK_ORPHAN_POLICY", "destroy", "What to do with VMs that have no pod at startup: `destroy`, `alert` or `keep`."),
     var("VK_RESTORE_MODE", "mmap", "Snapshot restore mode: `copy`, `ondemand` or `mmap`."),
-    var("VK_STAGING_DIR", "/var/lib/cocoon/vk-staging", "Peer-restore staging directory."),
+    var("VK_STAGING_DIR", "/var/lib/cocoon/vk-staging", "Peer-restore staging directory; the snapshot push spool is `vk-spool` beside it (mode 0700, the daemon's own)."),
     var("VK_PEER_ADDR", ":12501", "Peer snapshot HTTP listener (`host:port`); its port is dialled on peers."),
     var("VK_COCOON_SNAPSHOT_DIR", "/var/lib/cocoon/snapshot/localfile", "Snapshot store served to peers."),
     var("VK_TLS_CERT", "/etc/cocoon/vk/tls/vk-kubelet.crt", "Kubelet API serving certificate."),
@@ -399,6 +399,15 @@ pub fn is_dns_name(s: &str) -> bool {
 }
 
 impl Config {
+    /// The snapshot push spool: `vk-spool` beside VK_STAGING_DIR (by default
+    /// /var/lib/cocoon/vk-spool), a directory only the daemon's user may enter.
+    pub fn spool_dir(&self) -> PathBuf {
+        self.staging_dir
+            .parent()
+            .unwrap_or_else(|| std::path::Path::new("/"))
+            .join("vk-spool")
+    }
+
     /// Reads and validates every variable through `env` (for the daemon: `std::env::var(..).ok()`).
     pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
         let mut warnings = Vec::new();
@@ -782,6 +791,7 @@ mod tests {
         assert_eq!(c.orphan_policy, OrphanPolicy::Destroy);
         assert_eq!(c.restore_mode, RestoreMode::Mmap);
         assert_eq!(c.staging_dir, PathBuf::from("/var/lib/cocoon/vk-staging"));
+        assert_eq!(c.spool_dir(), PathBuf::from("/var/lib/cocoon/vk-spool"));
         assert_eq!(
             c.peer_addr,
             ListenAddr {

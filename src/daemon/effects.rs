@@ -251,7 +251,7 @@ impl Daemon {
                     from_node: Some(self.config.node_name.clone()),
                     annotations: BTreeMap::new(),
                     knobs: push_knobs(&self.config),
-                    temp_dir: None,
+                    temp_dir: Some(self.config.spool_dir()),
                 };
                 // The snapshots room pushes local snapshot `name` to repository `name`: the
                 // provider names both after the VM (`local_name == repo`).

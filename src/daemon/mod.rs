@@ -275,6 +275,8 @@ impl Daemon {
         let kube = Arc::new(kube);
         log::info!("kubernetes API at {}", kube.server());
 
+        let spool = config.spool_dir();
+        crate::snapshots::push::prepare_spool_dir(&spool).map_err(|e| StartError::new(1, e))?;
         let node = startup::node_agent(&config, reactor.now())?;
         let registry = if config.oci_registry.is_empty() {
             None
