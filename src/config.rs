@@ -50,6 +50,7 @@ pub const VARIABLES: &[Variable] = &[
     var("COCOON_MACOS_VNC_PASSWORD", "unset (VNC off)", "Secret each macOS guest's own VNC password is derived from (8 characters of HMAC-SHA256 over the VM name; `vk-cocoon vnc-password VM` prints one), given to cocoon-macos in its environment, never on its command line: 1-256 bytes, no control characters; 16 or more random bytes recommended."),
     var("VK_ORPHAN_POLICY", "destroy", "What to do with VMs that have no pod at startup: `destroy`, `alert` or `keep`."),
     var("VK_RESTORE_MODE", "mmap", "Snapshot restore mode: `copy`, `ondemand` or `mmap`."),
+    var("VK_IMAGE_URL_ALLOW_HOSTS", "unset (none)", "Comma-separated host names or IP addresses that http(s) image URLs may name although they are loopback, link-local, private or cloud metadata hosts (or resolve to such addresses); any other such URL fails its pod (ImageURLRefused)."),
     var("VK_STAGING_DIR", "/var/lib/cocoon/vk-staging", "Peer-restore staging directory; the snapshot push spool is `vk-spool` beside it (mode 0700, the daemon's own)."),
     var("VK_PEER_ADDR", ":12501", "Peer snapshot HTTP listener (`host:port`); its port is dialled on peers."),
     var("VK_COCOON_SNAPSHOT_DIR", "/var/lib/cocoon/snapshot/localfile", "Snapshot store served to peers."),
@@ -174,6 +175,8 @@ pub struct Config {
     pub macos_vnc_password: Option<String>,
     pub orphan_policy: OrphanPolicy,
     pub restore_mode: RestoreMode,
+    /// VK_IMAGE_URL_ALLOW_HOSTS, lower-case, without trailing dots or brackets.
+    pub image_url_allow_hosts: Vec<String>,
     pub staging_dir: PathBuf,
     pub peer_addr: ListenAddr,
     pub cocoon_snapshot_dir: PathBuf,
@@ -252,6 +255,30 @@ pub fn macos_vnc_secret_ok(secret: &str) -> Result<(), ConfigError> {
         });
     }
     Ok(())
+}
+
+/// A comma-separated list of host names or IP addresses (IPv6 with or without brackets),
+/// lower-cased, trailing dots dropped; empty entries are skipped.
+fn host_list(env: Lookup, name: &'static str) -> Result<Vec<String>, ConfigError> {
+    let Some(raw) = get(env, name) else {
+        return Ok(Vec::new());
+    };
+    raw.split(',')
+        .map(|h| h.trim().trim_start_matches('[').trim_end_matches(']'))
+        .filter(|h| !h.is_empty())
+        .map(|h| {
+            let host = h.strip_suffix('.').unwrap_or(h).to_ascii_lowercase();
+            if is_dns_name(&host) || host.parse::<std::net::IpAddr>().is_ok() {
+                Ok(host)
+            } else {
+                Err(invalid(
+                    name,
+                    &raw,
+                    format!("comma-separated host names or IP addresses ({h:?} is neither)"),
+                ))
+            }
+        })
+        .collect()
 }
 
 /// The value, or None when unset or empty.
@@ -591,6 +618,7 @@ impl Config {
             macos_vnc_password,
             orphan_policy,
             restore_mode,
+            image_url_allow_hosts: host_list(env, "VK_IMAGE_URL_ALLOW_HOSTS")?,
             staging_dir: path_or(env, "VK_STAGING_DIR", "/var/lib/cocoon/vk-staging"),
             peer_addr: listen_addr(env, "VK_PEER_ADDR", ":12501")?,
             cocoon_snapshot_dir: path_or(
@@ -1034,6 +1062,28 @@ mod tests {
         let p = good.display().to_string();
         let c = ok(&[("VK_CLIENT_CA_FILE", p.as_str())]);
         assert_eq!(c.client_ca_file.as_deref(), Some(good.as_path()));
+    }
+
+    #[test]
+    fn image_url_allow_hosts_are_a_normalised_list_of_names_and_addresses() {
+        let c = ok(&[(
+            "VK_IMAGE_URL_ALLOW_HOSTS",
+            " Mirror.Internal. ,10.0.0.5,,[fd00::1], images.example",
+        )]);
+        assert_eq!(
+            c.image_url_allow_hosts,
+            ["mirror.internal", "10.0.0.5", "fd00::1", "images.example"]
+        );
+        assert!(ok(&[]).image_url_allow_hosts.is_empty());
+        for bad in [
+            "http://x.example",
+            "x.example:8080",
+            "a b",
+            "x.example/path",
+        ] {
+            let line = err(&[("VK_IMAGE_URL_ALLOW_HOSTS", bad)]);
+            assert!(line.starts_with("VK_IMAGE_URL_ALLOW_HOSTS="), "{line}");
+        }
     }
 
     #[test]

@@ -711,6 +711,12 @@ impl Sim {
                 let l = self.latency();
                 self.later(l, Delivery::Input(Input::SacDone { op, result: Ok(()) }));
             }
+            // The simulated pods name no http(s) image: nothing to refuse.
+            Effect::CheckSource { op, .. } => {
+                let l = self.latency();
+                let verdict = vk_cocoon::provider::SourceVerdict::Allowed;
+                self.later(l, Delivery::Input(Input::SourceChecked { op, verdict }));
+            }
             // The simulated pods are cocoon guests: no macOS QEMU runs here.
             Effect::CheckPid { op, .. } => {
                 let l = self.latency();

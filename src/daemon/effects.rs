@@ -24,6 +24,7 @@ use crate::metrics::Metrics;
 use crate::probes::ProbeTarget;
 use crate::provider::{
     CocoonResult, Effect, EventType, HibernateTag, Input, KubeError, MetricUpdate, OpId, PodKey,
+    SourceVerdict,
 };
 use crate::reactor::{ChildExit, ChildSpec, OutputMode, StdinMode};
 use crate::snapshots::reference::split_image_ref;
@@ -275,6 +276,16 @@ impl Daemon {
                 });
             }
             Effect::CheckHibernateEvidence { op, vm_name } => self.check_evidence(op, vm_name),
+            Effect::CheckSource { op, check } => {
+                let job = move || Work::SourceChecked {
+                    op,
+                    verdict: super::source_checks::run(&check),
+                };
+                if self.reactor.submit(job).is_err() {
+                    let verdict = SourceVerdict::Unavailable("worker queue full".into());
+                    self.pending.push_back(Input::SourceChecked { op, verdict });
+                }
+            }
             Effect::DeleteSnapshotTag { op, repo, tag } => {
                 self.transfer(op, move |registry| {
                     let r = registry.reference(&repo, &tag)?;

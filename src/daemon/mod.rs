@@ -27,6 +27,7 @@ mod event_stream;
 mod hypervisors;
 mod kube_jobs;
 pub mod lane;
+mod source_checks;
 mod startup;
 mod turn_profile;
 mod view;
@@ -76,6 +77,11 @@ pub enum Work {
     Evidence {
         op: OpId,
         result: Result<Option<crate::provider::HibernateTag>, TransferError>,
+    },
+    /// The host's check of a source a pod names finished.
+    SourceChecked {
+        op: OpId,
+        verdict: crate::provider::SourceVerdict,
     },
     /// DHCP lease releases after a VM removal; (mac, error) per failure.
     LeasesReleased {
@@ -337,6 +343,7 @@ impl Daemon {
             restore_mode: config.restore_mode,
             lease_release: config.cocoon_net_control_socket.is_some(),
             macos_vnc: config.macos_vnc_password.is_some(),
+            image_url_allow_hosts: config.image_url_allow_hosts.clone(),
         });
         let mut watch = PodWatch::new(&config.node_name, WatchConfig::default());
         watch.relist_by_caller();
@@ -641,6 +648,9 @@ impl Daemon {
             Work::Evidence { op, result } => self
                 .pending
                 .push_back(Input::HibernateEvidence { op, result }),
+            Work::SourceChecked { op, verdict } => {
+                self.pending.push_back(Input::SourceChecked { op, verdict })
+            }
             Work::Sac { op, result } => self.pending.push_back(Input::SacDone { op, result }),
             Work::LeasesReleased { released, failed } => {
                 let family = &self.metrics.lease_release_total;

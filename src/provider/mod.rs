@@ -32,6 +32,9 @@
 //! * [`Effect::ReadVmPid`] `{op, vm_id, firecracker}`: read the hypervisor's PID from the
 //!   VM's pid file in cocoon's run dir; answer [`Input::VmPidRead`] (None unless it names a
 //!   live process).
+//! * [`Effect::CheckSource`] `{op, check}`: check a source the pod names on the host, off the
+//!   loop (resolve an http(s) image URL's host and judge every address with
+//!   [`sources::check_resolved`]); answer [`Input::SourceChecked`] with a [`SourceVerdict`].
 //! * [`Effect::LookupLease`] `{op, mac}`: look the MAC up in the cocoon-net lease file, answer
 //!   [`Input::LeaseLooked`] (a [`LeaseError`] when the file cannot answer).
 //! * [`Effect::PatchPodStatus`], [`Effect::PatchPodAnnotations`], [`Effect::DeletePod`]: kube
@@ -59,6 +62,7 @@ pub mod cocoon;
 pub mod core;
 pub mod fixup;
 pub mod lifecycle;
+pub mod sources;
 pub mod spec;
 pub mod status;
 
@@ -128,6 +132,8 @@ pub struct ProviderConfig {
     /// COCOON_MACOS_VNC_PASSWORD is set: macOS guests get a VNC display (the secret stays with
     /// the daemon, which gives each `cocoon-macos` launch its VM's password in the environment).
     pub macos_vnc: bool,
+    /// VK_IMAGE_URL_ALLOW_HOSTS: hosts http(s) image URLs may name whatever they resolve to.
+    pub image_url_allow_hosts: Vec<String>,
 }
 
 impl Default for ProviderConfig {
@@ -140,8 +146,27 @@ impl Default for ProviderConfig {
             restore_mode: RestoreMode::Mmap,
             lease_release: true,
             macos_vnc: false,
+            image_url_allow_hosts: Vec::new(),
         }
     }
+}
+
+/// A source a pod names that the host would reach, checked on the host before it does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SourceCheck {
+    /// Resolve `host`, the host of http(s) image `url`: every address must be allowed.
+    ImageHost { url: String, host: String },
+}
+
+/// The daemon's answer to [`Effect::CheckSource`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SourceVerdict {
+    Allowed,
+    /// The source breaks a rule: the pod fails for good; the message names the rule and the
+    /// setting that changes it.
+    Refused(String),
+    /// The host could not tell (a resolver error): the create fails and is retried.
+    Unavailable(String),
 }
 
 /// What the registry's `<vm>:hibernate` manifest says (each field empty when absent).
@@ -345,6 +370,11 @@ pub enum Input {
         op: OpId,
         pid: Option<i64>,
     },
+    /// Answer of [`Effect::CheckSource`].
+    SourceChecked {
+        op: OpId,
+        verdict: SourceVerdict,
+    },
     VmEvent {
         kind: VmEventKind,
         vm: VmInfo,
@@ -383,6 +413,12 @@ pub enum Effect {
         op: OpId,
         vm_id: String,
         firecracker: bool,
+    },
+    /// Check a source the pod names on the host, off the event loop (a DNS lookup); answered
+    /// with [`Input::SourceChecked`].
+    CheckSource {
+        op: OpId,
+        check: SourceCheck,
     },
     LookupLease {
         op: OpId,

@@ -341,6 +341,8 @@ pub(super) enum Res {
     Pid(bool),
     /// A VM's hypervisor PID read from its pid file (None: no file or no such process).
     VmPid(Option<i64>),
+    /// The host's verdict on a source the pod names.
+    Source(SourceVerdict),
 }
 
 impl Res {
@@ -356,6 +358,7 @@ impl Res {
             Res::Sac(_) => "SAC pass",
             Res::Pid(_) => "process check",
             Res::VmPid(_) => "pid file",
+            Res::Source(_) => "source check",
         }
     }
 

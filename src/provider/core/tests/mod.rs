@@ -25,6 +25,7 @@ mod macos;
 mod ownership;
 mod post_clone;
 mod reclaim;
+mod source_check;
 mod startup;
 mod wake;
 
