@@ -50,6 +50,7 @@ pub const VARIABLES: &[Variable] = &[
     var("COCOON_MACOS_VNC_PASSWORD", "unset (VNC off)", "Secret each macOS guest's own VNC password is derived from (8 characters of HMAC-SHA256 over the VM name; `vk-cocoon vnc-password VM` prints one), given to cocoon-macos in its environment, never on its command line: 1-256 bytes, no control characters; 16 or more random bytes recommended."),
     var("VK_ORPHAN_POLICY", "destroy", "What to do with VMs that have no pod at startup: `destroy`, `alert` or `keep`."),
     var("VK_RESTORE_MODE", "mmap", "Snapshot restore mode: `copy`, `ondemand` or `mmap`."),
+    var("VK_CLONE_FROM_DIR_ROOT", "unset (refused)", "Absolute directory below which `vm.cocoonstack.io/clone-from-dir` may name snapshot directories (none may be a symlink below it; it should be writable only by the operator); unset = every clone-from-dir pod fails (CloneFromDirRefused)."),
     var("VK_IMAGE_URL_ALLOW_HOSTS", "unset (none)", "Comma-separated host names or IP addresses that http(s) image URLs may name although they are loopback, link-local, private or cloud metadata hosts (or resolve to such addresses); any other such URL fails its pod (ImageURLRefused)."),
     var("VK_STAGING_DIR", "/var/lib/cocoon/vk-staging", "Peer-restore staging directory; the snapshot push spool is `vk-spool` beside it (mode 0700, the daemon's own)."),
     var("VK_PEER_ADDR", ":12501", "Peer snapshot HTTP listener (`host:port`); its port is dialled on peers."),
@@ -177,6 +178,8 @@ pub struct Config {
     pub restore_mode: RestoreMode,
     /// VK_IMAGE_URL_ALLOW_HOSTS, lower-case, without trailing dots or brackets.
     pub image_url_allow_hosts: Vec<String>,
+    /// VK_CLONE_FROM_DIR_ROOT: absolute, canonical, no trailing `/`; None = clone-from-dir refused.
+    pub clone_from_dir_root: Option<String>,
     pub staging_dir: PathBuf,
     pub peer_addr: ListenAddr,
     pub cocoon_snapshot_dir: PathBuf,
@@ -279,6 +282,28 @@ fn host_list(env: Lookup, name: &'static str) -> Result<Vec<String>, ConfigError
             }
         })
         .collect()
+}
+
+/// An absolute directory without `.`, `..` or empty components (a trailing `/` is dropped).
+fn dir_root(env: Lookup, name: &'static str) -> Result<Option<String>, ConfigError> {
+    let Some(raw) = get(env, name) else {
+        return Ok(None);
+    };
+    let dir = raw.trim_end_matches('/');
+    let canonical = raw.starts_with('/')
+        && !dir.is_empty()
+        && dir[1..]
+            .split('/')
+            .all(|c| !c.is_empty() && c != "." && c != "..");
+    if canonical {
+        Ok(Some(dir.to_string()))
+    } else {
+        Err(invalid(
+            name,
+            &raw,
+            "an absolute directory other than / without . or .. components",
+        ))
+    }
 }
 
 /// The value, or None when unset or empty.
@@ -619,6 +644,7 @@ impl Config {
             orphan_policy,
             restore_mode,
             image_url_allow_hosts: host_list(env, "VK_IMAGE_URL_ALLOW_HOSTS")?,
+            clone_from_dir_root: dir_root(env, "VK_CLONE_FROM_DIR_ROOT")?,
             staging_dir: path_or(env, "VK_STAGING_DIR", "/var/lib/cocoon/vk-staging"),
             peer_addr: listen_addr(env, "VK_PEER_ADDR", ":12501")?,
             cocoon_snapshot_dir: path_or(
@@ -1062,6 +1088,17 @@ mod tests {
         let p = good.display().to_string();
         let c = ok(&[("VK_CLIENT_CA_FILE", p.as_str())]);
         assert_eq!(c.client_ca_file.as_deref(), Some(good.as_path()));
+    }
+
+    #[test]
+    fn the_clone_dir_root_is_an_absolute_canonical_directory() {
+        assert_eq!(ok(&[]).clone_from_dir_root, None);
+        let c = ok(&[("VK_CLONE_FROM_DIR_ROOT", "/srv/snaps/")]);
+        assert_eq!(c.clone_from_dir_root.as_deref(), Some("/srv/snaps"));
+        for bad in ["srv/snaps", "/", "/srv/../etc", "/srv//snaps", "/srv/./x"] {
+            let line = err(&[("VK_CLONE_FROM_DIR_ROOT", bad)]);
+            assert!(line.starts_with("VK_CLONE_FROM_DIR_ROOT="), "{bad}: {line}");
+        }
     }
 
     #[test]

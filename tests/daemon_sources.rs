@@ -86,3 +86,89 @@ fn image_urls_of_internal_hosts_are_refused_unless_allowed() {
         "{vms:?}"
     );
 }
+
+/// A pod cloning from `dir`.
+fn from_dir_pod(name: &str, dir: &std::path::Path) -> k8s_openapi::api::core::v1::Pod {
+    daemon_support::with_annotation(
+        demo_pod("default", name, "clone", "base"),
+        "vm.cocoonstack.io/clone-from-dir",
+        &dir.display().to_string(),
+    )
+}
+
+#[test]
+fn clone_from_dir_only_below_the_root_and_never_through_a_symlink() {
+    let mut w = World::new();
+    let root = w.path("exports");
+    let evil = w.path("exports-evil");
+    w.extra_env
+        .push(("VK_CLONE_FROM_DIR_ROOT".into(), root.display().to_string()));
+    w.seed_snapshot("base");
+    // The same exported snapshot below the root, beside it (a string prefix of the root) and
+    // behind a symlink below the root that leads beside it.
+    for dir in [root.join("team/base"), evil.join("base")] {
+        let (ok, out) = w.cocoon(&[
+            "snapshot",
+            "export",
+            "--to-dir",
+            &dir.display().to_string(),
+            "--",
+            "base",
+        ]);
+        assert!(ok, "{out}");
+    }
+    std::os::unix::fs::symlink(&evil, root.join("link")).expect("symlink");
+    w.start_daemon();
+    w.api
+        .create_pod(&from_dir_pod("exported", &root.join("team/base")))
+        .expect("create");
+    w.api
+        .create_pod(&from_dir_pod("beside", &evil.join("base")))
+        .expect("create");
+    w.api
+        .create_pod(&from_dir_pod("linked", &root.join("link/base")))
+        .expect("create");
+
+    w.wait(
+        "the exported snapshot's pod Running",
+        Duration::from_secs(60),
+        || running_with_vm(&w, "exported"),
+    );
+    let m = refused(&w, "beside", "CloneFromDirRefused");
+    assert!(
+        m.contains(&format!(
+            "not below VK_CLONE_FROM_DIR_ROOT ({})",
+            root.display()
+        )),
+        "{m}"
+    );
+    let m = refused(&w, "linked", "CloneFromDirRefused");
+    assert!(
+        m.contains(&format!("{} is a symlink", root.join("link").display())),
+        "{m}"
+    );
+    let count = metric_value(
+        &w.metrics(),
+        "vk_cocoon_pod_lifecycle_total{op=\"create\",reason=\"clone_dir_refused\",result=\"failed\"}",
+    );
+    assert_eq!(count, Some(2.0));
+    let vms = w.vms();
+    assert!(
+        vms.contains_key("vk-default-exported") && vms.len() == 1,
+        "{vms:?}\n{}",
+        tail(&w.log(), 30)
+    );
+
+    // A node without a root takes no clone-from-dir at all, and says which setting to set.
+    let mut bare = World::new();
+    bare.start_daemon();
+    bare.api
+        .create_pod(&from_dir_pod("exported", &root.join("team/base")))
+        .expect("create");
+    let m = refused(&bare, "exported", "CloneFromDirRefused");
+    assert!(
+        m.contains("VK_CLONE_FROM_DIR_ROOT, which is not set"),
+        "{m}"
+    );
+    assert!(bare.vms().is_empty());
+}

@@ -344,6 +344,7 @@ impl Daemon {
             lease_release: config.cocoon_net_control_socket.is_some(),
             macos_vnc: config.macos_vnc_password.is_some(),
             image_url_allow_hosts: config.image_url_allow_hosts.clone(),
+            clone_from_dir_root: config.clone_from_dir_root.clone(),
         });
         let mut watch = PodWatch::new(&config.node_name, WatchConfig::default());
         watch.relist_by_caller();

@@ -34,7 +34,8 @@
 //!   live process).
 //! * [`Effect::CheckSource`] `{op, check}`: check a source the pod names on the host, off the
 //!   loop (resolve an http(s) image URL's host and judge every address with
-//!   [`sources::check_resolved`]); answer [`Input::SourceChecked`] with a [`SourceVerdict`].
+//!   [`sources::check_resolved`]; walk a clone-from-dir below its root with lstat: no symlink);
+//!   answer [`Input::SourceChecked`] with a [`SourceVerdict`].
 //! * [`Effect::LookupLease`] `{op, mac}`: look the MAC up in the cocoon-net lease file, answer
 //!   [`Input::LeaseLooked`] (a [`LeaseError`] when the file cannot answer).
 //! * [`Effect::PatchPodStatus`], [`Effect::PatchPodAnnotations`], [`Effect::DeletePod`]: kube
@@ -134,6 +135,8 @@ pub struct ProviderConfig {
     pub macos_vnc: bool,
     /// VK_IMAGE_URL_ALLOW_HOSTS: hosts http(s) image URLs may name whatever they resolve to.
     pub image_url_allow_hosts: Vec<String>,
+    /// VK_CLONE_FROM_DIR_ROOT: clone-from-dir only below it; None = refused.
+    pub clone_from_dir_root: Option<String>,
 }
 
 impl Default for ProviderConfig {
@@ -147,6 +150,7 @@ impl Default for ProviderConfig {
             lease_release: true,
             macos_vnc: false,
             image_url_allow_hosts: Vec::new(),
+            clone_from_dir_root: None,
         }
     }
 }
@@ -156,6 +160,8 @@ impl Default for ProviderConfig {
 pub enum SourceCheck {
     /// Resolve `host`, the host of http(s) image `url`: every address must be allowed.
     ImageHost { url: String, host: String },
+    /// Walk clone-from-dir `dir` from `root` down: no symlink, and a directory at the end.
+    CloneDir { dir: String, root: String },
 }
 
 /// The daemon's answer to [`Effect::CheckSource`].

@@ -1,5 +1,6 @@
 //! The rules for sources a pod names that the host itself reaches: the host of an http(s)
-//! image URL. Pure functions; the core applies them, the daemon applies them to DNS answers.
+//! image URL and a clone-from-dir. Pure functions; the core applies them, the daemon applies
+//! them to DNS answers and walks the directory.
 //!
 //! Why private ranges are refused too: the daemon and cocoon run in the host's network, next to
 //! the node's and the cluster's own services (the API server, cocoon-net, internal registries,
@@ -10,6 +11,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 /// The setting that lets a host through the image URL rule.
 pub const IMAGE_URL_ALLOW_SETTING: &str = "VK_IMAGE_URL_ALLOW_HOSTS";
+/// The setting under which clone-from-dir directories must lie.
+pub const CLONE_DIR_ROOT_SETTING: &str = "VK_CLONE_FROM_DIR_ROOT";
 
 /// Names of cloud metadata services (GCE, EC2): never fetched from.
 const METADATA_NAMES: [&str; 5] = [
@@ -173,6 +176,27 @@ pub fn check_resolved(url: &str, host: &str, addrs: &[IpAddr]) -> Result<(), Str
     }
 }
 
+/// The clone-from-dir rule on the path alone: `dir` (absolute and canonical, as the annotation
+/// contract checks) lies strictly below `root`, compared component by component (`/srv/snaps-x`
+/// is not below `/srv/snaps`). The host then walks it: no symlink below the root.
+pub fn check_clone_dir(dir: &str, root: Option<&str>) -> Result<(), String> {
+    let Some(root) = root else {
+        return Err(format!(
+            "clone-from-dir {dir} refused: this node takes clone-from-dir only below              {CLONE_DIR_ROOT_SETTING}, which is not set"
+        ));
+    };
+    let below = std::path::Path::new(dir)
+        .strip_prefix(root)
+        .is_ok_and(|rest| rest.components().next().is_some());
+    if below {
+        Ok(())
+    } else {
+        Err(format!(
+            "clone-from-dir {dir} refused: not below {CLONE_DIR_ROOT_SETTING} ({root})"
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -270,6 +294,30 @@ mod tests {
         assert_eq!(
             check_image_url("http://Mirror.Internal./img", &allow),
             ImageUrl::Allowed
+        );
+    }
+
+    #[test]
+    fn clone_dirs_lie_strictly_below_the_root_by_components() {
+        let root = Some("/srv/snaps");
+        assert_eq!(check_clone_dir("/srv/snaps/vm-a", root), Ok(()));
+        assert_eq!(check_clone_dir("/srv/snaps/team/vm-a", root), Ok(()));
+        for bad in [
+            "/srv/snaps-evil/vm-a",
+            "/srv/snaps",
+            "/srv",
+            "/var/lib/cocoon/run/x",
+        ] {
+            let e = check_clone_dir(bad, root).unwrap_err();
+            assert!(
+                e.contains("not below VK_CLONE_FROM_DIR_ROOT (/srv/snaps)"),
+                "{bad}: {e}"
+            );
+        }
+        let e = check_clone_dir("/srv/snaps/vm-a", None).unwrap_err();
+        assert!(
+            e.contains("VK_CLONE_FROM_DIR_ROOT, which is not set"),
+            "{e}"
         );
     }
 

@@ -1,5 +1,6 @@
 //! The source gate of a fresh bring-up: an http(s) image URL is judged (and its host name
-//! resolved by the daemon) before anything fetches it; a refusal fails the pod for good.
+//! resolved by the daemon) before anything fetches it; a clone-from-dir must lie below the
+//! configured root (and the daemon walks it); a refusal fails the pod for good.
 
 use super::*;
 
@@ -144,4 +145,76 @@ fn a_lookup_that_could_not_answer_is_retried_and_an_allowed_host_is_pulled_at_on
     let e = run_url(&mut h, "c", "http://169.254.169.254/img.qcow2");
     let (_, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "image pull http://169.254.169.254/img.qcow2");
+}
+
+/// A clone-from-dir pod, driven past the hibernate evidence and the fork removal.
+fn clone_dir(h: &mut H, name: &str, dir: &str) -> Vec<Effect> {
+    let mut ann = managed(name, &format!("vk-ns-{name}"));
+    ann.push((ANN_CLONE_FROM_DIR, dir.into()));
+    let e = h.feed(Input::PodUpserted(Box::new(mk(name, "u1", &ann))));
+    let e = no_evidence(h, &e);
+    let (op, _) = one_cocoon(&e);
+    h.cocoon(op, CocoonResult::ok(""))
+}
+
+fn dir_refused(e: &[Effect], what: &str) {
+    assert!(cocoon_ops(e).is_empty(), "nothing runs: {e:?}");
+    assert!(
+        events(e).iter().any(|(r, m)| *r == "CloneFromDirRefused"
+            && m.contains(what)
+            && m.contains("VK_CLONE_FROM_DIR_ROOT")),
+        "{:?}",
+        events(e)
+    );
+    assert!(statuses(e)
+        .iter()
+        .any(|(_, s)| s.phase.as_deref() == Some("Failed")));
+    assert!(has_metric(
+        e,
+        &MetricUpdate::PodLifecycle {
+            op: "create",
+            result: "failed",
+            reason: "clone_dir_refused",
+        }
+    ));
+}
+
+#[test]
+fn clone_from_dir_is_refused_without_a_root_and_outside_it() {
+    let mut h = H::new(ProviderConfig::default());
+    let e = clone_dir(&mut h, "a", "/srv/snaps/vm-a");
+    dir_refused(&e, "which is not set");
+
+    let cfg = ProviderConfig {
+        clone_from_dir_root: Some("/srv/snaps".into()),
+        ..Default::default()
+    };
+    for dir in [
+        "/srv/snaps-evil/vm-a",
+        "/var/lib/cocoon/run/cloudhypervisor/X",
+    ] {
+        let mut h = H::new(cfg.clone());
+        let e = clone_dir(&mut h, "a", dir);
+        assert!(!e.iter().any(|x| matches!(x, Effect::CheckSource { .. })));
+        dir_refused(&e, "not below VK_CLONE_FROM_DIR_ROOT (/srv/snaps)");
+    }
+
+    // Below the root: the daemon walks it; a symlink on the way is its refusal.
+    let mut h = H::new(cfg);
+    let e = clone_dir(&mut h, "a", "/srv/snaps/team/vm-a");
+    let (op, check) = check_of(&e);
+    assert_eq!(
+        check,
+        SourceCheck::CloneDir {
+            dir: "/srv/snaps/team/vm-a".into(),
+            root: "/srv/snaps".into()
+        }
+    );
+    let msg = "clone-from-dir /srv/snaps/team/vm-a refused: /srv/snaps/team is a symlink (none \
+               may be below VK_CLONE_FROM_DIR_ROOT)";
+    let e = h.feed(Input::SourceChecked {
+        op,
+        verdict: SourceVerdict::Refused(msg.into()),
+    });
+    dir_refused(&e, "is a symlink");
 }
