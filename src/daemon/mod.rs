@@ -841,8 +841,8 @@ impl Daemon {
             self.auth_lane.cancel(id);
         }
         let now = self.reactor.now();
-        for (id, req) in self.kubelet.take_auth_requests() {
-            if let Err(answer) = self.auth_lane.submit(id, req, now) {
+        for (id, req, peer) in self.kubelet.take_auth_requests() {
+            if let Err(answer) = self.auth_lane.submit(id, req, peer, now) {
                 self.kubelet.on_auth_answer(&mut self.reactor, id, answer);
             }
         }

@@ -273,7 +273,7 @@ impl Harness {
                         if reqs.is_empty() {
                             break;
                         }
-                        for (id, req) in reqs {
+                        for (id, req, _) in reqs {
                             if req.token.as_deref() == Some("held-token") {
                                 held.insert(id);
                                 continue;
