@@ -47,10 +47,12 @@ pub const VARIABLES: &[Variable] = &[
     var("VK_COCOON_NET_CONTROL_SOCKET", "/run/cocoon-net/control.sock", "cocoon-net control socket; set but empty disables lease release."),
     var("VK_COCOON_BIN", "/usr/local/bin/cocoon", "The cocoon CLI."),
     var("VK_COCOON_MACOS_BIN", "/usr/local/bin/cocoon-macos", "cocoon CLI for managed `os=macos` pods."),
-    var("COCOON_MACOS_VNC_PASSWORD", "unset (VNC off)", "VNC password for macOS guests: at most 8 bytes, no control characters."),
+    var("COCOON_MACOS_VNC_PASSWORD", "unset (VNC off)", "Secret each macOS guest's own VNC password is derived from (8 characters of HMAC-SHA256 over the VM name; `vk-cocoon vnc-password VM` prints one), given to cocoon-macos in its environment, never on its command line: 1-256 bytes, no control characters; 16 or more random bytes recommended."),
     var("VK_ORPHAN_POLICY", "destroy", "What to do with VMs that have no pod at startup: `destroy`, `alert` or `keep`."),
     var("VK_RESTORE_MODE", "mmap", "Snapshot restore mode: `copy`, `ondemand` or `mmap`."),
-    var("VK_STAGING_DIR", "/var/lib/cocoon/vk-staging", "Peer-restore staging directory."),
+    var("VK_CLONE_FROM_DIR_ROOT", "unset (refused)", "Absolute directory below which `vm.cocoonstack.io/clone-from-dir` may name snapshot directories (none may be a symlink below it; it should be writable only by the operator); unset = every clone-from-dir pod fails (CloneFromDirRefused)."),
+    var("VK_IMAGE_URL_ALLOW_HOSTS", "unset (none)", "Comma-separated host names or IP addresses that http(s) image URLs may name although they are loopback, link-local, private or cloud metadata hosts (or resolve to such addresses); any other such URL fails its pod (ImageURLRefused)."),
+    var("VK_STAGING_DIR", "/var/lib/cocoon/vk-staging", "Peer-restore staging directory; the snapshot push spool is `vk-spool` beside it (mode 0700, the daemon's own)."),
     var("VK_STATE_DIR", "/var/lib/cocoon/vk-cocoon", "The daemon's own state (absolute path, made mode 0700): the ownership ledger `owners.json`."),
     var("VK_PEER_ADDR", ":12501", "Peer snapshot HTTP listener (`host:port`); its port is dialled on peers."),
     var("VK_COCOON_SNAPSHOT_DIR", "/var/lib/cocoon/snapshot/localfile", "Snapshot store served to peers."),
@@ -175,6 +177,10 @@ pub struct Config {
     pub macos_vnc_password: Option<String>,
     pub orphan_policy: OrphanPolicy,
     pub restore_mode: RestoreMode,
+    /// VK_IMAGE_URL_ALLOW_HOSTS, lower-case, without trailing dots or brackets.
+    pub image_url_allow_hosts: Vec<String>,
+    /// VK_CLONE_FROM_DIR_ROOT: absolute, canonical, no trailing `/`; None = clone-from-dir refused.
+    pub clone_from_dir_root: Option<String>,
     pub staging_dir: PathBuf,
     /// VK_STATE_DIR: the daemon's state directory (the ownership ledger).
     pub state_dir: PathBuf,
@@ -238,6 +244,68 @@ fn invalid(variable: &'static str, value: &str, allowed: impl Into<String>) -> C
         variable,
         value: Some(value.to_string()),
         allowed: allowed.into(),
+    }
+}
+
+/// The macOS VNC secret's limits (the Go daemon's 8-byte passwords stay valid secrets).
+const VNC_SECRET_MAX: usize = 256;
+const VNC_SECRET_RECOMMENDED: usize = 16;
+
+/// COCOON_MACOS_VNC_PASSWORD: an error that never echoes the secret.
+pub fn macos_vnc_secret_ok(secret: &str) -> Result<(), ConfigError> {
+    if secret.is_empty() || secret.len() > VNC_SECRET_MAX || secret.chars().any(char::is_control) {
+        return Err(ConfigError {
+            variable: "COCOON_MACOS_VNC_PASSWORD",
+            value: Some(format!("<redacted, {} bytes>", secret.len())),
+            allowed: format!("1-{VNC_SECRET_MAX} bytes without control characters"),
+        });
+    }
+    Ok(())
+}
+
+/// A comma-separated list of host names or IP addresses (IPv6 with or without brackets),
+/// lower-cased, trailing dots dropped; empty entries are skipped.
+fn host_list(env: Lookup, name: &'static str) -> Result<Vec<String>, ConfigError> {
+    let Some(raw) = get(env, name) else {
+        return Ok(Vec::new());
+    };
+    raw.split(',')
+        .map(|h| h.trim().trim_start_matches('[').trim_end_matches(']'))
+        .filter(|h| !h.is_empty())
+        .map(|h| {
+            let host = h.strip_suffix('.').unwrap_or(h).to_ascii_lowercase();
+            if is_dns_name(&host) || host.parse::<std::net::IpAddr>().is_ok() {
+                Ok(host)
+            } else {
+                Err(invalid(
+                    name,
+                    &raw,
+                    format!("comma-separated host names or IP addresses ({h:?} is neither)"),
+                ))
+            }
+        })
+        .collect()
+}
+
+/// An absolute directory without `.`, `..` or empty components (a trailing `/` is dropped).
+fn dir_root(env: Lookup, name: &'static str) -> Result<Option<String>, ConfigError> {
+    let Some(raw) = get(env, name) else {
+        return Ok(None);
+    };
+    let dir = raw.trim_end_matches('/');
+    let canonical = raw.starts_with('/')
+        && !dir.is_empty()
+        && dir[1..]
+            .split('/')
+            .all(|c| !c.is_empty() && c != "." && c != "..");
+    if canonical {
+        Ok(Some(dir.to_string()))
+    } else {
+        Err(invalid(
+            name,
+            &raw,
+            "an absolute directory other than / without . or .. components",
+        ))
     }
 }
 
@@ -397,6 +465,15 @@ pub fn is_dns_name(s: &str) -> bool {
 }
 
 impl Config {
+    /// The snapshot push spool: `vk-spool` beside VK_STAGING_DIR (by default
+    /// /var/lib/cocoon/vk-spool), a directory only the daemon's user may enter.
+    pub fn spool_dir(&self) -> PathBuf {
+        self.staging_dir
+            .parent()
+            .unwrap_or_else(|| std::path::Path::new("/"))
+            .join("vk-spool")
+    }
+
     /// Reads and validates every variable through `env` (for the daemon: `std::env::var(..).ok()`).
     pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
         let mut warnings = Vec::new();
@@ -457,12 +534,14 @@ impl Config {
 
         let macos_vnc_password = get(env, "COCOON_MACOS_VNC_PASSWORD");
         if let Some(p) = &macos_vnc_password {
-            if p.len() > 8 || p.chars().any(char::is_control) {
-                return Err(ConfigError {
-                    variable: "COCOON_MACOS_VNC_PASSWORD",
-                    value: Some(format!("<redacted, {} bytes>", p.len())),
-                    allowed: "at most 8 bytes without control characters".into(),
-                });
+            macos_vnc_secret_ok(p)?;
+            if p.len() < VNC_SECRET_RECOMMENDED {
+                warnings.push(format!(
+                    "COCOON_MACOS_VNC_PASSWORD has {} bytes: a tenant who knows their own VM's VNC \
+                     password can search for a short secret offline and derive every other \
+                     guest's; use {VNC_SECRET_RECOMMENDED} or more random bytes",
+                    p.len()
+                ));
             }
         }
 
@@ -578,6 +657,8 @@ impl Config {
             macos_vnc_password,
             orphan_policy,
             restore_mode,
+            image_url_allow_hosts: host_list(env, "VK_IMAGE_URL_ALLOW_HOSTS")?,
+            clone_from_dir_root: dir_root(env, "VK_CLONE_FROM_DIR_ROOT")?,
             staging_dir: path_or(env, "VK_STAGING_DIR", "/var/lib/cocoon/vk-staging"),
             state_dir: state_dir(env)?,
             peer_addr: listen_addr(env, "VK_PEER_ADDR", ":12501")?,
@@ -780,6 +861,7 @@ mod tests {
         assert_eq!(c.restore_mode, RestoreMode::Mmap);
         assert_eq!(c.staging_dir, PathBuf::from("/var/lib/cocoon/vk-staging"));
         assert_eq!(c.state_dir, PathBuf::from("/var/lib/cocoon/vk-cocoon"));
+        assert_eq!(c.spool_dir(), PathBuf::from("/var/lib/cocoon/vk-spool"));
         assert_eq!(
             c.peer_addr,
             ListenAddr {
@@ -1034,16 +1116,60 @@ mod tests {
     }
 
     #[test]
-    fn vnc_password_errors_never_echo_the_secret() {
-        for bad in ["123456789", "ab\u{7}c"] {
+    fn the_clone_dir_root_is_an_absolute_canonical_directory() {
+        assert_eq!(ok(&[]).clone_from_dir_root, None);
+        let c = ok(&[("VK_CLONE_FROM_DIR_ROOT", "/srv/snaps/")]);
+        assert_eq!(c.clone_from_dir_root.as_deref(), Some("/srv/snaps"));
+        for bad in ["srv/snaps", "/", "/srv/../etc", "/srv//snaps", "/srv/./x"] {
+            let line = err(&[("VK_CLONE_FROM_DIR_ROOT", bad)]);
+            assert!(line.starts_with("VK_CLONE_FROM_DIR_ROOT="), "{bad}: {line}");
+        }
+    }
+
+    #[test]
+    fn image_url_allow_hosts_are_a_normalised_list_of_names_and_addresses() {
+        let c = ok(&[(
+            "VK_IMAGE_URL_ALLOW_HOSTS",
+            " Mirror.Internal. ,10.0.0.5,,[fd00::1], images.example",
+        )]);
+        assert_eq!(
+            c.image_url_allow_hosts,
+            ["mirror.internal", "10.0.0.5", "fd00::1", "images.example"]
+        );
+        assert!(ok(&[]).image_url_allow_hosts.is_empty());
+        for bad in [
+            "http://x.example",
+            "x.example:8080",
+            "a b",
+            "x.example/path",
+        ] {
+            let line = err(&[("VK_IMAGE_URL_ALLOW_HOSTS", bad)]);
+            assert!(line.starts_with("VK_IMAGE_URL_ALLOW_HOSTS="), "{line}");
+        }
+    }
+
+    #[test]
+    fn vnc_secret_errors_never_echo_the_secret_and_short_ones_are_warned() {
+        let long = "x".repeat(257);
+        for bad in [long.as_str(), "ab\u{7}c"] {
             let line = err(&[("COCOON_MACOS_VNC_PASSWORD", bad)]);
             assert!(
                 line.starts_with("COCOON_MACOS_VNC_PASSWORD=\"<redacted"),
                 "{line}"
             );
             assert!(!line.contains(bad), "{line}");
-            assert!(line.contains("at most 8 bytes without control characters"));
+            assert!(line.contains("1-256 bytes without control characters"));
         }
+        // The Go daemon's 8-byte passwords stay valid secrets, with a warning.
+        let short = ok(&[("COCOON_MACOS_VNC_PASSWORD", "12345678")]);
+        assert!(
+            short.warnings.iter().any(|w| w.contains("8 bytes")),
+            "{:?}",
+            short.warnings
+        );
+        assert!(!short.warnings.iter().any(|w| w.contains("12345678")));
+        let strong = ok(&[("COCOON_MACOS_VNC_PASSWORD", "k3J9-vQ2xLm8pR4t")]);
+        assert!(strong.warnings.is_empty(), "{:?}", strong.warnings);
     }
 
     #[test]

@@ -11,6 +11,7 @@ Usage:
   vk-cocoon [run]              run the daemon (the default)
   vk-cocoon check-config       validate the environment and the kubeconfig, print every problem
   vk-cocoon env                list every environment variable with its default and meaning
+  vk-cocoon vnc-password VM    print the VNC password of macOS guest VM (an operator's tool)
   vk-cocoon --version          print version, git revision and build time
   vk-cocoon COMMAND --help     help for one command, without running it
 
@@ -44,6 +45,16 @@ Usage: vk-cocoon env
 Prints every environment variable the daemon reads, its default and its meaning.
 ";
 
+const VNC_HELP: &str = "\
+Usage: vk-cocoon vnc-password VM-NAME
+
+Prints the VNC password of the macOS guest named VM-NAME (its vm.cocoonstack.io/name), derived
+from COCOON_MACOS_VNC_PASSWORD as the daemon derives it, so that an operator can hand a tenant
+the password of their own guest and of no other. Run it with the daemon's environment:
+  (set -a; . /etc/cocoon/vk-cocoon.env; vk-cocoon vnc-password vk-team-mac-0)
+Exit status: 0 printed, 2 COCOON_MACOS_VNC_PASSWORD unset or invalid, or not a VM name.
+";
+
 fn main() {
     std::process::exit(real_main());
 }
@@ -63,6 +74,18 @@ fn real_main() -> i32 {
         .unwrap_or_default()
         .iter()
         .any(|a| matches!(a.as_str(), "-h" | "--help"));
+    if command == Some("vnc-password") {
+        return match (wants_help, args.get(2..).unwrap_or_default()) {
+            (true, _) => print_help(VNC_HELP),
+            (false, [vm]) => vnc_password(vm),
+            (false, _) => {
+                eprintln!(
+                    "vk-cocoon: vnc-password takes one VM name; see vk-cocoon vnc-password --help"
+                );
+                2
+            }
+        };
+    }
     let known = matches!(command, None | Some("run" | "check-config" | "env"));
     if let Some(extra) = args.get(2).filter(|_| known && !wants_help) {
         eprintln!("vk-cocoon: unexpected argument {extra:?}; see vk-cocoon --help");
@@ -89,6 +112,27 @@ fn real_main() -> i32 {
 
 fn print_help(text: &str) -> i32 {
     print!("{text}");
+    0
+}
+
+/// `vk-cocoon vnc-password VM`: the guest's password from the configured secret.
+fn vnc_password(vm: &str) -> i32 {
+    let Some(secret) = std::env::var("COCOON_MACOS_VNC_PASSWORD")
+        .ok()
+        .filter(|s| !s.is_empty())
+    else {
+        eprintln!("vk-cocoon: COCOON_MACOS_VNC_PASSWORD is not set: macOS guests have no VNC");
+        return 2;
+    };
+    if let Err(e) = config::macos_vnc_secret_ok(&secret) {
+        eprintln!("vk-cocoon: {e}");
+        return 2;
+    }
+    if let Err(e) = vk_cocoon::vm::argv::check_vm_ref(vm) {
+        eprintln!("vk-cocoon: {e}");
+        return 2;
+    }
+    println!("{}", vk_cocoon::guest::macos::vnc_password(&secret, vm));
     0
 }
 
@@ -156,6 +200,9 @@ fn run_daemon() -> i32 {
     for name in unknown_variables() {
         log::warn!("unknown variable {name} is ignored (vk-cocoon env lists the known ones)");
     }
+    // The VNC secret stays in the daemon: no child (cocoon, hypervisors, exec sessions)
+    // inherits it. Still one thread here, so changing the environment races with nothing.
+    std::env::remove_var("COCOON_MACOS_VNC_PASSWORD");
     // /proc/self/exe names this binary even after a package upgrade replaced the file.
     if !vk_cocoon::reactor::exec_trampoline::enable("/proc/self/exe".into()) {
         log::warn!("/proc/self/exe cannot be executed; cocoon calls are forked from the daemon");

@@ -1,5 +1,6 @@
 //! Process tier, authentication floods: random bearer tokens from an anonymous client cost the
-//! caller, not the node: pod lifecycle keeps its pace, reviews stay bounded, answers are cached.
+//! caller, not the node: pod lifecycle keeps its pace, reviews stay bounded, answers are cached,
+//! and certificate callers and token callers of other addresses keep getting their reviews.
 //!
 //! `VK_FLOOD_SECS` sets the flood length (default 5). Waits poll; deadlines are failure bounds.
 
@@ -34,6 +35,26 @@ fn kubelet_status(w: &World, token: &str) -> String {
             "%{http_code}",
         ])
         .args(["-H", &format!("Authorization: Bearer {token}")])
+        .arg(format!("https://127.0.0.1:{}/pods", w.kubelet_port))
+        .output()
+        .expect("run curl");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Status of `GET /pods` from `interface` (a loopback address), with curl's extra `args`.
+fn kubelet_status_as(w: &World, interface: &str, args: &[&str]) -> String {
+    let out = std::process::Command::new("curl")
+        .args([
+            "-sk",
+            "--max-time",
+            "30",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+        ])
+        .args(["--interface", interface])
+        .args(args)
         .arg(format!("https://127.0.0.1:{}/pods", w.kubelet_port))
         .output()
         .expect("run curl");
@@ -101,6 +122,31 @@ fn flood(
     }
 }
 
+/// Two flooding threads (see `flood`): the stop flag, requests sent, answers by code and the
+/// threads to join.
+type Flood = (
+    Arc<AtomicBool>,
+    Arc<AtomicUsize>,
+    Arc<[AtomicUsize; 3]>,
+    Vec<std::thread::JoinHandle<()>>,
+);
+
+fn start_flood(w: &World) -> Flood {
+    let stop = Arc::new(AtomicBool::new(false));
+    let sent = Arc::new(AtomicUsize::new(0));
+    let codes: Arc<[AtomicUsize; 3]> = Arc::new(Default::default());
+    let flooders = (0..2)
+        .map(|n| {
+            let (stop, sent, port) = (stop.clone(), sent.clone(), w.kubelet_port);
+            let codes = codes.clone();
+            let dir = w.path(&format!("flood-{n}"));
+            let _ = std::fs::create_dir_all(&dir);
+            std::thread::spawn(move || flood(port, dir, stop, sent, codes))
+        })
+        .collect();
+    (stop, sent, codes, flooders)
+}
+
 #[test]
 fn a_random_token_flood_leaves_lifecycle_alone_and_reviews_bounded() {
     let flood_secs: u64 = std::env::var("VK_FLOOD_SECS")
@@ -128,18 +174,7 @@ fn a_random_token_flood_leaves_lifecycle_alone_and_reviews_bounded() {
     assert_eq!(kubelet_status(&w, "ops-token"), "200");
     assert_eq!(token_reviews(&w), primed, "the second call is a cache hit");
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let sent = Arc::new(AtomicUsize::new(0));
-    let codes: Arc<[AtomicUsize; 3]> = Arc::new(Default::default());
-    let flooders: Vec<_> = (0..2)
-        .map(|n| {
-            let (stop, sent, port) = (stop.clone(), sent.clone(), w.kubelet_port);
-            let codes = codes.clone();
-            let dir = w.path(&format!("flood-{n}"));
-            let _ = std::fs::create_dir_all(&dir);
-            std::thread::spawn(move || flood(port, dir, stop, sent, codes))
-        })
-        .collect();
+    let (stop, sent, codes, flooders) = start_flood(&w);
     let flood_start = Instant::now();
     // Let the flood spend the review budget before the lifecycle is measured.
     w.wait("flood under way", Duration::from_secs(10), || {
@@ -187,5 +222,67 @@ fn a_random_token_flood_leaves_lifecycle_alone_and_reviews_bounded() {
     assert!(
         sent > 2 * bound,
         "the flood was too small to show the bound: {sent}"
+    );
+}
+
+/// While one address floods random tokens, callers the daemon has never seen still get their
+/// reviews: certificate callers (a fresh user each, so each needs a SubjectAccessReview) from
+/// the loopback address, and token callers (a fresh token each) from another address. Each is
+/// answered 200, not 429, within curl's generous 30 s.
+#[test]
+fn a_token_flood_from_one_address_starves_neither_certificates_nor_other_addresses() {
+    let mut w = World::new();
+    let dir = w.path("certs");
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let certs: Vec<(String, String)> = (0..6)
+        .map(|i| {
+            let (cert, key) = w
+                .api
+                .issue_client_cert(&format!("cert-user-{i}"))
+                .expect("cert");
+            let (c, k) = (dir.join(format!("{i}.crt")), dir.join(format!("{i}.key")));
+            std::fs::write(&c, cert).expect("write cert");
+            std::fs::write(&k, key).expect("write key");
+            (c.display().to_string(), k.display().to_string())
+        })
+        .collect();
+    for i in 0..3 {
+        let user = ReviewUser {
+            username: format!("token-user-{i}"),
+            uid: i.to_string(),
+            groups: vec![],
+        };
+        w.api.add_token_user(&format!("fresh-token-{i}"), user);
+    }
+    w.start_daemon();
+
+    let (stop, sent, codes, flooders) = start_flood(&w);
+    // The flood has spent whatever budget it can before the callers come.
+    w.wait("flood under way", Duration::from_secs(30), || {
+        (codes[1].load(Ordering::SeqCst) >= 64).then_some(())
+    });
+    let mut answers = Vec::new();
+    for (i, (cert, key)) in certs.iter().enumerate() {
+        let code = kubelet_status_as(&w, "127.0.0.1", &["--cert", cert, "--key", key]);
+        answers.push(format!("cert-user-{i}: {code}"));
+    }
+    // Within another address's own burst (three), without waiting for a refill.
+    for i in 0..3 {
+        let header = format!("Authorization: Bearer fresh-token-{i}");
+        let code = kubelet_status_as(&w, "127.0.0.3", &["-H", &header]);
+        answers.push(format!("fresh-token-{i} from 127.0.0.3: {code}"));
+    }
+    stop.store(true, Ordering::SeqCst);
+    for f in flooders {
+        let _ = f.join();
+    }
+    let [unauthorized, too_many, _] = [0, 1, 2].map(|i| codes[i].load(Ordering::SeqCst));
+    eprintln!(
+        "{} flood requests ({unauthorized} × 401, {too_many} × 429); callers: {answers:?}",
+        sent.load(Ordering::SeqCst)
+    );
+    assert!(
+        answers.iter().all(|a| a.ends_with(": 200")),
+        "starved under the flood: {answers:?}"
     );
 }

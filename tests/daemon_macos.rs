@@ -7,7 +7,7 @@ use std::net::TcpListener;
 use std::path::Path;
 use std::time::Duration;
 
-use daemon_support::{annotation, metric_value, tail, World, SANDBOX_BIN};
+use daemon_support::{annotation, metric_value, tail, World, BIN, SANDBOX_BIN};
 use k8s_openapi::api::core::v1::Pod;
 use vk_cocoon::sandbox::fake_cocoon_macos::MacosRecord;
 
@@ -29,6 +29,18 @@ fn macos_world() -> World {
     w.extra_env
         .push(("COCOON_MACOS_VNC_PASSWORD".into(), PASSWORD.into()));
     w
+}
+
+/// A guest's VNC password the operator's way: `vk-cocoon vnc-password VM` with the secret.
+fn vnc_password_of(vm: &str) -> String {
+    let out = std::process::Command::new(BIN)
+        .args(["vnc-password", vm])
+        .env_clear()
+        .env("COCOON_MACOS_VNC_PASSWORD", PASSWORD)
+        .output()
+        .expect("run vk-cocoon vnc-password");
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 fn macos_pod(name: &str, probe_port: u16) -> Pod {
@@ -172,12 +184,24 @@ fn a_macos_pod_runs_restarts_its_qemu_is_adopted_after_a_restart_and_is_deleted(
         Some("127.89.0.1")
     );
     let r = record(&w, vm).expect("the guest's record");
-    // 3 CPUs asked: an even 4; 6 GiB: 6144 MiB; VNC display 0 with the configured password.
+    // 3 CPUs asked: an even 4; 6 GiB: 6144 MiB; VNC display 0 with the guest's own password,
+    // which came in cocoon-macos's environment: no command line ever carried it.
     assert_eq!((r.cpus, r.memory_mib), (4, 6144));
-    assert_eq!((r.vnc, r.vnc_password.as_str()), (Some(0), PASSWORD));
+    let own = vnc_password_of(vm);
+    assert_eq!((r.vnc, r.vnc_password.as_str()), (Some(0), own.as_str()));
+    assert_ne!(own, PASSWORD, "a password of its own, not the secret");
+    let launches: Vec<String> = calls(&w).into_iter().map(|(_, a)| a).collect();
     assert!(
-        !w.log().contains(PASSWORD),
-        "the VNC password must not reach the log"
+        launches
+            .iter()
+            .any(|a| a.starts_with("vm run") && a.contains("--vnc 0"))
+            && !launches.iter().any(|a| a.contains("--vnc-password")),
+        "{launches:?}"
+    );
+    let log = w.log();
+    assert!(
+        !log.contains(PASSWORD) && !log.contains(&own),
+        "the VNC secret and password must not reach the log"
     );
 
     // Stats: the QEMU's RSS from /proc/<pid>/stat and the disk file's size (1 GiB sparse).
@@ -259,6 +283,10 @@ fn a_macos_pod_runs_restarts_its_qemu_is_adopted_after_a_restart_and_is_deleted(
         "the freed port is reused\n{}",
         tail(&w.log(), 40)
     );
+    // Another guest, another password: knowing one's own tells nothing about it.
+    let other = record(&w, "vk-default-mac2").expect("second guest's record");
+    assert_eq!(other.vnc_password, vnc_password_of("vk-default-mac2"));
+    assert_ne!(other.vnc_password, own);
     w.api
         .delete_pod("default", "mac2", Some(30))
         .expect("delete pod");

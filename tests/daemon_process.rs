@@ -98,7 +98,7 @@ fn a_cloned_vms_pid_comes_from_its_pid_file_not_from_an_inspect() {
     );
     let inspects: Vec<&str> = log
         .lines()
-        .filter(|l| l.contains("cocoon op ") && l.contains(&format!("vm inspect {id}")))
+        .filter(|l| l.contains("cocoon op ") && l.contains("vm inspect") && l.contains(&id))
         .collect();
     assert!(inspects.is_empty(), "{inspects:?}");
 
@@ -709,7 +709,7 @@ fn a_daemon_killed_between_a_pods_delete_and_its_vm_removal_removes_both_after_r
     w.api
         .delete_pod("default", "web", Some(30))
         .expect("delete");
-    let rm = format!("vm rm --force {id}");
+    let rm = format!("vm rm --force -- {id}");
     w.wait("the daemon's vm rm", Duration::from_secs(20), || {
         w.log().contains(&rm).then_some(())
     });

@@ -116,3 +116,67 @@ fn more_pulls_than_transfer_slots_run_three_at_a_time_and_all_pods_start() {
         );
     }
 }
+
+/// The push spool is the daemon's own directory: `vk-spool` beside the staging dir, mode 0700.
+/// A symlink planted there stops the start; a directory too wide is narrowed; a push writes its
+/// spool files there (the directory changes) and leaves none behind.
+#[test]
+fn the_push_spool_is_a_private_directory_of_the_daemon() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let mut w = World::new();
+    let spool = w.dir.path().join("vk-spool");
+    std::os::unix::fs::symlink(std::env::temp_dir(), &spool).expect("plant a symlink");
+    let mut child = w.spawn_daemon();
+    let status = w.wait(
+        "the daemon refuses to start",
+        Duration::from_secs(30),
+        || child.try_wait().ok().flatten(),
+    );
+    assert_eq!(status.code(), Some(1), "{}", w.log());
+    assert!(
+        w.log().contains(&format!(
+            "spool directory {}: is a symlink",
+            spool.display()
+        )),
+        "{}",
+        w.log()
+    );
+
+    fs::remove_file(&spool).expect("remove the symlink");
+    fs::create_dir(&spool).expect("mkdir");
+    fs::set_permissions(&spool, fs::Permissions::from_mode(0o755)).expect("chmod");
+    w.seed_snapshot("base");
+    w.start_daemon();
+    let mode = |p: &std::path::Path| fs::symlink_metadata(p).expect("stat spool").mode() & 0o777;
+    assert_eq!(mode(&spool), 0o700, "narrowed at start");
+    let changed = || fs::symlink_metadata(&spool).expect("stat").mtime_nsec();
+    let before = (
+        fs::symlink_metadata(&spool).expect("stat").mtime(),
+        changed(),
+    );
+
+    w.api
+        .create_pod(&demo_pod("default", "spooled", "clone", "base"))
+        .expect("create pod");
+    w.wait("Running", Duration::from_secs(60), || {
+        running_with_vm(&w, "spooled")
+    });
+    daemon_support::set_hibernate(&w, "spooled", true);
+    let client = w.registry_client();
+    w.wait("the hibernate tag pushed", Duration::from_secs(120), || {
+        vk_cocoon::snapshots::manifest_info(&client, "vk-default-spooled", "hibernate")
+            .ok()
+            .flatten()
+    });
+    let after = (
+        fs::symlink_metadata(&spool).expect("stat").mtime(),
+        changed(),
+    );
+    assert_ne!(before, after, "the push spooled in the daemon's directory");
+    assert_eq!(mode(&spool), 0o700);
+    assert_eq!(
+        fs::read_dir(&spool).expect("list").count(),
+        0,
+        "nothing left"
+    );
+}

@@ -184,6 +184,49 @@ fn outputs_parse_with_the_vm_types() {
     assert!(parse_vm(&call, &out).unwrap_err().is_not_found());
 }
 
+/// The fake reads a command line as cobra does: before `--` an argument that starts with `-`
+/// is a flag, after it a value. Without the separator a tenant's reference such as `--all` or
+/// `-f` changes the command (an unknown flag, snapshot rm's `--force` with nothing left to
+/// remove); the builders' `--` makes it a name that is looked up and not found.
+#[test]
+fn end_of_flags_turns_a_flag_like_reference_into_a_name() {
+    let Some(f) = Fake::new() else { return };
+    f.seed();
+    let stderr =
+        |args: &str| String::from_utf8_lossy(&f.run_with_stdin(&s(args), None).stderr).into_owned();
+    assert!(stderr("vm inspect --all").contains("unknown flag: --all"));
+    assert!(stderr("snapshot rm -f").contains("requires at least 1 arg"));
+    assert!(stderr("vm clone --output json --name c --name").contains("flag needs an argument"));
+
+    let (call, out) = f.call(argv::vm_inspect("--all"));
+    assert_eq!(
+        parse_vm(&call, &out).unwrap_err().kind,
+        ErrorKind::VmNotFound
+    );
+    let (call, out) = f.call(argv::snapshot_rm("-f"));
+    assert_eq!(
+        call.check(&out).unwrap_err().kind,
+        ErrorKind::SnapshotNotFound
+    );
+    let mut clone = CloneOptions::from_snapshot("--name");
+    clone.name = "c".into();
+    let (call, out) = f.call(argv::vm_clone(&clone));
+    assert_eq!(
+        parse_vm(&call, &out).unwrap_err().kind,
+        ErrorKind::SnapshotNotFound
+    );
+    // `vm exec` takes its VM after the first `--` as well as before it, as cocoon does.
+    for args in ["vm exec -- seed -- echo hi", "vm exec seed -- echo hi"] {
+        let out = f.run_with_stdin(&s(args), None);
+        assert_eq!(
+            out.stdout,
+            b"hi\n",
+            "{args}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 #[test]
 fn errors_classify_as_section_9() {
     let Some(f) = Fake::new() else { return };

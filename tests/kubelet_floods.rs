@@ -133,7 +133,7 @@ fn flood_server_process() {
                 if reqs.is_empty() {
                     break;
                 }
-                for (id, req) in reqs {
+                for (id, req, _) in reqs {
                     kubelet.on_auth_answer(&mut reactor, id, decide(&req));
                 }
             }

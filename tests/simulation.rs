@@ -730,6 +730,12 @@ impl Sim {
                 let result = Ok(());
                 self.later(l, Delivery::Input(Input::OwnersRecorded { op, result }));
             }
+            // The simulated pods name no http(s) image: nothing to refuse.
+            Effect::CheckSource { op, .. } => {
+                let l = self.latency();
+                let verdict = vk_cocoon::provider::SourceVerdict::Allowed;
+                self.later(l, Delivery::Input(Input::SourceChecked { op, verdict }));
+            }
             // The simulated pods are cocoon guests: no macOS QEMU runs here.
             Effect::CheckPid { op, .. } => {
                 let l = self.latency();

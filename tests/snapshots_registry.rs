@@ -1207,6 +1207,21 @@ fn pipe(mut from: TcpStream, mut to: TcpStream, limit: Option<u64>) {
     let _ = to.shutdown(std::net::Shutdown::Write);
 }
 
+/// A listener on loopback that runs `handle` on a thread of its own for each connection;
+/// returns its port.
+fn serve_loopback(handle: impl Fn(TcpStream) + Clone + Send + 'static) -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(c) = conn else { continue };
+            let handle = handle.clone();
+            std::thread::spawn(move || handle(c));
+        }
+    });
+    port
+}
+
 /// What the proxy does to requests before forwarding them to the registry.
 #[derive(Clone, Default)]
 struct ProxyRules {
@@ -1233,130 +1248,120 @@ struct ProxyRules {
 /// A loopback proxy in front of the registry: one request per connection (it forces
 /// `Connection: close`), optional bearer enforcement and upload interruption.
 fn start_proxy(upstream: u16, rules: ProxyRules) -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = l.local_addr().unwrap().port();
-    std::thread::spawn(move || {
-        for conn in l.incoming() {
-            let Ok(mut c) = conn else { continue };
-            let rules = rules.clone();
-            std::thread::spawn(move || {
-                let Some(head) = read_head(&mut c) else {
-                    return;
-                };
-                let mut lines = head.lines();
-                let request_line = lines.next().unwrap_or("").to_string();
-                let mut parts = request_line.split(' ');
-                let method = parts.next().unwrap_or("").to_string();
-                let path = parts.next().unwrap_or("").to_string();
-                if method == "GET" && path == "/v2/" {
-                    rules.pings_seen.fetch_add(1, Ordering::SeqCst);
-                }
-                let open_ping = rules.open_ping && path == "/v2/";
-                if let Some(realm) = rules.bearer_realm.as_ref().filter(|_| !open_ping) {
-                    if path != "/v2/" || method != "GET" || header(&head, "authorization").is_some()
-                    {
-                        let repo = path
-                            .trim_start_matches("/v2/")
-                            .split("/blobs/")
-                            .next()
-                            .unwrap_or("")
-                            .split("/manifests/")
-                            .next()
-                            .unwrap_or("")
-                            .to_string();
-                        let action = match method.as_str() {
-                            "GET" | "HEAD" => "pull",
-                            "DELETE" => "delete",
-                            _ => "push",
-                        };
-                        let token = header(&head, "authorization")
-                            .and_then(|a| a.strip_prefix("Bearer "))
-                            .unwrap_or("");
-                        let granted = token.strip_prefix("T|").unwrap_or("").split('|').any(|s| {
-                            let mut it = s.rsplitn(2, ':');
-                            let actions = it.next().unwrap_or("");
-                            let scope_repo =
-                                it.next().unwrap_or("").trim_start_matches("repository:");
-                            (path == "/v2/" || scope_repo == repo)
-                                && actions.split(',').any(|a| a == action)
-                        });
-                        if !granted || rules.reject_all_tokens {
-                            let scope = if path == "/v2/" {
-                                String::new()
-                            } else {
-                                format!(",scope=\"repository:{repo}:{action}\"")
-                            };
-                            let chall = format!("WWW-Authenticate: Bearer realm=\"{realm}\",service=\"test-registry\"{scope}\r\n");
-                            respond(
-                                &mut c,
-                                "401 Unauthorized",
-                                &chall,
-                                r#"{"errors":[{"code":"UNAUTHORIZED"}]}"#,
-                            );
-                            return;
-                        }
-                    } else {
-                        let chall = format!("WWW-Authenticate: Bearer realm=\"{realm}\",service=\"test-registry\"\r\n");
-                        respond(&mut c, "401 Unauthorized", &chall, "{}");
-                        return;
-                    }
-                }
-                let Ok(mut up) = TcpStream::connect(("127.0.0.1", upstream)) else {
-                    return;
-                };
-                let mut fwd = String::new();
-                for (i, line) in head.split("\r\n").enumerate() {
-                    if line.is_empty() {
-                        continue;
-                    }
-                    if i > 0 && line.to_ascii_lowercase().starts_with("connection:") {
-                        continue;
-                    }
-                    if i > 0 && rules.strip_range && line.to_ascii_lowercase().starts_with("range:")
-                    {
-                        continue;
-                    }
-                    fwd.push_str(line);
-                    fwd.push_str("\r\n");
-                }
-                fwd.push_str("Connection: close\r\n\r\n");
-                if up.write_all(fwd.as_bytes()).is_err() {
-                    return;
-                }
-                let mut limit = None;
-                if method == "PATCH" {
-                    rules.patches_seen.fetch_add(1, Ordering::SeqCst);
-                    let big = header(&head, "content-length")
-                        .and_then(|v| v.parse::<u64>().ok())
-                        .is_some_and(|n| n > 2 * MIB);
-                    if big
-                        && rules
-                            .cut_patches
-                            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-                            .is_ok()
-                    {
-                        limit = Some(MIB);
-                    }
-                }
-                let mut down_limit = None;
-                if header(&head, "range").is_some() {
-                    rules.ranges_seen.fetch_add(1, Ordering::SeqCst);
-                    if rules
-                        .cut_ranges
-                        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-                        .is_ok()
-                    {
-                        down_limit = Some(MIB);
-                    }
-                }
-                let (c2, up2) = (c.try_clone().unwrap(), up.try_clone().unwrap());
-                let t = std::thread::spawn(move || pipe(c2, up2, limit));
-                pipe(up, c, down_limit);
-                let _ = t.join();
-            });
+    serve_loopback(move |mut c| {
+        let Some(head) = read_head(&mut c) else {
+            return;
+        };
+        let mut lines = head.lines();
+        let request_line = lines.next().unwrap_or("").to_string();
+        let mut parts = request_line.split(' ');
+        let method = parts.next().unwrap_or("").to_string();
+        let path = parts.next().unwrap_or("").to_string();
+        if method == "GET" && path == "/v2/" {
+            rules.pings_seen.fetch_add(1, Ordering::SeqCst);
         }
-    });
-    port
+        let open_ping = rules.open_ping && path == "/v2/";
+        if let Some(realm) = rules.bearer_realm.as_ref().filter(|_| !open_ping) {
+            if path != "/v2/" || method != "GET" || header(&head, "authorization").is_some() {
+                let repo = path
+                    .trim_start_matches("/v2/")
+                    .split("/blobs/")
+                    .next()
+                    .unwrap_or("")
+                    .split("/manifests/")
+                    .next()
+                    .unwrap_or("")
+                    .to_string();
+                let action = match method.as_str() {
+                    "GET" | "HEAD" => "pull",
+                    "DELETE" => "delete",
+                    _ => "push",
+                };
+                let token = header(&head, "authorization")
+                    .and_then(|a| a.strip_prefix("Bearer "))
+                    .unwrap_or("");
+                let granted = token.strip_prefix("T|").unwrap_or("").split('|').any(|s| {
+                    let mut it = s.rsplitn(2, ':');
+                    let actions = it.next().unwrap_or("");
+                    let scope_repo = it.next().unwrap_or("").trim_start_matches("repository:");
+                    (path == "/v2/" || scope_repo == repo)
+                        && actions.split(',').any(|a| a == action)
+                });
+                if !granted || rules.reject_all_tokens {
+                    let scope = if path == "/v2/" {
+                        String::new()
+                    } else {
+                        format!(",scope=\"repository:{repo}:{action}\"")
+                    };
+                    let chall = format!("WWW-Authenticate: Bearer realm=\"{realm}\",service=\"test-registry\"{scope}\r\n");
+                    respond(
+                        &mut c,
+                        "401 Unauthorized",
+                        &chall,
+                        r#"{"errors":[{"code":"UNAUTHORIZED"}]}"#,
+                    );
+                    return;
+                }
+            } else {
+                let chall = format!(
+                    "WWW-Authenticate: Bearer realm=\"{realm}\",service=\"test-registry\"\r\n"
+                );
+                respond(&mut c, "401 Unauthorized", &chall, "{}");
+                return;
+            }
+        }
+        let Ok(mut up) = TcpStream::connect(("127.0.0.1", upstream)) else {
+            return;
+        };
+        let mut fwd = String::new();
+        for (i, line) in head.split("\r\n").enumerate() {
+            if line.is_empty() {
+                continue;
+            }
+            if i > 0 && line.to_ascii_lowercase().starts_with("connection:") {
+                continue;
+            }
+            if i > 0 && rules.strip_range && line.to_ascii_lowercase().starts_with("range:") {
+                continue;
+            }
+            fwd.push_str(line);
+            fwd.push_str("\r\n");
+        }
+        fwd.push_str("Connection: close\r\n\r\n");
+        if up.write_all(fwd.as_bytes()).is_err() {
+            return;
+        }
+        let mut limit = None;
+        if method == "PATCH" {
+            rules.patches_seen.fetch_add(1, Ordering::SeqCst);
+            let big = header(&head, "content-length")
+                .and_then(|v| v.parse::<u64>().ok())
+                .is_some_and(|n| n > 2 * MIB);
+            if big
+                && rules
+                    .cut_patches
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                    .is_ok()
+            {
+                limit = Some(MIB);
+            }
+        }
+        let mut down_limit = None;
+        if header(&head, "range").is_some() {
+            rules.ranges_seen.fetch_add(1, Ordering::SeqCst);
+            if rules
+                .cut_ranges
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+            {
+                down_limit = Some(MIB);
+            }
+        }
+        let (c2, up2) = (c.try_clone().unwrap(), up.try_clone().unwrap());
+        let t = std::thread::spawn(move || pipe(c2, up2, limit));
+        pipe(up, c, down_limit);
+        let _ = t.join();
+    })
 }
 
 /// A token endpoint: `GET /token?scope=..&service=..` → `{"token":"T|<scopes>"}`; records
@@ -1503,6 +1508,214 @@ fn registry_answering_401_after_a_token_is_a_clear_error() {
     assert!(matches!(err, TransferError::Unauthorized(_)), "{err:?}");
     assert!(err.to_string().contains("401 after a fresh token"), "{err}");
     assert!(seen.lock().unwrap().len() <= 3, "bounded token refreshes");
+}
+
+// ---- credentials stay with the registry's own origin
+
+/// What a [`start_front`] does with the requests it forwards to the registry.
+#[derive(Clone, Default)]
+struct FrontRules {
+    /// Answer an upload's POST with its Location moved to this `host:port`.
+    relocate_uploads_to: Option<String>,
+    /// Answer blob GETs with a 307 to this `host:port`.
+    redirect_blobs_to: Option<String>,
+    /// Authorization to put on every forwarded request (storage that authorises by its own
+    /// means, as a presigned URL does), replacing the client's.
+    authorize: Option<String>,
+    /// `<METHOD> <path> auth=<the client's Authorization header, empty when none>`.
+    seen: Arc<Mutex<Vec<String>>>,
+}
+
+/// A plain-HTTP front on loopback that forwards one request per connection to the registry,
+/// recording the Authorization header each came with.
+fn start_front(upstream: u16, rules: FrontRules) -> u16 {
+    serve_loopback(move |mut c| {
+        let Some(head) = read_head(&mut c) else {
+            return;
+        };
+        let mut words = head.split(' ');
+        let method = words.next().unwrap_or("").to_string();
+        let path = words.next().unwrap_or("").to_string();
+        let authz = header(&head, "authorization").unwrap_or("").to_string();
+        rules
+            .seen
+            .lock()
+            .unwrap()
+            .push(format!("{method} {path} auth={authz}"));
+        if let Some(to) = rules
+            .redirect_blobs_to
+            .as_ref()
+            .filter(|_| method == "GET" && path.contains("/blobs/sha256:"))
+        {
+            let loc = format!("Location: http://{to}{path}\r\n");
+            respond(&mut c, "307 Temporary Redirect", &loc, "");
+            return;
+        }
+        let Ok(mut up) = TcpStream::connect(("127.0.0.1", upstream)) else {
+            return;
+        };
+        let mut fwd = String::new();
+        for (i, line) in head.split("\r\n").enumerate() {
+            let lower = line.to_ascii_lowercase();
+            let auth_line = lower.starts_with("authorization:") && rules.authorize.is_some();
+            if line.is_empty() || (i > 0 && (lower.starts_with("connection:") || auth_line)) {
+                continue;
+            }
+            fwd.push_str(line);
+            fwd.push_str("\r\n");
+        }
+        if let Some(a) = &rules.authorize {
+            fwd.push_str(&format!("Authorization: {a}\r\n"));
+        }
+        fwd.push_str("Connection: close\r\n\r\n");
+        if up.write_all(fwd.as_bytes()).is_err() {
+            return;
+        }
+        let (c2, up2) = (c.try_clone().unwrap(), up.try_clone().unwrap());
+        std::thread::spawn(move || pipe(c2, up2, None));
+        let Some(resp) = read_head(&mut up) else {
+            return;
+        };
+        let relocate = rules
+            .relocate_uploads_to
+            .as_ref()
+            .filter(|_| method == "POST" && path.ends_with("/blobs/uploads/"));
+        let resp = match relocate {
+            None => resp,
+            Some(to) => resp
+                .split("\r\n")
+                .map(|line| match line.split_once(':') {
+                    Some((k, v)) if k.eq_ignore_ascii_case("location") => {
+                        let v = v.trim();
+                        let path = match v.strip_prefix("http://") {
+                            Some(rest) => &rest[rest.find('/').unwrap_or(rest.len())..],
+                            None => v,
+                        };
+                        format!("Location: http://{to}{path}")
+                    }
+                    _ => line.to_string(),
+                })
+                .collect::<Vec<_>>()
+                .join("\r\n"),
+        };
+        if c.write_all(resp.as_bytes()).is_err() {
+            return;
+        }
+        pipe(up, c, None);
+    })
+}
+
+/// Basic credentials for `host` in a docker config of its own.
+fn basic_config(dir: &Path, host: &str, user: &str, pass: &str) -> AuthSettings {
+    let p = docker_config(
+        dir,
+        &format!(r#"{{"auths":{{"{host}":{{"username":"{user}","password":"{pass}"}}}}}}"#),
+    );
+    AuthSettings {
+        docker_config: Some(p),
+        ..Default::default()
+    }
+}
+
+/// An upload whose POST answers with a Location on another host (`localhost`, not the
+/// registry's `127.0.0.1`), and blobs served by a redirect to that host: the transfers work
+/// (that host authorises by its own means), and not one request to it carries the registry's
+/// credentials, on the spooled upload, the streamed one (a file over the stream threshold)
+/// or the pull.
+#[test]
+fn credentials_never_follow_an_upload_location_or_a_redirect_to_another_host() {
+    let Some(reg) = start_registry(Some(("alice", "wonder-land"))) else {
+        return;
+    };
+    use base64::Engine;
+    let basic = format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode("alice:wonder-land")
+    );
+    let other = FrontRules {
+        authorize: Some(basic.clone()),
+        ..Default::default()
+    };
+    let other_seen = other.seen.clone();
+    let other_port = start_front(reg.port, other);
+    let front = FrontRules {
+        relocate_uploads_to: Some(format!("localhost:{other_port}")),
+        redirect_blobs_to: Some(format!("localhost:{other_port}")),
+        ..Default::default()
+    };
+    let front_seen = front.seen.clone();
+    let host = format!("127.0.0.1:{}", start_front(reg.port, front));
+    let dir = tempfile::tempdir().unwrap();
+    let c = client_for(
+        &host,
+        basic_config(dir.path(), &host, "alice", "wonder-land"),
+    );
+    let cocoon = FakeCocoon::new();
+    let mut files = small_files();
+    files.push(FileSpec {
+        name: "overlay.qcow2",
+        size: 5 * MIB,
+        mode: 0o640,
+        sparse: None,
+        seed: 21,
+    });
+    cocoon.create_snapshot("vm-loc", &files);
+    round_trip_small(&c, &cocoon, "vm-loc").expect("round trip through the other host");
+
+    let other_seen = other_seen.lock().unwrap().clone();
+    for want in ["PATCH", "PUT", "GET"] {
+        assert!(
+            other_seen.iter().any(|l| l.starts_with(want)),
+            "{want} went to the other host: {other_seen:?}"
+        );
+    }
+    let leaked: Vec<&String> = other_seen
+        .iter()
+        .filter(|l| !l.ends_with("auth="))
+        .collect();
+    assert!(
+        leaked.is_empty(),
+        "credentials sent to another host: {leaked:?}"
+    );
+    let front_seen = front_seen.lock().unwrap().clone();
+    assert!(
+        front_seen
+            .iter()
+            .any(|l| l.ends_with(&format!("auth={basic}"))),
+        "the registry itself got them: {front_seen:?}"
+    );
+}
+
+/// A token realm on another host over plain http is refused before any request carries the
+/// registry's credentials to it; on the plain-http registry's own host it is used.
+#[test]
+fn a_plain_http_realm_on_another_host_gets_no_credentials() {
+    let Some(reg) = start_registry(None) else {
+        return;
+    };
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let tport = start_token_server(seen.clone(), None);
+    let dir = tempfile::tempdir().unwrap();
+    for (realm_host, allowed) in [("localhost", false), ("127.0.0.1", true)] {
+        let rules = ProxyRules {
+            bearer_realm: Some(format!("http://{realm_host}:{tport}/token")),
+            ..Default::default()
+        };
+        let host = format!("127.0.0.1:{}", start_proxy(reg.port, rules));
+        let c = client_for(&host, basic_config(dir.path(), &host, "alice", "pw"));
+        seen.lock().unwrap().clear();
+        let r = manifest_info(&c, "vm-r", "latest");
+        let asked = seen.lock().unwrap().clone();
+        if allowed {
+            assert!(r.is_ok(), "{r:?}");
+            assert!(!asked.is_empty(), "the token came from the registry's host");
+        } else {
+            let e = r.expect_err("refused realm");
+            assert!(matches!(e, TransferError::Unauthorized(_)), "{e:?}");
+            assert!(e.to_string().contains("refused"), "{e}");
+            assert!(asked.is_empty(), "the realm was asked: {asked:?}");
+        }
+    }
 }
 
 #[test]

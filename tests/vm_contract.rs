@@ -14,7 +14,7 @@ fn clone_argv_minimal_and_full() {
     let o = CloneOptions::from_snapshot("team/agent:v3");
     assert_eq!(
         argv::vm_clone(&o),
-        v("vm clone --output json team/agent:v3")
+        v("vm clone --output json -- team/agent:v3")
     );
 
     let full = CloneOptions {
@@ -31,7 +31,7 @@ fn clone_argv_minimal_and_full() {
     assert_eq!(
         argv::vm_clone(&full),
         v("vm clone --output json --name vk-ns-demo-0 --network cocoon-dhcp --no-direct-io --pull \
-           --restore-mode mmap --nics 2 --cpu-weight 79 --cpu-quota-us 400000 --cpu-period-us 100000 SNAP")
+           --restore-mode mmap --nics 2 --cpu-weight 79 --cpu-quota-us 400000 --cpu-period-us 100000 -- SNAP")
             .into_iter()
             .filter(|s| !s.is_empty())
             .collect::<Vec<_>>()
@@ -46,14 +46,14 @@ fn clone_argv_nics_zero_restore_modes_and_weight_only() {
     o.cpu = cpu_policy(None, None);
     assert_eq!(
         argv::vm_clone(&o),
-        v("vm clone --output json --restore-mode copy --nics 0 --cpu-weight 1 S")
+        v("vm clone --output json --restore-mode copy --nics 0 --cpu-weight 1 -- S")
     );
     o.restore_mode = Some(RestoreMode::OnDemand);
     o.nics = None;
     o.cpu = CpuPolicy::default();
     assert_eq!(
         argv::vm_clone(&o),
-        v("vm clone --output json --restore-mode ondemand S")
+        v("vm clone --output json --restore-mode ondemand -- S")
     );
 }
 
@@ -66,7 +66,7 @@ fn clone_argv_firecracker_drops_restore_mode_and_nics() {
     o.cpu = cpu_policy(Some(500), None);
     assert_eq!(
         argv::vm_clone(&o),
-        v("vm clone --output json --cpu-weight 20 S")
+        v("vm clone --output json --cpu-weight 20 -- S")
     );
 }
 
@@ -96,7 +96,7 @@ fn run_argv_orders_flags() {
     };
     assert_eq!(
         argv::vm_run(&o),
-        v("vm run --output json ghcr.io/example/ubuntu:24.04")
+        v("vm run --output json -- ghcr.io/example/ubuntu:24.04")
     );
     let full = RunOptions {
         image: "https://cloud-images.example/win.qcow2".into(),
@@ -114,7 +114,7 @@ fn run_argv_orders_flags() {
         argv::vm_run(&full),
         v("vm run --output json --name vk-a-b --cpu 2 --cpu-weight 59 --cpu-quota-us 300000 \
 --cpu-period-us 100000 --memory 4294967296 --storage 21474836480 --network net1 --windows --no-direct-io \
-https://cloud-images.example/win.qcow2")
+-- https://cloud-images.example/win.qcow2")
     );
     let fc = RunOptions {
         image: "img".into(),
@@ -124,24 +124,24 @@ https://cloud-images.example/win.qcow2")
     };
     assert_eq!(
         argv::vm_run(&fc),
-        v("vm run --output json --memory weird --fc img")
+        v("vm run --output json --memory weird --fc -- img")
     );
 }
 
 #[test]
 fn simple_verbs() {
-    assert_eq!(argv::vm_inspect("X"), v("vm inspect X"));
+    assert_eq!(argv::vm_inspect("X"), v("vm inspect -- X"));
     assert_eq!(argv::vm_list(), v("vm list -o json"));
-    assert_eq!(argv::vm_rm("X"), v("vm rm --force X"));
-    assert_eq!(argv::vm_start("X"), v("vm start X"));
-    assert_eq!(argv::vm_logs("X", 0, false), v("vm logs X"));
-    assert_eq!(argv::vm_logs("X", 50, false), v("vm logs --tail 50 X"));
-    assert_eq!(argv::vm_logs("X", 50, true), v("vm logs --tail 50 -f X"));
-    assert_eq!(argv::vm_logs("X", 0, true), v("vm logs -f X"));
-    assert_eq!(argv::vm_net("X", 2), v("vm net --nics 2 X"));
+    assert_eq!(argv::vm_rm("X"), v("vm rm --force -- X"));
+    assert_eq!(argv::vm_start("X"), v("vm start -- X"));
+    assert_eq!(argv::vm_logs("X", 0, false), v("vm logs -- X"));
+    assert_eq!(argv::vm_logs("X", 50, false), v("vm logs --tail 50 -- X"));
+    assert_eq!(argv::vm_logs("X", 50, true), v("vm logs --tail 50 -f -- X"));
+    assert_eq!(argv::vm_logs("X", 0, true), v("vm logs -f -- X"));
+    assert_eq!(argv::vm_net("X", 2), v("vm net --nics 2 -- X"));
     assert_eq!(
         argv::vm_reconcile_stale_create("X"),
-        v("vm reconcile-stale-create X -o json")
+        v("vm reconcile-stale-create -o json -- X")
     );
     assert_eq!(
         argv::vm_status_events(),
@@ -149,10 +149,10 @@ fn simple_verbs() {
     );
     assert_eq!(
         argv::snapshot_save("fork-a", "X"),
-        v("snapshot save --name fork-a X")
+        v("snapshot save --name fork-a -- X")
     );
-    assert_eq!(argv::snapshot_inspect("a:b"), v("snapshot inspect a:b"));
-    assert_eq!(argv::snapshot_rm("a"), v("snapshot rm a"));
+    assert_eq!(argv::snapshot_inspect("a:b"), v("snapshot inspect -- a:b"));
+    assert_eq!(argv::snapshot_rm("a"), v("snapshot rm -- a"));
     assert_eq!(
         argv::snapshot_import("a", None),
         v("snapshot import --name a")
@@ -161,13 +161,97 @@ fn simple_verbs() {
         argv::snapshot_import("a", Some("d")),
         v("snapshot import --name a --description d")
     );
-    assert_eq!(argv::snapshot_export("a"), v("snapshot export a -o -"));
+    assert_eq!(argv::snapshot_export("a"), v("snapshot export -o - -- a"));
     assert_eq!(argv::image_pull("r", false), v("image pull -- r"));
     assert_eq!(argv::image_pull("r", true), v("image pull --force -- r"));
     // An annotation value that looks like a flag stays an image name.
     assert_eq!(argv::image_pull("--help", false), v("image pull -- --help"));
-    assert_eq!(argv::image_inspect("r"), v("image inspect r"));
-    assert_eq!(argv::image_import("r"), v("image import r"));
+    assert_eq!(argv::image_inspect("r"), v("image inspect -- r"));
+    assert_eq!(argv::image_import("r"), v("image import -- r"));
+}
+
+/// Every builder's output passes the last check with contract names, and each name slot
+/// refuses a value outside its character set: a flag-like value, a space, an overlong name.
+#[test]
+fn the_last_check_knows_every_name_slot() {
+    let ok = [
+        argv::vm_inspect("vk-ns-demo-0"),
+        argv::vm_inspect("Q3MZ5T2XKJ7A4LW6PDNB2RVHEY"),
+        argv::vm_rm("Q3MZ5T2XKJ7A4LW6PDNB2RVHEY"),
+        argv::vm_start("a"),
+        argv::vm_logs("a", 5, true),
+        argv::vm_net("a", 2),
+        argv::vm_reconcile_stale_create("a"),
+        argv::vm_list(),
+        argv::vm_status_events(),
+        argv::snapshot_save("fork-vk-ns-a", "vk-ns-a"),
+        argv::snapshot_inspect("team/agent:v3"),
+        argv::snapshot_rm("vk-ns-a-hibernate-import"),
+        argv::snapshot_export("vk-ns-a"),
+        argv::snapshot_import("team/agent:v3", None),
+        argv::snapshot_list(),
+        argv::image_pull("https://cloud-images.example/a.qcow2?x=1&y=2", true),
+        argv::image_inspect("sha256:9f2c"),
+        argv::image_import("ghcr.io/org/img@sha256:ab"),
+        argv::vm_exec(&ExecOptions {
+            vm: "a".into(),
+            command: v("-- sh -c true"),
+            ..Default::default()
+        }),
+    ];
+    for a in ok {
+        assert_eq!(argv::check(&a), Ok(()), "{a:?}");
+    }
+    let mut run = RunOptions {
+        name: "vk-ns-a".into(),
+        image: "ghcr.io/o/i:1".into(),
+        ..Default::default()
+    };
+    assert_eq!(argv::check(&argv::vm_run(&run)), Ok(()));
+    let mut clone = CloneOptions::from_snapshot("team/agent:v3");
+    clone.name = "vk-ns-a".into();
+    assert_eq!(argv::check(&argv::vm_clone(&clone)), Ok(()));
+    clone.source = CloneSource::FromDir("/srv/x".into());
+    assert_eq!(argv::check(&argv::vm_clone(&clone)), Ok(()));
+
+    let long = "a".repeat(64);
+    let refused = [
+        argv::vm_inspect("--all"),
+        argv::vm_inspect("-h"),
+        argv::vm_inspect(""),
+        argv::vm_inspect("a b"),
+        argv::vm_inspect("team/agent"),
+        argv::vm_inspect(&long),
+        argv::vm_rm("x\n"),
+        argv::snapshot_rm("--force"),
+        argv::snapshot_save(&long, "a"),
+        argv::snapshot_save("ok", "--all"),
+        argv::snapshot_import("-x", None),
+        argv::image_pull("--help", false),
+        argv::image_inspect("a b"),
+        argv::vm_exec(&ExecOptions {
+            vm: "-i".into(),
+            command: v("true"),
+            ..Default::default()
+        }),
+        // A positional without its `--` is refused too: a builder that lost it.
+        v("vm inspect a"),
+    ];
+    for a in refused {
+        assert!(argv::check(&a).is_err(), "{a:?} passed");
+    }
+    run.name = "-n".into();
+    assert!(argv::check(&argv::vm_run(&run)).is_err());
+    run.name = "vk-ns-a".into();
+    run.image = "-x".into();
+    assert!(argv::check(&argv::vm_run(&run)).is_err());
+    clone.source = CloneSource::Snapshot("a".into());
+    clone.name = "bad name".into();
+    let e = argv::check(&argv::vm_clone(&clone)).unwrap_err();
+    assert!(
+        e.0.contains("\"bad name\" is not a cocoon VM name or ID"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -180,14 +264,14 @@ fn exec_argv_sorts_env_and_separates_command() {
     };
     assert_eq!(
         argv::vm_exec(&o),
-        v("vm exec -i -e A=b=c -e Z=1 X -- -- sh -c true")
+        v("vm exec -i -e A=b=c -e Z=1 -- X -- -- sh -c true")
     );
     let plain = ExecOptions {
         vm: "X".into(),
         command: v("ls"),
         ..Default::default()
     };
-    assert_eq!(argv::vm_exec(&plain), v("vm exec X -- ls"));
+    assert_eq!(argv::vm_exec(&plain), v("vm exec -- X -- ls"));
     let d = Deadlines::default();
     assert!(CocoonCall::new(Verb::VmExec, argv::vm_exec(&o), &d).stdin_pipe);
     assert!(!CocoonCall::new(Verb::VmExec, argv::vm_exec(&plain), &d).stdin_pipe);
@@ -223,7 +307,7 @@ fn every_verb_round_trips_through_of_argv_and_has_a_sane_call() {
     .with_deadline(Some(Duration::from_secs(5)));
     assert_eq!(c.deadline, Some(Duration::from_secs(5)));
     assert_eq!(c.full_argv("/bin/cocoon")[0], "/bin/cocoon");
-    assert_eq!(c.command_text(), "cocoon vm clone --output json s");
+    assert_eq!(c.command_text(), "cocoon vm clone --output json -- s");
 }
 
 const INSPECT_EXAMPLE: &str = r#"{

@@ -1,5 +1,12 @@
-//! The kubelet API's review lane: TokenReview / SubjectAccessReview calls on two threads of
-//! their own, a short queue and a rate budget, so callers can neither starve lifecycle work.
+//! The kubelet API's review lane: TokenReview / SubjectAccessReview calls on threads of their
+//! own, short queues and rate budgets, so callers can neither starve lifecycle work nor each
+//! other.
+//!
+//! Certificate callers (one SubjectAccessReview each) and bearer-token callers (a TokenReview
+//! first) have separate threads, queues and budgets: anyone who can open a TLS connection can
+//! send random tokens, and those must never spend the reviews the API server's own certificate
+//! needs. Token reviews are also budgeted per source address (an IPv6 /64 counts as one), so a
+//! flood from one address leaves the rest of the token budget to others.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -9,21 +16,56 @@ use std::time::Instant;
 
 use super::Work;
 use crate::kubelet::{AuthAnswer, AuthId, AuthRequest};
+use crate::metrics::admission::PeerKey;
 use crate::reactor::Notifier;
 
 /// The blocking review call (the daemon's is `effects::authorize` against the API server).
 pub(super) type Review = dyn Fn(&AuthRequest) -> AuthAnswer + Send + Sync;
 
-/// Review threads: enough for a legitimate caller's cache misses, few enough that a flood
-/// holds at most this many API calls open.
+/// Review threads per class: enough for a legitimate caller's cache misses, few enough that a
+/// flood holds at most this many API calls open.
 const LANE_THREADS: usize = 2;
-/// Reviews waiting for a thread; beyond it the caller gets 429.
+/// Reviews of one class waiting for a thread; beyond it the caller gets 429.
 const LANE_QUEUE: usize = 16;
-/// Reviews started per second in the long run, and the burst above it. Answers are cached
-/// (accepted tokens 2 min), so legitimate callers rarely need one; a flood of fresh tokens
-/// costs the API server at most this rate (two calls each) out of the client's shared budget.
+/// Reviews started per second in the long run, and the burst above it, for each class. Answers
+/// are cached (accepted tokens 2 min), so legitimate callers rarely need one; a flood of fresh
+/// tokens costs the API server at most this rate (two calls each) out of the client's budget.
 const REVIEWS_PER_SEC: f64 = 5.0;
 const REVIEW_BURST: f64 = 10.0;
+/// Token reviews one address may start: a flood from it takes a fifth of the token budget.
+const PEER_REVIEWS_PER_SEC: f64 = 1.0;
+const PEER_REVIEW_BURST: f64 = 3.0;
+/// Addresses whose token budget is tracked; a full table forgets the ones back at their burst
+/// (they are as new), then all.
+const PEERS_TRACKED: usize = 4096;
+
+/// A token bucket of `rate` a second up to `burst`.
+#[derive(Clone, Copy, Debug)]
+struct Bucket {
+    tokens: f64,
+    refilled: Instant,
+    rate: f64,
+    burst: f64,
+}
+
+impl Bucket {
+    fn full(rate: f64, burst: f64, now: Instant) -> Bucket {
+        Bucket {
+            tokens: burst,
+            refilled: now,
+            rate,
+            burst,
+        }
+    }
+
+    /// Refills for the time passed; whether one review may start.
+    fn ready(&mut self, now: Instant) -> bool {
+        let elapsed = now.saturating_duration_since(self.refilled).as_secs_f64();
+        self.tokens = (self.tokens + elapsed * self.rate).min(self.burst);
+        self.refilled = now;
+        self.tokens >= 1.0
+    }
+}
 
 struct LaneJob {
     id: AuthId,
@@ -31,12 +73,43 @@ struct LaneJob {
     cancelled: Arc<AtomicBool>,
 }
 
-pub(super) struct AuthLane {
+/// One class of callers: its queue (with its threads behind it) and its budget.
+struct Class {
     sender: SyncSender<LaneJob>,
+    budget: Bucket,
+}
+
+impl Class {
+    fn new(
+        name: &str,
+        review: &Arc<Review>,
+        notifier: &Notifier<Work>,
+        now: Instant,
+    ) -> std::io::Result<Class> {
+        let (sender, receiver) = sync_channel::<LaneJob>(LANE_QUEUE);
+        let receiver = Arc::new(Mutex::new(receiver));
+        for n in 0..LANE_THREADS {
+            let (review, notifier, receiver) = (review.clone(), notifier.clone(), receiver.clone());
+            std::thread::Builder::new()
+                .name(format!("auth-{name}-{n}"))
+                .spawn(move || review_worker(&*review, &notifier, &receiver))?;
+        }
+        Ok(Class {
+            sender,
+            budget: Bucket::full(REVIEWS_PER_SEC, REVIEW_BURST, now),
+        })
+    }
+}
+
+pub(super) struct AuthLane {
+    /// Callers with a verified client certificate: only the access review.
+    certificates: Class,
+    /// Callers with a bearer token: the token review first.
+    tokens: Class,
+    /// Token budget per source address.
+    peers: HashMap<PeerKey, Bucket>,
     /// Cancel flags of queued or running reviews.
     flags: HashMap<AuthId, Arc<AtomicBool>>,
-    tokens: f64,
-    refilled: Instant,
 }
 
 impl AuthLane {
@@ -45,33 +118,46 @@ impl AuthLane {
         notifier: Notifier<Work>,
         now: Instant,
     ) -> std::io::Result<AuthLane> {
-        let (sender, receiver) = sync_channel::<LaneJob>(LANE_QUEUE);
-        let receiver = Arc::new(Mutex::new(receiver));
-        for n in 0..LANE_THREADS {
-            let (review, notifier, receiver) = (review.clone(), notifier.clone(), receiver.clone());
-            std::thread::Builder::new()
-                .name(format!("auth-review-{n}"))
-                .spawn(move || review_worker(&*review, &notifier, &receiver))?;
-        }
         Ok(AuthLane {
-            sender,
+            certificates: Class::new("cert", &review, &notifier, now)?,
+            tokens: Class::new("token", &review, &notifier, now)?,
+            peers: HashMap::new(),
             flags: HashMap::new(),
-            tokens: REVIEW_BURST,
-            refilled: now,
         })
     }
 
-    /// Queues a review; Err is the answer to give at once (over budget, or the lane is gone).
+    /// Queues a review of a request from `peer`; Err is the answer to give at once (over a
+    /// budget, a full queue, or the lane is gone).
     pub(super) fn submit(
         &mut self,
         id: AuthId,
         req: AuthRequest,
+        peer: PeerKey,
         now: Instant,
     ) -> Result<(), AuthAnswer> {
-        let elapsed = now.saturating_duration_since(self.refilled).as_secs_f64();
-        self.tokens = (self.tokens + elapsed * REVIEWS_PER_SEC).min(REVIEW_BURST);
-        self.refilled = now;
-        if self.tokens < 1.0 {
+        let by_token = req.user.is_none();
+        if by_token {
+            if self.peers.len() >= PEERS_TRACKED && !self.peers.contains_key(&peer) {
+                self.peers
+                    .retain(|_, b| !(b.ready(now) && b.tokens >= b.burst));
+                if self.peers.len() >= PEERS_TRACKED {
+                    self.peers.clear();
+                }
+            }
+            let own = self
+                .peers
+                .entry(peer)
+                .or_insert_with(|| Bucket::full(PEER_REVIEWS_PER_SEC, PEER_REVIEW_BURST, now));
+            if !own.ready(now) {
+                return Err(AuthAnswer::Busy);
+            }
+        }
+        let class = if by_token {
+            &mut self.tokens
+        } else {
+            &mut self.certificates
+        };
+        if !class.budget.ready(now) {
             return Err(AuthAnswer::Busy);
         }
         let cancelled = Arc::new(AtomicBool::new(false));
@@ -80,9 +166,12 @@ impl AuthLane {
             req,
             cancelled: cancelled.clone(),
         };
-        match self.sender.try_send(job) {
+        match class.sender.try_send(job) {
             Ok(()) => {
-                self.tokens -= 1.0;
+                class.budget.tokens -= 1.0;
+                if let Some(own) = self.peers.get_mut(&peer).filter(|_| by_token) {
+                    own.tokens -= 1.0;
+                }
                 self.flags.insert(id, cancelled);
                 Ok(())
             }
@@ -166,6 +255,21 @@ mod tests {
         }
     }
 
+    fn peer(n: u8) -> PeerKey {
+        PeerKey::of(std::net::IpAddr::from([127, 0, 0, n]))
+    }
+
+    fn cert_req(user: &str) -> AuthRequest {
+        AuthRequest {
+            token: None,
+            user: Some(crate::kubelet::UserInfo {
+                name: user.into(),
+                ..Default::default()
+            }),
+            ..req("")
+        }
+    }
+
     #[test]
     fn a_flood_is_turned_away_by_the_queue_and_the_rate_and_cancelled_reviews_never_run() {
         let mut r: Reactor<Work> = Reactor::new(0, 0).unwrap();
@@ -180,15 +284,26 @@ mod tests {
         });
         let t0 = Instant::now();
         let mut lane = AuthLane::new(review, r.notifier(), t0).unwrap();
-        // The burst is the rate budget: ten accepted, the rest answered Busy at once.
+        // Tokens from thirty addresses: the class's burst is the budget; the rest are Busy.
         let verdicts: Vec<bool> = (0..30)
-            .map(|i| lane.submit(AuthId(i), req("x"), t0).is_ok())
+            .map(|i| {
+                lane.submit(AuthId(i), req("x"), peer(i as u8 + 1), t0)
+                    .is_ok()
+            })
             .collect();
         assert_eq!(verdicts.iter().filter(|ok| **ok).count(), 10);
-        assert_eq!(lane.submit(AuthId(99), req("x"), t0), Err(AuthAnswer::Busy));
+        assert_eq!(
+            lane.submit(AuthId(99), req("x"), peer(99), t0),
+            Err(AuthAnswer::Busy)
+        );
         // The budget refills with time.
         assert!(lane
-            .submit(AuthId(100), req("x"), t0 + Duration::from_secs(1))
+            .submit(
+                AuthId(100),
+                req("x"),
+                peer(100),
+                t0 + Duration::from_secs(1)
+            )
             .is_ok());
         // Clients of 2..=100 leave: at most the two already taken by a thread still run.
         for i in (2..10).chain([100]) {
@@ -201,5 +316,56 @@ mod tests {
         // Nothing more arrives: the cancelled ones were dropped unrun.
         assert!(answers(&mut r, 1, Duration::from_millis(300)).is_empty());
         assert_eq!(ran.load(Ordering::SeqCst), 2);
+    }
+
+    /// One address flooding random tokens gets its own small budget; another address and every
+    /// certificate caller keep theirs, even while the token reviews hang.
+    #[test]
+    fn a_token_flood_from_one_address_leaves_other_addresses_and_certificates_their_reviews() {
+        let mut r: Reactor<Work> = Reactor::new(0, 0).unwrap();
+        let gate = Arc::new(Mutex::new(()));
+        let held = gate.lock().unwrap();
+        let g = gate.clone();
+        let review: Arc<Review> = Arc::new(move |req: &AuthRequest| {
+            if req.user.is_none() {
+                // Token reviews hang until the gate opens: the API server is slow for them.
+                drop(g.lock().unwrap_or_else(|p| p.into_inner()));
+                return AuthAnswer::Unauthenticated;
+            }
+            AuthAnswer::Decided {
+                user: req.user.clone().unwrap_or_default(),
+                allowed: true,
+            }
+        });
+        let t0 = Instant::now();
+        let mut lane = AuthLane::new(review, r.notifier(), t0).unwrap();
+        let flood: Vec<bool> = (0..50)
+            .map(|i| lane.submit(AuthId(i), req("random"), peer(2), t0).is_ok())
+            .collect();
+        assert_eq!(
+            flood.iter().filter(|ok| **ok).count(),
+            3,
+            "the address's burst"
+        );
+        // A second later the flooding address has one more; another address has its own.
+        let t1 = t0 + Duration::from_secs(1);
+        assert!(lane.submit(AuthId(60), req("t"), peer(2), t1).is_ok());
+        assert_eq!(
+            lane.submit(AuthId(61), req("t"), peer(2), t1),
+            Err(AuthAnswer::Busy)
+        );
+        for i in 0..3 {
+            assert!(lane.submit(AuthId(70 + i), req("t"), peer(3), t1).is_ok());
+        }
+        // Certificates: their own budget and threads, answered while token reviews hang.
+        for i in 0..10 {
+            assert!(lane
+                .submit(AuthId(80 + i), cert_req("c"), peer(2), t1)
+                .is_ok());
+        }
+        let mut got = answers(&mut r, 10, Duration::from_secs(10));
+        got.sort_by_key(|id| id.0);
+        assert_eq!(got, (80..90).map(AuthId).collect::<Vec<_>>());
+        drop(held);
     }
 }

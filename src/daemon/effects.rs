@@ -24,6 +24,7 @@ use crate::metrics::Metrics;
 use crate::probes::ProbeTarget;
 use crate::provider::{
     CocoonResult, Effect, EventType, HibernateTag, Input, KubeError, MetricUpdate, OpId, PodKey,
+    SourceVerdict,
 };
 use crate::reactor::{ChildExit, ChildSpec, OutputMode, StdinMode};
 use crate::snapshots::reference::split_image_ref;
@@ -255,7 +256,7 @@ impl Daemon {
                         &owner.pod_uid,
                     ),
                     knobs: push_knobs(&self.config),
-                    temp_dir: None,
+                    temp_dir: Some(self.config.spool_dir()),
                 };
                 // The snapshots room pushes local snapshot `name` to repository `name`: the
                 // provider names both after the VM (`local_name == repo`).
@@ -282,6 +283,16 @@ impl Daemon {
                 self.read_tag(op, vm_name, "hibernate".into())
             }
             Effect::ReadSnapshotTag { op, repo, tag } => self.read_tag(op, repo, tag),
+            Effect::CheckSource { op, check } => {
+                let job = move || Work::SourceChecked {
+                    op,
+                    verdict: super::source_checks::run(&check),
+                };
+                if self.reactor.submit(job).is_err() {
+                    let verdict = SourceVerdict::Unavailable("worker queue full".into());
+                    self.pending.push_back(Input::SourceChecked { op, verdict });
+                }
+            }
             Effect::DeleteSnapshotTag { op, repo, tag } => {
                 self.transfer(op, move |registry| {
                     let r = registry.reference(&repo, &tag)?;
@@ -407,10 +418,20 @@ impl Daemon {
                 self.cocoon_bin()
             };
             let bin = bin.to_string_lossy().into_owned();
-            // Logged with the VNC password redacted; spawned with it.
+            // The last line of defence: a name that is not the contract's never reaches argv.
+            if let Err(e) = argv::check(&cmd.argv()) {
+                log::warn!("cocoon op {op}: not run: {e}");
+                self.pending.push_back(Input::CocoonDone {
+                    op,
+                    result: CocoonResult::failed(format!(
+                        "Error: vk-cocoon refused to run {bin}: {e}"
+                    )),
+                });
+                continue;
+            }
             log::debug!("cocoon op {op}: {bin} {}", cmd.argv().join(" "));
             let mut argv = vec![bin.clone()];
-            argv.extend(cmd.spawn_argv(self.config.macos_vnc_password.as_deref()));
+            argv.extend(cmd.argv());
             let mut spec = ChildSpec::new(argv)
                 .deadline(cmd.deadline())
                 .stdin(StdinMode::Null)
@@ -423,6 +444,7 @@ impl Daemon {
             if let crate::provider::CocoonCmd::Macos(m) = &cmd {
                 spec.term_grace = m.term_grace();
             }
+            spec.env = cmd.child_env(self.config.macos_vnc_password.as_deref());
             // The spawn itself runs on the reactor's spawner threads; a child that cannot be
             // started answers later as a `ChildExit` with its spawn error.
             match self.reactor.spawn(spec) {
@@ -620,6 +642,7 @@ fn image_pull(cocoon: &Path, image: &str, force: bool) -> Result<String, String>
 /// on exit 0, Ok(false) when the contract's classification says the object is absent, Err on
 /// anything else.
 fn cocoon_ok(cocoon: &Path, verb: Verb, args: &[String]) -> Result<bool, String> {
+    argv::check(args).map_err(|e| format!("vk-cocoon refused to run cocoon: {e}"))?;
     let out = std::process::Command::new(cocoon)
         .args(args)
         .stdin(std::process::Stdio::null())

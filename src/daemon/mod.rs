@@ -28,6 +28,7 @@ mod hypervisors;
 mod kube_jobs;
 pub mod lane;
 mod ledger;
+mod source_checks;
 mod startup;
 mod turn_profile;
 mod view;
@@ -77,6 +78,11 @@ pub enum Work {
     Evidence {
         op: OpId,
         result: Result<Option<crate::provider::HibernateTag>, TransferError>,
+    },
+    /// The host's check of a source a pod names finished.
+    SourceChecked {
+        op: OpId,
+        verdict: crate::provider::SourceVerdict,
     },
     /// DHCP lease releases after a VM removal; (mac, error) per failure.
     LeasesReleased {
@@ -283,6 +289,8 @@ impl Daemon {
         let kube = Arc::new(kube);
         log::info!("kubernetes API at {}", kube.server());
 
+        let spool = config.spool_dir();
+        crate::snapshots::push::prepare_spool_dir(&spool).map_err(|e| StartError::new(1, e))?;
         let node = startup::node_agent(&config, reactor.now())?;
         let registry = if config.oci_registry.is_empty() {
             None
@@ -350,6 +358,8 @@ impl Daemon {
             restore_mode: config.restore_mode,
             lease_release: config.cocoon_net_control_socket.is_some(),
             macos_vnc: config.macos_vnc_password.is_some(),
+            image_url_allow_hosts: config.image_url_allow_hosts.clone(),
+            clone_from_dir_root: config.clone_from_dir_root.clone(),
         });
         let mut watch = PodWatch::new(&config.node_name, WatchConfig::default());
         watch.relist_by_caller();
@@ -655,6 +665,9 @@ impl Daemon {
             Work::Evidence { op, result } => self
                 .pending
                 .push_back(Input::HibernateEvidence { op, result }),
+            Work::SourceChecked { op, verdict } => {
+                self.pending.push_back(Input::SourceChecked { op, verdict })
+            }
             Work::Sac { op, result } => self.pending.push_back(Input::SacDone { op, result }),
             Work::LeasesReleased { released, failed } => {
                 let family = &self.metrics.lease_release_total;
@@ -850,8 +863,8 @@ impl Daemon {
             self.auth_lane.cancel(id);
         }
         let now = self.reactor.now();
-        for (id, req) in self.kubelet.take_auth_requests() {
-            if let Err(answer) = self.auth_lane.submit(id, req, now) {
+        for (id, req, peer) in self.kubelet.take_auth_requests() {
+            if let Err(answer) = self.auth_lane.submit(id, req, peer, now) {
                 self.kubelet.on_auth_answer(&mut self.reactor, id, answer);
             }
         }

@@ -3,8 +3,10 @@
 //!
 //! macOS guests are QEMU/KVM VMs of a separate binary. Its VMs are named by the pod's VM name,
 //! get the ID `qemu-<name>` and the hypervisor tag `qemu`, and never appear in `cocoon vm list`
-//! or cocoon's event stream. The VNC password never enters the core: the core asks for a
-//! display, and the daemon adds the password when it spawns the child (logs see `<redacted>`).
+//! or cocoon's event stream. The VNC password never enters the core or any command line: the
+//! core asks for a display, and the daemon gives the child that VM's own password (derived from
+//! `COCOON_MACOS_VNC_PASSWORD` and the VM name) in its environment, which `/proc/<pid>/environ`
+//! shows only to the same user and root, unlike `/proc/<pid>/cmdline`.
 
 use std::time::Duration;
 
@@ -24,8 +26,19 @@ pub const LAUNCH_DEADLINE: Duration = Duration::from_secs(5 * 60);
 pub const CONTROL_DEADLINE: Duration = Duration::from_secs(90);
 /// A control call past its deadline is stopped with SIGTERM, then SIGKILL after this grace.
 pub const CONTROL_TERM_GRACE: Duration = Duration::from_secs(90);
-/// What logs and debug output show instead of the VNC password.
-const REDACTED: &str = "<redacted>";
+/// The child's environment variable that carries its VM's VNC password (`vm run` and
+/// `vm start` with `--vnc`). cocoon-macos must read it there; see the README.
+pub const VNC_PASSWORD_ENV: &str = "COCOON_MACOS_VNC_PASSWORD";
+
+/// The VNC password of one VM: HMAC-SHA256 keyed with the configured secret over the VM name,
+/// its first 48 bits as 8 URL-safe base64 characters (VNC authentication reads 8 at most). A
+/// guest's password tells nothing about another's or about the secret.
+pub fn vnc_password(secret: &str, vm_name: &str) -> String {
+    use base64::Engine;
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret.as_bytes());
+    let tag = ring::hmac::sign(&key, vm_name.as_bytes());
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&tag.as_ref()[..6])
+}
 
 /// The VM ID of a macOS guest.
 pub fn vm_id(name: &str) -> String {
@@ -88,17 +101,17 @@ pub struct MacosRun {
 /// One `cocoon-macos` invocation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MacosCmd {
-    /// `vm inspect <name>` ⇒ `{"name","pid","mac","tap","disk","vnc"}`.
+    /// `vm inspect -- <name>` ⇒ `{"name","pid","mac","tap","disk","vnc"}`.
     Inspect {
         name: String,
     },
-    /// `vm start [--vnc <display> --vnc-password <pw>] <name>`: relaunch a dead QEMU.
+    /// `vm start [--vnc <display> --vnc-password <pw>] -- <name>`: relaunch a dead QEMU.
     Start {
         name: String,
         vnc_display: Option<u16>,
     },
     Run(MacosRun),
-    /// `vm rm <name>`.
+    /// `vm rm -- <name>`.
     Rm {
         name: String,
     },
@@ -111,24 +124,21 @@ pub enum MacosCmd {
 }
 
 impl MacosCmd {
-    /// The arguments after the binary. `vnc_password` is added to the VNC flags; without one
-    /// no VNC flag is emitted at all (no password ⇒ no VNC).
-    pub fn argv(&self, vnc_password: Option<&str>) -> Vec<String> {
+    /// The arguments after the binary. A VNC display goes on the command line; its password
+    /// never does (see [`MacosCmd::vnc_env`]).
+    pub fn argv(&self) -> Vec<String> {
         let s = |v: &str| v.to_string();
         let vnc = |display: Option<u16>| -> Vec<String> {
-            match (display, vnc_password) {
-                (Some(d), Some(pw)) => {
-                    vec![s("--vnc"), d.to_string(), s("--vnc-password"), s(pw)]
-                }
-                _ => Vec::new(),
-            }
+            display
+                .map(|d| vec![s("--vnc"), d.to_string()])
+                .unwrap_or_default()
         };
         match self {
-            MacosCmd::Inspect { name } => vec![s("vm"), s("inspect"), s(name)],
+            MacosCmd::Inspect { name } => vec![s("vm"), s("inspect"), s("--"), s(name)],
             MacosCmd::Start { name, vnc_display } => {
                 let mut a = vec![s("vm"), s("start")];
                 a.extend(vnc(*vnc_display));
-                a.push(s(name));
+                a.extend([s("--"), s(name)]);
                 a
             }
             MacosCmd::Run(o) => {
@@ -151,19 +161,30 @@ impl MacosCmd {
                     s("--random-smbios"),
                     s("--net"),
                     s("cni"),
+                    s("--"),
                     s(&o.image),
                 ]);
                 a
             }
-            MacosCmd::Rm { name } => vec![s("vm"), s("rm"), s(name)],
-            MacosCmd::ImageInspect { image } => vec![s("image"), s("inspect"), s(image)],
-            MacosCmd::ImagePull { image } => vec![s("image"), s("pull"), s(image)],
+            MacosCmd::Rm { name } => vec![s("vm"), s("rm"), s("--"), s(name)],
+            MacosCmd::ImageInspect { image } => {
+                vec![s("image"), s("inspect"), s("--"), s(image)]
+            }
+            MacosCmd::ImagePull { image } => vec![s("image"), s("pull"), s("--"), s(image)],
         }
     }
 
-    /// The argv for logs and for telling calls apart: the password replaced.
-    pub fn redacted_argv(&self) -> Vec<String> {
-        self.argv(Some(REDACTED))
+    /// The environment entry with the VM's own VNC password for a launch with a display, given
+    /// the configured secret; None for every other call and without a secret.
+    pub fn vnc_env(&self, secret: Option<&str>) -> Option<(String, String)> {
+        let (name, display) = match self {
+            MacosCmd::Start { name, vnc_display } => (name, vnc_display),
+            MacosCmd::Run(o) => (&o.name, &o.vnc_display),
+            _ => return None,
+        };
+        display
+            .and(secret)
+            .map(|secret| (VNC_PASSWORD_ENV.to_string(), vnc_password(secret, name)))
     }
 
     /// How long a control call that passed its deadline gets between SIGTERM and SIGKILL
@@ -259,37 +280,59 @@ mod tests {
     }
 
     #[test]
-    fn run_argv_is_the_contract_order_with_vnc_only_when_a_password_exists() {
-        let with = run(Some(3), Some(64 << 30)).argv(Some("pw"));
+    fn run_argv_is_the_contract_order_and_never_carries_the_password() {
+        let with = run(Some(3), Some(64 << 30));
         assert_eq!(
-            with.join(" "),
-            "vm run --name vk-ns-mac-0 --cpus 4 --memory 8192 --vnc 3 --vnc-password pw \
-             --storage 68719476736 --exit-on-reboot --random-smbios --net cni ghcr.io/org/sonoma:14"
+            with.argv().join(" "),
+            "vm run --name vk-ns-mac-0 --cpus 4 --memory 8192 --vnc 3 \
+             --storage 68719476736 --exit-on-reboot --random-smbios --net cni -- ghcr.io/org/sonoma:14"
         );
-        let without = run(Some(3), None).argv(None);
-        assert!(
-            !without.iter().any(|a| a.starts_with("--vnc")),
-            "{without:?}"
-        );
-        assert!(!without.contains(&"--storage".to_string()));
-        let no_display = run(None, None).argv(Some("pw"));
-        assert!(!no_display.iter().any(|a| a.starts_with("--vnc")));
+        let (key, pw) = with
+            .vnc_env(Some("s3cret"))
+            .expect("a password with a display");
+        assert_eq!(key, VNC_PASSWORD_ENV);
+        assert_eq!(pw, vnc_password("s3cret", "vk-ns-mac-0"));
+        assert!(!with
+            .argv()
+            .iter()
+            .any(|a| a.contains(&pw) || a == "--vnc-password"));
+        assert_eq!(with.vnc_env(None), None, "no secret, no password");
+        let no_display = run(None, None);
+        assert!(!no_display.argv().iter().any(|a| a.starts_with("--vnc")));
+        assert_eq!(no_display.vnc_env(Some("s3cret")), None);
     }
 
     #[test]
-    fn start_puts_the_name_last_and_logs_never_show_the_password() {
+    fn each_vm_has_its_own_password_of_eight_printable_characters() {
+        let a = vnc_password("s3cret", "vk-ns-mac-0");
+        let b = vnc_password("s3cret", "vk-ns-mac-1");
+        let c = vnc_password("other", "vk-ns-mac-0");
+        assert_eq!(a, vnc_password("s3cret", "vk-ns-mac-0"), "stable");
+        assert!(a != b && a != c && b != c);
+        for p in [&a, &b, &c] {
+            assert_eq!(p.len(), 8);
+            assert!(p.bytes().all(|x| x.is_ascii_graphic()), "{p}");
+        }
+    }
+
+    #[test]
+    fn start_puts_the_name_last_and_gets_the_password_in_its_environment() {
         let cmd = MacosCmd::Start {
             name: "m".into(),
             vnc_display: Some(0),
         };
+        assert_eq!(cmd.argv(), ["vm", "start", "--vnc", "0", "--", "m"]);
         assert_eq!(
-            cmd.argv(Some("s3cret")),
-            ["vm", "start", "--vnc", "0", "--vnc-password", "s3cret", "m"]
+            cmd.vnc_env(Some("s3cret")),
+            Some((VNC_PASSWORD_ENV.to_string(), vnc_password("s3cret", "m")))
         );
-        assert!(!cmd.redacted_argv().join(" ").contains("s3cret"));
         assert_eq!(
-            MacosCmd::Rm { name: "m".into() }.argv(Some("x")),
-            ["vm", "rm", "m"]
+            MacosCmd::Rm { name: "m".into() }.argv(),
+            ["vm", "rm", "--", "m"]
+        );
+        assert_eq!(
+            MacosCmd::Rm { name: "m".into() }.vnc_env(Some("s3cret")),
+            None
         );
         assert_eq!(cmd.deadline(), LAUNCH_DEADLINE);
         assert_eq!(

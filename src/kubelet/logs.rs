@@ -129,10 +129,19 @@ mod tests {
         .unwrap();
         assert_eq!(
             logs_argv("/bin/cocoon", "vm1", &o),
-            vec!["/bin/cocoon", "vm", "logs", "--tail", "5", "-f", "vm1"]
+            vec![
+                "/bin/cocoon",
+                "vm",
+                "logs",
+                "--tail",
+                "5",
+                "-f",
+                "--",
+                "vm1"
+            ]
         );
         let o = parse_options(&req("tailLines=0")).unwrap();
-        assert_eq!(logs_argv("c", "v", &o), vec!["c", "vm", "logs", "v"]);
+        assert_eq!(logs_argv("c", "v", &o), vec!["c", "vm", "logs", "--", "v"]);
         assert!(parse_options(&req("tailLines=-1")).is_err());
         assert!(parse_options(&req("limitBytes=0")).is_err());
         assert!(parse_options(&req("follow=yes")).is_err());

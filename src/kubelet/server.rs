@@ -131,7 +131,7 @@ pub struct KubeletServer {
     index: HashMap<(String, String), usize>,
     children: HashMap<ChildId, Token>,
     auth_pending: HashMap<AuthId, (Token, AuthRequest, PeerKey)>,
-    auth_out: Vec<(AuthId, AuthRequest)>,
+    auth_out: Vec<(AuthId, AuthRequest, PeerKey)>,
     /// Reviews whose client left (or timed out) before the answer: the daemon drops them
     /// unrun if they are still queued.
     auth_cancelled: Vec<AuthId>,
@@ -249,7 +249,8 @@ impl KubeletServer {
     }
 
     /// Authorisation work for the daemon: for each, resolve and call `on_auth_answer`.
-    pub fn take_auth_requests(&mut self) -> Vec<(AuthId, AuthRequest)> {
+    /// Each with the caller's address (an IPv6 /64 as one), which the daemon budgets by.
+    pub fn take_auth_requests(&mut self) -> Vec<(AuthId, AuthRequest, PeerKey)> {
         std::mem::take(&mut self.auth_out)
     }
 
@@ -952,7 +953,7 @@ impl KubeletServer {
                 };
                 self.reviews.add(peer);
                 self.auth_pending.insert(id, (token, areq.clone(), peer));
-                self.auth_out.push((id, areq));
+                self.auth_out.push((id, areq, peer));
                 let deadline = r.now() + self.cfg.auth_timeout;
                 if let Some(c) = self.conns.get_mut(&token) {
                     c.phase = Phase::WaitAuth { req, id };

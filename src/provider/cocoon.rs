@@ -103,11 +103,10 @@ impl CocoonCmd {
     }
 
     /// The argument vector after the binary (`VK_COCOON_BIN`, or `VK_COCOON_MACOS_BIN` for
-    /// [`CocoonCmd::Macos`], whose VNC password shows as `<redacted>` here: the daemon spawns
-    /// it with [`CocoonCmd::spawn_argv`]).
+    /// [`CocoonCmd::Macos`]).
     pub fn argv(&self) -> Vec<String> {
         match self {
-            CocoonCmd::Macos(m) => m.redacted_argv(),
+            CocoonCmd::Macos(m) => m.argv(),
             CocoonCmd::VmInspect { reference } => argv::vm_inspect(reference),
             CocoonCmd::VmClone(o) => argv::vm_clone(o),
             CocoonCmd::VmRun(o) => argv::vm_run(o),
@@ -129,11 +128,12 @@ impl CocoonCmd {
         }
     }
 
-    /// The argv the daemon spawns: [`CocoonCmd::argv`] with the macOS VNC password filled in.
-    pub fn spawn_argv(&self, macos_vnc_password: Option<&str>) -> Vec<String> {
+    /// Environment the child gets beyond the daemon's: a macOS launch's VNC password, derived
+    /// from the configured secret (`COCOON_MACOS_VNC_PASSWORD`) and its VM name.
+    pub fn child_env(&self, macos_vnc_secret: Option<&str>) -> Vec<(String, String)> {
         match self {
-            CocoonCmd::Macos(m) => m.argv(macos_vnc_password),
-            _ => self.argv(),
+            CocoonCmd::Macos(m) => m.vnc_env(macos_vnc_secret).into_iter().collect(),
+            _ => Vec::new(),
         }
     }
 
@@ -446,7 +446,7 @@ mod tests {
         assert_eq!(
             cmd.argv().join(" "),
             "vm clone --output json --name vk-ns-demo-0 --network net1 --no-direct-io --pull \
-             --restore-mode mmap --cpu-weight 79 --cpu-quota-us 200000 --cpu-period-us 100000 team/agent:v3"
+             --restore-mode mmap --cpu-weight 79 --cpu-quota-us 200000 --cpu-period-us 100000 -- team/agent:v3"
         );
     }
 
@@ -483,7 +483,7 @@ mod tests {
         });
         assert_eq!(
             cmd.argv().join(" "),
-            "vm run --output json --name v --cpu 2 --cpu-weight 79 --memory 4294967296 --fc ubuntu:24.04"
+            "vm run --output json --name v --cpu 2 --cpu-weight 79 --memory 4294967296 --fc -- ubuntu:24.04"
         );
     }
 

@@ -26,13 +26,17 @@
 //! * [`Effect::Cocoon`] `{op, cmd}`: run `cocoon` with `cmd.argv()` (deadline `cmd.deadline()`),
 //!   answer [`Input::CocoonDone`] `{op, result}` with the raw exit (success, stdout, stderr,
 //!   timed_out). The core reads it through the vm room's parsers and classification. A
-//!   [`cocoon::CocoonCmd::Macos`] call runs `VK_COCOON_MACOS_BIN` instead, with
-//!   `cmd.spawn_argv(password)` (the VNC password added; `argv()` shows it redacted).
+//!   [`cocoon::CocoonCmd::Macos`] call runs `VK_COCOON_MACOS_BIN` instead, with the VM's VNC
+//!   password in the child's environment (`cmd.child_env(secret)`), never on its argv.
 //! * [`Effect::CheckPid`] `{op, pid}`: is that process alive (not a zombie)? Answer
 //!   [`Input::PidChecked`] (a macOS guest's QEMU).
 //! * [`Effect::ReadVmPid`] `{op, vm_id, firecracker}`: read the hypervisor's PID from the
 //!   VM's pid file in cocoon's run dir; answer [`Input::VmPidRead`] (None unless it names a
 //!   live process).
+//! * [`Effect::CheckSource`] `{op, check}`: check a source the pod names on the host, off the
+//!   loop (resolve an http(s) image URL's host and judge every address with
+//!   [`sources::check_resolved`]; walk a clone-from-dir below its root with lstat: no symlink);
+//!   answer [`Input::SourceChecked`] with a [`SourceVerdict`].
 //! * [`Effect::LookupLease`] `{op, mac}`: look the MAC up in the cocoon-net lease file, answer
 //!   [`Input::LeaseLooked`] (a [`LeaseError`] when the file cannot answer).
 //! * [`Effect::PatchPodStatus`], [`Effect::PatchPodAnnotations`], [`Effect::DeletePod`]: kube
@@ -67,6 +71,7 @@ pub mod fixup;
 pub mod lifecycle;
 pub mod naming;
 pub mod owners;
+pub mod sources;
 pub mod spec;
 pub mod status;
 
@@ -133,9 +138,13 @@ pub struct ProviderConfig {
     pub restore_mode: RestoreMode,
     /// Whether lease release is enabled (VK_COCOON_NET_CONTROL_SOCKET not set-but-empty).
     pub lease_release: bool,
-    /// COCOON_MACOS_VNC_PASSWORD is set: macOS guests get a VNC display (the password itself
-    /// stays with the daemon, which adds it to `cocoon-macos`'s argv).
+    /// COCOON_MACOS_VNC_PASSWORD is set: macOS guests get a VNC display (the secret stays with
+    /// the daemon, which gives each `cocoon-macos` launch its VM's password in the environment).
     pub macos_vnc: bool,
+    /// VK_IMAGE_URL_ALLOW_HOSTS: hosts http(s) image URLs may name whatever they resolve to.
+    pub image_url_allow_hosts: Vec<String>,
+    /// VK_CLONE_FROM_DIR_ROOT: clone-from-dir only below it; None = refused.
+    pub clone_from_dir_root: Option<String>,
 }
 
 impl Default for ProviderConfig {
@@ -148,8 +157,30 @@ impl Default for ProviderConfig {
             restore_mode: RestoreMode::Mmap,
             lease_release: true,
             macos_vnc: false,
+            image_url_allow_hosts: Vec::new(),
+            clone_from_dir_root: None,
         }
     }
+}
+
+/// A source a pod names that the host would reach, checked on the host before it does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SourceCheck {
+    /// Resolve `host`, the host of http(s) image `url`: every address must be allowed.
+    ImageHost { url: String, host: String },
+    /// Walk clone-from-dir `dir` from `root` down: no symlink, and a directory at the end.
+    CloneDir { dir: String, root: String },
+}
+
+/// The daemon's answer to [`Effect::CheckSource`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SourceVerdict {
+    Allowed,
+    /// The source breaks a rule: the pod fails for good; the message names the rule and the
+    /// setting that changes it.
+    Refused(String),
+    /// The host could not tell (a resolver error): the create fails and is retried.
+    Unavailable(String),
 }
 
 /// What a registry tag's manifest says (`<vm>:hibernate`, or any tag read with
@@ -367,6 +398,11 @@ pub enum Input {
         op: OpId,
         pid: Option<i64>,
     },
+    /// Answer of [`Effect::CheckSource`].
+    SourceChecked {
+        op: OpId,
+        verdict: SourceVerdict,
+    },
     VmEvent {
         kind: VmEventKind,
         vm: VmInfo,
@@ -405,6 +441,12 @@ pub enum Effect {
         op: OpId,
         vm_id: String,
         firecracker: bool,
+    },
+    /// Check a source the pod names on the host, off the event loop (a DNS lookup); answered
+    /// with [`Input::SourceChecked`].
+    CheckSource {
+        op: OpId,
+        check: SourceCheck,
     },
     LookupLease {
         op: OpId,

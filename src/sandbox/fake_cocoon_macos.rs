@@ -2,10 +2,13 @@
 //! "QEMU" a real `sleep` process, so liveness checks, kills and restarts are real.
 //!
 //! Run when `vk-cocoon-sandbox` is invoked as `cocoon-macos` (its argv 0) or as
-//! `vk-cocoon-sandbox fake-cocoon-macos ...`. It accepts exactly the argv the daemon's
-//! `guest::macos` builds: `vm inspect <name>`, `vm run --name N --cpus C --memory MiB
-//! [--vnc D --vnc-password P] [--storage BYTES] --exit-on-reboot --random-smbios --net cni IMAGE`,
-//! `vm start [--vnc D --vnc-password P] <name>`, `vm rm <name>`, `image inspect|pull <ref>`.
+//! `vk-cocoon-sandbox fake-cocoon-macos ...`. It parses its command line as cocoon-macos's
+//! cobra does (flags anywhere, `--` ends them, an argument starting with `-` before `--` is a
+//! flag) and takes the commands the daemon's `guest::macos` builds: `vm inspect NAME`,
+//! `vm run --name N --cpus C --memory MiB [--vnc D] [--storage BYTES] --exit-on-reboot
+//! --random-smbios --net cni IMAGE`, `vm start [--vnc D] NAME`, `vm rm NAME`,
+//! `image inspect|pull REF`. A `--vnc` display's password comes from `--vnc-password` or the
+//! environment variable `COCOON_MACOS_VNC_PASSWORD` (how the daemon passes it).
 //! JSON on stdout, `Error: <msg>` on stderr with exit 1; a missing VM is `Error: vm not found:
 //! <name>`.
 //!
@@ -32,6 +35,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
+use super::fake_cocoon::cli::{self, flag, val, val_s, Flag, Parsed};
 use super::fake_cocoon::store::{kill_pid, pid_alive, rfc3339_at, write_atomic};
 
 /// One macOS guest record.
@@ -148,25 +152,71 @@ pub fn records(state: &Path) -> Vec<MacosRecord> {
         .collect()
 }
 
-/// A plain name or reference, as the real CLI's argument parser would accept it.
-fn plain(what: &str, v: &str) -> Result<String, String> {
-    if v.is_empty() || v.starts_with('-') {
-        return Err(format!("invalid {what} {v:?}"));
+/// The persistent flag of cocoon-macos's `vm` commands.
+const GLOBAL: &[Flag] = &[val("state-dir")];
+/// The VM flags of `vm run` (cocoon-macos's `addVMFlags` and run's own).
+const RUN_FLAGS: &[Flag] = &[
+    val_s("name", 'n'),
+    val("cpus"),
+    val("memory"),
+    val("vnc"),
+    val("vnc-password"),
+    val("ssh-port"),
+    val("storage"),
+    val("net"),
+    val("tap"),
+    val("opencore"),
+    val("ovmf-code"),
+    val("ovmf-vars"),
+    val("data-disk"),
+    flag("hugepages"),
+    flag("exit-on-reboot"),
+    flag("random-smbios"),
+];
+const START_FLAGS: &[Flag] = &[val("vnc"), val("vnc-password"), flag("exit-on-reboot")];
+
+/// The command line of one command, as cobra parses it: `--` ends the flags, an argument that
+/// starts with `-` before it is a flag; `want` is the number of positionals the command takes.
+fn parse(args: &[String], flags: &[Flag], want: usize) -> Result<Parsed, String> {
+    let p = cli::parse_with(args, flags, GLOBAL)?;
+    if p.positionals.len() != want {
+        return Err(format!(
+            "accepts {want} arg(s), received {}",
+            p.positionals.len()
+        ));
     }
-    Ok(v.to_string())
+    Ok(p)
 }
 
-/// The VNC flags of `vm run` / `vm start`: a display needs a password of at most 8 bytes.
+/// The VNC flags of `vm run` / `vm start`: a display needs a password of at most 8 bytes,
+/// from `--vnc-password` or, as the daemon passes it, from `COCOON_MACOS_VNC_PASSWORD` in the
+/// environment.
 struct Vnc {
     display: Option<u16>,
     password: Option<String>,
 }
 
 impl Vnc {
-    fn check(&self) -> Result<(), String> {
-        match (&self.display, &self.password) {
-            (None, None) => Ok(()),
-            (Some(d), Some(p)) if *d <= 99 && !p.is_empty() && p.len() <= 8 => Ok(()),
+    fn of(p: &Parsed) -> Result<Vnc, String> {
+        let display = match p.get("vnc") {
+            None => None,
+            Some(d) => Some(d.parse().map_err(|_| format!("bad --vnc {d:?}"))?),
+        };
+        let from_env = || {
+            std::env::var(crate::guest::macos::VNC_PASSWORD_ENV)
+                .ok()
+                .filter(|v| !v.is_empty())
+        };
+        let vnc = Vnc {
+            display,
+            password: p
+                .get("vnc-password")
+                .map(String::from)
+                .or_else(|| display.and_then(|_| from_env())),
+        };
+        match (&vnc.display, &vnc.password) {
+            (None, None) => Ok(vnc),
+            (Some(d), Some(pw)) if *d <= 99 && !pw.is_empty() && pw.len() <= 8 => Ok(vnc),
             (Some(_), Some(_)) => {
                 Err("--vnc needs a display 0-99 and a password of 1-8 bytes".into())
             }
@@ -181,30 +231,39 @@ fn run(state: &Path, args: &[String]) -> Result<String, String> {
     }
     log_call(state, args);
     let _guard = lock(state)?;
-    let words: Vec<&str> = args.iter().map(String::as_str).collect();
-    let out = match words.as_slice() {
-        ["vm", "inspect", name] => {
-            let r = load(state, name)?;
-            inspect_json(&r)
+    let (group, verb) = (
+        args.first().map(String::as_str).unwrap_or(""),
+        args.get(1).map(String::as_str).unwrap_or(""),
+    );
+    let rest = args.get(2..).unwrap_or(&[]);
+    let out = match (group, verb) {
+        ("vm", "inspect") => {
+            let p = parse(rest, &[], 1)?;
+            inspect_json(&load(state, &p.positionals[0])?)
         }
-        ["vm", "rm", name] => {
+        ("vm", "rm") => {
+            let p = parse(rest, &[flag("force")], 1)?;
+            let name = &p.positionals[0];
             let r = load(state, name)?;
             kill_pid(r.pid);
             let _ = fs::remove_file(&r.disk);
             fs::remove_file(vm_path(state, name)).map_err(|e| format!("rm {name}: {e}"))?;
             String::new()
         }
-        ["vm", "start", rest @ ..] => start(state, rest)?,
-        ["vm", "run", rest @ ..] => run_vm(state, rest)?,
-        ["image", "inspect", image] => {
+        ("vm", "start") => start(state, &parse(rest, START_FLAGS, 1)?)?,
+        ("vm", "run") => run_vm(state, &parse(rest, RUN_FLAGS, 1)?)?,
+        ("image", "inspect") => {
+            let p = parse(rest, &[], 1)?;
+            let image = &p.positionals[0];
             if !image_path(state, image).exists() {
                 return Err(format!("image not found: {image}"));
             }
-            format!(r#"{{"name":{}}}"#, serde_json::Value::from(*image))
+            format!(r#"{{"name":{}}}"#, serde_json::Value::from(image.as_str()))
         }
-        ["image", "pull", image] => {
-            let image = plain("image", image)?;
-            write_atomic(&image_path(state, &image), image.as_bytes())
+        ("image", "pull") => {
+            let p = parse(rest, &[], 1)?;
+            let image = &p.positionals[0];
+            write_atomic(&image_path(state, image), image.as_bytes())
                 .map_err(|e| format!("pull {image}: {e}"))?;
             String::new()
         }
@@ -221,35 +280,9 @@ fn inspect_json(r: &MacosRecord) -> String {
     .to_string()
 }
 
-/// `[--vnc D --vnc-password P]` at the front of `args`; returns them and the rest.
-fn take_vnc<'a>(mut args: &'a [&'a str]) -> Result<(Vnc, &'a [&'a str]), String> {
-    let mut vnc = Vnc {
-        display: None,
-        password: None,
-    };
-    loop {
-        match args {
-            ["--vnc", d, rest @ ..] => {
-                vnc.display = Some(d.parse().map_err(|_| format!("bad --vnc {d:?}"))?);
-                args = rest;
-            }
-            ["--vnc-password", p, rest @ ..] => {
-                vnc.password = Some(p.to_string());
-                args = rest;
-            }
-            _ => break,
-        }
-    }
-    vnc.check()?;
-    Ok((vnc, args))
-}
-
-fn start(state: &Path, args: &[&str]) -> Result<String, String> {
-    let (vnc, rest) = take_vnc(args)?;
-    let [name] = rest else {
-        return Err("usage: vm start [--vnc D --vnc-password P] NAME".into());
-    };
-    let mut r = load(state, name)?;
+fn start(state: &Path, p: &Parsed) -> Result<String, String> {
+    let vnc = Vnc::of(p)?;
+    let mut r = load(state, &p.positionals[0])?;
     if pid_alive(r.pid) {
         return Ok(String::new());
     }
@@ -260,40 +293,25 @@ fn start(state: &Path, args: &[&str]) -> Result<String, String> {
     Ok(String::new())
 }
 
-fn run_vm(state: &Path, args: &[&str]) -> Result<String, String> {
-    let mut rest = args;
-    let (mut name, mut cpus, mut memory, mut storage) = (None, 0u64, 0u64, None);
-    let mut vnc = Vnc {
-        display: None,
-        password: None,
+fn run_vm(state: &Path, p: &Parsed) -> Result<String, String> {
+    let vnc = Vnc::of(p)?;
+    let image = p.positionals[0].clone();
+    let name = p
+        .get("name")
+        .ok_or("vm run: --name is required")?
+        .to_string();
+    let number = |flag: &str| -> Result<u64, String> {
+        p.get(flag)
+            .unwrap_or("0")
+            .parse()
+            .map_err(|_| format!("bad --{flag}"))
     };
-    let (mut exit_on_reboot, mut smbios, mut net) = (false, false, false);
-    let image = loop {
-        match rest {
-            ["--name", n, r @ ..] => (name, rest) = (Some(plain("name", n)?), r),
-            ["--cpus", c, r @ ..] => (cpus, rest) = (c.parse().map_err(|_| "bad --cpus")?, r),
-            ["--memory", m, r @ ..] => (memory, rest) = (m.parse().map_err(|_| "bad --memory")?, r),
-            ["--storage", s, r @ ..] => {
-                (storage, rest) = (Some(s.parse::<u64>().map_err(|_| "bad --storage")?), r)
-            }
-            ["--vnc", d, r @ ..] => {
-                vnc.display = Some(d.parse().map_err(|_| format!("bad --vnc {d:?}"))?);
-                rest = r;
-            }
-            ["--vnc-password", p, r @ ..] => (vnc.password, rest) = (Some(p.to_string()), r),
-            ["--exit-on-reboot", r @ ..] => (exit_on_reboot, rest) = (true, r),
-            ["--random-smbios", r @ ..] => (smbios, rest) = (true, r),
-            ["--net", "cni", r @ ..] => (net, rest) = (true, r),
-            [image] => break plain("image", image)?,
-            _ => return Err(format!("vm run: unexpected arguments {rest:?}")),
-        }
-    };
-    vnc.check()?;
-    let name = name.ok_or("vm run: --name is required")?;
+    let (cpus, memory) = (number("cpus")?, number("memory")?);
+    let storage = p.get("storage").map(|_| number("storage")).transpose()?;
     if cpus == 0 || cpus % 2 != 0 || memory == 0 {
         return Err("vm run: --cpus must be even and --memory set".into());
     }
-    if !(exit_on_reboot && smbios && net) {
+    if !(p.has("exit-on-reboot") && p.has("random-smbios") && p.get("net") == Some("cni")) {
         return Err("vm run: --exit-on-reboot --random-smbios --net cni are required".into());
     }
     if !image_path(state, &image).exists() {

@@ -279,6 +279,9 @@ impl RegistryClient {
             .timeout_write(Duration::from_secs(300))
             .max_idle_connections(100)
             .max_idle_connections_per_host(32)
+            // A redirect (a blob served from storage elsewhere) never carries the registry's
+            // credentials, to whatever host or scheme it points.
+            .redirect_auth_headers(ureq::RedirectAuthHeaders::Never)
             .user_agent(USER_AGENT)
             .build();
         RegistryClient {
@@ -517,17 +520,23 @@ impl RegistryClient {
         Ok(())
     }
 
-    /// The realm must be https (http only for an insecure registry) and not a private IP
-    /// literal unless it is the registry host itself.
+    /// The realm gets the registry's credentials, so it must be https, and not a private IP
+    /// literal unless it is the registry host itself. Plain http only where the registry itself
+    /// is plain http (loopback or a private address, see `allows_plain_http`) and only to the
+    /// registry's own host: credentials never cross to another host in the clear.
     fn check_realm(&self, registry_host: &str, realm: &str) -> Result<(), TransferError> {
         let insecure = lock(&self.schemes).get(registry_host).copied() == Some("http");
         let rest = if let Some(r) = realm.strip_prefix("https://") {
             r
-        } else if let Some(r) = realm.strip_prefix("http://").filter(|_| insecure) {
+        } else if let Some(r) = realm.strip_prefix("http://").filter(|r| {
+            let host = strip_port(r.split(['/', '?']).next().unwrap_or(""));
+            insecure && host.eq_ignore_ascii_case(strip_port(registry_host))
+        }) {
             r
         } else {
             return Err(TransferError::Unauthorized(format!(
-                "token realm {realm:?} refused: not https"
+                "token realm {realm:?} refused: credentials go to a realm over https only (plain \
+                 http only on the host of a plain-http registry)"
             )));
         };
         let host_port = rest.split(['/', '?']).next().unwrap_or("");
@@ -575,8 +584,20 @@ impl RegistryClient {
         Ok(st.bearer.as_ref().map(|(t, _)| format!("Bearer {t}")))
     }
 
+    /// Whether a request to `url` may carry the registry's credentials (Basic or Bearer): only
+    /// on the registry's own origin, the scheme it was reached on and its host and port. An
+    /// upload Location on another host, or on `http://` when the registry speaks https, gets
+    /// the request without them.
+    fn credentials_allowed(&self, url: &str, host: &str) -> bool {
+        match (self.scheme_for(host), origin(url)) {
+            (Ok(scheme), Some(to)) => Some(to) == origin(&format!("{scheme}://{host}/")),
+            _ => false,
+        }
+    }
+
     /// One request with session auth; a 401 carrying a bearer challenge refreshes the token
-    /// (new scopes prepended) and re-sends once.
+    /// (new scopes prepended) and re-sends once. A URL off the registry's origin (see
+    /// [`RegistryClient::credentials_allowed`]) is requested without credentials.
     fn exchange(
         &self,
         sess: &Session,
@@ -587,9 +608,17 @@ impl RegistryClient {
     ) -> Result<ureq::Response, HttpFailure> {
         let mut st = lock(&sess.state);
         self.prepare(sess, &mut st).map_err(HttpFailure::Auth)?;
+        let credentials = self.credentials_allowed(url, &sess.host);
+        if !credentials {
+            log::debug!("{method} {url}: off the registry's origin, sent without credentials");
+        }
         let mut reauthed = false;
         loop {
-            let authz = self.auth_header(sess, &mut st).map_err(HttpFailure::Auth)?;
+            let authz = if credentials {
+                self.auth_header(sess, &mut st).map_err(HttpFailure::Auth)?
+            } else {
+                None
+            };
             let mut req = self.agent.request(method, url);
             for (k, v) in headers {
                 req = req.set(k, v);
@@ -618,6 +647,10 @@ impl RegistryClient {
             st = lock(&sess.state);
             match result {
                 Ok(r) => return Ok(r),
+                // Without credentials a 401 is the answer: a fresh token could not be sent.
+                Err(ureq::Error::Status(401, r)) if !credentials => {
+                    return Err(HttpFailure::Status(401, Box::new(r)))
+                }
                 // A bearer challenge on a request (also when the ping asked for none) gets a
                 // token with the scopes it names, once.
                 Err(ureq::Error::Status(401, r)) if !reauthed => {
@@ -1014,10 +1047,12 @@ impl RegistryClient {
     ) -> Result<String, TransferError> {
         let sess = self.session(&self.base.host, repository, "push,pull");
         let what = format!("stream upload to {}/{repository}", sess.host);
-        let authz = {
+        let authz = if self.credentials_allowed(&location, &sess.host) {
             let mut st = lock(&sess.state);
             self.prepare(&sess, &mut st)?;
             self.auth_header(&sess, &mut st)?
+        } else {
+            None
         };
         let mut req = self
             .agent
@@ -1195,6 +1230,30 @@ impl RegistryClient {
 
 /// Temporary for a whole-sequence upload retry: network errors, or status in
 /// {408, 429, 500, 502, 503, 504} without error codes, or only retryable codes.
+/// The origin of an absolute http(s) URL: scheme and authority, lower-cased, the scheme's
+/// default port dropped (`https://R:443/x` and `https://r/y` are one origin). None for anything
+/// else (a relative or malformed URL has no origin to trust).
+fn origin(url: &str) -> Option<(&'static str, String)> {
+    let (scheme, rest, default_port) = if let Some(r) = url.strip_prefix("https://") {
+        ("https", r, ":443")
+    } else if let Some(r) = url.strip_prefix("http://") {
+        ("http", r, ":80")
+    } else {
+        return None;
+    };
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    // Userinfo (`user@host`) would let a URL name one host and reach another in a reader's eye.
+    if authority.is_empty() || authority.contains('@') {
+        return None;
+    }
+    let authority = authority.to_ascii_lowercase();
+    let authority = authority
+        .strip_suffix(default_port)
+        .map(str::to_string)
+        .unwrap_or(authority);
+    Some((scheme, authority))
+}
+
 fn upload_failure_is_temporary(f: &HttpFailure) -> bool {
     match f {
         HttpFailure::Transport(_) => true,
@@ -1396,6 +1455,27 @@ mod tests {
         assert!(n <= SESSION_CACHE, "{n} sessions cached");
         let again = client.session("127.0.0.1:1", "vk/held", "pull");
         assert!(Arc::ptr_eq(&held, &again), "a session in use is kept");
+    }
+
+    #[test]
+    fn origins_compare_scheme_host_and_port() {
+        let o = |u: &str| origin(u);
+        assert_eq!(
+            o("https://Reg.Example:443/v2/x"),
+            o("https://reg.example/v2/y")
+        );
+        assert_eq!(o("http://r:80/a"), o("http://r"));
+        assert_ne!(
+            o("http://reg.example/v2/"),
+            o("https://reg.example/v2/"),
+            "downgrade"
+        );
+        assert_ne!(o("https://reg.example:5000/"), o("https://reg.example/"));
+        assert_ne!(o("https://localhost:5000/"), o("https://127.0.0.1:5000/"));
+        assert_ne!(o("https://other.example/"), o("https://reg.example/"));
+        assert_eq!(o("https://reg.example@evil.example/"), None);
+        assert_eq!(o("/v2/x/blobs/uploads/1"), None);
+        assert_eq!(o("ftp://reg.example/"), None);
     }
 
     #[test]

@@ -30,6 +30,7 @@ impl CocoonChild {
         stdout_piped: bool,
     ) -> Result<Self, TransferError> {
         let what = format!("{} {}", bin.display(), args.join(" "));
+        argv::check(args).map_err(|e| TransferError::Invalid(format!("not run: {what}: {e}")))?;
         let mut child = Command::new(bin)
             .args(args)
             // Own process group: a wrapper (sudo, a script) and its children die together.
@@ -125,6 +126,7 @@ impl CocoonChild {
 
 /// Runs a short cocoon command to completion, returning combined output on failure.
 pub fn run(bin: &Path, args: &[String]) -> Result<(), String> {
+    argv::check(args).map_err(|e| format!("vk-cocoon refused to run cocoon: {e}"))?;
     let out = Command::new(bin)
         .args(args)
         .stdin(Stdio::null())

@@ -139,7 +139,8 @@ pub struct PushRequest {
     /// Caller annotations, merged after the generated ones.
     pub annotations: BTreeMap<String, String>,
     pub knobs: PushKnobs,
-    /// Spool directory (default: the system temp dir).
+    /// Spool directory: the daemon's own (see [`prepare_spool_dir`]); None = the system temp
+    /// dir (library users and tests).
     pub temp_dir: Option<PathBuf>,
 }
 
@@ -561,8 +562,41 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// An unlinked temporary file (prefix `cocoon-snapshot-`): removed from the directory right
-/// after creation, so nothing is left behind whatever happens to the push.
+/// Makes `dir` the daemon's private spool directory: created with mode 0700 when missing; an
+/// existing one must be a real directory (not a symlink) owned by this process's user, and is
+/// narrowed to 0700 when it allows more. A snapshot layer passes through the spool: guest memory
+/// and disk that no other user of the host may read.
+pub fn prepare_spool_dir(dir: &Path) -> Result<(), String> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    let what = |e: &dyn std::fmt::Display| format!("spool directory {}: {e}", dir.display());
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(what(&e)),
+    }
+    // lstat: a symlink is refused, never followed.
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| what(&e))?;
+    if meta.file_type().is_symlink() || !meta.is_dir() {
+        return Err(what(
+            &"is a symlink or not a directory; remove it (vk-cocoon creates it)",
+        ));
+    }
+    let uid = rustix::process::geteuid().as_raw();
+    if meta.uid() != uid {
+        return Err(what(&format!(
+            "is owned by uid {}, not by vk-cocoon's uid {uid}; remove it (vk-cocoon creates it)",
+            meta.uid()
+        )));
+    }
+    if meta.mode() & 0o777 != 0o700 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| what(&e))?;
+    }
+    Ok(())
+}
+
+/// An unlinked temporary file (prefix `cocoon-snapshot-`), mode 0600: removed from the
+/// directory right after creation, so nothing is left behind whatever happens to the push.
 struct Spool {
     file: File,
 }
@@ -583,10 +617,13 @@ impl Spool {
             std::process::id(),
             SPOOL_SEQ.fetch_add(1, Ordering::Relaxed)
         ));
+        use std::os::unix::fs::OpenOptionsExt;
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&path)
             .map_err(|e| TransferError::Io(format!("create spool file {}: {e}", path.display())))?;
         std::fs::remove_file(&path)
@@ -765,6 +802,47 @@ impl<W: Write> Write for HashingWriter<W> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    fn mode(p: &Path) -> u32 {
+        std::fs::symlink_metadata(p).unwrap().mode() & 0o777
+    }
+
+    #[test]
+    fn the_spool_dir_is_private_and_refused_when_not_the_daemons() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("vk-spool");
+        prepare_spool_dir(&dir).unwrap();
+        assert_eq!(mode(&dir), 0o700);
+        // Too wide (an earlier install, a hand-made dir of ours): narrowed.
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        prepare_spool_dir(&dir).unwrap();
+        assert_eq!(mode(&dir), 0o700);
+        // A symlink is never followed, even to a directory of ours.
+        let link = root.path().join("link");
+        std::os::unix::fs::symlink(&dir, &link).unwrap();
+        let e = prepare_spool_dir(&link).unwrap_err();
+        assert!(e.contains("symlink"), "{e}");
+        // Another user's directory is refused (only root can hand one over; tests run as root
+        // where they can).
+        if rustix::process::geteuid().is_root() {
+            let theirs = root.path().join("theirs");
+            std::fs::create_dir(&theirs).unwrap();
+            std::os::unix::fs::chown(&theirs, Some(65534), None).unwrap();
+            let e = prepare_spool_dir(&theirs).unwrap_err();
+            assert!(e.contains("owned by uid 65534"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_spool_file_is_0600_and_already_unlinked() {
+        let root = tempfile::tempdir().unwrap();
+        let spool = Spool::create(Some(root.path())).unwrap();
+        let meta = spool.file.metadata().unwrap();
+        assert_eq!(meta.mode() & 0o777, 0o600);
+        assert_eq!(meta.nlink(), 0, "unlinked at once");
+        assert_eq!(std::fs::read_dir(root.path()).unwrap().count(), 0);
+    }
 
     #[test]
     fn knob_arithmetic() {

@@ -181,7 +181,8 @@ impl World {
         panic!("the daemon found its ports taken five times");
     }
 
-    fn spawn_daemon(&self) -> Child {
+    /// Starts the daemon and returns at once (`start_daemon` waits for its listeners).
+    pub fn spawn_daemon(&self) -> Child {
         let log = std::fs::File::create(self.path("daemon.log")).expect("log file");
         Command::new(world_bin("vk-cocoon", BIN))
             .env_clear()

@@ -83,12 +83,14 @@ impl Pki {
     }
 }
 
-/// The stand-in for `cocoon`: `vm exec [-i] ID -- ARGV` runs ARGV; `vm logs [--tail N] [-f] ID`
-/// prints `<logdir>/<ID>.log` (through tail). The log dir comes first in @ARGV.
+/// The stand-in for `cocoon`: `vm exec [-i] -- ID -- ARGV` runs ARGV; `vm logs [--tail N] [-f]
+/// -- ID` prints `<logdir>/<ID>.log` (through tail). The log dir comes first in @ARGV.
 const STAND_IN: &str = r#"
 my $dir = shift @ARGV; my $grp = shift @ARGV; my $verb = shift @ARGV;
 if ($verb eq 'exec') {
   while (@ARGV) { last if shift(@ARGV) eq '--'; }
+  shift @ARGV;
+  shift @ARGV if @ARGV && $ARGV[0] eq '--';
   exec { $ARGV[0] } @ARGV or do { print STDERR "Error: exec: $!\n"; exit 1 };
 }
 if ($verb eq 'logs') {
@@ -271,7 +273,7 @@ impl Harness {
                         if reqs.is_empty() {
                             break;
                         }
-                        for (id, req) in reqs {
+                        for (id, req, _) in reqs {
                             if req.token.as_deref() == Some("held-token") {
                                 held.insert(id);
                                 continue;

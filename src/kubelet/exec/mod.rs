@@ -264,7 +264,7 @@ mod tests {
         let o = parse_options(&r, false).unwrap();
         assert_eq!(
             exec_argv("/c", "vm1", &o),
-            vec!["/c", "vm", "exec", "-i", "vm1", "--", "sh", "-c", "exit 3"]
+            vec!["/c", "vm", "exec", "-i", "--", "vm1", "--", "sh", "-c", "exit 3"]
         );
         assert!(parse_options(&req("POST /exec/a/b/c?command=x HTTP/1.1\r\n\r\n"), false).is_err());
         assert!(parse_options(

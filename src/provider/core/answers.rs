@@ -355,6 +355,8 @@ pub(super) enum Res {
     VmPid(Option<i64>),
     /// A write of the ownership ledger.
     Owners(Result<(), String>),
+    /// The host's verdict on a source the pod names.
+    Source(SourceVerdict),
 }
 
 impl Res {
@@ -371,6 +373,7 @@ impl Res {
             Res::Pid(_) => "process check",
             Res::VmPid(_) => "pid file",
             Res::Owners(_) => "ownership record",
+            Res::Source(_) => "source check",
         }
     }
 

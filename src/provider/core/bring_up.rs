@@ -171,9 +171,33 @@ impl Provider {
         err: &str,
         retry: bool,
     ) {
+        let how = CreateFailure {
+            reason,
+            metric_reason: "",
+            retry,
+            terminal: false,
+        };
+        self.fail_create_with(key, uid, err, how)
+    }
+
+    /// A failed create as `how` says; `terminal` fails the pod (phase Failed) whatever its
+    /// restart policy: a refusal no retry settles.
+    pub(super) fn fail_create_with(
+        &mut self,
+        key: &PodKey,
+        uid: &str,
+        err: &str,
+        how: CreateFailure,
+    ) {
+        let CreateFailure {
+            reason,
+            metric_reason,
+            retry,
+            terminal,
+        } = how;
         // The retry looks the VM up by name again; an event about it says nothing more (it
         // ends with the op).
-        self.lifecycle_metric("create", "failed", "");
+        self.lifecycle_metric("create", "failed", metric_reason);
         self.event(
             key,
             uid,
@@ -184,7 +208,7 @@ impl Provider {
         self.set_lifecycle(key, State::Failed, err);
         self.event(key, uid, EventType::Warning, "ProviderCreateFailed", err);
         let pod = self.slot(key).tracked.as_ref().map(|t| t.pod.clone());
-        let never = pod.as_deref().map(restart_never).unwrap_or(false);
+        let never = terminal || pod.as_deref().map(restart_never).unwrap_or(false);
         let st = status::provider_failed(never, err);
         let sum = status::summary(&st);
         let now = self.now;

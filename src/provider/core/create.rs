@@ -350,9 +350,16 @@ impl Provider {
         self.advance(key, CreateStep::RunInspect, ask)
     }
 
-    /// The fresh bring-up from the pod's source: a directory, a fork, an image to run, or the
-    /// image's local clone snapshot.
+    /// The fresh bring-up, once the pod's source passed its rules (`source_check`).
     fn fresh_bring_up(&mut self, key: &PodKey, c: &CreateOp) {
+        if self.source_gate(key, c) {
+            self.bring_up_from_source(key, c)
+        }
+    }
+
+    /// The bring-up from the pod's source: a directory, a fork, an image to run, or the
+    /// image's local clone snapshot.
+    pub(super) fn bring_up_from_source(&mut self, key: &PodKey, c: &CreateOp) {
         let spec = &c.spec;
         if let Some(dir) = spec.clone_from_dir.clone() {
             let args = self.clone_args(spec, CloneSource::FromDir(dir), true);
@@ -721,6 +728,9 @@ impl Provider {
             }
             (CreateStep::ForkWait { .. }, Res::Fork(r)) => self.fork_landed(key, &c, r),
             (CreateStep::ImageTag, Res::Evidence(r)) => self.image_tag_read(key, &c, r),
+            (CreateStep::SourceCheck { rule }, Res::Source(v)) => {
+                self.source_checked(key, &c, rule, v)
+            }
             (CreateStep::PullSnapshot, Res::Transfer(r)) => match self.pull_done(key, &c, r) {
                 Ok(_) => {
                     self.metric(MetricUpdate::SnapshotPull { result: "ok" });

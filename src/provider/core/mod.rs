@@ -25,6 +25,8 @@
 //!
 //! Managed macOS guests run through `cocoon-macos` on the same create and delete ops (their
 //! steps are in `macos`), plus a periodic liveness watch that restarts a dead QEMU.
+//! `source_check` is the gate of a fresh bring-up on a source the host would reach (an http(s)
+//! image URL): a broken rule fails the pod for good before anything fetches it.
 //!
 //! Ownership (issue 17): a VM belongs to at most one live pod. A create whose VM name, or
 //! unmanaged VM id, another tracked pod holds is refused for good (phase Failed, Warning,
@@ -53,7 +55,8 @@ use super::spec::{self, Mode, Os, SpecError, VmSpec, ANN_VM_ID, ANN_VM_IP};
 use super::status::{self, StatusSummary};
 use super::{
     pod_backoff, truncate_bytes, Effect, EventType, EvictReason, HibernateTag, Input, KubeError,
-    MetricUpdate, OpId, OrphanPolicy, PodKey, ProviderConfig, VmEventKind,
+    MetricUpdate, OpId, OrphanPolicy, PodKey, ProviderConfig, SourceCheck, SourceVerdict,
+    VmEventKind,
 };
 use super::{LeaseError, TransferError};
 
@@ -73,6 +76,7 @@ mod ledger;
 mod macos;
 mod post_clone;
 mod reclaim;
+mod source_check;
 mod startup;
 mod state;
 #[cfg(test)]
@@ -543,6 +547,7 @@ impl Provider {
             Input::OwnersRecorded { op, result } => self.on_result(op, Res::Owners(result)),
             Input::PidChecked { op, alive } => self.on_result(op, Res::Pid(alive)),
             Input::VmPidRead { op, pid } => self.on_result(op, Res::VmPid(pid)),
+            Input::SourceChecked { op, verdict } => self.on_result(op, Res::Source(verdict)),
             Input::VmEvent { kind, vm } => self.vm_event(kind, vm),
             Input::Readiness {
                 key,

@@ -39,6 +39,10 @@ pub(super) enum CreateStep {
     ForkWait {
         source: String,
     },
+    /// The host checks the source the pod names (`source_check`) before the bring-up.
+    SourceCheck {
+        rule: super::source_check::SourceRule,
+    },
     ImageInspect,
     MaterialiseBase,
     MaterialiseRun,
@@ -68,6 +72,16 @@ pub(super) enum CreateStep {
     MacosRun,
     /// Inspect after `vm start` / `vm run`: the new QEMU's pid, MAC and disk.
     MacosLaunched,
+}
+
+/// How a failed create ends: its Warning reason and lifecycle metric reason, whether it is
+/// retried with backoff, and whether the pod fails for good (phase Failed).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct CreateFailure {
+    pub(super) reason: &'static str,
+    pub(super) metric_reason: &'static str,
+    pub(super) retry: bool,
+    pub(super) terminal: bool,
 }
 
 #[derive(Debug, Clone)]

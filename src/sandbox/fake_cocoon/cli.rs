@@ -59,9 +59,9 @@ pub const GLOBAL: &[Flag] = &[
 #[derive(Debug, Default, Clone)]
 pub struct Parsed {
     values: BTreeMap<String, Vec<String>>,
+    /// Every argument that is not a flag or a flag's value, in order: those before the first
+    /// `--` and everything after it (a later `--` included).
     pub positionals: Vec<String>,
-    /// Everything after the first `--`, when the command stops there.
-    pub rest: Option<Vec<String>>,
 }
 
 impl Parsed {
@@ -92,13 +92,16 @@ impl Parsed {
     }
 }
 
-fn find(flags: &[Flag], pred: impl Fn(&Flag) -> bool) -> Option<&Flag> {
-    flags.iter().chain(GLOBAL.iter()).find(|f| pred(f))
+/// Parses `args` against `flags` (+ cocoon's global flags) as pflag does: flags and
+/// positionals interleave, anything starting with `-` (but `-` itself) is a flag until the
+/// first `--`, which ends the flags and is dropped; everything after it is positional.
+pub fn parse(args: &[String], flags: &[Flag]) -> Result<Parsed, String> {
+    parse_with(args, flags, GLOBAL)
 }
 
-/// Parses `args` against `flags` (+ global flags). With `stop_at_dashdash` the first `--` ends
-/// parsing and the remainder goes to `rest`; otherwise `--` just ends flag parsing.
-pub fn parse(args: &[String], flags: &[Flag], stop_at_dashdash: bool) -> Result<Parsed, String> {
+/// [`parse`] with another program's persistent flags (cocoon-macos has its own).
+pub fn parse_with(args: &[String], flags: &[Flag], globals: &[Flag]) -> Result<Parsed, String> {
+    let find = |pred: &dyn Fn(&Flag) -> bool| flags.iter().chain(globals.iter()).find(|f| pred(f));
     let mut p = Parsed::default();
     let mut i = 0;
     let mut flags_done = false;
@@ -110,10 +113,6 @@ pub fn parse(args: &[String], flags: &[Flag], stop_at_dashdash: bool) -> Result<
             continue;
         }
         if a == "--" {
-            if stop_at_dashdash {
-                p.rest = Some(args[i..].to_vec());
-                return Ok(p);
-            }
             flags_done = true;
             continue;
         }
@@ -122,8 +121,7 @@ pub fn parse(args: &[String], flags: &[Flag], stop_at_dashdash: bool) -> Result<
                 Some((n, v)) => (n, Some(v.to_string())),
                 None => (body, None),
             };
-            let f =
-                find(flags, |f| f.long == name).ok_or_else(|| format!("unknown flag: --{name}"))?;
+            let f = find(&|f| f.long == name).ok_or_else(|| format!("unknown flag: --{name}"))?;
             let value = if f.takes_value {
                 match inline {
                     Some(v) => v,
@@ -140,7 +138,7 @@ pub fn parse(args: &[String], flags: &[Flag], stop_at_dashdash: bool) -> Result<
         } else {
             let body = &a[1..];
             for (pos, c) in body.char_indices() {
-                let f = find(flags, |f| f.short == Some(c))
+                let f = find(&|f| f.short == Some(c))
                     .ok_or_else(|| format!("unknown shorthand flag: '{c}' in -{body}"))?;
                 if f.takes_value {
                     let tail = &body[pos + c.len_utf8()..];
@@ -200,29 +198,32 @@ mod tests {
             flag_s("interactive", 'i'),
             val_s("env", 'e'),
         ];
-        let p = parse(
-            &s("--name=a --pull -o json X -ojson -e A=1 -e B=2"),
-            &flags,
-            false,
-        )
-        .unwrap();
+        let p = parse(&s("--name=a --pull -o json X -ojson -e A=1 -e B=2"), &flags).unwrap();
         assert_eq!(p.get("name"), Some("a"));
         assert_eq!(p.get("pull"), Some("true"));
         assert_eq!(p.get("output"), Some("json"));
         assert_eq!(p.all("env"), &["A=1".to_string(), "B=2".to_string()]);
         assert_eq!(p.positionals, vec!["X"]);
-        let p = parse(&s("-i X -- ls -- -l"), &flags, true).unwrap();
-        assert_eq!(p.rest, Some(s("ls -- -l")));
+        // `--` ends the flags and is dropped; a later one is a positional like the rest.
+        let p = parse(&s("-i X -- ls -- -l"), &flags).unwrap();
+        assert_eq!(p.positionals, s("X ls -- -l"));
+        let p = parse(&s("-i -- --name -x"), &flags).unwrap();
+        assert_eq!((&p.positionals, p.get("name")), (&s("--name -x"), None));
+        // Before `--`, a value that starts with `-` is a flag, as cobra reads it.
         assert_eq!(
-            parse(&s("--foo"), &flags, false).unwrap_err(),
+            parse(&s("-i --all"), &flags).unwrap_err(),
+            "unknown flag: --all"
+        );
+        assert_eq!(
+            parse(&s("--foo"), &flags).unwrap_err(),
             "unknown flag: --foo"
         );
         assert_eq!(
-            parse(&s("-x"), &flags, false).unwrap_err(),
+            parse(&s("-x"), &flags).unwrap_err(),
             "unknown shorthand flag: 'x' in -x"
         );
         assert_eq!(
-            parse(&s("--name"), &flags, false).unwrap_err(),
+            parse(&s("--name"), &flags).unwrap_err(),
             "flag needs an argument: --name"
         );
         assert_eq!(

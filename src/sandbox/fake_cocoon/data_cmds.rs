@@ -61,7 +61,7 @@ fn safe_member(name: &str) -> bool {
 }
 
 fn save(store: &Store, args: &[String], fault: &VerbFault) -> CmdResult {
-    let p = cli::parse(args, &[val("name"), val("description")], false)?;
+    let p = cli::parse(args, &[val("name"), val("description")])?;
     let [vm_ref] = p.positionals.as_slice() else {
         return Err(format!(
             "accepts 1 arg(s), received {}",
@@ -226,7 +226,7 @@ fn hex_name(name: &str) -> String {
 }
 
 fn snap_inspect(store: &Store, args: &[String]) -> CmdResult {
-    let p = cli::parse(args, &[val_s("output", 'o')], false)?;
+    let p = cli::parse(args, &[val_s("output", 'o')])?;
     let [r] = p.positionals.as_slice() else {
         return Err(format!(
             "accepts 1 arg(s), received {}",
@@ -277,7 +277,7 @@ fn lease_held(store: &Store, id: &str) -> bool {
 }
 
 fn snap_rm(store: &Store, args: &[String]) -> CmdResult {
-    let p = cli::parse(args, &[flag_s("force", 'f')], false)?;
+    let p = cli::parse(args, &[flag_s("force", 'f')])?;
     if p.positionals.is_empty() {
         return Err("requires at least 1 arg(s), only received 0".into());
     }
@@ -312,7 +312,7 @@ fn snap_rm(store: &Store, args: &[String]) -> CmdResult {
 }
 
 fn snap_list(store: &Store, args: &[String]) -> CmdResult {
-    let p = cli::parse(args, &[val_s("output", 'o'), val("format")], false)?;
+    let p = cli::parse(args, &[val_s("output", 'o'), val("format")])?;
     let snaps = store.load_snapshots();
     if p.get("output") == Some("json") || p.get("format") == Some("json") {
         return print_json(&snaps);
@@ -384,7 +384,7 @@ fn discard_archive(input: &mut dyn Read, snapshot: bool) -> Result<(u64, u64), S
 }
 
 fn snap_import(store: &Store, args: &[String], discard: bool) -> CmdResult {
-    let p = cli::parse(args, &[val("name"), val("description")], false)?;
+    let p = cli::parse(args, &[val("name"), val("description")])?;
     let mut input = open_input(p.positionals.first().map(String::as_str))?;
     let result = if discard {
         discard_archive(&mut *input, true).map(|(members, bytes)| {
@@ -574,7 +574,7 @@ fn members_path(store: &Store, id: &str) -> PathBuf {
 }
 
 fn snap_export(store: &Store, args: &[String], truncate_after: u64) -> CmdResult {
-    let p = cli::parse(args, &[val_s("output", 'o'), val("to-dir")], false)?;
+    let p = cli::parse(args, &[val_s("output", 'o'), val("to-dir")])?;
     let [r] = p.positionals.as_slice() else {
         return Err(format!(
             "accepts 1 arg(s), received {}",
@@ -675,7 +675,7 @@ fn image_id_for(bytes: &[u8]) -> String {
 }
 
 fn pull(store: &Store, args: &[String]) -> CmdResult {
-    let p = cli::parse(args, &[flag("force"), val_s("output", 'o')], false)?;
+    let p = cli::parse(args, &[flag("force"), val_s("output", 'o')])?;
     let [r] = p.positionals.as_slice() else {
         return Err(format!(
             "accepts 1 arg(s), received {}",
@@ -704,7 +704,7 @@ fn pull(store: &Store, args: &[String]) -> CmdResult {
 }
 
 fn image_inspect(store: &Store, args: &[String]) -> CmdResult {
-    let p = cli::parse(args, &[val_s("output", 'o')], false)?;
+    let p = cli::parse(args, &[val_s("output", 'o')])?;
     let [r] = p.positionals.as_slice() else {
         return Err(format!(
             "accepts 1 arg(s), received {}",
@@ -741,7 +741,7 @@ fn discard_image(input: &mut dyn Read) -> CmdResult {
 }
 
 fn image_import(store: &Store, args: &[String], discard: bool) -> CmdResult {
-    let p = cli::parse(args, &[val("type")], false)?;
+    let p = cli::parse(args, &[val("type")])?;
     let Some(name) = p.positionals.first().cloned() else {
         return Err("requires at least 1 arg(s), only received 0".into());
     };
@@ -807,7 +807,7 @@ fn image_import(store: &Store, args: &[String], discard: bool) -> CmdResult {
 }
 
 fn image_list(store: &Store, args: &[String]) -> CmdResult {
-    let p = cli::parse(args, &[val_s("output", 'o'), val("format")], false)?;
+    let p = cli::parse(args, &[val_s("output", 'o'), val("format")])?;
     let imgs = store.load_images();
     if p.get("output") == Some("json") || p.get("format") == Some("json") {
         return print_json(&imgs);
@@ -822,7 +822,7 @@ fn image_list(store: &Store, args: &[String]) -> CmdResult {
 }
 
 fn image_rm(store: &Store, args: &[String]) -> CmdResult {
-    let p = cli::parse(args, &[flag_s("force", 'f')], false)?;
+    let p = cli::parse(args, &[flag_s("force", 'f')])?;
     let _guard = store.lock().map_err(io_err("lock"))?;
     for r in &p.positionals {
         let img = store

@@ -282,7 +282,7 @@ fn run(args: &[String]) -> CmdResult {
     let known_groups = ["vm", "snapshot", "image", "fake", "version", "gc"];
     if group.starts_with('-') || !known_groups.contains(&group.as_str()) {
         if group.starts_with('-') {
-            cli::parse(&words, &[], false)?;
+            cli::parse(&words, &[])?;
         }
         eprintln!("Error: unknown command \"{group}\" for \"cocoon\"");
         eprintln!("Run 'cocoon --help' for usage.");
@@ -309,7 +309,7 @@ fn run(args: &[String]) -> CmdResult {
         && ["reconcile-stale-create", "exec", "logs", "net"].contains(&verb.as_str());
     if !known || gen_b_missing {
         // The framework: undefined flags fail first; otherwise the group help, exit 0.
-        cli::parse(&rest, &[], false)?;
+        cli::parse(&rest, &[])?;
         let help = match group.as_str() {
             "vm" => VM_HELP,
             "snapshot" => SNAPSHOT_HELP,

@@ -324,7 +324,7 @@ fn read_snapshot_dir(dir: &str) -> Result<Snapshot, String> {
 }
 
 fn clone(store: &Store, args: &[String], fault: &VerbFault) -> CmdResult {
-    let p = cli::parse(args, CLONE_FLAGS, false)?;
+    let p = cli::parse(args, CLONE_FLAGS)?;
     let from_dir = p.get("from-dir").map(str::to_string);
     let snap = match (&from_dir, p.positionals.as_slice()) {
         (Some(_), [_, ..]) => {
@@ -484,7 +484,7 @@ fn default_run_name(image: &str) -> String {
 }
 
 fn run(store: &Store, args: &[String], fault: &VerbFault, start: bool) -> CmdResult {
-    let p = cli::parse(args, RUN_FLAGS, false)?;
+    let p = cli::parse(args, RUN_FLAGS)?;
     let [image_ref] = p.positionals.as_slice() else {
         return Err(format!(
             "accepts 1 arg(s), received {}",
@@ -593,7 +593,7 @@ fn shown(store: &Store, sv: &StoredVm, reconcile: bool) -> Vm {
 }
 
 fn inspect(store: &Store, args: &[String]) -> CmdResult {
-    let p = cli::parse(args, &[val_s("output", 'o'), val("format")], false)?;
+    let p = cli::parse(args, &[val_s("output", 'o'), val("format")])?;
     let [r] = p.positionals.as_slice() else {
         return Err(format!(
             "accepts 1 arg(s), received {}",
@@ -612,7 +612,7 @@ fn inspect(store: &Store, args: &[String]) -> CmdResult {
 }
 
 fn list(store: &Store, args: &[String]) -> CmdResult {
-    let p = cli::parse(args, &[val_s("format", 'o'), flag_s("quiet", 'q')], false)?;
+    let p = cli::parse(args, &[val_s("format", 'o'), flag_s("quiet", 'q')])?;
     let vms: Vec<Vm> = store
         .load_vms()
         .iter()
@@ -651,7 +651,7 @@ fn remove_vm_files(store: &Store, vm: &Vm) {
 }
 
 fn rm(store: &Store, args: &[String]) -> CmdResult {
-    let p = cli::parse(args, &[flag_s("force", 'f'), val_s("output", 'o')], false)?;
+    let p = cli::parse(args, &[flag_s("force", 'f'), val_s("output", 'o')])?;
     if p.positionals.is_empty() {
         return Err("requires at least 1 arg(s), only received 0".into());
     }
@@ -687,7 +687,7 @@ fn rm(store: &Store, args: &[String]) -> CmdResult {
 }
 
 fn start(store: &Store, args: &[String]) -> CmdResult {
-    let p = cli::parse(args, &[val_s("output", 'o')], false)?;
+    let p = cli::parse(args, &[val_s("output", 'o')])?;
     if p.positionals.is_empty() {
         return Err("requires at least 1 arg(s), only received 0".into());
     }
@@ -734,7 +734,7 @@ fn mark_stopped(store: &Store, sv: &mut StoredVm, reason: &str) -> Result<(), St
 }
 
 fn stop(store: &Store, args: &[String]) -> CmdResult {
-    let p = cli::parse(args, &[val_s("output", 'o'), flag_s("force", 'f')], false)?;
+    let p = cli::parse(args, &[val_s("output", 'o'), flag_s("force", 'f')])?;
     for r in &p.positionals {
         let mut sv = resolve(store, r)?;
         mark_stopped(store, &mut sv, "stop-user")?;
@@ -746,7 +746,6 @@ fn status(store: &Store, args: &[String], fault: &VerbFault) -> CmdResult {
     let p = cli::parse(
         args,
         &[flag("event"), val("format"), val_s("interval", 'n')],
-        false,
     )?;
     let interval = Duration::from_secs(p.num("interval")?.unwrap_or(5).max(1));
     if p.has("event") {
@@ -777,14 +776,13 @@ fn exec(store: &Store, args: &[String]) -> CmdResult {
             val_s("env", 'e'),
             flag_s("tty", 't'),
         ],
-        true,
     )?;
-    let (vm_ref, mut command) = match (p.positionals.as_slice(), &p.rest) {
-        ([vm], Some(rest)) => (vm.clone(), rest.clone()),
-        ([vm, more @ ..], None) => (vm.clone(), more.to_vec()),
-        ([], _) => return Err("exec: requires a VM argument".into()),
-        (_, Some(_)) => return Err("exec: expected exactly one VM before --".into()),
+    // As cocoon: the first positional is the VM, the rest the command, less one leading `--`
+    // (the first `--` already ended the flags, wherever it stood).
+    let Some((vm_ref, command)) = p.positionals.split_first() else {
+        return Err("exec: requires a VM argument".into());
     };
+    let (vm_ref, mut command) = (vm_ref.clone(), command.to_vec());
     if command.first().map(String::as_str) == Some("--") {
         command.remove(0);
     }
@@ -897,7 +895,7 @@ fn guest_command(
 }
 
 fn logs(store: &Store, args: &[String]) -> CmdResult {
-    let p = cli::parse(args, &[val("tail"), flag_s("follow", 'f')], false)?;
+    let p = cli::parse(args, &[val("tail"), flag_s("follow", 'f')])?;
     let [r] = p.positionals.as_slice() else {
         return Err(format!(
             "accepts 1 arg(s), received {}",
@@ -950,7 +948,7 @@ fn logs(store: &Store, args: &[String]) -> CmdResult {
 }
 
 fn net(store: &Store, args: &[String]) -> CmdResult {
-    let p = cli::parse(args, &[val("nics"), val_s("output", 'o')], false)?;
+    let p = cli::parse(args, &[val("nics"), val_s("output", 'o')])?;
     let [r] = p.positionals.as_slice() else {
         return Err(format!(
             "accepts 1 arg(s), received {}",
@@ -993,7 +991,7 @@ fn net(store: &Store, args: &[String]) -> CmdResult {
 }
 
 fn reconcile_stale_create(store: &Store, args: &[String]) -> CmdResult {
-    let p = cli::parse(args, &[val_s("output", 'o')], false)?;
+    let p = cli::parse(args, &[val_s("output", 'o')])?;
     let [r] = p.positionals.as_slice() else {
         return Err(format!(
             "accepts 1 arg(s), received {}",
@@ -1066,7 +1064,7 @@ pub fn set_state(store: &Store, r: &str, state: &str) -> Result<(), String> {
 }
 
 pub fn fake(store: &Store, verb: &str, args: &[String]) -> CmdResult {
-    let p = cli::parse(args, &[flag("stale")], false)?;
+    let p = cli::parse(args, &[flag("stale")])?;
     match (verb, p.positionals.as_slice()) {
         ("stop-vm", [r]) => stop_on_its_own(store, r, p.has("stale")).map(|_| 0),
         ("vanish", [r]) => vanish(store, r).map(|_| 0),

@@ -321,7 +321,7 @@ fn run_mode_pulls_the_image_then_runs_with_resources() {
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(op, CocoonResult::ok(""));
     let (op, cmd) = one_cocoon(&e);
-    assert_eq!(argv(&cmd), "image pull --force -- team/agent:v3");
+    assert_eq!(argv(&cmd), "image pull --force team/agent:v3");
     let e = h.cocoon(op, CocoonResult::ok(""));
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(
@@ -359,13 +359,26 @@ fn run_mode_pulls_the_image_then_runs_with_resources() {
 
 #[test]
 fn clone_from_dir_uses_from_dir_and_counts() {
-    let mut h = H::new(ProviderConfig::default());
+    let mut h = H::new(ProviderConfig {
+        clone_from_dir_root: Some("/srv".into()),
+        ..Default::default()
+    });
     let mut ann = managed("a", "vk-ns-demo-0");
     ann.push((ANN_CLONE_FROM_DIR, "/srv/snap".into()));
     let e = h.feed(Input::PodUpserted(Box::new(mk("a", "u1", &ann))));
     let e = no_evidence(&mut h, &e);
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(op, CocoonResult::ok(""));
+    // The daemon walked the directory (`source_check`).
+    let op = e
+        .iter()
+        .find_map(|x| match x {
+            Effect::CheckSource { op, .. } => Some(*op),
+            _ => None,
+        })
+        .expect("the directory is checked first");
+    let verdict = SourceVerdict::Allowed;
+    let e = h.feed(Input::SourceChecked { op, verdict });
     let (op, cmd) = one_cocoon(&e);
     let a = argv(&cmd);
     assert!(a.ends_with("--from-dir /srv/snap"), "{a}");

@@ -203,7 +203,7 @@ fn an_untracked_pod_being_deleted_loses_the_vm_a_killed_daemon_was_cloning() {
     let e = answer(
         &mut h,
         &e,
-        "vm reconcile-stale-create VM1 -o json",
+        "vm reconcile-stale-create -o json VM1",
         CocoonResult::ok(r#"{"id":"VM1","outcome":"busy"}"#),
     );
     assert!(cocoon_ops(&e).is_empty() && deletes(&e).is_empty(), "{e:?}");

@@ -39,7 +39,7 @@ fn startup_adopts_by_id_and_name_and_destroys_orphans() {
         owners: owned_vms(&[("vk-ns-demo-1", "ns")]),
     });
     let (op, cmd) = one_cocoon(&e);
-    assert_eq!(argv(&cmd), "vm reconcile-stale-create V4 -o json");
+    assert_eq!(argv(&cmd), "vm reconcile-stale-create -o json V4");
     let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"V4","outcome":"collected"}"#));
     assert!(has_metric(
         &e,
@@ -447,7 +447,7 @@ fn a_vm_removed_or_stopped_during_the_startup_reconcile_is_checked_once_it_ends(
             owners: Default::default(),
         });
         let (stale, cmd) = one_cocoon(&e);
-        assert_eq!(argv(&cmd), "vm reconcile-stale-create V4 -o json");
+        assert_eq!(argv(&cmd), "vm reconcile-stale-create -o json V4");
         let e = h.feed(Input::VmEvent {
             kind,
             vm: vm_info("V1", "vk-ns-demo-0", state),
