@@ -51,7 +51,8 @@ pub const VARIABLES: &[Variable] = &[
     var("VK_ORPHAN_POLICY", "destroy", "What to do with VMs that have no pod at startup: `destroy`, `alert` or `keep`."),
     var("VK_RESTORE_MODE", "mmap", "Snapshot restore mode: `copy`, `ondemand` or `mmap`."),
     var("VK_STAGING_DIR", "/var/lib/cocoon/vk-staging", "Peer-restore staging directory."),
-    var("VK_PEER_ADDR", ":12501", "Peer snapshot HTTP listener (`host:port`); its port is dialled on peers."),
+    var("VK_STATE_DIR", "/var/lib/cocoon/vk-state", "The daemon's own records (mode 0700): the manifest digest of every snapshot this node pushed, which peers must name."),
+    var("VK_PEER_ADDR", ":12501", "Peer snapshot listener (`host:port`, TLS with node client certificates only); its port is dialled on peers."),
     var("VK_COCOON_SNAPSHOT_DIR", "/var/lib/cocoon/snapshot/localfile", "Snapshot store served to peers."),
     var("VK_TLS_CERT", "/etc/cocoon/vk/tls/vk-kubelet.crt", "Kubelet API serving certificate."),
     var("VK_TLS_KEY", "/etc/cocoon/vk/tls/vk-kubelet.key", "Kubelet API serving key."),
@@ -175,6 +176,7 @@ pub struct Config {
     pub orphan_policy: OrphanPolicy,
     pub restore_mode: RestoreMode,
     pub staging_dir: PathBuf,
+    pub state_dir: PathBuf,
     pub peer_addr: ListenAddr,
     pub cocoon_snapshot_dir: PathBuf,
     pub tls_cert: PathBuf,
@@ -565,6 +567,7 @@ impl Config {
             orphan_policy,
             restore_mode,
             staging_dir: path_or(env, "VK_STAGING_DIR", "/var/lib/cocoon/vk-staging"),
+            state_dir: path_or(env, "VK_STATE_DIR", "/var/lib/cocoon/vk-state"),
             peer_addr: listen_addr(env, "VK_PEER_ADDR", ":12501")?,
             cocoon_snapshot_dir: path_or(
                 env,
@@ -764,6 +767,7 @@ mod tests {
         assert_eq!(c.orphan_policy, OrphanPolicy::Destroy);
         assert_eq!(c.restore_mode, RestoreMode::Mmap);
         assert_eq!(c.staging_dir, PathBuf::from("/var/lib/cocoon/vk-staging"));
+        assert_eq!(c.state_dir, PathBuf::from("/var/lib/cocoon/vk-state"));
         assert_eq!(
             c.peer_addr,
             ListenAddr {

@@ -68,6 +68,7 @@ fn base_command(dir: &std::path::Path, api: &Api) -> Command {
         .env("VK_TLS_KEY", d("tls.key"))
         .env("COCOON_ROOT_DIR", d("root"))
         .env("VK_STAGING_DIR", d("staging"))
+        .env("VK_STATE_DIR", d("vk-state"))
         .env("VK_COCOON_SNAPSHOT_DIR", d("snapshots"))
         .env("VK_LEASES_PATH", d("leases.json"))
         .env("VK_COCOON_NET_CONTROL_SOCKET", "")

@@ -239,6 +239,7 @@ impl Sandbox {
             ("VK_TLS_CERT", String::new()),
             ("VK_TLS_KEY", String::new()),
             ("VK_STAGING_DIR", p(&self.dir.join("staging"))),
+            ("VK_STATE_DIR", p(&self.dir.join("vk-state"))),
             // The fake cocoon keeps each snapshot's data files in `snapshots/<ID>/`.
             ("VK_COCOON_SNAPSHOT_DIR", p(&self.state.join("snapshots"))),
             (

@@ -100,9 +100,11 @@ impl World {
         .expect("symlink");
         api.write_kubeconfig(
             &dir.path().join("kubeconfig"),
+            // The fake's authority writes one O, the last group: a node's, as a kubelet's
+            // certificate has (the peer listener checks it); the API server knows both.
             &KubeconfigAuth::ClientCert {
                 user: format!("system:node:{node}"),
-                groups: vec!["system:nodes".into(), "system:masters".into()],
+                groups: vec!["system:masters".into(), "system:nodes".into()],
             },
         )
         .expect("kubeconfig");
@@ -204,6 +206,7 @@ impl World {
             .env("VK_TLS_CERT", "")
             .env("VK_TLS_KEY", "")
             .env("VK_STAGING_DIR", self.path("staging"))
+            .env("VK_STATE_DIR", self.path("vk-state"))
             .env("VK_PEER_ADDR", "127.0.0.1:0")
             .env("VK_COCOON_SNAPSHOT_DIR", self.path("state/snapshots"))
             .env("OCI_REGISTRY", self.registry_base())
