@@ -18,6 +18,7 @@ fn run(dir: &std::path::Path, extra: &[(&str, &str)]) -> (Option<i32>, String) {
         .env("VK_NODE_IP", "127.0.0.1")
         .env("VK_METRICS_ADDR", "127.0.0.1:0")
         .env("VK_PEER_ADDR", "127.0.0.1:0")
+        .env("VK_STATE_DIR", dir.join("vk-state"))
         .env("VK_KUBELET_PORT", "0");
     for (k, v) in extra {
         cmd.env(k, v);

@@ -1,5 +1,6 @@
-//! Benchmark of a peer restore of a 1 GiB snapshot against `curl` fetching the same slices
-//! from the same listener. Ignored by default; run in release mode:
+//! Benchmark of a peer restore of a 1 GiB snapshot over TLS (a node client certificate, the
+//! tag's manifest digest) against `curl` fetching the same slices from the same listener with
+//! the same certificate. Ignored by default; run in release mode:
 //!
 //!     cargo test --release --test peer_bench -- --ignored --nocapture
 //!
@@ -13,9 +14,11 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vk_cocoon::peer::client::SLICE_STREAMS;
+use vk_cocoon::kubelet::tls::{TlsSettings, TlsState};
+use vk_cocoon::peer::client::{client_tls, SLICE_STREAMS};
 use vk_cocoon::peer::wire::Plan;
-use vk_cocoon::peer::{restore, AllowedPeers, PeerRestore, PeerServer};
+use vk_cocoon::peer::{restore, ClusterNodes, PeerRestore, PeerServer, PushedSnapshots, Serving};
+use vk_cocoon::sandbox::apiserver::{ApiServer, ApiServerOptions};
 use vk_cocoon::snapshots::client::sha256_digest;
 use vk_cocoon::snapshots::format::{LayerRef, SnapshotConfig};
 
@@ -62,13 +65,37 @@ fn peer_restore_vs_curl() {
     write_dense(&served.join(ID).join("memory-ranges"), mib);
     std::fs::write(served.join(ID).join("config.json"), b"{}").unwrap();
 
-    let peers = Arc::new(AllowedPeers::default());
-    peers.replace(["127.0.0.1".parse().unwrap()]);
+    // The cluster CA (the fake API server's) and node-b's client certificate, also as files
+    // for curl.
+    let api = ApiServer::start(ApiServerOptions::default()).unwrap();
+    let (cert, key) = api
+        .issue_client_cert_with_groups("system:node:node-b", &["vk-cocoon:nodes"])
+        .unwrap();
+    let (cert_file, key_file) = (dir.path().join("node-b.crt"), dir.path().join("node-b.key"));
+    std::fs::write(&cert_file, &cert).unwrap();
+    std::fs::write(&key_file, &key).unwrap();
+    let nodes = Arc::new(ClusterNodes::default());
+    nodes.replace([("node-b".to_string(), "127.0.0.1".parse().unwrap())]);
+    let digest = sha256_digest(b"the manifest of vk-bench:hibernate");
+    let pushed = Arc::new(PushedSnapshots::in_memory());
+    pushed.record("vk-bench", "hibernate", &digest, ID).unwrap();
+    let tls = TlsState::requiring_client_certs(TlsSettings {
+        cert_path: Default::default(),
+        key_path: Default::default(),
+        node_name: "node-a".into(),
+        node_ip: None,
+        client_ca_pem: Some(api.ca_pem().into_bytes()),
+    })
+    .unwrap();
     let server = PeerServer::start(
         "127.0.0.1:0".parse().unwrap(),
-        served.clone(),
-        peers,
-        Arc::new(|_: &str| Ok(Some(ID.to_string()))),
+        Serving {
+            root: served.clone(),
+            resolve: Arc::new(|_: &str| Ok(Some(ID.to_string()))),
+            pushed,
+            nodes,
+            tls,
+        },
     )
     .unwrap();
     let addr: SocketAddr = server.local_addr();
@@ -95,6 +122,8 @@ fn peer_restore_vs_curl() {
                 }
             })
             .collect(),
+        manifest_digest: digest.clone(),
+        tls: client_tls(cert.as_bytes(), key.as_bytes()).unwrap(),
         staging_root: staging.clone(),
         streams: 1,
     };
@@ -102,11 +131,18 @@ fn peer_restore_vs_curl() {
         streams: SLICE_STREAMS,
         ..req.clone()
     };
+    let curl_tls = [
+        "-skf".to_string(),
+        "--cert".to_string(),
+        cert_file.to_string_lossy().into_owned(),
+        "--key".to_string(),
+        key_file.to_string_lossy().into_owned(),
+    ];
     let plan_text = Command::new("curl")
-        .args([
-            "-sf",
-            &format!("http://{addr}/v1/snapshot-plan?name=vk-bench"),
-        ])
+        .args(&curl_tls)
+        .arg(format!(
+            "https://{addr}/v1/snapshot-plan?name=vk-bench&digest={digest}"
+        ))
         .output()
         .unwrap();
     let plan: Plan = serde_json::from_slice(&plan_text.stdout).unwrap();
@@ -133,7 +169,7 @@ fn peer_restore_vs_curl() {
 
         let out = dir.path().join("curl");
         std::fs::create_dir_all(&out).unwrap();
-        let mut args = vec!["-sf".to_string()];
+        let mut args = curl_tls.to_vec();
         for f in &plan.files {
             for (i, s) in f.slices.iter().enumerate() {
                 args.push("-o".into());
@@ -143,7 +179,7 @@ fn peer_restore_vs_curl() {
                         .into_owned(),
                 );
                 args.push(format!(
-                    "http://{addr}/v1/snapshot-slice?id={ID}&file={}&offset={}&length={}",
+                    "https://{addr}/v1/snapshot-slice?id={ID}&file={}&offset={}&length={}&digest={digest}",
                     f.name, s.offset, s.length
                 ));
             }

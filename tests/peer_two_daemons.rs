@@ -1,7 +1,9 @@
 //! Two real daemons in one cluster (one fake API server, one real registry, a fake cocoon per
 //! node): node A hibernates a pod, the pod comes back on node B, and B restores it from A's
-//! peer listener rather than the registry, with the guest's data. A copy from A that is not
-//! what the tag holds (right length, right CRCs, other bytes) is refused and B pulls the tag.
+//! peer listener over TLS (B's node certificate, the tag's manifest digest) rather than the
+//! registry, with the guest's data. B pulls the tag instead when A's copy is not what the tag
+//! holds (right length, right CRCs, other bytes), when A refuses because the tag is no longer
+//! the one A pushed, and when B has no client certificate to present.
 
 mod daemon_support;
 
@@ -10,6 +12,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use daemon_support::{annotation, free_ports, metric_value, phase, running_with_vm, World};
+use vk_cocoon::sandbox::apiserver::KubeconfigAuth;
 use vk_cocoon::sandbox::demo_pod;
 use vk_cocoon::snapshots::manifest_info;
 
@@ -33,9 +36,15 @@ fn guest_data(w: &World, vm_id: &str) -> PathBuf {
 /// their peer listeners on one port, each on its own address. B runs first, so A's first Node
 /// list already names B (A answers only cluster nodes).
 fn cluster() -> (World, World) {
+    cluster_where(|_| {})
+}
+
+/// `cluster()` with `prepare` run on B before it starts.
+fn cluster_where(prepare: impl FnOnce(&World)) -> (World, World) {
     let [peer_port] = free_ports();
     let mut a = World::new();
     let mut b = a.beside(NODE_B, "127.0.0.2");
+    prepare(&b);
     for w in [&mut a, &mut b] {
         let leases = w.path("net/leases.json").display().to_string();
         w.extra_env = vec![
@@ -123,6 +132,37 @@ fn recreate_on_b(a: &World, b: &World) -> String {
     })
 }
 
+/// The daemon's log lines about peers, for a failure message.
+fn peer_lines(w: &World) -> String {
+    let log = w.log();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("peer") && !l.contains("ureq"))
+        .collect();
+    lines.join("\n")
+}
+
+/// B tried A once, failed, pulled the tag and woke the pod from it.
+fn woke_from_the_registry_after_the_peer_failed(b: &World) {
+    assert_eq!(
+        counter(
+            b,
+            "vk_cocoon_snapshot_peer_restore_total{result=\"failed\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        counter(b, "vk_cocoon_snapshot_pull_total{result=\"ok\"}"),
+        1.0
+    );
+    let events = b.events_for(POD);
+    let woken = format!("cloned from registry {VM}:hibernate");
+    assert!(
+        events.iter().any(|(r, m)| r == "Woken" && *m == woken),
+        "{events:?}"
+    );
+}
+
 fn counter(w: &World, line: &str) -> f64 {
     metric_value(&w.metrics(), line).unwrap_or(0.0)
 }
@@ -148,7 +188,9 @@ fn node_b_wakes_a_pod_hibernated_on_node_a_from_its_peer_listener() {
     let woken = format!("cloned from peer {}", a.node);
     assert!(
         events.iter().any(|(r, m)| r == "Woken" && *m == woken),
-        "{events:?}"
+        "{events:?}\nB: {}\nA: {}",
+        peer_lines(&b),
+        peer_lines(&a)
     );
     // The peer path, not the registry: B restored from A and pulled nothing.
     assert_eq!(
@@ -186,26 +228,70 @@ fn a_peer_copy_that_is_not_the_tags_content_falls_back_to_the_registry() {
         DATA,
         "the registry's bytes, not A's"
     );
-    assert_eq!(
-        counter(
-            &b,
-            "vk_cocoon_snapshot_peer_restore_total{result=\"failed\"}"
-        ),
-        1.0
-    );
-    assert_eq!(
-        counter(&b, "vk_cocoon_snapshot_pull_total{result=\"ok\"}"),
-        1.0
-    );
-    let events = b.events_for(POD);
-    let woken = format!("cloned from registry {VM}:hibernate");
-    assert!(
-        events.iter().any(|(r, m)| r == "Woken" && *m == woken),
-        "{events:?}"
-    );
+    woke_from_the_registry_after_the_peer_failed(&b);
     assert!(
         b.log().contains("sha256"),
         "the digest check refused A's copy"
     );
     staging_empties(&b);
+}
+
+/// The tag is pushed again after A's hibernate (same bytes, a new manifest, A still named as
+/// its from-node): A recorded the digest of its own push, so it refuses B, and B pulls the tag.
+#[test]
+fn a_peer_that_did_not_push_the_tag_refuses_and_the_registry_serves_it() {
+    let (a, b) = cluster();
+    hibernate_on_a(&a);
+    let pushed = manifest_info(&a.registry_client(), VM, "hibernate")
+        .unwrap()
+        .unwrap();
+    a.push_snapshot(VM, "hibernate", pushed.base_image().unwrap_or(""));
+    let now = manifest_info(&a.registry_client(), VM, "hibernate")
+        .unwrap()
+        .unwrap();
+    assert_ne!(now.digest, pushed.digest, "a new manifest");
+    assert_eq!(now.from_node(), Some(a.node.as_str()));
+
+    let id = recreate_on_b(&a, &b);
+    assert_eq!(fs::read(guest_data(&b, &id)).unwrap(), DATA);
+    woke_from_the_registry_after_the_peer_failed(&b);
+    assert!(b.log().contains("HTTP 404"), "A refused the digest");
+    staging_empties(&b);
+}
+
+/// B's kubeconfig holds a bearer token, no client certificate: B says at start that it will
+/// not restore from peers, never dials A, and wakes the pod from the registry.
+#[test]
+fn a_node_without_a_client_certificate_pulls_from_the_registry() {
+    let (a, b) = cluster_where(|b| {
+        b.api
+            .write_kubeconfig(
+                &b.path("kubeconfig"),
+                &KubeconfigAuth::Token("node-b-token".into()),
+            )
+            .unwrap();
+    });
+    assert!(
+        b.log()
+            .contains("peer restore off: the kubeconfig has no client certificate"),
+        "{}",
+        b.log()
+    );
+    hibernate_on_a(&a);
+    let id = recreate_on_b(&a, &b);
+    assert_eq!(fs::read(guest_data(&b, &id)).unwrap(), DATA);
+    assert_eq!(
+        counter(&b, "vk_cocoon_snapshot_pull_total{result=\"ok\"}"),
+        1.0
+    );
+    assert!(b.log().contains("peer restore of vk-default-p0: skipped"));
+    assert_eq!(
+        metric_value(
+            &a.metrics(),
+            "vk_cocoon_connections_refused_total{listener=\"peer\",reason=\"not_a_node_certificate\"}"
+        )
+        .unwrap_or(0.0),
+        0.0,
+        "B never dialled A"
+    );
 }

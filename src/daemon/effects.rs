@@ -263,14 +263,29 @@ impl Daemon {
                 let _ = local_name;
                 // The effect carries no namespace; the histogram's label stays empty.
                 let namespace = String::new();
+                let pushed = self.peer.pushed.clone();
                 self.transfer(op, move |registry| {
                     let started = Instant::now();
-                    let r = push_snapshot(registry, &push).map(|_| String::new());
+                    let r = push_snapshot(registry, &push);
                     metrics
                         .snapshot_push_duration_seconds
                         .with_label_values(&[&namespace])
                         .observe(started.elapsed().as_secs_f64());
-                    r
+                    let report = r?;
+                    // What a peer must name to be served this snapshot.
+                    if let Err(e) = pushed.record(
+                        &push.name,
+                        &push.tag,
+                        &report.manifest_digest,
+                        &report.snapshot_id,
+                    ) {
+                        log::warn!(
+                            "recording the push of {}:{}: {e}; peers restore it from the registry",
+                            push.name,
+                            push.tag
+                        );
+                    }
+                    Ok(String::new())
                 });
             }
             Effect::MaterialiseImage { op, image, force } => {
@@ -294,7 +309,12 @@ impl Daemon {
                 }
             }
             Effect::DeleteSnapshotTag { op, repo, tag } => {
+                let pushed = self.peer.pushed.clone();
                 self.transfer(op, move |registry| {
+                    // Forgotten first: no peer is served a snapshot whose tag is going.
+                    if let Err(e) = pushed.forget_tag(&repo, &tag) {
+                        log::warn!("peer push record, forgetting {repo}:{tag}: {e}");
+                    }
                     let r = registry.reference(&repo, &tag)?;
                     registry.delete_manifest(&r).map(|_| String::new())
                 });
@@ -325,12 +345,13 @@ impl Daemon {
                     node_ip: self.config.node_ip,
                     peer_port: self.config.peer_addr.port,
                     staging_root: self.config.staging_dir.clone(),
+                    tls: self.peer.client_tls.clone(),
                 };
                 let kube = self.kube.clone();
-                let book = self.peer.nodes.clone();
+                let nodes = self.peer.nodes.clone();
                 let metrics = self.metrics.clone();
                 self.transfer(op, move |registry| {
-                    crate::peer::job::run(&job, &site, registry, &kube, &book, &metrics)
+                    crate::peer::job::run(&job, &site, registry, &kube, &nodes, &metrics)
                         .map(|dir| dir.to_string_lossy().into_owned())
                 });
             }

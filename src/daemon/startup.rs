@@ -182,8 +182,10 @@ pub(super) fn node_agent(config: &Config, now: Instant) -> Result<NodeAgent, Sta
     Ok(NodeAgent::new(opts, resources, now))
 }
 
-/// The peer snapshot listener on VK_PEER_ADDR serving VK_COCOON_SNAPSHOT_DIR, with its Node
-/// allowlist and the VK_STAGING_DIR sweep.
+/// The peer snapshot listener on VK_PEER_ADDR serving VK_COCOON_SNAPSHOT_DIR over TLS (the
+/// kubelet's serving certificate; node client certificates of VK_CLIENT_CA_FILE or the
+/// kubeconfig's CA, whatever VK_KUBELET_AUTH says), its push record under VK_STATE_DIR, the
+/// restore client's identity (the kubeconfig's client certificate) and the VK_STAGING_DIR sweep.
 pub(super) fn peer_service(
     config: &Config,
     kube: &Arc<Client>,
@@ -196,20 +198,30 @@ pub(super) fn peer_service(
         .ok_or_else(|| {
             StartError::new(1, format!("VK_PEER_ADDR {}: no address", config.peer_addr))
         })?;
+    let cluster = kube.cluster();
+    let client_ca_pem =
+        match &config.client_ca_file {
+            Some(p) => Some(std::fs::read(p).map_err(|e| {
+                StartError::new(1, format!("VK_CLIENT_CA_FILE {}: {e}", p.display()))
+            })?),
+            None => cluster.ca_pem.clone(),
+        };
     let settings = crate::peer::housekeeping::PeerSettings {
         listen,
         snapshot_dir: config.cocoon_snapshot_dir.clone(),
         staging_dir: config.staging_dir.clone(),
         cocoon_bin: config.cocoon_bin.clone(),
+        state_dir: config.state_dir.clone(),
+        tls: crate::kubelet::tls::TlsSettings {
+            cert_path: config.tls_cert.clone(),
+            key_path: config.tls_key.clone(),
+            node_name: config.node_name.clone(),
+            node_ip: config.node_ip,
+            client_ca_pem,
+        },
+        client_cert: cluster.client_cert.clone(),
     };
-    let service = crate::peer::housekeeping::start(settings, kube.clone())
-        .map_err(|e| StartError::new(1, format!("peer snapshot listener on {listen}: {e}")))?;
-    log::info!(
-        "peer snapshot listener on http://{} serving {}",
-        service.server.local_addr(),
-        config.cocoon_snapshot_dir.display()
-    );
-    Ok(service)
+    crate::peer::housekeeping::start(settings, kube.clone()).map_err(|e| StartError::new(1, e))
 }
 
 /// The kubelet API server, listening on VK_KUBELET_PORT (HTTPS).

@@ -71,6 +71,8 @@ pub enum CertSource {
 /// The current rustls server configuration plus what is needed to notice file changes.
 pub struct TlsState {
     settings: TlsSettings,
+    /// Callers without a certificate of the client CA fail the handshake (the peer listener).
+    require_client_cert: bool,
     config: Arc<ServerConfig>,
     source: CertSource,
     stamp: Option<FileStamp>,
@@ -96,10 +98,24 @@ impl TlsState {
     /// Loads or generates the serving certificate. A present but unreadable or
     /// invalid pair is an error (fatal at start-up); an expired one falls back to self-signed.
     pub fn new(settings: TlsSettings) -> Result<Self, TlsError> {
-        let (config, source) = build_config(&settings)?;
+        Self::build(settings, false)
+    }
+
+    /// The same serving certificate, but every caller must present a client certificate
+    /// that the client CA of `settings` (required) signed.
+    pub fn requiring_client_certs(settings: TlsSettings) -> Result<Self, TlsError> {
+        if settings.client_ca_pem.is_none() {
+            return Err(TlsError::NoCertificate(PathBuf::from("<client CA>")));
+        }
+        Self::build(settings, true)
+    }
+
+    fn build(settings: TlsSettings, require_client_cert: bool) -> Result<Self, TlsError> {
+        let (config, source) = build_config(&settings, require_client_cert)?;
         let stamp = stamp_of(&settings.cert_path, &settings.key_path);
         Ok(TlsState {
             settings,
+            require_client_cert,
             config,
             source,
             stamp,
@@ -137,7 +153,7 @@ impl TlsState {
         if stamp.is_none() || stamp == self.stamp {
             return false;
         }
-        match build_config(&self.settings) {
+        match build_config(&self.settings, self.require_client_cert) {
             Ok((config, source)) => {
                 log::info!("kubelet TLS reloaded ({source:?})");
                 self.config = config;
@@ -154,7 +170,10 @@ impl TlsState {
     }
 }
 
-fn build_config(s: &TlsSettings) -> Result<(Arc<ServerConfig>, CertSource), TlsError> {
+fn build_config(
+    s: &TlsSettings,
+    require_client_cert: bool,
+) -> Result<(Arc<ServerConfig>, CertSource), TlsError> {
     let (chain, key, source) = match load_from_disk(s)? {
         Some((chain, key)) => (chain, key, CertSource::Disk(s.cert_path.clone())),
         None => {
@@ -178,8 +197,13 @@ fn build_config(s: &TlsSettings) -> Result<(Arc<ServerConfig>, CertSource), TlsE
             if roots.is_empty() {
                 return Err(TlsError::NoCertificate(PathBuf::from("<cluster CA>")));
             }
-            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
-                .allow_unauthenticated()
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider);
+            let verifier = if require_client_cert {
+                verifier
+            } else {
+                verifier.allow_unauthenticated()
+            };
+            let verifier = verifier
                 .build()
                 .map_err(|e| TlsError::Rustls(e.to_string()))?;
             builder.with_client_cert_verifier(verifier)
@@ -474,6 +498,28 @@ mod tests {
         );
         fs::write(&key_path, "not pem").unwrap();
         assert!(TlsState::new(settings).is_err());
+    }
+
+    #[test]
+    fn requiring_client_certificates_needs_a_client_ca() {
+        let settings = TlsSettings {
+            cert_path: PathBuf::new(),
+            key_path: PathBuf::new(),
+            node_name: "n".into(),
+            node_ip: None,
+            client_ca_pem: None,
+        };
+        assert!(TlsState::requiring_client_certs(settings.clone()).is_err());
+        let (ca, _) = self_signed("ca", None).unwrap();
+        let pem = format!(
+            "-----BEGIN CERTIFICATE-----\n{}\n-----END CERTIFICATE-----\n",
+            b64(&ca)
+        );
+        let with_ca = TlsSettings {
+            client_ca_pem: Some(pem.into_bytes()),
+            ..settings
+        };
+        assert!(TlsState::requiring_client_certs(with_ca).is_ok());
     }
 
     fn b64(b: &[u8]) -> String {

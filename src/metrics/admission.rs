@@ -89,6 +89,11 @@ pub enum Refusal {
     PerPeer,
     /// The address is no cluster node's (the peer snapshot listener answers nodes only).
     NotANode,
+    /// No client certificate of a node (of the cluster CA, naming a Node at the caller's
+    /// address): the peer snapshot listener.
+    NotANodeCertificate,
+    /// A plain-HTTP request to a TLS-only listener (the peer snapshot listener).
+    PlainHttp,
 }
 
 impl Refusal {
@@ -97,6 +102,8 @@ impl Refusal {
             Refusal::Global => "global_limit",
             Refusal::PerPeer => "peer_limit",
             Refusal::NotANode => "not_a_node",
+            Refusal::NotANodeCertificate => "not_a_node_certificate",
+            Refusal::PlainHttp => "plain_http",
         }
     }
 }
@@ -148,15 +155,19 @@ impl RefusalLog {
         {
             return false;
         }
+        let why = match reason {
+            Refusal::Global => format!("connection limit of {limit} reached"),
+            Refusal::PerPeer => format!("per-address connection limit of {limit} reached"),
+            Refusal::NotANode => format!("not one of the {limit} cluster nodes' addresses"),
+            Refusal::NotANodeCertificate => {
+                "no client certificate of the Node at that address".to_string()
+            }
+            Refusal::PlainHttp => "plain HTTP to a TLS-only listener".to_string(),
+        };
         log::warn!(
-            "{}: refused {} connection(s) in the last minute; latest from {peer}: {} of {limit} reached",
+            "{}: refused {} connection(s) in the last minute; latest from {peer}: {why}",
             self.listener,
             self.unlogged,
-            match reason {
-                Refusal::Global => "connection limit",
-                Refusal::PerPeer => "per-address connection limit",
-                Refusal::NotANode => "not a cluster node's address",
-            },
         );
         self.last_logged = Some(now);
         self.unlogged = 0;

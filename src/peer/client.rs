@@ -1,10 +1,11 @@
 //! The peer restore client: fetches a snapshot's raw files from the node that pushed it into a
 //! fresh staging directory, checked slice by slice, ready for `cocoon vm clone --from-dir`.
 //!
-//! Blocking; runs on a worker thread. Every file is checked against the registry manifest's
-//! layer digests before the copy is handed out. Any failure removes the staging directory, so
-//! a bad, lying or interrupted transfer leaves nothing behind and the caller falls back to the
-//! registry.
+//! Blocking; runs on a worker thread. It speaks TLS with the node's client certificate and
+//! names the tag's manifest digest, as the listener requires; it does not authenticate the
+//! peer, because every file is checked against the registry manifest's layer digests before
+//! the copy is handed out. Any failure removes the staging directory, so a bad, lying or
+//! interrupted transfer leaves nothing behind and the caller falls back to the registry.
 
 use std::collections::{BTreeMap, HashSet};
 use std::fs::{File, OpenOptions};
@@ -13,8 +14,11 @@ use std::net::{SocketAddr, TcpStream};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use rustls::pki_types::ServerName;
+use rustls::{ClientConfig, ClientConnection, StreamOwned};
 
 use crate::metrics::Metrics;
 use crate::snapshots::format::{envelope_for_import, import_mode, LayerRef, SnapshotConfig};
@@ -22,8 +26,8 @@ use crate::snapshots::format::{envelope_for_import, import_mode, LayerRef, Snaps
 use super::verify::{self, FileCheck};
 
 use super::wire::{
-    self, crc_hex, plain_component, Plan, PlanFile, Slice, CRC_TRAILER, ENVELOPE_NAME,
-    MAX_SLICE_LEN, PLAN_PATH, SLICE_PATH,
+    self, crc_hex, plain_component, valid_manifest_digest, Plan, PlanFile, Slice, CRC_TRAILER,
+    DIGEST_PARAM, ENVELOPE_NAME, MAX_SLICE_LEN, PLAN_PATH, SLICE_PATH,
 };
 
 /// Peer restores running at once on this node; more wait.
@@ -59,6 +63,10 @@ pub struct PeerRestore {
     pub expected: SnapshotConfig,
     /// The same manifest's layers: every staged byte is checked against their digests.
     pub layers: Vec<LayerRef>,
+    /// That manifest's digest (`sha256:<hex>`): the peer serves only a caller naming it.
+    pub manifest_digest: String,
+    /// TLS with this node's client certificate (see `client_tls`).
+    pub tls: Arc<ClientConfig>,
     /// `VK_STAGING_DIR`.
     pub staging_root: PathBuf,
     /// Slice streams at once (`SLICE_STREAMS` in the daemon; 1 = one after another).
@@ -131,10 +139,20 @@ pub fn restore(req: &PeerRestore) -> Result<Staged, String> {
     if req.expected.snapshot_id.is_empty() {
         return Err("the registry config has no snapshotId to check the peer against".into());
     }
+    if !valid_manifest_digest(&req.manifest_digest) {
+        return Err(format!(
+            "manifest digest {:?} is not a sha256 digest",
+            req.manifest_digest
+        ));
+    }
     // Before any connection: a snapshot whose files cannot be checked is not fetched.
     let checks = verify::expectations(&req.expected, &req.layers)?;
-    let target = format!("{PLAN_PATH}?name={}", wire::percent_encode(&req.snapshot));
-    let mut resp = get(req.peer, req.source, &target)?;
+    let target = format!(
+        "{PLAN_PATH}?name={}&{DIGEST_PARAM}={}",
+        wire::percent_encode(&req.snapshot),
+        wire::percent_encode(&req.manifest_digest)
+    );
+    let mut resp = get(req, &target)?;
     if resp.status != 200 {
         return Err(format!("{}: plan: HTTP {}", req.peer, resp.status));
     }
@@ -362,13 +380,14 @@ fn fetch_slice(
     file: &File,
 ) -> Result<(), String> {
     let target = format!(
-        "{SLICE_PATH}?id={}&file={}&offset={}&length={}",
+        "{SLICE_PATH}?id={}&file={}&offset={}&length={}&{DIGEST_PARAM}={}",
         wire::percent_encode(snapshot_id),
         wire::percent_encode(name),
         s.offset,
-        s.length
+        s.length,
+        wire::percent_encode(&req.manifest_digest)
     );
-    let mut resp = get(req.peer, req.source, &target)?;
+    let mut resp = get(req, &target)?;
     if resp.status != 200 {
         return Err(format!(
             "{}: slice {name} @{}: HTTP {}",
@@ -390,31 +409,42 @@ fn fetch_slice(
     Ok(())
 }
 
+/// A client configuration presenting the node's client certificate (PEM chain and key, from
+/// the kubeconfig). The peer's serving certificate is not checked: its CA may be one this
+/// node does not know, and what it sends is checked against the registry's digests anyway.
+pub fn client_tls(cert_pem: &[u8], key_pem: &[u8]) -> Result<Arc<ClientConfig>, String> {
+    crate::kube::tls::unverified_client_config(cert_pem, key_pem)
+}
+
+type Tls = StreamOwned<ClientConnection, TcpStream>;
+
 /// A response being read: status, framing, and the trailers once the body is done.
 struct Response {
     status: u16,
     chunked: bool,
     length: Option<u64>,
-    reader: BufReader<TcpStream>,
+    reader: BufReader<Tls>,
     trailers: Vec<(String, String)>,
     peer: SocketAddr,
 }
 
-fn get(
-    peer: SocketAddr,
-    source: Option<std::net::IpAddr>,
-    target: &str,
-) -> Result<Response, String> {
+/// One GET to `req.peer` over a TLS connection of its own.
+fn get(req: &PeerRestore, target: &str) -> Result<Response, String> {
+    let peer = req.peer;
     let err = |e: io::Error| format!("{peer}: {e}");
-    let mut sock = connect(peer, source).map_err(err)?;
+    let sock = connect(peer, req.source).map_err(err)?;
     sock.set_read_timeout(Some(READ_TIMEOUT)).map_err(err)?;
     sock.set_write_timeout(Some(READ_TIMEOUT)).map_err(err)?;
     sock.set_nodelay(true).map_err(err)?;
-    write!(
-        sock,
+    let conn = ClientConnection::new(req.tls.clone(), ServerName::IpAddress(peer.ip().into()))
+        .map_err(|e| format!("{peer}: TLS: {e}"))?;
+    let mut sock = StreamOwned::new(conn, sock);
+    let head = format!(
         "GET {target} HTTP/1.1\r\nHost: {peer}\r\nUser-Agent: vk-cocoon\r\nTE: trailers\r\nConnection: close\r\n\r\n"
-    )
-    .map_err(err)?;
+    );
+    // The handshake runs here, then the request goes out as one record.
+    sock.write_all(head.as_bytes()).map_err(err)?;
+    sock.flush().map_err(err)?;
     let mut reader = BufReader::with_capacity(1 << 20, sock);
     let mut head = Vec::new();
     loop {

@@ -1,50 +1,41 @@
-//! The peer service as the daemon runs it: the listener with its node-address allowlist kept
-//! fresh from the Node list, the snapshot-name resolver backed by `cocoon snapshot inspect`,
-//! and the staging sweep at start and on a timer.
-//!
-//! One background thread lists Nodes and sweeps; the listener has its own threads.
+//! The peer service as the daemon runs it: the TLS listener with its Node list kept fresh,
+//! the record of this node's pushes (pruned of snapshots that are gone), the snapshot-name
+//! resolver backed by `cocoon snapshot inspect`, the restore client's TLS identity, and the
+//! staging sweep at start and on a timer. One background thread lists Nodes and sweeps.
 
 use std::collections::HashMap;
 use std::io::Read;
 use std::net::{IpAddr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::kube::Client;
+use crate::kubelet::tls::{TlsSettings, TlsState};
 use crate::vm::argv;
 
-use super::server::{AllowedPeers, PeerServer, Resolver};
+use super::pushed::PushedSnapshots;
+use super::server::{ClusterNodes, PeerServer, Resolver, Serving, NODE_GROUPS, NODE_USER_PREFIX};
 use super::staging;
 use super::wire::plain_component;
 
-/// How often the Node list is re-read for the allowlist and the address book.
+/// How often the Node list is re-read (and the push record pruned).
 pub const NODE_REFRESH: Duration = Duration::from_secs(30);
 /// The wait before listing again after a failed list.
 const NODE_RETRY: Duration = Duration::from_secs(2);
 /// `cocoon snapshot inspect` is killed after this long.
 const INSPECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Node name → InternalIP, as last listed.
-#[derive(Debug, Default)]
-pub struct NodeBook(RwLock<HashMap<String, IpAddr>>);
-
-impl NodeBook {
-    pub fn internal_ip(&self, node: &str) -> Option<IpAddr> {
-        self.0.read().ok()?.get(node).copied()
-    }
-    fn replace(&self, m: HashMap<String, IpAddr>) {
-        if let Ok(mut g) = self.0.write() {
-            *g = m;
-        }
-    }
-}
-
 /// What the daemon keeps of the running peer service.
 pub struct PeerService {
-    pub server: PeerServer,
-    pub nodes: Arc<NodeBook>,
+    /// None: no CA to verify node client certificates, so nothing is served.
+    pub server: Option<PeerServer>,
+    pub nodes: Arc<ClusterNodes>,
+    /// Where a finished push records its manifest digest.
+    pub pushed: Arc<PushedSnapshots>,
+    /// The restore client's TLS (the kubeconfig's client certificate); None: no restores.
+    pub client_tls: Option<Arc<rustls::ClientConfig>>,
 }
 
 /// What the service needs from the configuration.
@@ -54,31 +45,91 @@ pub struct PeerSettings {
     pub snapshot_dir: PathBuf,
     pub staging_dir: PathBuf,
     pub cocoon_bin: PathBuf,
+    /// `VK_STATE_DIR`: the push record lives there.
+    pub state_dir: PathBuf,
+    /// The kubelet's serving certificate and the cluster CA (`client_ca_pem`; None: the
+    /// listener is not started).
+    pub tls: TlsSettings,
+    /// The kubeconfig's client certificate and key (PEM).
+    pub client_cert: Option<(Vec<u8>, Vec<u8>)>,
 }
 
-/// Starts the listener and the background thread (first Node list and staging sweep at once).
-pub fn start(settings: PeerSettings, kube: Arc<Client>) -> std::io::Result<PeerService> {
-    let allowed = Arc::new(AllowedPeers::default());
-    let nodes = Arc::new(NodeBook::default());
-    let server = PeerServer::start(
-        settings.listen,
-        settings.snapshot_dir.clone(),
-        allowed.clone(),
-        cocoon_resolver(settings.cocoon_bin.clone()),
-    )?;
-    let book = nodes.clone();
-    let staging_dir = settings.staging_dir.clone();
+/// Starts the listener and the background thread (first Node list and staging sweep at once),
+/// logging what the listener serves to whom, or why it serves nothing, and whether this
+/// node restores from peers.
+pub fn start(settings: PeerSettings, kube: Arc<Client>) -> Result<PeerService, String> {
+    let nodes = Arc::new(ClusterNodes::default());
+    let pushed = Arc::new(match PushedSnapshots::open(&settings.state_dir) {
+        Ok(p) => p,
+        Err(e) => {
+            log::warn!(
+                "VK_STATE_DIR {}: {e}; pushes are recorded in memory only, so after a restart peers get nothing until the next push",
+                settings.state_dir.display()
+            );
+            PushedSnapshots::in_memory()
+        }
+    });
+    let server = match settings.tls.client_ca_pem {
+        None => {
+            log::warn!(
+                "peer snapshot listener off: no CA to verify node client certificates (the kubeconfig names none; set VK_CLIENT_CA_FILE); peers restore from the registry"
+            );
+            None
+        }
+        Some(_) => {
+            let tls = TlsState::requiring_client_certs(settings.tls.clone())
+                .map_err(|e| format!("peer listener TLS: {e}"))?;
+            let serving = Serving {
+                root: settings.snapshot_dir.clone(),
+                resolve: cocoon_resolver(settings.cocoon_bin.clone()),
+                pushed: pushed.clone(),
+                nodes: nodes.clone(),
+                tls,
+            };
+            let server = PeerServer::start(settings.listen, serving)
+                .map_err(|e| format!("peer snapshot listener on {}: {e}", settings.listen))?;
+            log::info!(
+                "peer snapshot listener on https://{} serving {}: TLS only (plain HTTP gets 400); a caller needs a client certificate of the cluster CA with CN {NODE_USER_PREFIX}<node> and O one of {NODE_GROUPS:?}, from that Node's InternalIP, and the manifest digest this node recorded when it pushed the snapshot ({} recorded)",
+                server.local_addr(),
+                settings.snapshot_dir.display(),
+                pushed.len()
+            );
+            Some(server)
+        }
+    };
+    let client_tls = match &settings.client_cert {
+        Some((cert, key)) => match super::client::client_tls(cert, key) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                log::warn!("peer restore off: {e}; wakes pull from the registry");
+                None
+            }
+        },
+        None => {
+            log::warn!("peer restore off: the kubeconfig has no client certificate to present to peer listeners; wakes pull from the registry");
+            None
+        }
+    };
+    let (book, record) = (nodes.clone(), pushed.clone());
+    let (staging_dir, snapshot_dir) = (settings.staging_dir, settings.snapshot_dir);
     std::thread::Builder::new()
         .name("vk-peer-house".into())
-        .spawn(move || background(kube, allowed, book, staging_dir))?;
-    Ok(PeerService { server, nodes })
+        .spawn(move || background(kube, book, record, staging_dir, snapshot_dir))
+        .map_err(|e| format!("peer housekeeping thread: {e}"))?;
+    Ok(PeerService {
+        server,
+        nodes,
+        pushed,
+        client_tls,
+    })
 }
 
 fn background(
     kube: Arc<Client>,
-    allowed: Arc<AllowedPeers>,
-    book: Arc<NodeBook>,
+    nodes: Arc<ClusterNodes>,
+    pushed: Arc<PushedSnapshots>,
     staging_dir: PathBuf,
+    snapshot_dir: PathBuf,
 ) {
     staging::sweep(&staging_dir, SystemTime::now());
     let mut next_sweep = Instant::now() + staging::SWEEP_EVERY;
@@ -91,12 +142,11 @@ fn background(
                     .into_iter()
                     .filter_map(|(n, ip)| Some((n, ip?)))
                     .collect();
-                allowed.replace(m.values().copied());
-                book.replace(m);
+                nodes.replace(m);
                 logged_error = false;
                 NODE_REFRESH
             }
-            // The previous allowlist stays: a flapping API server must not open the listener.
+            // The previous list stays: a flapping API server must not open the listener.
             Err(e) => {
                 if !logged_error {
                     log::warn!("peer listener: listing nodes: {e}");
@@ -105,11 +155,26 @@ fn background(
                 NODE_RETRY
             }
         };
+        prune_gone(&pushed, &snapshot_dir);
         if Instant::now() >= next_sweep {
             staging::sweep(&staging_dir, SystemTime::now());
             next_sweep = Instant::now() + staging::SWEEP_EVERY;
         }
         std::thread::sleep(pause);
+    }
+}
+
+/// Drops the records of snapshots whose directory is gone (removed, or replaced under a new
+/// id): they can never be served again.
+pub fn prune_gone(pushed: &PushedSnapshots, snapshot_dir: &Path) {
+    // An unreadable snapshot directory says nothing about its entries: keep every record.
+    if !snapshot_dir.is_dir() {
+        return;
+    }
+    let r = pushed
+        .retain(|p| plain_component(&p.snapshot_id) && snapshot_dir.join(&p.snapshot_id).is_dir());
+    if let Err(e) = r {
+        log::warn!("peer push record: {e}");
     }
 }
 

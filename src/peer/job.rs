@@ -1,18 +1,20 @@
 //! One peer restore as the daemon performs it for the core: find the source node's InternalIP,
-//! read the registry's description of `<vm>:hibernate`, and fetch from that node into staging.
+//! read the registry's description of `<vm>:hibernate` (its manifest digest is what the source
+//! node serves to), and fetch from that node over TLS into staging.
 //!
 //! Blocking; runs on a transfer worker. The answer is the staged directory for
 //! `cocoon vm clone --from-dir`, or an error after which the core falls back to the registry.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use crate::kube::Client;
 use crate::metrics::Metrics;
 use crate::snapshots::{manifest_info, RegistryClient, TransferError};
 
 use super::client::{restore_counted, PeerRestore};
-use super::housekeeping::NodeBook;
+use super::server::ClusterNodes;
 
 /// The registry tag a peer restore stands in for.
 pub const HIBERNATE_TAG: &str = "hibernate";
@@ -38,7 +40,14 @@ pub struct PeerSite {
     /// The port of VK_PEER_ADDR: every node's listener is dialled on it.
     pub peer_port: u16,
     pub staging_root: PathBuf,
+    /// TLS with the kubeconfig's client certificate; None (a token kubeconfig): no peer
+    /// restores, every wake pulls from the registry.
+    pub tls: Option<Arc<rustls::ClientConfig>>,
 }
+
+/// Why a node without a client certificate never restores from a peer.
+pub const NO_CLIENT_CERT: &str =
+    "skipped: the kubeconfig has no client certificate to present to the peer listener";
 
 /// Runs `job`; `Ok` carries the staged directory.
 pub fn run(
@@ -46,7 +55,7 @@ pub fn run(
     site: &PeerSite,
     registry: &RegistryClient,
     kube: &Client,
-    book: &NodeBook,
+    nodes: &ClusterNodes,
     metrics: &Metrics,
 ) -> Result<PathBuf, TransferError> {
     let fail =
@@ -54,7 +63,10 @@ pub fn run(
     if job.from_node.is_empty() || job.from_node == site.node_name {
         return Err(fail("the snapshot was pushed by this node".into()));
     }
-    let ip = match book.internal_ip(&job.from_node) {
+    let Some(tls) = site.tls.clone() else {
+        return Err(fail(NO_CLIENT_CERT.into()));
+    };
+    let ip = match nodes.internal_ip(&job.from_node) {
         Some(ip) => ip,
         None => {
             let node = kube
@@ -77,6 +89,8 @@ pub fn run(
         local_name: job.local_name.clone(),
         expected,
         layers: info.layers,
+        manifest_digest: info.digest,
+        tls,
         staging_root: site.staging_root.clone(),
         streams: super::client::SLICE_STREAMS,
     };

@@ -2,12 +2,15 @@
 //! local snapshots, the client that restores a snapshot from the node that pushed it, and the
 //! staging directory the client fills.
 //!
-//! The wire protocol is the Go peers' (plan document, byte slices with a CRC-32C trailer), so
-//! mixed clusters keep working. Blocking I/O on its own threads; nothing here touches the loop.
+//! The wire protocol is the Go peers' (plan document, byte slices with a CRC-32C trailer), but
+//! over TLS with node client certificates and the tag's manifest digest named, which Go peers
+//! do not speak: between them and this daemon, restores fall back to the registry. Blocking
+//! I/O on its own threads; nothing here touches the loop.
 
 pub mod client;
 pub mod housekeeping;
 pub mod job;
+pub mod pushed;
 pub mod server;
 pub mod staging;
 pub mod store;
@@ -15,4 +18,5 @@ pub mod verify;
 pub mod wire;
 
 pub use client::{restore, restore_counted, PeerRestore, Staged};
-pub use server::{AllowedPeers, PeerServer, Resolver};
+pub use pushed::PushedSnapshots;
+pub use server::{ClusterNodes, PeerServer, Resolver, Serving};

@@ -1,11 +1,14 @@
-//! The peer snapshot listener: plain HTTP serving the plan and the byte slices of local
-//! snapshots to the cluster's other nodes, one short-lived thread per connection.
+//! The peer snapshot listener: TLS serving the plan and the byte slices of local snapshots to
+//! the cluster's other nodes, one short-lived thread per connection.
 //!
-//! It serves VM memory images, so it answers only source addresses that are a cluster Node's
-//! InternalIP, opens files only inside the snapshot directory (see `store.rs`), caps open
-//! connections and slice streams (503 beyond), and cuts peers that stall reading or writing.
+//! It serves VM memory images, so a caller must be a cluster node and a reader of the tag: its
+//! source address is a Node's InternalIP, it presents a client certificate of the cluster CA
+//! naming that Node (`system:node:<name>`, group `system:nodes` or `vk-cocoon:nodes`), and it
+//! names the manifest digest this node recorded when it pushed the snapshot (see `pushed.rs`).
+//! Plain HTTP gets a 400 and nothing else. Files are opened only inside the snapshot directory
+//! (see `store.rs`); connections and slice streams are capped (503 beyond), stalled peers cut.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::unix::fs::FileExt;
@@ -14,10 +17,17 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+use rustls::{ServerConfig, ServerConnection, StreamOwned};
+
+use crate::kubelet::tls::{cert_identity, TlsState};
 use crate::metrics::admission::{Refusal, RefusalLog};
 
+use super::pushed::PushedSnapshots;
 use super::store::{build_plan, open_member, open_snapshot_dir};
-use super::wire::{self, crc_hex, valid_snapshot_name, CRC_TRAILER, PLAN_PATH, SLICE_PATH};
+use super::wire::{
+    self, crc_hex, valid_manifest_digest, valid_snapshot_name, CRC_TRAILER, DIGEST_PARAM,
+    PLAN_PATH, SLICE_PATH,
+};
 
 /// Concurrent slice streams; the next one gets 503.
 pub const MAX_SLICE_STREAMS: usize = 128;
@@ -25,14 +35,17 @@ pub const MAX_SLICE_STREAMS: usize = 128;
 pub const MAX_PLANS: usize = 16;
 /// Open connections in all; beyond, a connection is closed at accept.
 pub const MAX_CONNECTIONS: usize = MAX_SLICE_STREAMS + 2 * MAX_PLANS;
-/// A request head must arrive whole within this time.
+/// The TLS handshake, and then the request head, must each arrive whole within this time.
 pub const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 /// A peer that accepts no bytes for this long is cut off.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(60);
-/// Refused (non-node) connections being answered at once; beyond, they are closed unanswered.
-const MAX_REFUSING: usize = 16;
-/// A refused peer gets this long to send its request and take the 403.
-const REFUSE_TIMEOUT: Duration = Duration::from_secs(1);
+/// The client certificate's CN: `system:node:` and the Node's name, as kubelets have it.
+pub const NODE_USER_PREFIX: &str = "system:node:";
+/// The groups (O) of a node's client certificate: a kubelet's, or the one the README's
+/// install steps issue to vk-cocoon hosts.
+pub const NODE_GROUPS: [&str; 2] = ["system:nodes", "vk-cocoon:nodes"];
+/// The first byte of a TLS connection (a handshake record).
+const TLS_HANDSHAKE: u8 = 0x16;
 /// Largest request head.
 const HEAD_LIMIT: usize = 8 << 10;
 /// Bytes read from the file and sent per chunk.
@@ -42,23 +55,40 @@ const CHUNK: usize = 1 << 20;
 /// `Ok(None)` when no such snapshot exists.
 pub type Resolver = Arc<dyn Fn(&str) -> Result<Option<String>, String> + Send + Sync>;
 
-/// The addresses allowed to fetch: the InternalIPs of the cluster's Nodes, replaced wholesale
-/// by whoever lists the Nodes.
+/// The cluster's Nodes and their InternalIPs, replaced wholesale by whoever lists the Nodes:
+/// the listener answers only these addresses, each only for its own Node's certificate, and
+/// a restore dials the pushing Node here.
 #[derive(Debug, Default)]
-pub struct AllowedPeers(RwLock<HashSet<IpAddr>>);
+pub struct ClusterNodes(RwLock<Nodes>);
 
-impl AllowedPeers {
-    pub fn replace(&self, ips: impl IntoIterator<Item = IpAddr>) {
-        let set = ips.into_iter().map(canonical).collect();
+#[derive(Debug, Default)]
+struct Nodes {
+    by_name: HashMap<String, IpAddr>,
+    addresses: HashSet<IpAddr>,
+}
+
+impl ClusterNodes {
+    pub fn replace(&self, nodes: impl IntoIterator<Item = (String, IpAddr)>) {
+        let by_name: HashMap<String, IpAddr> = nodes
+            .into_iter()
+            .map(|(n, ip)| (n, canonical(ip)))
+            .collect();
+        let addresses = by_name.values().copied().collect();
         if let Ok(mut g) = self.0.write() {
-            *g = set;
+            *g = Nodes { by_name, addresses };
         }
     }
+    /// Whether `ip` is some Node's InternalIP.
     pub fn contains(&self, ip: IpAddr) -> bool {
-        self.0.read().is_ok_and(|g| g.contains(&canonical(ip)))
+        self.0
+            .read()
+            .is_ok_and(|g| g.addresses.contains(&canonical(ip)))
+    }
+    pub fn internal_ip(&self, node: &str) -> Option<IpAddr> {
+        self.0.read().ok()?.by_name.get(node).copied()
     }
     pub fn len(&self) -> usize {
-        self.0.read().map(|g| g.len()).unwrap_or(0)
+        self.0.read().map(|g| g.by_name.len()).unwrap_or(0)
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
@@ -73,14 +103,36 @@ fn canonical(ip: IpAddr) -> IpAddr {
     }
 }
 
+/// The Node a verified client certificate speaks for, when it is one at `ip`.
+pub fn certified_node(cert: &[u8], ip: IpAddr, nodes: &ClusterNodes) -> Result<String, String> {
+    let id = cert_identity(cert).ok_or("unreadable client certificate")?;
+    let cn = id.common_name.unwrap_or_default();
+    let node = cn
+        .strip_prefix(NODE_USER_PREFIX)
+        .filter(|n| !n.is_empty())
+        .ok_or_else(|| format!("certificate of {cn:?}, not of a node"))?;
+    if !id
+        .organizations
+        .iter()
+        .any(|o| NODE_GROUPS.contains(&o.as_str()))
+    {
+        return Err(format!("{cn:?} is in none of the groups {NODE_GROUPS:?}"));
+    }
+    match nodes.internal_ip(node) {
+        Some(at) if at == canonical(ip) => Ok(node.to_string()),
+        Some(at) => Err(format!("node {node} is at {at}, the caller at {ip}")),
+        None => Err(format!("no Node {node} in the cluster")),
+    }
+}
+
 struct Shared {
     root: PathBuf,
-    allowed: Arc<AllowedPeers>,
+    nodes: Arc<ClusterNodes>,
     resolve: Resolver,
+    pushed: Arc<PushedSnapshots>,
     connections: AtomicUsize,
     slices: AtomicUsize,
     plans: AtomicUsize,
-    refusing: AtomicUsize,
     refusals: Mutex<RefusalLog>,
 }
 
@@ -90,31 +142,39 @@ pub struct PeerServer {
     shared: Arc<Shared>,
 }
 
+/// What the listener serves and to whom.
+pub struct Serving {
+    /// `VK_COCOON_SNAPSHOT_DIR`.
+    pub root: PathBuf,
+    pub resolve: Resolver,
+    /// The manifest digests of this node's pushes: a caller must name the right one.
+    pub pushed: Arc<PushedSnapshots>,
+    pub nodes: Arc<ClusterNodes>,
+    /// Serving certificate and the CA of node client certificates (required).
+    pub tls: TlsState,
+}
+
 impl PeerServer {
     /// Binds `addr` and starts accepting on a thread of its own.
-    pub fn start(
-        addr: SocketAddr,
-        root: PathBuf,
-        allowed: Arc<AllowedPeers>,
-        resolve: Resolver,
-    ) -> io::Result<PeerServer> {
+    pub fn start(addr: SocketAddr, serving: Serving) -> io::Result<PeerServer> {
         let listener: TcpListener = crate::metrics::admission::listen(addr)?.into();
         listener.set_nonblocking(false)?;
         let local_addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
-            root,
-            allowed,
-            resolve,
+            root: serving.root,
+            nodes: serving.nodes,
+            resolve: serving.resolve,
+            pushed: serving.pushed,
             connections: AtomicUsize::new(0),
             slices: AtomicUsize::new(0),
             plans: AtomicUsize::new(0),
-            refusing: AtomicUsize::new(0),
             refusals: Mutex::new(RefusalLog::new("peer")),
         });
         let s = shared.clone();
+        let tls = serving.tls;
         std::thread::Builder::new()
             .name("peer-accept".into())
-            .spawn(move || accept_loop(listener, s))?;
+            .spawn(move || accept_loop(listener, s, tls))?;
         Ok(PeerServer { local_addr, shared })
     }
 
@@ -134,7 +194,7 @@ fn refuse(shared: &Shared, reason: Refusal, ip: IpAddr, limit: usize) {
     }
 }
 
-fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>, mut tls: TlsState) {
     loop {
         let (sock, peer) = match listener.accept() {
             Ok(x) => x,
@@ -146,23 +206,9 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             }
         };
         let ip = canonical(peer.ip());
-        if !shared.allowed.contains(ip) {
-            refuse(&shared, Refusal::NotANode, ip, shared.allowed.len());
-            // Answered on a thread of its own after reading the request (closing on unread
-            // bytes would reset the connection and lose the answer), within a small cap.
-            if let Some(slot) = OwnedSlot::take(&shared, |s| &s.refusing, MAX_REFUSING) {
-                let _ = std::thread::Builder::new()
-                    .name("peer-refuse".into())
-                    .spawn(move || {
-                        let _slot = slot;
-                        let mut sock = sock;
-                        let _ = sock.set_write_timeout(Some(REFUSE_TIMEOUT));
-                        if read_head(&mut sock, REFUSE_TIMEOUT).is_ok() {
-                            let _ =
-                                sock.write_all(&simple(403, "Forbidden", "not a cluster node\n"));
-                        }
-                    });
-            }
+        if !shared.nodes.contains(ip) {
+            // Closed unanswered: no handshake work for addresses that are no node's.
+            refuse(&shared, Refusal::NotANode, ip, shared.nodes.len());
             continue;
         }
         if shared.connections.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
@@ -170,11 +216,14 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             refuse(&shared, Refusal::Global, ip, MAX_CONNECTIONS);
             continue;
         }
+        // A renewed VK_TLS_CERT pair is picked up here (a stat every 10 s at most).
+        tls.maybe_reload(Instant::now());
+        let config = tls.config();
         let s = shared.clone();
         let spawned = std::thread::Builder::new()
             .name("peer-conn".into())
             .spawn(move || {
-                if let Err(e) = serve(&s, sock) {
+                if let Err(e) = serve(&s, sock, ip, config) {
                     log::debug!("peer {peer}: {e}");
                 }
                 s.connections.fetch_sub(1, Ordering::AcqRel);
@@ -183,36 +232,6 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             shared.connections.fetch_sub(1, Ordering::AcqRel);
             log::warn!("peer listener: spawn: {e}");
         }
-    }
-}
-
-/// A slot of a bounded count of `Shared`, movable to another thread, released on drop.
-struct OwnedSlot {
-    shared: Arc<Shared>,
-    count: fn(&Shared) -> &AtomicUsize,
-}
-
-impl OwnedSlot {
-    fn take(
-        shared: &Arc<Shared>,
-        count: fn(&Shared) -> &AtomicUsize,
-        max: usize,
-    ) -> Option<OwnedSlot> {
-        let n = count(shared);
-        if n.fetch_add(1, Ordering::AcqRel) >= max {
-            n.fetch_sub(1, Ordering::AcqRel);
-            return None;
-        }
-        Some(OwnedSlot {
-            shared: shared.clone(),
-            count,
-        })
-    }
-}
-
-impl Drop for OwnedSlot {
-    fn drop(&mut self) {
-        (self.count)(&self.shared).fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -235,11 +254,107 @@ impl Drop for Slot<'_> {
     }
 }
 
-/// Answers one request, then closes.
-fn serve(shared: &Shared, mut sock: TcpStream) -> io::Result<()> {
+/// A byte stream whose reads can be bounded in time: the TCP socket, or TLS over it.
+trait Timed: Read + Write {
+    fn set_read_timeout(&self, d: Duration) -> io::Result<()>;
+}
+
+impl Timed for TcpStream {
+    fn set_read_timeout(&self, d: Duration) -> io::Result<()> {
+        TcpStream::set_read_timeout(self, Some(d))
+    }
+}
+
+type Tls = StreamOwned<ServerConnection, TcpStream>;
+
+impl Timed for Tls {
+    fn set_read_timeout(&self, d: Duration) -> io::Result<()> {
+        self.sock.set_read_timeout(Some(d))
+    }
+}
+
+/// Answers one request of a Node's address, then closes: a plain-HTTP request gets a 400
+/// saying this listener speaks TLS; a TLS caller must complete the handshake with a client
+/// certificate of the cluster CA, which must name the Node at its address.
+fn serve(
+    shared: &Shared,
+    sock: TcpStream,
+    ip: IpAddr,
+    config: Arc<ServerConfig>,
+) -> io::Result<()> {
     sock.set_nodelay(true)?;
     sock.set_write_timeout(Some(WRITE_TIMEOUT))?;
-    let target = match read_head(&mut sock, HEAD_TIMEOUT)? {
+    sock.set_read_timeout(Some(HEAD_TIMEOUT))?;
+    let mut first = [0u8; 1];
+    if sock.peek(&mut first)? == 0 {
+        return Ok(());
+    }
+    if first[0] != TLS_HANDSHAKE {
+        refuse(shared, Refusal::PlainHttp, ip, 0);
+        let mut sock = sock;
+        // The head is read first: closing on unread bytes would reset the connection and
+        // lose the answer.
+        let _ = read_head(&mut sock)?;
+        return sock.write_all(&simple(
+            400,
+            "Bad Request",
+            "this peer listener speaks TLS only, to node client certificates\n",
+        ));
+    }
+    let conn = ServerConnection::new(config).map_err(io::Error::other)?;
+    let mut tls = StreamOwned::new(conn, sock);
+    if let Err(e) = handshake(&mut tls) {
+        if e.kind() == io::ErrorKind::InvalidData {
+            // rustls refused the handshake: no client certificate, or not of the cluster CA.
+            refuse(shared, Refusal::NotANodeCertificate, ip, 0);
+        }
+        return Err(e);
+    }
+    let node = match tls.conn.peer_certificates().and_then(|c| c.first()) {
+        Some(cert) => certified_node(cert, ip, &shared.nodes),
+        None => Err("no client certificate".to_string()),
+    };
+    let answered = match node {
+        Ok(_) => answer(shared, &mut tls),
+        Err(why) => {
+            refuse(shared, Refusal::NotANodeCertificate, ip, 0);
+            log::debug!("peer {ip}: {why}");
+            let _ = read_head(&mut tls)?;
+            tls.write_all(&simple(
+                403,
+                "Forbidden",
+                "the client certificate is not that of the Node at this address\n",
+            ))
+        }
+    };
+    tls.conn.send_close_notify();
+    let _ = tls.flush();
+    answered
+}
+
+/// Completes the TLS handshake within `HEAD_TIMEOUT` in all.
+fn handshake(tls: &mut Tls) -> io::Result<()> {
+    let deadline = Instant::now() + HEAD_TIMEOUT;
+    while tls.conn.is_handshaking() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "handshake timeout"));
+        }
+        tls.sock.set_read_timeout(Some(left))?;
+        let (read, wrote) = tls.conn.complete_io(&mut tls.sock)?;
+        if read == 0 && wrote == 0 && tls.conn.is_handshaking() {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "closed in the handshake",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Reads the request and answers it.
+fn answer<S: Timed>(shared: &Shared, sock: &mut S) -> io::Result<()> {
+    let target = match read_head(sock)? {
         Ok(t) => t,
         Err((code, reason, msg)) => return sock.write_all(&simple(code, reason, &msg)),
     };
@@ -247,17 +362,17 @@ fn serve(shared: &Shared, mut sock: TcpStream) -> io::Result<()> {
         return sock.write_all(&simple(400, "Bad Request", "bad query escape\n"));
     };
     match path {
-        PLAN_PATH => serve_plan(shared, &mut sock, &pairs),
-        SLICE_PATH => serve_slice(shared, &mut sock, &pairs),
+        PLAN_PATH => serve_plan(shared, sock, &pairs),
+        SLICE_PATH => serve_slice(shared, sock, &pairs),
         _ => sock.write_all(&simple(404, "Not Found", "not found\n")),
     }
 }
 
 type Refused = (u16, &'static str, String);
 
-/// Reads the request head within `within`; the request target of a GET.
-fn read_head(sock: &mut TcpStream, within: Duration) -> io::Result<Result<String, Refused>> {
-    let deadline = Instant::now() + within;
+/// Reads the request head within `HEAD_TIMEOUT`; the request target of a GET.
+fn read_head<S: Timed>(sock: &mut S) -> io::Result<Result<String, Refused>> {
+    let deadline = Instant::now() + HEAD_TIMEOUT;
     let mut buf = Vec::with_capacity(1024);
     let mut tmp = [0u8; 1024];
     loop {
@@ -268,7 +383,7 @@ fn read_head(sock: &mut TcpStream, within: Duration) -> io::Result<Result<String
                 "request head timeout",
             ));
         }
-        sock.set_read_timeout(Some(left))?;
+        sock.set_read_timeout(left)?;
         let n = sock.read(&mut tmp)?;
         if n == 0 {
             return Err(io::Error::new(
@@ -299,25 +414,58 @@ fn read_head(sock: &mut TcpStream, within: Duration) -> io::Result<Result<String
     }
 }
 
-fn serve_plan(shared: &Shared, sock: &mut TcpStream, pairs: &[(String, String)]) -> io::Result<()> {
+/// The manifest digest the caller names; a missing or malformed one is refused.
+fn named_digest(pairs: &[(String, String)]) -> Result<&str, Vec<u8>> {
+    match wire::single(pairs, DIGEST_PARAM) {
+        Ok(d) if valid_manifest_digest(d) => Ok(d),
+        _ => Err(simple(
+            403,
+            "Forbidden",
+            "name the manifest digest of the registry tag being restored (digest=sha256:...)\n",
+        )),
+    }
+}
+
+/// The one answer for a snapshot this node did not push, or pushed under another digest.
+fn not_pushed() -> Vec<u8> {
+    simple(
+        404,
+        "Not Found",
+        "no snapshot this node pushed matches that name and manifest digest\n",
+    )
+}
+
+fn serve_plan(
+    shared: &Shared,
+    sock: &mut impl Write,
+    pairs: &[(String, String)],
+) -> io::Result<()> {
     let name = match wire::single(pairs, "name") {
         Ok(n) if valid_snapshot_name(n) => n,
         Ok(_) => return sock.write_all(&simple(400, "Bad Request", "bad snapshot name\n")),
         Err(e) => return sock.write_all(&simple(400, "Bad Request", &format!("{e}\n"))),
     };
+    let digest = match named_digest(pairs) {
+        Ok(d) => d,
+        Err(answer) => return sock.write_all(&answer),
+    };
+    // Checked before anything is read: no inspect, no directory opened.
+    let Some(pushed) = shared.pushed.find(name, digest) else {
+        return sock.write_all(&not_pushed());
+    };
     let Some(_slot) = Slot::take(&shared.plans, MAX_PLANS) else {
         return sock.write_all(&busy("too many plan requests\n"));
     };
     let id = match (shared.resolve)(name) {
-        Ok(Some(id)) => id,
-        Ok(None) => return sock.write_all(&simple(404, "Not Found", "no such snapshot\n")),
+        // The local snapshot is still the one pushed (a later save gives it another id).
+        Ok(Some(id)) if id == pushed.snapshot_id => id,
+        Ok(_) => return sock.write_all(&not_pushed()),
         Err(e) => {
             log::warn!("peer listener: resolve snapshot {name}: {e}");
             return sock.write_all(&simple(500, "Internal Server Error", "resolve failed\n"));
         }
     };
-    let root = shared.root.clone();
-    match build_plan(&root, &id) {
+    match build_plan(&shared.root, &id) {
         Ok(plan) => {
             let body = serde_json::to_vec(&plan).unwrap_or_default();
             sock.write_all(&response(200, "OK", "application/json", &body))
@@ -336,13 +484,20 @@ fn serve_plan(shared: &Shared, sock: &mut TcpStream, pairs: &[(String, String)])
 
 fn serve_slice(
     shared: &Shared,
-    sock: &mut TcpStream,
+    sock: &mut impl Write,
     pairs: &[(String, String)],
 ) -> io::Result<()> {
     let q = match wire::slice_query(pairs) {
         Ok(q) => q,
         Err(e) => return sock.write_all(&simple(400, "Bad Request", &format!("{e}\n"))),
     };
+    let digest = match named_digest(pairs) {
+        Ok(d) => d,
+        Err(answer) => return sock.write_all(&answer),
+    };
+    if !shared.pushed.vouches_for(&q.id, digest) {
+        return sock.write_all(&not_pushed());
+    }
     let Some(_slot) = Slot::take(&shared.slices, MAX_SLICE_STREAMS) else {
         return sock.write_all(&busy("too many slice streams\n"));
     };

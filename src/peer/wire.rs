@@ -9,6 +9,10 @@ use serde::{Deserialize, Serialize};
 pub const PLAN_PATH: &str = "/v1/snapshot-plan";
 /// `GET /v1/snapshot-slice?id=<snapshotId>&file=<name>&offset=<n>&length=<n>`.
 pub const SLICE_PATH: &str = "/v1/snapshot-slice";
+/// The query parameter of both requests naming the manifest digest of the registry tag being
+/// restored (`sha256:<hex>`): this daemon serves a snapshot only to a caller naming the digest
+/// it recorded when it pushed that snapshot. Go peers neither send nor check it.
+pub const DIGEST_PARAM: &str = "digest";
 /// The trailer carrying a slice's CRC-32C (Castagnoli), lower-case hex without padding.
 pub const CRC_TRAILER: &str = "X-Slice-Crc32c";
 /// A plan never has a slice longer than this (a longer data region is split).
@@ -70,6 +74,12 @@ pub fn valid_snapshot_name(s: &str) -> bool {
         && !s.starts_with(['-', '.'])
         && s.bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
+}
+
+/// Whether `s` is a manifest digest as a registry gives it: `sha256:` and 64 lower-case hex.
+pub fn valid_manifest_digest(s: &str) -> bool {
+    s.strip_prefix("sha256:")
+        .is_some_and(|h| h.len() == 64 && h.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
 }
 
 /// The CRC-32C trailer value of `crc`.
@@ -217,6 +227,22 @@ mod tests {
         assert!(valid_snapshot_name("repo:tag"));
         for bad in ["", "-x", ".x", "a/b", "a b", "a\0b", &"x".repeat(129)] {
             assert!(!valid_snapshot_name(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn manifest_digests_are_sha256_in_lower_hex() {
+        let hex = "0123456789abcdef".repeat(4);
+        assert!(valid_manifest_digest(&format!("sha256:{hex}")));
+        for bad in [
+            String::new(),
+            hex.clone(),
+            format!("sha256:{}", hex.to_ascii_uppercase()),
+            format!("sha256:{}", &hex[1..]),
+            format!("sha512:{hex}"),
+            format!("sha256:{hex}0"),
+        ] {
+            assert!(!valid_manifest_digest(&bad), "{bad:?}");
         }
     }
 

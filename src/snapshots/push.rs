@@ -149,6 +149,8 @@ pub struct PushRequest {
 pub struct PushReport {
     /// `sha256:` of the exact manifest bytes published.
     pub manifest_digest: String,
+    /// The pushed snapshot's id (config `snapshotId`, from cocoon's export).
+    pub snapshot_id: String,
     /// Sum of layer sizes plus the config size.
     pub total_size: u64,
     pub layers: usize,
@@ -286,6 +288,7 @@ pub fn push_snapshot(
     );
     Ok(PushReport {
         manifest_digest: sha256_digest(&manifest),
+        snapshot_id: config.snapshot_id.clone(),
         total_size: total,
         layers: state.layers.len(),
         v2: state.v2,

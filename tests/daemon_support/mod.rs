@@ -100,9 +100,11 @@ impl World {
         .expect("symlink");
         api.write_kubeconfig(
             &dir.path().join("kubeconfig"),
+            // The fake's authority writes one O, the last group: a node's, as a kubelet's
+            // certificate has (the peer listener checks it); the API server knows both.
             &KubeconfigAuth::ClientCert {
                 user: format!("system:node:{node}"),
-                groups: vec!["system:nodes".into(), "system:masters".into()],
+                groups: vec!["system:masters".into(), "system:nodes".into()],
             },
         )
         .expect("kubeconfig");
