@@ -31,7 +31,7 @@ use crate::snapshots::{
     manifest_info, pull_cloud_image, pull_snapshot, push_snapshot, ArtifactKind, CloudImageRequest,
     PullRequest, PushKnobs, PushRequest, RegistryClient, TransferError,
 };
-use crate::vm::{argv, classify, Verb};
+use crate::vm::{argv, Verb};
 
 /// A registry job waiting in the daemon's transfer queue.
 pub(super) type TransferJob =
@@ -598,26 +598,21 @@ fn image_pull(cocoon: &Path, image: &str, force: bool) -> Result<String, String>
     }
 }
 
-/// Runs a short cocoon command (argv from the vm room's builders) on a worker thread: Ok(true)
-/// on exit 0, Ok(false) when the contract's classification says the object is absent, Err on
-/// anything else.
+/// Runs a short cocoon command (argv from the vm room's builders) on a worker thread, under
+/// the verb's deadline: Ok(true) on exit 0, Ok(false) when the contract's classification says
+/// the object is absent, Err on anything else (a call killed at its deadline included).
 fn cocoon_ok(cocoon: &Path, verb: Verb, args: &[String]) -> Result<bool, String> {
-    let out = std::process::Command::new(cocoon)
-        .args(args)
-        .stdin(std::process::Stdio::null())
-        .output()
-        .map_err(|e| format!("run {}: {e}", cocoon.display()))?;
-    if out.status.success() {
+    let done = crate::snapshots::cocoon_child::run(cocoon, verb, args)?;
+    if done.success {
         return Ok(true);
     }
-    let text = String::from_utf8_lossy(&out.stderr);
-    if classify(verb, &text).is_not_found() {
+    if done.not_found(verb) {
         return Ok(false);
     }
     Err(format!(
         "cocoon {}: {}",
         args.join(" "),
-        crate::provider::truncate_bytes(text.trim(), 400)
+        crate::provider::truncate_bytes(&done.error_text(), 400)
     ))
 }
 

@@ -246,6 +246,7 @@ impl StartError {
 /// Runs the daemon until SIGTERM/SIGINT. Returns the process exit status.
 pub fn run(config: Config) -> i32 {
     raise_open_file_limit();
+    Deadlines::configure(config.cocoon_deadlines);
     let mut daemon = match Daemon::new(config) {
         Ok(d) => d,
         Err(e) => {
@@ -851,10 +852,11 @@ impl Daemon {
 
     /// Starts `cocoon vm list -o json` (startup reconcile or event-stream re-sync).
     fn spawn_vm_list(&mut self, role: ChildRole) -> std::io::Result<()> {
-        let call = CocoonCall::new(Verb::VmList, argv::vm_list(), &Deadlines::default());
+        let deadlines = Deadlines::configured();
+        let call = CocoonCall::new(Verb::VmList, argv::vm_list(), &deadlines);
         let argv = call.full_argv(&self.config.cocoon_bin.to_string_lossy());
         let spec = ChildSpec::new(argv)
-            .deadline(call.deadline.unwrap_or(Deadlines::default().control))
+            .deadline(call.deadline.unwrap_or(deadlines.control))
             .stdin(StdinMode::Null)
             .stdout(OutputMode::Capture { limit: 64 << 20 })
             .stderr(OutputMode::Capture { limit: 64 << 10 });

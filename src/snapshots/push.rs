@@ -182,6 +182,7 @@ pub fn push_snapshot(
     };
     let mut child = CocoonChild::spawn(
         &req.cocoon_bin,
+        crate::vm::Verb::SnapshotExport,
         &crate::vm::argv::snapshot_export(&req.name),
         false,
         true,

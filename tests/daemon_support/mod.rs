@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 #[path = "../registry_support/mod.rs"]
-mod registry_support;
+pub mod registry_support;
 
 use std::collections::BTreeMap;
 use std::net::TcpListener;
@@ -465,4 +465,93 @@ pub fn execs(w: &World) -> Vec<(String, Vec<String>)> {
             (v["vm"].as_str().unwrap_or("").to_string(), argv)
         })
         .collect()
+}
+
+/// PIDs of this world's cocoon children running `cocoon <group> <verb> ...` (read from
+/// /proc; the trampoline's argv before its exec counts too).
+pub fn cocoon_children(w: &World, group: &str, verb: &str) -> Vec<u32> {
+    let bin = w.path("bin/cocoon").display().to_string();
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(raw) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<&[u8]> = raw.split(|b| *b == 0).collect();
+        let hit = args
+            .windows(3)
+            .any(|a| a[0] == bin.as_bytes() && a[1] == group.as_bytes() && a[2] == verb.as_bytes());
+        // A zombie has an empty cmdline: only live processes match.
+        if hit {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// The loop keeps turning: /metrics answers and the node Lease was renewed within `bound`
+/// (it is renewed every 10 s). Panics with what it saw otherwise.
+pub fn assert_loop_turns(w: &World, bound: f64) {
+    let age = lease_age(w).unwrap_or(f64::MAX);
+    assert!(
+        age < bound,
+        "the node Lease is {age:.1} s old (bound {bound} s)\n{}",
+        tail(&w.log(), 30)
+    );
+    let m = ureq::get(&format!("http://127.0.0.1:{}/metrics", w.metrics_port))
+        .timeout(Duration::from_secs(5))
+        .call();
+    assert!(m.is_ok(), "/metrics does not answer: {m:?}");
+}
+
+/// Waits for `f`, checking that the loop keeps turning (`assert_loop_turns`) while it waits.
+pub fn wait_turning<T>(
+    w: &World,
+    what: &str,
+    limit: Duration,
+    mut f: impl FnMut() -> Option<T>,
+) -> T {
+    let mut last_check = Instant::now();
+    w.wait(what, limit, || {
+        if last_check.elapsed() > Duration::from_millis(500) {
+            assert_loop_turns(w, 25.0);
+            last_check = Instant::now();
+        }
+        f()
+    })
+}
+
+/// (reason, message) of the Warning Events of pod `name`.
+pub fn warnings_for(w: &World, name: &str) -> Vec<(String, String)> {
+    w.api
+        .list_objects("events")
+        .iter()
+        .filter(|e| e["involvedObject"]["name"] == name && e["type"] == "Warning")
+        .map(|e| {
+            (
+                e["reason"].as_str().unwrap_or("").to_string(),
+                e["message"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect()
+}
+
+/// Waits for a Warning of pod `name` with `reason` whose message contains `needle`.
+pub fn wait_warning(w: &World, name: &str, reason: &str, needle: &str) -> String {
+    w.wait(
+        &format!("Warning {reason} ({needle}) on {name}"),
+        Duration::from_secs(30),
+        || {
+            warnings_for(w, name)
+                .into_iter()
+                .find(|(r, m)| r == reason && m.contains(needle))
+                .map(|(_, m)| m)
+        },
+    )
 }
