@@ -555,3 +555,16 @@ pub fn wait_warning(w: &World, name: &str, reason: &str, needle: &str) -> String
         },
     )
 }
+
+/// How many times pod `name` was warned with `reason` (identical Events aggregate into one
+/// with a count).
+pub fn warning_count(w: &World, name: &str, reason: &str) -> u64 {
+    w.api
+        .list_objects("events")
+        .iter()
+        .filter(|e| {
+            e["involvedObject"]["name"] == name && e["type"] == "Warning" && e["reason"] == reason
+        })
+        .map(|e| e["count"].as_u64().unwrap_or(1))
+        .sum()
+}
