@@ -566,11 +566,18 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// after creation, so nothing is left behind whatever happens to the push.
 struct Spool {
     file: File,
+    /// Where it lives (named in errors: a full disk there fails the push).
+    dir: PathBuf,
 }
 
 static SPOOL_SEQ: AtomicU64 = AtomicU64::new(0);
 
 impl Spool {
+    /// A write to the spool failed (a full disk, most likely).
+    fn write_error(&self, name: &str, e: io::Error) -> TransferError {
+        TransferError::Io(format!("spool {name} in {}: {e}", self.dir.display()))
+    }
+
     fn create(dir: Option<&Path>) -> Result<Self, TransferError> {
         let dir = dir
             .map(Path::to_path_buf)
@@ -592,7 +599,7 @@ impl Spool {
             .map_err(|e| TransferError::Io(format!("create spool file {}: {e}", path.display())))?;
         std::fs::remove_file(&path)
             .map_err(|e| TransferError::Io(format!("unlink spool file {}: {e}", path.display())))?;
-        Ok(Spool { file })
+        Ok(Spool { file, dir })
     }
 
     /// Raw body straight into one upload (POST, PATCH streaming the tar body, PUT with the
@@ -611,6 +618,7 @@ impl Spool {
             spool: io::BufWriter::with_capacity(READ_BUF, &self.file),
             hasher: Sha256::new(),
             count: 0,
+            spool_failed: false,
         };
         let attempt = client
             .begin_upload(repository)
@@ -619,9 +627,15 @@ impl Spool {
         // an export stream error here is the real failure.
         let mut buf = vec![0u8; READ_BUF];
         loop {
-            let n = tee.read(&mut buf).map_err(|e| {
-                TransferError::Format(format!("{name}: reading export stream: {e}"))
-            })?;
+            let n = match tee.read(&mut buf) {
+                Ok(n) => n,
+                Err(e) if tee.spool_failed => return Err(self.write_error(name, e)),
+                Err(e) => {
+                    return Err(TransferError::Format(format!(
+                        "{name}: reading export stream: {e}"
+                    )))
+                }
+            };
             if n == 0 {
                 break;
             }
@@ -632,9 +646,7 @@ impl Spool {
                 tee.count
             )));
         }
-        tee.spool
-            .flush()
-            .map_err(|e| TransferError::Io(format!("spool {name}: {e}")))?;
+        tee.spool.flush().map_err(|e| self.write_error(name, e))?;
         let digest = format!("sha256:{}", hex_lower(&tee.hasher.finalize()));
         let uploaded = match attempt.and_then(|u| client.finish_upload(repository, u, &digest)) {
             Ok(()) => true,
@@ -658,15 +670,13 @@ impl Spool {
             hasher: Sha256::new(),
             written: 0,
         };
-        let copied = copy_body(tar, &mut w, name)?;
+        let copied = copy_body(tar, &mut w, name, self)?;
         if copied != size {
             return Err(TransferError::Format(format!(
                 "{name}: body ended after {copied} of {size} bytes"
             )));
         }
-        w.inner
-            .flush()
-            .map_err(|e| TransferError::Io(format!("spool {name}: {e}")))?;
+        w.inner.flush().map_err(|e| self.write_error(name, e))?;
         Ok((
             format!("sha256:{}", hex_lower(&w.hasher.finalize())),
             w.written,
@@ -690,16 +700,14 @@ impl Spool {
         let mut enc = zstd::stream::write::Encoder::new(w, level).map_err(zerr)?;
         enc.set_pledged_src_size(Some(size)).map_err(zerr)?;
         enc.include_contentsize(true).map_err(zerr)?;
-        let copied = copy_body(tar, &mut enc, name)?;
+        let copied = copy_body(tar, &mut enc, name, self)?;
         if copied != size {
             return Err(TransferError::Format(format!(
                 "{name}: body ended after {copied} of {size} bytes"
             )));
         }
         let mut w = enc.finish().map_err(zerr)?;
-        w.inner
-            .flush()
-            .map_err(|e| TransferError::Io(format!("spool {name}: {e}")))?;
+        w.inner.flush().map_err(|e| self.write_error(name, e))?;
         Ok((
             format!("sha256:{}", hex_lower(&w.hasher.finalize())),
             w.written,
@@ -711,6 +719,7 @@ fn copy_body<R: Read, W: Write>(
     tar: &mut TarReader<R>,
     w: &mut W,
     name: &str,
+    spool: &Spool,
 ) -> Result<u64, TransferError> {
     let mut buf = vec![0u8; READ_BUF];
     let mut total = 0u64;
@@ -722,7 +731,7 @@ fn copy_body<R: Read, W: Write>(
             return Ok(total);
         }
         w.write_all(&buf[..n])
-            .map_err(|e| TransferError::Io(format!("spool {name}: {e}")))?;
+            .map_err(|e| spool.write_error(name, e))?;
         total += n as u64;
     }
 }
@@ -733,12 +742,17 @@ struct Tee<'a, R: Read, W: Write> {
     spool: W,
     hasher: Sha256,
     count: u64,
+    /// The spool write failed (not the export stream): the error names the spool.
+    spool_failed: bool,
 }
 
 impl<R: Read, W: Write> Read for Tee<'_, R, W> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.tar.read_body(buf)?;
-        self.spool.write_all(&buf[..n])?;
+        if let Err(e) = self.spool.write_all(&buf[..n]) {
+            self.spool_failed = true;
+            return Err(e);
+        }
         self.hasher.update(&buf[..n]);
         self.count += n as u64;
         Ok(n)
