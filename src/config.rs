@@ -74,6 +74,7 @@ pub const VARIABLES: &[Variable] = &[
     var("SNAPSHOT_PULL_BUDGET_MIB", "2048", "Pull prefetch cap in MiB (at least 1)."),
     var("COCOON_K8S_QPS", "50", "Kubernetes client requests per second; 0 = no limit; malformed = default."),
     var("COCOON_K8S_BURST", "100", "Kubernetes client burst; 0 or malformed = default."),
+    var("VK_TEST_WALL_CLOCK_OFFSET_FILE", "unset", "Tests only, never on a host: a file of signed seconds added to the daemon's wall clock (re-read every 100 ms), so process tests can step the clock without stepping the machine's."),
     var("VK_COCOON_DEADLINES", "query=30,control=120,create=600,transfer=3600", "Seconds after which a cocoon call is killed, per class: `query` (inspect, list of snapshots), `control` (vm list, rm, start, net, snapshot rm), `create` (clone, run), `transfer` (snapshot save, import, export, image pull, import); any subset, comma-separated."),
 ];
 
@@ -201,6 +202,8 @@ pub struct Config {
     pub snapshot_pull_budget_mib: u64,
     pub k8s_qps: f64,
     pub k8s_burst: u32,
+    /// `VK_TEST_WALL_CLOCK_OFFSET_FILE` (tests only).
+    pub test_wall_clock_offset_file: Option<PathBuf>,
     /// `VK_COCOON_DEADLINES` over the defaults.
     pub cocoon_deadlines: crate::vm::Deadlines,
     /// Non-fatal findings (malformed values that fell back to defaults) for the log.
@@ -651,6 +654,8 @@ impl Config {
             k8s_qps,
             k8s_burst,
             cocoon_deadlines,
+            test_wall_clock_offset_file: get(env, "VK_TEST_WALL_CLOCK_OFFSET_FILE")
+                .map(PathBuf::from),
             warnings,
         })
     }

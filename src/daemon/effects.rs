@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::Instant;
 
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
 use k8s_openapi::api::authorization::v1::{
@@ -122,7 +122,7 @@ impl Daemon {
                 self.pending.push_back(Input::VmPidRead { op, pid });
             }
             Effect::LookupLease { op, mac } => {
-                let result = match self.leases.lookup(&mac, SystemTime::now()) {
+                let result = match self.leases.lookup(&mac, crate::wall_clock::now()) {
                     Ok(lease) => Ok(lease.map(|l| l.ip.to_string())),
                     Err(e) => {
                         if self.leases.should_log(&e) {
@@ -156,7 +156,7 @@ impl Daemon {
                 log::info!("event {} {key}: {reason}: {message}", type_.as_str());
                 let now = self.reactor.now();
                 self.events
-                    .record(&pod, kind, reason, &message, now, SystemTime::now());
+                    .record(&pod, kind, reason, &message, now, crate::wall_clock::now());
             }
             Effect::StartProbe {
                 key,
@@ -180,7 +180,7 @@ impl Daemon {
                     &key.to_string(),
                     Some(target),
                     now,
-                    SystemTime::now(),
+                    crate::wall_clock::now(),
                 );
                 self.probe_events(out);
             }

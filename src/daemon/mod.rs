@@ -34,7 +34,7 @@ mod view;
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use crate::config::Config;
 use crate::kube::events::EventRecorder;
@@ -247,6 +247,9 @@ impl StartError {
 pub fn run(config: Config) -> i32 {
     raise_open_file_limit();
     Deadlines::configure(config.cocoon_deadlines);
+    if let Some(file) = &config.test_wall_clock_offset_file {
+        crate::wall_clock::follow_offset_file(file.clone());
+    }
     let mut daemon = match Daemon::new(config) {
         Ok(d) => d,
         Err(e) => {
@@ -513,9 +516,9 @@ impl Daemon {
 
     fn route(&mut self, event: Event<Work>) {
         let now = self.reactor.now();
-        if let Some(out) = self
-            .probes
-            .handle_event(&mut self.reactor, &event, SystemTime::now())
+        if let Some(out) =
+            self.probes
+                .handle_event(&mut self.reactor, &event, crate::wall_clock::now())
         {
             self.probe_events(out);
             return;
@@ -751,7 +754,7 @@ impl Daemon {
             let now = self.reactor.now();
             let kind = turn_profile::input_kind(&input);
             let core_at = Instant::now();
-            let effects = self.provider.handle(input, now, SystemTime::now());
+            let effects = self.provider.handle(input, now, crate::wall_clock::now());
             self.profile.lap(kind, core_at);
             // Any input may change a tracked VM or its PID, effects or not (an inspect that
             // learns a new PID answers with none): the watch is checked after every such turn.

@@ -445,7 +445,7 @@ pub fn pull_snapshot(
         child.kill();
         return Err(TransferError::Cocoon("import: no stdin pipe".into()));
     };
-    let mtime = SystemTime::now()
+    let mtime = crate::wall_clock::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);

@@ -247,7 +247,7 @@ pub fn push_snapshot(
     })?;
     config.schema_version = if state.v2 { "v2" } else { "v1" }.to_string();
     config.files = std::mem::take(&mut state.files);
-    config.created_at = format::rfc3339_nanos(SystemTime::now());
+    config.created_at = format::rfc3339_nanos(crate::wall_clock::now());
     let config_bytes =
         serde_json::to_vec(&config).map_err(|e| TransferError::Format(e.to_string()))?;
     let config_digest = sha256_digest(&config_bytes);
@@ -259,7 +259,7 @@ pub fn push_snapshot(
     let mut ann = BTreeMap::new();
     ann.insert(
         format::CREATED.to_string(),
-        format::rfc3339_seconds(SystemTime::now()),
+        format::rfc3339_seconds(crate::wall_clock::now()),
     );
     if let Some(b) = req.base_image.as_ref().filter(|b| !b.is_empty()) {
         ann.insert(format::BASEIMAGE.to_string(), b.clone());
