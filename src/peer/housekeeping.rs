@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use crate::kube::Client;
 use crate::vm::argv;
@@ -76,7 +76,8 @@ fn background(
     book: Arc<NodeBook>,
     staging_dir: PathBuf,
 ) {
-    staging::sweep(&staging_dir, SystemTime::now());
+    let mut sweeper = staging::Sweeper::default();
+    sweeper.sweep(&staging_dir, crate::wall_clock::now(), Instant::now());
     let mut next_sweep = Instant::now() + staging::SWEEP_EVERY;
     let mut logged_error = false;
     loop {
@@ -102,7 +103,7 @@ fn background(
             }
         };
         if Instant::now() >= next_sweep {
-            staging::sweep(&staging_dir, SystemTime::now());
+            sweeper.sweep(&staging_dir, crate::wall_clock::now(), Instant::now());
             next_sweep = Instant::now() + staging::SWEEP_EVERY;
         }
         std::thread::sleep(pause);
