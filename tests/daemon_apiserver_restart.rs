@@ -84,5 +84,5 @@ fn an_api_server_restart_that_loses_its_watch_cache_loses_no_pod_and_leaves_no_v
     );
     let (_, stays_id) = running_with_vm(&w, "stays").expect("stays Running");
     assert_eq!(stays_id, ids[0], "the untouched pod kept its VM");
-    assert_loop_turns(&w, 25.0);
+    assert_loop_turns(&w, 30.0);
 }

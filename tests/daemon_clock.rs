@@ -9,7 +9,9 @@ mod daemon_support;
 
 use std::time::{Duration, Instant, SystemTime};
 
-use daemon_support::{phase, running_with_vm, World, NODE};
+use daemon_support::{
+    kill_hypervisor, kubelet_status, phase, running_with_vm, token_reviews, World, NODE,
+};
 use k8s_openapi::api::coordination::v1::Lease;
 use vk_cocoon::sandbox::apiserver::ReviewUser;
 use vk_cocoon::sandbox::demo_pod;
@@ -46,13 +48,14 @@ fn lease_follows(w: &World, offset: i64) -> Duration {
     let took = start.elapsed();
     for _ in 0..2 {
         let since = Instant::now();
-        let (next, t) = w.wait("the next renewal", Duration::from_secs(30), || {
+        let (next, t) = w.wait("the next renewal", Duration::from_secs(40), || {
             lease(w).filter(|(r, _)| *r != rv)
         });
         let gap = since.elapsed();
+        // Cadence 10 s; the bound is what matters to the cluster: under the 40 s duration.
         assert!(
-            gap < Duration::from_secs(20),
-            "renewals {gap:?} apart after the step (cadence 10 s)"
+            gap < Duration::from_secs(30),
+            "renewals {gap:?} apart after the step (cadence 10 s, duration 40 s)"
         );
         assert!(
             (t - real_now() - offset).abs() < 60,
@@ -61,47 +64,6 @@ fn lease_follows(w: &World, offset: i64) -> Duration {
         rv = next;
     }
     took
-}
-
-fn token_reviews(w: &World) -> usize {
-    w.api
-        .requests()
-        .iter()
-        .filter(|r| r.resource == "tokenreviews")
-        .count()
-}
-
-fn kubelet_pods_status(w: &World) -> String {
-    let out = std::process::Command::new("curl")
-        .args([
-            "-sk",
-            "--max-time",
-            "5",
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code}",
-        ])
-        .args(["-H", "Authorization: Bearer ops-token"])
-        .arg(format!("https://127.0.0.1:{}/pods", w.kubelet_port))
-        .output()
-        .expect("run curl");
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// Kills VM `id`'s hypervisor process; returns its PID.
-fn kill_hypervisor(w: &World, id: &str) -> i64 {
-    let (ok, out) = w.cocoon(&["vm", "inspect", id]);
-    assert!(ok, "{out}");
-    let pid = serde_json::from_str::<serde_json::Value>(&out).unwrap_or_default()["pid"]
-        .as_i64()
-        .unwrap_or(0);
-    let p = i32::try_from(pid)
-        .ok()
-        .and_then(rustix::process::Pid::from_raw)
-        .expect("a hypervisor PID");
-    rustix::process::kill_process(p, rustix::process::Signal::Kill).expect("kill");
-    pid
 }
 
 fn vm_pid(w: &World, id: &str) -> Option<i64> {
@@ -132,13 +94,13 @@ fn a_wall_clock_stepped_an_hour_either_way_stalls_nothing_and_expires_nothing() 
         .expect("create pod");
     let (pod, id) = w.wait("tick Running", LIMIT, || running_with_vm(&w, "tick"));
     let uid = pod.metadata.uid.unwrap_or_default();
-    assert_eq!(kubelet_pods_status(&w), "200");
+    assert_eq!(kubelet_status(&w, "ops-token"), "200");
     let reviews = token_reviews(&w);
 
     // A hypervisor dies: restarted (the cooldown starts now, by the monotonic clock).
     let old_pid = kill_hypervisor(&w, &id);
     w.wait("the VM restarted", LIMIT, || {
-        vm_pid(&w, &id).filter(|p| *p != 0 && *p != old_pid)
+        vm_pid(&w, &id).filter(|p| *p != 0 && *p != i64::from(old_pid))
     });
 
     // Forward an hour. The hypervisor dies again within the 30 s cooldown: the pod is
@@ -170,7 +132,7 @@ fn a_wall_clock_stepped_an_hour_either_way_stalls_nothing_and_expires_nothing() 
             .contains("the wall clock stepped by +3600 s")
             .then_some(())
     });
-    assert_eq!(kubelet_pods_status(&w), "200");
+    assert_eq!(kubelet_status(&w, "ops-token"), "200");
     assert_eq!(
         token_reviews(&w),
         reviews,
@@ -186,7 +148,7 @@ fn a_wall_clock_stepped_an_hour_either_way_stalls_nothing_and_expires_nothing() 
             .contains("the wall clock stepped by -7200 s")
             .then_some(())
     });
-    assert_eq!(kubelet_pods_status(&w), "200");
+    assert_eq!(kubelet_status(&w, "ops-token"), "200");
     assert_eq!(
         token_reviews(&w),
         reviews,

@@ -11,7 +11,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use daemon_support::{
-    annotation, running_with_vm, set_hibernate, wait_turning, wait_warning, World,
+    hibernated, running_with_vm, set_hibernate, snapshot_names, wait_turning, wait_warning, World,
 };
 use vk_cocoon::sandbox::demo_pod;
 use vk_cocoon::snapshots::manifest_info;
@@ -75,16 +75,6 @@ impl Drop for SmallDisk {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
     }
-}
-
-/// Snapshot names the fake cocoon lists.
-fn snapshot_names(w: &World) -> Vec<String> {
-    let (ok, out) = w.cocoon(&["snapshot", "list", "-o", "json"]);
-    assert!(ok, "{out}");
-    let list: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap_or_default();
-    list.iter()
-        .filter_map(|s| s["name"].as_str().map(str::to_string))
-        .collect()
 }
 
 #[test]
@@ -220,11 +210,7 @@ fn a_full_push_spool_keeps_the_vm_warns_and_hibernates_once_space_is_freed() {
     disk.grow("64m");
     let freed = Instant::now();
     wait_turning(&w, "sleeper hibernated", LIMIT, || {
-        let p = w.pod("sleeper")?;
-        let done = annotation(&p, "vm.cocoonstack.io/lifecycle-state").as_deref()
-            == Some("hibernated")
-            && !w.vms().contains_key("vk-default-sleeper");
-        done.then_some(())
+        hibernated(&w, "sleeper", "vk-default-sleeper")
     });
     eprintln!(
         "full push spool: hibernated {:?} after space was freed ({:?} after the request)",

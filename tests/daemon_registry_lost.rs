@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use daemon_support::registry_support::CutProxy;
 use daemon_support::{
-    annotation, phase, running_with_vm, set_hibernate, wait_turning, wait_warning, warning_count,
+    hibernated, phase, running_with_vm, set_hibernate, wait_turning, wait_warning, warning_count,
     with_annotation, World,
 };
 use vk_cocoon::sandbox::demo_pod;
@@ -92,11 +92,7 @@ fn a_hibernate_push_cut_by_a_lost_registry_keeps_the_vm_and_completes_when_it_is
     proxy.restore();
     let back = Instant::now();
     wait_turning(&w, "sleeper hibernated", LIMIT, || {
-        let p = w.pod("sleeper")?;
-        let done = annotation(&p, "vm.cocoonstack.io/lifecycle-state").as_deref()
-            == Some("hibernated")
-            && !w.vms().contains_key("vk-default-sleeper");
-        done.then_some(())
+        hibernated(&w, "sleeper", "vk-default-sleeper")
     });
     eprintln!(
         "registry lost mid hibernate push: hibernated {:?} after the registry came back ({:?} after the loss)",

@@ -7,7 +7,7 @@ mod daemon_support;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use daemon_support::{cocoon_children, running_with_vm, with_annotation, World};
+use daemon_support::{cocoon_children, running_with_vm, snapshot_names, with_annotation, World};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use vk_cocoon::sandbox::demo_pod;
@@ -175,15 +175,6 @@ fn a_daemon_killed_mid_snapshot_before_delete_pushes_and_removes_after_restart()
     assert!(w.vms().is_empty(), "no orphan: {:?}", w.vms());
 }
 
-fn local_snapshots(w: &World) -> BTreeSet<String> {
-    let (ok, out) = w.cocoon(&["snapshot", "list", "-o", "json"]);
-    assert!(ok, "{out}");
-    let list: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap_or_default();
-    list.iter()
-        .filter_map(|s| s["name"].as_str().map(str::to_string))
-        .collect()
-}
-
 /// At start the reclaimer removes wake imports, tagged base snapshots and `vk-` snapshots the
 /// registry no longer vouches for (with their `fork-`), and keeps what a pod uses, what the
 /// registry's hibernate tag names, and what is not the daemon's (`base`).
@@ -216,7 +207,7 @@ fn the_snapshot_reclaimer_removes_what_nothing_vouches_for_and_keeps_the_rest() 
             .contains("snapshot reclaimer: run done")
             .then_some(())
     });
-    let left = local_snapshots(&w);
+    let left = snapshot_names(&w);
     let expected: BTreeSet<String> = ["base", "vk-default-hib", "vk-default-inuse"]
         .iter()
         .map(|s| s.to_string())

@@ -9,7 +9,7 @@ mod daemon_support;
 use std::time::{Duration, Instant};
 
 use daemon_support::{
-    annotation, assert_loop_turns, cocoon_children, phase, running_with_vm, set_hibernate,
+    assert_loop_turns, cocoon_children, hibernated, phase, running_with_vm, set_hibernate,
     wait_turning, wait_warning, World,
 };
 use vk_cocoon::sandbox::demo_pod;
@@ -38,6 +38,20 @@ fn hang_next(w: &World, verb: &str, n: u64) {
     );
 }
 
+/// Waits for this world's `cocoon <group> <verb>` to be running; returns its PIDs.
+fn hanging(w: &World, group: &str, verb: &str) -> Vec<u32> {
+    w.wait(&format!("a hung {group} {verb}"), LIMIT, || {
+        Some(cocoon_children(w, group, verb)).filter(|p| !p.is_empty())
+    })
+}
+
+/// Whether process `pid` still runs (a zombie does not).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| !s.contains(") Z "))
+        .unwrap_or(false)
+}
+
 fn vm_count(w: &World, name: &str) -> usize {
     fake_cocoon::stored_vms(&w.path("state"))
         .iter()
@@ -56,16 +70,14 @@ fn every_wedged_cocoon_call_is_killed_at_its_deadline_and_its_operation_complete
     w.api
         .create_pod(&demo_pod("default", "pulled", "run", "ubuntu:24.04"))
         .expect("create pod");
-    w.wait("the hung image pull", LIMIT, || {
-        (!cocoon_children(&w, "image", "pull").is_empty()).then_some(())
-    });
+    let hung = hanging(&w, "image", "pull");
     let msg = wait_warning(&w, "pulled", "CreateBringUpFailed", "deadline");
     assert!(
         msg.contains("image pull"),
         "the Warning names the call: {msg}"
     );
     assert!(
-        cocoon_children(&w, "image", "pull").is_empty(),
+        !hung.iter().any(|p| alive(*p)),
         "the hung image pull still runs after its deadline"
     );
     let (_, pulled_id) = wait_turning(&w, "pulled Running", LIMIT, || {
@@ -82,6 +94,7 @@ fn every_wedged_cocoon_call_is_killed_at_its_deadline_and_its_operation_complete
     w.api
         .create_pod(&demo_pod("default", "cloned", "clone", "base"))
         .expect("create pod");
+    let hung = hanging(&w, "vm", "clone");
     wait_warning(&w, "cloned", "CreateBringUpFailed", "timed out");
     wait_turning(&w, "cloned Running", LIMIT, || {
         running_with_vm(&w, "cloned")
@@ -95,12 +108,13 @@ fn every_wedged_cocoon_call_is_killed_at_its_deadline_and_its_operation_complete
         1,
         "one VM, no leftover record"
     );
-    assert!(cocoon_children(&w, "vm", "clone").is_empty());
+    assert!(!hung.iter().any(|p| alive(*p)), "the hung clone still runs");
 
     // 3. `snapshot save` of a hibernate hangs: the VM is kept, the hibernate is retried.
     hang_next(&w, "snapshot save", 1);
     let start = Instant::now();
     set_hibernate(&w, "cloned", true);
+    let hung = hanging(&w, "snapshot", "save");
     wait_warning(&w, "cloned", "HibernateSnapshotFailed", "timed out");
     assert_eq!(
         w.vms().get("vk-default-cloned").map(|(_, s)| s.clone()),
@@ -108,11 +122,7 @@ fn every_wedged_cocoon_call_is_killed_at_its_deadline_and_its_operation_complete
         "the VM is kept when its snapshot could not be saved"
     );
     wait_turning(&w, "cloned hibernated", LIMIT, || {
-        let p = w.pod("cloned")?;
-        let done = annotation(&p, "vm.cocoonstack.io/lifecycle-state").as_deref()
-            == Some("hibernated")
-            && !w.vms().contains_key("vk-default-cloned");
-        done.then_some(())
+        hibernated(&w, "cloned", "vk-default-cloned")
     });
     eprintln!(
         "wedged snapshot save: hibernated {:?} after the request",
@@ -121,7 +131,7 @@ fn every_wedged_cocoon_call_is_killed_at_its_deadline_and_its_operation_complete
     let tag = manifest_info(&w.registry_client(), "vk-default-cloned", "hibernate")
         .expect("registry answers");
     assert!(tag.is_some(), "the hibernate tag was pushed");
-    assert!(cocoon_children(&w, "snapshot", "save").is_empty());
+    assert!(!hung.iter().any(|p| alive(*p)), "the hung save still runs");
 
     // 4. `vm inspect` of a VM-gone check hangs: killed, rechecked, the pod evicted.
     hang_next(&w, "vm inspect", 1);
@@ -132,6 +142,7 @@ fn every_wedged_cocoon_call_is_killed_at_its_deadline_and_its_operation_complete
         .unwrap_or_default();
     let (ok, out) = w.cocoon(&["fake", "vanish", &pulled_id]);
     assert!(ok, "{out}");
+    let hung = hanging(&w, "vm", "inspect");
     wait_turning(&w, "pulled evicted", LIMIT, || match w.pod("pulled") {
         None => Some(()),
         Some(p) if p.metadata.uid.as_deref() != Some(uid.as_str()) => Some(()),
@@ -146,8 +157,11 @@ fn every_wedged_cocoon_call_is_killed_at_its_deadline_and_its_operation_complete
         w.log().contains("vm inspect"),
         "the daemon inspected the vanished VM"
     );
-    assert!(cocoon_children(&w, "vm", "inspect").is_empty());
-    assert_loop_turns(&w, 25.0);
+    assert!(
+        !hung.iter().any(|p| alive(*p)),
+        "the hung inspect still runs"
+    );
+    assert_loop_turns(&w, 30.0);
 }
 
 /// The daemon is SIGKILLed while a clone (a child of the loop) and an image pull (a child of
@@ -184,16 +198,7 @@ fn hung_cocoon_children_die_with_a_killed_daemon_and_the_restart_finishes_their_
     let killed = Instant::now();
     w.kill_daemon();
     w.wait("the hung children gone", Duration::from_secs(20), || {
-        let left: Vec<u32> = hung
-            .iter()
-            .copied()
-            .filter(|p| {
-                std::fs::read_to_string(format!("/proc/{p}/stat"))
-                    .map(|s| !s.contains(") Z "))
-                    .unwrap_or(false)
-            })
-            .collect();
-        left.is_empty().then_some(())
+        (!hung.iter().any(|p| alive(*p))).then_some(())
     });
     eprintln!(
         "hung children gone {:?} after the daemon's SIGKILL",

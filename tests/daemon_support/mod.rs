@@ -496,7 +496,7 @@ pub fn cocoon_children(w: &World, group: &str, verb: &str) -> Vec<u32> {
 }
 
 /// The loop keeps turning: /metrics answers and the node Lease was renewed within `bound`
-/// (it is renewed every 10 s). Panics with what it saw otherwise.
+/// (it is renewed every 10 s and lasts 40 s). Panics with what it saw otherwise.
 pub fn assert_loop_turns(w: &World, bound: f64) {
     let age = lease_age(w).unwrap_or(f64::MAX);
     assert!(
@@ -520,7 +520,7 @@ pub fn wait_turning<T>(
     let mut last_check = Instant::now();
     w.wait(what, limit, || {
         if last_check.elapsed() > Duration::from_millis(500) {
-            assert_loop_turns(w, 25.0);
+            assert_loop_turns(w, 30.0);
             last_check = Instant::now();
         }
         f()
@@ -567,4 +567,65 @@ pub fn warning_count(w: &World, name: &str, reason: &str) -> u64 {
         })
         .map(|e| e["count"].as_u64().unwrap_or(1))
         .sum()
+}
+
+/// SIGKILLs the hypervisor process of VM `id` (its PID as cocoon reports it); returns the PID.
+pub fn kill_hypervisor(w: &World, id: &str) -> i32 {
+    let (ok, out) = w.cocoon(&["vm", "inspect", id]);
+    assert!(ok, "{out}");
+    let pid = serde_json::from_str::<serde_json::Value>(&out).unwrap_or_default()["pid"]
+        .as_i64()
+        .unwrap_or(0);
+    let hypervisor = i32::try_from(pid)
+        .ok()
+        .and_then(rustix::process::Pid::from_raw)
+        .expect("the VM has a hypervisor PID");
+    rustix::process::kill_process(hypervisor, rustix::process::Signal::Kill).expect("kill");
+    hypervisor.as_raw_nonzero().get()
+}
+
+/// Status of `GET /pods` on the kubelet API with a bearer token.
+pub fn kubelet_status(w: &World, token: &str) -> String {
+    let out = std::process::Command::new("curl")
+        .args([
+            "-sk",
+            "--max-time",
+            "5",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+        ])
+        .args(["-H", &format!("Authorization: Bearer {token}")])
+        .arg(format!("https://127.0.0.1:{}/pods", w.kubelet_port))
+        .output()
+        .expect("run curl");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The local snapshot names the fake cocoon lists.
+pub fn snapshot_names(w: &World) -> std::collections::BTreeSet<String> {
+    let (ok, out) = w.cocoon(&["snapshot", "list", "-o", "json"]);
+    assert!(ok, "{out}");
+    let list: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap_or_default();
+    list.iter()
+        .filter_map(|s| s["name"].as_str().map(str::to_string))
+        .collect()
+}
+
+/// Pod `name` is hibernated: lifecycle `hibernated` and no VM `vm` left.
+pub fn hibernated(w: &World, name: &str, vm: &str) -> Option<()> {
+    let p = w.pod(name)?;
+    let done = annotation(&p, "vm.cocoonstack.io/lifecycle-state").as_deref() == Some("hibernated")
+        && !w.vms().contains_key(vm);
+    done.then_some(())
+}
+
+/// TokenReviews the daemon has sent (the kubelet API authenticating bearer tokens).
+pub fn token_reviews(w: &World) -> usize {
+    w.api
+        .requests()
+        .iter()
+        .filter(|r| r.resource == "tokenreviews")
+        .count()
 }
