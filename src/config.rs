@@ -77,6 +77,8 @@ pub const VARIABLES: &[Variable] = &[
     var("SNAPSHOT_PULL_BUDGET_MIB", "2048", "Pull prefetch cap in MiB (at least 1)."),
     var("COCOON_K8S_QPS", "50", "Kubernetes client requests per second; 0 = no limit; malformed = default."),
     var("COCOON_K8S_BURST", "100", "Kubernetes client burst; 0 or malformed = default."),
+    var("VK_TEST_WALL_CLOCK_OFFSET_FILE", "unset", "Tests only, never on a host: a file of signed seconds added to the daemon's wall clock (re-read every 100 ms), so process tests can step the clock without stepping the machine's."),
+    var("VK_COCOON_DEADLINES", "query=30,control=120,create=600,transfer=3600", "Seconds after which a cocoon call is killed, per class: `query` (inspect, list of snapshots), `control` (vm list, rm, start, net, snapshot rm), `create` (clone, run), `transfer` (snapshot save, import, export, image pull, import); any subset, comma-separated."),
 ];
 
 /// What to do with VMs that have no pod at startup reconcile.
@@ -209,6 +211,10 @@ pub struct Config {
     pub snapshot_pull_budget_mib: u64,
     pub k8s_qps: f64,
     pub k8s_burst: u32,
+    /// `VK_TEST_WALL_CLOCK_OFFSET_FILE` (tests only).
+    pub test_wall_clock_offset_file: Option<PathBuf>,
+    /// `VK_COCOON_DEADLINES` over the defaults.
+    pub cocoon_deadlines: crate::vm::Deadlines,
     /// Non-fatal findings (malformed values that fell back to defaults) for the log.
     pub warnings: Vec<String>,
 }
@@ -639,6 +645,19 @@ impl Config {
             ));
         }
 
+        let cocoon_deadlines = match get(env, "VK_COCOON_DEADLINES") {
+            None => crate::vm::Deadlines::default(),
+            Some(raw) => crate::vm::Deadlines::parse(&raw).map_err(|why| {
+                invalid(
+                    "VK_COCOON_DEADLINES",
+                    &raw,
+                    format!(
+                        "class=seconds pairs, classes query, control, create, transfer ({why})"
+                    ),
+                )
+            })?,
+        };
+
         Ok(Config {
             kubeconfig: get(env, "KUBECONFIG"),
             log_level: string_or(env, "VK_LOG_LEVEL", "info"),
@@ -730,6 +749,9 @@ impl Config {
             )?,
             k8s_qps,
             k8s_burst,
+            cocoon_deadlines,
+            test_wall_clock_offset_file: get(env, "VK_TEST_WALL_CLOCK_OFFSET_FILE")
+                .map(PathBuf::from),
             warnings,
         })
     }

@@ -18,3 +18,4 @@ pub mod sandbox;
 pub mod snapshots;
 pub mod version;
 pub mod vm;
+pub mod wall_clock;

@@ -91,7 +91,7 @@ impl Log for StderrLogger {
             record.target(),
             &record.args().to_string(),
             self.journald,
-            SystemTime::now(),
+            crate::wall_clock::now(),
         );
         line.push('\n');
         // One write per record keeps lines whole when threads log at once.

@@ -505,6 +505,8 @@ pub struct NodeAgent {
     register_backoff: Backoff,
     lease_backoff: Backoff,
     status_backoff: Backoff,
+    /// Reports wall-clock steps (the agent reads both clocks on every tick).
+    clock_steps: crate::wall_clock::StepWatch,
     pub stats: NodeAgentStats,
 }
 
@@ -519,10 +521,11 @@ impl NodeAgent {
             next_lease: now,
             next_status: now + STATUS_INTERVAL,
             next_storage: now + STORAGE_REFRESH,
-            since: api_time(SystemTime::now()),
+            since: api_time(crate::wall_clock::now()),
             register_backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(30)),
             lease_backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(7)),
             status_backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(30)),
+            clock_steps: crate::wall_clock::StepWatch::default(),
             stats: NodeAgentStats::default(),
         }
     }
@@ -581,7 +584,14 @@ impl NodeAgent {
 
     /// Do whatever is due at `now`: register, renew the lease, refresh status.
     pub fn tick(&mut self, client: &Client, now: Instant) {
-        let wall = SystemTime::now();
+        let wall = crate::wall_clock::now();
+        if let Some(step) = self.clock_steps.look(now, wall) {
+            log::warn!(
+                "node {}: the wall clock stepped by {step:+} s; Lease, status and Event times \
+                 follow it, renewals, timeouts and cooldowns keep their monotonic schedule",
+                self.opts.name
+            );
+        }
         if self.node_uid.is_none() {
             if now < self.next_register {
                 return;

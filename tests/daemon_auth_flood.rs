@@ -10,36 +10,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use daemon_support::{running_with_vm, World};
+use daemon_support::{kubelet_status, running_with_vm, token_reviews, World};
 use vk_cocoon::sandbox::apiserver::ReviewUser;
 use vk_cocoon::sandbox::demo_pod;
-
-fn token_reviews(w: &World) -> usize {
-    w.api
-        .requests()
-        .iter()
-        .filter(|r| r.resource == "tokenreviews")
-        .count()
-}
-
-/// Status of `GET /pods` on the kubelet API with a bearer token.
-fn kubelet_status(w: &World, token: &str) -> String {
-    let out = std::process::Command::new("curl")
-        .args([
-            "-sk",
-            "--max-time",
-            "5",
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code}",
-        ])
-        .args(["-H", &format!("Authorization: Bearer {token}")])
-        .arg(format!("https://127.0.0.1:{}/pods", w.kubelet_port))
-        .output()
-        .expect("run curl");
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 /// Status of `GET /pods` from `interface` (a loopback address), with curl's extra `args`.
 fn kubelet_status_as(w: &World, interface: &str, args: &[&str]) -> String {

@@ -260,7 +260,7 @@ fn a_managed_pods_id_annotation_never_makes_its_delete_remove_another_vm() {
     std::thread::sleep(Duration::from_millis(500));
     victim_untouched(&w, &id);
     assert!(
-        !w.log().contains(&format!("vm rm --force {id}")),
+        !w.log().contains(&format!("vm rm --force -- {id}")),
         "{}",
         log(&w)
     );

@@ -9,7 +9,9 @@ mod daemon_support;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use daemon_support::{annotation, lease_age, metric_value, phase, running_with_vm, World};
+use daemon_support::{
+    annotation, kill_hypervisor, lease_age, metric_value, phase, running_with_vm, World,
+};
 use vk_cocoon::sandbox::demo_pod;
 
 #[test]
@@ -801,21 +803,6 @@ fn a_restart_keeps_vms_whose_pod_annotations_no_longer_parse() {
 /// (RestartFailed) within milliseconds although cocoon's event ticker runs every 5 s (the
 /// fake's default), because the daemon watches each hypervisor PID itself. Returns the
 /// kill → Failed latencies.
-/// SIGKILLs the hypervisor process of VM `id` (its PID as cocoon reports it); returns the PID.
-fn kill_hypervisor(w: &World, id: &str) -> i32 {
-    let (ok, out) = w.cocoon(&["vm", "inspect", id]);
-    assert!(ok, "{out}");
-    let pid = serde_json::from_str::<serde_json::Value>(&out).unwrap_or_default()["pid"]
-        .as_i64()
-        .unwrap_or(0);
-    let hypervisor = i32::try_from(pid)
-        .ok()
-        .and_then(rustix::process::Pid::from_raw)
-        .expect("the VM has a hypervisor PID");
-    rustix::process::kill_process(hypervisor, rustix::process::Signal::Kill).expect("kill");
-    hypervisor.as_raw_nonzero().get()
-}
-
 fn hypervisor_kill_to_failed(pods: usize) -> Vec<Duration> {
     let mut w = World::new();
     w.start_daemon();

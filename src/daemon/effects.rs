@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::Instant;
 
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
 use k8s_openapi::api::authorization::v1::{
@@ -32,7 +32,7 @@ use crate::snapshots::{
     manifest_info, pull_cloud_image, pull_snapshot, push_snapshot, ArtifactKind, CloudImageRequest,
     PullRequest, PushKnobs, PushRequest, RegistryClient, TransferError,
 };
-use crate::vm::{argv, classify, Verb};
+use crate::vm::{argv, Verb};
 
 /// A registry job waiting in the daemon's transfer queue.
 pub(super) type TransferJob =
@@ -123,7 +123,7 @@ impl Daemon {
                 self.pending.push_back(Input::VmPidRead { op, pid });
             }
             Effect::LookupLease { op, mac } => {
-                let result = match self.leases.lookup(&mac, SystemTime::now()) {
+                let result = match self.leases.lookup(&mac, crate::wall_clock::now()) {
                     Ok(lease) => Ok(lease.map(|l| l.ip.to_string())),
                     Err(e) => {
                         if self.leases.should_log(&e) {
@@ -157,7 +157,7 @@ impl Daemon {
                 log::info!("event {} {key}: {reason}: {message}", type_.as_str());
                 let now = self.reactor.now();
                 self.events
-                    .record(&pod, kind, reason, &message, now, SystemTime::now());
+                    .record(&pod, kind, reason, &message, now, crate::wall_clock::now());
             }
             Effect::StartProbe {
                 key,
@@ -181,7 +181,7 @@ impl Daemon {
                     &key.to_string(),
                     Some(target),
                     now,
-                    SystemTime::now(),
+                    crate::wall_clock::now(),
                 );
                 self.probe_events(out);
             }
@@ -659,27 +659,21 @@ fn image_pull(cocoon: &Path, image: &str, force: bool) -> Result<String, String>
     }
 }
 
-/// Runs a short cocoon command (argv from the vm room's builders) on a worker thread: Ok(true)
-/// on exit 0, Ok(false) when the contract's classification says the object is absent, Err on
-/// anything else.
+/// Runs a short cocoon command (argv from the vm room's builders) on a worker thread, under
+/// the verb's deadline: Ok(true) on exit 0, Ok(false) when the contract's classification says
+/// the object is absent, Err on anything else (a call killed at its deadline included).
 fn cocoon_ok(cocoon: &Path, verb: Verb, args: &[String]) -> Result<bool, String> {
-    argv::check(args).map_err(|e| format!("vk-cocoon refused to run cocoon: {e}"))?;
-    let out = std::process::Command::new(cocoon)
-        .args(args)
-        .stdin(std::process::Stdio::null())
-        .output()
-        .map_err(|e| format!("run {}: {e}", cocoon.display()))?;
-    if out.status.success() {
+    let done = crate::snapshots::cocoon_child::run(cocoon, verb, args)?;
+    if done.success {
         return Ok(true);
     }
-    let text = String::from_utf8_lossy(&out.stderr);
-    if classify(verb, &text).is_not_found() {
+    if done.not_found(verb) {
         return Ok(false);
     }
     Err(format!(
         "cocoon {}: {}",
         args.join(" "),
-        crate::provider::truncate_bytes(text.trim(), 400)
+        crate::provider::truncate_bytes(&done.error_text(), 400)
     ))
 }
 

@@ -36,7 +36,7 @@ mod view;
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use crate::config::Config;
 use crate::kube::events::EventRecorder;
@@ -260,6 +260,10 @@ impl StartError {
 /// Runs the daemon until SIGTERM/SIGINT. Returns the process exit status.
 pub fn run(config: Config) -> i32 {
     raise_open_file_limit();
+    Deadlines::configure(config.cocoon_deadlines);
+    if let Some(file) = &config.test_wall_clock_offset_file {
+        crate::wall_clock::follow_offset_file(file.clone());
+    }
     let mut daemon = match Daemon::new(config) {
         Ok(d) => d,
         Err(e) => {
@@ -538,9 +542,9 @@ impl Daemon {
 
     fn route(&mut self, event: Event<Work>) {
         let now = self.reactor.now();
-        if let Some(out) = self
-            .probes
-            .handle_event(&mut self.reactor, &event, SystemTime::now())
+        if let Some(out) =
+            self.probes
+                .handle_event(&mut self.reactor, &event, crate::wall_clock::now())
         {
             self.probe_events(out);
             return;
@@ -785,7 +789,7 @@ impl Daemon {
             let now = self.reactor.now();
             let kind = turn_profile::input_kind(&input);
             let core_at = Instant::now();
-            let effects = self.provider.handle(input, now, SystemTime::now());
+            let effects = self.provider.handle(input, now, crate::wall_clock::now());
             self.profile.lap(kind, core_at);
             // Any input may change a tracked VM or its PID, effects or not (an inspect that
             // learns a new PID answers with none): the watch is checked after every such turn.
@@ -886,10 +890,11 @@ impl Daemon {
 
     /// Starts `cocoon vm list -o json` (startup reconcile or event-stream re-sync).
     fn spawn_vm_list(&mut self, role: ChildRole) -> std::io::Result<()> {
-        let call = CocoonCall::new(Verb::VmList, argv::vm_list(), &Deadlines::default());
+        let deadlines = Deadlines::configured();
+        let call = CocoonCall::new(Verb::VmList, argv::vm_list(), &deadlines);
         let argv = call.full_argv(&self.config.cocoon_bin.to_string_lossy());
         let spec = ChildSpec::new(argv)
-            .deadline(call.deadline.unwrap_or(Deadlines::default().control))
+            .deadline(call.deadline.unwrap_or(deadlines.control))
             .stdin(StdinMode::Null)
             .stdout(OutputMode::Capture { limit: 64 << 20 })
             .stderr(OutputMode::Capture { limit: 64 << 10 });

@@ -92,7 +92,7 @@ impl Credentials {
                 let fresh = match &*c {
                     Some(cred) => cred
                         .expires
-                        .is_none_or(|t| SystemTime::now() + EXPIRY_LEEWAY < t),
+                        .is_none_or(|t| crate::wall_clock::now() + EXPIRY_LEEWAY < t),
                     None => false,
                 };
                 if !fresh {

@@ -284,7 +284,7 @@ impl EventRecorder {
                             .event
                             .first_timestamp
                             .clone()
-                            .unwrap_or_else(|| time(SystemTime::now())),
+                            .unwrap_or_else(|| time(crate::wall_clock::now())),
                         at: now,
                     },
                 );

@@ -141,22 +141,24 @@ pub fn unverified_client_config(
     let provider = provider();
     let certs = parse_certs(cert_pem).map_err(|e| format!("client certificate: {e}"))?;
     let key = parse_key(key_pem).map_err(|e| format!("client key: {e}"))?;
-    let config = ClientConfig::builder_with_provider(provider.clone())
-        .with_safe_default_protocol_versions()
-        .map_err(|e| format!("TLS setup: {e}"))?
-        .dangerous()
-        .with_custom_certificate_verifier(Arc::new(NoVerify(provider)))
-        .with_client_auth_cert(certs, key)
-        .map_err(|e| format!("client certificate: {e}"))?;
+    let config =
+        ClientConfig::builder_with_details(provider.clone(), Arc::new(crate::wall_clock::TlsClock))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("TLS setup: {e}"))?
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(NoVerify(provider)))
+            .with_client_auth_cert(certs, key)
+            .map_err(|e| format!("client certificate: {e}"))?;
     Ok(Arc::new(config))
 }
 
 /// Build the client TLS configuration (HTTP/1.1 only, no ALPN).
 pub fn client_config(p: &TlsParams<'_>) -> Result<Arc<ClientConfig>, String> {
     let provider = provider();
-    let builder = ClientConfig::builder_with_provider(provider.clone())
-        .with_safe_default_protocol_versions()
-        .map_err(|e| format!("TLS setup: {e}"))?;
+    let builder =
+        ClientConfig::builder_with_details(provider.clone(), Arc::new(crate::wall_clock::TlsClock))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("TLS setup: {e}"))?;
     let builder = if p.insecure_skip_tls_verify {
         log::warn!("insecure-skip-tls-verify is set: the API server's certificate is NOT verified");
         builder

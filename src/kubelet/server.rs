@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use mio::net::{TcpListener, TcpStream};
 use mio::{Interest, Token};
@@ -363,7 +363,7 @@ impl KubeletServer {
                         }
                     }
                     Stream::Stdout => {
-                        let body = shaper.shape(data, SystemTime::now());
+                        let body = shaper.shape(data, crate::wall_clock::now());
                         if !*head_sent {
                             c.out.extend_from_slice(
                                 b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; charset=utf-8\r\nTransfer-Encoding: chunked\r\nX-Content-Type-Options: nosniff\r\nConnection: close\r\n\r\n",
@@ -1022,7 +1022,7 @@ impl KubeletServer {
                     &sample,
                     &self.cfg.node_name,
                     self.stats.process_start(),
-                    SystemTime::now(),
+                    crate::wall_clock::now(),
                 );
                 match serde_json::to_vec(&s) {
                     Ok(b) => routes::response(200, "application/json", &b, false),

@@ -182,9 +182,10 @@ fn build_config(
         }
     };
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let builder = ServerConfig::builder_with_provider(provider.clone())
-        .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
-        .map_err(|e| TlsError::Rustls(e.to_string()))?;
+    let builder =
+        ServerConfig::builder_with_details(provider.clone(), Arc::new(crate::wall_clock::TlsClock))
+            .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
+            .map_err(|e| TlsError::Rustls(e.to_string()))?;
     let builder = match &s.client_ca_pem {
         Some(pem) => {
             let mut roots = RootCertStore::empty();
@@ -241,7 +242,7 @@ fn load_from_disk(s: &TlsSettings) -> Result<Option<Pair>, TlsError> {
         .map_err(|e| TlsError::BadPem(s.key_path.clone(), e.to_string()))?
         .ok_or_else(|| TlsError::NoKey(s.key_path.clone()))?;
     if let Some(not_after) = cert_not_after(leaf) {
-        if not_after < SystemTime::now() {
+        if not_after < crate::wall_clock::now() {
             log::warn!(
                 "kubelet TLS certificate {} has expired; using a self-signed certificate",
                 s.cert_path.display()
@@ -269,7 +270,7 @@ pub fn self_signed(
     dn.push(DnType::CommonName, node_name);
     p.distinguished_name = dn;
     p.serial_number = Some(SerialNumber::from_slice(&[1]));
-    let (y, m, d) = ymd(SystemTime::now());
+    let (y, m, d) = ymd(crate::wall_clock::now());
     p.not_before = rcgen::date_time_ymd(y, m, d);
     p.not_after = rcgen::date_time_ymd(y + 10, m, d.min(28));
     p.key_usages = vec![

@@ -219,7 +219,7 @@ pub fn read_sample(paths: &StatsPaths, vms: &[TrackedVm], now: Instant) -> Sampl
         Err(_) => errors += 1,
     }
     Sample {
-        taken_at: SystemTime::now(),
+        taken_at: crate::wall_clock::now(),
         taken_mono: now,
         node,
         vms: out,
@@ -389,7 +389,7 @@ impl StatsHub {
                 refreshing: false,
                 reads: 0,
             })),
-            process_start: SystemTime::now(),
+            process_start: crate::wall_clock::now(),
             background: false,
         }
     }

@@ -4,12 +4,10 @@
 //! staging sweep at start and on a timer. One background thread lists Nodes and sweeps.
 
 use std::collections::HashMap;
-use std::io::Read;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use crate::kube::Client;
 use crate::kubelet::tls::{TlsSettings, TlsState};
@@ -24,8 +22,6 @@ use super::wire::plain_component;
 pub const NODE_REFRESH: Duration = Duration::from_secs(30);
 /// The wait before listing again after a failed list.
 const NODE_RETRY: Duration = Duration::from_secs(2);
-/// `cocoon snapshot inspect` is killed after this long.
-const INSPECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What the daemon keeps of the running peer service.
 pub struct PeerService {
@@ -131,7 +127,8 @@ fn background(
     staging_dir: PathBuf,
     snapshot_dir: PathBuf,
 ) {
-    staging::sweep(&staging_dir, SystemTime::now());
+    let mut sweeper = staging::Sweeper::default();
+    sweeper.sweep(&staging_dir, crate::wall_clock::now(), Instant::now());
     let mut next_sweep = Instant::now() + staging::SWEEP_EVERY;
     let mut logged_error = false;
     loop {
@@ -157,7 +154,7 @@ fn background(
         };
         prune_gone(&pushed, &snapshot_dir);
         if Instant::now() >= next_sweep {
-            staging::sweep(&staging_dir, SystemTime::now());
+            sweeper.sweep(&staging_dir, crate::wall_clock::now(), Instant::now());
             next_sweep = Instant::now() + staging::SWEEP_EVERY;
         }
         std::thread::sleep(pause);
@@ -179,47 +176,24 @@ pub fn prune_gone(pushed: &PushedSnapshots, snapshot_dir: &Path) {
 }
 
 /// Resolves a snapshot name to its id with `cocoon snapshot inspect NAME` (argv, no shell),
-/// killed after `INSPECT_TIMEOUT`.
+/// killed at the `query` deadline.
 pub fn cocoon_resolver(bin: PathBuf) -> Resolver {
     Arc::new(move |name: &str| inspect_id(&bin, name))
 }
 
 fn inspect_id(bin: &std::path::Path, name: &str) -> Result<Option<String>, String> {
-    let mut child = Command::new(bin)
-        .args(argv::snapshot_inspect(name))
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("spawn {}: {e}", bin.display()))?;
-    let deadline = Instant::now() + INSPECT_TIMEOUT;
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(s)) => break s,
-            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
-            Ok(None) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err("snapshot inspect timed out".into());
-            }
-            Err(e) => return Err(format!("wait: {e}")),
-        }
-    };
-    let mut out = Vec::new();
-    let mut err = Vec::new();
-    if let Some(mut o) = child.stdout.take() {
-        let _ = o.by_ref().take(1 << 20).read_to_end(&mut out);
+    let done = crate::snapshots::cocoon_child::run(
+        bin,
+        crate::vm::Verb::SnapshotInspect,
+        &argv::snapshot_inspect(name),
+    )?;
+    if done.not_found(crate::vm::Verb::SnapshotInspect) {
+        return Ok(None);
     }
-    if let Some(mut e) = child.stderr.take() {
-        let _ = e.by_ref().take(64 << 10).read_to_end(&mut err);
+    if !done.success {
+        return Err(format!("snapshot inspect {name}: {}", done.error_text()));
     }
-    if !status.success() {
-        let text = String::from_utf8_lossy(&err).to_ascii_lowercase();
-        if text.contains("snapshot not found") || text.contains("no such snapshot") {
-            return Ok(None);
-        }
-        return Err(format!("snapshot inspect {name}: {}", text.trim()));
-    }
+    let out = done.stdout;
     let v: serde_json::Value =
         serde_json::from_slice(&out).map_err(|e| format!("snapshot inspect {name}: {e}"))?;
     match v.get("id").and_then(|i| i.as_str()) {

@@ -4,8 +4,9 @@
 //! Entry names end in `.<pid>-<nanos>` (see `client.rs`); anything else in the directory is
 //! not ours to judge by name, so only its age decides.
 
+use std::collections::HashMap;
 use std::path::Path;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 /// A staged directory older than this is stale even if this process made it: a clone from
 /// it has long finished or failed.
@@ -21,52 +22,77 @@ fn creator_pid(name: &str) -> Option<u32> {
     pid.parse().ok()
 }
 
-/// Whether entry `name`, last modified at `mtime`, is stale for process `me` at `now`.
-pub fn is_stale(name: &str, mtime: SystemTime, me: u32, now: SystemTime) -> bool {
-    let old = now.duration_since(mtime).unwrap_or_default() >= STAGING_MAX_AGE;
-    match creator_pid(name) {
-        Some(pid) => pid != me || old,
-        None => old,
-    }
+/// The sweeper's memory of this process's own entries: when it first saw each (monotonic).
+/// An own entry's age is never read from the wall clock: a clock stepped forward by an hour
+/// must not make a restore that is still copying look an hour old.
+#[derive(Debug, Default)]
+pub struct Sweeper {
+    first_seen: HashMap<String, Instant>,
 }
 
-/// Removes the stale entries under `root`; returns how many were removed. A missing root is
-/// empty.
-pub fn sweep(root: &Path, now: SystemTime) -> usize {
-    let Ok(entries) = std::fs::read_dir(root) else {
-        return 0;
-    };
-    let me = std::process::id();
-    let mut removed = 0;
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(name) = name.to_str() else { continue };
-        // symlink_metadata: a symlink is judged (and removed) itself, never followed.
-        let Ok(meta) = entry.path().symlink_metadata() else {
-            continue;
-        };
-        let mtime = meta.modified().unwrap_or(now);
-        if !is_stale(name, mtime, me, now) {
-            continue;
-        }
-        let path = entry.path();
-        let res = if meta.is_dir() {
-            std::fs::remove_dir_all(&path)
-        } else {
-            std::fs::remove_file(&path)
-        };
-        match res {
-            Ok(()) => removed += 1,
-            Err(e) => log::warn!("staging sweep: remove {}: {e}", path.display()),
+impl Sweeper {
+    /// Whether entry `name`, last modified at `mtime` (wall), is stale for process `me`:
+    /// another process's entry always; one of ours once it was seen `STAGING_MAX_AGE` ago
+    /// (monotonic `mono`); an entry not named by us once its mtime is that old (`wall`).
+    pub fn is_stale(
+        &mut self,
+        name: &str,
+        mtime: SystemTime,
+        me: u32,
+        wall: SystemTime,
+        mono: Instant,
+    ) -> bool {
+        match creator_pid(name) {
+            Some(pid) if pid != me => true,
+            Some(_) => {
+                let first = *self.first_seen.entry(name.to_string()).or_insert(mono);
+                mono.saturating_duration_since(first) >= STAGING_MAX_AGE
+            }
+            None => wall.duration_since(mtime).unwrap_or_default() >= STAGING_MAX_AGE,
         }
     }
-    if removed > 0 {
-        log::info!(
-            "staging sweep: removed {removed} stale entr(ies) under {}",
-            root.display()
-        );
+
+    /// Removes the stale entries under `root`; returns how many were removed. A missing root
+    /// is empty.
+    pub fn sweep(&mut self, root: &Path, wall: SystemTime, mono: Instant) -> usize {
+        let Ok(entries) = std::fs::read_dir(root) else {
+            return 0;
+        };
+        let me = std::process::id();
+        let mut removed = 0;
+        let mut present = std::collections::HashSet::new();
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            present.insert(name.to_string());
+            // symlink_metadata: a symlink is judged (and removed) itself, never followed.
+            let Ok(meta) = entry.path().symlink_metadata() else {
+                continue;
+            };
+            let mtime = meta.modified().unwrap_or(wall);
+            if !self.is_stale(name, mtime, me, wall, mono) {
+                continue;
+            }
+            let path = entry.path();
+            let res = if meta.is_dir() {
+                std::fs::remove_dir_all(&path)
+            } else {
+                std::fs::remove_file(&path)
+            };
+            match res {
+                Ok(()) => removed += 1,
+                Err(e) => log::warn!("staging sweep: remove {}: {e}", path.display()),
+            }
+        }
+        self.first_seen.retain(|n, _| present.contains(n));
+        if removed > 0 {
+            log::info!(
+                "staging sweep: removed {removed} stale entr(ies) under {}",
+                root.display()
+            );
+        }
+        removed
     }
-    removed
 }
 
 /// Removes the staged entry `dir` once its clone has answered. Only an entry directly under
@@ -103,14 +129,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn stale_entries_are_those_of_other_processes_or_too_old() {
-        let now = SystemTime::now();
+    fn stale_entries_are_other_processes_or_too_old_and_our_own_age_is_monotonic() {
+        let wall = SystemTime::now();
+        let mono = Instant::now();
         let me = 4242;
-        assert!(!is_stale("vk-a.4242-17", now, me, now));
-        assert!(is_stale("vk-a.4241-17", now, me, now));
-        assert!(is_stale("vk-a.4242-17", now - STAGING_MAX_AGE, me, now));
-        assert!(!is_stale("operator-file", now, me, now));
-        assert!(is_stale("operator-file", now - STAGING_MAX_AGE, me, now));
+        let mut s = Sweeper::default();
+        assert!(!s.is_stale("vk-a.4242-17", wall, me, wall, mono));
+        assert!(s.is_stale("vk-a.4241-17", wall, me, wall, mono));
+        assert!(!s.is_stale("operator-file", wall, me, wall, mono));
+        assert!(s.is_stale("operator-file", wall - STAGING_MAX_AGE, me, wall, mono));
+        // Our own entry, with the wall clock stepped forward two hours: still young.
+        let stepped = wall + 2 * STAGING_MAX_AGE;
+        assert!(!s.is_stale("vk-a.4242-17", wall, me, stepped, mono));
+        // An hour later by the monotonic clock it is stale, whatever the wall clock says.
+        assert!(s.is_stale(
+            "vk-a.4242-17",
+            wall,
+            me,
+            wall - STAGING_MAX_AGE,
+            mono + STAGING_MAX_AGE
+        ));
     }
 
     #[test]
@@ -125,11 +163,22 @@ mod tests {
         std::fs::create_dir(&mine).unwrap();
         std::os::unix::fs::symlink(outside.path(), root.path().join("vk-c.1-5")).unwrap();
 
-        assert_eq!(sweep(root.path(), SystemTime::now()), 2);
+        let mut sweeper = Sweeper::default();
+        assert_eq!(
+            sweeper.sweep(root.path(), SystemTime::now(), Instant::now()),
+            2
+        );
         assert!(!dead.exists());
         assert!(mine.exists());
         assert!(outside.path().join("keep").exists());
-        assert_eq!(sweep(&root.path().join("absent"), SystemTime::now()), 0);
+        assert_eq!(
+            sweeper.sweep(
+                &root.path().join("absent"),
+                SystemTime::now(),
+                Instant::now()
+            ),
+            0
+        );
     }
 
     #[test]

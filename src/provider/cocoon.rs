@@ -154,7 +154,7 @@ impl CocoonCmd {
             CocoonCmd::Macos(m) => return m.deadline(),
             _ => {}
         }
-        let d = Deadlines::default();
+        let d = Deadlines::configured();
         d.for_verb(self.verb()).unwrap_or(d.control)
     }
 }

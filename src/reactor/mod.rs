@@ -42,7 +42,7 @@
 //! * Reads are bounded per wake-up (`READ_BUDGET` per pipe) so one chatty child cannot starve
 //!   the loop; the remainder is read on the next turn without waiting for readiness again.
 
-mod child;
+pub(crate) mod child;
 pub mod exec_trampoline;
 mod pool;
 pub mod priority;

@@ -452,7 +452,7 @@ fn parse_token_response(resp: ureq::Response, what: &str) -> Result<AccessToken,
     let expires_in = v.get("expires_in").and_then(|e| e.as_u64()).unwrap_or(3600);
     Ok(AccessToken {
         access_token: tok.to_string(),
-        expires_at: SystemTime::now() + Duration::from_secs(expires_in),
+        expires_at: crate::wall_clock::now() + Duration::from_secs(expires_in),
     })
 }
 
@@ -540,7 +540,7 @@ pub fn service_account_jwt(
         .map_err(|e| {
             TransferError::Invalid(format!("service-account private_key unusable: {e}"))
         })?;
-    let now = SystemTime::now()
+    let now = crate::wall_clock::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);

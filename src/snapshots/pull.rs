@@ -436,6 +436,7 @@ pub fn pull_snapshot(
     remove_snapshot(&req.cocoon_bin, &req.local_name)?;
     let mut child = CocoonChild::spawn(
         &req.cocoon_bin,
+        crate::vm::Verb::SnapshotImport,
         &crate::vm::argv::snapshot_import(&req.local_name, None),
         true,
         false,
@@ -444,7 +445,7 @@ pub fn pull_snapshot(
         child.kill();
         return Err(TransferError::Cocoon("import: no stdin pipe".into()));
     };
-    let mtime = SystemTime::now()
+    let mtime = crate::wall_clock::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
@@ -1064,6 +1065,7 @@ pub fn pull_cloud_image(
     let _gate = gate_pull(client, &r, &what);
     let mut child = CocoonChild::spawn(
         &req.cocoon_bin,
+        crate::vm::Verb::ImageImport,
         &crate::vm::argv::image_import(&req.local_name),
         true,
         false,

@@ -185,6 +185,7 @@ pub fn push_snapshot(
     };
     let mut child = CocoonChild::spawn(
         &req.cocoon_bin,
+        crate::vm::Verb::SnapshotExport,
         &crate::vm::argv::snapshot_export(&req.name),
         false,
         true,
@@ -249,7 +250,7 @@ pub fn push_snapshot(
     })?;
     config.schema_version = if state.v2 { "v2" } else { "v1" }.to_string();
     config.files = std::mem::take(&mut state.files);
-    config.created_at = format::rfc3339_nanos(SystemTime::now());
+    config.created_at = format::rfc3339_nanos(crate::wall_clock::now());
     let config_bytes =
         serde_json::to_vec(&config).map_err(|e| TransferError::Format(e.to_string()))?;
     let config_digest = sha256_digest(&config_bytes);
@@ -261,7 +262,7 @@ pub fn push_snapshot(
     let mut ann = BTreeMap::new();
     ann.insert(
         format::CREATED.to_string(),
-        format::rfc3339_seconds(SystemTime::now()),
+        format::rfc3339_seconds(crate::wall_clock::now()),
     );
     if let Some(b) = req.base_image.as_ref().filter(|b| !b.is_empty()) {
         ann.insert(format::BASEIMAGE.to_string(), b.clone());
@@ -602,11 +603,18 @@ pub fn prepare_spool_dir(dir: &Path) -> Result<(), String> {
 /// directory right after creation, so nothing is left behind whatever happens to the push.
 struct Spool {
     file: File,
+    /// Where it lives (named in errors: a full disk there fails the push).
+    dir: PathBuf,
 }
 
 static SPOOL_SEQ: AtomicU64 = AtomicU64::new(0);
 
 impl Spool {
+    /// A write to the spool failed (a full disk, most likely).
+    fn write_error(&self, name: &str, e: io::Error) -> TransferError {
+        TransferError::Io(format!("spool {name} in {}: {e}", self.dir.display()))
+    }
+
     fn create(dir: Option<&Path>) -> Result<Self, TransferError> {
         let dir = dir
             .map(Path::to_path_buf)
@@ -631,7 +639,7 @@ impl Spool {
             .map_err(|e| TransferError::Io(format!("create spool file {}: {e}", path.display())))?;
         std::fs::remove_file(&path)
             .map_err(|e| TransferError::Io(format!("unlink spool file {}: {e}", path.display())))?;
-        Ok(Spool { file })
+        Ok(Spool { file, dir })
     }
 
     /// Raw body straight into one upload (POST, PATCH streaming the tar body, PUT with the
@@ -650,6 +658,7 @@ impl Spool {
             spool: io::BufWriter::with_capacity(READ_BUF, &self.file),
             hasher: Sha256::new(),
             count: 0,
+            spool_failed: false,
         };
         let attempt = client
             .begin_upload(repository)
@@ -658,9 +667,15 @@ impl Spool {
         // an export stream error here is the real failure.
         let mut buf = vec![0u8; READ_BUF];
         loop {
-            let n = tee.read(&mut buf).map_err(|e| {
-                TransferError::Format(format!("{name}: reading export stream: {e}"))
-            })?;
+            let n = match tee.read(&mut buf) {
+                Ok(n) => n,
+                Err(e) if tee.spool_failed => return Err(self.write_error(name, e)),
+                Err(e) => {
+                    return Err(TransferError::Format(format!(
+                        "{name}: reading export stream: {e}"
+                    )))
+                }
+            };
             if n == 0 {
                 break;
             }
@@ -671,9 +686,7 @@ impl Spool {
                 tee.count
             )));
         }
-        tee.spool
-            .flush()
-            .map_err(|e| TransferError::Io(format!("spool {name}: {e}")))?;
+        tee.spool.flush().map_err(|e| self.write_error(name, e))?;
         let digest = format!("sha256:{}", hex_lower(&tee.hasher.finalize()));
         let uploaded = match attempt.and_then(|u| client.finish_upload(repository, u, &digest)) {
             Ok(()) => true,
@@ -697,15 +710,13 @@ impl Spool {
             hasher: Sha256::new(),
             written: 0,
         };
-        let copied = copy_body(tar, &mut w, name)?;
+        let copied = copy_body(tar, &mut w, name, self)?;
         if copied != size {
             return Err(TransferError::Format(format!(
                 "{name}: body ended after {copied} of {size} bytes"
             )));
         }
-        w.inner
-            .flush()
-            .map_err(|e| TransferError::Io(format!("spool {name}: {e}")))?;
+        w.inner.flush().map_err(|e| self.write_error(name, e))?;
         Ok((
             format!("sha256:{}", hex_lower(&w.hasher.finalize())),
             w.written,
@@ -729,16 +740,14 @@ impl Spool {
         let mut enc = zstd::stream::write::Encoder::new(w, level).map_err(zerr)?;
         enc.set_pledged_src_size(Some(size)).map_err(zerr)?;
         enc.include_contentsize(true).map_err(zerr)?;
-        let copied = copy_body(tar, &mut enc, name)?;
+        let copied = copy_body(tar, &mut enc, name, self)?;
         if copied != size {
             return Err(TransferError::Format(format!(
                 "{name}: body ended after {copied} of {size} bytes"
             )));
         }
         let mut w = enc.finish().map_err(zerr)?;
-        w.inner
-            .flush()
-            .map_err(|e| TransferError::Io(format!("spool {name}: {e}")))?;
+        w.inner.flush().map_err(|e| self.write_error(name, e))?;
         Ok((
             format!("sha256:{}", hex_lower(&w.hasher.finalize())),
             w.written,
@@ -750,6 +759,7 @@ fn copy_body<R: Read, W: Write>(
     tar: &mut TarReader<R>,
     w: &mut W,
     name: &str,
+    spool: &Spool,
 ) -> Result<u64, TransferError> {
     let mut buf = vec![0u8; READ_BUF];
     let mut total = 0u64;
@@ -761,7 +771,7 @@ fn copy_body<R: Read, W: Write>(
             return Ok(total);
         }
         w.write_all(&buf[..n])
-            .map_err(|e| TransferError::Io(format!("spool {name}: {e}")))?;
+            .map_err(|e| spool.write_error(name, e))?;
         total += n as u64;
     }
 }
@@ -772,12 +782,17 @@ struct Tee<'a, R: Read, W: Write> {
     spool: W,
     hasher: Sha256,
     count: u64,
+    /// The spool write failed (not the export stream): the error names the spool.
+    spool_failed: bool,
 }
 
 impl<R: Read, W: Write> Read for Tee<'_, R, W> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.tar.read_body(buf)?;
-        self.spool.write_all(&buf[..n])?;
+        if let Err(e) = self.spool.write_all(&buf[..n]) {
+            self.spool_failed = true;
+            return Err(e);
+        }
         self.hasher.update(&buf[..n]);
         self.count += n as u64;
         Ok(n)

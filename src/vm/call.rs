@@ -165,7 +165,51 @@ impl Default for Deadlines {
     }
 }
 
+/// The deadlines `VK_COCOON_DEADLINES` set, fixed once at the daemon's start.
+static CONFIGURED: std::sync::OnceLock<Deadlines> = std::sync::OnceLock::new();
+
 impl Deadlines {
+    /// Makes `d` the deadlines of every later cocoon call of this process (the daemon's
+    /// configuration; the first call wins).
+    pub fn configure(d: Deadlines) {
+        let _ = CONFIGURED.set(d);
+    }
+
+    /// The configured deadlines, or the defaults when none were configured.
+    pub fn configured() -> Deadlines {
+        CONFIGURED.get().copied().unwrap_or_default()
+    }
+
+    /// Parses `class=seconds[,class=seconds...]` over the defaults (`VK_COCOON_DEADLINES`):
+    /// classes `query`, `control`, `create`, `transfer`; seconds a whole number from 1.
+    pub fn parse(text: &str) -> Result<Deadlines, String> {
+        let mut d = Deadlines::default();
+        for item in text.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let (class, secs) = item
+                .split_once('=')
+                .ok_or_else(|| format!("{item:?} is not class=seconds"))?;
+            let secs: u64 = secs
+                .trim()
+                .parse()
+                .ok()
+                .filter(|s| (1..=7 * 86_400).contains(s))
+                .ok_or_else(|| format!("{item:?}: seconds must be a whole number 1-604800"))?;
+            let slot = match class.trim() {
+                "query" => &mut d.query,
+                "control" => &mut d.control,
+                "create" => &mut d.create,
+                "transfer" => &mut d.transfer,
+                other => {
+                    return Err(format!(
+                        "unknown class {other:?} (query, control, create or transfer)"
+                    ))
+                }
+            };
+            *slot = Duration::from_secs(secs);
+        }
+        Ok(d)
+    }
+
     /// The deadline for a verb; `None` for the event stream (it runs until killed).
     pub fn for_verb(&self, verb: Verb) -> Option<Duration> {
         match verb {
@@ -418,4 +462,21 @@ pub fn parse_stale_create_outcome(
         return Err(call.error(ErrorKind::InvalidJson("empty outcome".into())));
     }
     Ok(StaleCreateOutcome::parse(&r.outcome))
+}
+
+#[cfg(test)]
+mod deadline_tests {
+    use super::*;
+
+    #[test]
+    fn deadlines_parse_over_the_defaults_and_reject_what_they_cannot_read() {
+        let d = Deadlines::parse("create=5, transfer=7").unwrap();
+        assert_eq!(d.create, Duration::from_secs(5));
+        assert_eq!(d.transfer, Duration::from_secs(7));
+        assert_eq!(d.query, Deadlines::default().query);
+        assert_eq!(Deadlines::parse("").unwrap(), Deadlines::default());
+        for bad in ["create", "create=0", "create=x", "slow=3", "query=-1"] {
+            assert!(Deadlines::parse(bad).is_err(), "{bad}");
+        }
+    }
 }

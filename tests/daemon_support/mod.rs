@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 #[path = "../registry_support/mod.rs"]
-mod registry_support;
+pub mod registry_support;
 
 use std::collections::BTreeMap;
 use std::net::TcpListener;
@@ -488,4 +488,167 @@ pub fn execs(w: &World) -> Vec<(String, Vec<String>)> {
             (v["vm"].as_str().unwrap_or("").to_string(), argv)
         })
         .collect()
+}
+
+/// PIDs of this world's cocoon children running `cocoon <group> <verb> ...` (read from
+/// /proc; the trampoline's argv before its exec counts too).
+pub fn cocoon_children(w: &World, group: &str, verb: &str) -> Vec<u32> {
+    let bin = w.path("bin/cocoon").display().to_string();
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(raw) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<&[u8]> = raw.split(|b| *b == 0).collect();
+        let hit = args
+            .windows(3)
+            .any(|a| a[0] == bin.as_bytes() && a[1] == group.as_bytes() && a[2] == verb.as_bytes());
+        // A zombie has an empty cmdline: only live processes match.
+        if hit {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// The loop keeps turning: /metrics answers and the node Lease was renewed within `bound`
+/// (it is renewed every 10 s and lasts 40 s). Panics with what it saw otherwise.
+pub fn assert_loop_turns(w: &World, bound: f64) {
+    let age = lease_age(w).unwrap_or(f64::MAX);
+    assert!(
+        age < bound,
+        "the node Lease is {age:.1} s old (bound {bound} s)\n{}",
+        tail(&w.log(), 30)
+    );
+    let m = ureq::get(&format!("http://127.0.0.1:{}/metrics", w.metrics_port))
+        .timeout(Duration::from_secs(5))
+        .call();
+    assert!(m.is_ok(), "/metrics does not answer: {m:?}");
+}
+
+/// Waits for `f`, checking that the loop keeps turning (`assert_loop_turns`) while it waits.
+pub fn wait_turning<T>(
+    w: &World,
+    what: &str,
+    limit: Duration,
+    mut f: impl FnMut() -> Option<T>,
+) -> T {
+    let mut last_check = Instant::now();
+    w.wait(what, limit, || {
+        if last_check.elapsed() > Duration::from_millis(500) {
+            assert_loop_turns(w, 30.0);
+            last_check = Instant::now();
+        }
+        f()
+    })
+}
+
+/// (reason, message) of the Warning Events of pod `name`.
+pub fn warnings_for(w: &World, name: &str) -> Vec<(String, String)> {
+    w.api
+        .list_objects("events")
+        .iter()
+        .filter(|e| e["involvedObject"]["name"] == name && e["type"] == "Warning")
+        .map(|e| {
+            (
+                e["reason"].as_str().unwrap_or("").to_string(),
+                e["message"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect()
+}
+
+/// Waits for a Warning of pod `name` with `reason` whose message contains `needle`.
+pub fn wait_warning(w: &World, name: &str, reason: &str, needle: &str) -> String {
+    w.wait(
+        &format!("Warning {reason} ({needle}) on {name}"),
+        Duration::from_secs(30),
+        || {
+            warnings_for(w, name)
+                .into_iter()
+                .find(|(r, m)| r == reason && m.contains(needle))
+                .map(|(_, m)| m)
+        },
+    )
+}
+
+/// How many times pod `name` was warned with `reason` (identical Events aggregate into one
+/// with a count).
+pub fn warning_count(w: &World, name: &str, reason: &str) -> u64 {
+    w.api
+        .list_objects("events")
+        .iter()
+        .filter(|e| {
+            e["involvedObject"]["name"] == name && e["type"] == "Warning" && e["reason"] == reason
+        })
+        .map(|e| e["count"].as_u64().unwrap_or(1))
+        .sum()
+}
+
+/// SIGKILLs the hypervisor process of VM `id` (its PID as cocoon reports it); returns the PID.
+pub fn kill_hypervisor(w: &World, id: &str) -> i32 {
+    let (ok, out) = w.cocoon(&["vm", "inspect", id]);
+    assert!(ok, "{out}");
+    let pid = serde_json::from_str::<serde_json::Value>(&out).unwrap_or_default()["pid"]
+        .as_i64()
+        .unwrap_or(0);
+    let hypervisor = i32::try_from(pid)
+        .ok()
+        .and_then(rustix::process::Pid::from_raw)
+        .expect("the VM has a hypervisor PID");
+    rustix::process::kill_process(hypervisor, rustix::process::Signal::Kill).expect("kill");
+    hypervisor.as_raw_nonzero().get()
+}
+
+/// Status of `GET /pods` on the kubelet API with a bearer token.
+pub fn kubelet_status(w: &World, token: &str) -> String {
+    let out = std::process::Command::new("curl")
+        .args([
+            "-sk",
+            "--max-time",
+            "5",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+        ])
+        .args(["-H", &format!("Authorization: Bearer {token}")])
+        .arg(format!("https://127.0.0.1:{}/pods", w.kubelet_port))
+        .output()
+        .expect("run curl");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The local snapshot names the fake cocoon lists.
+pub fn snapshot_names(w: &World) -> std::collections::BTreeSet<String> {
+    let (ok, out) = w.cocoon(&["snapshot", "list", "-o", "json"]);
+    assert!(ok, "{out}");
+    let list: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap_or_default();
+    list.iter()
+        .filter_map(|s| s["name"].as_str().map(str::to_string))
+        .collect()
+}
+
+/// Pod `name` is hibernated: lifecycle `hibernated` and no VM `vm` left.
+pub fn hibernated(w: &World, name: &str, vm: &str) -> Option<()> {
+    let p = w.pod(name)?;
+    let done = annotation(&p, "vm.cocoonstack.io/lifecycle-state").as_deref() == Some("hibernated")
+        && !w.vms().contains_key(vm);
+    done.then_some(())
+}
+
+/// TokenReviews the daemon has sent (the kubelet API authenticating bearer tokens).
+pub fn token_reviews(w: &World) -> usize {
+    w.api
+        .requests()
+        .iter()
+        .filter(|r| r.resource == "tokenreviews")
+        .count()
 }

@@ -127,3 +127,155 @@ impl Drop for Registry {
         let _ = self.child.wait();
     }
 }
+
+/// A loopback TCP proxy in front of a registry that can lose it mid-transfer: after
+/// [`CutProxy::cut_after`] it forwards that many more request bytes, then cuts every open
+/// connection and closes new ones at once (a registry gone away) until [`CutProxy::restore`].
+pub struct CutProxy {
+    pub port: u16,
+    state: std::sync::Arc<CutState>,
+}
+
+#[derive(Default)]
+struct CutState {
+    /// Request bytes still allowed through (u64::MAX = no cut armed).
+    allowance: std::sync::atomic::AtomicU64,
+    /// Request bytes forwarded in all.
+    forwarded: std::sync::atomic::AtomicU64,
+    /// Connections cut or refused while lost.
+    cuts: std::sync::atomic::AtomicU64,
+    conns: std::sync::Mutex<Vec<TcpStream>>,
+}
+
+impl CutState {
+    fn lost(&self) -> bool {
+        self.allowance.load(std::sync::atomic::Ordering::SeqCst) == 0
+    }
+
+    /// Takes up to `n` bytes of the allowance; how many may pass.
+    fn take(&self, n: u64) -> u64 {
+        use std::sync::atomic::Ordering::SeqCst;
+        let mut left = self.allowance.load(SeqCst);
+        loop {
+            if left == u64::MAX {
+                return n;
+            }
+            let pass = n.min(left);
+            match self
+                .allowance
+                .compare_exchange(left, left - pass, SeqCst, SeqCst)
+            {
+                Ok(_) => return pass,
+                Err(now) => left = now,
+            }
+        }
+    }
+
+    fn cut_all(&self) {
+        let conns = std::mem::take(&mut *self.conns.lock().unwrap_or_else(|e| e.into_inner()));
+        for c in conns {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+impl CutProxy {
+    /// Starts forwarding `127.0.0.1:<port>` to `upstream` (host:port).
+    pub fn start(upstream: &str) -> CutProxy {
+        use std::sync::atomic::Ordering::SeqCst;
+        let listener = TcpListener::bind("127.0.0.1:0").expect("proxy port");
+        let port = listener.local_addr().expect("proxy address").port();
+        let state = std::sync::Arc::new(CutState::default());
+        state.allowance.store(u64::MAX, SeqCst);
+        let upstream = upstream.to_string();
+        let st = state.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                if st.lost() {
+                    st.cuts.fetch_add(1, SeqCst);
+                    let _ = client.shutdown(std::net::Shutdown::Both);
+                    continue;
+                }
+                let Ok(server) = TcpStream::connect(&upstream) else {
+                    continue;
+                };
+                for s in [&client, &server] {
+                    if let Ok(c) = s.try_clone() {
+                        st.conns.lock().unwrap_or_else(|e| e.into_inner()).push(c);
+                    }
+                }
+                let (Ok(c2), Ok(s2)) = (client.try_clone(), server.try_clone()) else {
+                    continue;
+                };
+                let up = st.clone();
+                std::thread::spawn(move || pump(client, server, Some(&up)));
+                std::thread::spawn(move || pump(s2, c2, None));
+            }
+        });
+        CutProxy { port, state }
+    }
+
+    pub fn host(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Lets `bytes` more request bytes through, then loses the registry.
+    pub fn cut_after(&self, bytes: u64) {
+        self.state
+            .allowance
+            .store(bytes, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The registry is back: everything passes again.
+    pub fn restore(&self) {
+        self.state
+            .allowance
+            .store(u64::MAX, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Connections cut mid-stream or closed at once since the start.
+    pub fn cuts(&self) -> u64 {
+        self.state.cuts.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Request bytes forwarded since the start.
+    pub fn forwarded(&self) -> u64 {
+        self.state
+            .forwarded
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// Copies `from` to `to`; for the request direction (`cut` given) only as far as the
+/// allowance goes, after which every connection is cut.
+fn pump(mut from: TcpStream, mut to: TcpStream, cut: Option<&CutState>) {
+    use std::io::{Read, Write};
+    let mut buf = vec![0u8; 16 << 10];
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        let pass = match cut {
+            Some(st) => {
+                let pass = st.take(n as u64) as usize;
+                st.forwarded
+                    .fetch_add(pass as u64, std::sync::atomic::Ordering::SeqCst);
+                pass
+            }
+            None => n,
+        };
+        if pass > 0 && to.write_all(&buf[..pass]).is_err() {
+            break;
+        }
+        if pass < n {
+            if let Some(st) = cut {
+                st.cuts.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                st.cut_all();
+            }
+            break;
+        }
+    }
+    let _ = from.shutdown(std::net::Shutdown::Both);
+    let _ = to.shutdown(std::net::Shutdown::Both);
+}

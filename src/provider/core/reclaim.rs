@@ -221,7 +221,9 @@ impl Provider {
     fn reclaim_next(&mut self) {
         let next = self.reclaim.as_mut().and_then(|r| r.verify.pop());
         let Some((name, local_id)) = next else {
-            self.reclaim = None;
+            if self.reclaim.take().is_some() {
+                log::info!("snapshot reclaimer: run done");
+            }
             return;
         };
         let op = self.op_id();

@@ -445,6 +445,16 @@ impl ApiServerHandle {
         Ok(())
     }
 
+    /// Stops, then comes back with its data but a new watch cache: every watch resumed from
+    /// a version the daemon saw before gets 410 Gone and must relist. `while_down` runs in
+    /// between (writes through the direct object API that no watch will ever deliver).
+    pub fn restart_losing_watch_cache(&self, while_down: impl FnOnce()) -> io::Result<()> {
+        self.stop();
+        while_down();
+        self.shared().store.new_watch_cache();
+        self.restart()
+    }
+
     pub fn is_running(&self) -> bool {
         lock(&self.inner.listener).is_some()
     }

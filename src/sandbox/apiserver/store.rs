@@ -141,6 +141,18 @@ impl Store {
         self.changed.notify_all();
     }
 
+    /// A new watch cache, as after an API server restart: the version moves on by one and all
+    /// history before it is forgotten, so every watch resumed from any earlier version gets
+    /// 410 Gone, while a relist answers the new version, from which watches start fine.
+    pub fn new_watch_cache(&self) {
+        let mut g = self.lock();
+        g.rv += 1;
+        g.history.clear();
+        g.compacted_rv = g.rv;
+        drop(g);
+        self.changed.notify_all();
+    }
+
     /// Wakes waiting watches without changing anything (they re-read their settings).
     pub fn compact_noop_wake(&self) {
         self.changed.notify_all();

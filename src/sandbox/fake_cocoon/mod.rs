@@ -56,7 +56,9 @@
 //!  "vm status":  {"garbage_count": 1, "garbage": "junk line", "exit_after_ms": 300, "exit_code": 0}}
 //! ```
 //! `"snapshot export": {"truncate_after": N}` cuts the export stream after N bytes and fails.
-//! `fail_count`/`garbage_count` are decremented per call (under the lock); `hang` sleeps forever;
+//! `fail_count`/`garbage_count`/`hang_count` are decremented per call (under the lock); `hang`
+//! sleeps forever (every call), `hang_count: N` only the next N calls (clone/run/create/save
+//! hang after their placeholder or name reservation is written, as a wedged cocoon would);
 //! `slow_ms` delays the work (clone/run: after the `creating` placeholder is written, so a
 //! concurrent `vm reconcile-stale-create` reports `busy`); `placeholder_only` leaves a
 //! `creating` record and exits 1 like a crashed create (reconcile then reports `collected`).
@@ -319,11 +321,19 @@ fn run(args: &[String]) -> CmdResult {
         return Ok(0);
     }
 
-    let fault = store.take_fault(&key);
-    if fault.hang {
-        loop {
-            std::thread::sleep(Duration::from_secs(3600));
+    let mut fault = store.take_fault(&key);
+    let delay_inside = matches!(
+        key.as_str(),
+        "vm clone" | "vm run" | "vm create" | "snapshot save"
+    );
+    if fault.hang || fault.hang_count > 0 {
+        if !delay_inside {
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
         }
+        // A create or save wedged half-way: its placeholder or name reservation is there.
+        fault.slow_ms = u64::MAX;
     }
     if fault.fail_count > 0 {
         let msg = if fault.fail_message.is_empty() {
@@ -342,10 +352,6 @@ fn run(args: &[String]) -> CmdResult {
         println!("{}", fault.garbage);
         return Ok(0);
     }
-    let delay_inside = matches!(
-        key.as_str(),
-        "vm clone" | "vm run" | "vm create" | "snapshot save"
-    );
     if fault.slow_ms > 0 && !delay_inside {
         std::thread::sleep(Duration::from_millis(fault.slow_ms));
     }

@@ -31,8 +31,10 @@ pub struct VerbFault {
     /// Print `garbage` on stdout instead of the real output for this many calls (exit 0).
     pub garbage_count: u64,
     pub garbage: String,
-    /// Sleep forever (until killed).
+    /// Sleep forever (until killed), every call.
     pub hang: bool,
+    /// Hang (as `hang`) on this many of the next calls, then behave.
+    pub hang_count: u64,
     /// Sleep this long before doing the work (clone/run: after writing the placeholder).
     pub slow_ms: u64,
     /// vm status --event: end the stream after this long (0 = never).
@@ -325,6 +327,10 @@ impl Store {
         }
         if fault.garbage_count > 0 {
             fault.garbage_count -= 1;
+            changed = true;
+        }
+        if fault.hang_count > 0 {
+            fault.hang_count -= 1;
             changed = true;
         }
         if changed {
