@@ -8,7 +8,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::process::Command;
 use std::time::Duration;
 
-use daemon_support::{free_ports, World};
+use daemon_support::{free_ports, World, SETTLE_LIMIT};
 use k8s_openapi::api::core::v1::{Node, NodeAddress, NodeStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use vk_cocoon::peer::client::SLICE_STREAMS;
@@ -115,16 +115,15 @@ fn another_node_restores_a_snapshot_from_the_daemons_peer_listener() {
     let err = restore(&req([127, 0, 0, 3])).unwrap_err();
     assert!(err.contains("403"), "{err}");
     assert_eq!(std::fs::read_dir(&staging).unwrap().count(), before);
-    let metrics = a.metrics();
-    let refused = metrics
-        .lines()
-        .find(|l| {
-            l.starts_with("vk_cocoon_connections_refused_total") && l.contains("listener=\"peer\"")
-        })
-        .unwrap_or_default()
-        .to_string();
-    assert!(
-        refused.contains("not_a_node") && !refused.ends_with(" 0"),
-        "{refused}"
-    );
+    // Counted by the listener's thread, which may answer first.
+    a.wait("the refusal counted", SETTLE_LIMIT, || {
+        a.metrics()
+            .lines()
+            .find(|l| {
+                l.starts_with("vk_cocoon_connections_refused_total")
+                    && l.contains("listener=\"peer\"")
+            })
+            .filter(|l| l.contains("not_a_node") && !l.ends_with(" 0"))
+            .map(|_| ())
+    });
 }

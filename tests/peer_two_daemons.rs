@@ -129,7 +129,7 @@ fn counter(w: &World, line: &str) -> f64 {
 
 /// B's staging directory holds nothing once the clone answered (removed right after it).
 fn staging_empties(b: &World) {
-    b.wait("B's staging dir empty", Duration::from_secs(10), || {
+    b.wait("B's staging dir empty", LIMIT, || {
         let left = fs::read_dir(b.path("staging"))
             .map(|d| d.count())
             .unwrap_or(0);
@@ -144,12 +144,8 @@ fn node_b_wakes_a_pod_hibernated_on_node_a_from_its_peer_listener() {
     let id = recreate_on_b(&a, &b);
 
     assert_eq!(fs::read(guest_data(&b, &id)).unwrap(), DATA);
-    let events = b.events_for(POD);
     let woken = format!("cloned from peer {}", a.node);
-    assert!(
-        events.iter().any(|(r, m)| r == "Woken" && *m == woken),
-        "{events:?}"
-    );
+    b.wait_event(POD, "Woken", |m| m == woken);
     // The peer path, not the registry: B restored from A and pulled nothing.
     assert_eq!(
         counter(&b, "vk_cocoon_snapshot_peer_restore_total{result=\"ok\"}"),
@@ -197,12 +193,8 @@ fn a_peer_copy_that_is_not_the_tags_content_falls_back_to_the_registry() {
         counter(&b, "vk_cocoon_snapshot_pull_total{result=\"ok\"}"),
         1.0
     );
-    let events = b.events_for(POD);
     let woken = format!("cloned from registry {VM}:hibernate");
-    assert!(
-        events.iter().any(|(r, m)| r == "Woken" && *m == woken),
-        "{events:?}"
-    );
+    b.wait_event(POD, "Woken", |m| m == woken);
     assert!(
         b.log().contains("sha256"),
         "the digest check refused A's copy"

@@ -298,6 +298,25 @@ impl World {
             .collect()
     }
 
+    /// Whether a `<bin> <group> <verb> ...` process of this world's fake cocoon is alive
+    /// (the daemon, or a daemon killed before, is in that step).
+    pub fn cocoon_running(&self, group: &str, verb: &str) -> bool {
+        let bin = self.path("bin/cocoon");
+        let Ok(dir) = std::fs::read_dir("/proc") else {
+            return false;
+        };
+        dir.flatten().any(|e| {
+            let Ok(raw) = std::fs::read(e.path().join("cmdline")) else {
+                return false;
+            };
+            let argv: Vec<&[u8]> = raw.split(|b| *b == 0).collect();
+            argv.len() >= 3
+                && argv[0] == bin.as_os_str().as_encoded_bytes()
+                && argv[1] == group.as_bytes()
+                && argv[2] == verb.as_bytes()
+        })
+    }
+
     pub fn seed_snapshot(&self, name: &str) {
         self.seed_snapshot_with(name, &[]);
     }
@@ -318,20 +337,13 @@ impl World {
         assert!(self.cocoon(&["vm", "rm", "--force", &id]).0);
     }
 
-    pub fn wait<T>(&self, what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
-        let start = Instant::now();
-        loop {
-            if let Some(v) = f() {
-                return v;
-            }
-            if start.elapsed() > limit {
-                panic!(
-                    "timed out after {limit:?} waiting for {what}\n--- daemon log (tail) ---\n{}",
-                    tail(&self.log(), 60)
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+    pub fn wait<T>(&self, what: &str, limit: Duration, f: impl FnMut() -> Option<T>) -> T {
+        self.wait_or_none(limit, f).unwrap_or_else(|| {
+            panic!(
+                "timed out after {limit:?} waiting for {what}\n--- daemon log (tail) ---\n{}",
+                tail(&self.log(), 60)
+            )
+        })
     }
 
     pub fn pod(&self, name: &str) -> Option<Pod> {
@@ -351,7 +363,61 @@ impl World {
             })
             .collect()
     }
+
+    /// Waits until pod `name` has an Event `reason` whose message `message` accepts; returns
+    /// the pod's Events then. Events leave through the kube lane after every pod write and
+    /// on workers of their own, so one may land well after the state a test saw: a test that
+    /// asserts on an Event waits for it.
+    pub fn wait_event(
+        &self,
+        name: &str,
+        reason: &str,
+        message: impl Fn(&str) -> bool,
+    ) -> Vec<(String, String)> {
+        self.wait(&format!("a {reason} Event on {name}"), SETTLE_LIMIT, || {
+            let events = self.events_for(name);
+            events
+                .iter()
+                .any(|(r, m)| r == reason && message(m))
+                .then_some(events)
+        })
+    }
+
+    /// Waits until the /metrics series `series` (labels included) reads `want`; returns the
+    /// /metrics text then. A counter may move on another thread than the write a test saw.
+    pub fn wait_metric(&self, series: &str, want: f64) -> String {
+        let mut last = None;
+        let found = self.wait_or_none(SETTLE_LIMIT, || {
+            let text = self.metrics();
+            last = metric_value(&text, series);
+            (last == Some(want)).then_some(text)
+        });
+        found.unwrap_or_else(|| {
+            panic!(
+                "timed out after {SETTLE_LIMIT:?} waiting for {series} = {want} (last {last:?})\n{}",
+                tail(&self.log(), 60)
+            )
+        })
+    }
+
+    /// Polls `f` until it returns Some or `limit` passes.
+    fn wait_or_none<T>(&self, limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+        let start = Instant::now();
+        loop {
+            if let Some(v) = f() {
+                return Some(v);
+            }
+            if start.elapsed() > limit {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
 }
+
+/// How long a test waits for something that follows a state it already saw (an Event, a
+/// counter, a log line): a failure bound for a loaded host, not a latency the test asserts.
+pub const SETTLE_LIMIT: Duration = Duration::from_secs(60);
 
 impl Drop for World {
     fn drop(&mut self) {
@@ -419,18 +485,23 @@ pub fn pod_writes_per_pod(w: &World, prefix: &str, pods: usize) -> f64 {
 /// Sets annotation `key` of pod `name` to `value`, retrying on a resourceVersion conflict (the
 /// daemon writes the pod too).
 pub fn set_annotation(w: &World, name: &str, key: &str, value: &str) {
+    edit_annotations(w, name, |a| {
+        a.insert(key.into(), value.into());
+    });
+}
+
+/// Updates pod `name` with its annotations changed by `edit`, retrying on a resourceVersion
+/// conflict (the daemon writes the pod too, at any moment).
+pub fn edit_annotations(w: &World, name: &str, edit: impl Fn(&mut BTreeMap<String, String>)) {
     for _ in 0..100 {
         let mut p = w.pod(name).expect("pod");
-        p.metadata
-            .annotations
-            .get_or_insert_with(Default::default)
-            .insert(key.into(), value.into());
+        edit(p.metadata.annotations.get_or_insert_with(Default::default));
         if w.api.update_pod(&p).is_ok() {
             return;
         }
         std::thread::sleep(Duration::from_millis(5));
     }
-    panic!("could not set {key}={value} on {name}");
+    panic!("could not update the annotations of {name}");
 }
 
 /// Asks pod `name` to hibernate (`on`) or to wake.
@@ -465,4 +536,45 @@ pub fn execs(w: &World) -> Vec<(String, Vec<String>)> {
             (v["vm"].as_str().unwrap_or("").to_string(), argv)
         })
         .collect()
+}
+
+/// Wake-up latency of a thread on this host beyond which it is too loaded for the latency
+/// bars of a process test to say anything about the daemon: the latest a 1 ms sleep ended
+/// (quiet host: about a millisecond; with the sibling tests of a file running on 2 cores,
+/// 40 ms, and a 200 ms kubelet answer whose time went to the client's TLS handshake).
+pub const LOADED_HOST_WAKEUP: Duration = Duration::from_millis(10);
+
+/// Runs `body` while a helper thread measures how late 1 ms sleeps end (the wait for a CPU
+/// any woken thread, the daemon's loop among them, sees here). Returns the body's value and
+/// latest wake-up.
+pub fn with_wakeup_probe<T>(body: impl FnOnce() -> T) -> (T, Duration) {
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let probe = scope.spawn(|| {
+            let mut late = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let t = Instant::now();
+                std::thread::sleep(Duration::from_millis(1));
+                late.push(t.elapsed().saturating_sub(Duration::from_millis(1)));
+            }
+            late.into_iter().max().unwrap_or_default()
+        });
+        let out = body();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        (out, probe.join().unwrap_or_default())
+    })
+}
+
+/// Whether latency bars may be judged after a measurement during which woken threads waited
+/// up to `wakeup` for a CPU; says so when they may not (what load cannot excuse, the test
+/// checks either way).
+pub fn quiet_host(wakeup: Duration) -> bool {
+    let quiet = wakeup <= LOADED_HOST_WAKEUP;
+    if !quiet {
+        eprintln!(
+            "latency bars not judged: woken threads waited up to {wakeup:?} for a CPU (bar \
+             {LOADED_HOST_WAKEUP:?})"
+        );
+    }
+    quiet
 }
