@@ -1469,6 +1469,22 @@ fn run_world(
         sim.run_until(t);
     }
     let mut errs = sim.check_invariants(seed);
+    // Memory follows what is alive, not what was ever seen: once calm, no table of the core
+    // holds more records than there are pods or VMs (the node-wide timers aside).
+    let (pods_alive, vms_alive) = (sim.api.len(), sim.vms.len());
+    for (table, records) in sim.provider.table_sizes() {
+        let bound = match table {
+            "by_name" | "last_holder_ns" | "last_restart" | "stale_watch_state" => vms_alive,
+            "timers" => pods_alive + 8,
+            _ => pods_alive,
+        };
+        if records > bound {
+            errs.push(format!(
+                "seed {seed}: the core's {table} holds {records} records with {pods_alive} \
+                 pods and {vms_alive} VMs alive ({n} pod names ever)"
+            ));
+        }
+    }
     // Every half-saved fork record was cleared by the fork that next needed the name.
     for (name, holder) in &sim.fork_snaps {
         if let Some(h) = holder {
