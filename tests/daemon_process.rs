@@ -507,17 +507,23 @@ fn the_event_loop_thread_runs_ahead_of_its_helpers() {
         w.api.get_node(daemon_support::NODE)
     });
     let pid = w.daemon.as_ref().map(|c| c.id()).expect("daemon");
-    // (name, nice) of each of the daemon's threads; nice is the 19th field of stat.
+    // (name, nice) of a task from its stat; nice is the 19th field.
+    let name_and_nice = |stat: &str| -> Option<(String, i64)> {
+        let (head, rest) = stat.rsplit_once(')')?;
+        let name = head.split_once('(')?.1.to_string();
+        let nice = rest.split_whitespace().nth(16)?.parse().ok()?;
+        Some((name, nice))
+    };
+    // The daemon starts at this process's nice (`nice cargo test` on a shared host): its
+    // helpers keep it, and only the loop thread is raised.
+    let started_at = std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| name_and_nice(&s))
+        .map_or(0, |(_, nice)| nice);
     let threads: Vec<(String, i64)> = std::fs::read_dir(format!("/proc/{pid}/task"))
         .expect("task dir")
         .flatten()
-        .filter_map(|t| {
-            let stat = std::fs::read_to_string(t.path().join("stat")).ok()?;
-            let (head, rest) = stat.rsplit_once(')')?;
-            let name = head.split_once('(')?.1.to_string();
-            let nice = rest.split_whitespace().nth(16)?.parse().ok()?;
-            Some((name, nice))
-        })
+        .filter_map(|t| name_and_nice(&std::fs::read_to_string(t.path().join("stat")).ok()?))
         .collect();
     let main_name = std::fs::read_to_string(format!("/proc/{pid}/comm")).expect("comm");
     let main = threads
@@ -530,11 +536,11 @@ fn the_event_loop_thread_runs_ahead_of_its_helpers() {
         .map(|(_, nice)| *nice)
         .collect();
     assert!(!lane.is_empty(), "no kube lane threads in {threads:?}");
-    assert!(lane.iter().all(|n| *n == 0), "{threads:?}");
+    assert!(lane.iter().all(|n| *n == started_at), "{threads:?}");
     if rustix::process::geteuid().is_root() {
         assert_eq!(main, Some(-10), "{threads:?}");
     } else {
-        assert_eq!(main, Some(0), "{threads:?}");
+        assert_eq!(main, Some(started_at), "{threads:?}");
     }
 }
 
