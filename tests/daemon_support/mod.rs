@@ -6,6 +6,12 @@
 #[path = "../registry_support/mod.rs"]
 mod registry_support;
 
+#[path = "../load_support/mod.rs"]
+mod load_support;
+// Not every test crate that includes this harness measures latencies.
+#[allow(unused_imports)]
+pub use load_support::{quiet_host, with_wakeup_probe};
+
 use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -536,45 +542,4 @@ pub fn execs(w: &World) -> Vec<(String, Vec<String>)> {
             (v["vm"].as_str().unwrap_or("").to_string(), argv)
         })
         .collect()
-}
-
-/// Wake-up latency of a thread on this host beyond which it is too loaded for the latency
-/// bars of a process test to say anything about the daemon: the latest a 1 ms sleep ended
-/// (quiet host: about a millisecond; with the sibling tests of a file running on 2 cores,
-/// 40 ms, and a 200 ms kubelet answer whose time went to the client's TLS handshake).
-pub const LOADED_HOST_WAKEUP: Duration = Duration::from_millis(10);
-
-/// Runs `body` while a helper thread measures how late 1 ms sleeps end (the wait for a CPU
-/// any woken thread, the daemon's loop among them, sees here). Returns the body's value and
-/// latest wake-up.
-pub fn with_wakeup_probe<T>(body: impl FnOnce() -> T) -> (T, Duration) {
-    let stop = std::sync::atomic::AtomicBool::new(false);
-    std::thread::scope(|scope| {
-        let probe = scope.spawn(|| {
-            let mut late = Vec::new();
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let t = Instant::now();
-                std::thread::sleep(Duration::from_millis(1));
-                late.push(t.elapsed().saturating_sub(Duration::from_millis(1)));
-            }
-            late.into_iter().max().unwrap_or_default()
-        });
-        let out = body();
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        (out, probe.join().unwrap_or_default())
-    })
-}
-
-/// Whether latency bars may be judged after a measurement during which woken threads waited
-/// up to `wakeup` for a CPU; says so when they may not (what load cannot excuse, the test
-/// checks either way).
-pub fn quiet_host(wakeup: Duration) -> bool {
-    let quiet = wakeup <= LOADED_HOST_WAKEUP;
-    if !quiet {
-        eprintln!(
-            "latency bars not judged: woken threads waited up to {wakeup:?} for a CPU (bar \
-             {LOADED_HOST_WAKEUP:?})"
-        );
-    }
-    quiet
 }

@@ -452,7 +452,7 @@ fn a_stale_create_watch_that_ends_leaves_no_record() {
         assert_eq!(h.p.table_sizes()["stale_watch_state"], 1);
         let e = h.cocoon(
             op,
-            CocoonResult::ok(&format!(r#"{{"id":"V4","outcome":"{outcome}"}}"#)),
+            CocoonResult::ok(format!(r#"{{"id":"V4","outcome":"{outcome}"}}"#)),
         );
         if let Some(state) = inspect {
             let (op, cmd) = one_cocoon(&e);
