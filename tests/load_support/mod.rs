@@ -10,25 +10,41 @@ use std::time::{Duration, Instant};
 /// 40 ms, and a 200 ms kubelet answer whose time went to the client's TLS handshake).
 pub const LOADED_HOST_WAKEUP: Duration = Duration::from_millis(10);
 
-/// Runs `body` while a helper thread measures how late 1 ms sleeps end (the wait for a CPU
-/// any woken thread, the daemon's loop among them, sees here). Returns the body's value and
-/// latest wake-up.
-pub fn with_wakeup_probe<T>(body: impl FnOnce() -> T) -> (T, Duration) {
-    let stop = std::sync::atomic::AtomicBool::new(false);
-    std::thread::scope(|scope| {
-        let probe = scope.spawn(|| {
-            let mut late = Vec::new();
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+/// A helper thread measuring how late 1 ms sleeps end (the wait for a CPU any woken thread,
+/// the daemon's loop among them, sees here), from `start` to `stop`.
+pub struct WakeupProbe {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<Duration>,
+}
+
+impl WakeupProbe {
+    pub fn start() -> WakeupProbe {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut latest = Duration::ZERO;
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
                 let t = Instant::now();
                 std::thread::sleep(Duration::from_millis(1));
-                late.push(t.elapsed().saturating_sub(Duration::from_millis(1)));
+                latest = latest.max(t.elapsed().saturating_sub(Duration::from_millis(1)));
             }
-            late.into_iter().max().unwrap_or_default()
+            latest
         });
-        let out = body();
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        (out, probe.join().unwrap_or_default())
-    })
+        WakeupProbe { stop, thread }
+    }
+
+    /// The latest wake-up seen.
+    pub fn stop(self) -> Duration {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().unwrap_or_default()
+    }
+}
+
+/// Runs `body` under a [`WakeupProbe`]; returns the body's value and the latest wake-up.
+pub fn with_wakeup_probe<T>(body: impl FnOnce() -> T) -> (T, Duration) {
+    let probe = WakeupProbe::start();
+    let out = body();
+    (out, probe.stop())
 }
 
 /// Whether latency bars may be judged after a measurement during which woken threads waited
