@@ -14,23 +14,44 @@ pub const LOADED_HOST_WAKEUP: Duration = Duration::from_millis(10);
 /// the daemon's loop among them, sees here), from `start` to `stop`.
 pub struct WakeupProbe {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// The latest wake-up so far, in nanoseconds.
+    latest: std::sync::Arc<std::sync::atomic::AtomicU64>,
     thread: std::thread::JoinHandle<Duration>,
 }
 
 impl WakeupProbe {
     pub fn start() -> WakeupProbe {
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let flag = stop.clone();
+        let latest = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let (flag, seen) = (stop.clone(), latest.clone());
         let thread = std::thread::spawn(move || {
             let mut latest = Duration::ZERO;
             while !flag.load(std::sync::atomic::Ordering::Relaxed) {
                 let t = Instant::now();
                 std::thread::sleep(Duration::from_millis(1));
                 latest = latest.max(t.elapsed().saturating_sub(Duration::from_millis(1)));
+                seen.store(
+                    latest.as_nanos() as u64,
+                    std::sync::atomic::Ordering::Relaxed,
+                );
             }
             latest
         });
-        WakeupProbe { stop, thread }
+        WakeupProbe {
+            stop,
+            latest,
+            thread,
+        }
+    }
+
+    /// The latest wake-up seen so far.
+    pub fn latest(&self) -> Duration {
+        Duration::from_nanos(self.latest.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Whether a latency bar checked now may be judged (see [`quiet_host`]).
+    pub fn quiet(&self) -> bool {
+        quiet_host(self.latest())
     }
 
     /// The latest wake-up seen.
