@@ -48,9 +48,11 @@ fn another_node_restores_a_snapshot_from_the_daemons_peer_listener() {
     let snap: serde_json::Value = serde_json::from_str(&out).unwrap();
     let id = snap["id"].as_str().unwrap().to_string();
     a.start_daemon();
-    assert!(a.log().contains(&format!(
-        "peer snapshot listener on http://127.0.0.1:{peer_port}"
-    )));
+    // Logged by the start-up beside the kubelet's listener, not necessarily before it.
+    let listening = format!("peer snapshot listener on http://127.0.0.1:{peer_port}");
+    a.wait("the peer listener", SETTLE_LIMIT, || {
+        a.log().contains(&listening).then_some(())
+    });
 
     let b = tempfile::tempdir().unwrap();
     let staging = b.path().join("staging");
