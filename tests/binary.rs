@@ -247,9 +247,10 @@ fn sigint_also_stops_cleanly_and_sighup_is_ignored() {
     assert!(d.child.try_wait().unwrap().is_none());
     let start = Instant::now();
     signal(&d.child, libc::SIGINT);
-    let status = wait_within(&mut d.child, Duration::from_secs(2)).expect("stopped");
+    // A stop that waits on anything hangs; a loaded host only slows it.
+    let status = wait_within(&mut d.child, Duration::from_secs(10)).expect("stopped");
     assert_eq!(status.code(), Some(0));
-    assert!(start.elapsed() < Duration::from_secs(2));
+    assert!(start.elapsed() < Duration::from_secs(10));
 }
 
 #[test]
@@ -287,8 +288,9 @@ fn huge_and_unfinished_requests_do_not_stop_metrics_for_others() {
         let start = Instant::now();
         let (code, text) = get(addr, "/metrics");
         assert_eq!(code, 200, "{text}");
+        // A server the stalled clients held would not answer at all.
         assert!(
-            start.elapsed() < Duration::from_secs(2),
+            start.elapsed() < Duration::from_secs(5),
             "slow answer: {:?}",
             start.elapsed()
         );

@@ -68,7 +68,7 @@ fn flood(
                     .unwrap_or_default()
                     .subsec_nanos();
                 format!(
-                    "url = \"https://127.0.0.1:{port}/pods\"\ninsecure\nsilent\nmax-time = 5\ninterface = \"127.0.0.2\"\n\
+                    "url = \"https://127.0.0.1:{port}/pods\"\ninsecure\nsilent\nmax-time = 30\ninterface = \"127.0.0.2\"\n\
                      output = \"/dev/null\"\nwrite-out = \"%{{http_code}}\\n\"\n\
                      header = \"Authorization: Bearer flood-{batch}-{i}-{salt}\"\n"
                 )
@@ -120,6 +120,12 @@ fn start_flood(w: &World) -> Flood {
     (stop, sent, codes, flooders)
 }
 
+/// The TokenReviews a flood of `length` may cost: a burst of 10, then 5 a second (two calls
+/// each at most).
+fn review_budget(length: Duration) -> usize {
+    10 + 5 * (length.as_secs() as usize + 1)
+}
+
 #[test]
 fn a_random_token_flood_leaves_lifecycle_alone_and_reviews_bounded() {
     let flood_secs: u64 = std::env::var("VK_FLOOD_SECS")
@@ -150,12 +156,18 @@ fn a_random_token_flood_leaves_lifecycle_alone_and_reviews_bounded() {
     let (stop, sent, codes, flooders) = start_flood(&w);
     let flood_start = Instant::now();
     // Let the flood spend the review budget before the lifecycle is measured.
-    w.wait("flood under way", Duration::from_secs(10), || {
+    w.wait("flood under way", Duration::from_secs(60), || {
         (sent.load(Ordering::SeqCst) >= 128).then_some(())
     });
     let busy = create_to_running(&w, "busy");
     let mut legit = Vec::new();
-    while flood_start.elapsed() < Duration::from_secs(flood_secs) {
+    // The flood lasts `flood_secs`, and on a host too loaded to send it fast, until it is big
+    // enough to show the review budget (twice the budget of its length).
+    let flood_cap = Duration::from_secs(flood_secs.max(5) * 12);
+    while flood_start.elapsed() < Duration::from_secs(flood_secs)
+        || (sent.load(Ordering::SeqCst) <= 2 * review_budget(flood_start.elapsed())
+            && flood_start.elapsed() < flood_cap)
+    {
         let t = Instant::now();
         assert_eq!(
             kubelet_status(&w, "ops-token"),
@@ -182,12 +194,14 @@ fn a_random_token_flood_leaves_lifecycle_alone_and_reviews_bounded() {
         legit.last()
     );
     assert_eq!(other, 0, "every flood request is answered 401 or 429");
+    // The flood shares the host's CPU with the daemon and its cocoon children: judged against
+    // the calm create on the same host (a loop stalled on reviews takes far longer).
+    let pace = Duration::from_secs(5).max(calm * 5);
     assert!(
-        busy < Duration::from_secs(5),
-        "pod create → Running took {busy:?} under the flood ({calm:?} without)"
+        busy < pace,
+        "pod create → Running took {busy:?} under the flood ({calm:?} without; bound {pace:?})"
     );
-    // The review budget: a burst of 10, then 5 a second (two calls each at most).
-    let bound = 10 + 5 * (flooded.as_secs() as usize + 1);
+    let bound = review_budget(flooded);
     assert!(
         reviews <= bound,
         "{reviews} TokenReviews for {sent} flood requests in {flooded:?} (bound {bound})"

@@ -1,13 +1,14 @@
-//! Benchmarks of the whole daemon with an instant fake cocoon (no backing processes) and the
-//! fake API server. Ignored by default; run in release mode:
+//! Benchmarks of the whole daemon with the fake cocoon and the fake API server: the pod
+//! lifecycle at scale, and a soak of steady churn. Ignored by default; run in release mode:
 //!
 //!     cargo test --release --test daemon_bench -- --ignored --nocapture
 //!
 //! BENCH_PODS (default 1000) sets the pod count; BENCH_QPS the client rate limit
 //! (COCOON_K8S_QPS; default the shipped 50, 0 = off); BENCH_DIR where the fake cocoon's state
 //! lives (default /dev/shm); BENCH_BIN_DIR a directory holding the `vk-cocoon` and
-//! `vk-cocoon-sandbox` binaries to run instead of these (e.g. the static musl build). Figures
-//! are printed, not asserted.
+//! `vk-cocoon-sandbox` binaries to run instead of these (e.g. the static musl build). The
+//! lifecycle's figures are printed, not asserted; the soak (`SOAK_*`, see its doc) fails when
+//! memory grows with the pods ever seen.
 
 mod daemon_support;
 
@@ -77,17 +78,11 @@ fn running_in(api: &ApiServerHandle) -> BTreeMap<String, String> {
 /// Pods created one at a time before the burst.
 const SEQUENTIAL: usize = 100;
 
-#[test]
-#[ignore]
-fn bench_pod_lifecycle() {
-    let n: usize = std::env::var("BENCH_PODS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1000);
-    // The fake cocoon keeps its records in files; on tmpfs they cost what cocoon's own index
-    // would, not ext4 inode allocation (half of the fake's CPU when the world was on disk).
-    // BENCH_DIR picks another place.
-    let parent = std::env::var_os("BENCH_DIR")
+/// Where a bench world lives: `BENCH_DIR`, else /dev/shm (the fake cocoon keeps its records in
+/// files; on tmpfs they cost what cocoon's own index would, not ext4 inode allocation, which was
+/// half of the fake's CPU when the world was on disk), else the temp dir.
+fn bench_dir() -> std::path::PathBuf {
+    std::env::var_os("BENCH_DIR")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| {
             let shm = std::path::Path::new("/dev/shm");
@@ -96,7 +91,17 @@ fn bench_pod_lifecycle() {
             } else {
                 std::env::temp_dir()
             }
-        });
+        })
+}
+
+#[test]
+#[ignore]
+fn bench_pod_lifecycle() {
+    let n: usize = std::env::var("BENCH_PODS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
+    let parent = bench_dir();
     let qps = std::env::var("BENCH_QPS").unwrap_or_else(|_| "50".into());
     println!("world under {}; COCOON_K8S_QPS={qps}", parent.display());
     let mut w = World::new_in(&parent);
@@ -461,4 +466,169 @@ fn print_turn_records(w: &World) {
     for line in &records[records.len().saturating_sub(3)..] {
         println!("  {line}");
     }
+}
+
+/// One sample of the daemon process: RSS, open fds, threads, child processes.
+#[derive(Clone, Copy, Debug)]
+struct ProcSample {
+    rss_kib: u64,
+    fds: usize,
+    threads: usize,
+    children: usize,
+}
+
+fn proc_sample(pid: u32) -> ProcSample {
+    let count = |dir: String| std::fs::read_dir(dir).map_or(0, |d| d.count());
+    let ppid = |stat: &str| -> Option<u32> {
+        // The field after `(comm)` and the state is the parent's PID.
+        stat.rsplit_once(')')?
+            .1
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
+    };
+    let children = std::fs::read_dir("/proc")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+                .filter(|stat| ppid(stat) == Some(pid))
+                .count()
+        })
+        .unwrap_or(0);
+    ProcSample {
+        rss_kib: rss_kib(pid),
+        fds: count(format!("/proc/{pid}/fd")),
+        threads: count(format!("/proc/{pid}/task")),
+        children,
+    }
+}
+
+/// Soak: steady churn of `SOAK_PODS` pod names (default 30) for `SOAK_SECS` (default 600):
+/// every `SOAK_OP_MS` (default 100) one name is picked at random and its pod created when it
+/// has none, deleted when it has one (so never more than that many pods at once, each name
+/// living many lives: new UIDs, new VM ids). Every `SOAK_SAMPLE_SECS` (default 30) the
+/// daemon's RSS, fds, threads and children are sampled, with /metrics scraped as Prometheus
+/// would; the curve is printed as it goes. Memory must be a function of the pods alive: RSS
+/// at the end may exceed RSS after the warm-up (`SOAK_WARMUP_SECS`, default 120) by 10 % at
+/// most (fds, threads and children are printed beside it).
+#[test]
+#[ignore]
+fn soak_steady_churn_keeps_memory_flat() {
+    let env = |k: &str, d: u64| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(d)
+    };
+    let secs = env("SOAK_SECS", 600);
+    let names = env("SOAK_PODS", 30).max(1);
+    let op_every = Duration::from_millis(env("SOAK_OP_MS", 100));
+    let sample_every = Duration::from_secs(env("SOAK_SAMPLE_SECS", 30).max(1));
+    let warmup = Duration::from_secs(env("SOAK_WARMUP_SECS", 120));
+    let mut w = World::new_in(&bench_dir());
+    // Info level: a debug log of an hour of churn is hundreds of MiB on tmpfs.
+    w.extra_env.push(("VK_LOG_LEVEL".into(), "info".into()));
+    w.seed_snapshot("base");
+    w.start_daemon();
+    w.wait("node registered", Duration::from_secs(30), || {
+        w.api.get_node(daemon_support::NODE)
+    });
+    let pid = w.daemon.as_ref().map(|c| c.id()).expect("daemon");
+    let mut rng = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64)
+        | 1;
+    println!(
+        "soak: {secs} s of churn on {names} pod names, an operation every {op_every:?}, \
+         sampled every {sample_every:?} (warm-up {warmup:?}); seed {rng}"
+    );
+    println!("    t_s     ops  lives  pods  vms   rss_kib  fds  threads  children  metrics_lines");
+    let start = Instant::now();
+    let end = start + Duration::from_secs(secs);
+    let mut next_sample = start;
+    let (mut ops, mut lives) = (0u64, 0u64);
+    let mut curve: Vec<(Duration, ProcSample)> = Vec::new();
+    loop {
+        let done = Instant::now() >= end;
+        if done || Instant::now() >= next_sample {
+            let s = proc_sample(pid);
+            let metrics_lines = w.metrics().lines().count();
+            let pods = w.api.pods().len();
+            println!(
+                "{:7.0} {:7} {:6} {:5} {:4} {:9} {:4} {:8} {:9} {:14}",
+                start.elapsed().as_secs_f64(),
+                ops,
+                lives,
+                pods,
+                w.vms().len(),
+                s.rss_kib,
+                s.fds,
+                s.threads,
+                s.children,
+                metrics_lines
+            );
+            curve.push((start.elapsed(), s));
+            // The fake API server records every request; this process is not measured, but
+            // an hour of records would still weigh on it.
+            w.api.clear_requests();
+            next_sample += sample_every;
+        }
+        if done {
+            break;
+        }
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let name = format!("soak-{}", rng % names);
+        match w.pod(&name) {
+            None => {
+                if w.api
+                    .create_pod(&demo_pod("default", &name, "clone", "base"))
+                    .is_ok()
+                {
+                    lives += 1;
+                }
+            }
+            Some(p) if p.metadata.deletion_timestamp.is_none() => {
+                let _ = w.api.delete_pod("default", &name, Some(30));
+            }
+            Some(_) => {}
+        }
+        ops += 1;
+        std::thread::sleep(op_every);
+    }
+    assert!(
+        w.daemon
+            .as_mut()
+            .is_some_and(|c| c.try_wait().ok().flatten().is_none()),
+        "the daemon died during the soak"
+    );
+    let after_warmup = curve
+        .iter()
+        .find(|(t, _)| *t >= warmup)
+        .map(|(_, s)| *s)
+        .expect("a sample after the warm-up (SOAK_SECS must exceed SOAK_WARMUP_SECS)");
+    let last = curve.last().map(|(_, s)| *s).expect("samples");
+    let growth = (last.rss_kib as f64 - after_warmup.rss_kib as f64) / after_warmup.rss_kib as f64;
+    let peak = curve.iter().map(|(_, s)| s.rss_kib).max().unwrap_or(0);
+    println!(
+        "soak: {ops} operations, {lives} pod lives in {:?}; RSS after warm-up {} KiB, at the \
+         end {} KiB ({:+.1} %), peak {peak} KiB; fds {} -> {}, threads {} -> {}, children {} -> {}",
+        start.elapsed(),
+        after_warmup.rss_kib,
+        last.rss_kib,
+        growth * 100.0,
+        after_warmup.fds,
+        last.fds,
+        after_warmup.threads,
+        last.threads,
+        after_warmup.children,
+        last.children
+    );
+    assert!(
+        growth <= 0.10,
+        "RSS grew {:.1} % after the warm-up",
+        growth * 100.0
+    );
 }

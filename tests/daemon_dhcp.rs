@@ -3,9 +3,7 @@
 
 mod daemon_support;
 
-use std::time::Duration;
-
-use daemon_support::{annotation, running_with_vm, World};
+use daemon_support::{annotation, running_with_vm, World, SETTLE_LIMIT};
 use vk_cocoon::network::leases::LeaseFile;
 use vk_cocoon::sandbox::demo_pod;
 
@@ -29,12 +27,10 @@ fn a_dhcp_clone_pod_gets_the_lease_ip_and_becomes_ready() {
     w.api
         .create_pod(&demo_pod("default", "web", "clone", "base"))
         .expect("create pod");
-    let (_, id) = w.wait("pod web Running", Duration::from_secs(20), || {
+    let (_, id) = w.wait("pod web Running", SETTLE_LIMIT, || {
         running_with_vm(&w, "web")
     });
-    let pod = w.wait("pod web Ready", Duration::from_secs(30), || {
-        w.pod("web").filter(ready)
-    });
+    let pod = w.wait("pod web Ready", SETTLE_LIMIT, || w.pod("web").filter(ready));
     let (ok, out) = w.cocoon(&["vm", "inspect", &id]);
     assert!(ok, "{out}");
     let vm: serde_json::Value = serde_json::from_str(&out).expect("inspect JSON");

@@ -5,7 +5,7 @@ mod daemon_support;
 
 use std::time::Duration;
 
-use daemon_support::{metric_value, running_with_vm, tail, World};
+use daemon_support::{running_with_vm, tail, World, SETTLE_LIMIT};
 use k8s_openapi::api::core::v1::Pod;
 use vk_cocoon::sandbox::demo_pod;
 use vk_cocoon::sandbox::fake_cocoon::VerbFault;
@@ -49,9 +49,7 @@ fn running_source(w: &World) -> String {
     w.api
         .create_pod(&demo_pod("default", "main", "clone", "base"))
         .expect("create main");
-    let (_, id) = w.wait("main Running", Duration::from_secs(30), || {
-        running_with_vm(w, "main")
-    });
+    let (_, id) = w.wait("main Running", SETTLE_LIMIT, || running_with_vm(w, "main"));
     let (ok, out) = guest(w, &id, "echo written-in-main > /root/mark");
     assert!(ok, "{out}");
     id
@@ -68,7 +66,7 @@ fn forks_of_a_running_vm_share_one_save_and_see_its_files() {
         w.api.create_pod(&fork_pod(n)).expect("create fork");
     }
     for n in ["sub-a", "sub-b"] {
-        let (_, id) = w.wait(&format!("{n} Running"), Duration::from_secs(30), || {
+        let (_, id) = w.wait(&format!("{n} Running"), SETTLE_LIMIT, || {
             running_with_vm(&w, n)
         });
         assert_ne!(id, main_id);
@@ -77,21 +75,11 @@ fn forks_of_a_running_vm_share_one_save_and_see_its_files() {
         assert_eq!(out, "written-in-main\n", "{n} sees the file of its source");
     }
     assert_eq!(snapshots_named(&w, &format!("fork-{SOURCE_VM}")), 1);
-    let m = w.metrics();
-    assert_eq!(
-        metric_value(&m, "vk_cocoon_snapshot_save_total{result=\"ok\"}"),
-        Some(1.0),
-        "one save for both forks\n{}",
-        tail(&w.log(), 40)
-    );
-    // The fork save is timed, labelled with the forks' namespace.
-    assert_eq!(
-        metric_value(
-            &m,
-            "vk_cocoon_snapshot_save_duration_seconds_count{namespace=\"default\"}"
-        ),
-        Some(1.0),
-        "{m}"
+    // One save for both forks, timed and labelled with the forks' namespace.
+    w.wait_metric("vk_cocoon_snapshot_save_total{result=\"ok\"}", 1.0);
+    w.wait_metric(
+        "vk_cocoon_snapshot_save_duration_seconds_count{namespace=\"default\"}",
+        1.0,
     );
     // The source keeps running, untouched.
     assert_eq!(w.vms()[SOURCE_VM], (main_id, "running".to_string()));
@@ -103,18 +91,9 @@ fn a_fork_of_a_missing_source_fails_clearly_and_creates_no_vm() {
     w.seed_snapshot("base");
     w.start_daemon();
     w.api.create_pod(&fork_pod("orphan-sub")).expect("create");
-    w.wait(
-        "CreateBringUpFailed naming the source",
-        Duration::from_secs(30),
-        || {
-            w.events_for("orphan-sub")
-                .iter()
-                .any(|(r, m)| {
-                    r == "CreateBringUpFailed" && m.contains(&format!("source vm {SOURCE_VM}"))
-                })
-                .then_some(())
-        },
-    );
+    w.wait_event("orphan-sub", "CreateBringUpFailed", |m| {
+        m.contains(&format!("source vm {SOURCE_VM}"))
+    });
     assert!(!w.vms().contains_key("vk-default-orphan-sub"));
     assert_eq!(snapshots_named(&w, &format!("fork-{SOURCE_VM}")), 0);
 }
@@ -136,11 +115,9 @@ fn crash_while(
         },
     );
     w.api.create_pod(&fork_pod(name)).expect("create fork");
-    w.wait(
-        &format!("{name}: {verb} under way"),
-        Duration::from_secs(30),
-        || under_way(w).then_some(()),
-    );
+    w.wait(&format!("{name}: {verb} under way"), SETTLE_LIMIT, || {
+        under_way(w).then_some(())
+    });
     w.kill_daemon();
     w.clear_faults();
 }
@@ -161,7 +138,7 @@ fn a_daemon_killed_mid_fork_resumes_without_a_lost_or_duplicate_vm_or_a_half_sav
     });
     assert_eq!(half_saved(&w), 1, "the killed save left its record");
     w.start_daemon();
-    let (_, sub_a) = w.wait("sub-a Running", Duration::from_secs(30), || {
+    let (_, sub_a) = w.wait("sub-a Running", SETTLE_LIMIT, || {
         running_with_vm(&w, "sub-a")
     });
     assert_eq!(half_saved(&w), 0, "the half-saved record was removed");

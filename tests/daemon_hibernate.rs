@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use daemon_support::{
-    annotation, execs, metric_value, phase, running_with_vm, set_hibernate, with_annotation, World,
+    annotation, execs, phase, running_with_vm, set_hibernate, with_annotation, World,
 };
 use vk_cocoon::sandbox::demo_pod;
 use vk_cocoon::sandbox::fake_cocoon::VerbFault;
@@ -94,13 +94,7 @@ fn hibernate_then_wake_keeps_the_vm_name_and_its_data() {
 
     set_hibernate(&w, "p0", true);
     wait_for(&w, "p0", "hibernated", || hibernated(&w, "p0", vm));
-    let events = w.events_for("p0");
-    assert!(
-        events
-            .iter()
-            .any(|(r, m)| r == "Hibernated" && m == "snapshot pushed to registry"),
-        "{events:?}"
-    );
+    w.wait_event("p0", "Hibernated", |m| m == "snapshot pushed to registry");
     // The local snapshot the tag was pushed from is kept (the wake verifies it).
     let (ok, list) = w.cocoon(&["snapshot", "inspect", vm]);
     assert!(ok, "{list}");
@@ -112,29 +106,21 @@ fn hibernate_then_wake_keeps_the_vm_name_and_its_data() {
         fs::read(guest_data(&w, &new_id)).unwrap(),
         b"written before hibernate\n"
     );
-    let events = w.events_for("p0");
-    assert!(
-        events
-            .iter()
-            .any(|(r, m)| r == "Woken" && m == &format!("cloned from local snapshot {vm}")),
-        "{events:?}"
-    );
+    w.wait_event("p0", "Woken", |m| {
+        m == format!("cloned from local snapshot {vm}")
+    });
     assert!(
         tag_snapshot_id(&w, vm).is_some(),
         "a wake never deletes the tag"
     );
-    let m = w.metrics();
     for family in [
         "snapshot_save_total{result=\"ok\"}",
         "snapshot_verify_total{result=\"ok\"}",
         "wake_total{result=\"ok\"}",
+        "hibernate_total{namespace=\"default\",phase=\"remove\",result=\"ok\"}",
     ] {
-        assert!(
-            m.lines().any(|l| l.contains(family) && l.ends_with(" 1")),
-            "{family}\n{m}"
-        );
+        w.wait_metric(&format!("vk_cocoon_{family}"), 1.0);
     }
-    assert!(m.contains("hibernate_total{namespace=\"default\",phase=\"remove\",result=\"ok\"} 1"));
 }
 
 #[test]
@@ -165,26 +151,18 @@ fn a_pod_whose_hibernate_tag_another_daemon_pushed_is_restored() {
         fs::read(guest_data(&w, &id)).unwrap(),
         b"from the other node\n"
     );
-    let events = w.events_for("p1");
-    assert!(
-        events.iter().any(|(r, _)| r == "HibernateSnapshotExists"),
-        "{events:?}"
-    );
-    assert!(
-        events
-            .iter()
-            .any(|(r, m)| r == "Woken" && m == &format!("cloned from registry {vm}:hibernate")),
-        "{events:?}"
-    );
+    w.wait_event("p1", "HibernateSnapshotExists", |_| true);
+    w.wait_event("p1", "Woken", |m| {
+        m == format!("cloned from registry {vm}:hibernate")
+    });
     // The import served its clone and is gone.
     let import = format!("{vm}-hibernate-import");
     w.wait("import removed", LIMIT, || {
         (!w.cocoon(&["snapshot", "inspect", &import]).0).then_some(())
     });
-    let m = w.metrics();
-    assert!(
-        m.contains("hibernate_evidence_total{verdict=\"restored\"} 1"),
-        "{m}"
+    w.wait_metric(
+        "vk_cocoon_hibernate_evidence_total{verdict=\"restored\"}",
+        1.0,
     );
 }
 
@@ -258,8 +236,11 @@ fn a_windows_guest_drops_its_nic_to_hibernate_and_gets_one_back_on_wake() {
     });
     assert_eq!(w.vms().get(vm).map(|(i, _)| i.as_str()), Some(id.as_str()));
     assert_eq!(nic_count(&w, &id), 1, "the NIC stays");
-    let failed = w.pod(name).and_then(|p| annotation(&p, LIFECYCLE));
-    assert_eq!(failed.as_deref(), Some("failed"));
+    // The lifecycle `failed` is a pod write of its own, in no fixed order with the Event.
+    wait_for(&w, name, "lifecycle failed", || {
+        let p = w.pod(name)?;
+        (annotation(&p, LIFECYCLE).as_deref() == Some("failed")).then_some(())
+    });
 
     // 2. The op retry (15 s) hibernates it: release, NIC dropped, then the save.
     wait_for(&w, name, "hibernated on the retry", || {
@@ -269,16 +250,17 @@ fn a_windows_guest_drops_its_nic_to_hibernate_and_gets_one_back_on_wake() {
     // The snapshot records the NICs its VM had (the seed's VM had one; 0 is left out).
     assert_eq!(snapshot_nics(&w, "winbase"), 1);
     assert_eq!(snapshot_nics(&w, vm), 0, "saved without its NIC");
-    let m = w.metrics();
     for (phase, result, n) in [
         ("net_resize", "failed", 1.0),
         ("net_resize", "ok", 1.0),
         ("dhcp_release", "ok", 2.0),
     ] {
-        let family = format!(
-            "vk_cocoon_hibernate_total{{namespace=\"default\",phase=\"{phase}\",result=\"{result}\"}}"
+        w.wait_metric(
+            &format!(
+                "vk_cocoon_hibernate_total{{namespace=\"default\",phase=\"{phase}\",result=\"{result}\"}}"
+            ),
+            n,
         );
-        assert_eq!(metric_value(&m, &family), Some(n), "{family}\n{m}");
     }
 
     // 3. The wake clones with a NIC again and waits for its lease; the new NIC is not cycled.
@@ -297,12 +279,7 @@ fn a_windows_guest_drops_its_nic_to_hibernate_and_gets_one_back_on_wake() {
         fs::read(guest_data(&w, &new_id)).unwrap(),
         b"windows data\n"
     );
-    let m = w.metrics();
-    assert_eq!(
-        metric_value(&m, "vk_cocoon_wake_total{result=\"ok\"}"),
-        Some(1.0),
-        "{m}"
-    );
+    w.wait_metric("vk_cocoon_wake_total{result=\"ok\"}", 1.0);
 }
 
 /// A VM removed from outside after its hibernate's push failed (the hibernate rolled back:
@@ -358,33 +335,10 @@ fn a_vm_lost_after_a_failed_push_is_evicted_after_a_restart_not_taken_for_hibern
             .then_some(())
     });
     assert!(!w.vms().contains_key(vm), "no VM booted in its place");
-    let m = w.metrics();
-    assert_eq!(
-        metric_value(
-            &m,
-            "vk_cocoon_pod_lifecycle_total{op=\"startup\",reason=\"hibernate_vm_lost\",result=\"failed\"}"
-        ),
-        Some(1.0),
-        "{m}"
+    w.wait_metric(
+        "vk_cocoon_pod_lifecycle_total{op=\"startup\",reason=\"hibernate_vm_lost\",result=\"failed\"}",
+        1.0,
     );
-}
-
-/// Whether a `<bin> <group> <verb> ...` cocoon process is alive (the daemon is in that step).
-fn cocoon_running(w: &World, group: &str, verb: &str) -> bool {
-    let bin = w.path("bin/cocoon");
-    let Ok(dir) = fs::read_dir("/proc") else {
-        return false;
-    };
-    dir.flatten().any(|e| {
-        let Ok(raw) = fs::read(e.path().join("cmdline")) else {
-            return false;
-        };
-        let argv: Vec<&[u8]> = raw.split(|b| *b == 0).collect();
-        argv.len() >= 3
-            && argv[0] == bin.as_os_str().as_encoded_bytes()
-            && argv[1] == group.as_bytes()
-            && argv[2] == verb.as_bytes()
-    })
 }
 
 /// Ask for `hibernate=on` with the cocoon verb `group verb` slowed down, SIGKILL the daemon
@@ -399,13 +353,13 @@ fn crash_during(w: &mut World, name: &str, on: bool, group: &str, verb: &str) {
     );
     set_hibernate(w, name, on);
     wait_for(w, name, &format!("{group} {verb} running"), || {
-        cocoon_running(w, group, verb).then_some(())
+        w.cocoon_running(group, verb).then_some(())
     });
     w.kill_daemon();
     w.clear_faults();
     // Whatever the killed daemon's child was doing finishes or dies before the restart.
     w.wait("the step's process gone", LIMIT, || {
-        (!cocoon_running(w, group, verb)).then_some(())
+        (!w.cocoon_running(group, verb)).then_some(())
     });
     w.start_daemon();
 }
@@ -476,11 +430,5 @@ fn a_daemon_killed_at_each_step_of_hibernate_and_wake_converges() {
         !tag_lost.load(std::sync::atomic::Ordering::SeqCst),
         "the hibernate tag vanished at some point"
     );
-    let events = w.events_for(name);
-    assert!(
-        events
-            .iter()
-            .any(|(r, m)| r == "ResumedAfterRestart" && m == "op=hibernate"),
-        "{events:?}"
-    );
+    w.wait_event(name, "ResumedAfterRestart", |m| m == "op=hibernate");
 }

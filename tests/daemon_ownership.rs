@@ -5,9 +5,7 @@
 
 mod daemon_support;
 
-use std::time::Duration;
-
-use daemon_support::{annotation, phase, running_with_vm, World};
+use daemon_support::{annotation, phase, running_with_vm, World, SETTLE_LIMIT};
 use k8s_openapi::api::core::v1::Pod;
 use vk_cocoon::sandbox::demo_pod;
 
@@ -61,18 +59,16 @@ fn a_pod_naming_another_namespaces_vm_is_refused_and_cannot_reach_it() {
     w.api
         .create_pod(&pod_in("default", "victim", "vk-default-x-app"))
         .expect("create victim");
-    let (_, victim_vm) = w.wait("victim Running", Duration::from_secs(20), || {
+    let (_, victim_vm) = w.wait("victim Running", SETTLE_LIMIT, || {
         running_with_vm(&w, "victim")
     });
 
     w.api
         .create_pod(&pod_in("default-x", "attacker", "vk-default-x-app"))
         .expect("create attacker");
-    w.wait(
-        "attacker Failed with a Warning",
-        Duration::from_secs(20),
-        || failed_with_warning(&w, "default-x", "attacker"),
-    );
+    w.wait("attacker Failed with a Warning", SETTLE_LIMIT, || {
+        failed_with_warning(&w, "default-x", "attacker")
+    });
     let attacker = w
         .api
         .get_pod("default-x", "attacker")
@@ -108,7 +104,7 @@ fn a_pod_naming_another_namespaces_vm_is_refused_and_cannot_reach_it() {
     w.api
         .delete_pod("default-x", "attacker", Some(30))
         .expect("delete attacker");
-    w.wait("attacker gone", Duration::from_secs(20), || {
+    w.wait("attacker gone", SETTLE_LIMIT, || {
         w.api
             .get_pod("default-x", "attacker")
             .is_none()
@@ -137,7 +133,7 @@ fn an_unmanaged_pod_carrying_another_pods_vm_id_is_refused() {
     w.api
         .create_pod(&pod_in("default", "victim", "vk-default-victim"))
         .expect("create victim");
-    let (_, victim_vm) = w.wait("victim Running", Duration::from_secs(20), || {
+    let (_, victim_vm) = w.wait("victim Running", SETTLE_LIMIT, || {
         running_with_vm(&w, "victim")
     });
     let mut thief = pod_in("evil", "thief", "vk-evil-thief");
@@ -147,11 +143,9 @@ fn an_unmanaged_pod_carrying_another_pods_vm_id_is_refused() {
         a.insert("vm.cocoonstack.io/ip".into(), "127.88.0.200".into());
     }
     w.api.create_pod(&thief).expect("create thief");
-    w.wait(
-        "thief Failed with a Warning",
-        Duration::from_secs(20),
-        || failed_with_warning(&w, "evil", "thief"),
-    );
+    w.wait("thief Failed with a Warning", SETTLE_LIMIT, || {
+        failed_with_warning(&w, "evil", "thief")
+    });
     let (code, body) = kubelet_call(&w, "/containerLogs/evil/thief/agent", &[]);
     assert!(
         body.contains("no live VM") || code != "200",
@@ -160,7 +154,7 @@ fn an_unmanaged_pod_carrying_another_pods_vm_id_is_refused() {
     w.api
         .delete_pod("evil", "thief", Some(30))
         .expect("delete thief");
-    w.wait("thief gone", Duration::from_secs(20), || {
+    w.wait("thief gone", SETTLE_LIMIT, || {
         w.api.get_pod("evil", "thief").is_none().then_some(())
     });
     assert_eq!(

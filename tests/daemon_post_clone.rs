@@ -6,7 +6,7 @@ mod daemon_support;
 
 use std::time::Duration;
 
-use daemon_support::{annotation, execs, metric_value, with_annotation, World};
+use daemon_support::{annotation, execs, with_annotation, World, SETTLE_LIMIT};
 use k8s_openapi::api::core::v1::Pod;
 use vk_cocoon::sandbox::demo_pod;
 use vk_cocoon::sandbox::fake_cocoon::VerbFault;
@@ -82,32 +82,42 @@ fn a_static_clone_is_fixed_through_vm_exec_with_retries_before_it_turns_ready() 
     assert!(argv[2].contains(&format!("Address={ip}/")), "{argv:?}");
 
     // `done` rides on the lifecycle `ready` patch, written once the Ready status landed.
-    w.wait("post-clone-state done", Duration::from_secs(10), || {
+    w.wait("post-clone-state done", SETTLE_LIMIT, || {
         w.pod("web").filter(|p| {
             annotation(p, "vm.cocoonstack.io/post-clone-state").as_deref() == Some("done")
         })
     });
-    let events = w.events_for("web");
-    let failed: Vec<_> = events
-        .iter()
-        .filter(|(r, _)| r == "PostCloneExecAttemptFailed")
-        .collect();
+    // Events leave the kube lane on workers of their own, in no fixed order: wait for the
+    // success and both failures.
+    let attempts_failed = |events: &[(String, String)]| -> Vec<(String, String)> {
+        events
+            .iter()
+            .filter(|(r, _)| r == "PostCloneExecAttemptFailed")
+            .cloned()
+            .collect()
+    };
+    w.wait_event("web", "PostCloneSucceeded", |m| {
+        m == "kind=linux_static attempts=3"
+    });
+    let events = w.wait(
+        "two PostCloneExecAttemptFailed Events",
+        SETTLE_LIMIT,
+        || {
+            let events = w.events_for("web");
+            (attempts_failed(&events).len() >= 2).then_some(events)
+        },
+    );
+    let mut failed = attempts_failed(&events);
+    failed.sort();
     assert_eq!(failed.len(), 2, "{events:?}");
     assert!(failed[0].1.starts_with("attempt 1: ") && failed[0].1.contains("dial agent"));
-    assert!(events
-        .iter()
-        .any(|(r, m)| r == "PostCloneSucceeded" && m == "kind=linux_static attempts=3"));
-    let m = w.metrics();
-    assert_eq!(
-        metric_value(
-            &m,
-            r#"vk_cocoon_postclone_total{kind="linux_static",result="ok"}"#
-        ),
-        Some(1.0)
+    w.wait_metric(
+        r#"vk_cocoon_postclone_total{kind="linux_static",result="ok"}"#,
+        1.0,
     );
-    assert_eq!(
-        metric_value(&m, r#"vk_cocoon_postclone_retry_attempts_sum{result="ok"}"#),
-        Some(3.0)
+    w.wait_metric(
+        r#"vk_cocoon_postclone_retry_attempts_sum{result="ok"}"#,
+        3.0,
     );
 }
 
@@ -133,10 +143,9 @@ fn a_firecracker_clone_is_cloned_and_gets_its_macs_reapplied() {
         runs[0].1[2].contains(&format!("ip link set eth0 address {mac}")),
         "{runs:?}"
     );
-    assert!(w
-        .events_for("fc")
-        .iter()
-        .any(|(r, m)| r == "PostCloneSucceeded" && m == "kind=linux_fc attempts=1"));
+    w.wait_event("fc", "PostCloneSucceeded", |m| {
+        m == "kind=linux_fc attempts=1"
+    });
 }
 
 #[test]
@@ -152,10 +161,10 @@ fn a_dhcp_windows_pod_runs_and_gets_its_nics_reset() {
         ["powershell", "-nop", "-c"].map(String::from)
     );
     assert!(runs[0].1[3].contains("Get-PnpDevice -Class Net -PresentOnly"));
-    assert!(w
-        .events_for("win")
-        .iter()
-        .any(|(r, m)| r == "PostCloneSucceeded" && m == "kind=windows attempts=1"));
+    // Events go last in the kube lane: the pod may be Ready before its Event lands.
+    w.wait_event("win", "PostCloneSucceeded", |m| {
+        m == "kind=windows attempts=1"
+    });
 }
 
 #[test]
@@ -174,7 +183,7 @@ fn a_fix_up_cut_short_by_a_restart_runs_again_after_it() {
     w.api
         .create_pod(&demo_pod("default", "web", "clone", "base"))
         .expect("create pod");
-    w.wait("post-clone-state running", Duration::from_secs(30), || {
+    w.wait("post-clone-state running", SETTLE_LIMIT, || {
         w.pod("web").filter(|p| {
             annotation(p, "vm.cocoonstack.io/post-clone-state").as_deref() == Some("running")
         })
@@ -185,15 +194,12 @@ fn a_fix_up_cut_short_by_a_restart_runs_again_after_it() {
     w.start_daemon();
     ready_pod(&w, "web", Duration::from_secs(40));
     // `done` rides on the lifecycle `ready` patch, written once the Ready status landed.
-    w.wait("post-clone-state done", Duration::from_secs(10), || {
+    w.wait("post-clone-state done", SETTLE_LIMIT, || {
         w.pod("web").filter(|p| {
             annotation(p, "vm.cocoonstack.io/post-clone-state").as_deref() == Some("done")
         })
     });
-    assert!(w
-        .events_for("web")
-        .iter()
-        .any(|(r, m)| r == "ResumedAfterRestart" && m == "op=post_clone"));
+    w.wait_event("web", "ResumedAfterRestart", |m| m == "op=post_clone");
     assert_eq!(w.vms().len(), 1, "no second VM");
 }
 
@@ -207,7 +213,7 @@ fn sac_listing(w: &World, id: &str) -> String {
     c.write_all(b"i\r\n").unwrap();
     let mut out = Vec::new();
     let mut chunk = [0u8; 1024];
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while std::time::Instant::now() < deadline {
         if let Ok(n) = c.read(&mut chunk) {
             out.extend_from_slice(&chunk[..n]);
@@ -232,18 +238,11 @@ fn a_static_windows_clone_gets_its_address_over_the_sac_console() {
     // The console now lists the VM's address on its only interface.
     let listing = sac_listing(&w, &id);
     assert!(listing.contains(&format!("Net: 10, Ip={ip} ")), "{listing}");
-    let events = w.events_for("winst");
-    assert!(events
-        .iter()
-        .any(|(r, m)| r == "PostCloneSucceeded" && m == "kind=windows attempts=1"));
+    let events = w.wait_event("winst", "PostCloneSucceeded", |m| {
+        m == "kind=windows attempts=1"
+    });
     assert!(events.iter().all(|(r, _)| r != "WindowsStaticIPFailed"));
-    assert_eq!(
-        metric_value(
-            &w.metrics(),
-            r#"vk_cocoon_postclone_total{kind="sac",result="ok"}"#
-        ),
-        Some(1.0)
-    );
+    w.wait_metric(r#"vk_cocoon_postclone_total{kind="sac",result="ok"}"#, 1.0);
 }
 
 /// Benchmark (ignored by default): time from the pod's creation to Ready for clones that need

@@ -10,7 +10,8 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use daemon_support::{
-    annotation, kill_hypervisor, lease_age, metric_value, phase, running_with_vm, World,
+    annotation, edit_annotations, kill_hypervisor, lease_age, metric_value, phase, quiet_host,
+    running_with_vm, with_wakeup_probe, World, SETTLE_LIMIT,
 };
 use vk_cocoon::sandbox::demo_pod;
 
@@ -23,11 +24,9 @@ fn a_pod_becomes_a_running_vm_and_deleting_it_removes_the_vm_and_the_pod() {
         .create_pod(&demo_pod("default", "web", "clone", "base"))
         .expect("create pod");
 
-    let (pod, id) = w.wait(
-        "pod web Running with a VM id",
-        Duration::from_secs(20),
-        || running_with_vm(&w, "web"),
-    );
+    let (pod, id) = w.wait("pod web Running with a VM id", SETTLE_LIMIT, || {
+        running_with_vm(&w, "web")
+    });
     let vms = w.vms();
     let (vm_id, state) = vms
         .get("vk-default-web")
@@ -54,22 +53,13 @@ fn a_pod_becomes_a_running_vm_and_deleting_it_removes_the_vm_and_the_pod() {
     assert_eq!(containers.len(), 1);
     assert_eq!(containers[0].name, "agent");
     // Events are written after the status, on their own timer.
-    w.wait(
-        "ProviderCreateSuccess event",
-        Duration::from_secs(10),
-        || {
-            w.events_for("web")
-                .iter()
-                .any(|(r, _)| r == "ProviderCreateSuccess")
-                .then_some(())
-        },
-    );
+    w.wait_event("web", "ProviderCreateSuccess", |_| true);
 
     // A user delete: the API server marks the pod; the daemon removes the VM and the object.
     w.api
         .delete_pod("default", "web", Some(30))
         .expect("delete");
-    w.wait("pod web gone", Duration::from_secs(20), || {
+    w.wait("pod web gone", SETTLE_LIMIT, || {
         w.pod("web").is_none().then_some(())
     });
     assert!(
@@ -89,7 +79,7 @@ fn a_cloned_vms_pid_comes_from_its_pid_file_not_from_an_inspect() {
     w.api
         .create_pod(&demo_pod("default", "pidfile", "clone", "base"))
         .expect("create pod");
-    let (_, id) = w.wait("pod pidfile Running", Duration::from_secs(20), || {
+    let (_, id) = w.wait("pod pidfile Running", SETTLE_LIMIT, || {
         running_with_vm(&w, "pidfile")
     });
     let log = w.log();
@@ -106,11 +96,9 @@ fn a_cloned_vms_pid_comes_from_its_pid_file_not_from_an_inspect() {
 
     let pid = kill_hypervisor(&w, &id);
     let exited = format!("({id}) pid {pid} exited");
-    w.wait(
-        "the daemon saw its PID exit",
-        Duration::from_secs(10),
-        || w.log().contains(&exited).then_some(()),
-    );
+    w.wait("the daemon saw its PID exit", SETTLE_LIMIT, || {
+        w.log().contains(&exited).then_some(())
+    });
 }
 
 #[test]
@@ -120,29 +108,37 @@ fn a_vm_that_vanishes_gets_its_pod_evicted_quickly() {
     w.api
         .create_pod(&demo_pod("default", "db", "run", "ubuntu:24.04"))
         .expect("create pod");
-    let (pod, id) = w.wait("pod db Running", Duration::from_secs(20), || {
-        running_with_vm(&w, "db")
-    });
+    let (pod, id) = w.wait("pod db Running", SETTLE_LIMIT, || running_with_vm(&w, "db"));
     let uid = pod.metadata.uid.clone().unwrap_or_default();
 
-    let vanished = Instant::now();
-    let (ok, out) = w.cocoon(&["fake", "vanish", &id]);
-    assert!(ok, "fake vanish: {out}");
-    // Eviction writes phase Failed (reason VMGone) and deletes the pod with a uid precondition.
-    w.wait("pod db evicted", Duration::from_secs(10), || {
-        match w.pod("db") {
+    let (took, wakeup) = with_wakeup_probe(|| {
+        let vanished = Instant::now();
+        let (ok, out) = w.cocoon(&["fake", "vanish", &id]);
+        assert!(ok, "fake vanish: {out}");
+        // Eviction writes phase Failed (reason VMGone) and deletes the pod with a uid
+        // precondition.
+        w.wait("pod db evicted", SETTLE_LIMIT, || match w.pod("db") {
             None => Some(()),
             Some(p) if p.metadata.uid.as_deref() != Some(uid.as_str()) => Some(()),
             Some(p) if phase(&p) == "Failed" => Some(()),
             Some(_) => None,
-        }
+        });
+        vanished.elapsed()
     });
-    let took = vanished.elapsed();
     eprintln!("VM vanish to eviction: {took:?}");
+    // Quickly means on the hypervisor's exit, not on cocoon's ticker or a periodic recheck:
+    // the daemon's PID watch reported it.
     assert!(
-        took < Duration::from_secs(3),
-        "eviction took {took:?} (target 1 s; bound 3 s for a loaded CI host)"
+        w.log().contains(&format!("({id}) pid ")),
+        "the vanish was not seen by the PID watch\n{}",
+        daemon_support::tail(&w.log(), 40)
     );
+    if quiet_host(wakeup) {
+        assert!(
+            took < Duration::from_secs(3),
+            "eviction took {took:?} (target 1 s; bound 3 s for a loaded CI host)"
+        );
+    }
 }
 
 #[test]
@@ -171,7 +167,7 @@ fn bad_annotations_fail_the_pod_clearly_and_create_no_vm() {
     for name in ["noname", "badmode", "reldir"] {
         let status = w.wait(
             &format!("ProviderFailed status on {name}"),
-            Duration::from_secs(20),
+            SETTLE_LIMIT,
             || {
                 let p = w.pod(name)?;
                 let s = p.status?;
@@ -183,21 +179,14 @@ fn bad_annotations_fail_the_pod_clearly_and_create_no_vm() {
             "{name}: the status says what is wrong"
         );
     }
-    w.wait("warning events", Duration::from_secs(20), || {
-        ["badmode", "reldir"]
-            .iter()
-            .all(|n| {
-                w.events_for(n)
-                    .iter()
-                    .any(|(r, _)| r == "ProviderCreateFailed")
-            })
+    for name in ["badmode", "reldir"] {
+        w.wait_event(name, "ProviderCreateFailed", |_| true);
+    }
+    w.wait("the lifecycle counter moved", SETTLE_LIMIT, || {
+        w.metrics()
+            .contains("vk_cocoon_pod_lifecycle_total{op=\"create\"")
             .then_some(())
     });
-    let metrics = w.metrics();
-    assert!(
-        metrics.contains("vk_cocoon_pod_lifecycle_total{op=\"create\""),
-        "the lifecycle counter moved"
-    );
     assert!(
         w.vms().is_empty(),
         "no VM for a pod that could not be parsed"
@@ -217,13 +206,13 @@ fn a_daemon_killed_in_the_middle_of_creates_converges_without_duplicates_or_orph
             .expect("create");
     }
     // Kill it hard once some, but not all, VMs exist.
-    w.wait("a few VMs", Duration::from_secs(30), || {
+    w.wait("a few VMs", Duration::from_secs(60), || {
         (w.vms().len() >= 5).then_some(())
     });
     w.kill_daemon();
     let before = w.vms().len();
     w.start_daemon();
-    w.wait("all 50 pods Running", Duration::from_secs(60), || {
+    w.wait("all 50 pods Running", Duration::from_secs(180), || {
         names
             .iter()
             .all(|n| running_with_vm(&w, n).is_some())
@@ -253,7 +242,7 @@ fn sigterm_stops_the_daemon_and_leaves_vms_running() {
     w.api
         .create_pod(&demo_pod("default", "keep", "run", "ubuntu:24.04"))
         .expect("create");
-    w.wait("pod keep Running", Duration::from_secs(20), || {
+    w.wait("pod keep Running", SETTLE_LIMIT, || {
         running_with_vm(&w, "keep")
     });
     let mut child = w.daemon.take().expect("daemon");
@@ -267,10 +256,7 @@ fn sigterm_stops_the_daemon_and_leaves_vms_running() {
         if let Some(s) = child.try_wait().expect("wait") {
             break s;
         }
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "no exit after SIGTERM"
-        );
+        assert!(start.elapsed() < SETTLE_LIMIT, "no exit after SIGTERM");
         std::thread::sleep(Duration::from_millis(10));
     };
     assert_eq!(status.code(), Some(0));
@@ -283,7 +269,7 @@ fn sigterm_stops_the_daemon_and_leaves_vms_running() {
 /// `GET /pods` on the kubelet API, as JSON (self-signed serving certificate, auth off).
 fn kubelet_pods(w: &World) -> String {
     let out = std::process::Command::new("curl")
-        .args(["-sk", "--max-time", "5"])
+        .args(["-sk", "--max-time", "20"])
         .arg(format!("https://127.0.0.1:{}/pods", w.kubelet_port))
         .output()
         .expect("run curl");
@@ -299,20 +285,18 @@ fn the_kubelet_api_follows_pods_coming_and_going() {
     w.api
         .create_pod(&demo_pod("default", "seen", "clone", "base"))
         .expect("create pod");
-    w.wait("pod Running", Duration::from_secs(20), || {
-        running_with_vm(&w, "seen")
-    });
+    w.wait("pod Running", SETTLE_LIMIT, || running_with_vm(&w, "seen"));
     // The view is rebuilt at most every 200 ms, so it trails the status by that much at most.
-    w.wait("pod listed by the kubelet", Duration::from_secs(5), || {
+    w.wait("pod listed by the kubelet", SETTLE_LIMIT, || {
         kubelet_pods(&w).contains("\"name\":\"seen\"").then_some(())
     });
     w.api
         .delete_pod("default", "seen", Some(30))
         .expect("delete pod");
-    w.wait("pod object gone", Duration::from_secs(20), || {
+    w.wait("pod object gone", SETTLE_LIMIT, || {
         w.pod("seen").is_none().then_some(())
     });
-    w.wait("pod dropped by the kubelet", Duration::from_secs(5), || {
+    w.wait("pod dropped by the kubelet", SETTLE_LIMIT, || {
         (!kubelet_pods(&w).contains("\"name\":\"seen\"")).then_some(())
     });
 }
@@ -330,19 +314,12 @@ fn a_hibernated_vm_is_never_fresh_booted_over_its_snapshot() {
     w.api
         .create_pod(&demo_pod("default", "sleeper", "clone", "base"))
         .expect("create pod");
-    w.wait(
-        "HibernateEvidenceFailed event",
-        Duration::from_secs(20),
-        || {
-            let ev = w.events_for("sleeper");
-            ev.iter()
-                .any(|(reason, m)| reason == "HibernateEvidenceFailed" && m.contains("older-base"))
-                .then_some(())
-        },
-    );
+    w.wait_event("sleeper", "HibernateEvidenceFailed", |m| {
+        m.contains("older-base")
+    });
     // Events and status writes leave through the kube lane in parallel: an Event may land
     // before the status written just ahead of it.
-    w.wait("ProviderFailed status", Duration::from_secs(5), || {
+    w.wait("ProviderFailed status", SETTLE_LIMIT, || {
         let pod = w.pod("sleeper")?;
         let reason = pod.status.as_ref().and_then(|s| s.reason.clone());
         (reason.as_deref() == Some("ProviderFailed")).then_some(())
@@ -351,9 +328,13 @@ fn a_hibernated_vm_is_never_fresh_booted_over_its_snapshot() {
         !w.vms().contains_key("vk-default-sleeper"),
         "no fresh VM over the hibernated one"
     );
-    let metrics = w.metrics();
     let counted = "vk_cocoon_hibernate_evidence_total{verdict=\"image_conflict\"}";
-    assert!(metrics.lines().any(|l| l.starts_with(counted)), "{metrics}");
+    w.wait("the evidence counted", SETTLE_LIMIT, || {
+        w.metrics()
+            .lines()
+            .any(|l| l.starts_with(counted))
+            .then_some(())
+    });
 
     // Deleting the tag lets the create's retry boot the VM.
     w.delete_tag("vk-default-sleeper", "hibernate");
@@ -384,36 +365,11 @@ fn kubelet_healthz_time(w: &World) -> Duration {
     Duration::from_secs_f64(secs)
 }
 
-/// Wake-up latency of a thread on this host beyond which it is too loaded for the latency
-/// bars (slowest answers, 100 ms) to say anything about the daemon: the latest a 1 ms sleep
-/// ended (quiet host: about a millisecond; with the sibling tests of this file running on 2
-/// cores, 40 ms, and a 200 ms kubelet answer whose time went to the client's TLS handshake).
-const LOADED_HOST_WAKEUP: Duration = Duration::from_millis(10);
-
 /// What no load excuses: the stall this test guards against lasted 20 s (rate-limiter sleeps
-/// on the loop), so answers slower than this are a stalled loop, not a busy host.
-const STALL: Duration = Duration::from_secs(2);
-
-/// Runs `body` while a helper thread measures how late 1 ms sleeps end (the wait for a CPU
-/// any woken thread, the daemon's loop among them, sees here). Returns the body's value and
-/// latest wake-up.
-fn with_wakeup_probe<T>(body: impl FnOnce() -> T) -> (T, Duration) {
-    let stop = std::sync::atomic::AtomicBool::new(false);
-    std::thread::scope(|scope| {
-        let probe = scope.spawn(|| {
-            let mut late = Vec::new();
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let t = Instant::now();
-                std::thread::sleep(Duration::from_millis(1));
-                late.push(t.elapsed().saturating_sub(Duration::from_millis(1)));
-            }
-            late.into_iter().max().unwrap_or_default()
-        });
-        let out = body();
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        (out, probe.join().unwrap_or_default())
-    })
-}
+/// on the loop), so answers slower than this are a stalled loop, not a busy host (with a CPU
+/// hog beside the suite, vanish -> Failed took 2.2 s, the loop thread waiting 30 ms for a
+/// CPU per turn).
+const STALL: Duration = Duration::from_secs(5);
 
 /// A slow API server with a backlog of pod writes never stalls the loop: a killed VM's pod is
 /// Failed within 1 s, the Lease renews on time, `/metrics` and the kubelet API answer in time.
@@ -437,11 +393,11 @@ fn a_slow_api_server_with_a_pod_backlog_never_stalls_the_loop() {
     w.api
         .create_pod(&demo_pod("default", "victim", "clone", "base"))
         .expect("create pod");
-    let (pod, id) = w.wait("victim Running", Duration::from_secs(20), || {
+    let (pod, id) = w.wait("victim Running", SETTLE_LIMIT, || {
         running_with_vm(&w, "victim")
     });
     let uid = pod.metadata.uid.clone().unwrap_or_default();
-    w.wait("node Lease", Duration::from_secs(10), || lease_age(&w));
+    w.wait("node Lease", SETTLE_LIMIT, || lease_age(&w));
 
     // Every pod write now takes 500 ms to answer; 200 pods arrive at once.
     w.api.set_pod_write_latency(Duration::from_millis(500));
@@ -456,7 +412,7 @@ fn a_slow_api_server_with_a_pod_backlog_never_stalls_the_loop() {
             .expect("create pod");
     }
     let queued = r#"vk_cocoon_kube_lane_queued{lane="pods"}"#;
-    w.wait("a backlog of pod writes", Duration::from_secs(20), || {
+    w.wait("a backlog of pod writes", SETTLE_LIMIT, || {
         (metric_value(&w.metrics(), queued)? >= 100.0).then_some(())
     });
 
@@ -526,11 +482,7 @@ fn a_slow_api_server_with_a_pod_backlog_never_stalls_the_loop() {
         "a stalled loop: vanish -> Failed {failed_after:?}, /metrics {slowest_metrics:?}, \
          kubelet {slowest_kubelet:?}"
     );
-    if wakeup > LOADED_HOST_WAKEUP {
-        eprintln!(
-            "latency bars not judged: woken threads waited up to {wakeup:?} for a CPU (bar \
-             {LOADED_HOST_WAKEUP:?})"
-        );
+    if !quiet_host(wakeup) {
         return;
     }
     assert!(
@@ -553,21 +505,27 @@ fn a_slow_api_server_with_a_pod_backlog_never_stalls_the_loop() {
 fn the_event_loop_thread_runs_ahead_of_its_helpers() {
     let mut w = World::new();
     w.start_daemon();
-    w.wait("node registered", Duration::from_secs(30), || {
+    w.wait("node registered", SETTLE_LIMIT, || {
         w.api.get_node(daemon_support::NODE)
     });
     let pid = w.daemon.as_ref().map(|c| c.id()).expect("daemon");
-    // (name, nice) of each of the daemon's threads; nice is the 19th field of stat.
+    // (name, nice) of a task from its stat; nice is the 19th field.
+    let name_and_nice = |stat: &str| -> Option<(String, i64)> {
+        let (head, rest) = stat.rsplit_once(')')?;
+        let name = head.split_once('(')?.1.to_string();
+        let nice = rest.split_whitespace().nth(16)?.parse().ok()?;
+        Some((name, nice))
+    };
+    // The daemon starts at this process's nice (`nice cargo test` on a shared host): its
+    // helpers keep it, and only the loop thread is raised.
+    let started_at = std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| name_and_nice(&s))
+        .map_or(0, |(_, nice)| nice);
     let threads: Vec<(String, i64)> = std::fs::read_dir(format!("/proc/{pid}/task"))
         .expect("task dir")
         .flatten()
-        .filter_map(|t| {
-            let stat = std::fs::read_to_string(t.path().join("stat")).ok()?;
-            let (head, rest) = stat.rsplit_once(')')?;
-            let name = head.split_once('(')?.1.to_string();
-            let nice = rest.split_whitespace().nth(16)?.parse().ok()?;
-            Some((name, nice))
-        })
+        .filter_map(|t| name_and_nice(&std::fs::read_to_string(t.path().join("stat")).ok()?))
         .collect();
     let main_name = std::fs::read_to_string(format!("/proc/{pid}/comm")).expect("comm");
     let main = threads
@@ -580,11 +538,11 @@ fn the_event_loop_thread_runs_ahead_of_its_helpers() {
         .map(|(_, nice)| *nice)
         .collect();
     assert!(!lane.is_empty(), "no kube lane threads in {threads:?}");
-    assert!(lane.iter().all(|n| *n == 0), "{threads:?}");
+    assert!(lane.iter().all(|n| *n == started_at), "{threads:?}");
     if rustix::process::geteuid().is_root() {
         assert_eq!(main, Some(-10), "{threads:?}");
     } else {
-        assert_eq!(main, Some(0), "{threads:?}");
+        assert_eq!(main, Some(started_at), "{threads:?}");
     }
 }
 
@@ -600,24 +558,28 @@ fn a_bad_pod_is_rejected_once_and_does_not_stall_good_pods() {
         a.retain(|k, _| k == "vm.cocoonstack.io/name");
     }
     w.api.create_pod(&only_name).expect("create");
-    let start = Instant::now();
-    for name in ["good-a", "good-b", "good-c"] {
-        w.api
-            .create_pod(&demo_pod("default", name, "run", "ubuntu:24.04"))
-            .expect("create");
-    }
-    for name in ["good-a", "good-b", "good-c"] {
-        w.wait(&format!("{name} Running"), Duration::from_secs(20), || {
-            running_with_vm(&w, name)
-        });
-    }
-    let good_up = start.elapsed();
+    let (good_up, wakeup) = with_wakeup_probe(|| {
+        let start = Instant::now();
+        for name in ["good-a", "good-b", "good-c"] {
+            w.api
+                .create_pod(&demo_pod("default", name, "run", "ubuntu:24.04"))
+                .expect("create");
+        }
+        for name in ["good-a", "good-b", "good-c"] {
+            w.wait(&format!("{name} Running"), SETTLE_LIMIT, || {
+                running_with_vm(&w, name)
+            });
+        }
+        start.elapsed()
+    });
     eprintln!("three good pods beside a bad one Running after {good_up:?}");
-    let failed_version = w.wait("onlyname failed", Duration::from_secs(20), || {
+    let failed_version = w.wait("onlyname failed", SETTLE_LIMIT, || {
         let p = w.pod("onlyname")?;
         (annotation(&p, "vm.cocoonstack.io/lifecycle-state").as_deref() == Some("failed"))
             .then(|| p.metadata.resource_version.clone().unwrap_or_default())
     });
+    // Its Warning leaves the kube lane after its writes.
+    w.wait_event("onlyname", "ProviderCreateFailed", |_| true);
     // An observation window, not a wait: nothing may be written to the bad pod in it.
     let window_end = Instant::now() + Duration::from_secs(2);
     while Instant::now() < window_end {
@@ -636,10 +598,12 @@ fn a_bad_pod_is_rejected_once_and_does_not_stall_good_pods() {
         .filter(|(r, _)| r == "ProviderCreateFailed")
         .count();
     assert_eq!(warnings, 1, "one Warning: {:?}", w.events_for("onlyname"));
-    assert!(
-        good_up < Duration::from_secs(10),
-        "good pods took {good_up:?} beside a bad one"
-    );
+    if quiet_host(wakeup) {
+        assert!(
+            good_up < Duration::from_secs(10),
+            "good pods took {good_up:?} beside a bad one"
+        );
+    }
 }
 
 /// The daemon is killed while its `vm clone` runs, the pod is deleted meanwhile, and the clone
@@ -658,22 +622,18 @@ fn a_pod_deleted_while_a_killed_daemons_clone_still_runs_leaves_no_vm() {
     w.api
         .create_pod(&demo_pod("default", "web", "clone", "base"))
         .expect("create pod");
-    w.wait(
-        "the clone's creating record",
-        Duration::from_secs(20),
-        || {
-            w.vms()
-                .get("vk-default-web")
-                .filter(|(_, state)| state == "creating")
-                .map(|_| ())
-        },
-    );
+    w.wait("the clone's creating record", SETTLE_LIMIT, || {
+        w.vms()
+            .get("vk-default-web")
+            .filter(|(_, state)| state == "creating")
+            .map(|_| ())
+    });
     w.kill_daemon();
     w.api
         .delete_pod("default", "web", Some(30))
         .expect("delete");
     w.start_daemon();
-    w.wait("pod web gone", Duration::from_secs(30), || {
+    w.wait("pod web gone", SETTLE_LIMIT, || {
         w.pod("web").is_none().then_some(())
     });
     // The object goes only after the VM: nothing may be left by then, nor appear later.
@@ -700,7 +660,7 @@ fn a_daemon_killed_between_a_pods_delete_and_its_vm_removal_removes_both_after_r
     w.api
         .create_pod(&demo_pod("default", "web", "clone", "base"))
         .expect("create pod");
-    let (_, id) = w.wait("pod web Running", Duration::from_secs(20), || {
+    let (_, id) = w.wait("pod web Running", SETTLE_LIMIT, || {
         running_with_vm(&w, "web")
     });
     std::fs::write(
@@ -711,13 +671,16 @@ fn a_daemon_killed_between_a_pods_delete_and_its_vm_removal_removes_both_after_r
     w.api
         .delete_pod("default", "web", Some(30))
         .expect("delete");
-    let rm = format!("vm rm --force -- {id}");
-    w.wait("the daemon's vm rm", Duration::from_secs(20), || {
-        w.log().contains(&rm).then_some(())
+    w.wait("the daemon's vm rm running", SETTLE_LIMIT, || {
+        w.cocoon_running("vm", "rm").then_some(())
     });
     w.kill_daemon();
-    // The killed rm never lands: past its delay the VM and the deleting pod are both there.
-    std::thread::sleep(Duration::from_millis(4500));
+    // The killed rm never lands: once no rm process is left (one that outlived the daemon
+    // would have removed the VM by the time it exits), the VM and the deleting pod are both
+    // there.
+    w.wait("the rm gone with the daemon", SETTLE_LIMIT, || {
+        (!w.cocoon_running("vm", "rm")).then_some(())
+    });
     assert_eq!(
         w.vms().get("vk-default-web").map(|(vid, _)| vid.clone()),
         Some(id.clone()),
@@ -727,7 +690,7 @@ fn a_daemon_killed_between_a_pods_delete_and_its_vm_removal_removes_both_after_r
     assert!(pod.metadata.deletion_timestamp.is_some());
     std::fs::write(w.path("state/faults.json"), "{}").expect("faults");
     w.start_daemon();
-    w.wait("pod web gone", Duration::from_secs(30), || {
+    w.wait("pod web gone", SETTLE_LIMIT, || {
         w.pod("web").is_none().then_some(())
     });
     let vms = w.vms();
@@ -756,28 +719,22 @@ fn a_restart_keeps_vms_whose_pod_annotations_no_longer_parse() {
             .expect("create pod");
     }
     for name in ["noname", "badport"] {
-        let (mut pod, id) = w.wait(&format!("{name} Running"), Duration::from_secs(20), || {
+        let (_, id) = w.wait(&format!("{name} Running"), SETTLE_LIMIT, || {
             running_with_vm(&w, name)
         });
         ids.push(id);
-        if let Some(a) = pod.metadata.annotations.as_mut() {
+        edit_annotations(&w, name, |a| {
             if name == "noname" {
                 a.remove("vm.cocoonstack.io/name");
             } else {
                 a.insert("vm.cocoonstack.io/probe-port".into(), "not-a-port".into());
             }
-        }
-        w.api.update_pod(&pod).expect("update");
-        w.wait(&format!("{name} warned"), Duration::from_secs(10), || {
-            w.events_for(name)
-                .iter()
-                .any(|(r, _)| r == "ProviderUpdateFailed")
-                .then_some(())
         });
+        w.wait_event(name, "ProviderUpdateFailed", |_| true);
     }
     w.kill_daemon();
     w.start_daemon();
-    w.wait("the startup reconcile", Duration::from_secs(20), || {
+    w.wait("the startup reconcile", SETTLE_LIMIT, || {
         w.log().contains("startup reconcile:").then_some(())
     });
     assert!(
@@ -819,23 +776,27 @@ fn hypervisor_kill_to_failed(pods: usize) -> Vec<Duration> {
     }
     let mut took = Vec::new();
     for name in &names {
-        let (pod, id) = w.wait(&format!("{name} Running"), Duration::from_secs(30), || {
+        let (pod, id) = w.wait(&format!("{name} Running"), SETTLE_LIMIT, || {
             running_with_vm(&w, name)
         });
         let uid = pod.metadata.uid.clone().unwrap_or_default();
         let killed = Instant::now();
-        kill_hypervisor(&w, &id);
-        w.wait(
-            &format!("{name} Failed"),
-            Duration::from_secs(10),
-            || match w.pod(name) {
+        let pid = kill_hypervisor(&w, &id);
+        w.wait(&format!("{name} Failed"), SETTLE_LIMIT, || {
+            match w.pod(name) {
                 None => Some(()),
                 Some(p) if p.metadata.uid.as_deref() != Some(uid.as_str()) => Some(()),
                 Some(p) if phase(&p) == "Failed" => Some(()),
                 Some(_) => None,
-            },
-        );
+            }
+        });
         took.push(killed.elapsed());
+        let exited = format!("({id}) pid {pid} exited");
+        assert!(
+            w.log().contains(&exited),
+            "{name}: the kill was not seen by the PID watch\n{}",
+            daemon_support::tail(&w.log(), 40)
+        );
     }
     took.sort();
     took
@@ -843,13 +804,15 @@ fn hypervisor_kill_to_failed(pods: usize) -> Vec<Duration> {
 
 #[test]
 fn a_killed_hypervisor_fails_its_pod_in_milliseconds_whatever_cocoons_ticker() {
-    let took = hypervisor_kill_to_failed(4);
+    let (took, wakeup) = with_wakeup_probe(|| hypervisor_kill_to_failed(4));
     eprintln!("hypervisor kill → pod Failed: {took:?}");
     let worst = took.last().copied().unwrap_or_default();
-    assert!(
-        worst < Duration::from_secs(2),
-        "kill → Failed took {worst:?} (target 100 ms; cocoon's ticker is 5 s)"
-    );
+    if quiet_host(wakeup) {
+        assert!(
+            worst < Duration::from_secs(2),
+            "kill → Failed took {worst:?} (target 100 ms; cocoon's ticker is 5 s)"
+        );
+    }
 }
 
 /// `cargo test --test daemon_process -- --ignored hypervisor_kill_bench --nocapture`

@@ -2,6 +2,8 @@
 //! changes while watches are cut every second, a 410 in the middle, and pods deleted while the
 //! watch is down; the watch's view must end identical to the server's, each change once, in order.
 
+mod load_support;
+
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -365,6 +367,7 @@ fn stalled_server_does_not_block_the_loop() {
     // Every request now waits 2 s before an answer: the watch head does not arrive in time.
     api.set_latency(Duration::from_secs(2));
     let mut events = Events::with_capacity(8);
+    let load = load_support::WakeupProbe::start();
     let start = Instant::now();
     let mut longest = Duration::ZERO;
     while start.elapsed() < Duration::from_millis(900) {
@@ -382,10 +385,18 @@ fn stalled_server_does_not_block_the_loop() {
         }
         longest = longest.max(t.elapsed());
     }
+    // A handler waiting for the server would take its 2 s latency; a loaded host only adds
+    // its wait for a CPU, which the 200 ms bar holds against on a quiet one.
     assert!(
-        longest < Duration::from_millis(200),
+        longest < Duration::from_millis(1500),
         "a handler blocked for {longest:?}"
     );
+    if load_support::quiet_host(load.stop()) {
+        assert!(
+            longest < Duration::from_millis(200),
+            "a handler blocked for {longest:?}"
+        );
+    }
     assert!(
         w.stats.connects >= 2,
         "the unanswered watch was abandoned and retried: {:?}",

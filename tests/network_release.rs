@@ -93,8 +93,9 @@ fn delete_request_shape_success_and_errors() {
         other => panic!("{other:?}"),
     }
     let took = t.elapsed();
+    // Not before the 300 ms timeout; and it did time out (a loaded host only delays that).
     assert!(
-        took >= Duration::from_millis(250) && took < Duration::from_millis(1500),
+        took >= Duration::from_millis(250) && took < Duration::from_secs(20),
         "{took:?}"
     );
 }

@@ -132,16 +132,6 @@ fn recreate_on_b(a: &World, b: &World) -> String {
     })
 }
 
-/// The daemon's log lines about peers, for a failure message.
-fn peer_lines(w: &World) -> String {
-    let log = w.log();
-    let lines: Vec<&str> = log
-        .lines()
-        .filter(|l| l.contains("peer") && !l.contains("ureq"))
-        .collect();
-    lines.join("\n")
-}
-
 /// B tried A once, failed, pulled the tag and woke the pod from it.
 fn woke_from_the_registry_after_the_peer_failed(b: &World) {
     assert_eq!(
@@ -155,12 +145,8 @@ fn woke_from_the_registry_after_the_peer_failed(b: &World) {
         counter(b, "vk_cocoon_snapshot_pull_total{result=\"ok\"}"),
         1.0
     );
-    let events = b.events_for(POD);
     let woken = format!("cloned from registry {VM}:hibernate");
-    assert!(
-        events.iter().any(|(r, m)| r == "Woken" && *m == woken),
-        "{events:?}"
-    );
+    b.wait_event(POD, "Woken", |m| m == woken);
 }
 
 fn counter(w: &World, line: &str) -> f64 {
@@ -169,7 +155,7 @@ fn counter(w: &World, line: &str) -> f64 {
 
 /// B's staging directory holds nothing once the clone answered (removed right after it).
 fn staging_empties(b: &World) {
-    b.wait("B's staging dir empty", Duration::from_secs(10), || {
+    b.wait("B's staging dir empty", LIMIT, || {
         let left = fs::read_dir(b.path("staging"))
             .map(|d| d.count())
             .unwrap_or(0);
@@ -184,14 +170,8 @@ fn node_b_wakes_a_pod_hibernated_on_node_a_from_its_peer_listener() {
     let id = recreate_on_b(&a, &b);
 
     assert_eq!(fs::read(guest_data(&b, &id)).unwrap(), DATA);
-    let events = b.events_for(POD);
     let woken = format!("cloned from peer {}", a.node);
-    assert!(
-        events.iter().any(|(r, m)| r == "Woken" && *m == woken),
-        "{events:?}\nB: {}\nA: {}",
-        peer_lines(&b),
-        peer_lines(&a)
-    );
+    b.wait_event(POD, "Woken", |m| m == woken);
     // The peer path, not the registry: B restored from A and pulled nothing.
     assert_eq!(
         counter(&b, "vk_cocoon_snapshot_peer_restore_total{result=\"ok\"}"),

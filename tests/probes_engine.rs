@@ -2,6 +2,7 @@
 //! clock read once per wake-up): TCP probes on loopback, and ICMP to a guest address behind a
 //! veth pair inside namespaces the test creates, whose link the test takes down and up.
 
+mod load_support;
 mod probes_support;
 
 use std::net::{Ipv4Addr, TcpListener};
@@ -62,6 +63,15 @@ impl Trace {
     }
 }
 
+/// The host's load over this binary's measurements (started by the first wait): the cadence
+/// bars below hold only when a woken thread gets a CPU at once; their lower bounds (timers
+/// never early) hold whatever the load.
+static LOAD: std::sync::OnceLock<load_support::WakeupProbe> = std::sync::OnceLock::new();
+
+fn quiet_host() -> bool {
+    LOAD.get_or_init(load_support::WakeupProbe::start).quiet()
+}
+
 fn readiness(ev: Option<&ProbeEvent>) -> Option<(bool, bool)> {
     match ev {
         Some(ProbeEvent::Readiness { ready, first, .. }) => Some((*ready, *first)),
@@ -81,6 +91,7 @@ fn until_readiness<T: Copy>(
 where
     TestLoop: vk_cocoon::probes::ProbeHost<TimerId = T>,
 {
+    LOAD.get_or_init(load_support::WakeupProbe::start);
     let mut at = None;
     let found = lp.run(engine, Instant::now() + limit, |now, ev, engine| {
         trace.see(pod, now, ev, engine);
@@ -132,7 +143,7 @@ fn assert_flip_after_failures(
             "gap {gap:?} shorter than the ready interval"
         );
         assert!(
-            gap <= cfg.ready_interval + cfg.timeout + Duration::from_millis(250),
+            gap <= cfg.ready_interval + cfg.timeout + Duration::from_millis(250) || !quiet_host(),
             "gap {gap:?}"
         );
     }
@@ -165,9 +176,9 @@ fn tcp_probe_flips_ready_on_listener_and_back_after_three_refusals() {
         &mut trace,
         pod,
         (true, true),
-        Duration::from_secs(2),
+        Duration::from_secs(30),
     );
-    assert!(first - t0 < Duration::from_millis(200));
+    assert!(first - t0 < Duration::from_millis(200) || !quiet_host());
     assert_eq!(engine.manager().result(pod).unwrap().message, "tcp ok");
 
     drop(listener);
@@ -179,7 +190,7 @@ fn tcp_probe_flips_ready_on_listener_and_back_after_three_refusals() {
         &mut trace,
         pod,
         (false, false),
-        Duration::from_secs(5),
+        Duration::from_secs(30),
     );
     assert_flip_after_failures(&trace, down, flip, 3, &cfg);
     let msg = &trace.results.last().unwrap().2;
@@ -193,11 +204,11 @@ fn tcp_probe_flips_ready_on_listener_and_back_after_three_refusals() {
         &mut trace,
         pod,
         (true, false),
-        Duration::from_secs(2),
+        Duration::from_secs(30),
     );
     assert!(back - flip >= cfg.first_retry);
     assert!(
-        back - flip < cfg.first_retry + Duration::from_millis(200),
+        back - flip < cfg.first_retry + Duration::from_millis(200) || !quiet_host(),
         "{:?}",
         back - flip
     );
@@ -253,7 +264,7 @@ fn ssh_banner_probe_wants_an_ssh_greeting_not_just_an_open_port() {
         engine.start(&mut lp, pod, t, Instant::now(), SystemTime::now());
         let done = lp.run(
             &mut engine,
-            Instant::now() + Duration::from_secs(3),
+            Instant::now() + Duration::from_secs(30),
             |now, ev, e| {
                 trace.see(pod, now, ev, e);
                 !trace.results.is_empty()
@@ -294,9 +305,9 @@ fn icmp_loopback_is_ready_on_the_first_probe_with_the_spec_schedule() {
         &mut trace,
         pod,
         (true, true),
-        Duration::from_secs(1),
+        Duration::from_secs(30),
     );
-    assert!(first - t0 < Duration::from_millis(100));
+    assert!(first - t0 < Duration::from_millis(100) || !quiet_host());
     assert_eq!(engine.manager().result(pod).unwrap().message, "ping ok");
     // One timer armed: the next probe, 5 s after this result.
     assert_eq!(lp.armed(), 1);
@@ -362,9 +373,13 @@ fn child_veth_guest() {
         &mut trace,
         pod,
         (true, true),
-        Duration::from_secs(2),
+        Duration::from_secs(30),
     );
-    assert!(first - t0 < Duration::from_millis(250), "{:?}", first - t0);
+    assert!(
+        first - t0 < Duration::from_millis(250) || !quiet_host(),
+        "{:?}",
+        first - t0
+    );
 
     // The guest's link goes down: three failed probes, the third one flips.
     set_guest_link(false);
@@ -375,7 +390,7 @@ fn child_veth_guest() {
         &mut trace,
         pod,
         (false, false),
-        Duration::from_secs(6),
+        Duration::from_secs(30),
     );
     assert_flip_after_failures(&trace, down, flip, 3, &cfg);
     assert!(
@@ -405,10 +420,10 @@ fn child_veth_guest() {
         &mut trace,
         pod,
         (true, false),
-        Duration::from_secs(3),
+        Duration::from_secs(30),
     );
     assert!(
-        back - up <= cfg.timeout + cfg.max_retry + Duration::from_millis(500),
+        back - up <= cfg.timeout + cfg.max_retry + Duration::from_millis(500) || !quiet_host(),
         "{:?}",
         back - up
     );
@@ -464,7 +479,7 @@ fn engine_runs_on_the_real_reactor() {
         .is_empty());
     let mut seen = Vec::new();
     let mut out = Vec::new();
-    let end = Instant::now() + Duration::from_secs(5);
+    let end = Instant::now() + Duration::from_secs(30);
     // Ready on the first connect; then the listener closes and three refusals flip it back.
     while seen.len() < 2 && Instant::now() < end {
         out.clear();

@@ -254,13 +254,15 @@ fn hung_child_is_killed_at_its_deadline() {
     let id = r
         .spawn(ChildSpec::new(["sleep", "30"]).deadline(Duration::from_millis(300)))
         .unwrap();
-    let exit = wait_exit(&mut r, id, Duration::from_secs(10));
+    let exit = wait_exit(&mut r, id, Duration::from_secs(40));
     let took = start.elapsed();
     assert!(exit.timed_out);
     assert_eq!(exit.signal(), Some(libc::SIGKILL));
     assert_eq!(exit.code(), None);
     assert!(took >= Duration::from_millis(300), "killed early: {took:?}");
-    assert!(took < Duration::from_secs(3), "killed late: {took:?}");
+    // `sleep 30` ended by anything but the deadline would take 30 s; a loaded host only
+    // delays the kill.
+    assert!(took < Duration::from_secs(20), "killed late: {took:?}");
     assert_not_zombie(exit.pid);
 }
 
@@ -273,11 +275,12 @@ fn a_child_with_a_grace_gets_sigterm_at_its_deadline() {
         .deadline(Duration::from_millis(300))
         .term_grace(Duration::from_secs(20));
     let id = r.spawn(spec).unwrap();
-    let exit = wait_exit(&mut r, id, Duration::from_secs(10));
+    let exit = wait_exit(&mut r, id, Duration::from_secs(40));
     assert!(exit.timed_out);
     assert_eq!(exit.signal(), Some(libc::SIGTERM));
+    // Well before the 20 s grace ran out (a loaded host only delays it).
     assert!(
-        start.elapsed() < Duration::from_secs(3),
+        start.elapsed() < Duration::from_secs(15),
         "{:?}",
         start.elapsed()
     );
@@ -292,7 +295,7 @@ fn a_child_ignoring_sigterm_is_killed_after_its_grace() {
         .deadline(Duration::from_millis(300))
         .term_grace(Duration::from_millis(700));
     let id = r.spawn(spec).unwrap();
-    let exit = wait_exit(&mut r, id, Duration::from_secs(10));
+    let exit = wait_exit(&mut r, id, Duration::from_secs(40));
     let took = start.elapsed();
     assert!(exit.timed_out);
     assert_eq!(exit.signal(), Some(libc::SIGKILL));
@@ -300,7 +303,7 @@ fn a_child_ignoring_sigterm_is_killed_after_its_grace() {
         took >= Duration::from_millis(1000),
         "killed before the grace: {took:?}"
     );
-    assert!(took < Duration::from_secs(4), "killed late: {took:?}");
+    assert!(took < Duration::from_secs(20), "killed late: {took:?}");
     assert_not_zombie(exit.pid);
 }
 
@@ -309,7 +312,7 @@ fn kill_reports_killed() {
     let mut r = reactor();
     let id = r.spawn(ChildSpec::new(["sleep", "30"])).unwrap();
     r.kill(id);
-    let exit = wait_exit(&mut r, id, Duration::from_secs(10));
+    let exit = wait_exit(&mut r, id, Duration::from_secs(40));
     assert!(exit.killed && !exit.timed_out);
     assert_eq!(exit.signal(), Some(libc::SIGKILL));
 }
@@ -320,7 +323,7 @@ fn spawn_of_missing_program_is_reported_as_an_exit_that_never_ran() {
     let id = r
         .spawn(ChildSpec::new(["/nonexistent/vk-cocoon-test"]).deadline(Duration::from_secs(60)))
         .expect("the spawn is only requested here");
-    let exit = wait_exit(&mut r, id, Duration::from_secs(10));
+    let exit = wait_exit(&mut r, id, Duration::from_secs(40));
     let err = exit.spawn_error.clone().expect("a spawn error");
     assert_eq!(err.kind, std::io::ErrorKind::NotFound);
     assert!(exit.status.is_none() && !exit.success());
@@ -464,7 +467,7 @@ fn sigchld_fallback_loses_no_output_either() {
     let id = r
         .spawn(ChildSpec::new(["sleep", "30"]).deadline(Duration::from_millis(100)))
         .unwrap();
-    let exit = wait_exit(&mut r, id, Duration::from_secs(10));
+    let exit = wait_exit(&mut r, id, Duration::from_secs(40));
     assert!(exit.timed_out);
 }
 

@@ -720,7 +720,12 @@ impl Daemon {
         for o in out {
             self.pending.push_back(match o {
                 WatchOutput::Added(p) | WatchOutput::Modified(p) => Input::PodUpserted(p),
-                WatchOutput::Deleted(p) => Input::PodDeleted(p),
+                WatchOutput::Deleted(p) => {
+                    // Nothing more is recorded of a pod once it is gone.
+                    self.events
+                        .forget_pod(p.metadata.uid.as_deref().unwrap_or_default());
+                    Input::PodDeleted(p)
+                }
             });
         }
     }

@@ -22,6 +22,9 @@ const PER_POD_BURST: u32 = 25;
 const PER_POD_QPS: f64 = 1.0 / 300.0;
 /// Bound on remembered aggregation keys and per-pod buckets.
 const MAX_TRACKED: usize = 4096;
+/// How many gone pods' UIDs are remembered, so that an event recorded for a pod after it went
+/// (the end of an op that was running) is written but leaves nothing behind.
+const GONE_REMEMBERED: usize = 1024;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum EventType {
@@ -80,6 +83,8 @@ pub struct EventRecorder {
     queue: VecDeque<Pending>,
     sent: HashMap<AggKey, Sent>,
     buckets: HashMap<String, TokenBucket>,
+    /// UIDs of the pods most recently gone (oldest first), at most `GONE_REMEMBERED`.
+    gone: VecDeque<String>,
     seq: u64,
     pub stats: EventStats,
 }
@@ -110,6 +115,7 @@ impl EventRecorder {
             queue: VecDeque::new(),
             sent: HashMap::new(),
             buckets: HashMap::new(),
+            gone: VecDeque::new(),
             seq: 0,
             stats: EventStats::default(),
         }
@@ -152,17 +158,22 @@ impl EventRecorder {
             p.event.last_timestamp = Some(ts);
             return;
         }
-        if self.buckets.len() >= MAX_TRACKED {
-            self.buckets.clear();
-        }
-        let bucket = self
-            .buckets
-            .entry(uid.clone())
-            .or_insert_with(|| TokenBucket::new(PER_POD_QPS, PER_POD_BURST, now));
-        if !bucket.try_take(now) {
-            self.stats.rate_limited += 1;
-            log::debug!("event {reason} on {namespace}/{name} rate limited");
-            return;
+        // A gone pod's last events are written, but neither rate-limited nor remembered: its
+        // bucket and keys would outlive it.
+        let gone = self.gone.contains(&uid);
+        if !gone {
+            if self.buckets.len() >= MAX_TRACKED {
+                self.buckets.clear();
+            }
+            let bucket = self
+                .buckets
+                .entry(uid.clone())
+                .or_insert_with(|| TokenBucket::new(PER_POD_QPS, PER_POD_BURST, now));
+            if !bucket.try_take(now) {
+                self.stats.rate_limited += 1;
+                log::debug!("event {reason} on {namespace}/{name} rate limited");
+                return;
+            }
         }
         self.sent
             .retain(|_, s| now.saturating_duration_since(s.at) < AGGREGATE_WINDOW);
@@ -226,6 +237,25 @@ impl EventRecorder {
         });
     }
 
+    /// The pod of `uid` is gone: forget its aggregation keys and its rate-limit bucket, so what
+    /// is remembered follows the pods alive, not every pod ever seen. Its events still queued
+    /// are written, and not remembered after (see `written`).
+    pub fn forget_pod(&mut self, uid: &str) {
+        self.sent.retain(|k, _| k.uid != uid);
+        self.buckets.remove(uid);
+        if !self.gone.iter().any(|g| g == uid) {
+            if self.gone.len() >= GONE_REMEMBERED {
+                self.gone.pop_front();
+            }
+            self.gone.push_back(uid.to_string());
+        }
+    }
+
+    /// Aggregation keys and rate-limit buckets remembered (for tests and the soak's checks).
+    pub fn remembered(&self) -> (usize, usize) {
+        (self.sent.len(), self.buckets.len())
+    }
+
     /// Write up to `max` queued events (blocking calls bounded by the client's timeout).
     /// Stops at the first transient failure, keeping that event queued. Returns how many were written.
     pub fn flush(&mut self, client: &Client, max: usize, now: Instant) -> usize {
@@ -271,6 +301,11 @@ impl EventRecorder {
                     self.stats.patched += 1;
                 } else {
                     self.stats.created += 1;
+                }
+                // A pod with no bucket was forgotten (gone) since this event was recorded:
+                // nothing will aggregate into it.
+                if !self.buckets.contains_key(&p.key.uid) {
+                    return Written::Ok;
                 }
                 if self.sent.len() >= MAX_TRACKED {
                     self.sent.clear();
@@ -430,6 +465,51 @@ mod tests {
         // Another pod has its own budget.
         r.record(&pod("q", "u2"), EventType::Normal, "R", "m", t, w);
         assert_eq!(r.stats.rate_limited, 15);
+    }
+
+    fn created(q: &QueuedEvent) -> Result<Event, KubeError> {
+        let mut e = q.pending.event.clone();
+        e.metadata.name = Some(format!("ev-{}", q.fresh_suffix));
+        Ok(e)
+    }
+
+    /// What the recorder remembers of a pod (aggregation keys, its bucket) goes with the pod,
+    /// including an event of it written after it was forgotten.
+    #[test]
+    fn a_gone_pods_aggregation_keys_and_bucket_are_forgotten() {
+        let mut r = EventRecorder::new("n", 10);
+        let (t, w) = (Instant::now(), SystemTime::now());
+        let mut u2_event = String::new();
+        for (name, uid) in [("p", "u1"), ("q", "u2")] {
+            r.record(&pod(name, uid), EventType::Normal, "Started", "ok", t, w);
+            let q = r.take_next().expect("queued");
+            let result = created(&q);
+            u2_event = result.as_ref().unwrap().metadata.name.clone().unwrap();
+            assert_eq!(r.written(q, result, t), Written::Ok);
+        }
+        assert_eq!(r.remembered(), (2, 2));
+        // u1 goes with an event still queued, and records one more after it went; both are
+        // written and neither is remembered.
+        r.record(&pod("p", "u1"), EventType::Normal, "Killing", "bye", t, w);
+        r.forget_pod("u1");
+        assert_eq!(r.remembered(), (1, 1), "u2's key and bucket stay");
+        r.record(&pod("p", "u1"), EventType::Normal, "Stopped", "after", t, w);
+        for _ in 0..2 {
+            let q = r.take_next().expect("queued");
+            let result = created(&q);
+            assert_eq!(r.written(q, result, t), Written::Ok);
+        }
+        assert_eq!(
+            r.remembered(),
+            (1, 1),
+            "the late events of u1 are not remembered"
+        );
+        assert_eq!(r.stats.created, 4);
+        // u2 still aggregates into its event.
+        r.record(&pod("q", "u2"), EventType::Normal, "Started", "ok", t, w);
+        let e = serde_json::to_value(&r.queue[0].event).unwrap();
+        assert_eq!(e["metadata"]["name"], u2_event.as_str());
+        assert_eq!(e["count"], 2);
     }
 
     #[test]

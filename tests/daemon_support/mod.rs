@@ -6,6 +6,12 @@
 #[path = "../registry_support/mod.rs"]
 pub mod registry_support;
 
+#[path = "../load_support/mod.rs"]
+mod load_support;
+// Not every test crate that includes this harness measures latencies.
+#[allow(unused_imports)]
+pub use load_support::{quiet_host, with_wakeup_probe};
+
 use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -321,6 +327,25 @@ impl World {
             .collect()
     }
 
+    /// Whether a `<bin> <group> <verb> ...` process of this world's fake cocoon is alive
+    /// (the daemon, or a daemon killed before, is in that step).
+    pub fn cocoon_running(&self, group: &str, verb: &str) -> bool {
+        let bin = self.path("bin/cocoon");
+        let Ok(dir) = std::fs::read_dir("/proc") else {
+            return false;
+        };
+        dir.flatten().any(|e| {
+            let Ok(raw) = std::fs::read(e.path().join("cmdline")) else {
+                return false;
+            };
+            let argv: Vec<&[u8]> = raw.split(|b| *b == 0).collect();
+            argv.len() >= 3
+                && argv[0] == bin.as_os_str().as_encoded_bytes()
+                && argv[1] == group.as_bytes()
+                && argv[2] == verb.as_bytes()
+        })
+    }
+
     pub fn seed_snapshot(&self, name: &str) {
         self.seed_snapshot_with(name, &[]);
     }
@@ -341,20 +366,13 @@ impl World {
         assert!(self.cocoon(&["vm", "rm", "--force", &id]).0);
     }
 
-    pub fn wait<T>(&self, what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
-        let start = Instant::now();
-        loop {
-            if let Some(v) = f() {
-                return v;
-            }
-            if start.elapsed() > limit {
-                panic!(
-                    "timed out after {limit:?} waiting for {what}\n--- daemon log (tail) ---\n{}",
-                    tail(&self.log(), 60)
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+    pub fn wait<T>(&self, what: &str, limit: Duration, f: impl FnMut() -> Option<T>) -> T {
+        self.wait_or_none(limit, f).unwrap_or_else(|| {
+            panic!(
+                "timed out after {limit:?} waiting for {what}\n--- daemon log (tail) ---\n{}",
+                tail(&self.log(), 60)
+            )
+        })
     }
 
     pub fn pod(&self, name: &str) -> Option<Pod> {
@@ -374,7 +392,61 @@ impl World {
             })
             .collect()
     }
+
+    /// Waits until pod `name` has an Event `reason` whose message `message` accepts; returns
+    /// the pod's Events then. Events leave through the kube lane after every pod write and
+    /// on workers of their own, so one may land well after the state a test saw: a test that
+    /// asserts on an Event waits for it.
+    pub fn wait_event(
+        &self,
+        name: &str,
+        reason: &str,
+        message: impl Fn(&str) -> bool,
+    ) -> Vec<(String, String)> {
+        self.wait(&format!("a {reason} Event on {name}"), SETTLE_LIMIT, || {
+            let events = self.events_for(name);
+            events
+                .iter()
+                .any(|(r, m)| r == reason && message(m))
+                .then_some(events)
+        })
+    }
+
+    /// Waits until the /metrics series `series` (labels included) reads `want`; returns the
+    /// /metrics text then. A counter may move on another thread than the write a test saw.
+    pub fn wait_metric(&self, series: &str, want: f64) -> String {
+        let mut last = None;
+        let found = self.wait_or_none(SETTLE_LIMIT, || {
+            let text = self.metrics();
+            last = metric_value(&text, series);
+            (last == Some(want)).then_some(text)
+        });
+        found.unwrap_or_else(|| {
+            panic!(
+                "timed out after {SETTLE_LIMIT:?} waiting for {series} = {want} (last {last:?})\n{}",
+                tail(&self.log(), 60)
+            )
+        })
+    }
+
+    /// Polls `f` until it returns Some or `limit` passes.
+    fn wait_or_none<T>(&self, limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+        let start = Instant::now();
+        loop {
+            if let Some(v) = f() {
+                return Some(v);
+            }
+            if start.elapsed() > limit {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
 }
+
+/// How long a test waits for something that follows a state it already saw (an Event, a
+/// counter, a log line): a failure bound for a loaded host, not a latency the test asserts.
+pub const SETTLE_LIMIT: Duration = Duration::from_secs(60);
 
 impl Drop for World {
     fn drop(&mut self) {
@@ -442,18 +514,23 @@ pub fn pod_writes_per_pod(w: &World, prefix: &str, pods: usize) -> f64 {
 /// Sets annotation `key` of pod `name` to `value`, retrying on a resourceVersion conflict (the
 /// daemon writes the pod too).
 pub fn set_annotation(w: &World, name: &str, key: &str, value: &str) {
+    edit_annotations(w, name, |a| {
+        a.insert(key.into(), value.into());
+    });
+}
+
+/// Updates pod `name` with its annotations changed by `edit`, retrying on a resourceVersion
+/// conflict (the daemon writes the pod too, at any moment).
+pub fn edit_annotations(w: &World, name: &str, edit: impl Fn(&mut BTreeMap<String, String>)) {
     for _ in 0..100 {
         let mut p = w.pod(name).expect("pod");
-        p.metadata
-            .annotations
-            .get_or_insert_with(Default::default)
-            .insert(key.into(), value.into());
+        edit(p.metadata.annotations.get_or_insert_with(Default::default));
         if w.api.update_pod(&p).is_ok() {
             return;
         }
         std::thread::sleep(Duration::from_millis(5));
     }
-    panic!("could not set {key}={value} on {name}");
+    panic!("could not update the annotations of {name}");
 }
 
 /// Asks pod `name` to hibernate (`on`) or to wake.

@@ -15,6 +15,7 @@ impl Provider {
                 {
                     self.by_name.remove(&vm.name);
                 }
+                self.last_restart.remove(&vm.id);
             }
             VmEventKind::Added | VmEventKind::Modified => {}
         }
@@ -309,6 +310,14 @@ impl Provider {
         (!c.vm_id.is_empty() && vm.id == c.vm_id) || isolation::vm_named(vm, name)
     }
 
+    /// Records a restart of `vm_id` now. Restarts older than the GC age go at the same time:
+    /// a VM restarted once and gone since (evicted, removed by hand) leaves no record behind
+    /// for long, event-stream restarts or not.
+    pub(super) fn note_restart(&mut self, vm_id: &str) {
+        self.cooldown_gc();
+        self.last_restart.insert(vm_id.to_string(), self.now);
+    }
+
     pub(super) fn check_state(&mut self, key: &PodKey, c: &CheckOp, vm: VmInfo) {
         if vm.running() {
             if let Some(t) = self.slot(key).tracked.as_mut() {
@@ -332,7 +341,7 @@ impl Provider {
                 true,
             );
         }
-        self.last_restart.insert(c.vm_id.clone(), self.now);
+        self.note_restart(&c.vm_id);
         self.advance(
             key,
             CheckStep::Start,

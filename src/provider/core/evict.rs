@@ -117,6 +117,8 @@ impl Provider {
                     {
                         self.by_name.remove(&vm.name);
                     }
+                    // The VM is gone with its pod: so is its restart cooldown.
+                    self.last_restart.remove(&vm.id);
                     let uid = e.uid.clone();
                     self.slot(key).idle = Idle::Evicted(uid);
                     self.forget(key, true);

@@ -141,6 +141,23 @@ impl Provider {
             if *lifecycle && !self.lifecycle_current(key, uid, effect) {
                 return;
             }
+            // An id / ip retry that a newer write overtook (a hibernate cleared them, another
+            // VM took over) would name a VM the pod no longer has: those keys go from it.
+            if let Effect::PatchPodAnnotations { annotations, .. } = effect {
+                if let Some(sent) = annotations.get(ANN_VM_ID) {
+                    let current = self
+                        .slots
+                        .get(key)
+                        .and_then(|s| s.tracked.as_ref())
+                        .filter(|t| t.uid == *uid)
+                        .and_then(|t| t.vm.as_ref())
+                        .map(|v| v.id.clone());
+                    if *sent != current {
+                        annotations.remove(ANN_VM_ID);
+                        annotations.remove(ANN_VM_IP);
+                    }
+                }
+            }
             let intent = self.slots.get(key).and_then(|s| s.intent.as_ref());
             if let (false, Effect::PatchPodAnnotations { annotations, .. }) = (*lifecycle, effect) {
                 if annotations.contains_key(spec::ANN_LIFECYCLE_STATE) {

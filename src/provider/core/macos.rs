@@ -620,7 +620,7 @@ impl Provider {
         if recent {
             return self.end_op(key);
         }
-        self.last_restart.insert(vm.id.clone(), self.now);
+        self.note_restart(&vm.id);
         log::warn!("provider: {key}: QEMU of {} is dead; starting it", vm.name);
         let vnc_display = self
             .vnc_ports

@@ -342,12 +342,32 @@ impl Provider {
         self.slots.get(key)?.tracked.as_ref()?.vm.as_ref()
     }
 
-    /// `vm_table_size{namespace}`: tracked VMs per namespace.
     /// VMs with a restart on record (the cooldown's memory).
     pub fn restart_records(&self) -> usize {
         self.last_restart.len()
     }
 
+    /// How many records each of the provider's tables holds: what a soak or the simulation
+    /// checks against the pods and VMs alive (memory must follow them, not the pods ever seen).
+    pub fn table_sizes(&self) -> BTreeMap<&'static str, usize> {
+        BTreeMap::from([
+            ("slots", self.slots.len()),
+            ("waiters", self.waiters.len()),
+            ("shared_reads", self.shared_reads.len()),
+            ("by_name", self.by_name.len()),
+            ("last_holder_ns", self.last_holder_ns.len()),
+            ("last_restart", self.last_restart.len()),
+            ("timers", self.timers.len()),
+            ("pulls", self.pulls.len()),
+            ("forks", self.forks.len()),
+            ("local_snapshots", self.local_snapshots.may_exist.len()),
+            ("stale_watch_state", self.stale_watch_state.len()),
+            ("vnc_ports", self.vnc_ports.len()),
+            ("buffered", self.buffered.len()),
+        ])
+    }
+
+    /// `vm_table_size{namespace}`: tracked VMs per namespace.
     pub fn vm_table_sizes(&self) -> BTreeMap<String, usize> {
         let mut m = BTreeMap::new();
         for (k, s) in &self.slots {

@@ -91,6 +91,8 @@ impl Provider {
         );
         if watcher {
             if name_free {
+                // The watch is over: its delay record goes with it.
+                self.stale_watch_state.remove(&vm.id);
                 return;
             }
             return self.stale_inspect(vm, true);
@@ -143,6 +145,10 @@ impl Provider {
             }
         };
         if watcher {
+            // A watch that ends takes its delay record with it (a re-armed one keeps it).
+            if !matches!(verdict, V::Watch) {
+                self.stale_watch_state.remove(&vm.id);
+            }
             match verdict {
                 V::Drop => {}
                 V::Keep(v) => self.stale_vm_landed(v),

@@ -134,6 +134,36 @@ fn an_event_stream_restart_forgets_restarts_older_than_a_minute() {
     assert_eq!(h.p.restart_records(), 0);
 }
 
+/// Restarts `vm` of a running pod through a stopped event: inspect, then `vm start`.
+fn restart_once(h: &mut H, id: &str, name: &str) {
+    let e = h.feed(Input::VmEvent {
+        kind: VmEventKind::Modified,
+        vm: vm_info(id, name, "stopped"),
+    });
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(vm_json(id, name, "stopped", "02:00:00:00:00:01")),
+    );
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), format!("vm start {id}"));
+    h.cocoon(op, CocoonResult::ok(""));
+}
+
+/// A restart record outlives its cooldown only until the next restart anywhere: records of
+/// VMs restarted once and gone since do not pile up while the event stream stays up.
+#[test]
+fn a_restart_drops_the_records_older_than_a_minute() {
+    let mut h = H::new(ProviderConfig::default());
+    create_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")), "VM1");
+    create_clone(&mut h, mk("b", "u2", &managed("b", "vk-ns-demo-1")), "VM2");
+    restart_once(&mut h, "VM1", "vk-ns-demo-0");
+    assert_eq!(h.p.restart_records(), 1);
+    h.advance(Duration::from_secs(61));
+    restart_once(&mut h, "VM2", "vk-ns-demo-1");
+    assert_eq!(h.p.restart_records(), 1, "VM1's record went with its age");
+}
+
 #[test]
 fn transient_inspect_errors_defer_a_recheck() {
     let mut h = H::new(ProviderConfig::default());

@@ -502,3 +502,38 @@ fn an_unrecorded_pod_on_a_stopped_vm_is_published_ready_after_its_restart() {
         .iter()
         .any(|(_, a)| a.get(ANN_LIFECYCLE_STATE) == Some(&Some("ready".into()))));
 }
+
+/// A stale create left to the background watch (busy at startup) keeps a delay record only
+/// while it is watched: once the watch's reconcile finds the name free, or its inspect a
+/// verdict, the record goes.
+#[test]
+fn a_stale_create_watch_that_ends_leaves_no_record() {
+    for (outcome, inspect) in [("collected", None), ("not-creating", Some("running"))] {
+        let (mut h, e) = H::starting(
+            ProviderConfig::default(),
+            vec![],
+            vec![vm_info("V4", "vk-ns-half-0", "creating")],
+        );
+        let (op, cmd) = one_cocoon(&e);
+        assert_eq!(argv(&cmd), "vm reconcile-stale-create V4 -o json");
+        h.cocoon(op, CocoonResult::ok(r#"{"id":"V4","outcome":"busy"}"#));
+        // The watch's first look comes after its first delay.
+        let e = h.advance(Duration::from_secs(2));
+        let (op, cmd) = one_cocoon(&e);
+        assert_eq!(argv(&cmd), "vm reconcile-stale-create V4 -o json");
+        assert_eq!(h.p.table_sizes()["stale_watch_state"], 1);
+        let e = h.cocoon(
+            op,
+            CocoonResult::ok(format!(r#"{{"id":"V4","outcome":"{outcome}"}}"#)),
+        );
+        if let Some(state) = inspect {
+            let (op, cmd) = one_cocoon(&e);
+            assert_eq!(argv(&cmd), "vm inspect V4");
+            h.cocoon(
+                op,
+                CocoonResult::ok(vm_json("V4", "vk-ns-half-0", state, "02:00:00:00:00:04")),
+            );
+        }
+        assert_eq!(h.p.table_sizes()["stale_watch_state"], 0, "{outcome}");
+    }
+}
