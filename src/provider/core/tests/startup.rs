@@ -515,12 +515,12 @@ fn a_stale_create_watch_that_ends_leaves_no_record() {
             vec![vm_info("V4", "vk-ns-half-0", "creating")],
         );
         let (op, cmd) = one_cocoon(&e);
-        assert_eq!(argv(&cmd), "vm reconcile-stale-create V4 -o json");
+        assert_eq!(argv(&cmd), "vm reconcile-stale-create -o json V4");
         h.cocoon(op, CocoonResult::ok(r#"{"id":"V4","outcome":"busy"}"#));
         // The watch's first look comes after its first delay.
         let e = h.advance(Duration::from_secs(2));
         let (op, cmd) = one_cocoon(&e);
-        assert_eq!(argv(&cmd), "vm reconcile-stale-create V4 -o json");
+        assert_eq!(argv(&cmd), "vm reconcile-stale-create -o json V4");
         assert_eq!(h.p.table_sizes()["stale_watch_state"], 1);
         let e = h.cocoon(
             op,
