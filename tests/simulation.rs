@@ -1709,7 +1709,18 @@ fn hibernate_and_wake_converge_under_save_push_and_registry_faults() {
         // failed push, before its id was cleared) taken for hibernated after a restart,
         // though no snapshot of it existed. 12345 (a random sample's) found the retry of an
         // id annotation write landing after the hibernate had cleared the id.
-        Err(_) => vec![7, 42, 1796209989208618451, 11, 1234, 3, 12345],
+        // 18279911453126379311 (CI's sample) found a restore whose pod was edited while the
+        // create was in flight never going Ready: Ready was refused as an older generation.
+        Err(_) => vec![
+            7,
+            42,
+            1796209989208618451,
+            11,
+            1234,
+            3,
+            12345,
+            18279911453126379311,
+        ],
     };
     let mut failed = Vec::new();
     for seed in seeds {

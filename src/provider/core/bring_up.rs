@@ -335,9 +335,6 @@ impl Provider {
         }
         t.ip = ip.to_string();
         t.spec.vm_ip = ip.to_string();
-        if let Some(vm) = t.vm.as_mut() {
-            let _ = vm;
-        }
         if matches!(&t.probe, Some((false, m)) if m == "waiting for dhcp lease")
             || t.probe.is_none()
         {

@@ -208,13 +208,7 @@ impl Provider {
             return false;
         };
         let uid = t.uid.clone();
-        let gen = spec::generation(&t.pod).max(
-            slot.latest
-                .as_ref()
-                .filter(|p| pod_uid(p) == uid)
-                .map(|p| spec::generation(p))
-                .unwrap_or(0),
-        );
+        let gen = lifecycle_generation(slot, t);
         let Some(next) = lifecycle::apply(slot.intent.as_ref(), &uid, state, gen, message) else {
             return false;
         };
@@ -233,7 +227,7 @@ impl Provider {
         let Some(t) = slot.tracked.clone() else {
             return;
         };
-        let gen = spec::generation(&t.pod);
+        let gen = lifecycle_generation(slot, &t);
         match lifecycle::apply(slot.intent.as_ref(), &t.uid, State::Ready, gen, "") {
             Some(next) => {
                 let already = next.flushed;
@@ -373,4 +367,17 @@ impl Provider {
             }
         }
     }
+}
+
+/// The generation a lifecycle write observes: the newest of the tracked pod and the latest
+/// object of the same incarnation. A pod edited while its create was in flight has a newer
+/// latest object; `Ready` must not be refused as older than the `creating` written for it.
+fn lifecycle_generation(slot: &Slot, t: &Tracked) -> i64 {
+    let latest = slot
+        .latest
+        .as_ref()
+        .filter(|p| pod_uid(p) == t.uid)
+        .map(|p| spec::generation(p))
+        .unwrap_or(0);
+    spec::generation(&t.pod).max(latest)
 }

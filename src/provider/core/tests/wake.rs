@@ -677,3 +677,49 @@ fn a_tag_pushed_by_this_node_skips_the_peer() {
     assert!(peer_op(&e).is_none());
     assert!(e.iter().any(|x| matches!(x, Effect::PullSnapshot { .. })));
 }
+
+#[test]
+fn a_restore_whose_pod_was_edited_meanwhile_still_publishes_ready() {
+    let mut h = H::new(registry());
+    let with_generation = |g: &str| {
+        let mut p = asking(false);
+        let a = p.metadata.annotations.as_mut().unwrap();
+        a.insert(ANN_GENERATION.into(), g.into());
+        p
+    };
+    let e = h.feed(Input::PodUpserted(Box::new(with_generation("1"))));
+    // The set's generation moves on while the evidence check is out: the `creating` the
+    // restore writes observes generation 2, the tracked copy of the pod still says 1.
+    h.feed(Input::PodUpserted(Box::new(with_generation("2"))));
+    let op = evidence_op(&e);
+    let e = h.feed(Input::HibernateEvidence {
+        op,
+        result: Ok(Some(tag("S9"))),
+    });
+    let e = no_local_copy_then(&mut h, &e, Ok(Some(tag("S9"))));
+    let op = pull_op(&mut h, &e);
+    let e = h.feed(Input::TransferDone {
+        op,
+        result: Ok(String::new()),
+    });
+    let e = answer(
+        &mut h,
+        &e,
+        &format!("snapshot inspect {IMPORT}"),
+        CocoonResult::ok(format!(r#"{{"id":"S9","name":"{IMPORT}"}}"#)),
+    );
+    let mut e = clone_answers(&mut h, &e, IMPORT);
+    e.extend(probe_ok(&mut h, "a", "u1"));
+    assert!(
+        statuses(&e).iter().any(|(_, s)| status::is_ready(s)),
+        "Ready is published"
+    );
+    // Status first, then the lifecycle annotation.
+    let acked: Vec<Effect> = statuses(&e)
+        .into_iter()
+        .flat_map(|(op, _)| h.kube_ok(op))
+        .collect();
+    assert!(annotation_patches(&acked)
+        .iter()
+        .any(|(_, a)| a.get(ANN_LIFECYCLE_STATE) == Some(&Some("ready".into()))));
+}
