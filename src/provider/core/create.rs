@@ -991,6 +991,13 @@ impl Provider {
         };
         let owner = Owner::new(&key.namespace, &c.uid);
         let name = c.spec.vm_name.clone();
+        if let Some(msg) = self.vm_record_refusal(key, &name) {
+            let (event, reason) = (
+                isolation::EVENT_VM_NOT_IN_NS,
+                isolation::REASON_VM_NOT_IN_NS,
+            );
+            return self.refuse_create(key, event, reason, msg);
+        }
         let ask = Self::owned_then(Owned::Vm, &name, owner, Deferred::Cocoon(cmd));
         self.advance(key, CreateStep::Boot, ask)
     }

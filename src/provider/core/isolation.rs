@@ -134,6 +134,21 @@ impl Provider {
         }
     }
 
+    /// Why pod `key` may not make VM `vm_name`, if it may not: the ledger records a VM of that
+    /// name for another namespace. Recording the pod's own owner over it would hand that VM
+    /// to the pod at its next lookup by name (a clone that fails on the taken name, then the
+    /// adoption of what the lookup finds).
+    pub(super) fn vm_record_refusal(&self, key: &PodKey, vm_name: &str) -> Option<String> {
+        let o = self.owner_of(Owned::Vm, vm_name)?;
+        (o.namespace != key.namespace).then(|| {
+            format!(
+                "pod {key}: vm {vm_name} is recorded for another namespace; it is neither made \
+                 nor taken over for namespace {}",
+                key.namespace
+            )
+        })
+    }
+
     /// Why pod `key` may not take the VM of its name that no live pod holds (kept at
     /// startup, or left by a failed create), if it may not (see `vm_adoptable`).
     pub(super) fn unheld_vm_refusal(&self, key: &PodKey, spec: &VmSpec) -> Option<String> {

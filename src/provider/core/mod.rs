@@ -378,6 +378,36 @@ impl Provider {
         m
     }
 
+    /// The pods on whose behalf the effect of `op` was issued, while it waits for its answer:
+    /// the pod of a step, every pod sharing a read, the pods waiting on a fork flight. Empty
+    /// for node-wide work (startup, the reclaimer, detached removals) and for unknown ops.
+    /// The simulation's tenant-isolation invariant reads it as each effect is issued.
+    pub fn op_pods(&self, op: OpId) -> Vec<PodKey> {
+        let flight = |source: &str| {
+            self.forks
+                .get(source)
+                .map(|f| f.waiting.clone())
+                .unwrap_or_default()
+        };
+        match self.waiters.get(&op) {
+            Some(
+                Waiter::PodStep(key)
+                | Waiter::Status { key, .. }
+                | Waiter::Annotations { key, .. }
+                | Waiter::Lease { key, .. }
+                | Waiter::Staged { key, .. },
+            ) => vec![key.clone()],
+            Some(Waiter::SharedRead { keys, .. }) => keys.clone(),
+            Some(Waiter::Fork { source }) => flight(source),
+            Some(Waiter::Owners { for_, .. }) => match for_ {
+                RecordFor::Pod(key) => vec![key.clone()],
+                RecordFor::Fork(source) => flight(source),
+                RecordFor::Nobody => Vec::new(),
+            },
+            _ => Vec::new(),
+        }
+    }
+
     // ----- plumbing -------------------------------------------------------------------------
 
     fn op_id(&mut self) -> OpId {

@@ -301,6 +301,7 @@ impl Provider {
             by_id,
             by_name,
             claimed: Default::default(),
+            taken: Default::default(),
             adopted: 0,
             kicks: None,
         }));
@@ -393,6 +394,7 @@ impl Provider {
                     return;
                 }
                 a.claimed.insert(vm.id.clone());
+                a.taken.insert(vm.id.clone());
                 let id = pod
                     .metadata
                     .annotations
@@ -475,17 +477,19 @@ impl Provider {
             }
             None => return,
         };
-        if a.claimed.contains(&vm.id) {
-            return;
-        }
-        a.claimed.insert(vm.id.clone());
         // A VM recorded for another namespace (or, unrecorded, one neither its name nor the
         // pod's exact id ties to the pod's) is not adopted: its create refuses the pod. It is
         // left alone all the same (claimed): no VM is destroyed on account of a pod that
-        // only named it; the next start with no pod naming it applies the orphan policy.
+        // only named it; the next start with no pod naming it applies the orphan policy. Nor
+        // does that pod's claim keep the VM from the pod it is recorded for, listed later.
         if !self.vm_adoptable(&key, &spec.vm_id, &vm) {
+            a.claimed.insert(vm.id.clone());
             return;
         }
+        if !a.taken.insert(vm.id.clone()) {
+            return;
+        }
+        a.claimed.insert(vm.id.clone());
         a.adopted += 1;
         self.startup_cpu_class_gate(&key, &pod, &spec);
         self.adopt_at_startup(&key, &pod, spec, vm);

@@ -703,6 +703,9 @@ pub(super) struct Adoption {
     pub(super) by_id: BTreeMap<String, VmInfo>,
     pub(super) by_name: BTreeMap<String, VmInfo>,
     pub(super) claimed: std::collections::HashSet<String>,
+    /// VMs a pod adopted: a VM goes to one pod (`claimed` also holds the VMs only named by
+    /// pods that may not take them, which stay free for the pod they are recorded for).
+    pub(super) taken: std::collections::HashSet<String>,
     pub(super) adopted: usize,
     /// Set once every pod is matched and the orphans handled: the pods still to kick.
     pub(super) kicks: Option<std::collections::VecDeque<PodKey>>,

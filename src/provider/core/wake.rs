@@ -59,6 +59,17 @@ impl Provider {
         // The VM's owner goes on record before anything of the wake runs: the clone that ends
         // it then finds it there (its staged copy's clean-up waits on the clone itself).
         let name = t.spec.vm_name.clone();
+        if let Some(msg) = self.vm_record_refusal(key, &name) {
+            self.metric(MetricUpdate::Wake { result: "failed" });
+            let (event, reason) = (
+                isolation::EVENT_VM_NOT_IN_NS,
+                isolation::REASON_VM_NOT_IN_NS,
+            );
+            if restore {
+                return self.refuse_create(key, event, reason, msg);
+            }
+            return self.update_failed_as(key, &t.uid, event, reason, &format!("wake: {msg}"));
+        }
         let owner = Owner::new(&key.namespace, &t.uid);
         let inspect = CocoonCmd::SnapshotInspect { name: name.clone() };
         let ask = Self::owned_then(Owned::Vm, &name, owner, Deferred::Cocoon(inspect));

@@ -1092,6 +1092,91 @@ fn a_kept_vm_is_adopted_only_by_the_namespace_it_is_recorded_for_or_its_exact_id
     );
 }
 
+/// Found by the simulation's attacker namespace: at startup a pod of `team` naming team-b's
+/// VM (listed first) claimed it without taking it, which kept team-b's own pod from adopting
+/// it; both were then created, and team's create recorded itself as the VM's owner over
+/// team-b's record, cloned into the taken name, looked the VM up and adopted it.
+#[test]
+fn at_startup_a_pod_naming_another_namespaces_vm_neither_keeps_it_from_its_pod_nor_takes_it() {
+    let mut owners = Owners::default();
+    owners.apply(&set(Owned::Vm, "vk-team-b-app-0", "team-b", "u0"));
+    let vms = vec![vm_info("V1", "vk-team-b-app-0", "running")];
+    // `team/...` sorts before `team-b/...`: the attacker is matched first.
+    let attacker = in_namespace(
+        mk("b-app-0", "u1", &managed("b-app-0", "vk-team-b-app-0")),
+        "team",
+    );
+    let mut ann = managed("app-0", "vk-team-b-app-0");
+    ann.push((ANN_VM_ID, "V1".into()));
+    let victim = in_namespace(mk("app-0", "u0", &ann), "team-b");
+    let cfg = ProviderConfig {
+        registry: true,
+        ..Default::default()
+    };
+    let (h, e) = H::starting_with(cfg, vec![attacker, victim], vms, owners);
+    let victim_key = PodKey::new("team-b", "app-0");
+    assert_eq!(
+        h.p.pod_vm(&victim_key).map(|v| v.id.as_str()),
+        Some("V1"),
+        "{e:?}"
+    );
+    assert!(h.p.pod_vm(&PodKey::new("team", "b-app-0")).is_none());
+    assert_eq!(
+        h.ledger.get(Owned::Vm, "vk-team-b-app-0"),
+        Some(&Owner::new("team-b", "u0"))
+    );
+    assert!(cocoon_ops(&e)
+        .iter()
+        .all(|(_, c)| !argv(c).starts_with("vm clone") && !argv(c).starts_with("vm rm")));
+}
+
+/// A create never records its VM's owner over another namespace's record (a VM of a name of
+/// two readings that no live pod holds, listed at startup): it is refused before the clone.
+#[test]
+fn a_create_never_records_itself_as_the_owner_of_another_namespaces_vm() {
+    let mut owners = Owners::default();
+    owners.apply(&set(Owned::Vm, "vk-team-b-app-0", "team-b", "u0"));
+    let vms = vec![vm_info("V1", "vk-team-b-app-0", "running")];
+    let attacker = in_namespace(
+        mk("b-app-0", "u1", &managed("b-app-0", "vk-team-b-app-0")),
+        "team",
+    );
+    let cfg = ProviderConfig {
+        registry: true,
+        ..Default::default()
+    };
+    let (mut h, e) = H::starting_with(cfg, vec![attacker], vms, owners);
+    // Its create runs (the VM is only claimed, not known as held): no evidence, then the
+    // image's snapshot; the clone is where it stops.
+    let e = no_evidence(&mut h, &e);
+    let mut e = e;
+    for _ in 0..3 {
+        let Some((op, cmd)) = cocoon_ops(&e).first().cloned() else {
+            break;
+        };
+        let a = argv(&cmd);
+        assert!(!a.starts_with("vm clone"), "{a}");
+        let r = if a.starts_with("snapshot inspect") {
+            CocoonResult::ok(r#"{"id":"S","name":"team/agent:v3"}"#)
+        } else {
+            CocoonResult::ok("")
+        };
+        e = h.cocoon(op, r);
+        if refused_as(&e, "VMNotInNamespace", "vm_not_in_namespace") {
+            break;
+        }
+    }
+    assert!(
+        refused_as(&e, "VMNotInNamespace", "vm_not_in_namespace"),
+        "{e:?}"
+    );
+    assert!(records(&e).is_empty(), "{e:?}");
+    assert_eq!(
+        h.ledger.get(Owned::Vm, "vk-team-b-app-0"),
+        Some(&Owner::new("team-b", "u0"))
+    );
+}
+
 #[test]
 fn a_delete_never_removes_a_snapshot_of_its_vm_name_recorded_for_another_namespace() {
     let mut owners = Owners::default();
