@@ -293,6 +293,13 @@ impl Provider {
         let keys: Vec<PodKey> = self.slots.keys().cloned().collect();
         for key in keys {
             let slot = &self.slots[&key];
+            if slot.latest.is_none() && slot.tracked.is_none() && slot.op.is_none() {
+                // A slot whose pod is gone and which waits for nothing: a late answer (a
+                // write acked after the pod's removal) may have re-opened it after the
+                // reconcile that dropped it. The reconcile's rule drops it again.
+                self.reconcile_slot(&key);
+                continue;
+            }
             let (Some(t), Some(api)) = (slot.tracked.as_ref(), slot.latest.as_ref()) else {
                 continue;
             };
