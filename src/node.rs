@@ -16,6 +16,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, Owne
 use k8s_openapi::chrono::{DateTime, Utc};
 
 use crate::kube::{Client, KubeError};
+use crate::metrics::stats::{cow_allocated_bytes, StatsHub};
 
 pub const LEASE_NAMESPACE: &str = "kube-node-lease";
 pub const LEASE_DURATION_SECONDS: i32 = 40;
@@ -507,6 +508,9 @@ pub struct NodeAgent {
     status_backoff: Backoff,
     /// Reports wall-clock steps (the agent reads both clocks on every tick).
     clock_steps: crate::wall_clock::StepWatch,
+    /// The tracked VMs whose COW disks count as storage the node still offers (see
+    /// `refresh_storage`); None counts free bytes only.
+    cow_of: Option<StatsHub>,
     pub stats: NodeAgentStats,
 }
 
@@ -526,12 +530,28 @@ impl NodeAgent {
             lease_backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(7)),
             status_backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(30)),
             clock_steps: crate::wall_clock::StepWatch::default(),
+            cow_of: None,
             stats: NodeAgentStats::default(),
         }
     }
 
     pub fn options(&self) -> &NodeOptions {
         &self.opts
+    }
+
+    /// Counts the COW disks of `hub`'s tracked VMs into the storage allocatable from now on.
+    pub fn count_cow_of(&mut self, hub: StatsHub) {
+        self.cow_of = Some(hub);
+    }
+
+    /// Allocated bytes of the tracked VMs' COW disks (stat calls only; on the node thread).
+    fn tracked_cow_bytes(&self) -> u64 {
+        self.cow_of.as_ref().map_or(0, |hub| {
+            hub.vms()
+                .iter()
+                .map(|vm| cow_allocated_bytes(hub.paths(), vm))
+                .fold(0u64, u64::saturating_add)
+        })
     }
 
     pub fn resources(&self) -> &Resources {
@@ -569,10 +589,13 @@ impl NodeAgent {
         }
     }
 
-    /// Recomputes the storage allocatable from the root filesystem's free space; a change is
-    /// pushed with the next status write, at once. CPU, memory, hugepages and pods stay fixed.
+    /// Recomputes the storage allocatable from the root filesystem's free space plus what the
+    /// tracked VMs' COW disks already hold (a guest writing into its own disk takes nothing from
+    /// what the scheduler may still place); a change is pushed with the next status write, at
+    /// once. CPU, memory, hugepages and pods stay fixed.
     pub fn refresh_storage(&mut self, avail_bytes: u64, now: Instant) {
-        let Some(q) = storage_allocatable(&self.opts, avail_bytes) else {
+        let offered = avail_bytes.saturating_add(self.tracked_cow_bytes());
+        let Some(q) = storage_allocatable(&self.opts, offered) else {
             return;
         };
         if self.resources.allocatable.get("ephemeral-storage") != Some(&q) {
@@ -961,5 +984,66 @@ mod tests {
     fn host_facts_are_read() {
         let h = HostFacts::read(Path::new("/")).unwrap();
         assert!(h.cpus >= 1 && h.mem_total_bytes > 0 && h.fs_total_bytes > 0);
+    }
+
+    #[test]
+    fn storage_allocatable_adds_back_what_the_tracked_vms_cow_disks_hold() {
+        use crate::metrics::stats::{StatsPaths, TrackedVm};
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        let disk = |backend: &str, id: &str, file: &str, bytes: usize| {
+            let d = run.join(backend).join(id);
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join(file), vec![7u8; bytes]).unwrap();
+            let f = std::fs::File::open(d.join(file)).unwrap();
+            f.sync_all().unwrap();
+            f.metadata().unwrap().blocks() * 512
+        };
+        let ch = disk("cloudhypervisor", "CH1", "overlay.qcow2", 3 << 20);
+        let fc = disk("firecracker", "FC1", "cow.raw", 1 << 20);
+        // Not tracked: another VM's disk and a macOS guest's (its disk is not a COW overlay).
+        disk("cloudhypervisor", "OTHER", "cow.raw", 2 << 20);
+        disk("cloudhypervisor", "MAC1", "cow.raw", 2 << 20);
+        let vm = |id: &str, backend: &str| TrackedVm {
+            vm_id: id.into(),
+            vm_name: format!("vk-ns-{id}"),
+            namespace: "ns".into(),
+            pod: id.into(),
+            pod_uid: "u".into(),
+            pid: 1,
+            tap: None,
+            backend: backend.into(),
+            disk: None,
+        };
+        let hub = StatsHub::new(StatsPaths {
+            proc_root: dir.path().join("proc"),
+            cgroup_root: dir.path().join("cg"),
+            cgroup_parent: "cocoon.slice".into(),
+            cocoon_root: dir.path().to_path_buf(),
+        });
+        hub.set_vms(vec![
+            vm("CH1", "cloud-hypervisor"),
+            vm("FC1", "firecracker"),
+            vm("MAC1", "qemu"),
+        ]);
+        assert!(ch >= 3 << 20 && fc >= 1 << 20, "the disks hold blocks");
+        let now = Instant::now();
+        let free = 10u64 << 30;
+        let reduced = |bytes: u64| Quantity(reduce(bytes as f64, 20).to_string());
+
+        let mut agent = NodeAgent::new(opts(), compute_resources(&opts(), &host()).unwrap(), now);
+        agent.refresh_storage(free, now);
+        assert_eq!(
+            agent.resources().allocatable.get("ephemeral-storage"),
+            Some(&reduced(free)),
+            "free bytes only until VMs are counted"
+        );
+        agent.count_cow_of(hub);
+        agent.refresh_storage(free, now);
+        assert_eq!(
+            agent.resources().allocatable.get("ephemeral-storage"),
+            Some(&reduced(free + ch + fc))
+        );
     }
 }

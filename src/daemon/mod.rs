@@ -295,7 +295,7 @@ impl Daemon {
 
         let spool = config.spool_dir();
         crate::snapshots::push::prepare_spool_dir(&spool).map_err(|e| StartError::new(1, e))?;
-        let node = startup::node_agent(&config, reactor.now())?;
+        let mut node = startup::node_agent(&config, reactor.now())?;
         let registry = if config.oci_registry.is_empty() {
             None
         } else {
@@ -306,6 +306,7 @@ impl Daemon {
         };
 
         let stats = StatsHub::new(crate::kubelet::stats_paths(&config)).background_refresh();
+        node.count_cow_of(stats.clone());
         metrics
             .add_text_source(Arc::new(VmCollector::new(stats.clone())))
             .map_err(|e| StartError::new(1, format!("metrics collectors: {e}")))?;

@@ -182,7 +182,7 @@ pub fn read_sample(paths: &StatsPaths, vms: &[TrackedVm], now: Instant) -> Sampl
         s.cow_bytes = match (&vm.disk, vm.is_macos()) {
             (Some(disk), true) => fs::metadata(disk).map(|m| m.len()).unwrap_or(0),
             (None, true) => 0,
-            _ => cow_bytes(paths, vm),
+            _ => cow_allocated_bytes(paths, vm),
         };
         if let Some(tap) = vm.tap.as_deref().filter(|t| !t.is_empty()) {
             match read_into(&pid_dir.join("net/dev"), &mut buf) {
@@ -227,8 +227,12 @@ pub fn read_sample(paths: &StatsPaths, vms: &[TrackedVm], now: Instant) -> Sampl
     }
 }
 
-/// Allocated bytes of the VM's COW disk: CH `overlay.qcow2`, else `cow.raw`; FC only `cow.raw`.
-fn cow_bytes(paths: &StatsPaths, vm: &TrackedVm) -> u64 {
+/// Allocated bytes of the VM's COW disk under `COCOON_ROOT_DIR`: CH `overlay.qcow2`, else
+/// `cow.raw`; FC only `cow.raw`. 0 when there is none (a macOS guest's disk lives elsewhere).
+pub fn cow_allocated_bytes(paths: &StatsPaths, vm: &TrackedVm) -> u64 {
+    if vm.is_macos() {
+        return 0;
+    }
     use std::os::unix::fs::MetadataExt;
     let dir = paths
         .cocoon_root
