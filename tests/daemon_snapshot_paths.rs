@@ -24,16 +24,17 @@ fn tag_id(w: &World, repo: &str, tag: &str) -> Option<String> {
 
 /// A pod of CocoonSet `cs` in slot `slot` (VM `vk-default-cs-<slot>`) with `policy`.
 fn set_pod(name: &str, slot: u32, policy: &str) -> Pod {
+    set_pod_with_vm(name, &format!("vk-default-cs-{slot}"), policy)
+}
+
+/// A pod of CocoonSet `cs` whose VM is named `vm`, with `policy`.
+fn set_pod_with_vm(name: &str, vm: &str, policy: &str) -> Pod {
     let mut p = with_annotation(
         demo_pod("default", name, "clone", "base"),
         "cocoonset.cocoonstack.io/snapshot-policy",
         policy,
     );
-    p = with_annotation(
-        p,
-        "vm.cocoonstack.io/name",
-        &format!("vk-default-cs-{slot}"),
-    );
+    p = with_annotation(p, "vm.cocoonstack.io/name", vm);
     p.metadata.owner_references = Some(vec![OwnerReference {
         api_version: "cocoonset.cocoonstack.io/v1".into(),
         kind: "CocoonSet".into(),
@@ -115,6 +116,41 @@ fn snapshot_before_delete_pushes_latest_before_the_vm_goes_as_the_policy_says() 
                 "the pushed snapshot holds the guest's data"
             );
             assert!(w.cocoon(&["vm", "rm", "--force", &clone_id]).0);
+        }
+    }
+}
+
+/// `main-only` recognises the main agent (slot 0) under each of the operator's naming schemes
+/// and pushes it alone: not the sub-agents, not the toolboxes.
+#[test]
+fn main_only_pushes_the_main_agent_under_every_naming_scheme() {
+    use vk_cocoon::provider::naming::{dotted_name, hashed_name, plain_name};
+    let mut w = World::new();
+    w.seed_snapshot("base");
+    w.start_daemon();
+    type NameOf = fn(&str, &str) -> String;
+    let schemes: [(&str, NameOf); 3] = [
+        ("plain", plain_name),
+        ("dotted", dotted_name),
+        ("hashed", hashed_name),
+    ];
+    for (scheme, name_of) in schemes {
+        let pods = [("cs-0", true), ("cs-1", false), ("cs-shell", false)];
+        for (pod, pushed) in pods {
+            let vm = name_of("default", pod);
+            w.api
+                .create_pod(&set_pod_with_vm(pod, &vm, "main-only"))
+                .expect("create pod");
+            w.wait(&format!("{scheme} {pod} Running"), LIMIT, || {
+                running_with_vm(&w, pod)
+            });
+            let took = delete_and_watch(&w, pod, &vm, pushed);
+            eprintln!("{scheme}: delete of {pod} ({vm}): {took:.2} s");
+            assert_eq!(
+                tag_id(&w, &vm, "latest").is_some(),
+                pushed,
+                "{scheme} {pod} ({vm}): latest tag"
+            );
         }
     }
 }
