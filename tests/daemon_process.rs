@@ -101,6 +101,38 @@ fn a_cloned_vms_pid_comes_from_its_pid_file_not_from_an_inspect() {
     });
 }
 
+/// A VM removed while no daemon runs: the restarted daemon evicts its Running pod (Failed,
+/// `VMGone`) as it would have on the live event, and makes no new VM for the old pod. (The Go
+/// daemon instead left the pod untracked for a fresh create; the README's compatibility table
+/// lists the difference.)
+#[test]
+fn a_vm_removed_while_the_daemon_is_down_gets_its_pod_evicted_at_restart() {
+    let mut w = World::new();
+    w.start_daemon();
+    w.api
+        .create_pod(&demo_pod("default", "db", "run", "ubuntu:24.04"))
+        .expect("create pod");
+    let (pod, id) = w.wait("pod db Running", SETTLE_LIMIT, || running_with_vm(&w, "db"));
+    let uid = pod.metadata.uid.clone().unwrap_or_default();
+    w.kill_daemon();
+    let (ok, out) = w.cocoon(&["vm", "rm", "--force", &id]);
+    assert!(ok, "vm rm: {out}");
+    w.start_daemon();
+    w.wait("pod db evicted after the restart", SETTLE_LIMIT, || {
+        match w.pod("db") {
+            None => Some(()),
+            Some(p) if p.metadata.uid.as_deref() != Some(uid.as_str()) => Some(()),
+            Some(p) if phase(&p) == "Failed" => Some(()),
+            Some(_) => None,
+        }
+    });
+    assert!(
+        w.vms().is_empty(),
+        "a new VM was made for the evicted pod: {:?}",
+        w.vms()
+    );
+}
+
 #[test]
 fn a_vm_that_vanishes_gets_its_pod_evicted_quickly() {
     let mut w = World::new();
