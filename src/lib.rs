@@ -14,6 +14,7 @@ pub mod peer;
 pub mod probes;
 pub mod provider;
 pub mod reactor;
+pub mod rfc3339;
 pub mod sandbox;
 pub mod snapshots;
 pub mod version;

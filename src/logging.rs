@@ -8,7 +8,7 @@
 
 use std::fmt;
 use std::io::Write;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::SystemTime;
 
 use log::{Level, LevelFilter, Log, Metadata, Record};
 
@@ -63,7 +63,7 @@ pub fn format_line(
         };
         line.push_str(&format!("<{prio}>"));
     } else {
-        line.push_str(&utc_timestamp(now));
+        line.push_str(&crate::rfc3339::millis(now));
         line.push(' ');
     }
     line.push_str(&format!("{level:<5} {target}: "));
@@ -115,42 +115,10 @@ pub fn init(level_text: Option<&str>) -> Result<LevelFilter, LogSetupError> {
     Ok(level)
 }
 
-/// `2026-04-01T12:34:56.789Z` for a wall-clock time (UTC, proleptic Gregorian).
-pub fn utc_timestamp(t: SystemTime) -> String {
-    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
-    let (date, secs_of_day) = civil_date(d.as_secs());
-    format!(
-        "{date}T{:02}:{:02}:{:02}.{:03}Z",
-        secs_of_day / 3600,
-        secs_of_day / 60 % 60,
-        secs_of_day % 60,
-        d.subsec_millis()
-    )
-}
-
-/// Seconds since the epoch to (`YYYY-MM-DD`, seconds into that day), after
-/// Howard Hinnant's days-from-civil inverse.
-fn civil_date(epoch_secs: u64) -> (String, u64) {
-    let days = (epoch_secs / 86_400) as i64;
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    (
-        format!("{year:04}-{month:02}-{day:02}"),
-        epoch_secs % 86_400,
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
+    use std::time::UNIX_EPOCH;
 
     #[test]
     fn levels() {
@@ -164,15 +132,6 @@ mod tests {
             e.to_string(),
             "invalid VK_LOG_LEVEL \"loud\": use trace, debug, info, warn, error or off"
         );
-    }
-
-    #[test]
-    fn timestamps() {
-        assert_eq!(utc_timestamp(UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
-        let t = UNIX_EPOCH + Duration::from_millis(1_709_210_096_789); // leap day 2024
-        assert_eq!(utc_timestamp(t), "2024-02-29T12:34:56.789Z");
-        let t = UNIX_EPOCH + Duration::from_secs(4_102_444_799); // last second of 2099
-        assert_eq!(utc_timestamp(t), "2099-12-31T23:59:59.000Z");
     }
 
     #[test]

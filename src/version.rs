@@ -14,7 +14,7 @@ pub const BUILD_EPOCH: &str = env!("VK_BUILD_EPOCH");
 pub fn build_time() -> String {
     let secs: u64 = BUILD_EPOCH.parse().unwrap_or(0);
     let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs);
-    let mut s = crate::logging::utc_timestamp(t);
+    let mut s = crate::rfc3339::millis(t);
     // Whole seconds only: drop ".000" before the Z.
     if let Some(dot) = s.rfind('.') {
         s.replace_range(dot..s.len() - 1, "");

@@ -118,14 +118,16 @@ fn a_vm_removed_while_the_daemon_is_down_gets_its_pod_evicted_at_restart() {
     let (ok, out) = w.cocoon(&["vm", "rm", "--force", &id]);
     assert!(ok, "vm rm: {out}");
     w.start_daemon();
-    w.wait("pod db evicted after the restart", SETTLE_LIMIT, || {
-        match w.pod("db") {
+    w.wait(
+        "pod db evicted after the restart",
+        SETTLE_LIMIT,
+        || match w.pod("db") {
             None => Some(()),
             Some(p) if p.metadata.uid.as_deref() != Some(uid.as_str()) => Some(()),
             Some(p) if phase(&p) == "Failed" => Some(()),
             Some(_) => None,
-        }
-    });
+        },
+    );
     assert!(
         w.vms().is_empty(),
         "a new VM was made for the evicted pod: {:?}",

@@ -142,48 +142,10 @@ pub struct FsStats {
     pub used_bytes: Option<u64>,
 }
 
+/// RFC3339Nano (kubelet log timestamps).
+pub use crate::rfc3339::nanos as rfc3339_nano;
 /// `metav1.Time` on the wire: RFC3339 with seconds, UTC `Z`.
-pub fn rfc3339(t: SystemTime) -> String {
-    let secs = t
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let (y, mo, d, h, mi, s) = civil(secs);
-    format!("{y:04}-{mo:02}-{d:02}T{h:02}:{mi:02}:{s:02}Z")
-}
-
-/// RFC3339Nano (kubelet log timestamps): nanoseconds with trailing zeros trimmed, as Go prints.
-pub fn rfc3339_nano(t: SystemTime) -> String {
-    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
-    let (y, mo, day, h, mi, s) = civil(d.as_secs());
-    let nanos = d.subsec_nanos();
-    if nanos == 0 {
-        return format!("{y:04}-{mo:02}-{day:02}T{h:02}:{mi:02}:{s:02}Z");
-    }
-    let frac = format!("{nanos:09}");
-    format!(
-        "{y:04}-{mo:02}-{day:02}T{h:02}:{mi:02}:{s:02}.{}Z",
-        frac.trim_end_matches('0')
-    )
-}
-
-/// Seconds since the epoch to (year, month, day, hour, minute, second), proleptic Gregorian.
-fn civil(secs: u64) -> (i64, u32, u32, u64, u64, u64) {
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    // Days-to-civil conversion (era-based, valid for all u64 second counts we can see).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let y = if m <= 2 { y + 1 } else { y };
-    (y, m, d, rem / 3600, (rem % 3600) / 60, rem % 60)
-}
+pub use crate::rfc3339::seconds as rfc3339;
 
 /// Builds the kubelet Summary: node CPU (cumulative) and memory working set; per pod one
 /// container `agent` with CPU and memory; pod network only when rx or tx is non-zero.

@@ -7,7 +7,7 @@ use std::io;
 use std::net::Ipv4Addr;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::SystemTime;
 
 /// Where cocoon-net writes its leases when `VK_LEASES_PATH` is unset or empty.
 pub const DEFAULT_LEASES_PATH: &str = "/var/lib/cocoon/net/leases.json";
@@ -310,7 +310,7 @@ fn json_kind(v: &serde_json::Value) -> &'static str {
 fn parse_row(row: &serde_json::Value) -> Option<Lease> {
     let mac = normalize_mac(row.get("mac")?.as_str()?)?;
     let ip = row.get("ip")?.as_str()?.trim().parse::<Ipv4Addr>().ok()?;
-    let expiry = parse_rfc3339(row.get("expiry")?.as_str()?)?;
+    let expiry = crate::rfc3339::parse(row.get("expiry")?.as_str()?)?;
     Some(Lease { mac, ip, expiry })
 }
 
@@ -335,106 +335,10 @@ pub fn normalize_mac(text: &str) -> Option<String> {
     Some(out)
 }
 
-/// RFC 3339 date-time (`2026-08-01T12:00:00+08:00`, `…Z`, optional fraction) to SystemTime.
-pub fn parse_rfc3339(text: &str) -> Option<SystemTime> {
-    let b = text.trim().as_bytes();
-    if b.len() < 20 {
-        return None;
-    }
-    let num = |range: std::ops::Range<usize>| -> Option<i64> {
-        let s = b.get(range)?;
-        if !s.iter().all(u8::is_ascii_digit) {
-            return None;
-        }
-        std::str::from_utf8(s).ok()?.parse().ok()
-    };
-    let sep = |i: usize, c: u8| b.get(i) == Some(&c);
-    if !(sep(4, b'-') && sep(7, b'-') && sep(13, b':') && sep(16, b':')) {
-        return None;
-    }
-    if !matches!(b.get(10), Some(b'T' | b't' | b' ')) {
-        return None;
-    }
-    let (year, month, day) = (num(0..4)?, num(5..7)?, num(8..10)?);
-    let (hour, minute, second) = (num(11..13)?, num(14..16)?, num(17..19)?);
-    if !(1..=12).contains(&month)
-        || day < 1
-        || day > days_in_month(year, month)
-        || hour > 23
-        || minute > 59
-        || second > 60
-    {
-        return None;
-    }
-    let mut i = 19;
-    let mut nanos: u32 = 0;
-    if b.get(i) == Some(&b'.') {
-        i += 1;
-        let start = i;
-        while b.get(i).is_some_and(u8::is_ascii_digit) {
-            if i - start < 9 {
-                nanos = nanos * 10 + u32::from(b[i] - b'0');
-            }
-            i += 1;
-        }
-        if i == start {
-            return None;
-        }
-        for _ in (i - start)..9 {
-            nanos *= 10;
-        }
-    }
-    let offset_secs = match b.get(i)? {
-        b'Z' | b'z' if b.len() == i + 1 => 0,
-        sign @ (b'+' | b'-') if b.len() == i + 6 && b[i + 3] == b':' => {
-            let (oh, om) = (num(i + 1..i + 3)?, num(i + 4..i + 6)?);
-            if oh > 23 || om > 59 {
-                return None;
-            }
-            let off = oh * 3600 + om * 60;
-            if *sign == b'-' {
-                -off
-            } else {
-                off
-            }
-        }
-        _ => return None,
-    };
-    // A leap second is read as the following second, as most parsers do.
-    let secs = days_from_civil(year, month, day) * 86_400 + hour * 3600 + minute * 60 + second
-        - offset_secs;
-    if secs >= 0 {
-        UNIX_EPOCH.checked_add(Duration::new(secs.unsigned_abs(), nanos))
-    } else {
-        UNIX_EPOCH
-            .checked_sub(Duration::from_secs(secs.unsigned_abs()))?
-            .checked_add(Duration::from_nanos(u64::from(nanos)))
-    }
-}
-
-fn days_in_month(year: i64, month: i64) -> i64 {
-    match month {
-        4 | 6 | 9 | 11 => 30,
-        2 if (year % 4 == 0 && year % 100 != 0) || year % 400 == 0 => 29,
-        2 => 28,
-        _ => 31,
-    }
-}
-
-/// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's algorithm).
-fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
-    let y = if month <= 2 { year - 1 } else { year };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (month + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::{Duration, UNIX_EPOCH};
 
     fn at(secs: u64) -> SystemTime {
         UNIX_EPOCH + Duration::from_secs(secs)
@@ -444,24 +348,27 @@ mod tests {
     fn rfc3339_offsets_fractions_and_rejects() {
         // 2026-08-01T04:00:00Z = 1785556800
         assert_eq!(
-            parse_rfc3339("2026-08-01T12:00:00+08:00"),
+            crate::rfc3339::parse("2026-08-01T12:00:00+08:00"),
             Some(at(1_785_556_800))
         );
         assert_eq!(
-            parse_rfc3339("2026-08-01T04:00:00Z"),
+            crate::rfc3339::parse("2026-08-01T04:00:00Z"),
             Some(at(1_785_556_800))
         );
         assert_eq!(
-            parse_rfc3339("2026-07-31T23:30:00-04:30"),
+            crate::rfc3339::parse("2026-07-31T23:30:00-04:30"),
             Some(at(1_785_556_800))
         );
         assert_eq!(
-            parse_rfc3339("2026-08-01T04:00:00.25Z"),
+            crate::rfc3339::parse("2026-08-01T04:00:00.25Z"),
             Some(at(1_785_556_800) + Duration::from_millis(250))
         );
-        assert_eq!(parse_rfc3339("1970-01-01T00:00:00Z"), Some(UNIX_EPOCH));
         assert_eq!(
-            parse_rfc3339("2024-02-29T00:00:00Z"),
+            crate::rfc3339::parse("1970-01-01T00:00:00Z"),
+            Some(UNIX_EPOCH)
+        );
+        assert_eq!(
+            crate::rfc3339::parse("2024-02-29T00:00:00Z"),
             Some(at(1_709_164_800))
         );
         for bad in [
@@ -477,7 +384,7 @@ mod tests {
             "２026-08-01T12:00:00Z",
             "abcd-ef-ghTij:kl:mnZ",
         ] {
-            assert_eq!(parse_rfc3339(bad), None, "{bad:?} should not parse");
+            assert_eq!(crate::rfc3339::parse(bad), None, "{bad:?} should not parse");
         }
     }
 

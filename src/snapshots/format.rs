@@ -655,44 +655,10 @@ pub fn pick_index_child(body: &[u8], what: &str) -> Result<String, TransferError
     })
 }
 
-/// RFC 3339 UTC with seconds precision, e.g. `2026-08-11T07:12:33Z`.
-pub fn rfc3339_seconds(t: std::time::SystemTime) -> String {
-    let secs = t
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    format_utc(secs, None)
-}
-
 /// RFC 3339 UTC with nanoseconds trimmed of trailing zeros.
-pub fn rfc3339_nanos(t: std::time::SystemTime) -> String {
-    let d = t.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-    format_utc(d.as_secs(), Some(d.subsec_nanos()))
-}
-
-fn format_utc(secs: u64, nanos: Option<u32>) -> String {
-    let days = (secs / 86400) as i64;
-    let rem = secs % 86400;
-    let (h, m, s) = (rem / 3600, (rem % 3600) / 60, rem % 60);
-    // Civil-from-days (Howard Hinnant's algorithm).
-    let z = days + 719468;
-    let era = z.div_euclid(146097);
-    let doe = z - era * 146097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + if month <= 2 { 1 } else { 0 };
-    let frac = match nanos {
-        Some(n) if n > 0 => {
-            let f = format!("{n:09}");
-            format!(".{}", f.trim_end_matches('0'))
-        }
-        _ => String::new(),
-    };
-    format!("{year:04}-{month:02}-{day:02}T{h:02}:{m:02}:{s:02}{frac}Z")
-}
+pub use crate::rfc3339::nanos as rfc3339_nanos;
+/// RFC 3339 UTC with seconds precision, e.g. `2026-08-11T07:12:33Z`.
+pub use crate::rfc3339::seconds as rfc3339_seconds;
 
 #[cfg(test)]
 mod tests {

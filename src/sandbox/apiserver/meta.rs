@@ -170,77 +170,12 @@ fn qualified(group: &str, plural: &str) -> String {
     }
 }
 
-/// `metav1.Time`: RFC 3339 with whole seconds, UTC.
-pub fn rfc3339(t: SystemTime) -> String {
-    let (secs, _) = split(t);
-    format_secs(secs)
-}
-
-/// `metav1.MicroTime`: RFC 3339 with exactly six fractional digits, UTC.
-pub fn rfc3339_micros(t: SystemTime) -> String {
-    let (secs, nanos) = split(t);
-    let base = format_secs(secs);
-    format!("{}.{:06}Z", &base[..base.len() - 1], nanos / 1000)
-}
+pub use crate::rfc3339::micros as rfc3339_micros;
+pub use crate::rfc3339::parse as parse_rfc3339;
+pub use crate::rfc3339::seconds as rfc3339;
 
 pub fn now_rfc3339() -> String {
     rfc3339(SystemTime::now())
-}
-
-fn split(t: SystemTime) -> (u64, u32) {
-    let d = t.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO);
-    (d.as_secs(), d.subsec_nanos())
-}
-
-fn format_secs(secs: u64) -> String {
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    let (y, m, d) = civil_from_days(days);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        (rem / 60) % 60,
-        rem % 60
-    )
-}
-
-/// Days since 1970-01-01 to a proleptic Gregorian date (Howard Hinnant's algorithm).
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    (if m <= 2 { y + 1 } else { y }, m, d)
-}
-
-/// Parses the RFC 3339 forms the API uses ("...Z", optional fraction) into a SystemTime.
-pub fn parse_rfc3339(s: &str) -> Option<SystemTime> {
-    let b = s.as_bytes();
-    if b.len() < 20 || b[4] != b'-' || b[7] != b'-' || b[10] != b'T' {
-        return None;
-    }
-    let num = |r: std::ops::Range<usize>| s.get(r)?.parse::<i64>().ok();
-    let (y, mo, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
-    let (h, mi, se) = (num(11..13)?, num(14..16)?, num(17..19)?);
-    if !s.ends_with('Z') {
-        return None;
-    }
-    let y_adj = if mo <= 2 { y - 1 } else { y };
-    let era = y_adj.div_euclid(400);
-    let yoe = y_adj - era * 400;
-    let mp = if mo > 2 { mo - 3 } else { mo + 9 };
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    let secs = days * 86_400 + h * 3600 + mi * 60 + se;
-    u64::try_from(secs)
-        .ok()
-        .map(|s| UNIX_EPOCH + Duration::from_secs(s))
 }
 
 /// A random RFC 4122 version-4 UUID, as the API server assigns to `metadata.uid`.

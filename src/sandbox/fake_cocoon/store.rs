@@ -514,30 +514,7 @@ pub fn now_rfc3339() -> String {
 }
 
 /// RFC 3339 UTC timestamp of `t` with nanoseconds.
-pub fn rfc3339_at(t: SystemTime) -> String {
-    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
-    let secs = d.as_secs() as i64;
-    let days = secs.div_euclid(86_400);
-    let rem = secs.rem_euclid(86_400);
-    // Civil-from-days (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let dd = doy - (153 * mp + 2) / 5 + 1;
-    let mm = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = if mm <= 2 { y + 1 } else { y };
-    format!(
-        "{y:04}-{mm:02}-{dd:02}T{:02}:{:02}:{:02}.{:09}Z",
-        rem / 3600,
-        (rem / 60) % 60,
-        rem % 60,
-        d.subsec_nanos()
-    )
-}
+pub use crate::rfc3339::nanos_fixed as rfc3339_at;
 
 #[cfg(test)]
 mod tests {
