@@ -82,7 +82,10 @@ mod tests {
         assert_eq!(nanos(at(1, 0)), "1970-01-01T00:00:01Z");
         assert_eq!(nanos(at(1, 1)), "1970-01-01T00:00:01.000000001Z");
         assert_eq!(micros(at(1, 120_000_999)), "1970-01-01T00:00:01.120000Z");
-        assert_eq!(nanos_fixed(at(1, 120_000_000)), "1970-01-01T00:00:01.120000000Z");
+        assert_eq!(
+            nanos_fixed(at(1, 120_000_000)),
+            "1970-01-01T00:00:01.120000000Z"
+        );
         assert_eq!(
             seconds(UNIX_EPOCH - Duration::from_secs(5)),
             "1970-01-01T00:00:00Z"

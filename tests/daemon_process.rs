@@ -184,11 +184,11 @@ fn bad_annotations_fail_the_pod_clearly_and_create_no_vm() {
         a.remove("vm.cocoonstack.io/name");
     }
     w.api.create_pod(&no_name).expect("create");
-    let mut bad_mode = demo_pod("default", "badmode", "teleport", "ubuntu:24.04");
-    if let Some(a) = bad_mode.metadata.annotations.as_mut() {
-        a.insert("cocoonset.cocoonstack.io/mode".into(), "teleport".into());
+    let mut bad_fork = demo_pod("default", "badfork", "clone", "base");
+    if let Some(a) = bad_fork.metadata.annotations.as_mut() {
+        a.insert("vm.cocoonstack.io/fork-from".into(), "--all".into());
     }
-    w.api.create_pod(&bad_mode).expect("create");
+    w.api.create_pod(&bad_fork).expect("create");
     let mut relative = demo_pod("default", "reldir", "clone", "base");
     if let Some(a) = relative.metadata.annotations.as_mut() {
         a.insert(
@@ -198,7 +198,7 @@ fn bad_annotations_fail_the_pod_clearly_and_create_no_vm() {
     }
     w.api.create_pod(&relative).expect("create");
 
-    for name in ["noname", "badmode", "reldir"] {
+    for name in ["noname", "badfork", "reldir"] {
         let status = w.wait(
             &format!("ProviderFailed status on {name}"),
             SETTLE_LIMIT,
@@ -213,7 +213,7 @@ fn bad_annotations_fail_the_pod_clearly_and_create_no_vm() {
             "{name}: the status says what is wrong"
         );
     }
-    for name in ["badmode", "reldir"] {
+    for name in ["badfork", "reldir"] {
         w.wait_event(name, "ProviderCreateFailed", |_| true);
     }
     w.wait("the lifecycle counter moved", SETTLE_LIMIT, || {
@@ -226,6 +226,41 @@ fn bad_annotations_fail_the_pod_clearly_and_create_no_vm() {
         "no VM for a pod that could not be parsed"
     );
     assert!(w.log().contains("noname"), "the daemon logged the bad pod");
+}
+
+/// Values the Go daemon reads leniently (an unknown mode or OS, a storage size or probe port
+/// that does not parse) run as the Go daemon runs them, each with a Warning that names the
+/// annotation, the value and the Go behaviour, and a counter.
+#[test]
+fn annotation_values_outside_the_contract_run_with_a_warning_as_in_the_go_daemon() {
+    let mut w = World::new();
+    w.seed_snapshot("base");
+    w.start_daemon();
+    let mut p = demo_pod("default", "lenient", "Teleport", "base");
+    if let Some(a) = p.metadata.annotations.as_mut() {
+        a.insert("cocoonset.cocoonstack.io/os".into(), "plan9".into());
+        a.insert("vm.cocoonstack.io/probe-port".into(), "ssh".into());
+    }
+    w.api.create_pod(&p).expect("create");
+    w.wait("pod lenient Running", SETTLE_LIMIT, || {
+        running_with_vm(&w, "lenient")
+    });
+    for (annotation, value) in [
+        ("cocoonset.cocoonstack.io/mode", "Teleport"),
+        ("cocoonset.cocoonstack.io/os", "plan9"),
+        ("vm.cocoonstack.io/probe-port", "ssh"),
+    ] {
+        w.wait_event("lenient", "AnnotationFallback", |m| {
+            m.contains(annotation) && m.contains(value) && m.contains("the Go daemon")
+        });
+    }
+    w.wait("the lenient counter", SETTLE_LIMIT, || {
+        w.metrics()
+            .contains(
+                "vk_cocoon_pod_lifecycle_total{op=\"create\",reason=\"bad_mode\",result=\"lenient\"} 1",
+            )
+            .then_some(())
+    });
 }
 
 #[test]
@@ -740,19 +775,19 @@ fn a_daemon_killed_between_a_pods_delete_and_its_vm_removal_removes_both_after_r
     );
 }
 
-/// A Running pod whose annotations stop parsing (its VM name removed, its probe port made
-/// garbage) only gets a Warning; after a daemon restart it is still Running on the same VM.
+/// A Running pod whose annotations stop parsing (its VM name removed, a relative clone dir
+/// added) only gets a Warning; after a daemon restart it is still Running on the same VM.
 #[test]
 fn a_restart_keeps_vms_whose_pod_annotations_no_longer_parse() {
     let mut w = World::new();
     w.start_daemon();
     let mut ids = Vec::new();
-    for name in ["noname", "badport"] {
+    for name in ["noname", "baddir"] {
         w.api
             .create_pod(&demo_pod("default", name, "run", "ubuntu:24.04"))
             .expect("create pod");
     }
-    for name in ["noname", "badport"] {
+    for name in ["noname", "baddir"] {
         let (_, id) = w.wait(&format!("{name} Running"), SETTLE_LIMIT, || {
             running_with_vm(&w, name)
         });
@@ -761,7 +796,7 @@ fn a_restart_keeps_vms_whose_pod_annotations_no_longer_parse() {
             if name == "noname" {
                 a.remove("vm.cocoonstack.io/name");
             } else {
-                a.insert("vm.cocoonstack.io/probe-port".into(), "not-a-port".into());
+                a.insert("vm.cocoonstack.io/clone-from-dir".into(), "rel/dir".into());
             }
         });
         w.wait_event(name, "ProviderUpdateFailed", |_| true);
@@ -781,7 +816,7 @@ fn a_restart_keeps_vms_whose_pod_annotations_no_longer_parse() {
     let until = Instant::now() + Duration::from_secs(3);
     while Instant::now() < until {
         let vms: BTreeSet<String> = w.vms().values().map(|(id, _)| id.clone()).collect();
-        for (name, id) in ["noname", "badport"].iter().zip(&ids) {
+        for (name, id) in ["noname", "baddir"].iter().zip(&ids) {
             assert!(vms.contains(id), "{name}'s VM {id} destroyed");
             let pod = w.pod(name).expect("pod still there");
             assert_eq!(phase(&pod), "Running", "{name} after the restart");

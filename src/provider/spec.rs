@@ -97,6 +97,8 @@ pub struct VmSpec {
     pub cpu_class: String,
     pub owner_cocoonset: String,
     pub resources: Resources,
+    /// Values that did not parse and were read as the Go daemon reads them (a Warning each).
+    pub fallbacks: Vec<Fallback>,
 }
 
 impl VmSpec {
@@ -190,64 +192,12 @@ pub fn parse(pod: &Pod) -> Result<VmSpec, SpecError> {
             format!("pod {key} missing {ANN_VM_NAME} annotation {CONTRACT_HINT}"),
         ));
     }
-    let mode_raw = get(ANN_MODE);
-    let mode = match mode_raw.to_ascii_lowercase().as_str() {
-        "" | "clone" => Mode::Clone,
-        "run" => Mode::Run,
-        "static" => Mode::Static,
-        other => {
-            return Err(SpecError::new(
-                "bad_mode",
-                format!("pod {key}: unknown {ANN_MODE} {other:?} (want clone, run or static)"),
-            ))
-        }
-    };
-    let os = match get(ANN_OS).to_ascii_lowercase().as_str() {
-        "" | "linux" => Os::Linux,
-        "windows" => Os::Windows,
-        "android" => Os::Android,
-        "macos" => Os::Macos,
-        other => {
-            return Err(SpecError::new(
-                "bad_os",
-                format!("pod {key}: unknown {ANN_OS} {other:?}"),
-            ))
-        }
-    };
-    let backend = get(ANN_BACKEND);
-    if !(backend.is_empty() || backend == BACKEND_CH || backend == BACKEND_FC) {
-        return Err(SpecError::new(
-            "bad_backend",
-            format!(
-                "pod {key}: unknown {ANN_BACKEND} {backend:?} (want {BACKEND_CH} or {BACKEND_FC})"
-            ),
-        ));
-    }
-    let storage_raw = get(ANN_STORAGE);
-    let storage_bytes = if storage_raw.is_empty() {
-        None
-    } else {
-        Some(quantity_bytes(&storage_raw).map_err(|e| {
-            SpecError::new(
-                "bad_quantity",
-                format!("pod {key}: {ANN_STORAGE} {storage_raw:?}: {e}"),
-            )
-        })?)
-    };
-    let probe_raw = get(ANN_PROBE_PORT);
-    let probe_port = if probe_raw.is_empty() {
-        None
-    } else {
-        match probe_raw.parse::<u16>() {
-            Ok(p) if p > 0 => Some(p),
-            _ => {
-                return Err(SpecError::new(
-                    "bad_probe_port",
-                    format!("pod {key}: {ANN_PROBE_PORT} {probe_raw:?} is not a port 1..65535"),
-                ))
-            }
-        }
-    };
+    let mut fallbacks = Vec::new();
+    let (mode, mode_raw) = read_mode(&get(ANN_MODE), &mut fallbacks);
+    let os = read_os(&get(ANN_OS), &mut fallbacks);
+    let backend = read_backend(&get(ANN_BACKEND), &mut fallbacks);
+    let storage_bytes = read_storage(&get(ANN_STORAGE), &mut fallbacks);
+    let probe_port = read_probe_port(&get(ANN_PROBE_PORT), &mut fallbacks);
     let fork_from = get(ANN_FORK_FROM);
     if !fork_from.is_empty() {
         validate_fork_source(&fork_from, &vm_name).map_err(|e| {
@@ -322,6 +272,7 @@ pub fn parse(pod: &Pod) -> Result<VmSpec, SpecError> {
         cpu_class,
         owner_cocoonset,
         resources,
+        fallbacks,
     })
 }
 
@@ -332,21 +283,12 @@ pub fn parse(pod: &Pod) -> Result<VmSpec, SpecError> {
 pub fn salvage(pod: &Pod, vm_name: &str, vm_id: &str) -> VmSpec {
     let a = annotations(pod);
     let get = |k: &str| a.get(k).cloned().unwrap_or_default();
-    let mode_raw = get(ANN_MODE);
-    let mode = match mode_raw.to_ascii_lowercase().as_str() {
-        "run" => Mode::Run,
-        "static" => Mode::Static,
-        _ => Mode::Clone,
-    };
-    let os = match get(ANN_OS).to_ascii_lowercase().as_str() {
-        "windows" => Os::Windows,
-        "android" => Os::Android,
-        "macos" => Os::Macos,
-        _ => Os::Linux,
-    };
-    let backend = Some(get(ANN_BACKEND))
-        .filter(|b| b == BACKEND_CH || b == BACKEND_FC)
-        .unwrap_or_default();
+    let mut fallbacks = Vec::new();
+    let (mode, mode_raw) = read_mode(&get(ANN_MODE), &mut fallbacks);
+    let os = read_os(&get(ANN_OS), &mut fallbacks);
+    let backend = read_backend(&get(ANN_BACKEND), &mut fallbacks);
+    let storage_bytes = read_storage(&get(ANN_STORAGE), &mut fallbacks);
+    let probe_port = read_probe_port(&get(ANN_PROBE_PORT), &mut fallbacks);
     let owner_cocoonset = pod
         .metadata
         .owner_references
@@ -360,7 +302,7 @@ pub fn salvage(pod: &Pod, vm_name: &str, vm_id: &str) -> VmSpec {
         mode,
         mode_raw,
         os,
-        storage_bytes: None,
+        storage_bytes,
         network: get(ANN_NETWORK),
         snapshot_policy: get(ANN_SNAPSHOT_POLICY),
         managed: is_true(&a, ANN_MANAGED),
@@ -368,7 +310,7 @@ pub fn salvage(pod: &Pod, vm_name: &str, vm_id: &str) -> VmSpec {
         generation: generation(pod),
         backend,
         no_direct_io: is_true(&a, ANN_NO_DIRECT_IO),
-        probe_port: get(ANN_PROBE_PORT).parse::<u16>().ok().filter(|p| *p > 0),
+        probe_port,
         // Never reaches a command line unless it is a valid fork source.
         fork_from: Some(get(ANN_FORK_FROM))
             .filter(|f| validate_fork_source(f, vm_name).is_ok())
@@ -382,7 +324,130 @@ pub fn salvage(pod: &Pod, vm_name: &str, vm_id: &str) -> VmSpec {
         cpu_class: String::new(),
         owner_cocoonset,
         resources: parse_resources(pod).unwrap_or_default(),
+        fallbacks,
     }
+}
+
+/// A value of an annotation that did not parse, read the way the Go daemon reads it (or, where
+/// the Go daemon would put it on a command line, ignored): the pod runs, with a Warning.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fallback {
+    pub annotation: &'static str,
+    pub value: String,
+    /// What this daemon does with it.
+    pub taken_as: &'static str,
+    /// What the Go daemon does with it.
+    pub go: &'static str,
+    /// The metric reason.
+    pub reason: &'static str,
+}
+
+impl std::fmt::Display for Fallback {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let value: String = self.value.chars().take(64).collect();
+        write!(
+            f,
+            "{} {value:?} does not parse: {} (the Go daemon: {})",
+            self.annotation, self.taken_as, self.go
+        )
+    }
+}
+
+/// `cocoonset.cocoonstack.io/mode`, compared lower-cased: anything but `run` and `static` is
+/// the clone path, as in the Go daemon. Returns the mode and its metric label (the raw value
+/// when it parses, `clone` otherwise: a label never takes a tenant's arbitrary text).
+fn read_mode(raw: &str, fallbacks: &mut Vec<Fallback>) -> (Mode, String) {
+    match raw.to_ascii_lowercase().as_str() {
+        "" | "clone" => (Mode::Clone, raw.to_string()),
+        "run" => (Mode::Run, raw.to_string()),
+        "static" => (Mode::Static, raw.to_string()),
+        _ => {
+            fallbacks.push(Fallback {
+                annotation: ANN_MODE,
+                value: raw.to_string(),
+                taken_as: "brought up as clone",
+                go: "brought up as clone",
+                reason: "bad_mode",
+            });
+            (Mode::Clone, "clone".to_string())
+        }
+    }
+}
+
+/// `cocoonset.cocoonstack.io/os`: an unknown guest OS is Linux, as in the Go daemon.
+fn read_os(raw: &str, fallbacks: &mut Vec<Fallback>) -> Os {
+    match raw.to_ascii_lowercase().as_str() {
+        "" | "linux" => Os::Linux,
+        "windows" => Os::Windows,
+        "android" => Os::Android,
+        "macos" => Os::Macos,
+        _ => {
+            fallbacks.push(Fallback {
+                annotation: ANN_OS,
+                value: raw.to_string(),
+                taken_as: "a Linux guest",
+                go: "a Linux guest",
+                reason: "bad_os",
+            });
+            Os::Linux
+        }
+    }
+}
+
+/// `vm.cocoonstack.io/backend`: an unknown hypervisor is the default, cloud-hypervisor. (The
+/// Go daemon keeps the text, which only ever differs from both backends' names, so it too
+/// boots cloud-hypervisor, or refuses a snapshot that records a hypervisor.)
+fn read_backend(raw: &str, fallbacks: &mut Vec<Fallback>) -> String {
+    if raw.is_empty() || raw == BACKEND_CH || raw == BACKEND_FC {
+        return raw.to_string();
+    }
+    fallbacks.push(Fallback {
+        annotation: ANN_BACKEND,
+        value: raw.to_string(),
+        taken_as: "cloud-hypervisor",
+        go: "cloud-hypervisor, or a clone refused when the snapshot records a hypervisor",
+        reason: "bad_backend",
+    });
+    String::new()
+}
+
+/// `cocoonset.cocoonstack.io/storage` (run mode): a Kubernetes quantity. One that does not
+/// parse is ignored (cocoon's default size): the Go daemon hands the text to cocoon's command
+/// line as it is, and no annotation value reaches a command line unchecked here.
+fn read_storage(raw: &str, fallbacks: &mut Vec<Fallback>) -> Option<u64> {
+    if raw.is_empty() {
+        return None;
+    }
+    let bytes = quantity_bytes(raw).ok();
+    if bytes.is_none() {
+        fallbacks.push(Fallback {
+            annotation: ANN_STORAGE,
+            value: raw.to_string(),
+            taken_as: "ignored, cocoon's default size",
+            go: "passed to cocoon's --storage as it is",
+            reason: "bad_storage",
+        });
+    }
+    bytes
+}
+
+/// `vm.cocoonstack.io/probe-port`: a TCP port 1-65535; anything else probes by ping. (The Go
+/// daemon dials the text as a port, which never connects, so the pod never turns Ready.)
+fn read_probe_port(raw: &str, fallbacks: &mut Vec<Fallback>) -> Option<u16> {
+    if raw.is_empty() {
+        return None;
+    }
+    let port = raw.parse::<u16>().ok().filter(|p| *p > 0);
+    if port.is_none() {
+        fallbacks.push(Fallback {
+            annotation: ANN_PROBE_PORT,
+            value: raw.to_string(),
+            taken_as: "readiness by ping",
+            go: "a TCP probe that never connects; the pod never turns Ready",
+            reason: "bad_probe_port",
+        });
+    }
+    port
 }
 
 /// `cocoonset.cocoonstack.io/generation` (missing/garbage ⇒ 0).
@@ -589,9 +654,6 @@ pub(crate) mod tests {
     fn bad_inputs_are_typed_errors() {
         let cases: &[(&[(&str, &str)], &str)] = &[
             (&[], "missing_vmname"),
-            (&[(ANN_VM_NAME, "v"), (ANN_MODE, "boot")], "bad_mode"),
-            (&[(ANN_VM_NAME, "v"), (ANN_BACKEND, "qemu")], "bad_backend"),
-            (&[(ANN_VM_NAME, "v"), (ANN_STORAGE, "20Gx")], "bad_quantity"),
             (
                 &[(ANN_VM_NAME, "v"), (ANN_CLONE_FROM_DIR, "snap/dir")],
                 "bad_clone_from_dir",
@@ -616,10 +678,6 @@ pub(crate) mod tests {
                 ],
                 "conflicting_annotations",
             ),
-            (
-                &[(ANN_VM_NAME, "v"), (ANN_PROBE_PORT, "0")],
-                "bad_probe_port",
-            ),
         ];
         for (ann, reason) in cases {
             let e = parse(&pod_with(ann)).unwrap_err();
@@ -629,6 +687,86 @@ pub(crate) mod tests {
         assert_eq!(
             e.message,
             format!("pod ns/p missing vm.cocoonstack.io/name annotation {CONTRACT_HINT}")
+        );
+    }
+
+    /// Every annotation value the contract allows for the enumerated annotations, and what a
+    /// value outside it becomes: the Go daemon's reading, never a refusal.
+    #[test]
+    fn every_enumerated_annotation_value_and_its_fallback() {
+        let read = |k: &str, v: &str| parse(&pod_with(&[(ANN_VM_NAME, "v"), (k, v)])).unwrap();
+        for (v, mode) in [
+            ("", Mode::Clone),
+            ("clone", Mode::Clone),
+            ("Clone", Mode::Clone),
+            ("run", Mode::Run),
+            ("RUN", Mode::Run),
+            ("static", Mode::Static),
+        ] {
+            let s = read(ANN_MODE, v);
+            assert_eq!(
+                (s.mode, s.mode_raw.as_str(), s.fallbacks.len()),
+                (mode, v, 0)
+            );
+        }
+        for (v, os) in [
+            ("", Os::Linux),
+            ("linux", Os::Linux),
+            ("Windows", Os::Windows),
+            ("android", Os::Android),
+            ("macos", Os::Macos),
+        ] {
+            let s = read(ANN_OS, v);
+            assert_eq!((s.os, s.fallbacks.len()), (os, 0), "{v}");
+        }
+        for v in ["", BACKEND_CH, BACKEND_FC] {
+            let s = read(ANN_BACKEND, v);
+            assert_eq!((s.backend.as_str(), s.fallbacks.len()), (v, 0));
+        }
+        for (v, bytes) in [("20Gi", 20u64 << 30), ("1G", 1_000_000_000), ("512", 512)] {
+            let s = read(ANN_STORAGE, v);
+            assert_eq!(
+                (s.storage_bytes, s.fallbacks.len()),
+                (Some(bytes), 0),
+                "{v}"
+            );
+        }
+        for (v, port) in [("22", 22u16), ("65535", 65535)] {
+            let s = read(ANN_PROBE_PORT, v);
+            assert_eq!((s.probe_port, s.fallbacks.len()), (Some(port), 0), "{v}");
+        }
+        // Outside the contract: read as the Go daemon reads it, with one Fallback each.
+        let s = read(ANN_MODE, "teleport");
+        assert_eq!((s.mode, s.mode_raw.as_str()), (Mode::Clone, "clone"));
+        assert_eq!(s.os, read(ANN_OS, "plan9").os);
+        assert_eq!(read(ANN_OS, "plan9").os, Os::Linux);
+        assert_eq!(read(ANN_BACKEND, "qemu").backend, "");
+        assert_eq!(read(ANN_STORAGE, "20Gx").storage_bytes, None);
+        assert_eq!(read(ANN_STORAGE, "--all").storage_bytes, None);
+        for v in ["0", "http", "70000", "-1"] {
+            assert_eq!(read(ANN_PROBE_PORT, v).probe_port, None, "{v}");
+        }
+        for (k, v, reason) in [
+            (ANN_MODE, "teleport", "bad_mode"),
+            (ANN_OS, "plan9", "bad_os"),
+            (ANN_BACKEND, "qemu", "bad_backend"),
+            (ANN_STORAGE, "20Gx", "bad_storage"),
+            (ANN_PROBE_PORT, "http", "bad_probe_port"),
+        ] {
+            let f = read(k, v).fallbacks;
+            assert_eq!(f.len(), 1, "{k}={v}");
+            assert_eq!(
+                (f[0].annotation, f[0].value.as_str(), f[0].reason),
+                (k, v, reason)
+            );
+            assert!(f[0].to_string().contains("the Go daemon"), "{}", f[0]);
+        }
+        // The salvage path reads through the same rules.
+        let pod = pod_with(&[(ANN_VM_NAME, "v"), (ANN_MODE, "RUN"), (ANN_STORAGE, "2Gi")]);
+        let salvaged = salvage(&pod, "v", "id");
+        assert_eq!(
+            (salvaged.mode, salvaged.storage_bytes),
+            (Mode::Run, Some(2 << 30))
         );
     }
 

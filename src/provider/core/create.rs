@@ -48,6 +48,7 @@ impl Provider {
         if let Some(message) = self.unheld_vm_refusal(key, &spec) {
             return self.refuse_vm_name(key, &pod, message);
         }
+        self.warn_fallbacks(key, &uid, &spec);
         let start_time = pod
             .status
             .as_ref()
@@ -381,6 +382,16 @@ impl Provider {
     }
 
     /// Bad input / unsupported request: failure status + Warning, counter; no VM touched.
+    /// A Warning `AnnotationFallback` and `{create,lenient,<reason>}` for each annotation value
+    /// that did not parse and was read as the Go daemon reads it.
+    fn warn_fallbacks(&mut self, key: &PodKey, uid: &str, spec: &VmSpec) {
+        for f in &spec.fallbacks {
+            self.lifecycle_metric("create", "lenient", f.reason);
+            let message = format!("pod {key}: {f}");
+            self.event(key, uid, EventType::Warning, "AnnotationFallback", &message);
+        }
+    }
+
     pub(super) fn reject(&mut self, key: &PodKey, pod: &Arc<Pod>, e: SpecError) {
         // A VM held by another pod is a conflict no retry settles: the pod fails for good.
         let terminal = restart_never(pod) || e.reason == REASON_VM_OWNED;

@@ -133,14 +133,6 @@ fn bad_input_fails_clearly_without_touching_cocoon() {
     let cases: Vec<(Vec<(&'static str, String)>, &str)> = vec![
         (vec![(ANN_MANAGED, "true".into())], "missing_vmname"),
         (
-            vec![(ANN_VM_NAME, "v".into()), (ANN_MODE, "boot".into())],
-            "bad_mode",
-        ),
-        (
-            vec![(ANN_VM_NAME, "v".into()), (ANN_BACKEND, "qemu".into())],
-            "bad_backend",
-        ),
-        (
             vec![
                 (ANN_VM_NAME, "v".into()),
                 (ANN_MODE, "run".into()),
@@ -161,10 +153,6 @@ fn bad_input_fails_clearly_without_touching_cocoon() {
                 (ANN_CLONE_FROM_DIR, "/a/./b".into()),
             ],
             "bad_clone_from_dir",
-        ),
-        (
-            vec![(ANN_VM_NAME, "v".into()), (ANN_STORAGE, "ten gigs".into())],
-            "bad_quantity",
         ),
     ];
     for (ann, reason) in cases {
@@ -355,6 +343,54 @@ fn run_mode_pulls_the_image_then_runs_with_resources() {
     });
     // Not cloned ⇒ Ready published at once.
     assert!(statuses(&e).iter().any(|(_, s)| published(s)));
+}
+
+/// Values the Go daemon reads leniently run here too: an unknown mode is a clone, unparsable
+/// storage is left to cocoon's default and never reaches the command line, each with a
+/// Warning and a counter.
+#[test]
+fn values_outside_the_contract_run_as_the_go_daemon_reads_them_with_a_warning() {
+    let mut h = H::new(ProviderConfig::default());
+    let mut ann = managed("a", "vk-ns-tb-shell");
+    ann.push((ANN_MODE, "Run".into()));
+    ann.push((ANN_STORAGE, "--all".into()));
+    ann.push((ANN_OS, "plan9".into()));
+    let e = h.feed(Input::PodUpserted(Box::new(mk("a", "u1", &ann))));
+    assert!(!events(&e).iter().any(|(r, _)| *r == "ProviderCreateFailed"));
+    let warned: Vec<String> = events(&e)
+        .into_iter()
+        .filter(|(r, _)| *r == "AnnotationFallback")
+        .map(|(_, m)| m)
+        .collect();
+    assert_eq!(warned.len(), 2, "{warned:?}");
+    assert!(warned
+        .iter()
+        .any(|m| m.contains(ANN_STORAGE) && m.contains("--all")));
+    assert!(warned
+        .iter()
+        .any(|m| m.contains(ANN_OS) && m.contains("plan9")));
+    for reason in ["bad_storage", "bad_os"] {
+        assert!(has_metric(
+            &e,
+            &MetricUpdate::PodLifecycle {
+                op: "create",
+                result: "lenient",
+                reason
+            }
+        ));
+    }
+    let e = no_evidence(&mut h, &e);
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "image pull team/agent:v3");
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let (_, cmd) = one_cocoon(&e);
+    let run = argv(&cmd);
+    assert!(
+        run.starts_with("vm run ") && !run.contains("--storage"),
+        "{run}"
+    );
 }
 
 #[test]

@@ -140,7 +140,7 @@ fn failed_pod_left_by_an_interrupted_eviction_is_deleted_after_restart() {
     assert!(e.is_empty(), "{e:?}");
 }
 
-/// A Running pod whose annotations stopped parsing (its name removed, probe port garbage)
+/// A Running pod whose annotations stopped parsing (its name removed, a relative clone dir)
 /// keeps its VM across a restart: claimed by its ID annotation, tracked, warned about; never
 /// destroyed as an orphan nor failed. With its name gone, the ID finds the VM because the
 /// ownership ledger records that VM for this very pod.
@@ -158,7 +158,7 @@ fn a_restart_keeps_the_vm_of_a_pod_whose_annotations_no_longer_parse() {
             vec![
                 (ANN_VM_NAME, "vk-ns-demo-0".to_string()),
                 (ANN_MANAGED, "true".into()),
-                (ANN_PROBE_PORT, "not-a-port".into()),
+                (ANN_CLONE_FROM_DIR, "rel/dir".into()),
             ],
             Default::default(),
         ),
