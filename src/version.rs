@@ -14,12 +14,7 @@ pub const BUILD_EPOCH: &str = env!("VK_BUILD_EPOCH");
 pub fn build_time() -> String {
     let secs: u64 = BUILD_EPOCH.parse().unwrap_or(0);
     let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs);
-    let mut s = crate::rfc3339::millis(t);
-    // Whole seconds only: drop ".000" before the Z.
-    if let Some(dot) = s.rfind('.') {
-        s.replace_range(dot..s.len() - 1, "");
-    }
-    s
+    crate::rfc3339::seconds(t)
 }
 
 /// `vk-cocoon 0.1.0 (rev 0123abcd, built 2026-04-01T12:00:00Z)`

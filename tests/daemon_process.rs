@@ -261,6 +261,11 @@ fn annotation_values_outside_the_contract_run_with_a_warning_as_in_the_go_daemon
             )
             .then_some(())
     });
+    // Dropped Events are a counter (none dropped here).
+    assert!(w
+        .metrics()
+        .lines()
+        .any(|l| l == "vk_cocoon_kube_events_dropped_total 0"));
 }
 
 #[test]

@@ -297,6 +297,20 @@ fn both_metrics_texts_pass_promtool() {
     );
     let text = metrics.encode();
     assert!(text.contains("vk_cocoon_orphan_vm_total 1"), "{text}");
+    // The daemon's own process families and build info, as every Prometheus client has them.
+    for family in [
+        "process_cpu_seconds_total ",
+        "process_resident_memory_bytes ",
+        "process_open_fds ",
+        "process_max_fds ",
+        "process_start_time_seconds ",
+        "vk_cocoon_build_info{revision=",
+    ] {
+        assert!(
+            text.lines().any(|l| l.starts_with(family)),
+            "{family}: {text}"
+        );
+    }
     // The collector serves the same shared sample (checked against /proc by stable_sample).
     let rss = sample.vms[1].rss_bytes;
     assert!(

@@ -13,7 +13,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use prometheus::{Gauge, IntGauge, IntGaugeVec, Opts, Registry};
+use prometheus::{Gauge, IntCounter, IntGaugeVec, Opts, Registry};
 
 use super::lane::{Job, PodWrite, WriteKind};
 use super::{Daemon, OwnTimer, Work};
@@ -34,7 +34,7 @@ pub(super) struct LaneMetrics {
     /// Jobs with the workers, by lane.
     in_flight: IntGaugeVec,
     oldest_queued: Gauge,
-    events_dropped: IntGauge,
+    events_dropped: IntCounter,
     /// How late the node agent's last tick started after it was due (a stalled heartbeat).
     node_late: Gauge,
 }
@@ -59,8 +59,8 @@ impl LaneMetrics {
             "vk_cocoon_kube_lane_oldest_queued_seconds",
             "Age of the oldest pod write waiting in the kube lane.",
         )?;
-        let events_dropped = IntGauge::new(
-            "vk_cocoon_kube_events_dropped",
+        let events_dropped = IntCounter::new(
+            "vk_cocoon_kube_events_dropped_total",
             "Kubernetes Events dropped (oldest first) because the Event queue was full, since start.",
         )?;
         let node_late = Gauge::new(
@@ -277,7 +277,10 @@ impl Daemon {
         m.in_flight
             .with_label_values(&["node"])
             .set(i64::from(self.node.is_none()));
-        m.events_dropped.set(self.events.stats.dropped as i64);
+        // The queue's own count is the truth; the counter catches up to it.
+        let dropped = self.events.stats.dropped;
+        m.events_dropped
+            .inc_by(dropped.saturating_sub(m.events_dropped.get()));
         let now = Instant::now();
         if self
             .lane_gauges_at

@@ -266,7 +266,9 @@ impl Metrics {
                 &[1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 60.0],
             )?,
             registry: r,
-            text_sources: Arc::new(RwLock::new(Vec::new())),
+            text_sources: Arc::new(RwLock::new(vec![
+                Arc::new(super::process::ProcessCollector) as Arc<dyn TextSource>,
+            ])),
         })
     }
 

@@ -5,6 +5,7 @@ pub mod admission;
 pub mod collectors;
 pub mod families;
 pub mod http;
+pub mod process;
 pub mod stats;
 
 pub use families::{escape_label, Metrics, TextSource, PREFIX};
