@@ -27,12 +27,13 @@ use crate::provider::{
     SourceVerdict,
 };
 use crate::reactor::{ChildExit, ChildSpec, OutputMode, StdinMode};
+use crate::snapshots::cocoon_child::transfer_error;
 use crate::snapshots::reference::split_image_ref;
 use crate::snapshots::{
     manifest_info, pull_cloud_image, pull_snapshot, push_snapshot, ArtifactKind, CloudImageRequest,
     PullRequest, PushKnobs, PushRequest, RegistryClient, TransferError,
 };
-use crate::vm::{argv, Verb};
+use crate::vm::{argv, CocoonCall, CocoonError, Deadlines, Verb};
 
 /// A registry job waiting in the daemon's transfer queue.
 pub(super) type TransferJob =
@@ -615,7 +616,7 @@ fn materialise_image(
     force: bool,
 ) -> Result<String, TransferError> {
     let image_pull = |cocoon: &Path, image: &str, force: bool| {
-        image_pull(cocoon, image, force).map_err(TransferError::Cocoon)
+        image_pull(cocoon, image, force).map_err(transfer_error)
     };
     if image.starts_with("http://") || image.starts_with("https://") {
         return image_pull(cocoon, image, force);
@@ -625,8 +626,13 @@ fn materialise_image(
         Ok(Some(info)) if info.kind == ArtifactKind::CloudImage => {
             let sep = if tag.starts_with("sha256:") { '@' } else { ':' };
             let local = format!("{repo}{sep}{tag}");
-            let present = cocoon_ok(cocoon, Verb::ImageInspect, &argv::image_inspect(&local))
-                .map_err(TransferError::Cocoon)?;
+            // Absent is an answer; anything else (a call killed at its deadline included)
+            // fails the materialisation.
+            let present = match run_short(cocoon, Verb::ImageInspect, argv::image_inspect(&local)) {
+                Ok(()) => true,
+                Err(e) if e.is_not_found() => false,
+                Err(e) => return Err(transfer_error(e)),
+            };
             if !force && present {
                 return Ok(local);
             }
@@ -651,30 +657,16 @@ fn materialise_image(
     }
 }
 
-fn image_pull(cocoon: &Path, image: &str, force: bool) -> Result<String, String> {
-    if cocoon_ok(cocoon, Verb::ImagePull, &argv::image_pull(image, force))? {
-        Ok(image.to_string())
-    } else {
-        Err(format!("cocoon image pull {image} failed"))
-    }
+fn image_pull(cocoon: &Path, image: &str, force: bool) -> Result<String, CocoonError> {
+    run_short(cocoon, Verb::ImagePull, argv::image_pull(image, force))?;
+    Ok(image.to_string())
 }
 
-/// Runs a short cocoon command (argv from the vm room's builders) on a worker thread, under
-/// the verb's deadline: Ok(true) on exit 0, Ok(false) when the contract's classification says
-/// the object is absent, Err on anything else (a call killed at its deadline included).
-fn cocoon_ok(cocoon: &Path, verb: Verb, args: &[String]) -> Result<bool, String> {
-    let done = crate::snapshots::cocoon_child::run(cocoon, verb, args)?;
-    if done.success {
-        return Ok(true);
-    }
-    if done.not_found(verb) {
-        return Ok(false);
-    }
-    Err(format!(
-        "cocoon {}: {}",
-        args.join(" "),
-        crate::provider::truncate_bytes(&done.error_text(), 400)
-    ))
+/// Runs a short cocoon call (argv from the vm room's builders) on a worker thread with the vm
+/// room's blocking runner, under the verb's configured deadline: killed and reaped there.
+fn run_short(cocoon: &Path, verb: Verb, args: Vec<String>) -> Result<(), CocoonError> {
+    let call = CocoonCall::new(verb, args, &Deadlines::configured());
+    call.check(&crate::vm::blocking::run(cocoon, &call)?)
 }
 
 pub(super) fn apply_metric(m: &Metrics, update: MetricUpdate) {
