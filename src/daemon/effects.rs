@@ -26,14 +26,14 @@ use crate::provider::{
     CocoonResult, Effect, EventType, HibernateTag, Input, KubeError, MetricUpdate, OpId, PodKey,
     SourceVerdict,
 };
-use crate::reactor::{ChildExit, ChildSpec, OutputMode, StdinMode};
+use crate::reactor::ChildExit;
 use crate::snapshots::cocoon_child::transfer_error;
 use crate::snapshots::reference::split_image_ref;
 use crate::snapshots::{
     manifest_info, pull_cloud_image, pull_snapshot, push_snapshot, ArtifactKind, CloudImageRequest,
     PullRequest, PushKnobs, PushRequest, RegistryClient, TransferError,
 };
-use crate::vm::{argv, CocoonCall, CocoonError, Deadlines, Verb};
+use crate::vm::{argv, CallOutcome, CocoonCall, CocoonError, Deadlines, Verb};
 
 /// A registry job waiting in the daemon's transfer queue.
 pub(super) type TransferJob =
@@ -445,24 +445,15 @@ impl Daemon {
                 log::warn!("cocoon op {op}: not run: {e}");
                 self.pending.push_back(Input::CocoonDone {
                     op,
-                    result: CocoonResult::failed(format!(
+                    result: CocoonResult::not_started(format!(
                         "Error: vk-cocoon refused to run {bin}: {e}"
                     )),
                 });
                 continue;
             }
             log::debug!("cocoon op {op}: {bin} {}", cmd.argv().join(" "));
-            let mut argv = vec![bin.clone()];
-            argv.extend(cmd.argv());
-            let mut spec = ChildSpec::new(argv)
-                .deadline(cmd.deadline())
-                .stdin(StdinMode::Null)
-                .stdout(OutputMode::Capture {
-                    limit: STDOUT_LIMIT,
-                })
-                .stderr(OutputMode::Capture {
-                    limit: STDERR_LIMIT,
-                });
+            let call = cmd.call().with_limits(STDOUT_LIMIT, STDERR_LIMIT);
+            let mut spec = call.child_spec(&bin);
             if let crate::provider::CocoonCmd::Macos(m) = &cmd {
                 spec.term_grace = m.term_grace();
             }
@@ -471,12 +462,12 @@ impl Daemon {
             // started answers later as a `ChildExit` with its spawn error.
             match self.reactor.spawn(spec) {
                 Ok(id) => {
-                    self.children.insert(id, ChildRole::Op(op));
+                    self.children.insert(id, ChildRole::Op { op, call });
                     self.cocoon_running += 1;
                 }
                 Err(e) => self.pending.push_back(Input::CocoonDone {
                     op,
-                    result: CocoonResult::failed(format!("Error: run {bin}: {e}")),
+                    result: CocoonResult::not_started(format!("Error: run {bin}: {e}")),
                 }),
             }
         }
@@ -529,28 +520,13 @@ impl Daemon {
     }
 }
 
-/// The provider's view of a finished cocoon child.
-pub(super) fn cocoon_result(exit: &ChildExit) -> CocoonResult {
+/// The provider's view of a finished cocoon child: the contract's classification of `call`
+/// (a child that could not be started is [`crate::vm::ErrorKind::Spawn`]).
+pub(super) fn cocoon_result(exit: &ChildExit, call: &CocoonCall) -> CocoonResult {
     if let Some(e) = &exit.spawn_error {
-        return CocoonResult::failed(format!("Error: run cocoon: {e}"));
+        return CocoonResult::not_started(format!("Error: run cocoon: {e}"));
     }
-    let mut stderr = String::from_utf8_lossy(&exit.stderr).into_owned();
-    if exit.stdout_truncated {
-        stderr.push_str("\nvk-cocoon: cocoon output exceeded the capture limit");
-    }
-    if exit.status.is_none() && !exit.timed_out {
-        stderr.push_str("\nvk-cocoon: cocoon exit status unknown");
-    } else if let Some(sig) = exit.signal() {
-        if !exit.timed_out {
-            stderr.push_str(&format!("\nvk-cocoon: cocoon killed by signal {sig}"));
-        }
-    }
-    CocoonResult {
-        success: exit.success() && !exit.stdout_truncated,
-        stdout: String::from_utf8_lossy(&exit.stdout).into_owned(),
-        stderr,
-        timed_out: exit.timed_out,
-    }
+    CocoonResult::from_outcome(call, &CallOutcome::from_exit(exit.clone()))
 }
 
 pub(super) fn map_kube_error(e: &ApiError) -> KubeError {

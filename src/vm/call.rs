@@ -288,6 +288,13 @@ impl CocoonCall {
         self
     }
 
+    /// Replaces the capture limits (the caller's budget for stdout and stderr).
+    pub fn with_limits(mut self, stdout_limit: usize, stderr_limit: usize) -> CocoonCall {
+        self.stdout_limit = stdout_limit;
+        self.stderr_limit = stderr_limit;
+        self
+    }
+
     /// `cocoon <args>` for logs and error texts.
     pub fn command_text(&self) -> String {
         let mut s = String::from("cocoon");
