@@ -23,7 +23,8 @@ pub mod types;
 pub use argv::{Backend, CloneOptions, CloneSource, ExecOptions, RestoreMode, RunOptions};
 pub use call::{
     parse_image, parse_snapshot, parse_snapshot_list, parse_stale_create_outcome, parse_vm,
-    parse_vm_list, run_needs_inspect, CallMode, CallOutcome, CocoonCall, Deadlines, ExitKind, Verb,
+    parse_vm_list, run_needs_inspect, CallMode, CallOutcome, CocoonCall, Deadlines, DeadlinesError,
+    ExitKind, Verb,
 };
 pub use error::{classify, CocoonError, ErrorKind};
 pub use events::{
