@@ -317,6 +317,11 @@ pub struct NicInfo {
 }
 
 /// The fields of cocoon's VM JSON object that the provider uses.
+///
+/// Not [`crate::vm::Vm`] on purpose: that is the wire record (every field, as cocoon spells
+/// it); this is the core's reading of it, made once: the state parsed, MACs lower-cased,
+/// each NIC's static address flattened, a cloud-image overlay recognised, and the disk of a
+/// macOS guest, which no cocoon record has.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct VmInfo {
     pub id: String,
