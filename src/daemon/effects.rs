@@ -26,13 +26,14 @@ use crate::provider::{
     CocoonResult, Effect, EventType, HibernateTag, Input, KubeError, MetricUpdate, OpId, PodKey,
     SourceVerdict,
 };
-use crate::reactor::{ChildExit, ChildSpec, OutputMode, StdinMode};
+use crate::reactor::ChildExit;
+use crate::snapshots::cocoon_child::transfer_error;
 use crate::snapshots::reference::split_image_ref;
 use crate::snapshots::{
     manifest_info, pull_cloud_image, pull_snapshot, push_snapshot, ArtifactKind, CloudImageRequest,
     PullRequest, PushKnobs, PushRequest, RegistryClient, TransferError,
 };
-use crate::vm::{argv, Verb};
+use crate::vm::{argv, CallOutcome, CocoonCall, CocoonError, Deadlines, Verb};
 
 /// A registry job waiting in the daemon's transfer queue.
 pub(super) type TransferJob =
@@ -444,24 +445,15 @@ impl Daemon {
                 log::warn!("cocoon op {op}: not run: {e}");
                 self.pending.push_back(Input::CocoonDone {
                     op,
-                    result: CocoonResult::failed(format!(
+                    result: CocoonResult::not_started(format!(
                         "Error: vk-cocoon refused to run {bin}: {e}"
                     )),
                 });
                 continue;
             }
             log::debug!("cocoon op {op}: {bin} {}", cmd.argv().join(" "));
-            let mut argv = vec![bin.clone()];
-            argv.extend(cmd.argv());
-            let mut spec = ChildSpec::new(argv)
-                .deadline(cmd.deadline())
-                .stdin(StdinMode::Null)
-                .stdout(OutputMode::Capture {
-                    limit: STDOUT_LIMIT,
-                })
-                .stderr(OutputMode::Capture {
-                    limit: STDERR_LIMIT,
-                });
+            let call = cmd.call().with_limits(STDOUT_LIMIT, STDERR_LIMIT);
+            let mut spec = call.child_spec(&bin);
             if let crate::provider::CocoonCmd::Macos(m) = &cmd {
                 spec.term_grace = m.term_grace();
             }
@@ -470,12 +462,12 @@ impl Daemon {
             // started answers later as a `ChildExit` with its spawn error.
             match self.reactor.spawn(spec) {
                 Ok(id) => {
-                    self.children.insert(id, ChildRole::Op(op));
+                    self.children.insert(id, ChildRole::Op { op, call });
                     self.cocoon_running += 1;
                 }
                 Err(e) => self.pending.push_back(Input::CocoonDone {
                     op,
-                    result: CocoonResult::failed(format!("Error: run {bin}: {e}")),
+                    result: CocoonResult::not_started(format!("Error: run {bin}: {e}")),
                 }),
             }
         }
@@ -528,28 +520,13 @@ impl Daemon {
     }
 }
 
-/// The provider's view of a finished cocoon child.
-pub(super) fn cocoon_result(exit: &ChildExit) -> CocoonResult {
+/// The provider's view of a finished cocoon child: the contract's classification of `call`
+/// (a child that could not be started is [`crate::vm::ErrorKind::Spawn`]).
+pub(super) fn cocoon_result(exit: &ChildExit, call: &CocoonCall) -> CocoonResult {
     if let Some(e) = &exit.spawn_error {
-        return CocoonResult::failed(format!("Error: run cocoon: {e}"));
+        return CocoonResult::not_started(format!("Error: run cocoon: {e}"));
     }
-    let mut stderr = String::from_utf8_lossy(&exit.stderr).into_owned();
-    if exit.stdout_truncated {
-        stderr.push_str("\nvk-cocoon: cocoon output exceeded the capture limit");
-    }
-    if exit.status.is_none() && !exit.timed_out {
-        stderr.push_str("\nvk-cocoon: cocoon exit status unknown");
-    } else if let Some(sig) = exit.signal() {
-        if !exit.timed_out {
-            stderr.push_str(&format!("\nvk-cocoon: cocoon killed by signal {sig}"));
-        }
-    }
-    CocoonResult {
-        success: exit.success() && !exit.stdout_truncated,
-        stdout: String::from_utf8_lossy(&exit.stdout).into_owned(),
-        stderr,
-        timed_out: exit.timed_out,
-    }
+    CocoonResult::from_outcome(call, &CallOutcome::from_exit(exit.clone()))
 }
 
 pub(super) fn map_kube_error(e: &ApiError) -> KubeError {
@@ -615,7 +592,7 @@ fn materialise_image(
     force: bool,
 ) -> Result<String, TransferError> {
     let image_pull = |cocoon: &Path, image: &str, force: bool| {
-        image_pull(cocoon, image, force).map_err(TransferError::Cocoon)
+        image_pull(cocoon, image, force).map_err(transfer_error)
     };
     if image.starts_with("http://") || image.starts_with("https://") {
         return image_pull(cocoon, image, force);
@@ -625,8 +602,13 @@ fn materialise_image(
         Ok(Some(info)) if info.kind == ArtifactKind::CloudImage => {
             let sep = if tag.starts_with("sha256:") { '@' } else { ':' };
             let local = format!("{repo}{sep}{tag}");
-            let present = cocoon_ok(cocoon, Verb::ImageInspect, &argv::image_inspect(&local))
-                .map_err(TransferError::Cocoon)?;
+            // Absent is an answer; anything else (a call killed at its deadline included)
+            // fails the materialisation.
+            let present = match run_short(cocoon, Verb::ImageInspect, argv::image_inspect(&local)) {
+                Ok(()) => true,
+                Err(e) if e.is_not_found() => false,
+                Err(e) => return Err(transfer_error(e)),
+            };
             if !force && present {
                 return Ok(local);
             }
@@ -651,30 +633,16 @@ fn materialise_image(
     }
 }
 
-fn image_pull(cocoon: &Path, image: &str, force: bool) -> Result<String, String> {
-    if cocoon_ok(cocoon, Verb::ImagePull, &argv::image_pull(image, force))? {
-        Ok(image.to_string())
-    } else {
-        Err(format!("cocoon image pull {image} failed"))
-    }
+fn image_pull(cocoon: &Path, image: &str, force: bool) -> Result<String, CocoonError> {
+    run_short(cocoon, Verb::ImagePull, argv::image_pull(image, force))?;
+    Ok(image.to_string())
 }
 
-/// Runs a short cocoon command (argv from the vm room's builders) on a worker thread, under
-/// the verb's deadline: Ok(true) on exit 0, Ok(false) when the contract's classification says
-/// the object is absent, Err on anything else (a call killed at its deadline included).
-fn cocoon_ok(cocoon: &Path, verb: Verb, args: &[String]) -> Result<bool, String> {
-    let done = crate::snapshots::cocoon_child::run(cocoon, verb, args)?;
-    if done.success {
-        return Ok(true);
-    }
-    if done.not_found(verb) {
-        return Ok(false);
-    }
-    Err(format!(
-        "cocoon {}: {}",
-        args.join(" "),
-        crate::provider::truncate_bytes(&done.error_text(), 400)
-    ))
+/// Runs a short cocoon call (argv from the vm room's builders) on a worker thread with the vm
+/// room's blocking runner, under the verb's configured deadline: killed and reaped there.
+fn run_short(cocoon: &Path, verb: Verb, args: Vec<String>) -> Result<(), CocoonError> {
+    let call = CocoonCall::new(verb, args, &Deadlines::configured());
+    call.check(&crate::vm::blocking::run(cocoon, &call)?)
 }
 
 pub(super) fn apply_metric(m: &Metrics, update: MetricUpdate) {

@@ -71,7 +71,7 @@ impl Daemon {
 
     /// The re-sync list ended: synthesise the events the stream may have missed.
     pub(super) fn resync_listed(&mut self, exit: ChildExit) {
-        let result = super::effects::cocoon_result(&exit);
+        let result = super::effects::cocoon_result(&exit, &super::vm_list_call());
         let listed = if result.success {
             parse_vm_list(&result.stdout)
         } else {

@@ -53,9 +53,7 @@ use crate::network::release::LeaseReleaser;
 use crate::node::NodeAgent;
 use crate::probes::{ProbeConfig, ProbeEngine, ProbeEvent, ProbeManager};
 use crate::provider::{Effect, Input, OpId, PodKey, Provider, ProviderConfig};
-use crate::reactor::{
-    sd_notify, ChildId, ChildSpec, Event, OutputMode, Reactor, StdinMode, TimerId,
-};
+use crate::reactor::{sd_notify, ChildId, Event, Reactor, TimerId};
 use crate::snapshots::{RegistryClient, TransferError};
 use crate::vm::runner::EventStream;
 use crate::vm::{argv, CocoonCall, Deadlines, Verb};
@@ -167,8 +165,8 @@ impl OwnTimer {
 
 /// What a running cocoon child is for.
 enum ChildRole {
-    /// A provider `Effect::Cocoon`.
-    Op(OpId),
+    /// A provider `Effect::Cocoon`, and the call it runs (its verb classifies the result).
+    Op { op: OpId, call: CocoonCall },
     /// The startup `cocoon vm list -o json`.
     StartupList,
     /// The re-sync `vm list` owed after the event stream restarted.
@@ -585,11 +583,11 @@ impl Daemon {
                     return;
                 }
                 match self.children.remove(&exit.id) {
-                    Some(ChildRole::Op(op)) => {
+                    Some(ChildRole::Op { op, call }) => {
                         self.cocoon_running = self.cocoon_running.saturating_sub(1);
                         self.pending.push_back(Input::CocoonDone {
                             op,
-                            result: effects::cocoon_result(&exit),
+                            result: effects::cocoon_result(&exit, &call),
                         });
                         self.start_cocoon_calls();
                     }
@@ -896,14 +894,7 @@ impl Daemon {
 
     /// Starts `cocoon vm list -o json` (startup reconcile or event-stream re-sync).
     fn spawn_vm_list(&mut self, role: ChildRole) -> std::io::Result<()> {
-        let deadlines = Deadlines::configured();
-        let call = CocoonCall::new(Verb::VmList, argv::vm_list(), &deadlines);
-        let argv = call.full_argv(&self.config.cocoon_bin.to_string_lossy());
-        let spec = ChildSpec::new(argv)
-            .deadline(call.deadline.unwrap_or(deadlines.control))
-            .stdin(StdinMode::Null)
-            .stdout(OutputMode::Capture { limit: 64 << 20 })
-            .stderr(OutputMode::Capture { limit: 64 << 10 });
+        let spec = vm_list_call().child_spec(&self.config.cocoon_bin.to_string_lossy());
         let id = self.reactor.spawn(spec)?;
         self.children.insert(id, role);
         Ok(())
@@ -913,6 +904,13 @@ impl Daemon {
     fn cocoon_bin(&self) -> PathBuf {
         self.config.cocoon_bin.clone()
     }
+}
+
+/// The `vm list` of the startup reconcile and the event-stream re-sync: a dense host's list
+/// is the largest answer cocoon gives.
+pub(super) fn vm_list_call() -> CocoonCall {
+    CocoonCall::new(Verb::VmList, argv::vm_list(), &Deadlines::configured())
+        .with_limits(64 << 20, 64 << 10)
 }
 
 /// Lifts the soft open-file limit to the hard one: the daemon holds a socket or

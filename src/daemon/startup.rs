@@ -91,7 +91,7 @@ impl Daemon {
 
     /// The `vm list` ended: hand both lists to the provider and bring the node up.
     pub(super) fn startup_listed(&mut self, exit: ChildExit) {
-        let result = super::effects::cocoon_result(&exit);
+        let result = super::effects::cocoon_result(&exit, &super::vm_list_call());
         let vms = if result.success {
             parse_vm_list(&result.stdout)
         } else {

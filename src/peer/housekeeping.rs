@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use crate::kube::Client;
 use crate::kubelet::tls::{TlsSettings, TlsState};
-use crate::vm::argv;
+use crate::vm::{argv, parse_snapshot, CocoonCall, Deadlines, Verb};
 
 use super::pushed::PushedSnapshots;
 use super::server::{ClusterNodes, PeerServer, Resolver, Serving, NODE_GROUPS, NODE_USER_PREFIX};
@@ -182,22 +182,16 @@ pub fn cocoon_resolver(bin: PathBuf) -> Resolver {
 }
 
 fn inspect_id(bin: &std::path::Path, name: &str) -> Result<Option<String>, String> {
-    let done = crate::snapshots::cocoon_child::run(
-        bin,
-        crate::vm::Verb::SnapshotInspect,
-        &argv::snapshot_inspect(name),
-    )?;
-    if done.not_found(crate::vm::Verb::SnapshotInspect) {
-        return Ok(None);
-    }
-    if !done.success {
-        return Err(format!("snapshot inspect {name}: {}", done.error_text()));
-    }
-    let out = done.stdout;
-    let v: serde_json::Value =
-        serde_json::from_slice(&out).map_err(|e| format!("snapshot inspect {name}: {e}"))?;
-    match v.get("id").and_then(|i| i.as_str()) {
-        Some(id) if plain_component(id) => Ok(Some(id.to_string())),
-        _ => Err(format!("snapshot inspect {name}: no usable id")),
+    let call = CocoonCall::new(
+        Verb::SnapshotInspect,
+        argv::snapshot_inspect(name),
+        &Deadlines::configured(),
+    );
+    let found = crate::vm::blocking::run(bin, &call).and_then(|out| parse_snapshot(&call, &out));
+    match found {
+        Ok(s) if plain_component(&s.id) => Ok(Some(s.id)),
+        Ok(_) => Err(format!("snapshot inspect {name}: no usable id")),
+        Err(e) if e.is_not_found() => Ok(None),
+        Err(e) => Err(e.to_string()),
     }
 }

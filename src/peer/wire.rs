@@ -101,22 +101,52 @@ pub fn split_target(target: &str) -> Option<(&str, Vec<(String, String)>)> {
     Some((path, pairs))
 }
 
+/// Why a peer request's query was refused (the text of the 400 answer).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum QueryError {
+    Missing(String),
+    Repeated(String),
+    NotUnsigned { key: String, value: String },
+    NotPlain,
+    BadLength,
+    Overflow,
+}
+
+impl std::fmt::Display for QueryError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            QueryError::Missing(key) => write!(f, "missing query parameter {key}"),
+            QueryError::Repeated(key) => write!(f, "query parameter {key} given twice"),
+            QueryError::NotUnsigned { key, value } => {
+                write!(f, "{key}={value:?} is not an unsigned integer")
+            }
+            QueryError::NotPlain => write!(f, "id and file must each be one plain path component"),
+            QueryError::BadLength => write!(f, "length must be 1..={MAX_SLICE_LEN}"),
+            QueryError::Overflow => write!(f, "offset + length overflows"),
+        }
+    }
+}
+
+impl std::error::Error for QueryError {}
+
 /// The one value of `key`; a repeated key is refused (two readers could pick different ones).
-pub fn single<'a>(pairs: &'a [(String, String)], key: &str) -> Result<&'a str, String> {
+pub fn single<'a>(pairs: &'a [(String, String)], key: &str) -> Result<&'a str, QueryError> {
     let mut found = pairs.iter().filter(|(k, _)| k == key);
     match (found.next(), found.next()) {
         (Some((_, v)), None) => Ok(v),
-        (None, _) => Err(format!("missing query parameter {key}")),
-        (Some(_), Some(_)) => Err(format!("query parameter {key} given twice")),
+        (None, _) => Err(QueryError::Missing(key.to_string())),
+        (Some(_), Some(_)) => Err(QueryError::Repeated(key.to_string())),
     }
 }
 
 /// Parses a slice request's query.
-pub fn slice_query(pairs: &[(String, String)]) -> Result<SliceQuery, String> {
-    let num = |k: &str| -> Result<u64, String> {
+pub fn slice_query(pairs: &[(String, String)]) -> Result<SliceQuery, QueryError> {
+    let num = |k: &str| -> Result<u64, QueryError> {
         let v = single(pairs, k)?;
-        v.parse::<u64>()
-            .map_err(|_| format!("{k}={v:?} is not an unsigned integer"))
+        v.parse::<u64>().map_err(|_| QueryError::NotUnsigned {
+            key: k.to_string(),
+            value: v.to_string(),
+        })
     };
     let q = SliceQuery {
         id: single(pairs, "id")?.to_string(),
@@ -125,14 +155,12 @@ pub fn slice_query(pairs: &[(String, String)]) -> Result<SliceQuery, String> {
         length: num("length")?,
     };
     if !plain_component(&q.id) || !plain_component(&q.file) {
-        return Err("id and file must each be one plain path component".into());
+        return Err(QueryError::NotPlain);
     }
     if q.length == 0 || q.length > MAX_SLICE_LEN {
-        return Err(format!("length must be 1..={MAX_SLICE_LEN}"));
+        return Err(QueryError::BadLength);
     }
-    q.offset
-        .checked_add(q.length)
-        .ok_or_else(|| "offset + length overflows".to_string())?;
+    q.offset.checked_add(q.length).ok_or(QueryError::Overflow)?;
     Ok(q)
 }
 

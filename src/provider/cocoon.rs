@@ -4,11 +4,12 @@
 use std::time::Duration;
 
 use crate::vm::argv;
+pub use crate::vm::Snapshot;
 pub use crate::vm::{
     Backend, CloneOptions, CloneSource, CpuPolicy, Deadlines, ErrorKind, RunOptions,
     StaleCreateOutcome, Verb, VmState,
 };
-use crate::vm::{CallOutcome, CocoonCall};
+use crate::vm::{CallMode, CallOutcome, CocoonCall};
 
 /// A cocoon invocation the core wants performed: the core's vocabulary, mapped one to one onto
 /// the vm room's argv builders and deadlines (the only place that spells cocoon's argv).
@@ -157,20 +158,75 @@ impl CocoonCmd {
         let d = Deadlines::configured();
         d.for_verb(self.verb()).unwrap_or(d.control)
     }
+
+    /// The typed call the daemon runs: verb, argv, this command's deadline, the verb's mode.
+    /// The core's `vm exec` (post-clone fix-ups) has its output captured for the error text
+    /// and discarded on success, which is the combined mode, not a stream to a client.
+    pub fn call(&self) -> CocoonCall {
+        let mut call = CocoonCall::new(self.verb(), self.argv(), &Deadlines::configured())
+            .with_deadline(Some(self.deadline()));
+        if call.mode == CallMode::Streaming {
+            call.mode = CallMode::Combined;
+        }
+        call
+    }
 }
 
-/// Raw outcome of a cocoon child, as the daemon saw it.
+/// Outcome of a cocoon child, as the daemon saw it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CocoonResult {
-    /// Exit status 0.
+    /// Exit status 0 (and output within the capture limit).
     pub success: bool,
     pub stdout: String,
     pub stderr: String,
     /// Killed at its deadline.
     pub timed_out: bool,
+    /// What the failure means, classified once by the contract for the verb that ran (the
+    /// daemon's results). None on success, and for results made by hand (tests, replays),
+    /// which [`CocoonResult::error_kind`] classifies from their text for the verb asked about.
+    pub kind: Option<ErrorKind>,
 }
 
 impl CocoonResult {
+    /// The core's view of a finished call: the contract's classification of it for the verb
+    /// that ran ([`CocoonCall::check`]), and output beyond the capture limit as a failure.
+    /// Notes for what stderr does not say (a signal, a lost status, truncation) are appended
+    /// for the messages.
+    pub fn from_outcome(call: &CocoonCall, out: &CallOutcome) -> Self {
+        let mut kind = call.check(out).err().map(|e| e.kind);
+        let mut stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        if out.stdout_truncated {
+            stderr.push_str("\nvk-cocoon: cocoon output exceeded the capture limit");
+            kind.get_or_insert(ErrorKind::HugeOutput);
+        }
+        match kind {
+            // `CallOutcome::from_exit`'s stand-in for a status the reactor could not learn.
+            Some(ErrorKind::Other) if out.exit == crate::vm::ExitKind::Code(-1) => {
+                stderr.push_str("\nvk-cocoon: cocoon exit status unknown")
+            }
+            Some(ErrorKind::Signalled(sig)) => {
+                stderr.push_str(&format!("\nvk-cocoon: cocoon killed by signal {sig}"))
+            }
+            _ => {}
+        }
+        CocoonResult {
+            success: kind.is_none(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr,
+            timed_out: out.timed_out,
+            kind,
+        }
+    }
+
+    /// A call that was never started (refused argv, no process): [`ErrorKind::Spawn`].
+    pub fn not_started(why: impl Into<String>) -> Self {
+        let why = why.into();
+        CocoonResult {
+            kind: Some(ErrorKind::Spawn(why.clone())),
+            ..CocoonResult::failed(why)
+        }
+    }
+
     pub fn ok(stdout: impl Into<String>) -> Self {
         CocoonResult {
             success: true,
@@ -205,11 +261,15 @@ impl CocoonResult {
         }
     }
 
-    /// What a failed call means, by the cocoon contract's classification for `verb` (the
-    /// error texts are known only to the vm room); `None` when the call succeeded.
+    /// What a failed call means, by the cocoon contract's classification (the error texts are
+    /// known only to the vm room); `None` when the call succeeded. A daemon result carries the
+    /// classification for the verb that ran; a result made by hand is classified for `verb`.
     pub fn error_kind(&self, verb: Verb) -> Option<ErrorKind> {
         if self.success {
             return None;
+        }
+        if let Some(kind) = &self.kind {
+            return Some(kind.clone());
         }
         if self.timed_out {
             return Some(ErrorKind::TimedOut);
@@ -257,6 +317,11 @@ pub struct NicInfo {
 }
 
 /// The fields of cocoon's VM JSON object that the provider uses.
+///
+/// Not [`crate::vm::Vm`] on purpose: that is the wire record (every field, as cocoon spells
+/// it); this is the core's reading of it, made once: the state parsed, MACs lower-cased,
+/// each NIC's static address flattened, a cloud-image overlay recognised, and the disk of a
+/// macOS guest, which no cocoon record has.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct VmInfo {
     pub id: String,
@@ -344,7 +409,7 @@ fn succeeded(verb: Verb, argv: Vec<String>, stdout: &str) -> (CocoonCall, CallOu
 fn parse_failure(what: &str, e: crate::vm::CocoonError) -> String {
     match e.kind {
         ErrorKind::InvalidJson(why) => format!("bad {what} JSON from cocoon: {why}"),
-        ErrorKind::EmptyRecord => "empty VM record in JSON payload".into(),
+        ErrorKind::EmptyRecord => format!("empty {what} record in JSON payload"),
         _ => e.to_string(),
     }
 }
@@ -367,61 +432,30 @@ pub fn parse_vm_list(out: &str) -> Result<Vec<VmInfo>, String> {
         .map_err(|e| parse_failure("VM list", e))
 }
 
-/// `snapshot inspect` fields the provider reads.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct SnapshotInfo {
-    pub id: String,
-    pub name: String,
-    pub image: String,
-    pub image_digest: String,
-    pub image_type: String,
-    pub hypervisor: String,
+/// Parse `snapshot inspect` with the contract's parser. Empty id ⇒ error.
+pub fn parse_snapshot(json: &str) -> Result<Snapshot, String> {
+    let (call, out) = succeeded(Verb::SnapshotInspect, argv::snapshot_inspect("-"), json);
+    crate::vm::parse_snapshot(&call, &out).map_err(|e| parse_failure("snapshot", e))
 }
 
-/// Parse `snapshot inspect` with the contract's types.
-pub fn parse_snapshot(json: &str) -> Result<SnapshotInfo, String> {
-    let s: crate::vm::Snapshot = serde_json::from_str(json.trim())
-        .map_err(|e| format!("bad snapshot JSON from cocoon: {e}"))?;
-    Ok(SnapshotInfo {
-        id: s.id,
-        name: s.name,
-        image: s.image,
-        image_digest: s.image_digest,
-        image_type: s.image_type,
-        hypervisor: s.hypervisor,
-    })
+/// Parse `snapshot list -o json` with the contract's parser, the same rule as `vm list`:
+/// empty output, `null` or B's `No snapshots found.` is an empty list; entries without id,
+/// or undecodable, are skipped.
+pub fn parse_snapshot_list(out: &str) -> Result<Vec<Snapshot>, String> {
+    let (call, out) = succeeded(Verb::SnapshotList, argv::snapshot_list(), out);
+    crate::vm::parse_snapshot_list(&call, &out).map_err(|e| parse_failure("snapshot list", e))
 }
 
-/// Parse `snapshot list -o json`: an array of snapshot objects; B's `No snapshots found.` text
-/// (or nothing) is an empty list.
-pub fn parse_snapshot_list(out: &str) -> Result<Vec<SnapshotInfo>, String> {
-    let t = out.trim();
-    if t.is_empty() || t.starts_with("No snapshots") {
-        return Ok(Vec::new());
-    }
-    let list: Vec<crate::vm::Snapshot> =
-        serde_json::from_str(t).map_err(|e| format!("bad snapshot list JSON from cocoon: {e}"))?;
-    Ok(list
-        .into_iter()
-        .map(|s| SnapshotInfo {
-            id: s.id,
-            name: s.name,
-            image: s.image,
-            image_digest: s.image_digest,
-            image_type: s.image_type,
-            hypervisor: s.hypervisor,
-        })
-        .collect())
-}
-
-/// `vm reconcile-stale-create` outcome as the contract's type; an empty outcome is an error.
+/// `vm reconcile-stale-create` outcome with the contract's parser; an empty outcome is an
+/// error.
 pub fn parse_stale_outcome(json: &str) -> Result<StaleCreateOutcome, String> {
-    let report: crate::vm::types::StaleCreateReport = serde_json::from_str(json.trim())
-        .map_err(|e| format!("bad reconcile-stale-create JSON: {e}"))?;
-    if report.outcome.is_empty() {
-        return Err("reconcile-stale-create returned an empty outcome".into());
-    }
-    Ok(StaleCreateOutcome::parse(&report.outcome))
+    let (call, out) = succeeded(
+        Verb::VmReconcileStaleCreate,
+        argv::vm_reconcile_stale_create("-"),
+        json,
+    );
+    crate::vm::parse_stale_create_outcome(&call, &out)
+        .map_err(|e| parse_failure("reconcile-stale-create", e))
 }
 
 #[cfg(test)]

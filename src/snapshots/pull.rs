@@ -438,8 +438,6 @@ pub fn pull_snapshot(
         &req.cocoon_bin,
         crate::vm::Verb::SnapshotImport,
         &crate::vm::argv::snapshot_import(&req.local_name, None),
-        true,
-        false,
     )?;
     let Some(stdin) = child.take_stdin() else {
         child.kill();
@@ -1067,8 +1065,6 @@ pub fn pull_cloud_image(
         &req.cocoon_bin,
         crate::vm::Verb::ImageImport,
         &crate::vm::argv::image_import(&req.local_name),
-        true,
-        false,
     )?;
     let Some(stdin) = child.take_stdin() else {
         child.kill();

@@ -187,8 +187,6 @@ pub fn push_snapshot(
         &req.cocoon_bin,
         crate::vm::Verb::SnapshotExport,
         &crate::vm::argv::snapshot_export(&req.name),
-        false,
-        true,
     )?;
     let Some(stdout) = child.take_stdout() else {
         child.kill();

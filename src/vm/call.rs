@@ -182,28 +182,24 @@ impl Deadlines {
 
     /// Parses `class=seconds[,class=seconds...]` over the defaults (`VK_COCOON_DEADLINES`):
     /// classes `query`, `control`, `create`, `transfer`; seconds a whole number from 1.
-    pub fn parse(text: &str) -> Result<Deadlines, String> {
+    pub fn parse(text: &str) -> Result<Deadlines, DeadlinesError> {
         let mut d = Deadlines::default();
         for item in text.split(',').map(str::trim).filter(|i| !i.is_empty()) {
             let (class, secs) = item
                 .split_once('=')
-                .ok_or_else(|| format!("{item:?} is not class=seconds"))?;
+                .ok_or_else(|| DeadlinesError::NotClassSeconds(item.to_string()))?;
             let secs: u64 = secs
                 .trim()
                 .parse()
                 .ok()
                 .filter(|s| (1..=7 * 86_400).contains(s))
-                .ok_or_else(|| format!("{item:?}: seconds must be a whole number 1-604800"))?;
+                .ok_or_else(|| DeadlinesError::BadSeconds(item.to_string()))?;
             let slot = match class.trim() {
                 "query" => &mut d.query,
                 "control" => &mut d.control,
                 "create" => &mut d.create,
                 "transfer" => &mut d.transfer,
-                other => {
-                    return Err(format!(
-                        "unknown class {other:?} (query, control, create or transfer)"
-                    ))
-                }
+                other => return Err(DeadlinesError::UnknownClass(other.to_string())),
             };
             *slot = Duration::from_secs(secs);
         }
@@ -236,6 +232,34 @@ impl Deadlines {
         }
     }
 }
+
+/// Why a `VK_COCOON_DEADLINES` value was refused; each names the offending item.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeadlinesError {
+    /// An item that is not `class=seconds`.
+    NotClassSeconds(String),
+    /// Seconds that are not a whole number 1-604800.
+    BadSeconds(String),
+    /// A class other than query, control, create or transfer.
+    UnknownClass(String),
+}
+
+impl std::fmt::Display for DeadlinesError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeadlinesError::NotClassSeconds(item) => write!(f, "{item:?} is not class=seconds"),
+            DeadlinesError::BadSeconds(item) => {
+                write!(f, "{item:?}: seconds must be a whole number 1-604800")
+            }
+            DeadlinesError::UnknownClass(class) => write!(
+                f,
+                "unknown class {class:?} (query, control, create or transfer)"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for DeadlinesError {}
 
 /// stdout capture limit for a list (hundreds of VMs at a few KiB each).
 pub const LIST_CAPTURE_LIMIT: usize = 32 << 20;
@@ -285,6 +309,13 @@ impl CocoonCall {
     /// Replaces the deadline (e.g. a configured clone budget).
     pub fn with_deadline(mut self, deadline: Option<Duration>) -> CocoonCall {
         self.deadline = deadline;
+        self
+    }
+
+    /// Replaces the capture limits (the caller's budget for stdout and stderr).
+    pub fn with_limits(mut self, stdout_limit: usize, stderr_limit: usize) -> CocoonCall {
+        self.stdout_limit = stdout_limit;
+        self.stderr_limit = stderr_limit;
         self
     }
 

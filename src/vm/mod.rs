@@ -1,5 +1,5 @@
 //! The cocoon CLI contract, the one place that spells it: argv builders, JSON types, error
-//! classification, deadlines, quantities, the event stream. Running children is the reactor's.
+//! classification, deadlines, quantities, the event stream, and the one blocking runner.
 //!
 //! Flow of one call: build argv with [`argv`] (e.g. `argv::vm_clone(&CloneOptions)`), wrap it in
 //! [`CocoonCall::new`] (verb → mode, deadline, capture limits), spawn with
@@ -8,8 +8,11 @@
 //! [`parse_image`], [`parse_stale_create_outcome`] or [`CocoonCall::check`] (combined-mode verbs).
 //! Failures are a [`CocoonError`] whose [`ErrorKind`] says not-found / transient / other.
 //! The event stream is [`EventStream`] (child + [`EventStreamSupervisor`] + [`LineSplitter`]).
+//! The loop runs calls as reactor children; worker threads run them with [`blocking::run`] /
+//! [`blocking::CocoonChild`], which kill and reap a call at its deadline.
 
 pub mod argv;
+pub mod blocking;
 pub mod call;
 pub mod error;
 pub mod events;
@@ -20,7 +23,8 @@ pub mod types;
 pub use argv::{Backend, CloneOptions, CloneSource, ExecOptions, RestoreMode, RunOptions};
 pub use call::{
     parse_image, parse_snapshot, parse_snapshot_list, parse_stale_create_outcome, parse_vm,
-    parse_vm_list, run_needs_inspect, CallMode, CallOutcome, CocoonCall, Deadlines, ExitKind, Verb,
+    parse_vm_list, run_needs_inspect, CallMode, CallOutcome, CocoonCall, Deadlines, DeadlinesError,
+    ExitKind, Verb,
 };
 pub use error::{classify, CocoonError, ErrorKind};
 pub use events::{

@@ -428,6 +428,9 @@ pub struct Image {
 }
 
 /// Kind of an event line (4.4).
+///
+/// The wire kind, unknown kinds kept so the caller can log them; the provider's
+/// `VmEventKind` is on purpose a different type: only the three kinds it acts on, `Copy`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EventKind {
     Added,

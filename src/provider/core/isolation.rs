@@ -5,7 +5,7 @@
 //! one its name proves. Refusals fail the pod for good and run nothing.
 
 use super::*;
-use crate::provider::cocoon::SnapshotInfo;
+use crate::provider::cocoon::Snapshot;
 use crate::provider::naming;
 
 /// `pod_lifecycle_total` reason and Warning of a pod whose VM name is not its namespace's.
@@ -58,17 +58,14 @@ pub(super) fn vm_is(vm: &VmInfo, id: &str, vm_name: &str) -> bool {
 }
 
 /// Whether a `snapshot inspect <name>` answer is that snapshot (by exact name or exact ID).
-pub(super) fn snapshot_is(s: &SnapshotInfo, name: &str) -> bool {
+pub(super) fn snapshot_is(s: &Snapshot, name: &str) -> bool {
     !name.is_empty() && (s.name == name || s.id == name)
 }
 
 /// A successful `snapshot inspect <name>` answer read and held to the name: Ok(Some) for that
 /// very snapshot, Ok(None) for another one (an ID-prefix match, as good as not found), Err
 /// when it does not parse.
-pub(super) fn inspected_snapshot(
-    r: &CocoonResult,
-    name: &str,
-) -> Result<Option<SnapshotInfo>, String> {
+pub(super) fn inspected_snapshot(r: &CocoonResult, name: &str) -> Result<Option<Snapshot>, String> {
     parse_snapshot(&r.stdout).map(|s| snapshot_is(&s, name).then_some(s))
 }
 

@@ -386,6 +386,7 @@ fn an_unanswered_restart_is_looked_at_before_the_vm_is_removed() {
             stdout: String::new(),
             stderr: String::new(),
             timed_out: true,
+            kind: None,
         };
         let e = answer(&mut h, &e, "vm start VM1", unanswered);
         let now = vm_json("VM1", "vk-ns-demo-0", after, "02:00:00:00:00:01");
