@@ -424,12 +424,25 @@ pub fn parse_vm(json: &str) -> Result<VmInfo, String> {
 }
 
 /// Parse `vm list -o json` with the contract's parser: empty output, `null`, B's
-/// `No VMs found.`, or an array (entries without id, or undecodable, skipped).
+/// `No VMs found.`, or an array. Every caller concludes from a name's absence (startup evicts
+/// or adopts, the re-sync reports a VM gone), so a listing with an entry it could not read is
+/// an error: the caller retries rather than take a VM for gone.
 pub fn parse_vm_list(out: &str) -> Result<Vec<VmInfo>, String> {
     let (call, out) = succeeded(Verb::VmList, argv::vm_list(), out);
-    crate::vm::parse_vm_list(&call, &out)
-        .map(|vms| vms.into_iter().map(VmInfo::from).collect())
-        .map_err(|e| parse_failure("VM list", e))
+    let listing = crate::vm::parse_vm_list(&call, &out).map_err(|e| parse_failure("VM list", e))?;
+    complete(listing, "VM list").map(|vms| vms.into_iter().map(VmInfo::from).collect())
+}
+
+/// A listing whose every entry was read, or the error that says how many were not.
+fn complete<T>(listing: crate::vm::Listing<T>, what: &str) -> Result<Vec<T>, String> {
+    if listing.complete() {
+        Ok(listing.items)
+    } else {
+        Err(format!(
+            "{what} from cocoon: {} entries could not be read; a partial listing proves nothing gone",
+            listing.skipped
+        ))
+    }
 }
 
 /// Parse `snapshot inspect` with the contract's parser. Empty id ⇒ error.
@@ -439,11 +452,14 @@ pub fn parse_snapshot(json: &str) -> Result<Snapshot, String> {
 }
 
 /// Parse `snapshot list -o json` with the contract's parser, the same rule as `vm list`:
-/// empty output, `null` or B's `No snapshots found.` is an empty list; entries without id,
-/// or undecodable, are skipped.
+/// empty output, `null` or B's `No snapshots found.` is an empty list, and a listing with an
+/// entry it could not read is an error (the reclaimer forgets the owner records of snapshots
+/// a listing does not show).
 pub fn parse_snapshot_list(out: &str) -> Result<Vec<Snapshot>, String> {
     let (call, out) = succeeded(Verb::SnapshotList, argv::snapshot_list(), out);
-    crate::vm::parse_snapshot_list(&call, &out).map_err(|e| parse_failure("snapshot list", e))
+    let listing = crate::vm::parse_snapshot_list(&call, &out)
+        .map_err(|e| parse_failure("snapshot list", e))?;
+    complete(listing, "snapshot list")
 }
 
 /// `vm reconcile-stale-create` outcome with the contract's parser; an empty outcome is an
@@ -543,8 +559,23 @@ mod tests {
     fn vm_list_accepts_empty_forms() {
         assert!(parse_vm_list("No VMs found.\n").unwrap().is_empty());
         assert!(parse_vm_list("").unwrap().is_empty());
-        let l = parse_vm_list(r#"[{"id":"a","state":"running"},{"state":"x"}]"#).unwrap();
-        assert_eq!(l.len(), 1);
+        let l = parse_vm_list(r#"[{"id":"a","state":"running"},{"id":"b"}]"#).unwrap();
+        assert_eq!(l.len(), 2);
+        // An entry it cannot read makes the listing prove nothing gone: an error, not a list
+        // that would have the daemon take that VM (or snapshot) for gone.
+        for partial in [
+            r#"[{"id":"a","state":"running"},{"state":"x"}]"#,
+            r#"[{"id":"a","state":"running"},42]"#,
+        ] {
+            let e = parse_vm_list(partial).unwrap_err();
+            assert!(e.contains("1 entries could not be read"), "{e}");
+        }
+        let e = parse_snapshot_list(r#"[{"id":"s1","name":"vk-a"},{"name":"vk-b"}]"#).unwrap_err();
+        assert!(e.contains("could not be read"), "{e}");
+        assert_eq!(
+            parse_snapshot_list(r#"[{"id":"s1","name":"vk-a"}]"#).unwrap()[0].name,
+            "vk-a"
+        );
     }
 
     #[test]

@@ -419,12 +419,45 @@ pub fn run_needs_inspect(vm: &Vm) -> bool {
     !vm.is_running() || vm.pid == 0
 }
 
-/// Decodes a JSON array leniently: entries that are not objects of `T` are skipped.
-fn parse_array_lenient<T: DeserializeOwned>(
+/// A list answer (`vm list`, `snapshot list`): the entries that decoded, and how many could not
+/// be read (undecodable, or without an id) and were skipped. Those name what exists; only a
+/// complete listing also proves what does not.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Listing<T> {
+    pub items: Vec<T>,
+    pub skipped: usize,
+}
+
+impl<T> Listing<T> {
+    /// Every entry was read: an absent name is really absent.
+    pub fn complete(&self) -> bool {
+        self.skipped == 0
+    }
+}
+
+impl<T> std::ops::Deref for Listing<T> {
+    type Target = Vec<T>;
+    fn deref(&self) -> &Vec<T> {
+        &self.items
+    }
+}
+
+impl<T> IntoIterator for Listing<T> {
+    type Item = T;
+    type IntoIter = std::vec::IntoIter<T>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.items.into_iter()
+    }
+}
+
+/// Decodes a JSON array leniently: entries that are not objects of `T`, or whose `id(entry)`
+/// is empty, are skipped and counted.
+fn parse_listing<T: DeserializeOwned>(
     call: &CocoonCall,
     out: &CallOutcome,
     empty_line: &str,
-) -> Result<Vec<T>, CocoonError> {
+    id: fn(&T) -> &str,
+) -> Result<Listing<T>, CocoonError> {
     call.check(out)?;
     if out.stdout_truncated {
         return Err(call.error(ErrorKind::HugeOutput));
@@ -433,25 +466,36 @@ fn parse_array_lenient<T: DeserializeOwned>(
     let t = text.trim();
     // A Go nil slice prints `null`.
     if t.is_empty() || t == empty_line || t == "null" {
-        return Ok(Vec::new());
+        return Ok(Listing {
+            items: Vec::new(),
+            skipped: 0,
+        });
     }
     let values: Vec<serde_json::Value> =
         serde_json::from_str(t).map_err(|e| call.error(ErrorKind::InvalidJson(e.to_string())))?;
-    let mut items = Vec::with_capacity(values.len());
+    let mut listing = Listing {
+        items: Vec::with_capacity(values.len()),
+        skipped: 0,
+    };
     for v in values {
         match serde_json::from_value::<T>(v) {
-            Ok(item) => items.push(item),
-            Err(e) => log::warn!("{}: skipping undecodable entry: {e}", call.command_text()),
+            Ok(item) if !id(&item).is_empty() => listing.items.push(item),
+            Ok(_) => {
+                log::warn!("{}: skipping an entry without an id", call.command_text());
+                listing.skipped += 1;
+            }
+            Err(e) => {
+                log::warn!("{}: skipping undecodable entry: {e}", call.command_text());
+                listing.skipped += 1;
+            }
         }
     }
-    Ok(items)
+    Ok(listing)
 }
 
 /// `vm list -o json`: an array, empty output, or B's `No VMs found.`; entries without `id` skipped.
-pub fn parse_vm_list(call: &CocoonCall, out: &CallOutcome) -> Result<Vec<Vm>, CocoonError> {
-    let mut vms: Vec<Vm> = parse_array_lenient(call, out, "No VMs found.")?;
-    vms.retain(|v| !v.id.is_empty());
-    Ok(vms)
+pub fn parse_vm_list(call: &CocoonCall, out: &CallOutcome) -> Result<Listing<Vm>, CocoonError> {
+    parse_listing(call, out, "No VMs found.", |v: &Vm| &v.id)
 }
 
 /// `snapshot inspect`: one snapshot; an empty `id` is [`ErrorKind::EmptyRecord`].
@@ -467,10 +511,8 @@ pub fn parse_snapshot(call: &CocoonCall, out: &CallOutcome) -> Result<Snapshot, 
 pub fn parse_snapshot_list(
     call: &CocoonCall,
     out: &CallOutcome,
-) -> Result<Vec<Snapshot>, CocoonError> {
-    let mut snaps: Vec<Snapshot> = parse_array_lenient(call, out, "No snapshots found.")?;
-    snaps.retain(|s| !s.id.is_empty());
-    Ok(snaps)
+) -> Result<Listing<Snapshot>, CocoonError> {
+    parse_listing(call, out, "No snapshots found.", |s: &Snapshot| &s.id)
 }
 
 /// `image inspect` (metadata read): one image; an empty `id` is [`ErrorKind::EmptyRecord`].

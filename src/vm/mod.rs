@@ -24,7 +24,7 @@ pub use argv::{Backend, CloneOptions, CloneSource, ExecOptions, RestoreMode, Run
 pub use call::{
     parse_image, parse_snapshot, parse_snapshot_list, parse_stale_create_outcome, parse_vm,
     parse_vm_list, run_needs_inspect, CallMode, CallOutcome, CocoonCall, Deadlines, DeadlinesError,
-    ExitKind, Verb,
+    ExitKind, Listing, Verb,
 };
 pub use error::{classify, CocoonError, ErrorKind};
 pub use events::{
