@@ -153,6 +153,19 @@ fn main_only_pushes_the_main_agent_under_every_naming_scheme() {
             );
         }
     }
+    // Each push is timed under the namespace of the pod it was made for.
+    let metrics = w.metrics();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "vk_cocoon_snapshot_push_duration_seconds_count{namespace=\"default\"} 3"),
+        "{}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("push_duration"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
 }
 
 /// SIGKILL while the snapshot-before-delete push streams the export: the VM and the pod

@@ -262,8 +262,8 @@ impl Daemon {
                 // The snapshots room pushes local snapshot `name` to repository `name`: the
                 // provider names both after the VM (`local_name == repo`).
                 let _ = local_name;
-                // The effect carries no namespace; the histogram's label stays empty.
-                let namespace = String::new();
+                // The pod the snapshot is pushed for: its namespace labels the histogram.
+                let namespace = owner.namespace.clone();
                 let pushed = self.peer.pushed.clone();
                 self.transfer(op, move |registry| {
                     let started = Instant::now();
