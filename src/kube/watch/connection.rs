@@ -14,6 +14,7 @@ use rustls::ClientConnection;
 use super::{PodWatch, StreamDecoder, WatchOutput};
 use crate::kube::client::{Client, WatchSession};
 use crate::kube::error::{ApiStatus, KubeError};
+use crate::percent;
 
 /// Longest accepted response head.
 const MAX_HEAD: usize = 64 << 10;
@@ -104,12 +105,12 @@ impl PodWatch {
         let mut path = format!(
             "{}/api/v1/pods?fieldSelector={}&watch=1&allowWatchBookmarks=true&timeoutSeconds={}",
             s.target.base_path,
-            pct(&format!("spec.nodeName={}", self.node)),
+            percent::encode(&format!("spec.nodeName={}", self.node)),
             self.config.timeout_seconds
         );
         if !self.resource_version.is_empty() {
             path.push_str("&resourceVersion=");
-            path.push_str(&pct(&self.resource_version));
+            path.push_str(&percent::encode(&self.resource_version));
         }
         let mut req = format!(
             "GET {path} HTTP/1.1\r\nHost: {}\r\nAccept: application/json\r\nUser-Agent: vk-cocoon/{}\r\nConnection: close\r\n",
@@ -354,27 +355,4 @@ fn resolve(host: &str, port: u16) -> io::Result<SocketAddr> {
         .to_socket_addrs()?
         .next()
         .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no address"))
-}
-
-/// Percent-encode a query value (everything but unreserved characters).
-fn pct(s: &str) -> String {
-    let mut o = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
-            o.push(b as char);
-        } else {
-            o.push_str(&format!("%{b:02X}"));
-        }
-    }
-    o
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn percent_encoding() {
-        assert_eq!(pct("spec.nodeName=a b"), "spec.nodeName%3Da%20b");
-    }
 }
