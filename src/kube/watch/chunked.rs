@@ -1,6 +1,8 @@
 //! The watch body's chunked-transfer decoder and line splitter: any split of the byte stream in,
 //! each complete line out exactly once; framing errors are errors, never panics.
 
+use std::fmt;
+
 /// Longest accepted watch line (one object).
 const MAX_LINE: usize = 16 << 20;
 
@@ -48,7 +50,11 @@ impl StreamDecoder {
     }
 
     /// Feed bytes; `on_line` gets every complete non-empty line (without CR/LF).
-    pub fn feed(&mut self, mut data: &[u8], on_line: &mut dyn FnMut(&[u8])) -> Result<(), String> {
+    pub fn feed(
+        &mut self,
+        mut data: &[u8],
+        on_line: &mut dyn FnMut(&[u8]),
+    ) -> Result<(), FramingError> {
         if !self.chunked {
             self.split_lines(data, on_line);
             return Ok(());
@@ -58,7 +64,7 @@ impl StreamDecoder {
                 Chunk::Size | Chunk::Trailer => {
                     let Some(nl) = data.iter().position(|&b| b == b'\n') else {
                         if self.meta.len() + data.len() > 4096 {
-                            return Err("chunk size line too long".into());
+                            return Err(FramingError::SizeLineTooLong);
                         }
                         self.meta.extend_from_slice(data);
                         return Ok(());
@@ -74,10 +80,9 @@ impl StreamDecoder {
                         continue;
                     }
                     let hex = text.split(|&b| b == b';').next().unwrap_or_default();
-                    let hex = std::str::from_utf8(hex)
-                        .map_err(|_| "chunk size is not text".to_string())?;
+                    let hex = std::str::from_utf8(hex).map_err(|_| FramingError::SizeNotText)?;
                     let size = usize::from_str_radix(hex.trim(), 16)
-                        .map_err(|_| format!("bad chunk size {:?}", hex.trim()))?;
+                        .map_err(|_| FramingError::BadSize(hex.trim().to_string()))?;
                     self.state = if size == 0 {
                         Chunk::Trailer
                     } else {
@@ -101,9 +106,7 @@ impl StreamDecoder {
                     match b {
                         b'\r' => {}
                         b'\n' => self.state = Chunk::Size,
-                        other => {
-                            return Err(format!("expected CRLF after chunk data, got byte {other}"))
-                        }
+                        other => return Err(FramingError::NoCrlfAfterData(other)),
                     }
                 }
                 Chunk::Done => return Ok(()),
@@ -156,6 +159,32 @@ impl StreamDecoder {
             return;
         }
         self.line.extend_from_slice(data);
+    }
+}
+
+/// Why a chunked body cannot be read on: the connection is dropped and the watch re-made.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FramingError {
+    /// A chunk-size or trailer line longer than 4 KiB.
+    SizeLineTooLong,
+    /// The chunk-size line is not UTF-8.
+    SizeNotText,
+    /// The chunk size, as sent, is not hexadecimal.
+    BadSize(String),
+    /// The byte found where CRLF must end chunk data.
+    NoCrlfAfterData(u8),
+}
+
+impl fmt::Display for FramingError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FramingError::SizeLineTooLong => f.write_str("chunk size line too long"),
+            FramingError::SizeNotText => f.write_str("chunk size is not text"),
+            FramingError::BadSize(size) => write!(f, "bad chunk size {size:?}"),
+            FramingError::NoCrlfAfterData(b) => {
+                write!(f, "expected CRLF after chunk data, got byte {b}")
+            }
+        }
     }
 }
 

@@ -1,10 +1,13 @@
 //! Watch event decoding: one line of the watch stream into a `PodEvent` in one serde pass, with
 //! errors that name the pod when it can be found.
 
+use std::fmt;
+
 use k8s_openapi::api::core::v1::Pod;
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde::Deserialize;
 
+use super::chunked::FramingError;
 use super::StreamDecoder;
 use crate::kube::error::ApiStatus;
 
@@ -111,7 +114,7 @@ impl<'de> Deserialize<'de> for Envelope {
 }
 
 /// Decode one watch line. Errors name what was wrong (and the pod, when it can be found).
-pub fn decode_line(line: &[u8]) -> Result<PodEvent, String> {
+pub fn decode_line(line: &[u8]) -> Result<PodEvent, BadEvent> {
     let env: Envelope = match serde_json::from_slice(line) {
         Ok(e) => e,
         Err(e) => return Err(describe_bad_line(line, &e.to_string())),
@@ -133,10 +136,10 @@ pub fn decode_line(line: &[u8]) -> Result<PodEvent, String> {
                     .map_err(|e| describe_bad_line(line, &e.to_string()))?
                     .into(),
             ),
-            other => return Err(format!("unknown watch event type {other:?}")),
+            other => return Err(BadEvent::UnknownType(other.to_string())),
         },
         Some(o) => o,
-        None => return Err(format!("watch event {:?} has no object", env.kind)),
+        None => return Err(BadEvent::NoObject(env.kind)),
     };
     Ok(match (env.kind.as_str(), object) {
         ("ADDED", Object::Pod(p)) => PodEvent::Added(p),
@@ -146,17 +149,60 @@ pub fn decode_line(line: &[u8]) -> Result<PodEvent, String> {
             resource_version: rv,
         },
         ("ERROR", Object::Status(s)) => PodEvent::Error(s),
-        (other, _) => return Err(format!("unknown watch event type {other:?}")),
+        (other, _) => return Err(BadEvent::UnknownType(other.to_string())),
     })
 }
 
-fn describe_bad_line(line: &[u8], err: &str) -> String {
+/// A watch line that is not a watch event: skipped (and counted), the stream goes on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BadEvent {
+    /// Not JSON at all: the parser's words and the line's first 120 bytes.
+    NotJson {
+        error: String,
+        shown: String,
+    },
+    /// JSON whose object does not decode: what can be read of the event and its pod.
+    Undecodable {
+        kind: String,
+        namespace: String,
+        name: String,
+        uid: String,
+        error: String,
+    },
+    UnknownType(String),
+    /// An event of this type without its object.
+    NoObject(String),
+}
+
+impl fmt::Display for BadEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BadEvent::NotJson { error, shown } => {
+                write!(f, "watch line is not JSON ({error}): {shown:?}")
+            }
+            BadEvent::Undecodable {
+                kind,
+                namespace,
+                name,
+                uid,
+                error,
+            } => write!(
+                f,
+                "watch {kind} event for pod {namespace}/{name} (uid {uid}) does not decode: {error}"
+            ),
+            BadEvent::UnknownType(kind) => write!(f, "unknown watch event type {kind:?}"),
+            BadEvent::NoObject(kind) => write!(f, "watch event {kind:?} has no object"),
+        }
+    }
+}
+
+fn describe_bad_line(line: &[u8], err: &str) -> BadEvent {
     let v: Option<serde_json::Value> = serde_json::from_slice(line).ok();
     match v {
-        None => {
-            let shown = String::from_utf8_lossy(&line[..line.len().min(120)]);
-            format!("watch line is not JSON ({err}): {shown:?}")
-        }
+        None => BadEvent::NotJson {
+            error: err.to_string(),
+            shown: String::from_utf8_lossy(&line[..line.len().min(120)]).into_owned(),
+        },
         Some(v) => {
             let get = |p: &str| {
                 v.pointer(p)
@@ -164,13 +210,13 @@ fn describe_bad_line(line: &[u8], err: &str) -> String {
                     .unwrap_or("?")
                     .to_string()
             };
-            format!(
-                "watch {} event for pod {}/{} (uid {}) does not decode: {err}",
-                get("/type"),
-                get("/object/metadata/namespace"),
-                get("/object/metadata/name"),
-                get("/object/metadata/uid"),
-            )
+            BadEvent::Undecodable {
+                kind: get("/type"),
+                namespace: get("/object/metadata/namespace"),
+                name: get("/object/metadata/name"),
+                uid: get("/object/metadata/uid"),
+                error: err.to_string(),
+            }
         }
     }
 }
@@ -179,7 +225,7 @@ fn describe_bad_line(line: &[u8], err: &str) -> String {
 pub fn decode_stream(
     pieces: &[&[u8]],
     chunked: bool,
-) -> Result<Vec<Result<PodEvent, String>>, String> {
+) -> Result<Vec<Result<PodEvent, BadEvent>>, FramingError> {
     let mut dec = StreamDecoder::new(chunked);
     let mut out = Vec::new();
     for p in pieces {
@@ -232,7 +278,7 @@ pub(super) mod tests {
         (s, 7)
     }
 
-    fn summarize(evs: &[Result<PodEvent, String>]) -> Vec<String> {
+    fn summarize(evs: &[Result<PodEvent, BadEvent>]) -> Vec<String> {
         evs.iter()
             .map(|e| match e {
                 Ok(PodEvent::Added(p)) => format!("A {}", rv_of(p)),
@@ -292,7 +338,7 @@ pub(super) mod tests {
         let bad = "{\"type\":\"ADDED\",\"object\":{\"metadata\":{\"name\":\"p\",\"namespace\":\"ns\",\"uid\":\"u\"},\"spec\":{\"containers\":5}}}\n";
         let s = bad.to_string() + &event("ADDED", "q", "u9", "3");
         let got = decode_stream(&[s.as_bytes()], false).unwrap();
-        let msg = got[0].as_ref().unwrap_err();
+        let msg = got[0].as_ref().unwrap_err().to_string();
         assert!(msg.contains("ns/p") && msg.contains("uid u"), "{msg}");
         assert_eq!(summarize(&got[1..]), vec!["A 3"]);
         // `object` before `type` still decodes.

@@ -21,9 +21,9 @@ use mio::{Registry, Token};
 use super::client::Client;
 use super::error::KubeError;
 
-pub use chunked::StreamDecoder;
+pub use chunked::{FramingError, StreamDecoder};
 use connection::{Conn, End};
-pub use event::{decode_line, decode_stream, PodEvent};
+pub use event::{decode_line, decode_stream, BadEvent, PodEvent};
 pub use known::{KnownPods, WatchOutput};
 
 /// Tunables of the watch.
