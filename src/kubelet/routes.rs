@@ -213,6 +213,39 @@ fn nonempty(s: &[&&str]) -> bool {
     s.iter().all(|x| !x.is_empty())
 }
 
+/// A query option of a logs, exec or attach request that the kubelet refuses: answered 400 with
+/// its text, which says what was wrong as the Go kubelet does.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OptionError {
+    /// `name=value` that is not what `name` takes; `expected` says what it takes, when told.
+    Invalid {
+        name: String,
+        value: String,
+        expected: Option<String>,
+    },
+    /// Options that do not go together, or a needed one missing, in the kubelet's words.
+    Refused(&'static str),
+}
+
+impl std::fmt::Display for OptionError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            OptionError::Invalid {
+                name,
+                value,
+                expected,
+            } => {
+                write!(f, "invalid {name} value {value:?}")?;
+                match expected {
+                    Some(e) => write!(f, ": {e}"),
+                    None => Ok(()),
+                }
+            }
+            OptionError::Refused(why) => f.write_str(why),
+        }
+    }
+}
+
 /// Go's strconv.ParseBool.
 pub fn parse_bool(v: &str) -> Option<bool> {
     match v {

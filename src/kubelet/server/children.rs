@@ -122,7 +122,9 @@ impl KubeletServer {
         let close = req.wants_close();
         let opts = match logs::parse_options(req) {
             Ok(o) => o,
-            Err(e) => return self.respond(r, token, routes::text(400, &e, false), close),
+            Err(e) => {
+                return self.respond(r, token, routes::text(400, &e.to_string(), false), close)
+            }
         };
         let vm_id = match self.pod_for(ns, pod, container) {
             Err(resp) => return self.respond(r, token, resp, close),
@@ -206,7 +208,9 @@ impl KubeletServer {
         };
         let opts = match exec::parse_options(req, attach) {
             Ok(o) => o,
-            Err(e) => return self.respond(r, token, routes::text(400, &e, false), close),
+            Err(e) => {
+                return self.respond(r, token, routes::text(400, &e.to_string(), false), close)
+            }
         };
         let upgrade = match exec::negotiate(req) {
             Ok(u) => u,
