@@ -207,23 +207,11 @@ impl KubeletServer {
         }
         self.timer = None;
         let now = r.now();
-        let stalled: Vec<Token> = self
-            .conns
-            .iter()
-            .filter(|(_, c)| c.stall_deadline.is_some_and(|d| d <= now))
-            .map(|(t, _)| *t)
-            .collect();
-        for t in stalled {
+        for t in self.conns_due(now, |c| c.stall_deadline) {
             log::debug!("kubelet: closing a client that reads nothing of its queued output");
             self.close(r, t);
         }
-        let recheck: Vec<Token> = self
-            .conns
-            .iter()
-            .filter(|(_, c)| c.recheck.is_some_and(|d| d <= now))
-            .map(|(t, _)| *t)
-            .collect();
-        for t in recheck {
+        for t in self.conns_due(now, |c| c.recheck) {
             if let Some(c) = self.conns.get_mut(&t) {
                 c.recheck = None;
             }
@@ -231,16 +219,20 @@ impl KubeletServer {
             // Pipelined requests left waiting by the previous batch.
             self.after_input(r, t);
         }
-        let due: Vec<Token> = self
-            .conns
-            .iter()
-            .filter(|(_, c)| c.deadline.is_some_and(|d| d <= now))
-            .map(|(t, _)| *t)
-            .collect();
-        for t in due {
+        for t in self.conns_due(now, |c| c.deadline) {
             self.expire(r, t);
         }
         self.rearm(r);
+    }
+
+    /// The connections whose instant picked by `when` has come (collected: acting on one may
+    /// close others).
+    fn conns_due(&self, now: Instant, when: impl Fn(&Conn) -> Option<Instant>) -> Vec<Token> {
+        self.conns
+            .iter()
+            .filter(|(_, c)| when(c).is_some_and(|d| d <= now))
+            .map(|(t, _)| *t)
+            .collect()
     }
 
     pub(super) fn rearm<M: Send + 'static>(&mut self, r: &mut Reactor<M>) {
