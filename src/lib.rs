@@ -11,6 +11,7 @@ pub mod metrics;
 pub mod network;
 pub mod node;
 pub mod peer;
+pub mod percent;
 pub mod probes;
 pub mod provider;
 pub mod reactor;

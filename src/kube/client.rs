@@ -37,17 +37,45 @@ pub struct ServerTarget {
     pub base_path: String,
 }
 
+/// Why a kubeconfig's `server` URL is refused; the text names the URL as written.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ServerUrlError {
+    /// Neither `https://` nor `http://`.
+    Scheme(String),
+    /// An IPv6 host whose `[` is not closed.
+    UnclosedBracket(String),
+    NoHost(String),
+    /// The port, as written, is not a number up to 65535.
+    BadPort {
+        server: String,
+        port: String,
+    },
+}
+
+impl std::fmt::Display for ServerUrlError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ServerUrlError::Scheme(server) => {
+                write!(f, "server {server:?}: scheme must be https:// or http://")
+            }
+            ServerUrlError::UnclosedBracket(server) => write!(f, "server {server:?}: unclosed ["),
+            ServerUrlError::NoHost(server) => write!(f, "server {server:?}: no host"),
+            ServerUrlError::BadPort { server, port } => {
+                write!(f, "server {server:?}: bad port {port:?}")
+            }
+        }
+    }
+}
+
 impl ServerTarget {
     /// Parse `https://host[:port][/prefix]` (IPv6 hosts bracketed).
-    pub fn parse(server: &str) -> Result<ServerTarget, String> {
+    pub fn parse(server: &str) -> Result<ServerTarget, ServerUrlError> {
         let (https, rest) = if let Some(r) = server.strip_prefix("https://") {
             (true, r)
         } else if let Some(r) = server.strip_prefix("http://") {
             (false, r)
         } else {
-            return Err(format!(
-                "server {server:?}: scheme must be https:// or http://"
-            ));
+            return Err(ServerUrlError::Scheme(server.to_string()));
         };
         let (authority, path) = match rest.find('/') {
             Some(i) => (&rest[..i], &rest[i..]),
@@ -56,7 +84,7 @@ impl ServerTarget {
         let (host, port) = if let Some(r) = authority.strip_prefix('[') {
             let end = r
                 .find(']')
-                .ok_or_else(|| format!("server {server:?}: unclosed ["))?;
+                .ok_or_else(|| ServerUrlError::UnclosedBracket(server.to_string()))?;
             let host = &r[..end];
             let port = r[end + 1..].strip_prefix(':');
             (host, port)
@@ -67,12 +95,13 @@ impl ServerTarget {
             }
         };
         if host.is_empty() {
-            return Err(format!("server {server:?}: no host"));
+            return Err(ServerUrlError::NoHost(server.to_string()));
         }
         let port = match port {
-            Some(p) => p
-                .parse::<u16>()
-                .map_err(|_| format!("server {server:?}: bad port {p:?}"))?,
+            Some(p) => p.parse::<u16>().map_err(|_| ServerUrlError::BadPort {
+                server: server.to_string(),
+                port: p.to_string(),
+            })?,
             None if https => 443,
             None => 80,
         };

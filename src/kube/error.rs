@@ -53,6 +53,11 @@ impl fmt::Display for ApiStatus {
 }
 
 /// Every way an API call can fail, classified by what a caller should do about it.
+///
+/// `provider::KubeError` is a second, narrower type on purpose: the pure core acts only on
+/// "gone or another incarnation" (never retried) versus anything else (retried), and its
+/// simulations produce those classes without an HTTP status or a server; the daemon maps this
+/// type onto it where the answer reaches the core.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum KubeError {
     /// 404: the object (or its namespace) does not exist.

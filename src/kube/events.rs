@@ -26,27 +26,18 @@ const MAX_TRACKED: usize = 4096;
 /// (the end of an op that was running) is written but leaves nothing behind.
 const GONE_REMEMBERED: usize = 1024;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum EventType {
-    Normal,
-    Warning,
-}
-
-impl EventType {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EventType::Normal => "Normal",
-            EventType::Warning => "Warning",
-        }
-    }
-}
+/// The Event type is the core's: its Event effects carry it and the recorder writes it as is,
+/// so one type goes from the decision to the wire.
+pub use crate::provider::EventType;
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct AggKey {
     namespace: String,
     uid: String,
     reason: String,
-    kind: EventType,
+    /// The type as `EventType::as_str` names it: the key is hashed, and the core's type does
+    /// not derive Hash.
+    kind: &'static str,
     message: String,
 }
 
@@ -148,7 +139,7 @@ impl EventRecorder {
             namespace: namespace.clone(),
             uid: uid.clone(),
             reason: reason.to_string(),
-            kind,
+            kind: kind.as_str(),
             message: message.clone(),
         };
         let ts = time(wall);

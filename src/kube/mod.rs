@@ -10,7 +10,7 @@ pub mod ratelimit;
 pub mod tls;
 pub mod watch;
 
-pub use client::{Client, PodList, ServerTarget, WatchSession};
+pub use client::{Client, PodList, ServerTarget, ServerUrlError, WatchSession};
 pub use error::{ApiStatus, KubeError};
 pub use events::{EventRecorder, EventType};
 pub use kubeconfig::{ClusterConfig, KubeConfigError, KubeOptions};

@@ -5,7 +5,7 @@
 
 use std::time::SystemTime;
 
-use super::routes::{parse_bool, Request};
+use super::routes::{parse_bool, OptionError, Request};
 use super::stats::rfc3339_nano;
 
 /// Parsed log options.
@@ -21,24 +21,26 @@ pub struct LogOptions {
 }
 
 /// Parses the query as the kubelet does. Errors are 400 texts.
-pub fn parse_options(req: &Request) -> Result<LogOptions, String> {
+pub fn parse_options(req: &Request) -> Result<LogOptions, OptionError> {
     let mut o = LogOptions::default();
-    let int = |name: &str, min: u64| -> Result<Option<u64>, String> {
+    let invalid = |name: &str, value: &str, expected: String| OptionError::Invalid {
+        name: name.to_string(),
+        value: value.to_string(),
+        expected: Some(expected),
+    };
+    let int = |name: &str, min: u64| -> Result<Option<u64>, OptionError> {
         match req.query_value(name) {
             None => Ok(None),
             Some(v) => match v.parse::<u64>() {
                 Ok(n) if n >= min => Ok(Some(n)),
-                _ => Err(format!(
-                    "invalid {name} value {v:?}: must be an integer >= {min}"
-                )),
+                _ => Err(invalid(name, v, format!("must be an integer >= {min}"))),
             },
         }
     };
-    let boolean = |name: &str| -> Result<bool, String> {
+    let boolean = |name: &str| -> Result<bool, OptionError> {
         match req.query_value(name) {
             None => Ok(false),
-            Some(v) => parse_bool(v)
-                .ok_or_else(|| format!("invalid {name} value {v:?}: must be a boolean")),
+            Some(v) => parse_bool(v).ok_or_else(|| invalid(name, v, "must be a boolean".into())),
         }
     };
     o.tail_lines = int("tailLines", 0)?;
@@ -46,7 +48,9 @@ pub fn parse_options(req: &Request) -> Result<LogOptions, String> {
     o.since_seconds = int("sinceSeconds", 1)?;
     o.since_time = req.query_value("sinceTime").map(str::to_string);
     if o.since_time.is_some() && o.since_seconds.is_some() {
-        return Err("at most one of sinceTime or sinceSeconds may be specified".into());
+        return Err(OptionError::Refused(
+            "at most one of sinceTime or sinceSeconds may be specified",
+        ));
     }
     o.follow = boolean("follow")?;
     o.previous = boolean("previous")?;

@@ -3,6 +3,8 @@
 //!
 //! Bodies are not accepted: the kubelet API has none on the routes we serve.
 
+use crate::percent;
+
 /// A request head larger than this is refused with 431.
 pub const MAX_HEAD_BYTES: usize = 16 * 1024;
 /// More header lines than this are refused with 431.
@@ -102,14 +104,14 @@ pub fn parse_head(buf: &[u8]) -> Result<Option<(Request, usize)>, HeadError> {
         ));
     }
     let (raw_path, raw_query) = target.split_once('?').unwrap_or((target, ""));
-    let path = percent_decode(raw_path, false)
+    let path = percent::decode(raw_path, false)
         .ok_or_else(|| HeadError::Malformed("bad percent-encoding in path".into()))?;
     let mut query = Vec::new();
     for pair in raw_query.split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        let k = percent_decode(k, true)
+        let k = percent::decode(k, true)
             .ok_or_else(|| HeadError::Malformed("bad percent-encoding in query".into()))?;
-        let v = percent_decode(v, true)
+        let v = percent::decode(v, true)
             .ok_or_else(|| HeadError::Malformed("bad percent-encoding in query".into()))?;
         query.push((k, v));
     }
@@ -134,30 +136,6 @@ pub fn parse_head(buf: &[u8]) -> Result<Option<(Request, usize)>, HeadError> {
         return Err(HeadError::Body);
     }
     Ok(Some((r, used)))
-}
-
-fn percent_decode(s: &str, plus_is_space: bool) -> Option<String> {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'%' => {
-                let hex = s.get(i + 1..i + 3)?;
-                out.push(u8::from_str_radix(hex, 16).ok()?);
-                i += 3;
-            }
-            b'+' if plus_is_space => {
-                out.push(b' ');
-                i += 1;
-            }
-            c => {
-                out.push(c);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8(out).ok()
 }
 
 /// The kubelet routes we serve.
@@ -233,6 +211,39 @@ pub fn route(method: &str, path: &str) -> Route {
 
 fn nonempty(s: &[&&str]) -> bool {
     s.iter().all(|x| !x.is_empty())
+}
+
+/// A query option of a logs, exec or attach request that the kubelet refuses: answered 400 with
+/// its text, which says what was wrong as the Go kubelet does.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OptionError {
+    /// `name=value` that is not what `name` takes; `expected` says what it takes, when told.
+    Invalid {
+        name: String,
+        value: String,
+        expected: Option<String>,
+    },
+    /// Options that do not go together, or a needed one missing, in the kubelet's words.
+    Refused(&'static str),
+}
+
+impl std::fmt::Display for OptionError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            OptionError::Invalid {
+                name,
+                value,
+                expected,
+            } => {
+                write!(f, "invalid {name} value {value:?}")?;
+                match expected {
+                    Some(e) => write!(f, ": {e}"),
+                    None => Ok(()),
+                }
+            }
+            OptionError::Refused(why) => f.write_str(why),
+        }
+    }
 }
 
 /// Go's strconv.ParseBool.

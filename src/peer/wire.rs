@@ -5,6 +5,9 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::percent;
+pub use crate::percent::encode as percent_encode;
+
 /// `GET /v1/snapshot-plan?name=<snapshot>`.
 pub const PLAN_PATH: &str = "/v1/snapshot-plan";
 /// `GET /v1/snapshot-slice?id=<snapshotId>&file=<name>&offset=<n>&length=<n>`.
@@ -96,7 +99,7 @@ pub fn split_target(target: &str) -> Option<(&str, Vec<(String, String)>)> {
     let mut pairs = Vec::new();
     for part in query.split('&').filter(|p| !p.is_empty()) {
         let (k, v) = part.split_once('=').unwrap_or((part, ""));
-        pairs.push((percent_decode(k)?, percent_decode(v)?));
+        pairs.push((percent::decode(k, true)?, percent::decode(v, true)?));
     }
     Some((path, pairs))
 }
@@ -162,43 +165,6 @@ pub fn slice_query(pairs: &[(String, String)]) -> Result<SliceQuery, QueryError>
     }
     q.offset.checked_add(q.length).ok_or(QueryError::Overflow)?;
     Ok(q)
-}
-
-/// Percent-encodes a query value (everything but unreserved characters).
-pub fn percent_encode(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
-fn percent_decode(s: &str) -> Option<String> {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'%' => {
-                let hex = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
-                out.push(u8::from_str_radix(hex, 16).ok()?);
-                i += 3;
-            }
-            b'+' => {
-                out.push(b' ');
-                i += 1;
-            }
-            c => {
-                out.push(c);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8(out).ok()
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ pub mod websocket;
 
 use serde_json::json;
 
-use super::routes::{parse_bool, Request};
+use super::routes::{parse_bool, OptionError, Request};
 
 /// The remote-command protocol versions, best first.
 pub const SPDY_VERSIONS: [&str; 5] = [
@@ -37,11 +37,15 @@ pub struct ExecOptions {
 }
 
 /// Parses `command`, `input`, `output`, `error`, `tty`. Errors are 400 texts.
-pub fn parse_options(req: &Request, attach: bool) -> Result<ExecOptions, String> {
-    let flag = |n: &str| -> Result<bool, String> {
+pub fn parse_options(req: &Request, attach: bool) -> Result<ExecOptions, OptionError> {
+    let flag = |n: &str| -> Result<bool, OptionError> {
         match req.query_value(n) {
             None => Ok(false),
-            Some(v) => parse_bool(v).ok_or_else(|| format!("invalid {n} value {v:?}")),
+            Some(v) => parse_bool(v).ok_or_else(|| OptionError::Invalid {
+                name: n.to_string(),
+                value: v.to_string(),
+                expected: None,
+            }),
         }
     };
     let o = ExecOptions {
@@ -56,13 +60,15 @@ pub fn parse_options(req: &Request, attach: bool) -> Result<ExecOptions, String>
         tty: flag("tty")?,
     };
     if !o.stdin && !o.stdout && !o.stderr {
-        return Err("you must specify at least 1 of stdin, stdout, stderr".into());
+        return Err(OptionError::Refused(
+            "you must specify at least 1 of stdin, stdout, stderr",
+        ));
     }
     if o.tty && o.stderr {
-        return Err("tty and stderr cannot both be true".into());
+        return Err(OptionError::Refused("tty and stderr cannot both be true"));
     }
     if !attach && o.command.is_empty() {
-        return Err("you must specify a command".into());
+        return Err(OptionError::Refused("you must specify a command"));
     }
     Ok(o)
 }

@@ -3,6 +3,8 @@
 
 use std::io::{self, Read, Write};
 
+use crate::percent::decode_lenient as percent_decode;
+
 const MAX_HEAD: usize = 64 * 1024;
 /// The real API server rejects request bodies over 3 MiB.
 pub const MAX_BODY: usize = 3 * 1024 * 1024;
@@ -201,39 +203,6 @@ pub fn parse_query(q: &str) -> Vec<(String, String)> {
             (percent_decode(k, true), percent_decode(v, true))
         })
         .collect()
-}
-
-/// Decodes %XX escapes (and '+' as space in query strings); invalid escapes stay literal.
-pub fn percent_decode(s: &str, plus_is_space: bool) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'%' if i + 2 < b.len() => {
-                let hex = std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("");
-                match u8::from_str_radix(hex, 16) {
-                    Ok(v) => {
-                        out.push(v);
-                        i += 3;
-                    }
-                    Err(_) => {
-                        out.push(b'%');
-                        i += 1;
-                    }
-                }
-            }
-            b'+' if plus_is_space => {
-                out.push(b' ');
-                i += 1;
-            }
-            c => {
-                out.push(c);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).to_string()
 }
 
 pub fn reason_phrase(code: u16) -> &'static str {

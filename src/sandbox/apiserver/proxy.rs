@@ -9,6 +9,7 @@
 use super::http::Request;
 use super::meta::ApiError;
 use super::{resources, Shared};
+use crate::percent::encode as enc;
 use rustls::{ClientConnection, ServerConnection, StreamOwned};
 use serde_json::Value;
 use std::io::{self, Read, Write};
@@ -181,19 +182,6 @@ pub fn kubelet_addr(node: &Value) -> Option<SocketAddr> {
         .parse()
         .ok()?;
     Some(SocketAddr::new(ip, port))
-}
-
-/// Percent-encodes everything but the unreserved characters.
-fn enc(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
 }
 
 /// Opens a TLS connection to the kubelet with the fake's kubelet client certificate.

@@ -1,0 +1,358 @@
+//! The watch connection: connect (TCP, TLS), send the watch request, read within a budget, parse
+//! the response head and feed the body to the decoders; how it ended is an `End`.
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mio::net::TcpStream;
+use mio::Interest;
+use rustls::pki_types::ServerName;
+use rustls::ClientConnection;
+
+use super::{PodWatch, StreamDecoder, WatchOutput};
+use crate::kube::client::{Client, WatchSession};
+use crate::kube::error::{ApiStatus, KubeError};
+use crate::percent;
+
+/// Longest accepted response head.
+const MAX_HEAD: usize = 64 << 10;
+/// Plaintext bytes one `on_ready` call decodes at most (about 30 pods of watch events): a
+/// burst of thousands of pods is spread over many short loop turns instead of one long one,
+/// and the rest waits in the socket, not as decoded pods in memory.
+const READ_BUDGET: usize = 128 * 1024;
+
+pub(super) enum Transport {
+    Plain,
+    Tls(Box<ClientConnection>),
+}
+
+pub(super) struct Conn {
+    pub(super) stream: TcpStream,
+    pub(super) transport: Transport,
+    /// Request bytes not yet written (plain transport only; TLS buffers in rustls).
+    pub(super) out: Vec<u8>,
+    pub(super) connected: bool,
+    pub(super) head: Vec<u8>,
+    pub(super) body: Option<StreamDecoder>,
+    pub(super) opened: Instant,
+    pub(super) last_byte: Instant,
+    pub(super) events: u64,
+}
+
+/// Why a connection ended.
+pub(super) enum End {
+    /// Clean end of stream (server timeout, EOF).
+    Closed,
+    /// Transport or protocol failure.
+    Failed(String),
+    /// 410 / too old resource version: relist.
+    Gone(String),
+    /// 401: refresh credentials, then retry.
+    Unauthorized(String),
+    /// 429 with optional retry-after.
+    Throttled(Option<Duration>, String),
+}
+
+impl PodWatch {
+    pub(super) fn connect(&mut self, client: &Client, now: Instant) -> Result<(), KubeError> {
+        let session: WatchSession = client.watch_session()?;
+        let addr = resolve(&session.target.host, session.target.port)
+            .map_err(|e| KubeError::Transport(format!("resolve {}: {e}", session.target.host)))?;
+        let mut stream = TcpStream::connect(addr)
+            .map_err(|e| KubeError::Transport(format!("connect {addr}: {e}")))?;
+        let request = self.request_bytes(&session);
+        let (transport, out) = match &session.tls {
+            Some(cfg) => {
+                let name = ServerName::try_from(session.target.host.clone()).map_err(|e| {
+                    KubeError::Transport(format!("server name {}: {e}", session.target.host))
+                })?;
+                let mut tls = ClientConnection::new(Arc::clone(cfg), name)
+                    .map_err(|e| KubeError::Transport(format!("TLS: {e}")))?;
+                // rustls holds plaintext written before the handshake and sends it after.
+                tls.writer()
+                    .write_all(&request)
+                    .map_err(|e| KubeError::Transport(format!("TLS buffer: {e}")))?;
+                (Transport::Tls(Box::new(tls)), Vec::new())
+            }
+            None => (Transport::Plain, request),
+        };
+        if let Some(reg) = &self.registry {
+            reg.register(
+                &mut stream,
+                self.token,
+                Interest::READABLE | Interest::WRITABLE,
+            )
+            .map_err(|e| KubeError::Transport(format!("register watch socket: {e}")))?;
+        }
+        self.stats.connects += 1;
+        self.conn = Some(Conn {
+            stream,
+            transport,
+            out,
+            connected: false,
+            head: Vec::new(),
+            body: None,
+            opened: now,
+            last_byte: now,
+            events: 0,
+        });
+        Ok(())
+    }
+
+    fn request_bytes(&self, s: &WatchSession) -> Vec<u8> {
+        let mut path = format!(
+            "{}/api/v1/pods?fieldSelector={}&watch=1&allowWatchBookmarks=true&timeoutSeconds={}",
+            s.target.base_path,
+            percent::encode(&format!("spec.nodeName={}", self.node)),
+            self.config.timeout_seconds
+        );
+        if !self.resource_version.is_empty() {
+            path.push_str("&resourceVersion=");
+            path.push_str(&percent::encode(&self.resource_version));
+        }
+        let mut req = format!(
+            "GET {path} HTTP/1.1\r\nHost: {}\r\nAccept: application/json\r\nUser-Agent: vk-cocoon/{}\r\nConnection: close\r\n",
+            s.target.host_header(),
+            env!("CARGO_PKG_VERSION")
+        );
+        if let Some(a) = &s.authorization {
+            req.push_str("Authorization: ");
+            req.push_str(a);
+            req.push_str("\r\n");
+        }
+        req.push_str("\r\n");
+        req.into_bytes()
+    }
+
+    pub(super) fn drop_conn(&mut self) {
+        if let Some(mut c) = self.conn.take() {
+            if let Some(reg) = &self.registry {
+                let _ = reg.deregister(&mut c.stream);
+            }
+        }
+    }
+
+    /// Move bytes: finish connecting, write the request, read and decode what is there.
+    pub(super) fn drive(
+        &mut self,
+        c: &mut Conn,
+        now: Instant,
+        out: &mut Vec<WatchOutput>,
+    ) -> Result<(), End> {
+        if !c.connected {
+            if let Ok(Some(e)) | Err(e) = c.stream.take_error() {
+                return Err(End::Failed(format!("connect: {e}")));
+            }
+            match c.stream.peer_addr() {
+                Ok(_) => c.connected = true,
+                Err(e) if e.kind() == io::ErrorKind::NotConnected => return Ok(()),
+                Err(e) => return Err(End::Failed(format!("connect: {e}"))),
+            }
+        }
+        let mut buf = [0u8; 32 * 1024];
+        let mut plain: Vec<u8> = Vec::new();
+        let mut eof = false;
+        let mut more = false;
+        match &mut c.transport {
+            Transport::Plain => {
+                while !c.out.is_empty() {
+                    match c.stream.write(&c.out) {
+                        Ok(0) => return Err(End::Failed("connection closed while sending".into())),
+                        Ok(n) => {
+                            c.out.drain(..n);
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e) => return Err(End::Failed(format!("send: {e}"))),
+                    }
+                }
+                loop {
+                    if plain.len() >= READ_BUDGET {
+                        more = true;
+                        break;
+                    }
+                    match c.stream.read(&mut buf) {
+                        Ok(0) => {
+                            eof = true;
+                            break;
+                        }
+                        Ok(n) => plain.extend_from_slice(&buf[..n]),
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e) => return Err(End::Failed(format!("read: {e}"))),
+                    }
+                }
+            }
+            Transport::Tls(tls) => loop {
+                // Flush whatever TLS wants to send (handshake, request).
+                while tls.wants_write() {
+                    match tls.write_tls(&mut c.stream) {
+                        Ok(_) => {}
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e) => return Err(End::Failed(format!("send: {e}"))),
+                    }
+                }
+                let got = match tls.read_tls(&mut c.stream) {
+                    Ok(0) => {
+                        eof = true;
+                        0
+                    }
+                    Ok(n) => n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(End::Failed(format!("read: {e}"))),
+                };
+                let state = tls
+                    .process_new_packets()
+                    .map_err(|e| End::Failed(format!("TLS: {e}")))?;
+                let mut avail = state.plaintext_bytes_to_read();
+                while avail > 0 {
+                    let n = tls
+                        .reader()
+                        .read(&mut buf[..avail.min(32 * 1024)])
+                        .map_err(|e| End::Failed(format!("TLS read: {e}")))?;
+                    if n == 0 {
+                        break;
+                    }
+                    avail -= n;
+                    plain.extend_from_slice(&buf[..n]);
+                }
+                if state.peer_has_closed() {
+                    eof = true;
+                }
+                if !eof && got > 0 && plain.len() >= READ_BUDGET {
+                    more = true;
+                    break;
+                }
+                if got == 0 || eof {
+                    // Flush again: processing may have queued alerts or key updates.
+                    while tls.wants_write() {
+                        match tls.write_tls(&mut c.stream) {
+                            Ok(_) => {}
+                            Err(_) => break,
+                        }
+                    }
+                    break;
+                }
+            },
+        }
+        self.read_more = more;
+        if !plain.is_empty() {
+            self.consume(c, &plain, now, out)?;
+        }
+        if eof {
+            if let Some(d) = c.body.as_mut() {
+                let mut lines = Vec::new();
+                d.finish(&mut |l| lines.push(l.to_vec()));
+                for l in lines {
+                    self.apply_line(c, &l, out)?;
+                }
+            }
+            return Err(if c.body.is_some() {
+                End::Closed
+            } else {
+                End::Failed("connection closed before a response".into())
+            });
+        }
+        if c.body.as_ref().is_some_and(|d| d.finished()) {
+            return Err(End::Closed);
+        }
+        Ok(())
+    }
+
+    /// Plaintext from the server: response head first, then the body.
+    fn consume(
+        &mut self,
+        c: &mut Conn,
+        mut data: &[u8],
+        now: Instant,
+        out: &mut Vec<WatchOutput>,
+    ) -> Result<(), End> {
+        c.last_byte = now;
+        if c.body.is_none() {
+            c.head.extend_from_slice(data);
+            let mut headers = [httparse::EMPTY_HEADER; 64];
+            let mut resp = httparse::Response::new(&mut headers);
+            let used = match resp.parse(&c.head) {
+                Ok(httparse::Status::Complete(n)) => n,
+                Ok(httparse::Status::Partial) => {
+                    if c.head.len() > MAX_HEAD {
+                        return Err(End::Failed("response head too large".into()));
+                    }
+                    return Ok(());
+                }
+                Err(e) => return Err(End::Failed(format!("bad response head: {e}"))),
+            };
+            let code = resp.code.unwrap_or(0);
+            let header = |name: &str| {
+                resp.headers
+                    .iter()
+                    .find(|h| h.name.eq_ignore_ascii_case(name))
+                    .map(|h| String::from_utf8_lossy(h.value).into_owned())
+            };
+            let chunked = header("Transfer-Encoding")
+                .is_some_and(|v| v.to_ascii_lowercase().contains("chunked"));
+            let retry_after =
+                crate::kube::error::parse_retry_after(header("Retry-After").as_deref());
+            if code != 200 {
+                let body = String::from_utf8_lossy(&c.head[used..]).into_owned();
+                let status = ApiStatus::from_body(code, body.as_bytes());
+                return Err(match code {
+                    410 => End::Gone(format!("watch answered 410: {}", status.message)),
+                    401 => End::Unauthorized(format!("watch answered 401: {}", status.message)),
+                    429 => End::Throttled(
+                        retry_after,
+                        format!("watch answered 429: {}", status.message),
+                    ),
+                    _ => End::Failed(format!("watch answered HTTP {code}: {}", status.message)),
+                });
+            }
+            self.failures = 0;
+            let head = std::mem::take(&mut c.head);
+            c.body = Some(StreamDecoder::new(chunked));
+            data = &[];
+            let rest = head[used..].to_vec();
+            if !rest.is_empty() {
+                return self.consume_body(c, &rest, out);
+            }
+        }
+        self.consume_body(c, data, out)
+    }
+
+    fn consume_body(
+        &mut self,
+        c: &mut Conn,
+        data: &[u8],
+        out: &mut Vec<WatchOutput>,
+    ) -> Result<(), End> {
+        let Some(dec) = c.body.as_mut() else {
+            return Ok(());
+        };
+        let mut lines: Vec<Vec<u8>> = Vec::new();
+        let mut end: Option<End> = None;
+        let fed = dec.feed(data, &mut |l| lines.push(l.to_vec()));
+        for l in lines {
+            if let Err(e) = self.apply_line(c, &l, out) {
+                end = Some(e);
+                break;
+            }
+        }
+        if let Some(e) = end {
+            return Err(e);
+        }
+        fed.map_err(|e| End::Failed(format!("bad chunked body: {e}")))
+    }
+}
+
+fn resolve(host: &str, port: u16) -> io::Result<SocketAddr> {
+    if let Ok(ip) = host.parse::<std::net::IpAddr>() {
+        return Ok(SocketAddr::new(ip, port));
+    }
+    (host, port)
+        .to_socket_addrs()?
+        .next()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no address"))
+}
