@@ -17,14 +17,12 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use super::{ChildRole, Daemon, Work};
-use crate::kube::events::EventType as KubeEventType;
 use crate::kube::{Client, KubeError as ApiError};
 use crate::kubelet::{AuthAnswer, AuthRequest, UserInfo};
 use crate::metrics::Metrics;
 use crate::probes::ProbeTarget;
 use crate::provider::{
-    CocoonResult, Effect, EventType, HibernateTag, Input, KubeError, MetricUpdate, OpId, PodKey,
-    SourceVerdict,
+    CocoonResult, Effect, HibernateTag, Input, KubeError, MetricUpdate, OpId, PodKey, SourceVerdict,
 };
 use crate::reactor::ChildExit;
 use crate::snapshots::cocoon_child::transfer_error;
@@ -151,14 +149,10 @@ impl Daemon {
                 message,
             } => {
                 let pod = pod_ref(&key, &uid);
-                let kind = match type_ {
-                    EventType::Normal => KubeEventType::Normal,
-                    EventType::Warning => KubeEventType::Warning,
-                };
                 log::info!("event {} {key}: {reason}: {message}", type_.as_str());
                 let now = self.reactor.now();
                 self.events
-                    .record(&pod, kind, reason, &message, now, crate::wall_clock::now());
+                    .record(&pod, type_, reason, &message, now, crate::wall_clock::now());
             }
             Effect::StartProbe {
                 key,
