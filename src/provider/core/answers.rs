@@ -14,7 +14,7 @@ impl Provider {
         step: &dyn std::fmt::Debug,
         res: &Res,
     ) {
-        let Some(op) = self.slots.get(key).and_then(|s| s.op.clone()) else {
+        let Some(op) = self.slots.get(key).and_then(|s| s.op().cloned()) else {
             return;
         };
         let msg = format!(
@@ -84,7 +84,7 @@ impl Provider {
             return; // stale (op was preempted)
         }
         slot.awaiting = None;
-        match slot.op.clone() {
+        match slot.op().cloned() {
             Some(Op::Create(_)) => self.create_step(key, res),
             Some(Op::Delete(_)) => self.delete_step(key, res),
             Some(Op::Evict(_)) => self.evict_step(key, res),
@@ -299,7 +299,7 @@ impl Provider {
         if slot.retry_at.map(|t| t <= self.now).unwrap_or(false) {
             slot.retry_at = None;
         }
-        match slot.op.clone() {
+        match slot.op().cloned() {
             None => self.reconcile_slot(key),
             Some(Op::ReadyWait { .. }) => self.ready_wait_poll(key),
             Some(Op::PostClone(_)) => self.post_clone_timer(key),

@@ -73,17 +73,20 @@ impl Provider {
         }
         // Adopt an existing VM of this name.
         if let Some(vm) = self.by_name.get(&spec.vm_name).cloned() {
-            self.slot(key).op = Some(Op::Create(Box::new(CreateOp {
-                uid: uid.clone(),
-                spec: spec.clone(),
-                step: CreateStep::Boot,
-                started: self.now,
-                local_snapshot: String::new(),
-                snapshot_image: String::new(),
-                vm: None,
-                vm_event_meanwhile: None,
-                adopted: false,
-            })));
+            self.start_op(
+                key,
+                Op::Create(Box::new(CreateOp {
+                    uid: uid.clone(),
+                    spec: spec.clone(),
+                    step: CreateStep::Boot,
+                    started: self.now,
+                    local_snapshot: String::new(),
+                    snapshot_image: String::new(),
+                    vm: None,
+                    vm_event_meanwhile: None,
+                    adopted: false,
+                })),
+            );
             self.lifecycle_metric("create", "ok", "adopted");
             return self.vm_up(key, vm, true);
         }
@@ -94,20 +97,23 @@ impl Provider {
                     spec.vm_name,
                     spec::CONTRACT_HINT
                 );
-                self.slot(key).op = None;
+                self.slot(key).finish_op();
                 return self.fail_create(key, &uid, &msg, false);
             }
-            self.slot(key).op = Some(Op::Create(Box::new(CreateOp {
-                uid,
-                spec: spec.clone(),
-                step: CreateStep::UnmanagedInspect,
-                started: self.now,
-                local_snapshot: String::new(),
-                snapshot_image: String::new(),
-                vm: None,
-                vm_event_meanwhile: None,
-                adopted: false,
-            })));
+            self.start_op(
+                key,
+                Op::Create(Box::new(CreateOp {
+                    uid,
+                    spec: spec.clone(),
+                    step: CreateStep::UnmanagedInspect,
+                    started: self.now,
+                    local_snapshot: String::new(),
+                    snapshot_image: String::new(),
+                    vm: None,
+                    vm_event_meanwhile: None,
+                    adopted: false,
+                })),
+            );
             if let Some(t) = self.slot(key).tracked.as_mut() {
                 t.ip = spec.vm_ip.clone();
             }
@@ -141,7 +147,7 @@ impl Provider {
             adopted: false,
         };
         let first = op.step.clone();
-        self.slot(key).op = Some(Op::Create(Box::new(op)));
+        self.start_op(key, Op::Create(Box::new(op)));
         match first {
             // A retry after a failure: a previous attempt may have left a VM (hung clone).
             CreateStep::InspectByName => self.advance(
@@ -424,7 +430,7 @@ impl Provider {
         };
         let pulling = puller != key
             && self.slots.get(puller).is_some_and(|s| {
-                matches!(&s.op, Some(Op::Create(c))
+                matches!(s.op(), Some(Op::Create(c))
                     if matches!(c.step, CreateStep::ImageTag | CreateStep::PullSnapshot)
                         && c.local_snapshot == local)
             });
@@ -534,7 +540,7 @@ impl Provider {
     }
 
     pub(super) fn create_op(&mut self, key: &PodKey) -> Option<&mut CreateOp> {
-        match self.slots.get_mut(key)?.op.as_mut()? {
+        match self.slots.get_mut(key)?.op_mut()? {
             Op::Create(c) => Some(c),
             _ => None,
         }

@@ -8,7 +8,7 @@ impl Provider {
 
     pub(super) fn start_api_delete(&mut self, key: &PodKey, uid: &str) {
         let uid = uid.to_string();
-        self.slot(key).op = Some(Op::ApiDelete { uid: uid.clone() });
+        self.start_op(key, Op::ApiDelete { uid: uid.clone() });
         self.pod_effect(key, |op| Effect::DeletePod {
             op,
             key: key.clone(),
@@ -40,7 +40,7 @@ impl Provider {
         // record that a VM is owed removal; a crash after a force-delete and before `vm rm`
         // would leave the VM for good (with the alert orphan policy) or to an orphan sweep
         // that may not run. A terminating pod waiting for its VM costs only time.
-        slot.op = Some(Op::Delete(DeleteOp {
+        slot.start_op(Op::Delete(DeleteOp {
             uid: t.uid.clone(),
             step: DeleteStep::ApiFirst,
             vm_name: t.spec.vm_name.clone(),
@@ -125,7 +125,7 @@ impl Provider {
             if !by_id && t.spec.vm_id != t.spec.vm_name && lookup_reference_ok(&t.spec.vm_id) {
                 return self.find_vm_for_delete(key, t, true);
             }
-            if let Some(Op::Delete(d)) = self.slot(key).op.as_mut() {
+            if let Some(Op::Delete(d)) = self.slot(key).op_mut() {
                 d.looked_up = true;
             }
             // No VM of the pod's name: none is owned under it either.
@@ -161,7 +161,7 @@ impl Provider {
         let Some(slot) = self.slots.get(key) else {
             return;
         };
-        let (Some(Op::Delete(d)), Some(t)) = (slot.op.clone(), slot.tracked.clone()) else {
+        let (Some(Op::Delete(d)), Some(t)) = (slot.op().cloned(), slot.tracked.clone()) else {
             return;
         };
         if let DeleteStep::FindVmWait { by_id } = d.step {
@@ -174,7 +174,7 @@ impl Provider {
         let Some(t) = slot.tracked.clone() else {
             return;
         };
-        let Some(Op::Delete(d)) = slot.op.clone() else {
+        let Some(Op::Delete(d)) = slot.op().cloned() else {
             return;
         };
         if !t.spec.managed {
@@ -217,9 +217,9 @@ impl Provider {
         let Some(slot) = self.slots.get(key) else {
             return;
         };
-        let (Some(Op::Delete(d)), Some(t)) = (slot.op.clone(), slot.tracked.clone()) else {
+        let (Some(Op::Delete(d)), Some(t)) = (slot.op().cloned(), slot.tracked.clone()) else {
             // Tracking vanished (forgotten): only ApiLast can remain.
-            if let Some(Op::Delete(d)) = slot.op.clone() {
+            if let Some(Op::Delete(d)) = slot.op().cloned() {
                 self.api_delete_result(key, d.uid, res);
             }
             return;
@@ -491,7 +491,7 @@ impl Provider {
                 self.slot(key).idle = Idle::ApiDeleted(d.uid.clone());
                 // The op stays until the API answers so the slot is not re-driven meanwhile.
                 let (uid, pod) = (d.uid.clone(), key.clone());
-                self.slot(key).op = Some(Op::Delete(d.clone()));
+                self.start_op(key, Op::Delete(d.clone()));
                 let ask = Ask::effect(move |op| Effect::DeletePod {
                     op,
                     key: pod,
@@ -511,8 +511,7 @@ impl Provider {
         let now = self.now;
         let failures = {
             let slot = self.slot(key);
-            slot.op = None;
-            slot.awaiting = None;
+            slot.drop_op();
             if failed {
                 slot.idle.undo_api_delete();
                 slot.failures += 1;
@@ -543,8 +542,7 @@ impl Provider {
         let now = self.now;
         let failures = {
             let slot = self.slot(key);
-            slot.op = None;
-            slot.awaiting = None;
+            slot.drop_op();
             slot.failures += 1;
             slot.failures
         };

@@ -66,7 +66,7 @@ impl Provider {
         let slot = self.slot(key);
         slot.awaiting = None;
         slot.timer = None;
-        slot.op = Some(Op::Hibernate(Box::new(HibernateOp {
+        slot.start_op(Op::Hibernate(Box::new(HibernateOp {
             uid: t.uid.clone(),
             vm: vm.clone(),
             step: HibernateStep::Save { retried: false },
@@ -97,14 +97,14 @@ impl Provider {
 
     fn hibernate_op(&self, key: &PodKey) -> Option<(HibernateOp, Tracked)> {
         let slot = self.slots.get(key)?;
-        match (&slot.op, &slot.tracked) {
+        match (slot.op(), &slot.tracked) {
             (Some(Op::Hibernate(h)), Some(t)) if t.uid == h.uid => Some(((**h).clone(), t.clone())),
             _ => None,
         }
     }
 
     fn hibernate_mut(&mut self, key: &PodKey) -> Option<&mut HibernateOp> {
-        match self.slots.get_mut(key)?.op.as_mut()? {
+        match self.slots.get_mut(key)?.op_mut()? {
             Op::Hibernate(h) => Some(h),
             _ => None,
         }
@@ -465,7 +465,7 @@ impl Provider {
         };
         self.event(key, &t.uid, EventType::Normal, "Hibernated", msg);
         self.lifecycle_metric("update", "ok", "");
-        self.slot(key).op = None;
+        self.slot(key).finish_op();
         self.push_status(key, false);
         self.reconcile_slot(key);
     }
@@ -522,7 +522,7 @@ impl Provider {
         if failure.reason == WITHDRAWN {
             log::info!("provider: {key}: {}", failure.message);
             let slot = self.slot(key);
-            slot.op = None;
+            slot.finish_op();
             slot.update_retry = None;
             self.set_lifecycle(key, State::Creating, "");
             self.publish_ready(key);

@@ -463,7 +463,7 @@ impl Provider {
     /// Moves the pod's op to `step` and issues the effect that step waits on, in one call: a
     /// step is never set without its question, nor a question asked for a step not set.
     fn advance(&mut self, key: &PodKey, step: impl Into<Step>, ask: Ask) {
-        match (self.slot(key).op.as_mut(), step.into()) {
+        match (self.slot(key).op_mut(), step.into()) {
             (Some(Op::Create(c)), Step::Create(s)) => c.step = s,
             (Some(Op::Delete(d)), Step::Delete(s)) => d.step = s,
             (Some(Op::Evict(e)), Step::Evict(s)) => e.step = s,
@@ -665,7 +665,7 @@ impl Provider {
                     _ => false,
                 }
         };
-        match &slot.op {
+        match slot.op() {
             None => self.reconcile_slot(key),
             Some(Op::Hibernate(_) | Op::Wake(_))
                 if slot.latest.as_ref().is_none_or(|l| {
@@ -709,13 +709,15 @@ impl Provider {
         }
     }
 
+    /// Starts `op` on the pod (see `Slot::start_op`).
+    fn start_op(&mut self, key: &PodKey, op: Op) {
+        self.slot(key).start_op(op);
+    }
+
     /// End the current op (if any) and re-evaluate.
     fn end_op(&mut self, key: &PodKey) {
         if let Some(slot) = self.slots.get_mut(key) {
-            slot.op = None;
-            slot.awaiting = None;
-            slot.deferred = None;
-            slot.timer = None;
+            slot.clear_op();
         }
         self.reconcile_slot(key);
     }
@@ -725,7 +727,7 @@ impl Provider {
         let Some(slot) = self.slots.get(key) else {
             return;
         };
-        if slot.op.is_some() {
+        if slot.op().is_some() {
             return;
         }
         let latest = slot.latest.clone();
@@ -833,7 +835,7 @@ impl Provider {
                             || (vm.id.is_empty() && v.name == vm.name && !vm.name.is_empty())
                     })
                     .unwrap_or(false);
-                let creating = matches!(&s.op, Some(Op::Create(c))
+                let creating = matches!(s.op(), Some(Op::Create(c))
                     if !vm.name.is_empty() && c.spec.vm_name == vm.name);
                 tracked || creating
             })

@@ -571,7 +571,9 @@ pub(super) struct Slot {
     pub(super) latest: Option<Arc<Pod>>,
     pub(super) tracked: Option<Tracked>,
     pub(super) intent: Option<Intent>,
-    pub(super) op: Option<Op>,
+    /// The running op. Private: it starts, hands over and ends only through the functions of
+    /// `impl Slot` below, so what an op's end forgets is decided in one place.
+    op: Option<Op>,
     pub(super) awaiting: Option<OpId>,
     /// (due, token); a fired timer whose token differs is stale.
     pub(super) timer: Option<(Instant, u64)>,
@@ -595,6 +597,58 @@ pub(super) struct Slot {
     /// Annotations of an incarnation (uid) that ride on its next annotation patch instead of
     /// a write of their own (post-clone-state `done`, see `kube_writes.rs`).
     pub(super) owed_annotations: Option<(String, BTreeMap<String, Option<String>>)>,
+}
+
+impl Slot {
+    /// The running op, if any.
+    pub(super) fn op(&self) -> Option<&Op> {
+        self.op.as_ref()
+    }
+
+    /// The running op, to move it on (its step, its counters).
+    pub(super) fn op_mut(&mut self) -> Option<&mut Op> {
+        self.op.as_mut()
+    }
+
+    /// Starts `op` on the pod. An op still running is replaced: that is how one op hands the
+    /// pod to its follow-up (a create to its restore or to its wait for Ready) keeping what
+    /// it waits on.
+    pub(super) fn start_op(&mut self, op: Op) {
+        self.op = Some(op);
+    }
+
+    /// Starts `op` in place of the running one, whose outstanding answer and timer are
+    /// forgotten: a late answer finds nothing waiting and is dropped.
+    pub(super) fn replace_op(&mut self, op: Op) {
+        self.forget_waits();
+        self.op = Some(op);
+    }
+
+    /// Ends the running op from its own last answer: nothing is outstanding any more, and a
+    /// timer the op armed (a retry) stays armed.
+    pub(super) fn finish_op(&mut self) {
+        self.op = None;
+    }
+
+    /// Ends the running op and forgets the answer it waits on; its timer (a retry the caller
+    /// arms, or one still due) stays.
+    pub(super) fn drop_op(&mut self) {
+        self.op = None;
+        self.awaiting = None;
+        self.deferred = None;
+    }
+
+    /// Ends the running op and forgets everything it waits on: its answer and its timer.
+    pub(super) fn clear_op(&mut self) {
+        self.op = None;
+        self.forget_waits();
+    }
+
+    fn forget_waits(&mut self) {
+        self.awaiting = None;
+        self.deferred = None;
+        self.timer = None;
+    }
 }
 
 /// What an outstanding effect result is for.

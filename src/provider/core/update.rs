@@ -239,8 +239,7 @@ impl Provider {
         let now = self.now;
         let due = {
             let slot = self.slot(key);
-            slot.op = None;
-            slot.awaiting = None;
+            slot.drop_op();
             let delay = match slot.update_retry {
                 Some((d, _)) => (d * 2).min(UPDATE_RETRY_MAX),
                 None => UPDATE_RETRY_FIRST,

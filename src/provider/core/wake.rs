@@ -29,24 +29,19 @@ impl Provider {
         let Some(t) = self.slots.get(key).and_then(|s| s.tracked.clone()) else {
             return;
         };
-        let started = match self.slots.get(key).and_then(|s| s.op.as_ref()) {
+        let started = match self.slots.get(key).and_then(|s| s.op()) {
             Some(Op::Create(c)) => c.started,
             _ => self.now,
         };
-        {
-            let slot = self.slot(key);
-            slot.awaiting = None;
-            slot.timer = None;
-            slot.op = Some(Op::Wake(Box::new(WakeOp {
-                uid: t.uid.clone(),
-                spec: t.spec.clone(),
-                step: WakeStep::LocalInspect,
-                started,
-                restore,
-                tag: None,
-                source_label: String::new(),
-            })));
-        }
+        self.slot(key).replace_op(Op::Wake(Box::new(WakeOp {
+            uid: t.uid.clone(),
+            spec: t.spec.clone(),
+            step: WakeStep::LocalInspect,
+            started,
+            restore,
+            tag: None,
+            source_label: String::new(),
+        })));
         self.set_lifecycle(key, State::Creating, "");
         if !restore {
             // Stale id / ip of the VM that was removed at hibernate.
@@ -78,7 +73,7 @@ impl Provider {
 
     fn wake_op(&self, key: &PodKey) -> Option<WakeOp> {
         let slot = self.slots.get(key)?;
-        match (&slot.op, &slot.tracked) {
+        match (slot.op(), &slot.tracked) {
             (Some(Op::Wake(w)), Some(t)) if t.uid == w.uid => Some((**w).clone()),
             _ => None,
         }
@@ -326,7 +321,7 @@ impl Provider {
     }
 
     fn wake_set_tag(&mut self, key: &PodKey, tag: Option<HibernateTag>) {
-        if let Some(Some(Op::Wake(w))) = self.slots.get_mut(key).map(|s| s.op.as_mut()) {
+        if let Some(Some(Op::Wake(w))) = self.slots.get_mut(key).map(|s| s.op_mut()) {
             w.tag = tag;
         }
     }
@@ -412,7 +407,7 @@ impl Provider {
             // The NIC was dropped before the save: the clone brings one back.
             args.nics = Some(1);
         }
-        if let Some(Op::Wake(w)) = self.slot(key).op.as_mut() {
+        if let Some(Op::Wake(w)) = self.slot(key).op_mut() {
             w.source_label = label;
         }
         self.advance(
@@ -441,9 +436,7 @@ impl Provider {
         let latest = self.slots.get(key).and_then(|s| s.latest.clone());
         {
             let slot = self.slot(key);
-            slot.op = None;
-            slot.awaiting = None;
-            slot.timer = None;
+            slot.clear_op();
         }
         self.forget(key, false);
         match latest {
