@@ -85,14 +85,16 @@ impl Provider {
         }
         slot.awaiting = None;
         match slot.op().cloned() {
-            Some(Op::Create(_)) => self.create_step(key, res),
+            // Each op gets the answer with its own state (and so its own step type); the
+            // others look their op up, with the checks it needs (its incarnation, its VM).
+            Some(Op::Create(c)) => self.create_step(key, *c, res),
             Some(Op::Delete(_)) => self.delete_step(key, res),
-            Some(Op::Evict(_)) => self.evict_step(key, res),
-            Some(Op::Check(_)) => self.check_step(key, res),
+            Some(Op::Evict(e)) => self.evict_step(key, e, res),
+            Some(Op::Check(c)) => self.check_step(key, c, res),
             Some(Op::Hibernate(_)) => self.hibernate_step(key, res),
             Some(Op::Wake(_)) => self.wake_step(key, res),
             Some(Op::ConfirmHibernated(_)) => self.confirm_hibernated_step(key, res),
-            Some(Op::PostClone(_)) => self.post_clone_step(key, res),
+            Some(Op::PostClone(p)) => self.post_clone_step(key, &p, res),
             Some(Op::MacosWatch(_)) => self.macos_watch_step(key, res),
             Some(Op::Classify(_)) => self.classify_step(key, res),
             Some(Op::ReadyWait { .. }) => match res {

@@ -103,10 +103,8 @@ impl Provider {
         self.set_pod_timer(key, at);
     }
 
-    pub(super) fn check_step(&mut self, key: &PodKey, res: Res) {
-        let Some(Op::Check(c)) = self.slots.get(key).and_then(|s| s.op().cloned()) else {
-            return;
-        };
+    /// An answer to the running check `c`.
+    pub(super) fn check_step(&mut self, key: &PodKey, c: CheckOp, res: Res) {
         let r = match res {
             Res::Cocoon(r) => r,
             other => return self.unexpected_answer(key, &c.step, &other),

@@ -546,11 +546,8 @@ impl Provider {
         }
     }
 
-    pub(super) fn create_step(&mut self, key: &PodKey, res: Res) {
-        let Some(c) = self.create_op(key) else {
-            return;
-        };
-        let c = c.clone();
+    /// An answer to the running create `c` (the op as it stands in the slot).
+    pub(super) fn create_step(&mut self, key: &PodKey, c: CreateOp, res: Res) {
         let spec = &c.spec;
         let superseded = self.slots.get(key).is_some_and(|s| {
             s.latest

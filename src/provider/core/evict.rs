@@ -74,10 +74,8 @@ impl Provider {
         self.advance(key, EvictStep::Delete, ask);
     }
 
-    pub(super) fn evict_step(&mut self, key: &PodKey, res: Res) {
-        let Some(Op::Evict(e)) = self.slot(key).op().cloned() else {
-            return;
-        };
+    /// An answer to the running eviction `e`.
+    pub(super) fn evict_step(&mut self, key: &PodKey, e: EvictOp, res: Res) {
         match (e.step, res) {
             (EvictStep::Remove, Res::Cocoon(r)) => {
                 if !r.success && !r.vm_not_found() {

@@ -462,23 +462,16 @@ impl Provider {
     /// Issue a cocoon call the pod's op waits for.
     /// Moves the pod's op to `step` and issues the effect that step waits on, in one call: a
     /// step is never set without its question, nor a question asked for a step not set.
-    fn advance(&mut self, key: &PodKey, step: impl Into<Step>, ask: Ask) {
-        match (self.slot(key).op_mut(), step.into()) {
-            (Some(Op::Create(c)), Step::Create(s)) => c.step = s,
-            (Some(Op::Delete(d)), Step::Delete(s)) => d.step = s,
-            (Some(Op::Evict(e)), Step::Evict(s)) => e.step = s,
-            (Some(Op::Check(c)), Step::Check(s)) => c.step = s,
-            (Some(Op::Hibernate(h)), Step::Hibernate(s)) => h.step = s,
-            (Some(Op::Wake(w)), Step::Wake(s)) => w.step = s,
-            (Some(Op::ConfirmHibernated(c)), Step::ConfirmHibernated(s)) => c.step = s,
-            (Some(Op::PostClone(p)), Step::PostClone(s)) => p.step = s,
-            (Some(Op::MacosWatch(w)), Step::MacosWatch(s)) => w.step = s,
-            (Some(Op::Classify(c)), Step::Classify(s)) => c.step = s,
-            // A bug, not an input. The question is still asked: whichever op its answer then
-            // reaches fails through `unexpected_answer` with a retry instead of stalling.
-            (_, step) => {
-                log::warn!("provider: {key}: step {step:?} does not belong to the running op")
-            }
+    fn advance<S: OpStep>(&mut self, key: &PodKey, step: S, ask: Ask) {
+        match self.slot(key).op_mut().and_then(S::of) {
+            Some(s) => *s = step,
+            // A bug, not an input: the op of this step's kind has ended. The question is
+            // still asked: whichever op its answer then reaches fails through
+            // `unexpected_answer` with a retry instead of stalling.
+            None => log::warn!(
+                "provider: {key}: step {step:?} set with no {} op running",
+                S::OP
+            ),
         }
         match ask {
             Ask::Recorded(changes, then) => self.pod_record_then(key, changes, then),

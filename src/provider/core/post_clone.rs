@@ -179,10 +179,7 @@ impl Provider {
     }
 
     /// The answer of an attempt.
-    pub(super) fn post_clone_step(&mut self, key: &PodKey, res: Res) {
-        let Some(p) = self.post_clone_op(key) else {
-            return;
-        };
+    pub(super) fn post_clone_step(&mut self, key: &PodKey, p: &PostCloneOp, res: Res) {
         let step = p.step;
         if step == PostCloneStep::Sac {
             return match res {

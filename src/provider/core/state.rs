@@ -765,79 +765,43 @@ pub(super) struct Adoption {
     pub(super) kicks: Option<std::collections::VecDeque<PodKey>>,
 }
 
-/// The step an op moves to. [`Provider::advance`] sets it together with the effect it waits on.
-#[derive(Debug, Clone)]
-pub(super) enum Step {
-    Create(CreateStep),
-    Delete(DeleteStep),
-    Evict(EvictStep),
-    Check(CheckStep),
-    Hibernate(HibernateStep),
-    Wake(WakeStep),
-    ConfirmHibernated(ConfirmStep),
-    PostClone(PostCloneStep),
-    MacosWatch(MacosWatchStep),
-    Classify(ClassifyStep),
+/// The step type of one op kind. Each op kind carries its own step enum, and this is the one
+/// place that pairs them: a step reaches only the op of its own kind (`Provider::advance`
+/// takes any `OpStep`, and `of` finds that op's step field), so setting a step of another
+/// operation on the running one cannot be written.
+pub(super) trait OpStep: std::fmt::Debug {
+    /// The op kind this step belongs to, for messages.
+    const OP: &'static str;
+    /// The step field of `op` when `op` is of this step's kind.
+    fn of(op: &mut Op) -> Option<&mut Self>;
 }
 
-impl From<ClassifyStep> for Step {
-    fn from(s: ClassifyStep) -> Step {
-        Step::Classify(s)
-    }
+/// Pairs each op kind with its step enum.
+macro_rules! op_steps {
+    ($($kind:ident => $step:ty,)*) => {$(
+        impl OpStep for $step {
+            const OP: &'static str = stringify!($kind);
+            fn of(op: &mut Op) -> Option<&mut Self> {
+                match op {
+                    Op::$kind(o) => Some(&mut o.step),
+                    _ => None,
+                }
+            }
+        }
+    )*};
 }
 
-impl From<MacosWatchStep> for Step {
-    fn from(s: MacosWatchStep) -> Step {
-        Step::MacosWatch(s)
-    }
-}
-
-impl From<ConfirmStep> for Step {
-    fn from(s: ConfirmStep) -> Step {
-        Step::ConfirmHibernated(s)
-    }
-}
-
-impl From<PostCloneStep> for Step {
-    fn from(s: PostCloneStep) -> Step {
-        Step::PostClone(s)
-    }
-}
-
-impl From<HibernateStep> for Step {
-    fn from(s: HibernateStep) -> Step {
-        Step::Hibernate(s)
-    }
-}
-
-impl From<WakeStep> for Step {
-    fn from(s: WakeStep) -> Step {
-        Step::Wake(s)
-    }
-}
-
-impl From<CreateStep> for Step {
-    fn from(s: CreateStep) -> Step {
-        Step::Create(s)
-    }
-}
-
-impl From<DeleteStep> for Step {
-    fn from(s: DeleteStep) -> Step {
-        Step::Delete(s)
-    }
-}
-
-impl From<EvictStep> for Step {
-    fn from(s: EvictStep) -> Step {
-        Step::Evict(s)
-    }
-}
-
-impl From<CheckStep> for Step {
-    fn from(s: CheckStep) -> Step {
-        Step::Check(s)
-    }
+op_steps! {
+    Create => CreateStep,
+    Delete => DeleteStep,
+    Evict => EvictStep,
+    Check => CheckStep,
+    Hibernate => HibernateStep,
+    Wake => WakeStep,
+    ConfirmHibernated => ConfirmStep,
+    PostClone => PostCloneStep,
+    MacosWatch => MacosWatchStep,
+    Classify => ClassifyStep,
 }
 
 /// What a step waits on: the effect issued when the step is set.
