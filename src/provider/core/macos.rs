@@ -92,17 +92,12 @@ impl Provider {
         let name = spec.vm_name.clone();
         self.start_op(
             key,
-            Op::Create(Box::new(CreateOp {
+            Op::Create(Box::new(CreateOp::new(
                 uid,
                 spec,
-                step: CreateStep::MacosInspect,
-                started: self.now,
-                local_snapshot: String::new(),
-                snapshot_image: String::new(),
-                vm: None,
-                vm_event_meanwhile: None,
-                adopted: false,
-            })),
+                CreateStep::MacosInspect,
+                self.now,
+            ))),
         );
         self.advance(
             key,

@@ -99,6 +99,23 @@ pub(super) struct CreateOp {
     pub(super) adopted: bool,
 }
 
+impl CreateOp {
+    /// A create of `spec` for incarnation `uid`, at its first step.
+    pub(super) fn new(uid: String, spec: VmSpec, step: CreateStep, started: Instant) -> Self {
+        CreateOp {
+            uid,
+            spec,
+            step,
+            started,
+            local_snapshot: String::new(),
+            snapshot_image: String::new(),
+            vm: None,
+            vm_event_meanwhile: None,
+            adopted: false,
+        }
+    }
+}
+
 /// A fork-snapshot flight's step: ensuring `fork-<source>` exists.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum ForkStep {
