@@ -230,107 +230,14 @@ impl Provider {
                 self.found_vm_for_delete(key, &t, by_id, r)
             }
             (DeleteStep::SettleCreating { by_id }, Res::Cocoon(r)) => {
-                let outcome = if r.success {
-                    parse_stale_outcome(&r.stdout).ok()
-                } else {
-                    None
-                };
-                match outcome {
-                    // The record is gone or became a VM: look again (and remove what landed).
-                    Some(
-                        StaleCreateOutcome::Collected
-                        | StaleCreateOutcome::NotFound
-                        | StaleCreateOutcome::NotCreating,
-                    ) => self.find_vm_for_delete(key, &t, by_id),
-                    // A create still runs (or cocoon could not say): wait for it.
-                    _ => {
-                        let at = self.now + INSPECT_RETRY;
-                        self.advance(key, DeleteStep::FindVmWait { by_id }, Ask::Timer(at))
-                    }
-                }
+                self.delete_settled_creating(key, &t, by_id, r)
             }
-            (DeleteStep::Inspect, Res::Cocoon(r)) => {
-                if r.vm_not_found() {
-                    return self.advance(
-                        key,
-                        DeleteStep::Rm,
-                        Ask::Cocoon(CocoonCmd::VmRm { id: vm.id }),
-                    );
-                }
-                let parsed = if r.success {
-                    parse_vm(&r.stdout).ok()
-                } else {
-                    None
-                };
-                match parsed {
-                    None => self.delete_failed(
-                        key,
-                        &format!("inspect vm {} before delete: {}", vm.id, r.error_text()),
-                    ),
-                    Some(v) if v.running() => self.delete_save(key, &t, &d, false),
-                    Some(_) => self.advance(
-                        key,
-                        DeleteStep::Rm,
-                        Ask::Cocoon(CocoonCmd::VmRm { id: vm.id }),
-                    ),
-                }
-            }
+            (DeleteStep::Inspect, Res::Cocoon(r)) => self.delete_inspected(key, &t, &d, r),
             (DeleteStep::Save { retried }, Res::Cocoon(r)) => {
-                if r.success {
-                    self.metric(MetricUpdate::SnapshotSave { result: "ok" });
-                    // Whose `<vm>:latest` the push would replace, first.
-                    let (repo, tag) = (d.vm_name.clone(), "latest".to_string());
-                    let ask = Ask::effect(|op| Effect::ReadSnapshotTag { op, repo, tag });
-                    return self.advance(key, DeleteStep::PushCheck, ask);
-                }
-                if r.name_taken() && !retried {
-                    return self.advance(
-                        key,
-                        DeleteStep::RmHolder,
-                        Ask::Cocoon(CocoonCmd::SnapshotRm {
-                            name: d.vm_name.clone(),
-                        }),
-                    );
-                }
-                self.metric(MetricUpdate::SnapshotSave { result: "failed" });
-                self.delete_failed(
-                    key,
-                    &format!(
-                        "snapshot save {} before delete: {}",
-                        d.vm_name,
-                        r.error_text()
-                    ),
-                )
+                self.delete_saved(key, &d, retried, r)
             }
             (DeleteStep::RmHolder, Res::Cocoon(_)) => self.delete_save(key, &t, &d, true),
-            (DeleteStep::PushCheck, Res::Evidence(r)) => match r {
-                Ok(Some(tag)) if isolation::tag_of_another(key, &tag) => {
-                    let msg = format!(
-                        "{}:latest in the registry is not recorded for namespace {}; the \
-                         snapshot before delete is not pushed over it",
-                        d.vm_name, key.namespace
-                    );
-                    self.push_refused_at_delete(key, &t, &msg)
-                }
-                Ok(_) => {
-                    let (name, image) = (d.vm_name.clone(), t.spec.image.clone());
-                    let owner = Owner::new(&key.namespace, &t.uid);
-                    let ask = Ask::effect(|op| Effect::PushSnapshot {
-                        op,
-                        local_name: name.clone(),
-                        repo: name,
-                        tag: "latest".into(),
-                        base_image: image,
-                        owner,
-                    });
-                    self.advance(key, DeleteStep::Push, ask)
-                }
-                Err(e) => {
-                    self.metric(MetricUpdate::SnapshotPush { result: "failed" });
-                    let msg = format!("read {}:latest before the push: {e}", d.vm_name);
-                    self.delete_failed(key, &msg)
-                }
-            },
+            (DeleteStep::PushCheck, Res::Evidence(r)) => self.delete_push_checked(key, &t, &d, r),
             (DeleteStep::Push, Res::Transfer(r)) => match r {
                 Ok(_) => {
                     self.metric(MetricUpdate::SnapshotPush { result: "ok" });
@@ -380,6 +287,128 @@ impl Provider {
             (DeleteStep::ApiLast, res @ Res::Kube(_)) => self.api_delete_result(key, d.uid, res),
             (DeleteStep::MacosRm, Res::Cocoon(r)) => self.macos_removed(key, &t, &d, r),
             (step, res) => self.unexpected_answer(key, &step, &res),
+        }
+    }
+
+    /// cocoon's answer to settling a VM found still being created: looked up again, or
+    /// waited for while a create still runs it.
+    fn delete_settled_creating(&mut self, key: &PodKey, t: &Tracked, by_id: bool, r: CocoonResult) {
+        let outcome = if r.success {
+            parse_stale_outcome(&r.stdout).ok()
+        } else {
+            None
+        };
+        match outcome {
+            // The record is gone or became a VM: look again (and remove what landed).
+            Some(
+                StaleCreateOutcome::Collected
+                | StaleCreateOutcome::NotFound
+                | StaleCreateOutcome::NotCreating,
+            ) => self.find_vm_for_delete(key, t, by_id),
+            // A create still runs (or cocoon could not say): wait for it.
+            _ => {
+                let at = self.now + INSPECT_RETRY;
+                self.advance(key, DeleteStep::FindVmWait { by_id }, Ask::Timer(at))
+            }
+        }
+    }
+
+    /// The VM inspected before its delete: a running one is saved first, a stopped or gone
+    /// one removed.
+    fn delete_inspected(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp, r: CocoonResult) {
+        let vm = t.vm.clone().unwrap_or_default();
+        if r.vm_not_found() {
+            return self.advance(
+                key,
+                DeleteStep::Rm,
+                Ask::Cocoon(CocoonCmd::VmRm { id: vm.id }),
+            );
+        }
+        let parsed = if r.success {
+            parse_vm(&r.stdout).ok()
+        } else {
+            None
+        };
+        match parsed {
+            None => self.delete_failed(
+                key,
+                &format!("inspect vm {} before delete: {}", vm.id, r.error_text()),
+            ),
+            Some(v) if v.running() => self.delete_save(key, t, d, false),
+            Some(_) => self.advance(
+                key,
+                DeleteStep::Rm,
+                Ask::Cocoon(CocoonCmd::VmRm { id: vm.id }),
+            ),
+        }
+    }
+
+    /// The `snapshot save` before the delete answered: its push follows (after a look at
+    /// whose `<vm>:latest` it replaces), the name's holder is removed once, or the delete fails.
+    fn delete_saved(&mut self, key: &PodKey, d: &DeleteOp, retried: bool, r: CocoonResult) {
+        if r.success {
+            self.metric(MetricUpdate::SnapshotSave { result: "ok" });
+            // Whose `<vm>:latest` the push would replace, first.
+            let (repo, tag) = (d.vm_name.clone(), "latest".to_string());
+            let ask = Ask::effect(|op| Effect::ReadSnapshotTag { op, repo, tag });
+            return self.advance(key, DeleteStep::PushCheck, ask);
+        }
+        if r.name_taken() && !retried {
+            return self.advance(
+                key,
+                DeleteStep::RmHolder,
+                Ask::Cocoon(CocoonCmd::SnapshotRm {
+                    name: d.vm_name.clone(),
+                }),
+            );
+        }
+        self.metric(MetricUpdate::SnapshotSave { result: "failed" });
+        self.delete_failed(
+            key,
+            &format!(
+                "snapshot save {} before delete: {}",
+                d.vm_name,
+                r.error_text()
+            ),
+        )
+    }
+
+    /// The registry's `<vm>:latest`, read before the push: another namespace's is never
+    /// pushed over.
+    fn delete_push_checked(
+        &mut self,
+        key: &PodKey,
+        t: &Tracked,
+        d: &DeleteOp,
+        r: Result<Option<HibernateTag>, TransferError>,
+    ) {
+        match r {
+            Ok(Some(tag)) if isolation::tag_of_another(key, &tag) => {
+                let msg = format!(
+                    "{}:latest in the registry is not recorded for namespace {}; the \
+                         snapshot before delete is not pushed over it",
+                    d.vm_name, key.namespace
+                );
+                self.push_refused_at_delete(key, t, &msg)
+            }
+            Ok(_) => {
+                let (name, image) = (d.vm_name.clone(), t.spec.image.clone());
+                let owner = Owner::new(&key.namespace, &t.uid);
+                let ask = Ask::effect(|op| Effect::PushSnapshot {
+                    op,
+                    local_name: name.clone(),
+                    repo: name,
+                    tag: "latest".into(),
+                    base_image: image,
+                    owner,
+                });
+                self.advance(key, DeleteStep::Push, ask)
+            }
+            Err(e) => {
+                self.metric(MetricUpdate::SnapshotPush { result: "failed" });
+                let msg = format!("read {}:latest before the push: {e}", d.vm_name);
+                self.delete_failed(key, &msg)
+            }
         }
     }
 
