@@ -17,6 +17,12 @@
 //! (status / annotation patches, drift). A new transition touches its operation's file and,
 //! for a new step, the step enum in `state`.
 //!
+//! An op starts, hands over and ends only through `Slot`'s functions (`start_op`,
+//! `replace_op`, `finish_op`, `drop_op`, `clear_op`): what an ending forgets is chosen there.
+//! Each op kind has its own step enum, paired with it once (`OpStep` in `state`), so `advance`
+//! can only set a step on the op of its kind. A step function only routes an answer to the
+//! function of its stage; a stage that grows gets a function of its own.
+//!
 //! UpdatePod lives in `update` (the decision table and the op retry), hibernating a VM in
 //! `hibernate`, waking one (and CreatePod's restore) in `wake`; `confirm_hibernated` is the
 //! owed lookup after a restart that tells a finished hibernate from a VM lost mid-hibernate.
