@@ -127,7 +127,10 @@ impl Provider {
             "ProviderCreateSuccess",
             "Create pod in provider successfully",
         );
-        self.lifecycle_metric("create", "ok", "");
+        if booted {
+            // An adoption counted itself as `{create,ok,adopted}` where it was recognised.
+            self.lifecycle_metric("create", "ok", "");
+        }
         if cloned {
             let cloud_image = spec::is_http_url(&c_snapshot_image);
             if ip.is_empty() && fixup::classify(spec.os, &vm).is_none() {

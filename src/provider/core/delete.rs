@@ -233,7 +233,11 @@ impl Provider {
                 self.delete_settled_creating(key, &t, by_id, r)
             }
             (DeleteStep::Inspect, Res::Cocoon(r)) => self.delete_inspected(key, &t, &d, r),
-            (DeleteStep::Save { retried }, Res::Cocoon(r)) => {
+            (DeleteStep::Save { retried, started }, Res::Cocoon(r)) => {
+                self.metric(MetricUpdate::SnapshotSaveDuration {
+                    namespace: key.namespace.clone(),
+                    seconds: self.now.saturating_duration_since(started).as_secs_f64(),
+                });
                 self.delete_saved(key, &d, retried, r)
             }
             (DeleteStep::RmHolder, Res::Cocoon(_)) => self.delete_save(key, &t, &d, true),
@@ -447,7 +451,8 @@ impl Provider {
         };
         let owner = Owner::new(&key.namespace, &t.uid);
         let ask = Self::owned_then(Owned::Snapshot, &d.vm_name, owner, Deferred::Cocoon(save));
-        self.advance(key, DeleteStep::Save { retried }, ask)
+        let started = self.now;
+        self.advance(key, DeleteStep::Save { retried, started }, ask)
     }
 
     /// Unless kept, the VM's local snapshots go with it: `<vm>` (its hibernate snapshot when

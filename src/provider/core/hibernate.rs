@@ -508,7 +508,7 @@ impl Provider {
             "snapshot saved locally (no registry pusher configured)"
         };
         self.event(key, &t.uid, EventType::Normal, "Hibernated", msg);
-        self.lifecycle_metric("update", "ok", "");
+        self.update_succeeded(key, &t.uid);
         self.slot(key).finish_op();
         self.push_status(key, false);
         self.reconcile_slot(key);

@@ -188,6 +188,8 @@ pub(super) enum DeleteStep {
     Inspect,
     Save {
         retried: bool,
+        /// When the save was asked for (`snapshot_save_duration_seconds`).
+        started: Instant,
     },
     RmHolder,
     /// The registry's `<vm>:latest` is read before it is replaced.

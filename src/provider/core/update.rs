@@ -144,7 +144,7 @@ impl Provider {
             self.slot(key).update_retry = None;
             self.set_lifecycle(key, State::Creating, "");
             self.publish_ready(key);
-            self.lifecycle_metric("update", "ok", "");
+            self.update_succeeded(key, &uid);
             return;
         }
         if !changed {
@@ -202,6 +202,19 @@ impl Provider {
             self.set_lifecycle(key, State::Creating, "");
             self.publish_ready(key);
         }
+    }
+
+    /// An update the pod asked for is done (hibernated, woken, a hibernate withdrawn): the
+    /// counter and the Normal `ProviderUpdateSuccess` the Go daemon's framework emits.
+    pub(super) fn update_succeeded(&mut self, key: &PodKey, uid: &str) {
+        self.lifecycle_metric("update", "ok", "");
+        self.event(
+            key,
+            uid,
+            EventType::Normal,
+            "ProviderUpdateSuccess",
+            "Update pod in provider successfully",
+        );
     }
 
     /// A hibernate or wake failed: counter, Warning `reason` with "update: <err>", lifecycle

@@ -539,7 +539,7 @@ impl Provider {
                 "Create pod in provider successfully",
             );
         } else {
-            self.lifecycle_metric("update", "ok", "");
+            self.update_succeeded(key, &w.uid);
         }
         // Restore follow-up: CH + Windows waits for the IP (the hot-added NIC must not be
         // cycled by a fix-up); other guests run the post-clone fix-up in wake accounting, which
