@@ -66,6 +66,41 @@ pub fn run(
     let Some(tls) = site.tls.clone() else {
         return Err(fail(NO_CLIENT_CERT.into()));
     };
+    // From here on it is an attempt: a failure before the transfer counts as one too.
+    let req = match plan(job, site, registry, kube, nodes, tls) {
+        Ok(req) => req,
+        Err(e) => {
+            metrics
+                .snapshot_peer_restore_total
+                .with_label_values(&["failed"])
+                .inc();
+            return Err(e);
+        }
+    };
+    let staged = restore_counted(&req, metrics, &job.namespace).map_err(fail)?;
+    log::info!(
+        "peer restore of {} from {} ({}): {} bytes staged in {}",
+        job.vm_name,
+        job.from_node,
+        req.peer.ip(),
+        staged.bytes,
+        staged.dir.display()
+    );
+    Ok(staged.dir)
+}
+
+/// Where and what to fetch: the pushing node's InternalIP and the tag's manifest, whose layer
+/// digests every byte is checked against.
+fn plan(
+    job: &PeerJob,
+    site: &PeerSite,
+    registry: &RegistryClient,
+    kube: &Client,
+    nodes: &ClusterNodes,
+    tls: Arc<rustls::ClientConfig>,
+) -> Result<PeerRestore, TransferError> {
+    let fail =
+        |m: String| TransferError::Transient(format!("peer restore of {}: {m}", job.vm_name));
     let ip = match nodes.internal_ip(&job.from_node) {
         Some(ip) => ip,
         None => {
@@ -82,7 +117,7 @@ pub fn run(
     let expected = info
         .config
         .ok_or_else(|| fail(format!("{}:{HIBERNATE_TAG} is not a snapshot", job.vm_name)))?;
-    let req = PeerRestore {
+    Ok(PeerRestore {
         peer: SocketAddr::new(ip, site.peer_port),
         source: site.node_ip,
         snapshot: job.vm_name.clone(),
@@ -93,14 +128,5 @@ pub fn run(
         tls,
         staging_root: site.staging_root.clone(),
         streams: super::client::SLICE_STREAMS,
-    };
-    let staged = restore_counted(&req, metrics, &job.namespace).map_err(fail)?;
-    log::info!(
-        "peer restore of {} from {} ({ip}): {} bytes staged in {}",
-        job.vm_name,
-        job.from_node,
-        staged.bytes,
-        staged.dir.display()
-    );
-    Ok(staged.dir)
+    })
 }

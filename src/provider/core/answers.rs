@@ -14,7 +14,7 @@ impl Provider {
         step: &dyn std::fmt::Debug,
         res: &Res,
     ) {
-        let Some(op) = self.slots.get(key).and_then(|s| s.op.clone()) else {
+        let Some(op) = self.slots.get(key).and_then(|s| s.op().cloned()) else {
             return;
         };
         let msg = format!(
@@ -84,15 +84,17 @@ impl Provider {
             return; // stale (op was preempted)
         }
         slot.awaiting = None;
-        match slot.op.clone() {
-            Some(Op::Create(_)) => self.create_step(key, res),
+        match slot.op().cloned() {
+            // Each op gets the answer with its own state (and so its own step type); the
+            // others look their op up, with the checks it needs (its incarnation, its VM).
+            Some(Op::Create(c)) => self.create_step(key, *c, res),
             Some(Op::Delete(_)) => self.delete_step(key, res),
-            Some(Op::Evict(_)) => self.evict_step(key, res),
-            Some(Op::Check(_)) => self.check_step(key, res),
+            Some(Op::Evict(e)) => self.evict_step(key, e, res),
+            Some(Op::Check(c)) => self.check_step(key, c, res),
             Some(Op::Hibernate(_)) => self.hibernate_step(key, res),
             Some(Op::Wake(_)) => self.wake_step(key, res),
             Some(Op::ConfirmHibernated(_)) => self.confirm_hibernated_step(key, res),
-            Some(Op::PostClone(_)) => self.post_clone_step(key, res),
+            Some(Op::PostClone(p)) => self.post_clone_step(key, &p, res),
             Some(Op::MacosWatch(_)) => self.macos_watch_step(key, res),
             Some(Op::Classify(_)) => self.classify_step(key, res),
             Some(Op::ReadyWait { .. }) => match res {
@@ -299,7 +301,7 @@ impl Provider {
         if slot.retry_at.map(|t| t <= self.now).unwrap_or(false) {
             slot.retry_at = None;
         }
-        match slot.op.clone() {
+        match slot.op().cloned() {
             None => self.reconcile_slot(key),
             Some(Op::ReadyWait { .. }) => self.ready_wait_poll(key),
             Some(Op::PostClone(_)) => self.post_clone_timer(key),

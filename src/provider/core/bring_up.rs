@@ -127,18 +127,24 @@ impl Provider {
             "ProviderCreateSuccess",
             "Create pod in provider successfully",
         );
-        self.lifecycle_metric("create", "ok", "");
+        if booted {
+            // An adoption counted itself as `{create,ok,adopted}` where it was recognised.
+            self.lifecycle_metric("create", "ok", "");
+        }
         if cloned {
             let cloud_image = spec::is_http_url(&c_snapshot_image);
             if ip.is_empty() && fixup::classify(spec.os, &vm).is_none() {
                 // Just looked the lease up: poll again in 200 ms.
-                self.slot(key).op = Some(Op::ReadyWait {
-                    uid,
-                    vm_id: vm.id.clone(),
-                    until: self.now + IP_WAIT,
-                    nudge_at: None,
-                    mode: PostCloneMode::Clone,
-                });
+                self.start_op(
+                    key,
+                    Op::ReadyWait {
+                        uid,
+                        vm_id: vm.id.clone(),
+                        until: self.now + IP_WAIT,
+                        nudge_at: None,
+                        mode: PostCloneMode::Clone,
+                    },
+                );
                 self.push_status(key, false);
                 let at = self.now + IP_POLL;
                 return self.set_pod_timer(key, at);
@@ -150,7 +156,7 @@ impl Provider {
             // before it is Ready (nothing to do without a static NIC).
             return self.sac_then_ready_wait(key, &vm, PostCloneMode::Clone);
         }
-        self.slot(key).op = None;
+        self.slot(key).finish_op();
         self.publish_ready(key);
         self.reconcile_slot(key);
     }
@@ -215,8 +221,7 @@ impl Provider {
         let (failures, send) = {
             let slot = self.slot(key);
             slot.tracked = None;
-            slot.op = None;
-            slot.awaiting = None;
+            slot.drop_op();
             let send = slot.last_pushed.as_ref() != Some(&sum);
             slot.last_pushed = Some(sum);
             if !retry {
@@ -252,7 +257,7 @@ impl Provider {
                 ..
             }),
             Some(t),
-        ) = (&slot.op, &slot.tracked)
+        ) = (slot.op(), &slot.tracked)
         else {
             return;
         };
@@ -270,7 +275,7 @@ impl Provider {
             if mode == PostCloneMode::Wake {
                 self.metric(MetricUpdate::Wake { result: "ok" });
             }
-            self.slot(key).op = None;
+            self.slot(key).finish_op();
             self.publish_ready(key);
             return self.reconcile_slot(key);
         }
@@ -290,7 +295,7 @@ impl Provider {
             };
             self.event(key, &uid, EventType::Warning, reason, &msg);
             self.set_lifecycle(key, State::Failed, &msg);
-            self.slot(key).op = None;
+            self.slot(key).finish_op();
             self.push_status(key, false);
             return self.reconcile_slot(key);
         }
@@ -316,7 +321,7 @@ impl Provider {
                 return self.ready_wait_poll(key);
             }
         }
-        let until = match self.slots.get(key).and_then(|s| s.op.as_ref()) {
+        let until = match self.slots.get(key).and_then(|s| s.op()) {
             Some(Op::ReadyWait { until, .. }) => *until,
             _ => return,
         };
@@ -381,7 +386,7 @@ impl Provider {
         if let Some(ip) = ip {
             if !ip.is_empty() && ip != t.ip {
                 self.set_ip(key, &ip);
-                if let Some(Some(Op::ReadyWait { .. })) = self.slots.get(key).map(|s| &s.op) {
+                if let Some(Some(Op::ReadyWait { .. })) = self.slots.get(key).map(|s| s.op()) {
                     return self.ready_wait_poll(key);
                 }
             }

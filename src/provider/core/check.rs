@@ -49,14 +49,14 @@ impl Provider {
             t.uid.clone(),
             t.vm.as_ref().map(|v| v.id.clone()).unwrap_or_default(),
         );
-        match &slot.op {
+        match slot.op() {
             None => {}
             Some(op) if op.preemptible() => {}
             Some(Op::Check(_)) => {
                 // A restart or inspect in flight may have looked before this event's change
                 // (a VM removed right after its `vm start`): dropping the event would leave
                 // the pod Running on a VM that is gone, with no later event to notice it.
-                if let Some(Op::Check(c)) = self.slot(&key).op.as_mut() {
+                if let Some(Op::Check(c)) = self.slot(&key).op_mut() {
                     c.gone_meanwhile = true;
                 }
                 return;
@@ -74,7 +74,7 @@ impl Provider {
         step: CheckStep,
     ) {
         let slot = self.slot(key);
-        slot.op = Some(Op::Check(CheckOp {
+        slot.start_op(Op::Check(CheckOp {
             uid,
             vm_id: vm_id.clone(),
             step,
@@ -92,7 +92,7 @@ impl Provider {
             until: self.now + RECHECK_BUDGET,
         };
         let slot = self.slot(key);
-        slot.op = Some(Op::Check(CheckOp {
+        slot.start_op(Op::Check(CheckOp {
             uid,
             vm_id,
             step,
@@ -103,10 +103,8 @@ impl Provider {
         self.set_pod_timer(key, at);
     }
 
-    pub(super) fn check_step(&mut self, key: &PodKey, res: Res) {
-        let Some(Op::Check(c)) = self.slots.get(key).and_then(|s| s.op.clone()) else {
-            return;
-        };
+    /// An answer to the running check `c`.
+    pub(super) fn check_step(&mut self, key: &PodKey, c: CheckOp, res: Res) {
         let r = match res {
             Res::Cocoon(r) => r,
             other => return self.unexpected_answer(key, &c.step, &other),
@@ -256,7 +254,7 @@ impl Provider {
     pub(super) fn check_done(&mut self, key: &PodKey, c: &CheckOp) {
         // `c` is the op as its answer found it; an event may have marked the live one since.
         let gone_meanwhile = matches!(
-            self.slots.get(key).and_then(|s| s.op.as_ref()),
+            self.slots.get(key).and_then(|s| s.op()),
             Some(Op::Check(CheckOp {
                 gone_meanwhile: true,
                 ..

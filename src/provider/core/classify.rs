@@ -33,14 +33,17 @@ impl Provider {
         cloned: bool,
     ) {
         let until = self.now + CLASSIFY_BUDGET;
-        self.slot(key).op = Some(Op::Classify(ClassifyOp {
-            uid,
-            vm_id,
-            cloned,
-            step: ClassifyStep::Evidence,
-            failures: 0,
-            until,
-        }));
+        self.start_op(
+            key,
+            Op::Classify(ClassifyOp {
+                uid,
+                vm_id,
+                cloned,
+                step: ClassifyStep::Evidence,
+                failures: 0,
+                until,
+            }),
+        );
         self.ask_classify_evidence(key);
     }
 
@@ -60,7 +63,7 @@ impl Provider {
     /// The running classification, while the pod still tracks its VM.
     fn classify_op(&self, key: &PodKey) -> Option<ClassifyOp> {
         let slot = self.slots.get(key)?;
-        match (&slot.op, &slot.tracked) {
+        match (slot.op(), &slot.tracked) {
             (Some(Op::Classify(c)), Some(t))
                 if t.uid == c.uid && t.vm.as_ref().is_some_and(|v| v.id == c.vm_id) =>
             {
@@ -86,9 +89,7 @@ impl Provider {
                 };
                 {
                     let slot = self.slot(key);
-                    slot.op = None;
-                    slot.awaiting = None;
-                    slot.timer = None;
+                    slot.clear_op();
                 }
                 if found.is_some() {
                     // Woken: the wake's own follow-up for a VM whose NIC came back hot-added.
@@ -135,9 +136,7 @@ impl Provider {
             );
             {
                 let slot = self.slot(key);
-                slot.op = None;
-                slot.awaiting = None;
-                slot.timer = None;
+                slot.clear_op();
             }
             // Neither the fix-up nor the IP wait is run on a guess: the pod says why it is
             // stuck, and its VM is kept for an operator.
@@ -145,7 +144,7 @@ impl Provider {
             return self.push_status(key, false);
         }
         log::warn!("provider: {key}: classify_drop_nic: {msg}; asking again");
-        if let Some(Op::Classify(op)) = self.slot(key).op.as_mut() {
+        if let Some(Op::Classify(op)) = self.slot(key).op_mut() {
             op.failures = failures;
         }
         self.advance(key, ClassifyStep::Pause, Ask::Timer(at))

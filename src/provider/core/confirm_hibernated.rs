@@ -50,7 +50,7 @@ impl Provider {
         let slot = self.slot(key);
         slot.awaiting = None;
         slot.timer = None;
-        slot.op = Some(Op::ConfirmHibernated(ConfirmOp {
+        slot.start_op(Op::ConfirmHibernated(ConfirmOp {
             uid: t.uid,
             step: ConfirmStep::LocalInspect,
             delay: CONFIRM_RETRY_FIRST,
@@ -70,7 +70,7 @@ impl Provider {
 
     fn confirm_op(&self, key: &PodKey) -> Option<(ConfirmOp, Tracked)> {
         let slot = self.slots.get(key)?;
-        match (&slot.op, &slot.tracked) {
+        match (slot.op(), &slot.tracked) {
             (Some(Op::ConfirmHibernated(c)), Some(t)) if t.uid == c.uid => {
                 Some((c.clone(), t.clone()))
             }
@@ -163,7 +163,7 @@ impl Provider {
             );
         }
         let at = self.now + c.delay;
-        if let Some(Some(Op::ConfirmHibernated(op))) = self.slots.get_mut(key).map(|s| &mut s.op) {
+        if let Some(Some(Op::ConfirmHibernated(op))) = self.slots.get_mut(key).map(|s| s.op_mut()) {
             op.delay = (c.delay * 2).min(CONFIRM_RETRY_MAX);
             op.warned = true;
         }

@@ -74,75 +74,23 @@ impl Provider {
         }
         // Adopt an existing VM of this name.
         if let Some(vm) = self.by_name.get(&spec.vm_name).cloned() {
-            self.slot(key).op = Some(Op::Create(Box::new(CreateOp {
-                uid: uid.clone(),
-                spec: spec.clone(),
-                step: CreateStep::Boot,
-                started: self.now,
-                local_snapshot: String::new(),
-                snapshot_image: String::new(),
-                vm: None,
-                vm_event_meanwhile: None,
-                adopted: false,
-            })));
+            let op = CreateOp::new(uid, spec, CreateStep::Boot, self.now);
+            self.start_op(key, Op::Create(Box::new(op)));
             self.lifecycle_metric("create", "ok", "adopted");
             return self.vm_up(key, vm, true);
         }
         if !spec.managed {
-            if spec.vm_id.is_empty() || spec.vm_ip.is_empty() {
-                let msg = format!(
-                    "unmanaged vm {} missing pre-assigned IP/VMID {}",
-                    spec.vm_name,
-                    spec::CONTRACT_HINT
-                );
-                self.slot(key).op = None;
-                return self.fail_create(key, &uid, &msg, false);
-            }
-            self.slot(key).op = Some(Op::Create(Box::new(CreateOp {
-                uid,
-                spec: spec.clone(),
-                step: CreateStep::UnmanagedInspect,
-                started: self.now,
-                local_snapshot: String::new(),
-                snapshot_image: String::new(),
-                vm: None,
-                vm_event_meanwhile: None,
-                adopted: false,
-            })));
-            if let Some(t) = self.slot(key).tracked.as_mut() {
-                t.ip = spec.vm_ip.clone();
-            }
-            if !super::delete::lookup_reference_ok(&spec.vm_id) {
-                let msg = format!("pod {key}: {ANN_VM_ID} {:?} is not a VM ID", spec.vm_id);
-                let (event, reason) = (
-                    isolation::EVENT_VM_REFERENCE,
-                    isolation::REASON_VM_REFERENCE,
-                );
-                return self.refuse_create(key, event, reason, msg);
-            }
-            // The id must name exactly one VM by its exact ID, of the pod's VM name.
-            let ask = Ask::Cocoon(CocoonCmd::VmInspect {
-                reference: spec.vm_id.clone(),
-            });
-            return self.advance(key, CreateStep::UnmanagedInspect, ask);
+            return self.start_unmanaged_create(key, uid, spec);
         }
-        let op = CreateOp {
-            uid,
-            spec: spec.clone(),
-            step: if failures > 0 {
-                CreateStep::InspectByName
-            } else {
-                CreateStep::Evidence
-            },
-            started: self.now,
-            local_snapshot: spec::local_snapshot_name(&spec.image),
-            snapshot_image: String::new(),
-            vm: None,
-            vm_event_meanwhile: None,
-            adopted: false,
+        let first = if failures > 0 {
+            CreateStep::InspectByName
+        } else {
+            CreateStep::Evidence
         };
+        let mut op = CreateOp::new(uid, spec.clone(), first, self.now);
+        op.local_snapshot = spec::local_snapshot_name(&spec.image);
         let first = op.step.clone();
-        self.slot(key).op = Some(Op::Create(Box::new(op)));
+        self.start_op(key, Op::Create(Box::new(op)));
         match first {
             // A retry after a failure: a previous attempt may have left a VM (hung clone).
             CreateStep::InspectByName => self.advance(
@@ -154,6 +102,38 @@ impl Provider {
             ),
             _ => self.check_evidence(key, &spec.vm_name),
         }
+    }
+
+    /// An unmanaged pod (`managed: false`): its VM exists already, named by the pod's
+    /// pre-assigned id; it is only looked up and adopted.
+    fn start_unmanaged_create(&mut self, key: &PodKey, uid: String, spec: VmSpec) {
+        if spec.vm_id.is_empty() || spec.vm_ip.is_empty() {
+            let msg = format!(
+                "unmanaged vm {} missing pre-assigned IP/VMID {}",
+                spec.vm_name,
+                spec::CONTRACT_HINT
+            );
+            self.slot(key).finish_op();
+            return self.fail_create(key, &uid, &msg, false);
+        }
+        let op = CreateOp::new(uid, spec.clone(), CreateStep::UnmanagedInspect, self.now);
+        self.start_op(key, Op::Create(Box::new(op)));
+        if let Some(t) = self.slot(key).tracked.as_mut() {
+            t.ip = spec.vm_ip.clone();
+        }
+        if !super::delete::lookup_reference_ok(&spec.vm_id) {
+            let msg = format!("pod {key}: {ANN_VM_ID} {:?} is not a VM ID", spec.vm_id);
+            let (event, reason) = (
+                isolation::EVENT_VM_REFERENCE,
+                isolation::REASON_VM_REFERENCE,
+            );
+            return self.refuse_create(key, event, reason, msg);
+        }
+        // The id must name exactly one VM by its exact ID, of the pod's VM name.
+        let ask = Ask::Cocoon(CocoonCmd::VmInspect {
+            reference: spec.vm_id.clone(),
+        });
+        self.advance(key, CreateStep::UnmanagedInspect, ask)
     }
 
     /// The snapshot CPU-class gate of this node for a pod (create, update and startup).
@@ -435,7 +415,7 @@ impl Provider {
         };
         let pulling = puller != key
             && self.slots.get(puller).is_some_and(|s| {
-                matches!(&s.op, Some(Op::Create(c))
+                matches!(s.op(), Some(Op::Create(c))
                     if matches!(c.step, CreateStep::ImageTag | CreateStep::PullSnapshot)
                         && c.local_snapshot == local)
             });
@@ -545,17 +525,14 @@ impl Provider {
     }
 
     pub(super) fn create_op(&mut self, key: &PodKey) -> Option<&mut CreateOp> {
-        match self.slots.get_mut(key)?.op.as_mut()? {
+        match self.slots.get_mut(key)?.op_mut()? {
             Op::Create(c) => Some(c),
             _ => None,
         }
     }
 
-    pub(super) fn create_step(&mut self, key: &PodKey, res: Res) {
-        let Some(c) = self.create_op(key) else {
-            return;
-        };
-        let c = c.clone();
+    /// An answer to the running create `c` (the op as it stands in the slot).
+    pub(super) fn create_step(&mut self, key: &PodKey, c: CreateOp, res: Res) {
         let spec = &c.spec;
         let superseded = self.slots.get(key).is_some_and(|s| {
             s.latest
@@ -574,36 +551,7 @@ impl Provider {
         }
         match (c.step.clone(), res) {
             (CreateStep::InspectByName, Res::Cocoon(r)) => {
-                if r.success {
-                    // Only a VM of this very name (not one whose ID it prefixes).
-                    let vm = parse_vm(&r.stdout).ok();
-                    if let Some(vm) = vm.filter(|v| isolation::vm_named(v, &spec.vm_name)) {
-                        // A VM no live pod holds: only the namespace that owns it takes it
-                        // (or removes it as a leftover).
-                        if !self.vm_adoptable(key, &spec.vm_id, &vm) {
-                            let msg = format!(
-                                "pod {key}: vm {} exists and is not recorded for namespace {}; \
-                                 it is not adopted",
-                                spec.vm_name, key.namespace
-                            );
-                            let (event, reason) = (
-                                isolation::EVENT_VM_NOT_IN_NS,
-                                isolation::REASON_VM_NOT_IN_NS,
-                            );
-                            return self.refuse_create(key, event, reason, msg);
-                        }
-                        if vm.running() {
-                            self.lifecycle_metric("create", "ok", "adopted");
-                            return self.vm_up(key, vm, true);
-                        }
-                        return self.advance(
-                            key,
-                            CreateStep::RmStaleByName,
-                            Ask::Cocoon(CocoonCmd::VmRm { id: vm.id }),
-                        );
-                    }
-                }
-                self.check_evidence(key, &spec.vm_name)
+                self.create_inspected_by_name(key, &c, r)
             }
             (CreateStep::UnmanagedInspect, Res::Cocoon(r)) => self.unmanaged_found(key, &c, r),
             (CreateStep::RmStaleByName, Res::Cocoon(r)) => {
@@ -615,30 +563,7 @@ impl Provider {
                 self.check_evidence(key, &spec.vm_name)
             }
             (CreateStep::Evidence, Res::Evidence(found)) => self.evidence_verdict(key, &c, found),
-            (CreateStep::Evidence, Res::Cocoon(r)) => {
-                // No registry: a local snapshot named after the VM is the evidence. A failed
-                // inspect means there is none; one that hung says nothing, so fail closed.
-                let found = if r.success {
-                    isolation::inspected_snapshot(&r, &spec.vm_name)
-                        .map(|s| {
-                            s.map(|s| HibernateTag {
-                                base_image: s.image,
-                                snapshot_id: s.id,
-                                ..Default::default()
-                            })
-                        })
-                        .map_err(TransferError::Cocoon)
-                } else if r.timed_out {
-                    Err(TransferError::Cocoon(format!(
-                        "snapshot inspect {}: {}",
-                        spec.vm_name,
-                        r.error_text()
-                    )))
-                } else {
-                    Ok(None)
-                };
-                self.evidence_verdict(key, &c, found)
-            }
+            (CreateStep::Evidence, Res::Cocoon(r)) => self.local_evidence(key, &c, r),
             (CreateStep::RmFork, Res::Cocoon(r)) => {
                 // Failure only logged, as the create contract says.
                 let name = spec::fork_snapshot_name(&spec.vm_name);
@@ -649,116 +574,14 @@ impl Provider {
                 self.fresh_bring_up(key, &c)
             }
             (CreateStep::SnapInspect { pulled }, Res::Cocoon(r)) => {
-                // Another snapshot than the one asked for (an ID-prefix match) is none.
-                let found = match r.success {
-                    true => match isolation::inspected_snapshot(&r, &c.local_snapshot) {
-                        Ok(s) => s,
-                        Err(e) => return self.fail_create(key, &c.uid, &e, true),
-                    },
-                    false => None,
-                };
-                let Some(snap) = found else {
-                    let why = if r.success {
-                        "cocoon answered with another snapshot".to_string()
-                    } else {
-                        r.error_text()
-                    };
-                    if pulled {
-                        self.metric(MetricUpdate::SnapshotPull { result: "failed" });
-                        let msg = format!(
-                            "snapshot {} still missing after pull: {why}",
-                            c.local_snapshot
-                        );
-                        return self.fail_create(key, &c.uid, &msg, true);
-                    }
-                    if !self.cfg.registry {
-                        self.metric(MetricUpdate::SnapshotPull { result: "failed" });
-                        let msg = format!(
-                            "snapshot {} not found locally and no registry is configured: {why}",
-                            c.local_snapshot
-                        );
-                        return self.fail_create(key, &c.uid, &msg, true);
-                    }
-                    if self.pull_running(&c.local_snapshot, key) {
-                        let at = self.now + PULL_WAIT_POLL;
-                        return self.advance(key, CreateStep::PullWait, Ask::Timer(at));
-                    }
-                    // Whose snapshot the image is, before anything of it is pulled.
-                    self.pulls.insert(c.local_snapshot.clone(), key.clone());
-                    let (repo, tag) = crate::snapshots::reference::split_image_ref(&spec.image);
-                    let ask = Ask::effect(|op| Effect::ReadSnapshotTag { op, repo, tag });
-                    return self.advance(key, CreateStep::ImageTag, ask);
-                };
-                if !self.image_snapshot_readable(key, &c) {
-                    let msg = format!(
-                        "pod {key}: image {} is a VM snapshot not recorded for namespace {}; \
-                         a pod clones only its own namespace's VM snapshots",
-                        spec.image, key.namespace
-                    );
-                    return self.refuse_create(
-                        key,
-                        isolation::EVENT_SNAPSHOT_NOT_IN_NS,
-                        isolation::REASON_SNAPSHOT_NOT_IN_NS,
-                        msg,
-                    );
-                }
-                if !pulled {
-                    self.metric(MetricUpdate::SnapshotPull { result: "ok" });
-                }
-                let want = if spec.backend.is_empty() {
-                    spec::BACKEND_CH
-                } else {
-                    spec.backend.as_str()
-                };
-                if !snap.hypervisor.is_empty()
-                    && !spec.backend.is_empty()
-                    && snap.hypervisor != want
-                {
-                    let msg = format!(
-                        "snapshot {} was taken with {} but CocoonSet requests {}",
-                        c.local_snapshot, snap.hypervisor, spec.backend
-                    );
-                    return self.fail_create(key, &c.uid, &msg, false);
-                }
-                if let Some(c) = self.create_op(key) {
-                    c.snapshot_image = snap.image.clone();
-                }
-                if !snap.image.is_empty()
-                    && !spec::is_http_url(&snap.image)
-                    && !snap.image_digest.is_empty()
-                {
-                    return self.advance(
-                        key,
-                        CreateStep::ImageInspect,
-                        Ask::SharedRead(CocoonCmd::ImageInspect {
-                            reference: snap.image_digest.clone(),
-                        }),
-                    );
-                }
-                self.do_clone(key)
+                self.image_snapshot_inspected(key, &c, pulled, r)
             }
             (CreateStep::ForkWait { .. }, Res::Fork(r)) => self.fork_landed(key, &c, r),
             (CreateStep::ImageTag, Res::Evidence(r)) => self.image_tag_read(key, &c, r),
             (CreateStep::SourceCheck { rule }, Res::Source(v)) => {
                 self.source_checked(key, &c, rule, v)
             }
-            (CreateStep::PullSnapshot, Res::Transfer(r)) => match self.pull_done(key, &c, r) {
-                Ok(_) => {
-                    self.metric(MetricUpdate::SnapshotPull { result: "ok" });
-                    self.advance(
-                        key,
-                        CreateStep::SnapInspect { pulled: true },
-                        Ask::Cocoon(CocoonCmd::SnapshotInspect {
-                            name: c.local_snapshot.clone(),
-                        }),
-                    )
-                }
-                Err(e) => {
-                    self.metric(MetricUpdate::SnapshotPull { result: "failed" });
-                    let msg = format!("pull snapshot {}: {e}", spec.image);
-                    self.fail_create(key, &c.uid, &msg, true)
-                }
-            },
+            (CreateStep::PullSnapshot, Res::Transfer(r)) => self.snapshot_pulled(key, &c, r),
             (CreateStep::ImageInspect, Res::Cocoon(r)) => {
                 if r.success {
                     return self.do_clone(key);
@@ -773,86 +596,8 @@ impl Provider {
                     self.fail_create(key, &c.uid, &msg, true)
                 }
             },
-            (CreateStep::MaterialiseRun, res) => match res.transfer_or_cocoon() {
-                Ok(boot) => {
-                    let boot = if boot.is_empty() {
-                        spec.image.clone()
-                    } else {
-                        boot
-                    };
-                    let r = &spec.resources;
-                    let args = RunOptions {
-                        name: spec.vm_name.clone(),
-                        cpu: r.vcpus(),
-                        cpu_policy: r.cpu_policy(),
-                        memory: r.memory_bytes().map(|b| b.to_string()).unwrap_or_default(),
-                        storage: spec
-                            .storage_bytes
-                            .map(|b| b.to_string())
-                            .unwrap_or_default(),
-                        network: spec.network.clone(),
-                        windows: spec.os == Os::Windows,
-                        backend: spec.backend_kind(),
-                        no_direct_io: spec.no_direct_io,
-                        image: boot,
-                    };
-                    self.boot(key, CocoonCmd::VmRun(args))
-                }
-                Err(e) => {
-                    let msg = format!("make image {} available: {e}", spec.image);
-                    self.fail_create(key, &c.uid, &msg, true)
-                }
-            },
-            (CreateStep::Boot, Res::Cocoon(r)) => {
-                if spec.clone_from_dir.is_some() {
-                    self.metric(MetricUpdate::CloneFromDir {
-                        result: if r.success { "ok" } else { "failed" },
-                    });
-                }
-                if !r.success {
-                    let what = if spec.fresh_boot() {
-                        "vm run"
-                    } else {
-                        "vm clone"
-                    };
-                    // A clone killed at its deadline (or failing half-way) can leave a VM
-                    // record behind; if the pod is deleted before the retry, nothing would
-                    // ever remove it. Look before reporting the failure.
-                    let error = format!("{what} {}: {}", spec.vm_name, r.error_text());
-                    return self.advance(
-                        key,
-                        CreateStep::BootFailedInspect { error },
-                        Ask::Cocoon(CocoonCmd::VmInspect {
-                            reference: spec.vm_name.clone(),
-                        }),
-                    );
-                }
-                let vm = match parse_vm(&r.stdout) {
-                    Ok(v) => v,
-                    Err(e) => return self.fail_create(key, &c.uid, &e, true),
-                };
-                self.by_name.insert(spec.vm_name.clone(), vm.clone());
-                let fresh_run = spec.fresh_boot();
-                if fresh_run && !vm.running() {
-                    return self.run_inspect(key, vm);
-                }
-                // A clone answers with pid 0 (cocoon reads the PID back only later); without
-                // one the VM has no stats until a restart re-adopts it (stats skip pid-0 VMs).
-                // The hypervisor's pid file tells it without another cocoon process.
-                if vm.pid == 0 {
-                    if let Some(c) = self.create_op(key) {
-                        c.vm = Some(vm.clone());
-                    }
-                    let (vm_id, firecracker) = (vm.id.clone(), vm.hypervisor == "firecracker");
-                    let ask = Ask::effect(move |op| Effect::ReadVmPid {
-                        op,
-                        vm_id,
-                        firecracker,
-                    });
-                    return self.advance(key, CreateStep::PidFile, ask);
-                }
-                self.vm_up(key, vm, false)
-            }
+            (CreateStep::MaterialiseRun, res) => self.run_image_ready(key, &c, res),
+            (CreateStep::Boot, Res::Cocoon(r)) => self.booted(key, &c, r),
             (CreateStep::PidFile, Res::VmPid(pid)) => {
                 let mut vm = c.vm.clone().unwrap_or_default();
                 match pid {
@@ -866,26 +611,7 @@ impl Provider {
                 }
             }
             (CreateStep::BootFailedInspect { error }, Res::Cocoon(r)) => {
-                // Only a VM of this very name is the bring-up's: cocoon may answer a lookup by
-                // name with a VM whose ID starts with it, which is left alone.
-                let vm = parse_vm(&r.stdout).ok();
-                match vm.filter(|v| r.success && isolation::vm_named(v, &spec.vm_name)) {
-                    // The bring-up finished after all (a slow clone past its deadline).
-                    Some(vm) if vm.running() => {
-                        self.by_name.insert(spec.vm_name.clone(), vm.clone());
-                        self.vm_up(key, vm, false)
-                    }
-                    Some(vm) => {
-                        let ask = Ask::Cocoon(CocoonCmd::VmRm { id: vm.id });
-                        self.advance(key, CreateStep::BootFailedRm { error }, ask)
-                    }
-                    None => {
-                        if r.vm_not_found() {
-                            self.forget_owner(Owned::Vm, &spec.vm_name);
-                        }
-                        self.fail_create(key, &c.uid, &error, true)
-                    }
-                }
+                self.boot_failed_inspected(key, &c, error, r)
             }
             (CreateStep::BootFailedRm { error }, Res::Cocoon(r)) => {
                 if !r.success && !r.vm_not_found() {
@@ -915,6 +641,307 @@ impl Provider {
                 self.finish_create(key, vm, cloned, &ip)
             }
             (step, res) => self.unexpected_answer(key, &step, &res),
+        }
+    }
+
+    /// A retry's lookup of a VM an earlier attempt may have left under the pod's VM name:
+    /// adopted when running and the pod's namespace's, removed when stopped.
+    fn create_inspected_by_name(&mut self, key: &PodKey, c: &CreateOp, r: CocoonResult) {
+        let spec = &c.spec;
+        if r.success {
+            // Only a VM of this very name (not one whose ID it prefixes).
+            let vm = parse_vm(&r.stdout).ok();
+            if let Some(vm) = vm.filter(|v| isolation::vm_named(v, &spec.vm_name)) {
+                // A VM no live pod holds: only the namespace that owns it takes it
+                // (or removes it as a leftover).
+                if !self.vm_adoptable(key, &spec.vm_id, &vm) {
+                    let msg = format!(
+                        "pod {key}: vm {} exists and is not recorded for namespace {}; \
+                             it is not adopted",
+                        spec.vm_name, key.namespace
+                    );
+                    let (event, reason) = (
+                        isolation::EVENT_VM_NOT_IN_NS,
+                        isolation::REASON_VM_NOT_IN_NS,
+                    );
+                    return self.refuse_create(key, event, reason, msg);
+                }
+                if vm.running() {
+                    self.lifecycle_metric("create", "ok", "adopted");
+                    return self.vm_up(key, vm, true);
+                }
+                return self.advance(
+                    key,
+                    CreateStep::RmStaleByName,
+                    Ask::Cocoon(CocoonCmd::VmRm { id: vm.id }),
+                );
+            }
+        }
+        self.check_evidence(key, &spec.vm_name)
+    }
+
+    /// The hibernate evidence without a registry: the local snapshot named after the VM.
+    fn local_evidence(&mut self, key: &PodKey, c: &CreateOp, r: CocoonResult) {
+        let spec = &c.spec;
+        // No registry: a local snapshot named after the VM is the evidence. A failed
+        // inspect means there is none; one that hung says nothing, so fail closed.
+        let found = if r.success {
+            isolation::inspected_snapshot(&r, &spec.vm_name)
+                .map(|s| {
+                    s.map(|s| HibernateTag {
+                        base_image: s.image,
+                        snapshot_id: s.id,
+                        ..Default::default()
+                    })
+                })
+                .map_err(TransferError::Cocoon)
+        } else if r.timed_out {
+            Err(TransferError::Cocoon(format!(
+                "snapshot inspect {}: {}",
+                spec.vm_name,
+                r.error_text()
+            )))
+        } else {
+            Ok(None)
+        };
+        self.evidence_verdict(key, c, found)
+    }
+
+    /// The image's local clone snapshot, inspected (before or after its pull): cloned when
+    /// present, the pod's namespace's and of the hypervisor asked for; pulled when missing.
+    fn image_snapshot_inspected(
+        &mut self,
+        key: &PodKey,
+        c: &CreateOp,
+        pulled: bool,
+        r: CocoonResult,
+    ) {
+        let spec = &c.spec;
+        // Another snapshot than the one asked for (an ID-prefix match) is none.
+        let found = match r.success {
+            true => match isolation::inspected_snapshot(&r, &c.local_snapshot) {
+                Ok(s) => s,
+                Err(e) => return self.fail_create(key, &c.uid, &e, true),
+            },
+            false => None,
+        };
+        let Some(snap) = found else {
+            let why = if r.success {
+                "cocoon answered with another snapshot".to_string()
+            } else {
+                r.error_text()
+            };
+            if pulled {
+                self.metric(MetricUpdate::SnapshotPull { result: "failed" });
+                let msg = format!(
+                    "snapshot {} still missing after pull: {why}",
+                    c.local_snapshot
+                );
+                return self.fail_create(key, &c.uid, &msg, true);
+            }
+            if !self.cfg.registry {
+                self.metric(MetricUpdate::SnapshotPull { result: "failed" });
+                let msg = format!(
+                    "snapshot {} not found locally and no registry is configured: {why}",
+                    c.local_snapshot
+                );
+                return self.fail_create(key, &c.uid, &msg, true);
+            }
+            if self.pull_running(&c.local_snapshot, key) {
+                let at = self.now + PULL_WAIT_POLL;
+                return self.advance(key, CreateStep::PullWait, Ask::Timer(at));
+            }
+            // Whose snapshot the image is, before anything of it is pulled.
+            self.pulls.insert(c.local_snapshot.clone(), key.clone());
+            let (repo, tag) = crate::snapshots::reference::split_image_ref(&spec.image);
+            let ask = Ask::effect(|op| Effect::ReadSnapshotTag { op, repo, tag });
+            return self.advance(key, CreateStep::ImageTag, ask);
+        };
+        if !self.image_snapshot_readable(key, c) {
+            let msg = format!(
+                "pod {key}: image {} is a VM snapshot not recorded for namespace {}; \
+                     a pod clones only its own namespace's VM snapshots",
+                spec.image, key.namespace
+            );
+            return self.refuse_create(
+                key,
+                isolation::EVENT_SNAPSHOT_NOT_IN_NS,
+                isolation::REASON_SNAPSHOT_NOT_IN_NS,
+                msg,
+            );
+        }
+        if !pulled {
+            self.metric(MetricUpdate::SnapshotPull { result: "ok" });
+        }
+        let want = if spec.backend.is_empty() {
+            spec::BACKEND_CH
+        } else {
+            spec.backend.as_str()
+        };
+        if !snap.hypervisor.is_empty() && !spec.backend.is_empty() && snap.hypervisor != want {
+            let msg = format!(
+                "snapshot {} was taken with {} but CocoonSet requests {}",
+                c.local_snapshot, snap.hypervisor, spec.backend
+            );
+            return self.fail_create(key, &c.uid, &msg, false);
+        }
+        if let Some(c) = self.create_op(key) {
+            c.snapshot_image = snap.image.clone();
+        }
+        if !snap.image.is_empty()
+            && !spec::is_http_url(&snap.image)
+            && !snap.image_digest.is_empty()
+        {
+            return self.advance(
+                key,
+                CreateStep::ImageInspect,
+                Ask::SharedRead(CocoonCmd::ImageInspect {
+                    reference: snap.image_digest.clone(),
+                }),
+            );
+        }
+        self.do_clone(key)
+    }
+
+    /// The clone or run answered: the VM is up (its PID read when the answer has none), or
+    /// the failure's leftover is looked for.
+    fn booted(&mut self, key: &PodKey, c: &CreateOp, r: CocoonResult) {
+        let spec = &c.spec;
+        if spec.clone_from_dir.is_some() {
+            self.metric(MetricUpdate::CloneFromDir {
+                result: if r.success { "ok" } else { "failed" },
+            });
+        }
+        if !r.success {
+            let what = if spec.fresh_boot() {
+                "vm run"
+            } else {
+                "vm clone"
+            };
+            // A clone killed at its deadline (or failing half-way) can leave a VM
+            // record behind; if the pod is deleted before the retry, nothing would
+            // ever remove it. Look before reporting the failure.
+            let error = format!("{what} {}: {}", spec.vm_name, r.error_text());
+            return self.advance(
+                key,
+                CreateStep::BootFailedInspect { error },
+                Ask::Cocoon(CocoonCmd::VmInspect {
+                    reference: spec.vm_name.clone(),
+                }),
+            );
+        }
+        let vm = match parse_vm(&r.stdout) {
+            Ok(v) => v,
+            Err(e) => return self.fail_create(key, &c.uid, &e, true),
+        };
+        self.by_name.insert(spec.vm_name.clone(), vm.clone());
+        let fresh_run = spec.fresh_boot();
+        if fresh_run && !vm.running() {
+            return self.run_inspect(key, vm);
+        }
+        // A clone answers with pid 0 (cocoon reads the PID back only later); without
+        // one the VM has no stats until a restart re-adopts it (stats skip pid-0 VMs).
+        // The hypervisor's pid file tells it without another cocoon process.
+        if vm.pid == 0 {
+            if let Some(c) = self.create_op(key) {
+                c.vm = Some(vm.clone());
+            }
+            let (vm_id, firecracker) = (vm.id.clone(), vm.hypervisor == "firecracker");
+            let ask = Ask::effect(move |op| Effect::ReadVmPid {
+                op,
+                vm_id,
+                firecracker,
+            });
+            return self.advance(key, CreateStep::PidFile, ask);
+        }
+        self.vm_up(key, vm, false)
+    }
+
+    /// What a failed bring-up left under the VM name: a running VM is the bring-up finished
+    /// after all, a stopped one is removed before the failure is reported.
+    fn boot_failed_inspected(
+        &mut self,
+        key: &PodKey,
+        c: &CreateOp,
+        error: String,
+        r: CocoonResult,
+    ) {
+        let spec = &c.spec;
+        // Only a VM of this very name is the bring-up's: cocoon may answer a lookup by
+        // name with a VM whose ID starts with it, which is left alone.
+        let vm = parse_vm(&r.stdout).ok();
+        match vm.filter(|v| r.success && isolation::vm_named(v, &spec.vm_name)) {
+            // The bring-up finished after all (a slow clone past its deadline).
+            Some(vm) if vm.running() => {
+                self.by_name.insert(spec.vm_name.clone(), vm.clone());
+                self.vm_up(key, vm, false)
+            }
+            Some(vm) => {
+                let ask = Ask::Cocoon(CocoonCmd::VmRm { id: vm.id });
+                self.advance(key, CreateStep::BootFailedRm { error }, ask)
+            }
+            None => {
+                if r.vm_not_found() {
+                    self.forget_owner(Owned::Vm, &spec.vm_name);
+                }
+                self.fail_create(key, &c.uid, &error, true)
+            }
+        }
+    }
+
+    /// The pull of the image's snapshot answered: inspected again, or the create fails.
+    fn snapshot_pulled(&mut self, key: &PodKey, c: &CreateOp, r: Result<String, TransferError>) {
+        match self.pull_done(key, c, r) {
+            Ok(_) => {
+                self.metric(MetricUpdate::SnapshotPull { result: "ok" });
+                self.advance(
+                    key,
+                    CreateStep::SnapInspect { pulled: true },
+                    Ask::Cocoon(CocoonCmd::SnapshotInspect {
+                        name: c.local_snapshot.clone(),
+                    }),
+                )
+            }
+            Err(e) => {
+                self.metric(MetricUpdate::SnapshotPull { result: "failed" });
+                let msg = format!("pull snapshot {}: {e}", c.spec.image);
+                self.fail_create(key, &c.uid, &msg, true)
+            }
+        }
+    }
+
+    /// `mode=run`: the image is available (or not): `vm run` of it.
+    fn run_image_ready(&mut self, key: &PodKey, c: &CreateOp, res: Res) {
+        let spec = &c.spec;
+        match res.transfer_or_cocoon() {
+            Ok(boot) => {
+                let boot = if boot.is_empty() {
+                    spec.image.clone()
+                } else {
+                    boot
+                };
+                let r = &spec.resources;
+                let args = RunOptions {
+                    name: spec.vm_name.clone(),
+                    cpu: r.vcpus(),
+                    cpu_policy: r.cpu_policy(),
+                    memory: r.memory_bytes().map(|b| b.to_string()).unwrap_or_default(),
+                    storage: spec
+                        .storage_bytes
+                        .map(|b| b.to_string())
+                        .unwrap_or_default(),
+                    network: spec.network.clone(),
+                    windows: spec.os == Os::Windows,
+                    backend: spec.backend_kind(),
+                    no_direct_io: spec.no_direct_io,
+                    image: boot,
+                };
+                self.boot(key, CocoonCmd::VmRun(args))
+            }
+            Err(e) => {
+                let msg = format!("make image {} available: {e}", spec.image);
+                self.fail_create(key, &c.uid, &msg, true)
+            }
         }
     }
 

@@ -8,7 +8,7 @@ impl Provider {
 
     pub(super) fn start_api_delete(&mut self, key: &PodKey, uid: &str) {
         let uid = uid.to_string();
-        self.slot(key).op = Some(Op::ApiDelete { uid: uid.clone() });
+        self.start_op(key, Op::ApiDelete { uid: uid.clone() });
         self.pod_effect(key, |op| Effect::DeletePod {
             op,
             key: key.clone(),
@@ -40,7 +40,7 @@ impl Provider {
         // record that a VM is owed removal; a crash after a force-delete and before `vm rm`
         // would leave the VM for good (with the alert orphan policy) or to an orphan sweep
         // that may not run. A terminating pod waiting for its VM costs only time.
-        slot.op = Some(Op::Delete(DeleteOp {
+        slot.start_op(Op::Delete(DeleteOp {
             uid: t.uid.clone(),
             step: DeleteStep::ApiFirst,
             vm_name: t.spec.vm_name.clone(),
@@ -125,7 +125,7 @@ impl Provider {
             if !by_id && t.spec.vm_id != t.spec.vm_name && lookup_reference_ok(&t.spec.vm_id) {
                 return self.find_vm_for_delete(key, t, true);
             }
-            if let Some(Op::Delete(d)) = self.slot(key).op.as_mut() {
+            if let Some(Op::Delete(d)) = self.slot(key).op_mut() {
                 d.looked_up = true;
             }
             // No VM of the pod's name: none is owned under it either.
@@ -161,7 +161,7 @@ impl Provider {
         let Some(slot) = self.slots.get(key) else {
             return;
         };
-        let (Some(Op::Delete(d)), Some(t)) = (slot.op.clone(), slot.tracked.clone()) else {
+        let (Some(Op::Delete(d)), Some(t)) = (slot.op().cloned(), slot.tracked.clone()) else {
             return;
         };
         if let DeleteStep::FindVmWait { by_id } = d.step {
@@ -174,7 +174,7 @@ impl Provider {
         let Some(t) = slot.tracked.clone() else {
             return;
         };
-        let Some(Op::Delete(d)) = slot.op.clone() else {
+        let Some(Op::Delete(d)) = slot.op().cloned() else {
             return;
         };
         if !t.spec.managed {
@@ -217,9 +217,9 @@ impl Provider {
         let Some(slot) = self.slots.get(key) else {
             return;
         };
-        let (Some(Op::Delete(d)), Some(t)) = (slot.op.clone(), slot.tracked.clone()) else {
+        let (Some(Op::Delete(d)), Some(t)) = (slot.op().cloned(), slot.tracked.clone()) else {
             // Tracking vanished (forgotten): only ApiLast can remain.
-            if let Some(Op::Delete(d)) = slot.op.clone() {
+            if let Some(Op::Delete(d)) = slot.op().cloned() {
                 self.api_delete_result(key, d.uid, res);
             }
             return;
@@ -230,107 +230,18 @@ impl Provider {
                 self.found_vm_for_delete(key, &t, by_id, r)
             }
             (DeleteStep::SettleCreating { by_id }, Res::Cocoon(r)) => {
-                let outcome = if r.success {
-                    parse_stale_outcome(&r.stdout).ok()
-                } else {
-                    None
-                };
-                match outcome {
-                    // The record is gone or became a VM: look again (and remove what landed).
-                    Some(
-                        StaleCreateOutcome::Collected
-                        | StaleCreateOutcome::NotFound
-                        | StaleCreateOutcome::NotCreating,
-                    ) => self.find_vm_for_delete(key, &t, by_id),
-                    // A create still runs (or cocoon could not say): wait for it.
-                    _ => {
-                        let at = self.now + INSPECT_RETRY;
-                        self.advance(key, DeleteStep::FindVmWait { by_id }, Ask::Timer(at))
-                    }
-                }
+                self.delete_settled_creating(key, &t, by_id, r)
             }
-            (DeleteStep::Inspect, Res::Cocoon(r)) => {
-                if r.vm_not_found() {
-                    return self.advance(
-                        key,
-                        DeleteStep::Rm,
-                        Ask::Cocoon(CocoonCmd::VmRm { id: vm.id }),
-                    );
-                }
-                let parsed = if r.success {
-                    parse_vm(&r.stdout).ok()
-                } else {
-                    None
-                };
-                match parsed {
-                    None => self.delete_failed(
-                        key,
-                        &format!("inspect vm {} before delete: {}", vm.id, r.error_text()),
-                    ),
-                    Some(v) if v.running() => self.delete_save(key, &t, &d, false),
-                    Some(_) => self.advance(
-                        key,
-                        DeleteStep::Rm,
-                        Ask::Cocoon(CocoonCmd::VmRm { id: vm.id }),
-                    ),
-                }
-            }
-            (DeleteStep::Save { retried }, Res::Cocoon(r)) => {
-                if r.success {
-                    self.metric(MetricUpdate::SnapshotSave { result: "ok" });
-                    // Whose `<vm>:latest` the push would replace, first.
-                    let (repo, tag) = (d.vm_name.clone(), "latest".to_string());
-                    let ask = Ask::effect(|op| Effect::ReadSnapshotTag { op, repo, tag });
-                    return self.advance(key, DeleteStep::PushCheck, ask);
-                }
-                if r.name_taken() && !retried {
-                    return self.advance(
-                        key,
-                        DeleteStep::RmHolder,
-                        Ask::Cocoon(CocoonCmd::SnapshotRm {
-                            name: d.vm_name.clone(),
-                        }),
-                    );
-                }
-                self.metric(MetricUpdate::SnapshotSave { result: "failed" });
-                self.delete_failed(
-                    key,
-                    &format!(
-                        "snapshot save {} before delete: {}",
-                        d.vm_name,
-                        r.error_text()
-                    ),
-                )
+            (DeleteStep::Inspect, Res::Cocoon(r)) => self.delete_inspected(key, &t, &d, r),
+            (DeleteStep::Save { retried, started }, Res::Cocoon(r)) => {
+                self.metric(MetricUpdate::SnapshotSaveDuration {
+                    namespace: key.namespace.clone(),
+                    seconds: self.now.saturating_duration_since(started).as_secs_f64(),
+                });
+                self.delete_saved(key, &d, retried, r)
             }
             (DeleteStep::RmHolder, Res::Cocoon(_)) => self.delete_save(key, &t, &d, true),
-            (DeleteStep::PushCheck, Res::Evidence(r)) => match r {
-                Ok(Some(tag)) if isolation::tag_of_another(key, &tag) => {
-                    let msg = format!(
-                        "{}:latest in the registry is not recorded for namespace {}; the \
-                         snapshot before delete is not pushed over it",
-                        d.vm_name, key.namespace
-                    );
-                    self.push_refused_at_delete(key, &t, &msg)
-                }
-                Ok(_) => {
-                    let (name, image) = (d.vm_name.clone(), t.spec.image.clone());
-                    let owner = Owner::new(&key.namespace, &t.uid);
-                    let ask = Ask::effect(|op| Effect::PushSnapshot {
-                        op,
-                        local_name: name.clone(),
-                        repo: name,
-                        tag: "latest".into(),
-                        base_image: image,
-                        owner,
-                    });
-                    self.advance(key, DeleteStep::Push, ask)
-                }
-                Err(e) => {
-                    self.metric(MetricUpdate::SnapshotPush { result: "failed" });
-                    let msg = format!("read {}:latest before the push: {e}", d.vm_name);
-                    self.delete_failed(key, &msg)
-                }
-            },
+            (DeleteStep::PushCheck, Res::Evidence(r)) => self.delete_push_checked(key, &t, &d, r),
             (DeleteStep::Push, Res::Transfer(r)) => match r {
                 Ok(_) => {
                     self.metric(MetricUpdate::SnapshotPush { result: "ok" });
@@ -383,6 +294,128 @@ impl Provider {
         }
     }
 
+    /// cocoon's answer to settling a VM found still being created: looked up again, or
+    /// waited for while a create still runs it.
+    fn delete_settled_creating(&mut self, key: &PodKey, t: &Tracked, by_id: bool, r: CocoonResult) {
+        let outcome = if r.success {
+            parse_stale_outcome(&r.stdout).ok()
+        } else {
+            None
+        };
+        match outcome {
+            // The record is gone or became a VM: look again (and remove what landed).
+            Some(
+                StaleCreateOutcome::Collected
+                | StaleCreateOutcome::NotFound
+                | StaleCreateOutcome::NotCreating,
+            ) => self.find_vm_for_delete(key, t, by_id),
+            // A create still runs (or cocoon could not say): wait for it.
+            _ => {
+                let at = self.now + INSPECT_RETRY;
+                self.advance(key, DeleteStep::FindVmWait { by_id }, Ask::Timer(at))
+            }
+        }
+    }
+
+    /// The VM inspected before its delete: a running one is saved first, a stopped or gone
+    /// one removed.
+    fn delete_inspected(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp, r: CocoonResult) {
+        let vm = t.vm.clone().unwrap_or_default();
+        if r.vm_not_found() {
+            return self.advance(
+                key,
+                DeleteStep::Rm,
+                Ask::Cocoon(CocoonCmd::VmRm { id: vm.id }),
+            );
+        }
+        let parsed = if r.success {
+            parse_vm(&r.stdout).ok()
+        } else {
+            None
+        };
+        match parsed {
+            None => self.delete_failed(
+                key,
+                &format!("inspect vm {} before delete: {}", vm.id, r.error_text()),
+            ),
+            Some(v) if v.running() => self.delete_save(key, t, d, false),
+            Some(_) => self.advance(
+                key,
+                DeleteStep::Rm,
+                Ask::Cocoon(CocoonCmd::VmRm { id: vm.id }),
+            ),
+        }
+    }
+
+    /// The `snapshot save` before the delete answered: its push follows (after a look at
+    /// whose `<vm>:latest` it replaces), the name's holder is removed once, or the delete fails.
+    fn delete_saved(&mut self, key: &PodKey, d: &DeleteOp, retried: bool, r: CocoonResult) {
+        if r.success {
+            self.metric(MetricUpdate::SnapshotSave { result: "ok" });
+            // Whose `<vm>:latest` the push would replace, first.
+            let (repo, tag) = (d.vm_name.clone(), "latest".to_string());
+            let ask = Ask::effect(|op| Effect::ReadSnapshotTag { op, repo, tag });
+            return self.advance(key, DeleteStep::PushCheck, ask);
+        }
+        if r.name_taken() && !retried {
+            return self.advance(
+                key,
+                DeleteStep::RmHolder,
+                Ask::Cocoon(CocoonCmd::SnapshotRm {
+                    name: d.vm_name.clone(),
+                }),
+            );
+        }
+        self.metric(MetricUpdate::SnapshotSave { result: "failed" });
+        self.delete_failed(
+            key,
+            &format!(
+                "snapshot save {} before delete: {}",
+                d.vm_name,
+                r.error_text()
+            ),
+        )
+    }
+
+    /// The registry's `<vm>:latest`, read before the push: another namespace's is never
+    /// pushed over.
+    fn delete_push_checked(
+        &mut self,
+        key: &PodKey,
+        t: &Tracked,
+        d: &DeleteOp,
+        r: Result<Option<HibernateTag>, TransferError>,
+    ) {
+        match r {
+            Ok(Some(tag)) if isolation::tag_of_another(key, &tag) => {
+                let msg = format!(
+                    "{}:latest in the registry is not recorded for namespace {}; the \
+                         snapshot before delete is not pushed over it",
+                    d.vm_name, key.namespace
+                );
+                self.push_refused_at_delete(key, t, &msg)
+            }
+            Ok(_) => {
+                let (name, image) = (d.vm_name.clone(), t.spec.image.clone());
+                let owner = Owner::new(&key.namespace, &t.uid);
+                let ask = Ask::effect(|op| Effect::PushSnapshot {
+                    op,
+                    local_name: name.clone(),
+                    repo: name,
+                    tag: "latest".into(),
+                    base_image: image,
+                    owner,
+                });
+                self.advance(key, DeleteStep::Push, ask)
+            }
+            Err(e) => {
+                self.metric(MetricUpdate::SnapshotPush { result: "failed" });
+                let msg = format!("read {}:latest before the push: {e}", d.vm_name);
+                self.delete_failed(key, &msg)
+            }
+        }
+    }
+
     /// The snapshot before delete would replace another namespace's snapshot (local or in the
     /// registry): it is not taken or not pushed (Warning, counter); the VM is removed all the
     /// same, as the pod is gone.
@@ -418,7 +451,8 @@ impl Provider {
         };
         let owner = Owner::new(&key.namespace, &t.uid);
         let ask = Self::owned_then(Owned::Snapshot, &d.vm_name, owner, Deferred::Cocoon(save));
-        self.advance(key, DeleteStep::Save { retried }, ask)
+        let started = self.now;
+        self.advance(key, DeleteStep::Save { retried, started }, ask)
     }
 
     /// Unless kept, the VM's local snapshots go with it: `<vm>` (its hibernate snapshot when
@@ -491,7 +525,7 @@ impl Provider {
                 self.slot(key).idle = Idle::ApiDeleted(d.uid.clone());
                 // The op stays until the API answers so the slot is not re-driven meanwhile.
                 let (uid, pod) = (d.uid.clone(), key.clone());
-                self.slot(key).op = Some(Op::Delete(d.clone()));
+                self.start_op(key, Op::Delete(d.clone()));
                 let ask = Ask::effect(move |op| Effect::DeletePod {
                     op,
                     key: pod,
@@ -511,8 +545,7 @@ impl Provider {
         let now = self.now;
         let failures = {
             let slot = self.slot(key);
-            slot.op = None;
-            slot.awaiting = None;
+            slot.drop_op();
             if failed {
                 slot.idle.undo_api_delete();
                 slot.failures += 1;
@@ -543,8 +576,7 @@ impl Provider {
         let now = self.now;
         let failures = {
             let slot = self.slot(key);
-            slot.op = None;
-            slot.awaiting = None;
+            slot.drop_op();
             slot.failures += 1;
             slot.failures
         };

@@ -15,13 +15,16 @@ impl Provider {
             return self.end_op(key);
         };
         let vm = t.vm.clone().unwrap_or_default();
-        self.slot(key).op = Some(Op::Evict(EvictOp {
-            uid: t.uid.clone(),
-            reason,
-            message: message.to_string(),
-            step: EvictStep::Remove,
-            attempts: 0,
-        }));
+        self.start_op(
+            key,
+            Op::Evict(EvictOp {
+                uid: t.uid.clone(),
+                reason,
+                message: message.to_string(),
+                step: EvictStep::Remove,
+                attempts: 0,
+            }),
+        );
         if remove {
             return self.pod_cocoon(key, CocoonCmd::VmRm { id: vm.id });
         }
@@ -31,7 +34,7 @@ impl Provider {
 
     pub(super) fn evict_status(&mut self, key: &PodKey) {
         let slot = self.slot(key);
-        let (Some(Op::Evict(e)), Some(t)) = (slot.op.clone(), slot.tracked.clone()) else {
+        let (Some(Op::Evict(e)), Some(t)) = (slot.op().cloned(), slot.tracked.clone()) else {
             return;
         };
         let st = status::evicted(
@@ -55,10 +58,10 @@ impl Provider {
     }
 
     pub(super) fn evict_delete(&mut self, key: &PodKey) {
-        let Some(Op::Evict(e)) = self.slot(key).op.clone() else {
+        let Some(Op::Evict(e)) = self.slot(key).op().cloned() else {
             return;
         };
-        if let Some(Op::Evict(x)) = self.slot(key).op.as_mut() {
+        if let Some(Op::Evict(x)) = self.slot(key).op_mut() {
             x.attempts += 1;
         }
         let (uid, k) = (e.uid.clone(), key.clone());
@@ -71,10 +74,8 @@ impl Provider {
         self.advance(key, EvictStep::Delete, ask);
     }
 
-    pub(super) fn evict_step(&mut self, key: &PodKey, res: Res) {
-        let Some(Op::Evict(e)) = self.slot(key).op.clone() else {
-            return;
-        };
+    /// An answer to the running eviction `e`.
+    pub(super) fn evict_step(&mut self, key: &PodKey, e: EvictOp, res: Res) {
         match (e.step, res) {
             (EvictStep::Remove, Res::Cocoon(r)) => {
                 if !r.success && !r.vm_not_found() {

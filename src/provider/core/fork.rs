@@ -388,10 +388,11 @@ impl Provider {
             other => other,
         };
         for key in flight.waiting {
-            let waits = matches!(self.create_op(&key),
-                Some(c) if matches!(&c.step, CreateStep::ForkWait { source: s } if s == source));
-            if waits {
-                self.create_step(&key, Res::Fork(result.clone()));
+            let waiting = self
+                .create_op(&key)
+                .filter(|c| matches!(&c.step, CreateStep::ForkWait { source: s } if s == source));
+            if let Some(c) = waiting.cloned() {
+                self.create_step(&key, c, Res::Fork(result.clone()));
             }
         }
     }

@@ -66,7 +66,7 @@ impl Provider {
         let slot = self.slot(key);
         slot.awaiting = None;
         slot.timer = None;
-        slot.op = Some(Op::Hibernate(Box::new(HibernateOp {
+        slot.start_op(Op::Hibernate(Box::new(HibernateOp {
             uid: t.uid.clone(),
             vm: vm.clone(),
             step: HibernateStep::Save { retried: false },
@@ -97,14 +97,14 @@ impl Provider {
 
     fn hibernate_op(&self, key: &PodKey) -> Option<(HibernateOp, Tracked)> {
         let slot = self.slots.get(key)?;
-        match (&slot.op, &slot.tracked) {
+        match (slot.op(), &slot.tracked) {
             (Some(Op::Hibernate(h)), Some(t)) if t.uid == h.uid => Some(((**h).clone(), t.clone())),
             _ => None,
         }
     }
 
     fn hibernate_mut(&mut self, key: &PodKey) -> Option<&mut HibernateOp> {
-        match self.slots.get_mut(key)?.op.as_mut()? {
+        match self.slots.get_mut(key)?.op_mut()? {
             Op::Hibernate(h) => Some(h),
             _ => None,
         }
@@ -198,34 +198,7 @@ impl Provider {
                 self.hibernate_save(key, false)
             }
             (HibernateStep::Save { retried }, Res::Cocoon(r)) => {
-                let secs = self.now.saturating_duration_since(h.save_started);
-                self.metric(MetricUpdate::SnapshotSaveDuration {
-                    namespace: key.namespace.clone(),
-                    seconds: secs.as_secs_f64(),
-                });
-                if r.success {
-                    self.metric(MetricUpdate::SnapshotSave { result: "ok" });
-                    self.phase(key, "snapshot", true);
-                    return self.hibernate_push(key, &t);
-                }
-                if r.name_taken() && !retried {
-                    // An earlier save (a failed push, or a daemon killed after its save) holds
-                    // the name: that copy is replaced, its registry tag is not touched.
-                    let holder = match r.error_kind(crate::vm::Verb::SnapshotSave) {
-                        Some(ErrorKindRef::SnapshotNameTaken { holder: Some(id) }) => id,
-                        _ => vm_name.clone(),
-                    };
-                    let until = self.now + HOLDER_BUDGET;
-                    return self.advance(
-                        key,
-                        HibernateStep::RmHolder { until },
-                        Ask::Cocoon(CocoonCmd::SnapshotRm { name: holder }),
-                    );
-                }
-                self.metric(MetricUpdate::SnapshotSave { result: "failed" });
-                self.phase(key, "snapshot", false);
-                let msg = format!("snapshot save {vm_name}: {}", r.error_text());
-                self.hibernate_failed(key, fail("HibernateSnapshotFailed", msg))
+                self.hibernate_saved(key, &h, &t, retried, r)
             }
             (HibernateStep::RmHolder { until }, Res::Cocoon(r)) => {
                 let in_use =
@@ -240,25 +213,7 @@ impl Provider {
                 }
                 self.hibernate_save(key, true)
             }
-            (HibernateStep::PushCheck, Res::Evidence(r)) => match r {
-                Ok(Some(tag)) if isolation::tag_of_another(key, &tag) => {
-                    self.metric(MetricUpdate::SnapshotPush { result: "failed" });
-                    self.phase(key, "push", false);
-                    let msg = format!(
-                        "{vm_name}:{HIBERNATE_TAG} in the registry is not recorded for \
-                         namespace {}; it is not replaced",
-                        key.namespace
-                    );
-                    self.hibernate_failed(key, not_in_namespace(msg))
-                }
-                Ok(_) => self.hibernate_push_now(key, &t),
-                Err(e) => {
-                    self.metric(MetricUpdate::SnapshotPush { result: "failed" });
-                    self.phase(key, "push", false);
-                    let msg = format!("read {vm_name}:{HIBERNATE_TAG} before the push: {e}");
-                    self.hibernate_failed(key, fail("HibernatePushFailed", msg))
-                }
-            },
+            (HibernateStep::PushCheck, Res::Evidence(r)) => self.hibernate_push_checked(key, &t, r),
             (HibernateStep::Push, Res::Transfer(r)) => match r {
                 Ok(_) => {
                     self.metric(MetricUpdate::SnapshotPush { result: "ok" });
@@ -286,24 +241,7 @@ impl Provider {
                 });
                 self.advance(key, HibernateStep::Rm, ask)
             }
-            (HibernateStep::Rm, Res::Cocoon(r)) => {
-                if r.success || r.vm_not_found() {
-                    self.phase(key, "remove", true);
-                    return self.hibernated(key, &h, &t);
-                }
-                self.phase(key, "remove", false);
-                let failure = fail(
-                    "HibernateRemoveFailed",
-                    format!("vm rm {}: {}", h.vm.id, r.error_text()),
-                );
-                if !self.cfg.registry {
-                    return self.hibernate_failed(key, failure);
-                }
-                // The tag claims a hibernated VM that still runs: drop it before anything else.
-                let (repo, tag) = (vm_name.clone(), HIBERNATE_TAG.to_string());
-                let ask = Ask::effect(|op| Effect::DeleteSnapshotTag { op, repo, tag });
-                self.advance(key, HibernateStep::DeleteTag { failure }, ask)
-            }
+            (HibernateStep::Rm, Res::Cocoon(r)) => self.hibernate_removed(key, &h, &t, r),
             (HibernateStep::DeleteTag { failure }, Res::Transfer(r)) => {
                 if let Err(e) = r {
                     log::warn!("provider: {key}: delete {vm_name}:{HIBERNATE_TAG} after a failed removal: {e}");
@@ -324,24 +262,130 @@ impl Provider {
                 self.advance(key, HibernateStep::RestoreInspect { failure }, ask)
             }
             (HibernateStep::RestoreInspect { failure }, Res::Cocoon(r)) => {
-                if let (true, Ok(fresh)) = (r.success, parse_vm(&r.stdout)) {
-                    // DHCP NICs come back with new leases: their IP is learned again.
-                    let dhcp = fresh.nics.first().is_some_and(|n| n.static_ip.is_empty());
-                    if let Some(t) = self.slot(key).tracked.as_mut() {
-                        t.vm = Some(fresh.clone());
-                        if dhcp {
-                            t.ip.clear();
-                        }
-                    }
-                    self.by_name.insert(vm_name.clone(), fresh);
-                }
-                self.hibernate_fail_done(key, failure)
+                self.hibernate_restore_inspected(key, &t, failure, r)
             }
             (step, res) => self.unexpected_answer(key, &step, &res),
         }
     }
 
     /// The poll timer of a holder removal waiting for cocoon to let go of the snapshot.
+    /// The `snapshot save` answered: pushed (or cleared without a registry), its name's
+    /// holder removed once, or the hibernate fails.
+    fn hibernate_saved(
+        &mut self,
+        key: &PodKey,
+        h: &HibernateOp,
+        t: &Tracked,
+        retried: bool,
+        r: CocoonResult,
+    ) {
+        let vm_name = t.spec.vm_name.clone();
+        let secs = self.now.saturating_duration_since(h.save_started);
+        self.metric(MetricUpdate::SnapshotSaveDuration {
+            namespace: key.namespace.clone(),
+            seconds: secs.as_secs_f64(),
+        });
+        if r.success {
+            self.metric(MetricUpdate::SnapshotSave { result: "ok" });
+            self.phase(key, "snapshot", true);
+            return self.hibernate_push(key, t);
+        }
+        if r.name_taken() && !retried {
+            // An earlier save (a failed push, or a daemon killed after its save) holds
+            // the name: that copy is replaced, its registry tag is not touched.
+            let holder = match r.error_kind(crate::vm::Verb::SnapshotSave) {
+                Some(ErrorKindRef::SnapshotNameTaken { holder: Some(id) }) => id,
+                _ => vm_name.clone(),
+            };
+            let until = self.now + HOLDER_BUDGET;
+            return self.advance(
+                key,
+                HibernateStep::RmHolder { until },
+                Ask::Cocoon(CocoonCmd::SnapshotRm { name: holder }),
+            );
+        }
+        self.metric(MetricUpdate::SnapshotSave { result: "failed" });
+        self.phase(key, "snapshot", false);
+        let msg = format!("snapshot save {vm_name}: {}", r.error_text());
+        self.hibernate_failed(key, fail("HibernateSnapshotFailed", msg))
+    }
+
+    /// The registry's `<vm>:hibernate`, read before the push: another namespace's is never
+    /// pushed over.
+    fn hibernate_push_checked(
+        &mut self,
+        key: &PodKey,
+        t: &Tracked,
+        r: Result<Option<HibernateTag>, TransferError>,
+    ) {
+        let vm_name = t.spec.vm_name.clone();
+        match r {
+            Ok(Some(tag)) if isolation::tag_of_another(key, &tag) => {
+                self.metric(MetricUpdate::SnapshotPush { result: "failed" });
+                self.phase(key, "push", false);
+                let msg = format!(
+                    "{vm_name}:{HIBERNATE_TAG} in the registry is not recorded for \
+                         namespace {}; it is not replaced",
+                    key.namespace
+                );
+                self.hibernate_failed(key, not_in_namespace(msg))
+            }
+            Ok(_) => self.hibernate_push_now(key, t),
+            Err(e) => {
+                self.metric(MetricUpdate::SnapshotPush { result: "failed" });
+                self.phase(key, "push", false);
+                let msg = format!("read {vm_name}:{HIBERNATE_TAG} before the push: {e}");
+                self.hibernate_failed(key, fail("HibernatePushFailed", msg))
+            }
+        }
+    }
+
+    /// The VM's removal answered: hibernated, or the pushed tag is dropped and the VM rolled
+    /// back.
+    fn hibernate_removed(&mut self, key: &PodKey, h: &HibernateOp, t: &Tracked, r: CocoonResult) {
+        let vm_name = t.spec.vm_name.clone();
+        if r.success || r.vm_not_found() {
+            self.phase(key, "remove", true);
+            return self.hibernated(key, h, t);
+        }
+        self.phase(key, "remove", false);
+        let failure = fail(
+            "HibernateRemoveFailed",
+            format!("vm rm {}: {}", h.vm.id, r.error_text()),
+        );
+        if !self.cfg.registry {
+            return self.hibernate_failed(key, failure);
+        }
+        // The tag claims a hibernated VM that still runs: drop it before anything else.
+        let (repo, tag) = (vm_name.clone(), HIBERNATE_TAG.to_string());
+        let ask = Ask::effect(|op| Effect::DeleteSnapshotTag { op, repo, tag });
+        self.advance(key, HibernateStep::DeleteTag { failure }, ask)
+    }
+
+    /// The rollback's re-read of the VM after its NIC came back: its NICs (and a DHCP
+    /// NIC's IP, learned again) are the VM's now.
+    fn hibernate_restore_inspected(
+        &mut self,
+        key: &PodKey,
+        t: &Tracked,
+        failure: OpFailure,
+        r: CocoonResult,
+    ) {
+        let vm_name = t.spec.vm_name.clone();
+        if let (true, Ok(fresh)) = (r.success, parse_vm(&r.stdout)) {
+            // DHCP NICs come back with new leases: their IP is learned again.
+            let dhcp = fresh.nics.first().is_some_and(|n| n.static_ip.is_empty());
+            if let Some(t) = self.slot(key).tracked.as_mut() {
+                t.vm = Some(fresh.clone());
+                if dhcp {
+                    t.ip.clear();
+                }
+            }
+            self.by_name.insert(vm_name.clone(), fresh);
+        }
+        self.hibernate_fail_done(key, failure)
+    }
+
     pub(super) fn hibernate_timer(&mut self, key: &PodKey) {
         let Some((h, t)) = self.hibernate_op(key) else {
             return;
@@ -464,8 +508,8 @@ impl Provider {
             "snapshot saved locally (no registry pusher configured)"
         };
         self.event(key, &t.uid, EventType::Normal, "Hibernated", msg);
-        self.lifecycle_metric("update", "ok", "");
-        self.slot(key).op = None;
+        self.update_succeeded(key, &t.uid);
+        self.slot(key).finish_op();
         self.push_status(key, false);
         self.reconcile_slot(key);
     }
@@ -522,7 +566,7 @@ impl Provider {
         if failure.reason == WITHDRAWN {
             log::info!("provider: {key}: {}", failure.message);
             let slot = self.slot(key);
-            slot.op = None;
+            slot.finish_op();
             slot.update_retry = None;
             self.set_lifecycle(key, State::Creating, "");
             self.publish_ready(key);

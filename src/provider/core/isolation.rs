@@ -214,9 +214,7 @@ impl Provider {
         {
             let slot = self.slot(key);
             slot.tracked = None;
-            slot.op = None;
-            slot.awaiting = None;
-            slot.timer = None;
+            slot.clear_op();
         }
         let e = SpecError { reason, message };
         self.reject_as(key, &pod, event, e, true);

@@ -106,7 +106,7 @@ impl Provider {
         if let Waiter::Status { key, uid, .. } | Waiter::Annotations { key, uid, .. } = &waiter {
             let ended = self.slots.get(key).is_none_or(|s| {
                 s.idle.api_deleted(uid)
-                    || matches!(&s.op, Some(Op::ApiDelete { uid: u }) if u == uid)
+                    || matches!(s.op(), Some(Op::ApiDelete { uid: u }) if u == uid)
                     || s.latest.as_ref().is_none_or(|p| pod_uid(p) != *uid)
             });
             if ended {
@@ -293,7 +293,7 @@ impl Provider {
         let keys: Vec<PodKey> = self.slots.keys().cloned().collect();
         for key in keys {
             let slot = &self.slots[&key];
-            if slot.latest.is_none() && slot.tracked.is_none() && slot.op.is_none() {
+            if slot.latest.is_none() && slot.tracked.is_none() && slot.op().is_none() {
                 // A slot whose pod is gone and which waits for nothing: a late answer (a
                 // write acked after the pod's removal) may have re-opened it after the
                 // reconcile that dropped it. The reconcile's rule drops it again.
@@ -307,7 +307,7 @@ impl Provider {
                 continue;
             }
             if matches!(
-                slot.op,
+                slot.op(),
                 Some(Op::Create(_)) | Some(Op::Evict(_)) | Some(Op::Delete(_))
             ) {
                 continue;

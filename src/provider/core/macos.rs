@@ -90,17 +90,15 @@ impl Provider {
     /// The create of a tracked macOS pod: look for its VM first (adoption).
     pub(super) fn macos_create(&mut self, key: &PodKey, uid: String, spec: VmSpec) {
         let name = spec.vm_name.clone();
-        self.slot(key).op = Some(Op::Create(Box::new(CreateOp {
-            uid,
-            spec,
-            step: CreateStep::MacosInspect,
-            started: self.now,
-            local_snapshot: String::new(),
-            snapshot_image: String::new(),
-            vm: None,
-            vm_event_meanwhile: None,
-            adopted: false,
-        })));
+        self.start_op(
+            key,
+            Op::Create(Box::new(CreateOp::new(
+                uid,
+                spec,
+                CreateStep::MacosInspect,
+                self.now,
+            ))),
+        );
         self.advance(
             key,
             CreateStep::MacosInspect,
@@ -366,7 +364,7 @@ impl Provider {
                 t.spec.vm_id = vm.id.clone();
                 t.probe = Some(initial_probe(&ip));
             }
-            slot.op = None;
+            slot.finish_op();
         }
         if !deleting_now {
             self.macos_start_probe(key);
@@ -446,7 +444,7 @@ impl Provider {
         };
         // The watch's liveness check may be running: it changes nothing Ready depends on, and
         // a readiness change is reported once, so it must not be lost to it.
-        let busy = !matches!(slot.op, None | Some(Op::MacosWatch(_)));
+        let busy = !matches!(slot.op(), None | Some(Op::MacosWatch(_)));
         if !ready || !is_macos(&t.spec) || busy || deleting(&t.pod) {
             return false;
         }
@@ -507,7 +505,7 @@ impl Provider {
         let due: Vec<(PodKey, String, i64)> = self
             .slots
             .iter()
-            .filter(|(_, s)| s.op.is_none())
+            .filter(|(_, s)| s.op().is_none())
             .filter_map(|(k, s)| {
                 let t = s.tracked.as_ref()?;
                 let vm = t.vm.as_ref()?;
@@ -520,10 +518,13 @@ impl Provider {
                 .is_some_and(|t| is_macos(&t.spec) && t.vm.is_some())
         });
         for (key, uid, pid) in due {
-            self.slot(&key).op = Some(Op::MacosWatch(MacosWatchOp {
-                uid,
-                step: MacosWatchStep::Alive,
-            }));
+            self.start_op(
+                &key,
+                Op::MacosWatch(MacosWatchOp {
+                    uid,
+                    step: MacosWatchStep::Alive,
+                }),
+            );
             let ask = Ask::effect(move |op| Effect::CheckPid { op, pid });
             self.advance(&key, MacosWatchStep::Alive, ask);
         }
@@ -536,7 +537,7 @@ impl Provider {
         let Some(slot) = self.slots.get(key) else {
             return;
         };
-        let (Some(Op::MacosWatch(w)), Some(t)) = (slot.op.clone(), slot.tracked.clone()) else {
+        let (Some(Op::MacosWatch(w)), Some(t)) = (slot.op().cloned(), slot.tracked.clone()) else {
             return;
         };
         let Some(vm) = t.vm.clone().filter(|_| t.uid == w.uid) else {

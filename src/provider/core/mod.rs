@@ -17,6 +17,12 @@
 //! (status / annotation patches, drift). A new transition touches its operation's file and,
 //! for a new step, the step enum in `state`.
 //!
+//! An op starts, hands over and ends only through `Slot`'s functions (`start_op`,
+//! `replace_op`, `finish_op`, `drop_op`, `clear_op`): what an ending forgets is chosen there.
+//! Each op kind has its own step enum, paired with it once (`OpStep` in `state`), so `advance`
+//! can only set a step on the op of its kind. A step function only routes an answer to the
+//! function of its stage; a stage that grows gets a function of its own.
+//!
 //! UpdatePod lives in `update` (the decision table and the op retry), hibernating a VM in
 //! `hibernate`, waking one (and CreatePod's restore) in `wake`; `confirm_hibernated` is the
 //! owed lookup after a restart that tells a finished hibernate from a VM lost mid-hibernate.
@@ -462,23 +468,16 @@ impl Provider {
     /// Issue a cocoon call the pod's op waits for.
     /// Moves the pod's op to `step` and issues the effect that step waits on, in one call: a
     /// step is never set without its question, nor a question asked for a step not set.
-    fn advance(&mut self, key: &PodKey, step: impl Into<Step>, ask: Ask) {
-        match (self.slot(key).op.as_mut(), step.into()) {
-            (Some(Op::Create(c)), Step::Create(s)) => c.step = s,
-            (Some(Op::Delete(d)), Step::Delete(s)) => d.step = s,
-            (Some(Op::Evict(e)), Step::Evict(s)) => e.step = s,
-            (Some(Op::Check(c)), Step::Check(s)) => c.step = s,
-            (Some(Op::Hibernate(h)), Step::Hibernate(s)) => h.step = s,
-            (Some(Op::Wake(w)), Step::Wake(s)) => w.step = s,
-            (Some(Op::ConfirmHibernated(c)), Step::ConfirmHibernated(s)) => c.step = s,
-            (Some(Op::PostClone(p)), Step::PostClone(s)) => p.step = s,
-            (Some(Op::MacosWatch(w)), Step::MacosWatch(s)) => w.step = s,
-            (Some(Op::Classify(c)), Step::Classify(s)) => c.step = s,
-            // A bug, not an input. The question is still asked: whichever op its answer then
-            // reaches fails through `unexpected_answer` with a retry instead of stalling.
-            (_, step) => {
-                log::warn!("provider: {key}: step {step:?} does not belong to the running op")
-            }
+    fn advance<S: OpStep>(&mut self, key: &PodKey, step: S, ask: Ask) {
+        match self.slot(key).op_mut().and_then(S::of) {
+            Some(s) => *s = step,
+            // A bug, not an input: the op of this step's kind has ended. The question is
+            // still asked: whichever op its answer then reaches fails through
+            // `unexpected_answer` with a retry instead of stalling.
+            None => log::warn!(
+                "provider: {key}: step {step:?} set with no {} op running",
+                S::OP
+            ),
         }
         match ask {
             Ask::Recorded(changes, then) => self.pod_record_then(key, changes, then),
@@ -665,7 +664,7 @@ impl Provider {
                     _ => false,
                 }
         };
-        match &slot.op {
+        match slot.op() {
             None => self.reconcile_slot(key),
             Some(Op::Hibernate(_) | Op::Wake(_))
                 if slot.latest.as_ref().is_none_or(|l| {
@@ -709,13 +708,15 @@ impl Provider {
         }
     }
 
+    /// Starts `op` on the pod (see `Slot::start_op`).
+    fn start_op(&mut self, key: &PodKey, op: Op) {
+        self.slot(key).start_op(op);
+    }
+
     /// End the current op (if any) and re-evaluate.
     fn end_op(&mut self, key: &PodKey) {
         if let Some(slot) = self.slots.get_mut(key) {
-            slot.op = None;
-            slot.awaiting = None;
-            slot.deferred = None;
-            slot.timer = None;
+            slot.clear_op();
         }
         self.reconcile_slot(key);
     }
@@ -725,7 +726,7 @@ impl Provider {
         let Some(slot) = self.slots.get(key) else {
             return;
         };
-        if slot.op.is_some() {
+        if slot.op().is_some() {
             return;
         }
         let latest = slot.latest.clone();
@@ -833,7 +834,7 @@ impl Provider {
                             || (vm.id.is_empty() && v.name == vm.name && !vm.name.is_empty())
                     })
                     .unwrap_or(false);
-                let creating = matches!(&s.op, Some(Op::Create(c))
+                let creating = matches!(s.op(), Some(Op::Create(c))
                     if !vm.name.is_empty() && c.spec.vm_name == vm.name);
                 tracked || creating
             })

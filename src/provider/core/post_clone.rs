@@ -79,18 +79,21 @@ impl Provider {
             None
         };
         self.write_post_clone_state(key, &uid, "running", BTreeMap::new());
-        self.slot(key).op = Some(Op::PostClone(Box::new(PostCloneOp {
-            uid,
-            vm_id: vm.id.clone(),
-            mode,
-            fixup: fix,
-            step: PostCloneStep::Exec,
-            attempts: 0,
-            errors: Vec::new(),
-            sac,
-            sac_only: false,
-            until: self.now + BUDGET,
-        })));
+        self.start_op(
+            key,
+            Op::PostClone(Box::new(PostCloneOp {
+                uid,
+                vm_id: vm.id.clone(),
+                mode,
+                fixup: fix,
+                step: PostCloneStep::Exec,
+                attempts: 0,
+                errors: Vec::new(),
+                sac,
+                sac_only: false,
+                until: self.now + BUDGET,
+            })),
+        );
         self.push_status(key, false);
         self.post_clone_attempt(key);
     }
@@ -117,22 +120,25 @@ impl Provider {
                 return self.sac_failed(key, &uid, mode, &err);
             }
         };
-        self.slot(key).op = Some(Op::PostClone(Box::new(PostCloneOp {
-            uid,
-            vm_id: vm.id.clone(),
-            mode,
-            fixup: Fixup {
-                kind: FixupKind::Windows,
-                command: Vec::new(),
-                hint: String::new(),
-            },
-            step: PostCloneStep::Sac,
-            attempts: 0,
-            errors: Vec::new(),
-            sac: None,
-            sac_only: true,
-            until: self.now + BUDGET,
-        })));
+        self.start_op(
+            key,
+            Op::PostClone(Box::new(PostCloneOp {
+                uid,
+                vm_id: vm.id.clone(),
+                mode,
+                fixup: Fixup {
+                    kind: FixupKind::Windows,
+                    command: Vec::new(),
+                    hint: String::new(),
+                },
+                step: PostCloneStep::Sac,
+                attempts: 0,
+                errors: Vec::new(),
+                sac: None,
+                sac_only: true,
+                until: self.now + BUDGET,
+            })),
+        );
         self.push_status(key, false);
         let vm_id = vm.id.clone();
         let ask = Ask::effect(move |op| Effect::SacPass { op, vm_id, plan });
@@ -140,7 +146,7 @@ impl Provider {
     }
 
     fn post_clone_op(&self, key: &PodKey) -> Option<&PostCloneOp> {
-        match self.slots.get(key)?.op.as_ref()? {
+        match self.slots.get(key)?.op()? {
             Op::PostClone(p) => Some(p),
             _ => None,
         }
@@ -159,7 +165,7 @@ impl Provider {
             command: p.fixup.command.clone(),
             deadline: p.until.saturating_duration_since(self.now),
         };
-        if let Some(Op::PostClone(p)) = self.slot(key).op.as_mut() {
+        if let Some(Op::PostClone(p)) = self.slot(key).op_mut() {
             p.attempts += 1;
         }
         self.advance(key, PostCloneStep::Exec, Ask::Cocoon(cmd));
@@ -173,10 +179,7 @@ impl Provider {
     }
 
     /// The answer of an attempt.
-    pub(super) fn post_clone_step(&mut self, key: &PodKey, res: Res) {
-        let Some(p) = self.post_clone_op(key) else {
-            return;
-        };
+    pub(super) fn post_clone_step(&mut self, key: &PodKey, p: &PostCloneOp, res: Res) {
         let step = p.step;
         if step == PostCloneStep::Sac {
             return match res {
@@ -217,7 +220,7 @@ impl Provider {
             "PostCloneExecAttemptFailed",
             &format!("attempt {n}: {err}"),
         );
-        if let Some(Op::PostClone(p)) = self.slot(key).op.as_mut() {
+        if let Some(Op::PostClone(p)) = self.slot(key).op_mut() {
             p.errors.push(format!("attempt {n}: {err}"));
         }
         if self.now >= until {
@@ -290,7 +293,7 @@ impl Provider {
         self.event(key, uid, EventType::Warning, "WindowsStaticIPFailed", &msg);
         self.write_post_clone_state(key, uid, "failed", BTreeMap::new());
         self.set_lifecycle(key, State::Failed, &msg);
-        self.slot(key).op = None;
+        self.slot(key).finish_op();
         self.push_status(key, false);
         self.reconcile_slot(key);
     }
@@ -356,7 +359,7 @@ impl Provider {
             fix.kind.label()
         );
         self.set_lifecycle(key, State::Failed, &msg);
-        self.slot(key).op = None;
+        self.slot(key).finish_op();
         self.push_status(key, false);
         self.reconcile_slot(key);
     }
@@ -430,13 +433,16 @@ impl Provider {
             .is_some_and(|t| t.spec.os == Os::Windows);
         let until = self.now + IP_WAIT;
         let nudge_at = windows.then(|| (self.now + RENEW_NUDGE_AFTER).min(until));
-        self.slot(key).op = Some(Op::ReadyWait {
-            uid,
-            vm_id,
-            until,
-            nudge_at,
-            mode,
-        });
+        self.start_op(
+            key,
+            Op::ReadyWait {
+                uid,
+                vm_id,
+                until,
+                nudge_at,
+                mode,
+            },
+        );
         self.push_status(key, false);
         self.ready_wait_poll(key);
     }
@@ -449,14 +455,14 @@ impl Provider {
             until,
             vm_id,
             ..
-        }) = self.slots.get(key).and_then(|s| s.op.clone())
+        }) = self.slots.get(key).and_then(|s| s.op().cloned())
         else {
             return false;
         };
         if self.now < at || self.now >= until {
             return false;
         }
-        if let Some(Op::ReadyWait { nudge_at, .. }) = self.slot(key).op.as_mut() {
+        if let Some(Op::ReadyWait { nudge_at, .. }) = self.slot(key).op_mut() {
             *nudge_at = None;
         }
         let cmd = CocoonCmd::VmExec {

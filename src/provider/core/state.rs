@@ -99,6 +99,23 @@ pub(super) struct CreateOp {
     pub(super) adopted: bool,
 }
 
+impl CreateOp {
+    /// A create of `spec` for incarnation `uid`, at its first step.
+    pub(super) fn new(uid: String, spec: VmSpec, step: CreateStep, started: Instant) -> Self {
+        CreateOp {
+            uid,
+            spec,
+            step,
+            started,
+            local_snapshot: String::new(),
+            snapshot_image: String::new(),
+            vm: None,
+            vm_event_meanwhile: None,
+            adopted: false,
+        }
+    }
+}
+
 /// A fork-snapshot flight's step: ensuring `fork-<source>` exists.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum ForkStep {
@@ -171,6 +188,8 @@ pub(super) enum DeleteStep {
     Inspect,
     Save {
         retried: bool,
+        /// When the save was asked for (`snapshot_save_duration_seconds`).
+        started: Instant,
     },
     RmHolder,
     /// The registry's `<vm>:latest` is read before it is replaced.
@@ -571,7 +590,9 @@ pub(super) struct Slot {
     pub(super) latest: Option<Arc<Pod>>,
     pub(super) tracked: Option<Tracked>,
     pub(super) intent: Option<Intent>,
-    pub(super) op: Option<Op>,
+    /// The running op. Private: it starts, hands over and ends only through the functions of
+    /// `impl Slot` below, so what an op's end forgets is decided in one place.
+    op: Option<Op>,
     pub(super) awaiting: Option<OpId>,
     /// (due, token); a fired timer whose token differs is stale.
     pub(super) timer: Option<(Instant, u64)>,
@@ -595,6 +616,58 @@ pub(super) struct Slot {
     /// Annotations of an incarnation (uid) that ride on its next annotation patch instead of
     /// a write of their own (post-clone-state `done`, see `kube_writes.rs`).
     pub(super) owed_annotations: Option<(String, BTreeMap<String, Option<String>>)>,
+}
+
+impl Slot {
+    /// The running op, if any.
+    pub(super) fn op(&self) -> Option<&Op> {
+        self.op.as_ref()
+    }
+
+    /// The running op, to move it on (its step, its counters).
+    pub(super) fn op_mut(&mut self) -> Option<&mut Op> {
+        self.op.as_mut()
+    }
+
+    /// Starts `op` on the pod. An op still running is replaced: that is how one op hands the
+    /// pod to its follow-up (a create to its restore or to its wait for Ready) keeping what
+    /// it waits on.
+    pub(super) fn start_op(&mut self, op: Op) {
+        self.op = Some(op);
+    }
+
+    /// Starts `op` in place of the running one, whose outstanding answer and timer are
+    /// forgotten: a late answer finds nothing waiting and is dropped.
+    pub(super) fn replace_op(&mut self, op: Op) {
+        self.forget_waits();
+        self.op = Some(op);
+    }
+
+    /// Ends the running op from its own last answer: nothing is outstanding any more, and a
+    /// timer the op armed (a retry) stays armed.
+    pub(super) fn finish_op(&mut self) {
+        self.op = None;
+    }
+
+    /// Ends the running op and forgets the answer it waits on; its timer (a retry the caller
+    /// arms, or one still due) stays.
+    pub(super) fn drop_op(&mut self) {
+        self.op = None;
+        self.awaiting = None;
+        self.deferred = None;
+    }
+
+    /// Ends the running op and forgets everything it waits on: its answer and its timer.
+    pub(super) fn clear_op(&mut self) {
+        self.op = None;
+        self.forget_waits();
+    }
+
+    fn forget_waits(&mut self) {
+        self.awaiting = None;
+        self.deferred = None;
+        self.timer = None;
+    }
 }
 
 /// What an outstanding effect result is for.
@@ -711,79 +784,43 @@ pub(super) struct Adoption {
     pub(super) kicks: Option<std::collections::VecDeque<PodKey>>,
 }
 
-/// The step an op moves to. [`Provider::advance`] sets it together with the effect it waits on.
-#[derive(Debug, Clone)]
-pub(super) enum Step {
-    Create(CreateStep),
-    Delete(DeleteStep),
-    Evict(EvictStep),
-    Check(CheckStep),
-    Hibernate(HibernateStep),
-    Wake(WakeStep),
-    ConfirmHibernated(ConfirmStep),
-    PostClone(PostCloneStep),
-    MacosWatch(MacosWatchStep),
-    Classify(ClassifyStep),
+/// The step type of one op kind. Each op kind carries its own step enum, and this is the one
+/// place that pairs them: a step reaches only the op of its own kind (`Provider::advance`
+/// takes any `OpStep`, and `of` finds that op's step field), so setting a step of another
+/// operation on the running one cannot be written.
+pub(super) trait OpStep: std::fmt::Debug {
+    /// The op kind this step belongs to, for messages.
+    const OP: &'static str;
+    /// The step field of `op` when `op` is of this step's kind.
+    fn of(op: &mut Op) -> Option<&mut Self>;
 }
 
-impl From<ClassifyStep> for Step {
-    fn from(s: ClassifyStep) -> Step {
-        Step::Classify(s)
-    }
+/// Pairs each op kind with its step enum.
+macro_rules! op_steps {
+    ($($kind:ident => $step:ty,)*) => {$(
+        impl OpStep for $step {
+            const OP: &'static str = stringify!($kind);
+            fn of(op: &mut Op) -> Option<&mut Self> {
+                match op {
+                    Op::$kind(o) => Some(&mut o.step),
+                    _ => None,
+                }
+            }
+        }
+    )*};
 }
 
-impl From<MacosWatchStep> for Step {
-    fn from(s: MacosWatchStep) -> Step {
-        Step::MacosWatch(s)
-    }
-}
-
-impl From<ConfirmStep> for Step {
-    fn from(s: ConfirmStep) -> Step {
-        Step::ConfirmHibernated(s)
-    }
-}
-
-impl From<PostCloneStep> for Step {
-    fn from(s: PostCloneStep) -> Step {
-        Step::PostClone(s)
-    }
-}
-
-impl From<HibernateStep> for Step {
-    fn from(s: HibernateStep) -> Step {
-        Step::Hibernate(s)
-    }
-}
-
-impl From<WakeStep> for Step {
-    fn from(s: WakeStep) -> Step {
-        Step::Wake(s)
-    }
-}
-
-impl From<CreateStep> for Step {
-    fn from(s: CreateStep) -> Step {
-        Step::Create(s)
-    }
-}
-
-impl From<DeleteStep> for Step {
-    fn from(s: DeleteStep) -> Step {
-        Step::Delete(s)
-    }
-}
-
-impl From<EvictStep> for Step {
-    fn from(s: EvictStep) -> Step {
-        Step::Evict(s)
-    }
-}
-
-impl From<CheckStep> for Step {
-    fn from(s: CheckStep) -> Step {
-        Step::Check(s)
-    }
+op_steps! {
+    Create => CreateStep,
+    Delete => DeleteStep,
+    Evict => EvictStep,
+    Check => CheckStep,
+    Hibernate => HibernateStep,
+    Wake => WakeStep,
+    ConfirmHibernated => ConfirmStep,
+    PostClone => PostCloneStep,
+    MacosWatch => MacosWatchStep,
+    Classify => ClassifyStep,
 }
 
 /// What a step waits on: the effect issued when the step is set.

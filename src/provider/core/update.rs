@@ -144,7 +144,7 @@ impl Provider {
             self.slot(key).update_retry = None;
             self.set_lifecycle(key, State::Creating, "");
             self.publish_ready(key);
-            self.lifecycle_metric("update", "ok", "");
+            self.update_succeeded(key, &uid);
             return;
         }
         if !changed {
@@ -204,6 +204,19 @@ impl Provider {
         }
     }
 
+    /// An update the pod asked for is done (hibernated, woken, a hibernate withdrawn): the
+    /// counter and the Normal `ProviderUpdateSuccess` the Go daemon's framework emits.
+    pub(super) fn update_succeeded(&mut self, key: &PodKey, uid: &str) {
+        self.lifecycle_metric("update", "ok", "");
+        self.event(
+            key,
+            uid,
+            EventType::Normal,
+            "ProviderUpdateSuccess",
+            "Update pod in provider successfully",
+        );
+    }
+
     /// A hibernate or wake failed: counter, Warning `reason` with "update: <err>", lifecycle
     /// `failed`, and a retry of the whole update (15 s, doubling to 5 min). The pod keeps
     /// whatever VM it has.
@@ -239,8 +252,7 @@ impl Provider {
         let now = self.now;
         let due = {
             let slot = self.slot(key);
-            slot.op = None;
-            slot.awaiting = None;
+            slot.drop_op();
             let delay = match slot.update_retry {
                 Some((d, _)) => (d * 2).min(UPDATE_RETRY_MAX),
                 None => UPDATE_RETRY_FIRST,

@@ -29,24 +29,19 @@ impl Provider {
         let Some(t) = self.slots.get(key).and_then(|s| s.tracked.clone()) else {
             return;
         };
-        let started = match self.slots.get(key).and_then(|s| s.op.as_ref()) {
+        let started = match self.slots.get(key).and_then(|s| s.op()) {
             Some(Op::Create(c)) => c.started,
             _ => self.now,
         };
-        {
-            let slot = self.slot(key);
-            slot.awaiting = None;
-            slot.timer = None;
-            slot.op = Some(Op::Wake(Box::new(WakeOp {
-                uid: t.uid.clone(),
-                spec: t.spec.clone(),
-                step: WakeStep::LocalInspect,
-                started,
-                restore,
-                tag: None,
-                source_label: String::new(),
-            })));
-        }
+        self.slot(key).replace_op(Op::Wake(Box::new(WakeOp {
+            uid: t.uid.clone(),
+            spec: t.spec.clone(),
+            step: WakeStep::LocalInspect,
+            started,
+            restore,
+            tag: None,
+            source_label: String::new(),
+        })));
         self.set_lifecycle(key, State::Creating, "");
         if !restore {
             // Stale id / ip of the VM that was removed at hibernate.
@@ -78,7 +73,7 @@ impl Provider {
 
     fn wake_op(&self, key: &PodKey) -> Option<WakeOp> {
         let slot = self.slots.get(key)?;
-        match (&slot.op, &slot.tracked) {
+        match (slot.op(), &slot.tracked) {
             (Some(Op::Wake(w)), Some(t)) if t.uid == w.uid => Some((**w).clone()),
             _ => None,
         }
@@ -100,104 +95,15 @@ impl Provider {
             return self.end_op(key);
         }
         let vm = w.spec.vm_name.clone();
-        let evidence =
-            |vm_name: String| Ask::effect(move |op| Effect::CheckHibernateEvidence { op, vm_name });
         match (w.step.clone(), res) {
-            (WakeStep::LocalInspect, Res::Cocoon(r)) => {
-                // Another snapshot than `<vm>` (an ID-prefix match) is none.
-                let local = match r.success {
-                    true => match isolation::inspected_snapshot(&r, &vm) {
-                        Ok(s) => s,
-                        Err(e) => return self.wake_failed(key, fail("WakePullFailed", e)),
-                    },
-                    false => None,
-                };
-                // A local copy recorded for another namespace is never read; one that no
-                // record or name ties to the pod's is passed over for the registry's tag.
-                if local.is_some() && self.snapshot_of_another(key, &vm) {
-                    let msg = format!(
-                        "the local snapshot {vm} is not recorded for namespace {}",
-                        key.namespace
-                    );
-                    return self.wake_refused(key, &w.uid, w.restore, msg);
-                }
-                let owned = self.owns_snapshot(key, &vm, &vm);
-                if local.is_some() && !owned && !self.cfg.registry {
-                    let msg = format!(
-                        "the local snapshot {vm} is not recorded for namespace {} and its name \
-                         does not prove it",
-                        key.namespace
-                    );
-                    return self.wake_refused(key, &w.uid, w.restore, msg);
-                }
-                if let Some(snap) = local.filter(|_| owned) {
-                    if !self.cfg.registry {
-                        // Without a registry the local copy is the only one, and trusted.
-                        let label = format!("local snapshot {vm}");
-                        return self.wake_clone(
-                            key,
-                            &w,
-                            CloneSource::Snapshot(vm.clone()),
-                            !snap.image.is_empty(),
-                            label,
-                        );
-                    }
-                    let step = WakeStep::Verify {
-                        local_id: snap.id,
-                        local_image: snap.image,
-                    };
-                    return self.advance(key, step, evidence(vm));
-                }
-                if !r.success && !r.snapshot_not_found() {
-                    let msg = format!("inspect local snapshot {vm}: {}", r.error_text());
-                    return self.wake_failed(key, fail("WakePullFailed", msg));
-                }
-                if !self.cfg.registry {
-                    return self.no_wake_source(
-                        key,
-                        &w,
-                        "no local snapshot and no registry configured",
-                    );
-                }
-                self.advance(key, WakeStep::Tag, evidence(vm))
-            }
+            (WakeStep::LocalInspect, Res::Cocoon(r)) => self.wake_local_inspected(key, &w, r),
             (
                 WakeStep::Verify {
                     local_id,
                     local_image,
                 },
                 Res::Evidence(found),
-            ) => match found {
-                Ok(Some(tag)) if !self.tag_readable(key, &vm, &tag) => {
-                    let msg = tag_refusal(&vm, &key.namespace);
-                    self.wake_refused(key, &w.uid, w.restore, msg)
-                }
-                Ok(Some(tag)) if !tag.snapshot_id.is_empty() && tag.snapshot_id == local_id => {
-                    self.metric(MetricUpdate::SnapshotVerify { result: "ok" });
-                    let label = format!("local snapshot {vm}");
-                    self.wake_clone(
-                        key,
-                        &w,
-                        CloneSource::Snapshot(vm.clone()),
-                        !local_image.is_empty(),
-                        label,
-                    )
-                }
-                Ok(tag) => {
-                    // The registry holds another hibernation (or none): the local copy is stale.
-                    self.metric(MetricUpdate::SnapshotVerify { result: "stale" });
-                    self.wake_set_tag(key, tag);
-                    let ask = Ask::Cocoon(CocoonCmd::SnapshotRm { name: vm });
-                    self.advance(key, WakeStep::RmStale, ask)
-                }
-                Err(e) => {
-                    // Never trust an unverified copy.
-                    self.metric(MetricUpdate::SnapshotVerify { result: "error" });
-                    let msg =
-                        format!("verify local snapshot {vm} against {vm}:{HIBERNATE_TAG}: {e}");
-                    self.wake_failed(key, fail("WakePullFailed", msg))
-                }
-            },
+            ) => self.wake_local_verified(key, &w, &local_id, &local_image, found),
             (WakeStep::RmStale, Res::Cocoon(r)) => {
                 if !r.success && !r.snapshot_not_found() {
                     log::warn!(
@@ -272,43 +178,9 @@ impl Provider {
                     }
                 }
             }
-            (WakeStep::Clone { source }, Res::Cocoon(r)) => {
-                if source == import_name(&vm) {
-                    // The import served its clone (or failed it); a retry pulls afresh.
-                    self.remove_snapshot_detached(&source);
-                }
-                if !r.success {
-                    // A clone killed at its deadline (or failing half-way) can leave a VM
-                    // record under the name: the retry's clone would then fail on the taken
-                    // name, and a delete before it would not know of the record. Look first.
-                    let error = format!("vm clone {vm} from {source}: {}", r.error_text());
-                    let ask = Ask::Cocoon(CocoonCmd::VmInspect {
-                        reference: vm.clone(),
-                    });
-                    return self.advance(key, WakeStep::CloneFailedInspect { source, error }, ask);
-                }
-                match parse_vm(&r.stdout) {
-                    Ok(v) => self.woken(key, &w, v, &source),
-                    Err(e) => self.wake_failed(key, fail("WakeCloneFailed", e)),
-                }
-            }
+            (WakeStep::Clone { source }, Res::Cocoon(r)) => self.wake_cloned(key, &w, source, r),
             (WakeStep::CloneFailedInspect { source, error }, Res::Cocoon(r)) => {
-                // Only a VM of this very name is the clone's (not one its name ID-prefixes).
-                let found = parse_vm(&r.stdout).ok();
-                match found.filter(|v| r.success && isolation::vm_named(v, &vm)) {
-                    // The clone finished after all (a slow clone past its deadline).
-                    Some(v) if v.running() => self.woken(key, &w, v, &source),
-                    Some(v) => {
-                        let ask = Ask::Cocoon(CocoonCmd::VmRm { id: v.id });
-                        self.advance(key, WakeStep::CloneFailedRm { error }, ask)
-                    }
-                    None => {
-                        if r.vm_not_found() {
-                            self.forget_owner(Owned::Vm, &vm);
-                        }
-                        self.wake_failed(key, fail("WakeCloneFailed", error))
-                    }
-                }
+                self.wake_clone_failed_inspected(key, &w, &source, error, r)
             }
             (WakeStep::CloneFailedRm { error }, Res::Cocoon(r)) => {
                 if !r.success && !r.vm_not_found() {
@@ -325,8 +197,163 @@ impl Provider {
         }
     }
 
+    /// The local snapshot named after the VM: cloned without a registry, verified against
+    /// the registry's tag with one, passed over for the tag when absent or not the pod's.
+    fn wake_local_inspected(&mut self, key: &PodKey, w: &WakeOp, r: CocoonResult) {
+        let vm = w.spec.vm_name.clone();
+        let evidence =
+            |vm_name: String| Ask::effect(move |op| Effect::CheckHibernateEvidence { op, vm_name });
+        // Another snapshot than `<vm>` (an ID-prefix match) is none.
+        let local = match r.success {
+            true => match isolation::inspected_snapshot(&r, &vm) {
+                Ok(s) => s,
+                Err(e) => return self.wake_failed(key, fail("WakePullFailed", e)),
+            },
+            false => None,
+        };
+        // A local copy recorded for another namespace is never read; one that no
+        // record or name ties to the pod's is passed over for the registry's tag.
+        if local.is_some() && self.snapshot_of_another(key, &vm) {
+            let msg = format!(
+                "the local snapshot {vm} is not recorded for namespace {}",
+                key.namespace
+            );
+            return self.wake_refused(key, &w.uid, w.restore, msg);
+        }
+        let owned = self.owns_snapshot(key, &vm, &vm);
+        if local.is_some() && !owned && !self.cfg.registry {
+            let msg = format!(
+                "the local snapshot {vm} is not recorded for namespace {} and its name \
+                     does not prove it",
+                key.namespace
+            );
+            return self.wake_refused(key, &w.uid, w.restore, msg);
+        }
+        if let Some(snap) = local.filter(|_| owned) {
+            if !self.cfg.registry {
+                // Without a registry the local copy is the only one, and trusted.
+                let label = format!("local snapshot {vm}");
+                return self.wake_clone(
+                    key,
+                    w,
+                    CloneSource::Snapshot(vm.clone()),
+                    !snap.image.is_empty(),
+                    label,
+                );
+            }
+            let step = WakeStep::Verify {
+                local_id: snap.id,
+                local_image: snap.image,
+            };
+            return self.advance(key, step, evidence(vm));
+        }
+        if !r.success && !r.snapshot_not_found() {
+            let msg = format!("inspect local snapshot {vm}: {}", r.error_text());
+            return self.wake_failed(key, fail("WakePullFailed", msg));
+        }
+        if !self.cfg.registry {
+            return self.no_wake_source(key, w, "no local snapshot and no registry configured");
+        }
+        self.advance(key, WakeStep::Tag, evidence(vm))
+    }
+
+    /// The registry's tag read to verify the local copy: the same snapshot is cloned, another
+    /// (or none) makes the local copy stale.
+    fn wake_local_verified(
+        &mut self,
+        key: &PodKey,
+        w: &WakeOp,
+        local_id: &str,
+        local_image: &str,
+        found: Result<Option<HibernateTag>, TransferError>,
+    ) {
+        let vm = w.spec.vm_name.clone();
+        match found {
+            Ok(Some(tag)) if !self.tag_readable(key, &vm, &tag) => {
+                let msg = tag_refusal(&vm, &key.namespace);
+                self.wake_refused(key, &w.uid, w.restore, msg)
+            }
+            Ok(Some(tag)) if !tag.snapshot_id.is_empty() && tag.snapshot_id == local_id => {
+                self.metric(MetricUpdate::SnapshotVerify { result: "ok" });
+                let label = format!("local snapshot {vm}");
+                self.wake_clone(
+                    key,
+                    w,
+                    CloneSource::Snapshot(vm.clone()),
+                    !local_image.is_empty(),
+                    label,
+                )
+            }
+            Ok(tag) => {
+                // The registry holds another hibernation (or none): the local copy is stale.
+                self.metric(MetricUpdate::SnapshotVerify { result: "stale" });
+                self.wake_set_tag(key, tag);
+                let ask = Ask::Cocoon(CocoonCmd::SnapshotRm { name: vm });
+                self.advance(key, WakeStep::RmStale, ask)
+            }
+            Err(e) => {
+                // Never trust an unverified copy.
+                self.metric(MetricUpdate::SnapshotVerify { result: "error" });
+                let msg = format!("verify local snapshot {vm} against {vm}:{HIBERNATE_TAG}: {e}");
+                self.wake_failed(key, fail("WakePullFailed", msg))
+            }
+        }
+    }
+
+    /// The clone of the wake answered: woken, or the leftover of a failed clone is looked for.
+    fn wake_cloned(&mut self, key: &PodKey, w: &WakeOp, source: String, r: CocoonResult) {
+        let vm = w.spec.vm_name.clone();
+        if source == import_name(&vm) {
+            // The import served its clone (or failed it); a retry pulls afresh.
+            self.remove_snapshot_detached(&source);
+        }
+        if !r.success {
+            // A clone killed at its deadline (or failing half-way) can leave a VM
+            // record under the name: the retry's clone would then fail on the taken
+            // name, and a delete before it would not know of the record. Look first.
+            let error = format!("vm clone {vm} from {source}: {}", r.error_text());
+            let ask = Ask::Cocoon(CocoonCmd::VmInspect {
+                reference: vm.clone(),
+            });
+            return self.advance(key, WakeStep::CloneFailedInspect { source, error }, ask);
+        }
+        match parse_vm(&r.stdout) {
+            Ok(v) => self.woken(key, w, v, &source),
+            Err(e) => self.wake_failed(key, fail("WakeCloneFailed", e)),
+        }
+    }
+
+    /// What a failed wake clone left under the VM name: a running VM is the clone finished
+    /// after all, a stopped one is removed before the failure is reported.
+    fn wake_clone_failed_inspected(
+        &mut self,
+        key: &PodKey,
+        w: &WakeOp,
+        source: &str,
+        error: String,
+        r: CocoonResult,
+    ) {
+        let vm = w.spec.vm_name.clone();
+        // Only a VM of this very name is the clone's (not one its name ID-prefixes).
+        let found = parse_vm(&r.stdout).ok();
+        match found.filter(|v| r.success && isolation::vm_named(v, &vm)) {
+            // The clone finished after all (a slow clone past its deadline).
+            Some(v) if v.running() => self.woken(key, w, v, source),
+            Some(v) => {
+                let ask = Ask::Cocoon(CocoonCmd::VmRm { id: v.id });
+                self.advance(key, WakeStep::CloneFailedRm { error }, ask)
+            }
+            None => {
+                if r.vm_not_found() {
+                    self.forget_owner(Owned::Vm, &vm);
+                }
+                self.wake_failed(key, fail("WakeCloneFailed", error))
+            }
+        }
+    }
+
     fn wake_set_tag(&mut self, key: &PodKey, tag: Option<HibernateTag>) {
-        if let Some(Some(Op::Wake(w))) = self.slots.get_mut(key).map(|s| s.op.as_mut()) {
+        if let Some(Some(Op::Wake(w))) = self.slots.get_mut(key).map(|s| s.op_mut()) {
             w.tag = tag;
         }
     }
@@ -412,7 +439,7 @@ impl Provider {
             // The NIC was dropped before the save: the clone brings one back.
             args.nics = Some(1);
         }
-        if let Some(Op::Wake(w)) = self.slot(key).op.as_mut() {
+        if let Some(Op::Wake(w)) = self.slot(key).op_mut() {
             w.source_label = label;
         }
         self.advance(
@@ -441,9 +468,7 @@ impl Provider {
         let latest = self.slots.get(key).and_then(|s| s.latest.clone());
         {
             let slot = self.slot(key);
-            slot.op = None;
-            slot.awaiting = None;
-            slot.timer = None;
+            slot.clear_op();
         }
         self.forget(key, false);
         match latest {
@@ -514,7 +539,7 @@ impl Provider {
                 "Create pod in provider successfully",
             );
         } else {
-            self.lifecycle_metric("update", "ok", "");
+            self.update_succeeded(key, &w.uid);
         }
         // Restore follow-up: CH + Windows waits for the IP (the hot-added NIC must not be
         // cycled by a fix-up); other guests run the post-clone fix-up in wake accounting, which

@@ -490,6 +490,15 @@ fn same_name_recreate_adopts_the_vm_for_the_new_incarnation() {
             reason: "adopted"
         }
     ));
+    // Counted once: an adoption is not also a create.
+    assert!(!has_metric(
+        &e,
+        &MetricUpdate::PodLifecycle {
+            op: "create",
+            result: "ok",
+            reason: ""
+        }
+    ));
 }
 
 #[test]

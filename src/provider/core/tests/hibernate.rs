@@ -123,6 +123,9 @@ fn hibernate_saves_pushes_clears_ids_then_removes_the_vm() {
     assert!(events(&e)
         .iter()
         .any(|(r, m)| *r == "Hibernated" && m == "snapshot pushed to registry"));
+    assert!(events(&e)
+        .iter()
+        .any(|(r, m)| *r == "ProviderUpdateSuccess" && m == "Update pod in provider successfully"));
     assert!(has_metric(
         &e,
         &MetricUpdate::PodLifecycle {
