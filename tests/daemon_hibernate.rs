@@ -95,6 +95,9 @@ fn hibernate_then_wake_keeps_the_vm_name_and_its_data() {
     set_hibernate(&w, "p0", true);
     wait_for(&w, "p0", "hibernated", || hibernated(&w, "p0", vm));
     w.wait_event("p0", "Hibernated", |m| m == "snapshot pushed to registry");
+    w.wait_event("p0", "ProviderUpdateSuccess", |m| {
+        m == "Update pod in provider successfully"
+    });
     // The local snapshot the tag was pushed from is kept (the wake verifies it).
     let (ok, list) = w.cocoon(&["snapshot", "inspect", vm]);
     assert!(ok, "{list}");

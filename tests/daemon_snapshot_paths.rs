@@ -153,8 +153,20 @@ fn main_only_pushes_the_main_agent_under_every_naming_scheme() {
             );
         }
     }
-    // Each push is timed under the namespace of the pod it was made for.
+    // Each save before a delete and each push is timed under the namespace of the pod it
+    // was made for.
     let metrics = w.metrics();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "vk_cocoon_snapshot_save_duration_seconds_count{namespace=\"default\"} 3"),
+        "{}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("save_duration"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
     assert!(
         metrics
             .lines()
