@@ -222,11 +222,7 @@ impl RegistryClient {
     /// literal unless it is the registry host itself. Plain http only where the registry itself
     /// is plain http (loopback or a private address, see `allows_plain_http`) and only to the
     /// registry's own host: credentials never cross to another host in the clear.
-    fn check_realm(
-        &self,
-        registry_host: &str,
-        realm: &str,
-    ) -> Result<(), TransferError> {
+    fn check_realm(&self, registry_host: &str, realm: &str) -> Result<(), TransferError> {
         let insecure = lock(&self.schemes).get(registry_host).copied() == Some("http");
         let rest = if let Some(r) = realm.strip_prefix("https://") {
             r

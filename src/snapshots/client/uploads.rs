@@ -297,10 +297,7 @@ impl RegistryClient {
 
     /// One manifest DELETE: `Ok(None)` when gone (or absent), `Ok(Some(e))` when the registry
     /// refused it (400, 405), `Err` for any other failure.
-    fn try_delete_manifest(
-        &self,
-        r: &Reference,
-    ) -> Result<Option<TransferError>, TransferError> {
+    fn try_delete_manifest(&self, r: &Reference) -> Result<Option<TransferError>, TransferError> {
         let sess = Session {
             host: r.host.clone(),
             repository: r.repository.clone(),
