@@ -295,7 +295,8 @@ impl Daemon {
         log::info!("kubernetes API at {}", kube.server());
 
         let spool = config.spool_dir();
-        crate::snapshots::push::prepare_spool_dir(&spool).map_err(|e| StartError::new(1, e))?;
+        crate::snapshots::push::prepare_spool_dir(&spool)
+            .map_err(|e| StartError::new(1, e.to_string()))?;
         let node = startup::node_agent(&config, reactor.now())?;
         let registry = if config.oci_registry.is_empty() {
             None

@@ -369,8 +369,12 @@ impl Read for BlobReader {
 mod tests {
     use super::*;
 
-    fn classify(status: u16, cr: Option<&str>, cl: Option<&str>) -> Result<RangeAnswer, String> {
-        classify_range(status, cr, cl, 8, 4, 100, "w").map_err(|e| e.to_string())
+    fn classify(
+        status: u16,
+        cr: Option<&str>,
+        cl: Option<&str>,
+    ) -> Result<RangeAnswer, TransferError> {
+        classify_range(status, cr, cl, 8, 4, 100, "w")
     }
 
     #[test]
@@ -397,7 +401,7 @@ mod tests {
             (206, Some("bytes 11-8/100"), None),
             (204, None, None),
         ] {
-            let e = classify(status, cr, cl).expect_err("refused");
+            let e = classify(status, cr, cl).expect_err("refused").to_string();
             assert!(e.starts_with("w: "), "{e}");
         }
         // The registry's idea of the blob size disagrees with the descriptor.
