@@ -155,6 +155,14 @@ impl RegistryClient {
         Ok(format!("{}://{host}{path}", self.scheme_for(host)?))
     }
 
+    /// `<scheme>://<host>/v2/<repository>/manifests/<tag or digest>` of a reference.
+    fn manifest_url(&self, r: &Reference) -> Result<String, TransferError> {
+        self.url(
+            &r.host,
+            &format!("/v2/{}/manifests/{}", r.repository, r.target.as_str()),
+        )
+    }
+
     /// Pings the registry host (`GET /v2/`) through a pull session of `repository`.
     pub fn ping(&self, repository: &str) -> Result<(), TransferError> {
         let sess = self.session(&self.base.host, repository, "pull");

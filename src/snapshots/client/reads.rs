@@ -16,10 +16,7 @@ impl RegistryClient {
     /// digest) and Content-Type. 404 → [`TransferError::NotFound`].
     pub fn get_manifest(&self, r: &Reference) -> Result<(Vec<u8>, String), TransferError> {
         let sess = self.session(&r.host, &r.repository, "pull");
-        let url = self.url(
-            &r.host,
-            &format!("/v2/{}/manifests/{}", r.repository, r.target.as_str()),
-        )?;
+        let url = self.manifest_url(r)?;
         let what = format!("get manifest {r}");
         let resp = self
             .with_transport_retry(|| {

@@ -243,10 +243,7 @@ impl RegistryClient {
         media_type: &str,
     ) -> Result<(), TransferError> {
         let sess = self.session(&r.host, &r.repository, "push,pull");
-        let url = self.url(
-            &r.host,
-            &format!("/v2/{}/manifests/{}", r.repository, r.target.as_str()),
-        )?;
+        let url = self.manifest_url(r)?;
         let what = format!("put manifest {r}");
         let mut attempt = 0;
         loop {
@@ -304,10 +301,7 @@ impl RegistryClient {
             actions: "push,pull,delete",
             state: Mutex::new(SessionState::default()),
         };
-        let url = self.url(
-            &r.host,
-            &format!("/v2/{}/manifests/{}", r.repository, r.target.as_str()),
-        )?;
+        let url = self.manifest_url(r)?;
         let what = format!("delete manifest {r}");
         match self.with_transport_retry(|| self.exchange(&sess, "DELETE", &url, &[], Body::Empty)) {
             Ok(_) | Err(HttpFailure::Status(404, _)) => Ok(None),
