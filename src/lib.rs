@@ -1,6 +1,7 @@
 //! vk-cocoon: a virtual kubelet that turns Kubernetes pods into cocoon MicroVMs.
 //! The module map follows the design notes (one room per concern); `daemon` is where they meet.
 
+pub mod backoff;
 pub mod config;
 pub mod daemon;
 pub mod guest;

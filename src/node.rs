@@ -15,6 +15,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference, Time};
 use k8s_openapi::chrono::{DateTime, Utc};
 
+use crate::backoff::Backoff;
 use crate::kube::{Client, KubeError};
 use crate::metrics::stats::{cow_allocated_bytes, StatsHub};
 
@@ -451,35 +452,6 @@ pub fn renew_lease(mut l: Lease, node: &str, node_uid: &str, now: SystemTime) ->
 // ------------------------------------------------------------------------------------------
 // The agent: registration, lease renewals and status refreshes on a pure schedule.
 // ------------------------------------------------------------------------------------------
-
-/// Exponential backoff with a cap.
-#[derive(Clone, Debug)]
-struct Backoff {
-    initial: Duration,
-    max: Duration,
-    failures: u32,
-}
-
-impl Backoff {
-    fn new(initial: Duration, max: Duration) -> Backoff {
-        Backoff {
-            initial,
-            max,
-            failures: 0,
-        }
-    }
-    fn fail(&mut self) -> Duration {
-        let d = self
-            .initial
-            .saturating_mul(1u32 << self.failures.min(16))
-            .min(self.max);
-        self.failures = self.failures.saturating_add(1);
-        d
-    }
-    fn reset(&mut self) {
-        self.failures = 0;
-    }
-}
 
 /// What `tick` did, for logs, metrics and tests.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -28,6 +28,7 @@ mod hypervisors;
 mod kube_jobs;
 pub mod lane;
 mod ledger;
+mod readiness;
 mod source_checks;
 mod startup;
 mod turn_profile;
@@ -292,7 +293,8 @@ impl Daemon {
         log::info!("kubernetes API at {}", kube.server());
 
         let spool = config.spool_dir();
-        crate::snapshots::push::prepare_spool_dir(&spool).map_err(|e| StartError::new(1, e))?;
+        crate::snapshots::push::prepare_spool_dir(&spool)
+            .map_err(|e| StartError::new(1, e.to_string()))?;
         let mut node = startup::node_agent(&config, reactor.now())?;
         let registry = if config.oci_registry.is_empty() {
             None
@@ -485,7 +487,11 @@ impl Daemon {
             let mut at = self.profile.lap("reactor", turn);
             let n_events = events.len();
             for event in events.drain(..) {
-                let kind = turn_profile::event_kind(&event, self.io_owner(&event));
+                let io = match &event {
+                    Event::Io(ready) => self.io_owner(ready.token).profile_name(),
+                    _ => "",
+                };
+                let kind = turn_profile::event_kind(&event, io);
                 self.route(event);
                 at = self.profile.lap(kind, at);
                 if self.stopping {
@@ -523,53 +529,24 @@ impl Daemon {
         }
     }
 
-    /// Who an I/O event is for, as the profile names it.
-    fn io_owner(&self, event: &Event<Work>) -> &'static str {
-        let Event::Io(ready) = event else {
-            return "";
-        };
-        if self.hypervisors.owns(ready.token) {
-            "io:hypervisor"
-        } else if ready.token == self.watch.token() {
-            "io:watch"
-        } else if self.kubelet.owns_token(ready.token) {
-            "io:kubelet"
-        } else {
-            "io:probes/metrics/stream"
-        }
-    }
-
     fn route(&mut self, event: Event<Work>) {
-        let now = self.reactor.now();
-        if let Some(out) =
-            self.probes
-                .handle_event(&mut self.reactor, &event, crate::wall_clock::now())
-        {
-            self.probe_events(out);
-            return;
-        }
-        if let Some(out) = self.stream.handle(&mut self.reactor, &event) {
-            self.stream_output(out);
-            return;
+        // Readiness goes by token owner (`readiness.rs`); probe and event-stream timers and
+        // the stream's child are claimed here first.
+        if !matches!(event, Event::Io(_)) {
+            if let Some(out) =
+                self.probes
+                    .handle_event(&mut self.reactor, &event, crate::wall_clock::now())
+            {
+                self.probe_events(out);
+                return;
+            }
+            if let Some(out) = self.stream.handle(&mut self.reactor, &event) {
+                self.stream_output(out);
+                return;
+            }
         }
         match event {
-            Event::Io(ready) => {
-                if self.hypervisors.owns(ready.token) {
-                    if let Some(vm) = self.hypervisors.exited(&mut self.reactor, ready.token) {
-                        self.pending.push_back(Input::VmEvent {
-                            kind: crate::provider::VmEventKind::Modified,
-                            vm,
-                        });
-                    }
-                } else if ready.token == self.watch.token() {
-                    self.watch_read(now);
-                } else if self.kubelet.owns_token(ready.token) {
-                    self.kubelet.on_io(&mut self.reactor, ready);
-                    self.kubelet_auth();
-                } else if let Some(server) = self.metrics_server.as_mut() {
-                    server.handle_io(&mut self.reactor, &ready);
-                }
-            }
+            Event::Io(ready) => self.route_io(ready),
             Event::Timer { id, key } => self.route_timer(id, key),
             Event::ChildOutput { id, stream, data } => {
                 if self.kubelet.owns_child(id) {

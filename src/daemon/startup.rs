@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{ChildRole, Daemon, OwnTimer, StartError, Work};
+use crate::backoff::Backoff;
 use crate::config::Config;
 use crate::kube::watch::WatchOutput;
 use crate::kube::Client;
@@ -30,7 +31,7 @@ pub(super) struct Startup {
     pods: Option<Vec<k8s_openapi::api::core::v1::Pod>>,
     /// The ownership ledger as read at start, handed to the provider with the lists.
     owners: Option<crate::provider::owners::Owners>,
-    retry: Duration,
+    retry: Backoff,
     attempts: u32,
 }
 
@@ -39,7 +40,7 @@ impl Startup {
         Startup {
             pods: None,
             owners: Some(owners),
-            retry: RETRY_FIRST,
+            retry: Backoff::new(RETRY_FIRST, RETRY_MAX),
             attempts: 0,
         }
     }
@@ -135,8 +136,7 @@ impl Daemon {
         let Some(startup) = self.startup.as_mut() else {
             return;
         };
-        let wait = startup.retry;
-        startup.retry = (startup.retry * 2).min(RETRY_MAX);
+        let wait = startup.retry.fail();
         startup.pods = None;
         log::info!(
             "startup reconcile attempt {} failed; retrying in {:?}",

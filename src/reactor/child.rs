@@ -1,5 +1,5 @@
 //! Child-process types of the reactor: what to spawn, how its pipes are handled, what it reported.
-//! Owns per-child pipe buffers; the poll registration and reaping live in `reactor::Reactor`.
+//! Owns per-child pipe buffers; registration, reaping and reporting live in `children.rs`.
 
 use std::collections::VecDeque;
 use std::fmt;

@@ -16,7 +16,7 @@
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::io;
-use std::os::fd::OwnedFd;
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::process::{Child, Command};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -153,7 +153,7 @@ fn spawner(receiver: &Mutex<Receiver<Request>>, done: &Mutex<Done>, waker: &mio:
         };
         let Request { id, mut cmd } = req;
         let result = cmd.spawn().map(|child| {
-            let pidfd = super::pidfd_open(child.id());
+            let pidfd = pidfd_open(child.id());
             (child, pidfd)
         });
         let mut queue = lock(done);
@@ -168,4 +168,18 @@ fn spawner(receiver: &Mutex<Receiver<Request>>, done: &Mutex<Done>, waker: &mio:
         drop(queue);
         let _ = waker.wake();
     }
+}
+
+/// pidfd_open(2): a file descriptor that becomes readable when `pid` exits.
+fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
+    let pid =
+        libc::pid_t::try_from(pid).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1; no memory is shared.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0 as libc::c_uint) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let fd = i32::try_from(fd).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
+    // SAFETY: the syscall just returned this fd to us; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }

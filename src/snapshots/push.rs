@@ -2,6 +2,7 @@
 //! entries into blobs (v1 raw, v2 chunked / zstd), then config and manifest. Memory bounded.
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::fs::File;
 use std::io::{self, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
@@ -564,35 +565,73 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Why the spool directory cannot be used; the message names the directory.
+#[derive(Debug)]
+pub struct SpoolDirError {
+    pub dir: PathBuf,
+    pub problem: SpoolDirProblem,
+}
+
+/// What is wrong with the spool directory.
+#[derive(Debug)]
+pub enum SpoolDirProblem {
+    /// Creating, inspecting or narrowing it failed.
+    Io(io::Error),
+    /// A symlink (never followed) or something other than a directory.
+    NotADirectory,
+    /// Owned by another user than the daemon's.
+    ForeignOwner { uid: u32, ours: u32 },
+}
+
+impl fmt::Display for SpoolDirError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "spool directory {}: ", self.dir.display())?;
+        match &self.problem {
+            SpoolDirProblem::Io(e) => write!(f, "{e}"),
+            SpoolDirProblem::NotADirectory => {
+                f.write_str("is a symlink or not a directory; remove it (vk-cocoon creates it)")
+            }
+            SpoolDirProblem::ForeignOwner { uid, ours } => write!(
+                f,
+                "is owned by uid {uid}, not by vk-cocoon's uid {ours}; remove it (vk-cocoon \
+                 creates it)"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for SpoolDirError {}
+
 /// Makes `dir` the daemon's private spool directory: created with mode 0700 when missing; an
 /// existing one must be a real directory (not a symlink) owned by this process's user, and is
 /// narrowed to 0700 when it allows more. A snapshot layer passes through the spool: guest memory
 /// and disk that no other user of the host may read.
-pub fn prepare_spool_dir(dir: &Path) -> Result<(), String> {
+pub fn prepare_spool_dir(dir: &Path) -> Result<(), SpoolDirError> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
-    let what = |e: &dyn std::fmt::Display| format!("spool directory {}: {e}", dir.display());
+    let fail = |problem| SpoolDirError {
+        dir: dir.to_path_buf(),
+        problem,
+    };
     match std::fs::DirBuilder::new().mode(0o700).create(dir) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(what(&e)),
+        Err(e) => return Err(fail(SpoolDirProblem::Io(e))),
     }
     // lstat: a symlink is refused, never followed.
-    let meta = std::fs::symlink_metadata(dir).map_err(|e| what(&e))?;
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| fail(SpoolDirProblem::Io(e)))?;
     if meta.file_type().is_symlink() || !meta.is_dir() {
-        return Err(what(
-            &"is a symlink or not a directory; remove it (vk-cocoon creates it)",
-        ));
+        return Err(fail(SpoolDirProblem::NotADirectory));
     }
     let uid = rustix::process::geteuid().as_raw();
     if meta.uid() != uid {
-        return Err(what(&format!(
-            "is owned by uid {}, not by vk-cocoon's uid {uid}; remove it (vk-cocoon creates it)",
-            meta.uid()
-        )));
+        return Err(fail(SpoolDirProblem::ForeignOwner {
+            uid: meta.uid(),
+            ours: uid,
+        }));
     }
     if meta.mode() & 0o777 != 0o700 {
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-            .map_err(|e| what(&e))?;
+            .map_err(|e| fail(SpoolDirProblem::Io(e)))?;
     }
     Ok(())
 }
@@ -837,7 +876,7 @@ mod tests {
         // A symlink is never followed, even to a directory of ours.
         let link = root.path().join("link");
         std::os::unix::fs::symlink(&dir, &link).unwrap();
-        let e = prepare_spool_dir(&link).unwrap_err();
+        let e = prepare_spool_dir(&link).unwrap_err().to_string();
         assert!(e.contains("symlink"), "{e}");
         // Another user's directory is refused (only root can hand one over; tests run as root
         // where they can).
@@ -845,7 +884,7 @@ mod tests {
             let theirs = root.path().join("theirs");
             std::fs::create_dir(&theirs).unwrap();
             std::os::unix::fs::chown(&theirs, Some(65534), None).unwrap();
-            let e = prepare_spool_dir(&theirs).unwrap_err();
+            let e = prepare_spool_dir(&theirs).unwrap_err().to_string();
             assert!(e.contains("owned by uid 65534"), "{e}");
         }
     }
