@@ -14,6 +14,8 @@ pub mod peer;
 pub mod probes;
 pub mod provider;
 pub mod reactor;
+// Tests and the vk-cocoon-sandbox binary only: the daemon build leaves it out.
+#[cfg(feature = "sandbox")]
 pub mod sandbox;
 pub mod snapshots;
 pub mod version;
