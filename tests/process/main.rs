@@ -4,6 +4,10 @@
 //! One test binary for all of them, so the library is linked once rather than once per file;
 //! each module keeps the name its file had, which prefixes its tests' names
 //! (`cargo test --test process daemon_fork::` runs one file's tests).
+//!
+//! No limit of its own on daemons at once: libtest runs as many tests at a time as the machine
+//! has cores, as it did in each file's binary before, so as many worlds (API server, registry,
+//! daemon) run side by side as before; the files just no longer wait for each other.
 
 #[path = "../support/daemon_support.rs"]
 mod daemon_support;
