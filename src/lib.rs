@@ -17,6 +17,8 @@ pub mod probes;
 pub mod provider;
 pub mod reactor;
 pub mod rfc3339;
+// Tests and the vk-cocoon-sandbox binary only: the daemon build leaves it out.
+#[cfg(feature = "sandbox")]
 pub mod sandbox;
 pub mod snapshots;
 pub mod version;

@@ -1,6 +1,9 @@
 //! The embedded sandbox: a fake Kubernetes API server and a fake cocoon for tests and demos.
 //! Test infrastructure that follows the specs; the daemon itself never depends on it.
 //!
+//! Compiled only with the `sandbox` cargo feature (the tests turn it on), so building the daemon
+//! compiles none of it.
+//!
 //! `vk-cocoon-sandbox` (its own binary; the daemon binary links none of this) runs the real
 //! daemon code in this process against the fake API server
 //! (HTTPS on loopback, threads of this process) and the fake cocoon (this binary re-executed as
