@@ -180,6 +180,52 @@ fn main_only_pushes_the_main_agent_under_every_naming_scheme() {
     );
 }
 
+/// `force-pull` on a clone: a tag re-pushed in the registry is pulled again (the local copy
+/// is replaced), while a pod without it clones the local copy as it is.
+#[test]
+fn force_pull_clones_pull_a_re_pushed_tag_again() {
+    let mut w = World::new();
+    w.seed_snapshot("golden");
+    w.push_base_snapshot("golden", "v1");
+    w.start_daemon();
+    let local_id = |w: &World| -> String {
+        let (ok, out) = w.cocoon(&["snapshot", "inspect", "golden:v1"]);
+        assert!(ok, "{out}");
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()["id"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+    let run = |w: &World, name: &str, force: bool| {
+        let mut p = demo_pod("default", name, "clone", "golden:v1");
+        if force {
+            p = with_annotation(p, "cocoonset.cocoonstack.io/force-pull", "true");
+        }
+        w.api.create_pod(&p).expect("create pod");
+        w.wait(&format!("{name} Running"), LIMIT, || {
+            running_with_vm(w, name)
+        });
+    };
+    run(&w, "first", false);
+    let first = local_id(&w);
+    // The tag moves: a new golden snapshot is pushed under the same tag.
+    assert!(w.cocoon(&["snapshot", "rm", "golden"]).0);
+    w.seed_snapshot("golden");
+    w.push_base_snapshot("golden", "v1");
+    run(&w, "cached", false);
+    assert_eq!(
+        local_id(&w),
+        first,
+        "without force-pull the local copy is cloned"
+    );
+    run(&w, "forced", true);
+    assert_ne!(
+        local_id(&w),
+        first,
+        "force-pull pulled the re-pushed tag again"
+    );
+}
+
 /// SIGKILL while the snapshot-before-delete push streams the export: the VM and the pod
 /// object outlive the kill, no tag is left, and the restarted daemon pushes, removes the VM
 /// and then the object: no orphan, no duplicate, one `latest`.

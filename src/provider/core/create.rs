@@ -725,6 +725,17 @@ impl Provider {
             },
             false => None,
         };
+        // force-pull: the snapshot comes from the registry at least once after this create
+        // began (a pull another pod finished meanwhile counts), as `image pull --force` does
+        // for an image to run. The pull replaces the local copy.
+        let stale = spec.force_pull
+            && self.cfg.registry
+            && !pulled
+            && self
+                .pulled_at
+                .get(&c.local_snapshot)
+                .is_none_or(|at| *at < c.started);
+        let found = found.filter(|_| !stale);
         let Some(snap) = found else {
             let why = if r.success {
                 "cocoon answered with another snapshot".to_string()
@@ -894,6 +905,7 @@ impl Provider {
         match self.pull_done(key, c, r) {
             Ok(_) => {
                 self.metric(MetricUpdate::SnapshotPull { result: "ok" });
+                self.pulled_at.insert(c.local_snapshot.clone(), self.now);
                 self.advance(
                     key,
                     CreateStep::SnapInspect { pulled: true },

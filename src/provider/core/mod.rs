@@ -147,6 +147,9 @@ pub struct Provider {
     /// Snapshot pulls running, by local snapshot name: the pod pulling. One pull per snapshot
     /// at a time on the node: each pull replaces the local snapshot, so two would race.
     pulls: BTreeMap<String, PodKey>,
+    /// When each local snapshot was last pulled: a `force-pull` create clones a copy pulled
+    /// after it began, and pulls one otherwise.
+    pulled_at: BTreeMap<String, Instant>,
     /// Fork-snapshot flights running, by source VM name (`fork`).
     forks: BTreeMap<String, ForkFlight>,
     /// The local snapshots that may exist on the node (`reclaim`).
@@ -275,6 +278,7 @@ impl Provider {
             timers: BTreeMap::new(),
             stale_watch_state: BTreeMap::new(),
             pulls: BTreeMap::new(),
+            pulled_at: BTreeMap::new(),
             forks: BTreeMap::new(),
             local_snapshots: LocalSnapshots::default(),
             vnc_ports: BTreeMap::new(),

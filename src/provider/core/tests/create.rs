@@ -393,6 +393,66 @@ fn values_outside_the_contract_run_as_the_go_daemon_reads_them_with_a_warning() 
     );
 }
 
+/// force-pull on a clone: a local copy older than the create is pulled again (the pull
+/// replaces it), a copy pulled after the create began is cloned as it is.
+#[test]
+fn force_pull_clones_a_copy_pulled_after_the_create_began() {
+    let mut h = H::new(ProviderConfig {
+        registry: true,
+        ..Default::default()
+    });
+    let local = r#"{"id":"S","name":"team/agent:v3"}"#;
+    let pulled = |h: &mut H, e: &[Effect]| -> Vec<Effect> {
+        let e = base_manifest(h, e);
+        let pop = e
+            .iter()
+            .find_map(|x| match x {
+                Effect::PullSnapshot { op, .. } => Some(*op),
+                _ => None,
+            })
+            .expect("the local copy is pulled again");
+        h.feed(Input::TransferDone {
+            op: pop,
+            result: Ok(String::new()),
+        })
+    };
+    let mut ann = managed("a", "vk-ns-demo-0");
+    ann.push((ANN_FORCE_PULL, "true".into()));
+    let e = h.feed(Input::PodUpserted(Box::new(mk("a", "u1", &ann))));
+    let e = no_evidence(&mut h, &e);
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "snapshot inspect team/agent:v3");
+    // The copy is there, but from before this create: read the tag and pull.
+    let e = h.cocoon(op, CocoonResult::ok(local));
+    assert!(cocoon_ops(&e).is_empty(), "no clone of the old copy: {e:?}");
+    let e = pulled(&mut h, &e);
+    let (op, cmd) = one_cocoon(&e);
+    assert_eq!(argv(&cmd), "snapshot inspect team/agent:v3");
+    let e = h.cocoon(op, CocoonResult::ok(local));
+    let (_, cmd) = one_cocoon(&e);
+    assert!(argv(&cmd).starts_with("vm clone "), "{}", argv(&cmd));
+
+    // Without force-pull the same local copy is cloned at once.
+    let mut h = H::new(ProviderConfig {
+        registry: true,
+        ..Default::default()
+    });
+    let e = h.feed(Input::PodUpserted(Box::new(mk(
+        "a",
+        "u1",
+        &managed("a", "vk-ns-demo-0"),
+    ))));
+    let e = no_evidence(&mut h, &e);
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(""));
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::ok(local));
+    let (_, cmd) = one_cocoon(&e);
+    assert!(argv(&cmd).starts_with("vm clone "), "{}", argv(&cmd));
+}
+
 #[test]
 fn clone_from_dir_uses_from_dir_and_counts() {
     let mut h = H::new(ProviderConfig {
