@@ -738,7 +738,6 @@ pub(crate) mod tests {
         // Outside the contract: read as the Go daemon reads it, with one Fallback each.
         let s = read(ANN_MODE, "teleport");
         assert_eq!((s.mode, s.mode_raw.as_str()), (Mode::Clone, "clone"));
-        assert_eq!(s.os, read(ANN_OS, "plan9").os);
         assert_eq!(read(ANN_OS, "plan9").os, Os::Linux);
         assert_eq!(read(ANN_BACKEND, "qemu").backend, "");
         assert_eq!(read(ANN_STORAGE, "20Gx").storage_bytes, None);
