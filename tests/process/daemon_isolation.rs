@@ -397,7 +397,9 @@ fn operator_flows(scheme: &str) {
     w.kill_daemon();
     w.start_daemon();
     w.wait("the startup reconcile", LIMIT, || {
-        w.log().contains("startup reconcile:").then_some(())
+        // The provider's summary line, not the edge's earlier "startup reconcile: N pods
+        // bound" line: the assertion below reads the summary.
+        w.log().contains("orphan VMs").then_some(())
     });
     assert!(
         w.log().contains("2 pods adopted, 0 orphan VMs"),

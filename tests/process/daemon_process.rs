@@ -809,7 +809,9 @@ fn a_restart_keeps_vms_whose_pod_annotations_no_longer_parse() {
     w.kill_daemon();
     w.start_daemon();
     w.wait("the startup reconcile", SETTLE_LIMIT, || {
-        w.log().contains("startup reconcile:").then_some(())
+        // The provider's summary line, not the edge's earlier "startup reconcile: N pods
+        // bound" line: the assertion below reads the summary.
+        w.log().contains("orphan VMs").then_some(())
     });
     assert!(
         w.log().contains("2 pods adopted, 0 orphan VMs"),
