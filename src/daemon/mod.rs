@@ -271,7 +271,10 @@ pub fn run(config: Config) -> i32 {
         }
     };
     let status = daemon.serve();
-    let _ = sd_notify::notify("STOPPING=1");
+    let _ = sd_notify::notify(&format!(
+        "STOPPING=1\n{}",
+        sd_notify::status_line("stopped; the VMs keep running")
+    ));
     log::info!("vk-cocoon stopped");
     status
 }

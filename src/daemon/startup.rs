@@ -53,6 +53,10 @@ impl Daemon {
             return;
         };
         startup.attempts += 1;
+        let _ = sd_notify::status(&format!(
+            "startup reconcile: listing pods and VMs (attempt {})",
+            startup.attempts
+        ));
         self.list_pods(true);
     }
 
@@ -120,13 +124,18 @@ impl Daemon {
             vms.len()
         );
         self.startup = None;
+        let (n_pods, n_vms) = (pods.len(), vms.len());
         self.pending
             .push_back(Input::StartupListed { pods, vms, owners });
         self.drain_inputs();
         // Register the node now (first NodeAgent tick, on the node thread), then watch and
         // stream events.
         self.node_tick();
-        let _ = sd_notify::notify("READY=1");
+        let status = sd_notify::status_line(&format!(
+            "serving {} pods bound to {}, {} VMs on this host at start",
+            n_pods, self.config.node_name, n_vms
+        ));
+        let _ = sd_notify::notify(&format!("READY=1\n{status}"));
         let out = self.stream.start(&mut self.reactor);
         self.stream_output(out);
     }
@@ -143,6 +152,10 @@ impl Daemon {
             startup.attempts,
             wait
         );
+        let _ = sd_notify::status(&format!(
+            "startup reconcile attempt {} failed (see the journal); retrying in {:?}",
+            startup.attempts, wait
+        ));
         self.arm(OwnTimer::Startup, now + wait);
     }
 }

@@ -14,6 +14,17 @@ pub fn notify(state: &str) -> io::Result<bool> {
     }
 }
 
+/// `systemctl status` shows `text` (one line) as what the daemon is doing: `READY=1` alone
+/// says nothing while a large host reconciles, nor why a start keeps retrying.
+pub fn status(text: &str) -> io::Result<bool> {
+    notify(&status_line(text))
+}
+
+/// `STATUS=<text>` with line breaks folded: a notify message is newline-separated fields.
+pub fn status_line(text: &str) -> String {
+    format!("STATUS={}", text.replace(['\n', '\r'], " "))
+}
+
 /// Sends `state` to a notify socket path; a leading `@` names an abstract socket.
 pub fn notify_to(socket: &str, state: &str) -> io::Result<()> {
     let sock = UnixDatagram::unbound()?;
@@ -42,6 +53,12 @@ pub fn watchdog_interval(usec: Option<&str>, pid: Option<&str>) -> Option<Durati
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_status_is_one_field() {
+        assert_eq!(status_line("serving 3 pods"), "STATUS=serving 3 pods");
+        assert_eq!(status_line("a\nREADY=1\rb"), "STATUS=a READY=1 b");
+    }
 
     #[test]
     fn sends_datagrams_to_path_and_abstract_sockets() {

@@ -309,9 +309,20 @@ fn a_daemon_killed_in_the_middle_of_creates_converges_without_duplicates_or_orph
     }
 }
 
+/// Also what systemd hears on `NOTIFY_SOCKET`: a STATUS line while the startup reconcile
+/// runs, READY=1 with what it found, STOPPING=1 with a last STATUS.
 #[test]
 fn sigterm_stops_the_daemon_and_leaves_vms_running() {
     let mut w = World::new();
+    let socket_path = w.path("notify.sock");
+    let socket = std::os::unix::net::UnixDatagram::bind(&socket_path).expect("notify socket");
+    socket
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    w.extra_env.push((
+        "NOTIFY_SOCKET".into(),
+        socket_path.to_string_lossy().into_owned(),
+    ));
     w.start_daemon();
     w.api
         .create_pod(&demo_pod("default", "keep", "run", "ubuntu:24.04"))
@@ -337,6 +348,31 @@ fn sigterm_stops_the_daemon_and_leaves_vms_running() {
     assert_eq!(
         w.vms().get("vk-default-keep").map(|v| v.1.as_str()),
         Some("running")
+    );
+    let mut heard = Vec::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = socket.recv(&mut buf) {
+        let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+        if text != "WATCHDOG=1" {
+            heard.push(text);
+        }
+    }
+    assert_eq!(
+        heard.first().map(String::as_str),
+        Some("STATUS=startup reconcile: listing pods and VMs (attempt 1)"),
+        "{heard:?}"
+    );
+    assert!(
+        heard.iter().any(
+            |m| m.starts_with("READY=1\nSTATUS=serving 0 pods bound to ")
+                && m.ends_with(", 0 VMs on this host at start")
+        ),
+        "{heard:?}"
+    );
+    assert_eq!(
+        heard.last().map(String::as_str),
+        Some("STOPPING=1\nSTATUS=stopped; the VMs keep running"),
+        "{heard:?}"
     );
 }
 
