@@ -232,3 +232,235 @@ fn example_pods_carry_the_required_annotations() {
         }
     }
 }
+
+/// Every metric family name the daemon exports, each with whether it is a histogram (whose
+/// series carry `_bucket`, `_sum` and `_count`).
+fn exported_families() -> Vec<(String, bool)> {
+    use prometheus::core::Collector;
+    use vk_cocoon::metrics::{collectors::VmCollector, stats, Metrics, TextSource};
+
+    let m = Metrics::new().unwrap();
+    let name = |c: &dyn Collector| c.desc()[0].fq_name.clone();
+    let counters: Vec<&dyn Collector> = vec![
+        &m.pod_lifecycle_total,
+        &m.snapshot_pull_total,
+        &m.snapshot_save_total,
+        &m.snapshot_push_total,
+        &m.snapshot_verify_total,
+        &m.snapshot_peer_restore_total,
+        &m.clone_from_dir_total,
+        &m.wake_total,
+        &m.wake_renew_nudge_total,
+        &m.lease_release_total,
+        &m.orphan_vm_total,
+        &m.vm_inspect_transient_fail_total,
+        &m.pod_evict_failure_total,
+        &m.reconcile_adopt_by_name_total,
+        &m.stale_create_reconcile_total,
+        &m.startup_resume_total,
+        &m.hibernate_evidence_total,
+        &m.hibernate_total,
+        &m.wake_ip_wait_total,
+        &m.postclone_total,
+        vk_cocoon::metrics::admission::refused_total(),
+    ];
+    let histograms: Vec<&dyn Collector> = vec![
+        &m.vm_boot_duration_seconds,
+        &m.snapshot_save_duration_seconds,
+        &m.snapshot_push_duration_seconds,
+        &m.snapshot_pull_duration_seconds,
+        &m.snapshot_peer_restore_duration_seconds,
+        &m.probe_duration_seconds,
+        &m.postclone_retry_attempts,
+    ];
+    let mut out: Vec<(String, bool)> = counters.into_iter().map(|c| (name(c), false)).collect();
+    out.extend(histograms.into_iter().map(|h| (name(h), true)));
+    // The text sources: process_* and build_info (always written), the per-VM and node families.
+    for line in m.encode().lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let mut words = rest.split_whitespace();
+            let (n, kind) = (words.next().unwrap(), words.next().unwrap());
+            out.push((n.to_string(), kind == "histogram"));
+        }
+    }
+    let vms = VmCollector::new(stats::StatsHub::new(stats::StatsPaths::default()));
+    out.extend(vms.family_names().into_iter().map(|n| (n, false)));
+    let pinger = prometheus::Registry::new();
+    vk_cocoon::network::icmp::register_mode_gauge(
+        &pinger,
+        vk_cocoon::network::icmp::PingerMode::Raw,
+    )
+    .unwrap();
+    out.extend(
+        pinger
+            .gather()
+            .iter()
+            .map(|f| (f.name().to_string(), false)),
+    );
+    // Registered by the daemon itself (private to src/daemon/): each must be spelled there.
+    let daemon_src = repo_file("src/daemon/kube_jobs.rs") + &repo_file("src/daemon/mod.rs");
+    for n in [
+        "vk_cocoon_kube_lane_queued",
+        "vk_cocoon_kube_lane_in_flight",
+        "vk_cocoon_kube_lane_oldest_queued_seconds",
+        "vk_cocoon_kube_events_dropped_total",
+        "vk_cocoon_node_tick_late_seconds",
+        "vk_cocoon_loop_longest_turn_seconds",
+    ] {
+        assert!(
+            daemon_src.contains(&format!("\"{n}\",")),
+            "{n} is no longer registered in src/daemon/"
+        );
+        out.push((n.to_string(), false));
+    }
+    out
+}
+
+/// The metric names `text` uses: every `vk_cocoon_*` word, and `process_*` words when asked.
+fn series_names(text: &str, with_process: bool) -> Vec<String> {
+    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':';
+    let mut names = Vec::new();
+    for (i, _) in text.char_indices() {
+        let rest = &text[i..];
+        let starts =
+            rest.starts_with("vk_cocoon_") || (with_process && rest.starts_with("process_"));
+        if starts && !text[..i].ends_with(ident) {
+            let end = rest.find(|c: char| !ident(c)).unwrap_or(rest.len());
+            names.push(rest[..end].to_string());
+        }
+    }
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// Fails naming every series of `names` the daemon does not export.
+fn assert_exported(names: &[String], what: &str) {
+    let families = exported_families();
+    let unknown: Vec<&String> = names
+        .iter()
+        .filter(|n| {
+            !families.iter().any(|(f, histogram)| {
+                *n == f
+                    || (*histogram
+                        && ["_bucket", "_sum", "_count"]
+                            .iter()
+                            .any(|s| **n == format!("{f}{s}")))
+            })
+        })
+        .collect();
+    assert!(
+        unknown.is_empty(),
+        "{what} uses series the daemon does not export: {unknown:?}"
+    );
+}
+
+fn promtool(args: &[&str]) -> Option<std::process::Output> {
+    let Ok(out) = Command::new("promtool")
+        .args(args)
+        .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/prometheus"))
+        .output()
+    else {
+        println!("SKIP: promtool not installed (apt-get install prometheus)");
+        return None;
+    };
+    Some(out)
+}
+
+#[test]
+fn promtool_checks_and_unit_tests_the_alerting_rules() {
+    for args in [
+        ["check", "rules", "vk-cocoon.rules.yaml"],
+        ["test", "rules", "vk-cocoon.rules.test.yaml"],
+    ] {
+        let Some(out) = promtool(&args) else {
+            return;
+        };
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && !stdout.contains("FAILED") && !stderr.contains("FAILED"),
+            "promtool {}: {:?}\nstdout: {stdout}\nstderr: {stderr}",
+            args.join(" "),
+            out.status
+        );
+    }
+}
+
+#[test]
+fn alerting_rules_use_only_series_the_daemon_exports() {
+    let rules = repo_file("packaging/prometheus/vk-cocoon.rules.yaml");
+    let names = series_names(&rules, false);
+    assert_exported(&names, "vk-cocoon.rules.yaml");
+    for needed in [
+        "vk_cocoon_node_tick_late_seconds",
+        "vk_cocoon_loop_longest_turn_seconds",
+        "vk_cocoon_kube_lane_oldest_queued_seconds",
+        "vk_cocoon_kube_events_dropped_total",
+        "vk_cocoon_snapshot_push_total",
+        "vk_cocoon_snapshot_pull_total",
+        "vk_cocoon_orphan_vm_total",
+    ] {
+        assert!(names.iter().any(|n| n == needed), "no rule over {needed}");
+    }
+    // The unit tests feed the same series.
+    let tests = repo_file("packaging/prometheus/vk-cocoon.rules.test.yaml");
+    assert_exported(&series_names(&tests, false), "vk-cocoon.rules.test.yaml");
+}
+
+#[test]
+fn grafana_dashboard_parses_and_queries_only_exported_series() {
+    let text = repo_file("packaging/grafana/vk-cocoon.json");
+    let dash: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        dash["__inputs"][0]["name"], "DS_PROMETHEUS",
+        "the datasource is an import input"
+    );
+    fn queries(v: &serde_json::Value, out: &mut Vec<String>) {
+        match v {
+            serde_json::Value::Object(map) => {
+                for (k, v) in map {
+                    match (k.as_str(), v) {
+                        ("expr" | "query" | "definition", serde_json::Value::String(s)) => {
+                            out.push(s.clone())
+                        }
+                        ("datasource", d) => assert!(
+                            d.to_string().contains("${DS_PROMETHEUS}"),
+                            "datasource other than the input: {d}"
+                        ),
+                        _ => queries(v, out),
+                    }
+                }
+            }
+            serde_json::Value::Array(items) => items.iter().for_each(|v| queries(v, out)),
+            _ => {}
+        }
+    }
+    let mut exprs = Vec::new();
+    queries(&dash, &mut exprs);
+    assert!(exprs.len() >= 10, "{exprs:?}");
+    let names = series_names(&exprs.join("\n"), true);
+    assert_exported(&names, "vk-cocoon.json");
+    for needed in [
+        "vk_cocoon_pod_lifecycle_total",
+        "vk_cocoon_vm_boot_duration_seconds_bucket",
+        "vk_cocoon_snapshot_push_total",
+        "vk_cocoon_snapshot_pull_total",
+        "vk_cocoon_loop_longest_turn_seconds",
+        "vk_cocoon_kube_lane_queued",
+        "vk_cocoon_node_tick_late_seconds",
+        "process_resident_memory_bytes",
+        "process_cpu_seconds_total",
+        "vk_cocoon_vm_cpu_seconds_total",
+        "vk_cocoon_vm_memory_rss_bytes",
+    ] {
+        assert!(names.iter().any(|n| n == needed), "no panel over {needed}");
+    }
+    let exported = exported_families();
+    assert!(
+        exported
+            .iter()
+            .any(|(n, _)| n == "process_resident_memory_bytes"),
+        "{exported:?}"
+    );
+}
