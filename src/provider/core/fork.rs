@@ -162,76 +162,9 @@ impl Provider {
                 self.snapshot_removed(&name, &r);
                 self.fork_find_source(source, true)
             }
-            ForkStep::FindSource => {
-                if r.vm_not_found() {
-                    let msg = format!("fork-from: source vm {source} not found on this node");
-                    return self.fork_done(source, Err(msg));
-                }
-                let vm = match (r.success, parse_vm(&r.stdout)) {
-                    (true, Ok(vm)) if isolation::vm_named(&vm, source) => vm,
-                    // An answer for a VM whose ID the name prefixes is no source VM.
-                    (true, Ok(_)) => {
-                        let msg = format!("fork-from: source vm {source} not found on this node");
-                        return self.fork_done(source, Err(msg));
-                    }
-                    (true, Err(e)) => return self.fork_done(source, Err(e)),
-                    (false, _) => {
-                        let msg = format!("fork-from: inspect vm {source}: {}", r.error_text());
-                        return self.fork_done(source, Err(msg));
-                    }
-                };
-                if !vm.running() || vm.id.is_empty() {
-                    let msg = format!(
-                        "fork-from: source vm {source} is {}, not running",
-                        vm.state.as_str()
-                    );
-                    return self.fork_done(source, Err(msg));
-                }
-                self.fork_save(source, vm.id, vm.hypervisor, false)
-            }
-            ForkStep::Save { retried } => {
-                if let Some(f) = self.forks.get(source) {
-                    let secs = self.now.saturating_duration_since(f.save_started);
-                    self.metric(MetricUpdate::SnapshotSaveDuration {
-                        namespace: f.namespace.clone(),
-                        seconds: secs.as_secs_f64(),
-                    });
-                }
-                if r.success {
-                    self.metric(MetricUpdate::SnapshotSave { result: "ok" });
-                    return self.fork_done(source, Ok(source_hv));
-                }
-                if r.name_taken() && !retried {
-                    let holder = taken_holder(&r.error_text(), &name);
-                    return self.fork_cocoon(
-                        source,
-                        ForkStep::TakenInspect { holder },
-                        CocoonCmd::SnapshotInspect { name },
-                    );
-                }
-                self.metric(MetricUpdate::SnapshotSave { result: "failed" });
-                let msg = format!("snapshot save {name} of vm {source}: {}", r.error_text());
-                self.fork_done(source, Err(msg))
-            }
-            ForkStep::TakenInspect { holder } => {
-                let found = r.success.then(|| isolation::inspected_snapshot(&r, &name));
-                match found.and_then(Result::transpose) {
-                    // Another save (a create of an earlier process) landed it: reuse it.
-                    Some(Ok(s)) => return self.fork_snapshot_found(source, s.hypervisor),
-                    Some(Err(e)) => return self.fork_done(source, Err(e)),
-                    None => {}
-                }
-                // Invisible but holding the name: the half-saved record of an interrupted
-                // save. Removing it is what lets this fork (and any later one) save again.
-                log::warn!(
-                    "provider: fork snapshot {name} is held by an unfinished save ({holder}); removing it"
-                );
-                self.fork_cocoon(
-                    source,
-                    ForkStep::RmHolder,
-                    CocoonCmd::SnapshotRm { name: holder },
-                )
-            }
+            ForkStep::FindSource => self.fork_source_inspected(source, r),
+            ForkStep::Save { retried } => self.fork_saved(source, r, retried, name, source_hv),
+            ForkStep::TakenInspect { holder } => self.fork_taken_inspected(source, r, holder, name),
             // Waiting on the ledger, not on cocoon.
             ForkStep::Record { .. } => {
                 let msg = format!("fork snapshot {name}: unexpected cocoon answer");
@@ -250,6 +183,95 @@ impl Provider {
                 self.fork_save(source, source_id, source_hv, true)
             }
         }
+    }
+
+    /// `FindSource`: the source VM, as cocoon sees it; a running one is saved.
+    fn fork_source_inspected(&mut self, source: &str, r: CocoonResult) {
+        if r.vm_not_found() {
+            let msg = format!("fork-from: source vm {source} not found on this node");
+            return self.fork_done(source, Err(msg));
+        }
+        let vm = match (r.success, parse_vm(&r.stdout)) {
+            (true, Ok(vm)) if isolation::vm_named(&vm, source) => vm,
+            // An answer for a VM whose ID the name prefixes is no source VM.
+            (true, Ok(_)) => {
+                let msg = format!("fork-from: source vm {source} not found on this node");
+                return self.fork_done(source, Err(msg));
+            }
+            (true, Err(e)) => return self.fork_done(source, Err(e)),
+            (false, _) => {
+                let msg = format!("fork-from: inspect vm {source}: {}", r.error_text());
+                return self.fork_done(source, Err(msg));
+            }
+        };
+        if !vm.running() || vm.id.is_empty() {
+            let msg = format!(
+                "fork-from: source vm {source} is {}, not running",
+                vm.state.as_str()
+            );
+            return self.fork_done(source, Err(msg));
+        }
+        self.fork_save(source, vm.id, vm.hypervisor, false)
+    }
+
+    /// `Save`: the `snapshot save` answered; a name held by an unfinished save is looked at.
+    fn fork_saved(
+        &mut self,
+        source: &str,
+        r: CocoonResult,
+        retried: bool,
+        name: String,
+        source_hv: String,
+    ) {
+        if let Some(f) = self.forks.get(source) {
+            let secs = self.now.saturating_duration_since(f.save_started);
+            self.metric(MetricUpdate::SnapshotSaveDuration {
+                namespace: f.namespace.clone(),
+                seconds: secs.as_secs_f64(),
+            });
+        }
+        if r.success {
+            self.metric(MetricUpdate::SnapshotSave { result: "ok" });
+            return self.fork_done(source, Ok(source_hv));
+        }
+        if r.name_taken() && !retried {
+            let holder = taken_holder(&r.error_text(), &name);
+            return self.fork_cocoon(
+                source,
+                ForkStep::TakenInspect { holder },
+                CocoonCmd::SnapshotInspect { name },
+            );
+        }
+        self.metric(MetricUpdate::SnapshotSave { result: "failed" });
+        let msg = format!("snapshot save {name} of vm {source}: {}", r.error_text());
+        self.fork_done(source, Err(msg))
+    }
+
+    /// `TakenInspect`: the snapshot holding the name the save wanted.
+    fn fork_taken_inspected(
+        &mut self,
+        source: &str,
+        r: CocoonResult,
+        holder: String,
+        name: String,
+    ) {
+        let found = r.success.then(|| isolation::inspected_snapshot(&r, &name));
+        match found.and_then(Result::transpose) {
+            // Another save (a create of an earlier process) landed it: reuse it.
+            Some(Ok(s)) => return self.fork_snapshot_found(source, s.hypervisor),
+            Some(Err(e)) => return self.fork_done(source, Err(e)),
+            None => {}
+        }
+        // Invisible but holding the name: the half-saved record of an interrupted
+        // save. Removing it is what lets this fork (and any later one) save again.
+        log::warn!(
+            "provider: fork snapshot {name} is held by an unfinished save ({holder}); removing it"
+        );
+        self.fork_cocoon(
+            source,
+            ForkStep::RmHolder,
+            CocoonCmd::SnapshotRm { name: holder },
+        )
     }
 
     /// `fork-<source>` exists: handed out when it is recorded for the flight's namespace;
