@@ -125,7 +125,7 @@ impl Provider {
     /// `Inspect`: the VM an event said was gone or stopped, as cocoon sees it.
     fn check_inspected(&mut self, key: &PodKey, c: CheckOp, r: CocoonResult, attempt: u32) {
         if r.vm_not_found() {
-            return self.start_evict(key, EvictReason::VmGone, "vm no longer exists", false);
+            return self.start_evict(key, EvictCause::VmGone, false);
         }
         let vm = if r.success {
             parse_vm(&r.stdout).ok()
@@ -145,7 +145,7 @@ impl Provider {
                 self.defer_check(key, c.uid, c.vm_id);
             }
             Some(vm) if !self.checked_vm_is_ours(key, &c, &vm) => {
-                self.start_evict(key, EvictReason::VmGone, "vm no longer exists", false)
+                self.start_evict(key, EvictCause::VmGone, false)
             }
             Some(vm) => self.check_state(key, &c, vm),
         }
@@ -161,26 +161,21 @@ impl Provider {
         until: Instant,
     ) {
         if r.vm_not_found() {
-            return self.start_evict(key, EvictReason::VmGone, "vm no longer exists", false);
+            return self.start_evict(key, EvictCause::VmGone, false);
         }
         match if r.success {
             parse_vm(&r.stdout).ok()
         } else {
             None
         } {
-            None if self.now >= until => self.start_evict(
-                key,
-                EvictReason::VmInspectTimeout,
-                "vm inspect did not resolve within budget",
-                true,
-            ),
+            None if self.now >= until => self.start_evict(key, EvictCause::InspectTimeout, true),
             None => {
                 let delay = (delay * 2).min(RECHECK_MAX);
                 let at = self.now + delay;
                 self.advance(key, CheckStep::Deferred { delay, until }, Ask::Timer(at));
             }
             Some(vm) if !self.checked_vm_is_ours(key, &c, &vm) => {
-                self.start_evict(key, EvictReason::VmGone, "vm no longer exists", false)
+                self.start_evict(key, EvictCause::VmGone, false)
             }
             Some(vm) => self.check_state(key, &c, vm),
         }
@@ -199,7 +194,7 @@ impl Provider {
         }
         if !r.success {
             let msg = r.error_text();
-            return self.start_evict(key, EvictReason::RestartFailed, &msg, true);
+            return self.start_evict(key, EvictCause::RestartFailed(msg), true);
         }
         self.advance(
             key,
@@ -213,7 +208,7 @@ impl Provider {
     /// `StartUnanswered`: the look after a `vm start` that timed out.
     fn check_start_unanswered(&mut self, key: &PodKey, c: CheckOp, r: CocoonResult, error: String) {
         if r.vm_not_found() {
-            return self.start_evict(key, EvictReason::VmGone, "vm no longer exists", false);
+            return self.start_evict(key, EvictCause::VmGone, false);
         }
         match if r.success {
             parse_vm(&r.stdout).ok()
@@ -229,7 +224,7 @@ impl Provider {
                 }
                 self.check_done(key, &c)
             }
-            _ => self.start_evict(key, EvictReason::RestartFailed, &error, true),
+            _ => self.start_evict(key, EvictCause::RestartFailed(error), true),
         }
     }
 
@@ -237,7 +232,7 @@ impl Provider {
     fn check_refreshed(&mut self, key: &PodKey, c: CheckOp, r: CocoonResult) {
         if r.vm_not_found() {
             // Removed between its restart and this look.
-            return self.start_evict(key, EvictReason::VmGone, "vm no longer exists", false);
+            return self.start_evict(key, EvictCause::VmGone, false);
         }
         let vm = parse_vm(&r.stdout).ok();
         if let Some(vm) = vm.filter(|v| r.success && self.checked_vm_is_ours(key, &c, v)) {
@@ -335,12 +330,7 @@ impl Provider {
             .map(|t| self.now.saturating_duration_since(*t) < RESTART_COOLDOWN)
             .unwrap_or(false);
         if recent {
-            return self.start_evict(
-                key,
-                EvictReason::RestartCooldown,
-                "restart cooldown not elapsed",
-                true,
-            );
+            return self.start_evict(key, EvictCause::RestartCooldown, true);
         }
         self.note_restart(&c.vm_id);
         self.advance(
