@@ -371,7 +371,7 @@ pub(super) enum Res {
     Transfer(Result<String, TransferError>),
     Evidence(Result<Option<HibernateTag>, TransferError>),
     /// The fork-snapshot flight landed: the snapshot's hypervisor ("" unknown), or why not.
-    Fork(Result<String, String>),
+    Fork(Result<String, fork::ForkError>),
     Sac(Result<(), crate::guest::sac::SacError>),
     /// A process liveness check (macOS guests' QEMU).
     Pid(bool),
