@@ -29,7 +29,7 @@ impl Provider {
             Op::Create(c) => self.fail_create_as(key, &c.uid, "UnexpectedAnswer", &msg, true),
             Op::Delete(d) => {
                 warn(self, &d.uid);
-                self.delete_failed(key, &msg)
+                self.delete_failed(key, delete::DeleteError::Unexpected(msg.clone()))
             }
             Op::Evict(EvictOp { uid, .. }) | Op::Check(CheckOp { uid, .. }) => {
                 warn(self, &uid);
