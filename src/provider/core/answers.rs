@@ -29,7 +29,7 @@ impl Provider {
             Op::Create(c) => self.fail_create_as(key, &c.uid, "UnexpectedAnswer", &msg, true),
             Op::Delete(d) => {
                 warn(self, &d.uid);
-                self.delete_failed(key, &msg)
+                self.delete_failed(key, delete::DeleteError::Unexpected(msg.clone()))
             }
             Op::Evict(EvictOp { uid, .. }) | Op::Check(CheckOp { uid, .. }) => {
                 warn(self, &uid);
@@ -158,95 +158,14 @@ impl Provider {
                 ready_publication,
                 attempt,
                 effect,
-            } => {
-                let r = match res {
-                    Res::Kube(r) => r,
-                    _ => return,
-                };
-                match r {
-                    Ok(()) => {
-                        if ready_publication {
-                            let patch = {
-                                let slot = self.slot(&key);
-                                match slot.intent.as_ref() {
-                                    Some(i) if i.uid == uid && i.state == State::Ready => {
-                                        Some(i.patch())
-                                    }
-                                    _ => None,
-                                }
-                            };
-                            if let Some(p) = patch {
-                                self.send_annotations(&key, &uid, p, true);
-                            }
-                        }
-                    }
-                    Err(e) if e.superseded() => {}
-                    Err(_) if attempt < KUBE_ATTEMPTS => {
-                        let at = self.now + KUBE_RETRY;
-                        self.arm(
-                            at,
-                            TimerEntry::Reissue {
-                                waiter: Waiter::Status {
-                                    key,
-                                    uid,
-                                    ready_publication,
-                                    attempt: attempt + 1,
-                                    effect,
-                                },
-                            },
-                        );
-                    }
-                    Err(_) => {
-                        // Let the drift / lifecycle reconcilers re-publish.
-                        if let Some(s) = self.slots.get_mut(&key) {
-                            s.last_pushed = None;
-                        }
-                    }
-                }
-            }
+            } => self.status_written(res, key, uid, ready_publication, attempt, effect),
             Waiter::Annotations {
                 key,
                 uid,
                 lifecycle,
                 attempt,
                 effect,
-            } => {
-                let r = match res {
-                    Res::Kube(r) => r,
-                    _ => return,
-                };
-                let still_current = |p: &Self| p.lifecycle_current(&key, &uid, &effect);
-                match r {
-                    Ok(()) => {
-                        if lifecycle && still_current(self) {
-                            if let Some(i) = self.slot(&key).intent.as_mut() {
-                                i.flushed = true;
-                            }
-                        }
-                    }
-                    Err(e) if e.superseded() => {
-                        if lifecycle && still_current(self) {
-                            self.slot(&key).intent = None;
-                        }
-                    }
-                    Err(_) if attempt < KUBE_ATTEMPTS && (!lifecycle || still_current(self)) => {
-                        let at = self.now + KUBE_RETRY;
-                        self.arm(
-                            at,
-                            TimerEntry::Reissue {
-                                waiter: Waiter::Annotations {
-                                    key,
-                                    uid,
-                                    lifecycle,
-                                    attempt: attempt + 1,
-                                    effect,
-                                },
-                            },
-                        );
-                    }
-                    Err(_) => {}
-                }
-            }
+            } => self.annotations_written(res, key, uid, lifecycle, attempt, effect),
             Waiter::Lease { key, uid } => {
                 if let Res::Lease(Ok(Some(ip))) = res {
                     let same = self
@@ -264,6 +183,109 @@ impl Provider {
             Waiter::StaleCreate { vm, watcher } => self.stale_result(vm, watcher, res),
             Waiter::StaleInspect { vm, watcher } => self.stale_inspect_result(vm, watcher, res),
             Waiter::Fork { source } => self.fork_flight_step(&source, res),
+        }
+    }
+
+    /// A status patch answered: a Ready publication is followed by its lifecycle annotations,
+    /// a failure is retried (then left to the drift / lifecycle reconcilers).
+    fn status_written(
+        &mut self,
+        res: Res,
+        key: PodKey,
+        uid: String,
+        ready_publication: bool,
+        attempt: u32,
+        effect: Effect,
+    ) {
+        let r = match res {
+            Res::Kube(r) => r,
+            _ => return,
+        };
+        match r {
+            Ok(()) => {
+                if ready_publication {
+                    let patch = {
+                        let slot = self.slot(&key);
+                        match slot.intent.as_ref() {
+                            Some(i) if i.uid == uid && i.state == State::Ready => Some(i.patch()),
+                            _ => None,
+                        }
+                    };
+                    if let Some(p) = patch {
+                        self.send_annotations(&key, &uid, p, true);
+                    }
+                }
+            }
+            Err(e) if e.superseded() => {}
+            Err(_) if attempt < KUBE_ATTEMPTS => {
+                let at = self.now + KUBE_RETRY;
+                self.arm(
+                    at,
+                    TimerEntry::Reissue {
+                        waiter: Waiter::Status {
+                            key,
+                            uid,
+                            ready_publication,
+                            attempt: attempt + 1,
+                            effect,
+                        },
+                    },
+                );
+            }
+            Err(_) => {
+                // Let the drift / lifecycle reconcilers re-publish.
+                if let Some(s) = self.slots.get_mut(&key) {
+                    s.last_pushed = None;
+                }
+            }
+        }
+    }
+
+    /// An annotations patch answered: a lifecycle write is marked flushed, dropped when
+    /// superseded, or retried while it is still current.
+    fn annotations_written(
+        &mut self,
+        res: Res,
+        key: PodKey,
+        uid: String,
+        lifecycle: bool,
+        attempt: u32,
+        effect: Effect,
+    ) {
+        let r = match res {
+            Res::Kube(r) => r,
+            _ => return,
+        };
+        let still_current = |p: &Self| p.lifecycle_current(&key, &uid, &effect);
+        match r {
+            Ok(()) => {
+                if lifecycle && still_current(self) {
+                    if let Some(i) = self.slot(&key).intent.as_mut() {
+                        i.flushed = true;
+                    }
+                }
+            }
+            Err(e) if e.superseded() => {
+                if lifecycle && still_current(self) {
+                    self.slot(&key).intent = None;
+                }
+            }
+            Err(_) if attempt < KUBE_ATTEMPTS && (!lifecycle || still_current(self)) => {
+                let at = self.now + KUBE_RETRY;
+                self.arm(
+                    at,
+                    TimerEntry::Reissue {
+                        waiter: Waiter::Annotations {
+                            key,
+                            uid,
+                            lifecycle,
+                            attempt: attempt + 1,
+                            effect,
+                        },
+                    },
+                );
+            }
+            Err(_) => {}
         }
     }
 
@@ -349,7 +371,7 @@ pub(super) enum Res {
     Transfer(Result<String, TransferError>),
     Evidence(Result<Option<HibernateTag>, TransferError>),
     /// The fork-snapshot flight landed: the snapshot's hypervisor ("" unknown), or why not.
-    Fork(Result<String, String>),
+    Fork(Result<String, fork::ForkError>),
     Sac(Result<(), crate::guest::sac::SacError>),
     /// A process liveness check (macOS guests' QEMU).
     Pid(bool),

@@ -110,143 +110,141 @@ impl Provider {
             other => return self.unexpected_answer(key, &c.step, &other),
         };
         match c.step.clone() {
-            CheckStep::Inspect { attempt } => {
-                if r.vm_not_found() {
-                    return self.start_evict(
-                        key,
-                        EvictReason::VmGone,
-                        "vm no longer exists",
-                        false,
-                    );
-                }
-                let vm = if r.success {
-                    parse_vm(&r.stdout).ok()
-                } else {
-                    None
-                };
-                match vm {
-                    None if attempt < 2 => {
-                        let at = self.now + INSPECT_RETRY * attempt;
-                        let step = CheckStep::Inspect {
-                            attempt: attempt + 1,
-                        };
-                        self.advance(key, step, Ask::Timer(at));
-                    }
-                    None => {
-                        self.metric(MetricUpdate::VmInspectTransientFail);
-                        self.defer_check(key, c.uid, c.vm_id);
-                    }
-                    Some(vm) if !self.checked_vm_is_ours(key, &c, &vm) => {
-                        self.start_evict(key, EvictReason::VmGone, "vm no longer exists", false)
-                    }
-                    Some(vm) => self.check_state(key, &c, vm),
-                }
-            }
+            CheckStep::Inspect { attempt } => self.check_inspected(key, c, r, attempt),
             CheckStep::DeferredInspect { delay, until } => {
-                if r.vm_not_found() {
-                    return self.start_evict(
-                        key,
-                        EvictReason::VmGone,
-                        "vm no longer exists",
-                        false,
-                    );
-                }
-                match if r.success {
-                    parse_vm(&r.stdout).ok()
-                } else {
-                    None
-                } {
-                    None if self.now >= until => self.start_evict(
-                        key,
-                        EvictReason::VmInspectTimeout,
-                        "vm inspect did not resolve within budget",
-                        true,
-                    ),
-                    None => {
-                        let delay = (delay * 2).min(RECHECK_MAX);
-                        let at = self.now + delay;
-                        self.advance(key, CheckStep::Deferred { delay, until }, Ask::Timer(at));
-                    }
-                    Some(vm) if !self.checked_vm_is_ours(key, &c, &vm) => {
-                        self.start_evict(key, EvictReason::VmGone, "vm no longer exists", false)
-                    }
-                    Some(vm) => self.check_state(key, &c, vm),
-                }
+                self.check_deferred_inspected(key, c, r, delay, until)
             }
-            CheckStep::Start => {
-                if r.timed_out {
-                    let step = CheckStep::StartUnanswered {
-                        error: r.error_text(),
-                    };
-                    let inspect = CocoonCmd::VmInspect {
-                        reference: c.vm_id.clone(),
-                    };
-                    return self.advance(key, step, Ask::Cocoon(inspect));
-                }
-                if !r.success {
-                    let msg = r.error_text();
-                    return self.start_evict(key, EvictReason::RestartFailed, &msg, true);
-                }
-                self.advance(
-                    key,
-                    CheckStep::Refresh,
-                    Ask::Cocoon(CocoonCmd::VmInspect {
-                        reference: c.vm_id.clone(),
-                    }),
-                );
-            }
-            CheckStep::StartUnanswered { error } => {
-                if r.vm_not_found() {
-                    return self.start_evict(
-                        key,
-                        EvictReason::VmGone,
-                        "vm no longer exists",
-                        false,
-                    );
-                }
-                match if r.success {
-                    parse_vm(&r.stdout).ok()
-                } else {
-                    None
-                } {
-                    // The start went through after all: the restart succeeded.
-                    Some(vm) if vm.running() && self.checked_vm_is_ours(key, &c, &vm) => {
-                        if let Some(v) = self.slot(key).tracked.as_mut().and_then(|t| t.vm.as_mut())
-                        {
-                            v.pid = vm.pid;
-                            v.nics = vm.nics;
-                            v.state = vm.state;
-                        }
-                        self.check_done(key, &c)
-                    }
-                    _ => self.start_evict(key, EvictReason::RestartFailed, &error, true),
-                }
-            }
-            CheckStep::Refresh => {
-                if r.vm_not_found() {
-                    // Removed between its restart and this look.
-                    return self.start_evict(
-                        key,
-                        EvictReason::VmGone,
-                        "vm no longer exists",
-                        false,
-                    );
-                }
-                let vm = parse_vm(&r.stdout).ok();
-                if let Some(vm) = vm.filter(|v| r.success && self.checked_vm_is_ours(key, &c, v)) {
-                    if let Some(t) = self.slot(key).tracked.as_mut() {
-                        if let Some(v) = t.vm.as_mut() {
-                            v.pid = vm.pid;
-                            v.nics = vm.nics;
-                            v.state = vm.state;
-                        }
-                    }
-                }
-                self.check_done(key, &c);
-            }
+            CheckStep::Start => self.check_started(key, c, r),
+            CheckStep::StartUnanswered { error } => self.check_start_unanswered(key, c, r, error),
+            CheckStep::Refresh => self.check_refreshed(key, c, r),
             // Waiting on the timer, not on an answer.
             CheckStep::Deferred { .. } => self.unexpected_answer(key, &c.step, &Res::Cocoon(r)),
         }
+    }
+
+    /// `Inspect`: the VM an event said was gone or stopped, as cocoon sees it.
+    fn check_inspected(&mut self, key: &PodKey, c: CheckOp, r: CocoonResult, attempt: u32) {
+        if r.vm_not_found() {
+            return self.start_evict(key, EvictCause::VmGone, false);
+        }
+        let vm = if r.success {
+            parse_vm(&r.stdout).ok()
+        } else {
+            None
+        };
+        match vm {
+            None if attempt < 2 => {
+                let at = self.now + INSPECT_RETRY * attempt;
+                let step = CheckStep::Inspect {
+                    attempt: attempt + 1,
+                };
+                self.advance(key, step, Ask::Timer(at));
+            }
+            None => {
+                self.metric(MetricUpdate::VmInspectTransientFail);
+                self.defer_check(key, c.uid, c.vm_id);
+            }
+            Some(vm) if !self.checked_vm_is_ours(key, &c, &vm) => {
+                self.start_evict(key, EvictCause::VmGone, false)
+            }
+            Some(vm) => self.check_state(key, &c, vm),
+        }
+    }
+
+    /// `DeferredInspect`: one look of the deferred recheck.
+    fn check_deferred_inspected(
+        &mut self,
+        key: &PodKey,
+        c: CheckOp,
+        r: CocoonResult,
+        delay: Duration,
+        until: Instant,
+    ) {
+        if r.vm_not_found() {
+            return self.start_evict(key, EvictCause::VmGone, false);
+        }
+        match if r.success {
+            parse_vm(&r.stdout).ok()
+        } else {
+            None
+        } {
+            None if self.now >= until => self.start_evict(key, EvictCause::InspectTimeout, true),
+            None => {
+                let delay = (delay * 2).min(RECHECK_MAX);
+                let at = self.now + delay;
+                self.advance(key, CheckStep::Deferred { delay, until }, Ask::Timer(at));
+            }
+            Some(vm) if !self.checked_vm_is_ours(key, &c, &vm) => {
+                self.start_evict(key, EvictCause::VmGone, false)
+            }
+            Some(vm) => self.check_state(key, &c, vm),
+        }
+    }
+
+    /// `Start`: the restart's `vm start` answered.
+    fn check_started(&mut self, key: &PodKey, c: CheckOp, r: CocoonResult) {
+        if r.timed_out {
+            let step = CheckStep::StartUnanswered {
+                error: r.error_text(),
+            };
+            let inspect = CocoonCmd::VmInspect {
+                reference: c.vm_id.clone(),
+            };
+            return self.advance(key, step, Ask::Cocoon(inspect));
+        }
+        if !r.success {
+            let msg = r.error_text();
+            return self.start_evict(key, EvictCause::RestartFailed(msg), true);
+        }
+        self.advance(
+            key,
+            CheckStep::Refresh,
+            Ask::Cocoon(CocoonCmd::VmInspect {
+                reference: c.vm_id.clone(),
+            }),
+        );
+    }
+
+    /// `StartUnanswered`: the look after a `vm start` that timed out.
+    fn check_start_unanswered(&mut self, key: &PodKey, c: CheckOp, r: CocoonResult, error: String) {
+        if r.vm_not_found() {
+            return self.start_evict(key, EvictCause::VmGone, false);
+        }
+        match if r.success {
+            parse_vm(&r.stdout).ok()
+        } else {
+            None
+        } {
+            // The start went through after all: the restart succeeded.
+            Some(vm) if vm.running() && self.checked_vm_is_ours(key, &c, &vm) => {
+                if let Some(v) = self.slot(key).tracked.as_mut().and_then(|t| t.vm.as_mut()) {
+                    v.pid = vm.pid;
+                    v.nics = vm.nics;
+                    v.state = vm.state;
+                }
+                self.check_done(key, &c)
+            }
+            _ => self.start_evict(key, EvictCause::RestartFailed(error), true),
+        }
+    }
+
+    /// `Refresh`: the restarted VM, as cocoon sees it.
+    fn check_refreshed(&mut self, key: &PodKey, c: CheckOp, r: CocoonResult) {
+        if r.vm_not_found() {
+            // Removed between its restart and this look.
+            return self.start_evict(key, EvictCause::VmGone, false);
+        }
+        let vm = parse_vm(&r.stdout).ok();
+        if let Some(vm) = vm.filter(|v| r.success && self.checked_vm_is_ours(key, &c, v)) {
+            if let Some(t) = self.slot(key).tracked.as_mut() {
+                if let Some(v) = t.vm.as_mut() {
+                    v.pid = vm.pid;
+                    v.nics = vm.nics;
+                    v.state = vm.state;
+                }
+            }
+        }
+        self.check_done(key, &c);
     }
 
     /// The VM runs (false alarm or restarted). A check may have preempted the wait for Ready
@@ -332,12 +330,7 @@ impl Provider {
             .map(|t| self.now.saturating_duration_since(*t) < RESTART_COOLDOWN)
             .unwrap_or(false);
         if recent {
-            return self.start_evict(
-                key,
-                EvictReason::RestartCooldown,
-                "restart cooldown not elapsed",
-                true,
-            );
+            return self.start_evict(key, EvictCause::RestartCooldown, true);
         }
         self.note_restart(&c.vm_id);
         self.advance(

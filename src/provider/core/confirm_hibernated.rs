@@ -205,6 +205,6 @@ impl Provider {
         log::error!("provider: {key}: {msg}; evicting the pod");
         self.lifecycle_metric("startup", "failed", REASON_VM_LOST);
         self.event(key, &t.uid, EventType::Warning, "HibernateVMLost", &msg);
-        self.start_evict(key, EvictReason::VmGone, "vm no longer exists", false);
+        self.start_evict(key, EvictCause::VmGone, false);
     }
 }

@@ -3,6 +3,55 @@
 
 use super::*;
 
+/// Why a delete failed: the pod's VM is kept and the delete retried on the pod's backoff.
+/// `Display` is the text of the `ProviderDeleteFailed` Warning (before " (VM kept)").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum DeleteError {
+    /// The look-up of the pod's VM (by `reference`, its id or name) failed.
+    Lookup { reference: String, error: String },
+    /// `vm inspect` before the snapshot save failed.
+    Inspect { vm_id: String, error: String },
+    /// The snapshot save before delete failed.
+    Save { vm_name: String, error: String },
+    /// The read of `<vm>:latest` in the registry before the push failed.
+    ReadLatest { vm_name: String, error: String },
+    /// The snapshot push before delete failed.
+    Push { vm_name: String, error: String },
+    /// `vm rm` failed.
+    Rm { vm_id: String, error: String },
+    /// `cocoon-macos vm rm` failed.
+    MacosRm { vm_name: String, error: String },
+    /// An answer the delete's step does not expect (the `UnexpectedAnswer` text).
+    Unexpected(String),
+}
+
+impl std::fmt::Display for DeleteError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeleteError::Lookup { reference, error } => {
+                write!(f, "look up vm {reference} before delete: {error}")
+            }
+            DeleteError::Inspect { vm_id, error } => {
+                write!(f, "inspect vm {vm_id} before delete: {error}")
+            }
+            DeleteError::Save { vm_name, error } => {
+                write!(f, "snapshot save {vm_name} before delete: {error}")
+            }
+            DeleteError::ReadLatest { vm_name, error } => {
+                write!(f, "read {vm_name}:latest before the push: {error}")
+            }
+            DeleteError::Push { vm_name, error } => {
+                write!(f, "push snapshot {vm_name} before delete: {error}")
+            }
+            DeleteError::Rm { vm_id, error } => write!(f, "vm rm {vm_id}: {error}"),
+            DeleteError::MacosRm { vm_name, error } => {
+                write!(f, "cocoon-macos vm rm {vm_name}: {error}")
+            }
+            DeleteError::Unexpected(msg) => f.write_str(msg),
+        }
+    }
+}
+
 impl Provider {
     // ----- delete ---------------------------------------------------------------------------
 
@@ -140,7 +189,10 @@ impl Provider {
         match found {
             None => self.delete_failed(
                 key,
-                &format!("look up vm {reference} before delete: {}", r.error_text()),
+                DeleteError::Lookup {
+                    reference: reference.clone(),
+                    error: r.error_text(),
+                },
             ),
             Some(v) if matches!(v.state, VmState::Creating) => self.advance(
                 key,
@@ -255,14 +307,17 @@ impl Provider {
                     self.metric(MetricUpdate::SnapshotPush { result: "failed" });
                     self.delete_failed(
                         key,
-                        &format!("push snapshot {} before delete: {e}", d.vm_name),
+                        DeleteError::Push {
+                            vm_name: d.vm_name.clone(),
+                            error: e.to_string(),
+                        },
                     )
                 }
             },
             (DeleteStep::Rm, Res::Cocoon(r)) => {
                 if !r.success && !r.vm_not_found() {
-                    return self
-                        .delete_failed(key, &format!("vm rm {}: {}", vm.id, r.error_text()));
+                    let (vm_id, error) = (vm.id.clone(), r.error_text());
+                    return self.delete_failed(key, DeleteError::Rm { vm_id, error });
                 }
                 self.release_leases(&vm);
                 self.forget_owner(Owned::Vm, &d.vm_name);
@@ -336,7 +391,10 @@ impl Provider {
         match parsed {
             None => self.delete_failed(
                 key,
-                &format!("inspect vm {} before delete: {}", vm.id, r.error_text()),
+                DeleteError::Inspect {
+                    vm_id: vm.id.clone(),
+                    error: r.error_text(),
+                },
             ),
             Some(v) if v.running() => self.delete_save(key, t, d, false),
             Some(_) => self.advance(
@@ -369,11 +427,10 @@ impl Provider {
         self.metric(MetricUpdate::SnapshotSave { result: "failed" });
         self.delete_failed(
             key,
-            &format!(
-                "snapshot save {} before delete: {}",
-                d.vm_name,
-                r.error_text()
-            ),
+            DeleteError::Save {
+                vm_name: d.vm_name.clone(),
+                error: r.error_text(),
+            },
         )
     }
 
@@ -410,8 +467,8 @@ impl Provider {
             }
             Err(e) => {
                 self.metric(MetricUpdate::SnapshotPush { result: "failed" });
-                let msg = format!("read {}:latest before the push: {e}", d.vm_name);
-                self.delete_failed(key, &msg)
+                let (vm_name, error) = (d.vm_name.clone(), e.to_string());
+                self.delete_failed(key, DeleteError::ReadLatest { vm_name, error })
             }
         }
     }
@@ -563,7 +620,7 @@ impl Provider {
     }
 
     /// "VM kept": Warning, counter, unbounded retry with backoff capped at 1000 s.
-    pub(super) fn delete_failed(&mut self, key: &PodKey, err: &str) {
+    pub(super) fn delete_failed(&mut self, key: &PodKey, err: DeleteError) {
         let uid = self
             .slot(key)
             .tracked
@@ -604,4 +661,69 @@ pub(super) fn lookup_reference_ok(r: &str) -> bool {
         && r.len() <= 253
         && r.chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::DeleteError;
+
+    #[test]
+    fn delete_errors_keep_their_messages() {
+        let e = |x: &str| x.to_string();
+        let cases = [
+            (
+                DeleteError::Lookup {
+                    reference: e("vk-a-b"),
+                    error: e("boom"),
+                },
+                "look up vm vk-a-b before delete: boom",
+            ),
+            (
+                DeleteError::Inspect {
+                    vm_id: e("id1"),
+                    error: e("boom"),
+                },
+                "inspect vm id1 before delete: boom",
+            ),
+            (
+                DeleteError::Save {
+                    vm_name: e("vk-a-b"),
+                    error: e("boom"),
+                },
+                "snapshot save vk-a-b before delete: boom",
+            ),
+            (
+                DeleteError::ReadLatest {
+                    vm_name: e("vk-a-b"),
+                    error: e("boom"),
+                },
+                "read vk-a-b:latest before the push: boom",
+            ),
+            (
+                DeleteError::Push {
+                    vm_name: e("vk-a-b"),
+                    error: e("boom"),
+                },
+                "push snapshot vk-a-b before delete: boom",
+            ),
+            (
+                DeleteError::Rm {
+                    vm_id: e("id1"),
+                    error: e("boom"),
+                },
+                "vm rm id1: boom",
+            ),
+            (
+                DeleteError::MacosRm {
+                    vm_name: e("vk-a-mac"),
+                    error: e("boom"),
+                },
+                "cocoon-macos vm rm vk-a-mac: boom",
+            ),
+            (DeleteError::Unexpected(e("step X got it")), "step X got it"),
+        ];
+        for (err, text) in cases {
+            assert_eq!(err.to_string(), text);
+        }
+    }
 }

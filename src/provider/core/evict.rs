@@ -4,13 +4,7 @@
 use super::*;
 
 impl Provider {
-    pub(super) fn start_evict(
-        &mut self,
-        key: &PodKey,
-        reason: EvictReason,
-        message: &str,
-        remove: bool,
-    ) {
+    pub(super) fn start_evict(&mut self, key: &PodKey, cause: EvictCause, remove: bool) {
         let Some(t) = self.slot(key).tracked.clone() else {
             return self.end_op(key);
         };
@@ -19,8 +13,7 @@ impl Provider {
             key,
             Op::Evict(EvictOp {
                 uid: t.uid.clone(),
-                reason,
-                message: message.to_string(),
+                cause,
                 step: EvictStep::Remove,
                 attempts: 0,
             }),
@@ -38,8 +31,8 @@ impl Provider {
             return;
         };
         let st = status::evicted(
-            e.reason.as_str(),
-            &e.message,
+            e.cause.reason().as_str(),
+            &e.cause.to_string(),
             t.start_time.as_ref(),
             &self.wall,
         );
@@ -138,6 +131,37 @@ impl Provider {
                 }
             },
             (step, res) => self.unexpected_answer(key, &step, &res),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn evict_causes_keep_their_reasons_and_messages() {
+        let cases = [
+            (EvictCause::VmGone, "VMGone", "vm no longer exists"),
+            (
+                EvictCause::InspectTimeout,
+                "VMInspectTimeout",
+                "vm inspect did not resolve within budget",
+            ),
+            (
+                EvictCause::RestartCooldown,
+                "RestartCooldown",
+                "restart cooldown not elapsed",
+            ),
+            (
+                EvictCause::RestartFailed("vm start: exit 1".into()),
+                "RestartFailed",
+                "vm start: exit 1",
+            ),
+        ];
+        for (cause, reason, message) in cases {
+            assert_eq!(cause.reason().as_str(), reason);
+            assert_eq!(cause.to_string(), message);
         }
     }
 }

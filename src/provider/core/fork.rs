@@ -19,6 +19,91 @@ enum SourceOwner {
 /// not slow. The retry finds the killed save's half-saved record and removes it first.
 pub(super) const FORK_SAVE_DEADLINE: Duration = Duration::from_secs(600);
 
+/// Why a fork-snapshot flight failed; every pod waiting on it fails its create (retried)
+/// with the `Display` text. `name` is the snapshot `fork-<source>`, `source_vm` the source.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum ForkError {
+    /// An answer of a kind the flight's step does not wait on.
+    Unexpected { name: String, kind: &'static str },
+    /// cocoon's answer did not parse (the parser's text).
+    Parse(String),
+    /// `snapshot inspect fork-<source>` failed.
+    Inspect { name: String, error: String },
+    /// The removal of an unrecorded `fork-<source>` failed.
+    RmUnowned { name: String, error: String },
+    /// `fork-<source>` is recorded for another namespace.
+    OtherNamespace { name: String, namespace: String },
+    /// No VM of that name on this node.
+    SourceNotFound { source_vm: String },
+    /// `vm inspect <source>` failed.
+    SourceInspect { source_vm: String, error: String },
+    /// The source VM is not running (its state).
+    SourceNotRunning { source_vm: String, state: String },
+    /// The owner of `fork-<source>` could not be recorded.
+    RecordOwner { name: String, error: String },
+    /// `snapshot save` failed.
+    Save {
+        name: String,
+        source_vm: String,
+        error: String,
+    },
+    /// The name is held by an unfinished save whose removal failed.
+    HolderNotRemoved { name: String, error: String },
+    /// The source was deleted or re-created while it was being forked.
+    Invalidated { source_vm: String },
+}
+
+impl std::fmt::Display for ForkError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ForkError::Unexpected { name, kind } => {
+                write!(f, "fork snapshot {name}: unexpected {kind} answer")
+            }
+            ForkError::Parse(e) => f.write_str(e),
+            ForkError::Inspect { name, error } => {
+                write!(f, "inspect fork snapshot {name}: {error}")
+            }
+            ForkError::RmUnowned { name, error } => write!(f, "remove unrecorded {name}: {error}"),
+            ForkError::OtherNamespace { name, namespace } => {
+                write!(
+                    f,
+                    "fork-from: {name} is not recorded for namespace {namespace}"
+                )
+            }
+            ForkError::SourceNotFound { source_vm } => {
+                write!(f, "fork-from: source vm {source_vm} not found on this node")
+            }
+            ForkError::SourceInspect { source_vm, error } => {
+                write!(f, "fork-from: inspect vm {source_vm}: {error}")
+            }
+            ForkError::SourceNotRunning { source_vm, state } => {
+                write!(
+                    f,
+                    "fork-from: source vm {source_vm} is {state}, not running"
+                )
+            }
+            ForkError::RecordOwner { name, error } => {
+                write!(f, "record the owner of {name}: {error}")
+            }
+            ForkError::Save {
+                name,
+                source_vm,
+                error,
+            } => write!(f, "snapshot save {name} of vm {source_vm}: {error}"),
+            ForkError::HolderNotRemoved { name, error } => write!(
+                f,
+                "snapshot save {name}: the name is held by an unfinished save that could not be \
+                 removed: {error}"
+            ),
+            ForkError::Invalidated { source_vm } => write!(
+                f,
+                "fork-from: source vm {source_vm} was deleted or re-created while it was being \
+                 forked; its fork snapshot is discarded"
+            ),
+        }
+    }
+}
+
 impl Provider {
     /// A fresh create with `fork-from` (after the `fork-<own vm>` removal, when it may exist):
     /// join the flight of its source, starting one when none runs. The pod waits in `ForkWait`.
@@ -135,8 +220,8 @@ impl Provider {
         );
         let name = spec::fork_snapshot_name(source);
         let Res::Cocoon(r) = res else {
-            let msg = format!("fork snapshot {name}: unexpected {} answer", res.kind());
-            return self.fork_done(source, Err(msg));
+            let kind = res.kind();
+            return self.fork_done(source, Err(ForkError::Unexpected { name, kind }));
         };
         match step {
             ForkStep::Inspect => {
@@ -144,112 +229,136 @@ impl Provider {
                 let found = r.success.then(|| isolation::inspected_snapshot(&r, &name));
                 match found {
                     Some(Ok(Some(s))) => return self.fork_snapshot_found(source, s.hypervisor),
-                    Some(Err(e)) => return self.fork_done(source, Err(e)),
+                    Some(Err(e)) => return self.fork_done(source, Err(ForkError::Parse(e))),
                     Some(Ok(None)) | None => {}
                 }
                 if !r.success && !r.snapshot_not_found() {
                     // A hung or failing inspect says nothing: fail, the creates retry.
-                    let msg = format!("inspect fork snapshot {name}: {}", r.error_text());
-                    return self.fork_done(source, Err(msg));
+                    let error = r.error_text();
+                    return self.fork_done(source, Err(ForkError::Inspect { name, error }));
                 }
                 self.fork_find_source(source, false)
             }
             ForkStep::RmUnowned => {
                 if !r.success && !r.snapshot_not_found() {
-                    let msg = format!("remove unrecorded {name}: {}", r.error_text());
-                    return self.fork_done(source, Err(msg));
+                    let error = r.error_text();
+                    return self.fork_done(source, Err(ForkError::RmUnowned { name, error }));
                 }
                 self.snapshot_removed(&name, &r);
                 self.fork_find_source(source, true)
             }
-            ForkStep::FindSource => {
-                if r.vm_not_found() {
-                    let msg = format!("fork-from: source vm {source} not found on this node");
-                    return self.fork_done(source, Err(msg));
-                }
-                let vm = match (r.success, parse_vm(&r.stdout)) {
-                    (true, Ok(vm)) if isolation::vm_named(&vm, source) => vm,
-                    // An answer for a VM whose ID the name prefixes is no source VM.
-                    (true, Ok(_)) => {
-                        let msg = format!("fork-from: source vm {source} not found on this node");
-                        return self.fork_done(source, Err(msg));
-                    }
-                    (true, Err(e)) => return self.fork_done(source, Err(e)),
-                    (false, _) => {
-                        let msg = format!("fork-from: inspect vm {source}: {}", r.error_text());
-                        return self.fork_done(source, Err(msg));
-                    }
-                };
-                if !vm.running() || vm.id.is_empty() {
-                    let msg = format!(
-                        "fork-from: source vm {source} is {}, not running",
-                        vm.state.as_str()
-                    );
-                    return self.fork_done(source, Err(msg));
-                }
-                self.fork_save(source, vm.id, vm.hypervisor, false)
-            }
-            ForkStep::Save { retried } => {
-                if let Some(f) = self.forks.get(source) {
-                    let secs = self.now.saturating_duration_since(f.save_started);
-                    self.metric(MetricUpdate::SnapshotSaveDuration {
-                        namespace: f.namespace.clone(),
-                        seconds: secs.as_secs_f64(),
-                    });
-                }
-                if r.success {
-                    self.metric(MetricUpdate::SnapshotSave { result: "ok" });
-                    return self.fork_done(source, Ok(source_hv));
-                }
-                if r.name_taken() && !retried {
-                    let holder = taken_holder(&r.error_text(), &name);
-                    return self.fork_cocoon(
-                        source,
-                        ForkStep::TakenInspect { holder },
-                        CocoonCmd::SnapshotInspect { name },
-                    );
-                }
-                self.metric(MetricUpdate::SnapshotSave { result: "failed" });
-                let msg = format!("snapshot save {name} of vm {source}: {}", r.error_text());
-                self.fork_done(source, Err(msg))
-            }
-            ForkStep::TakenInspect { holder } => {
-                let found = r.success.then(|| isolation::inspected_snapshot(&r, &name));
-                match found.and_then(Result::transpose) {
-                    // Another save (a create of an earlier process) landed it: reuse it.
-                    Some(Ok(s)) => return self.fork_snapshot_found(source, s.hypervisor),
-                    Some(Err(e)) => return self.fork_done(source, Err(e)),
-                    None => {}
-                }
-                // Invisible but holding the name: the half-saved record of an interrupted
-                // save. Removing it is what lets this fork (and any later one) save again.
-                log::warn!(
-                    "provider: fork snapshot {name} is held by an unfinished save ({holder}); removing it"
-                );
-                self.fork_cocoon(
-                    source,
-                    ForkStep::RmHolder,
-                    CocoonCmd::SnapshotRm { name: holder },
-                )
-            }
+            ForkStep::FindSource => self.fork_source_inspected(source, r),
+            ForkStep::Save { retried } => self.fork_saved(source, r, retried, name, source_hv),
+            ForkStep::TakenInspect { holder } => self.fork_taken_inspected(source, r, holder, name),
             // Waiting on the ledger, not on cocoon.
             ForkStep::Record { .. } => {
-                let msg = format!("fork snapshot {name}: unexpected cocoon answer");
-                self.fork_done(source, Err(msg))
+                let kind = "cocoon";
+                self.fork_done(source, Err(ForkError::Unexpected { name, kind }))
             }
             ForkStep::RmHolder => {
                 if !r.success && !r.snapshot_not_found() {
                     self.metric(MetricUpdate::SnapshotSave { result: "failed" });
-                    let msg = format!(
-                        "snapshot save {name}: the name is held by an unfinished save that could \
-                         not be removed: {}",
-                        r.error_text()
-                    );
-                    return self.fork_done(source, Err(msg));
+                    let error = r.error_text();
+                    return self
+                        .fork_done(source, Err(ForkError::HolderNotRemoved { name, error }));
                 }
                 self.fork_save(source, source_id, source_hv, true)
             }
         }
+    }
+
+    /// `FindSource`: the source VM, as cocoon sees it; a running one is saved.
+    fn fork_source_inspected(&mut self, source: &str, r: CocoonResult) {
+        if r.vm_not_found() {
+            let source_vm = source.to_string();
+            return self.fork_done(source, Err(ForkError::SourceNotFound { source_vm }));
+        }
+        let vm = match (r.success, parse_vm(&r.stdout)) {
+            (true, Ok(vm)) if isolation::vm_named(&vm, source) => vm,
+            // An answer for a VM whose ID the name prefixes is no source VM.
+            (true, Ok(_)) => {
+                let source_vm = source.to_string();
+                return self.fork_done(source, Err(ForkError::SourceNotFound { source_vm }));
+            }
+            (true, Err(e)) => return self.fork_done(source, Err(ForkError::Parse(e))),
+            (false, _) => {
+                let (source_vm, error) = (source.to_string(), r.error_text());
+                return self.fork_done(source, Err(ForkError::SourceInspect { source_vm, error }));
+            }
+        };
+        if !vm.running() || vm.id.is_empty() {
+            let (source_vm, state) = (source.to_string(), vm.state.as_str().to_string());
+            return self.fork_done(
+                source,
+                Err(ForkError::SourceNotRunning { source_vm, state }),
+            );
+        }
+        self.fork_save(source, vm.id, vm.hypervisor, false)
+    }
+
+    /// `Save`: the `snapshot save` answered; a name held by an unfinished save is looked at.
+    fn fork_saved(
+        &mut self,
+        source: &str,
+        r: CocoonResult,
+        retried: bool,
+        name: String,
+        source_hv: String,
+    ) {
+        if let Some(f) = self.forks.get(source) {
+            let secs = self.now.saturating_duration_since(f.save_started);
+            self.metric(MetricUpdate::SnapshotSaveDuration {
+                namespace: f.namespace.clone(),
+                seconds: secs.as_secs_f64(),
+            });
+        }
+        if r.success {
+            self.metric(MetricUpdate::SnapshotSave { result: "ok" });
+            return self.fork_done(source, Ok(source_hv));
+        }
+        if r.name_taken() && !retried {
+            let holder = taken_holder(&r.error_text(), &name);
+            return self.fork_cocoon(
+                source,
+                ForkStep::TakenInspect { holder },
+                CocoonCmd::SnapshotInspect { name },
+            );
+        }
+        self.metric(MetricUpdate::SnapshotSave { result: "failed" });
+        let (source_vm, error) = (source.to_string(), r.error_text());
+        let e = ForkError::Save {
+            name,
+            source_vm,
+            error,
+        };
+        self.fork_done(source, Err(e))
+    }
+
+    /// `TakenInspect`: the snapshot holding the name the save wanted.
+    fn fork_taken_inspected(
+        &mut self,
+        source: &str,
+        r: CocoonResult,
+        holder: String,
+        name: String,
+    ) {
+        let found = r.success.then(|| isolation::inspected_snapshot(&r, &name));
+        match found.and_then(Result::transpose) {
+            // Another save (a create of an earlier process) landed it: reuse it.
+            Some(Ok(s)) => return self.fork_snapshot_found(source, s.hypervisor),
+            Some(Err(e)) => return self.fork_done(source, Err(ForkError::Parse(e))),
+            None => {}
+        }
+        // Invisible but holding the name: the half-saved record of an interrupted
+        // save. Removing it is what lets this fork (and any later one) save again.
+        log::warn!(
+            "provider: fork snapshot {name} is held by an unfinished save ({holder}); removing it"
+        );
+        self.fork_cocoon(
+            source,
+            ForkStep::RmHolder,
+            CocoonCmd::SnapshotRm { name: holder },
+        )
     }
 
     /// `fork-<source>` exists: handed out when it is recorded for the flight's namespace;
@@ -265,8 +374,11 @@ impl Provider {
         match self.owner_of(Owned::Snapshot, &name) {
             Some(o) if o.namespace == ns => self.fork_done(source, Ok(hypervisor)),
             Some(_) => {
-                let msg = format!("fork-from: {name} is not recorded for namespace {ns}");
-                self.fork_done(source, Err(msg))
+                let e = ForkError::OtherNamespace {
+                    name,
+                    namespace: ns,
+                };
+                self.fork_done(source, Err(e))
             }
             None => self.fork_cocoon(source, ForkStep::RmUnowned, CocoonCmd::SnapshotRm { name }),
         }
@@ -341,7 +453,7 @@ impl Provider {
             Ok(()) => self.fork_save_now(source, retried),
             Err(e) => {
                 let name = spec::fork_snapshot_name(source);
-                self.fork_done(source, Err(format!("record the owner of {name}: {e}")))
+                self.fork_done(source, Err(ForkError::RecordOwner { name, error: e }))
             }
         }
     }
@@ -372,7 +484,7 @@ impl Provider {
 
     /// The flight ended: every pod still waiting for it clones (or fails its create).
     /// `Ok` carries the snapshot's hypervisor when known.
-    fn fork_done(&mut self, source: &str, result: Result<String, String>) {
+    fn fork_done(&mut self, source: &str, result: Result<String, ForkError>) {
         let Some(flight) = self.forks.remove(source) else {
             return;
         };
@@ -380,10 +492,9 @@ impl Provider {
             Ok(_) if flight.invalidated => {
                 let name = spec::fork_snapshot_name(source);
                 self.remove_snapshot_detached(&name);
-                Err(format!(
-                    "fork-from: source vm {source} was deleted or re-created while it was being \
-                     forked; its fork snapshot is discarded"
-                ))
+                Err(ForkError::Invalidated {
+                    source_vm: source.to_string(),
+                })
             }
             other => other,
         };
@@ -398,10 +509,10 @@ impl Provider {
     }
 
     /// A waiting pod's answer from the flight: clone from `fork-<source>`.
-    pub(super) fn fork_landed(&mut self, key: &PodKey, c: &CreateOp, r: Result<String, String>) {
+    pub(super) fn fork_landed(&mut self, key: &PodKey, c: &CreateOp, r: Result<String, ForkError>) {
         let hypervisor = match r {
             Ok(hv) => hv,
-            Err(e) => return self.fail_create(key, &c.uid, &e, true),
+            Err(e) => return self.fail_create(key, &c.uid, &e.to_string(), true),
         };
         let name = spec::fork_snapshot_name(&c.spec.fork_from);
         // The clone's flags follow the pod's backend (a Firecracker clone takes no restore
@@ -451,7 +562,7 @@ fn taken_holder(text: &str, name: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::taken_holder;
+    use super::{taken_holder, ForkError};
 
     #[test]
     fn the_holder_of_a_taken_name_is_read_from_cocoons_text_or_is_the_name() {
@@ -474,5 +585,92 @@ mod tests {
         // Never a flag or anything odd on an argv.
         assert_eq!(taken_holder("already in use by --force", n), n);
         assert_eq!(taken_holder("already in use by a;b", n), n);
+    }
+
+    #[test]
+    fn fork_errors_keep_their_messages() {
+        let name = || "fork-vk-a-src".to_string();
+        let s = || "vk-a-src".to_string();
+        let e = |x: &str| x.to_string();
+        let cases = [
+            (
+                ForkError::Unexpected {
+                    name: name(),
+                    kind: "kube",
+                },
+                "fork snapshot fork-vk-a-src: unexpected kube answer",
+            ),
+            (ForkError::Parse(e("bad json")), "bad json"),
+            (
+                ForkError::Inspect {
+                    name: name(),
+                    error: e("boom"),
+                },
+                "inspect fork snapshot fork-vk-a-src: boom",
+            ),
+            (
+                ForkError::RmUnowned {
+                    name: name(),
+                    error: e("boom"),
+                },
+                "remove unrecorded fork-vk-a-src: boom",
+            ),
+            (
+                ForkError::OtherNamespace {
+                    name: name(),
+                    namespace: e("b"),
+                },
+                "fork-from: fork-vk-a-src is not recorded for namespace b",
+            ),
+            (
+                ForkError::SourceNotFound { source_vm: s() },
+                "fork-from: source vm vk-a-src not found on this node",
+            ),
+            (
+                ForkError::SourceInspect {
+                    source_vm: s(),
+                    error: e("boom"),
+                },
+                "fork-from: inspect vm vk-a-src: boom",
+            ),
+            (
+                ForkError::SourceNotRunning {
+                    source_vm: s(),
+                    state: e("stopped"),
+                },
+                "fork-from: source vm vk-a-src is stopped, not running",
+            ),
+            (
+                ForkError::RecordOwner {
+                    name: name(),
+                    error: e("disk full"),
+                },
+                "record the owner of fork-vk-a-src: disk full",
+            ),
+            (
+                ForkError::Save {
+                    name: name(),
+                    source_vm: s(),
+                    error: e("boom"),
+                },
+                "snapshot save fork-vk-a-src of vm vk-a-src: boom",
+            ),
+            (
+                ForkError::HolderNotRemoved {
+                    name: name(),
+                    error: e("boom"),
+                },
+                "snapshot save fork-vk-a-src: the name is held by an unfinished save that could \
+                 not be removed: boom",
+            ),
+            (
+                ForkError::Invalidated { source_vm: s() },
+                "fork-from: source vm vk-a-src was deleted or re-created while it was being \
+                 forked; its fork snapshot is discarded",
+            ),
+        ];
+        for (err, text) in cases {
+            assert_eq!(err.to_string(), text);
+        }
     }
 }

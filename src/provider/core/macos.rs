@@ -479,8 +479,8 @@ impl Provider {
         r: CocoonResult,
     ) {
         if !r.success && (r.timed_out || !contract::not_found(&r.stderr)) {
-            let msg = format!("cocoon-macos vm rm {}: {}", d.vm_name, r.error_text());
-            return self.delete_failed(key, &msg);
+            let (vm_name, error) = (d.vm_name.clone(), r.error_text());
+            return self.delete_failed(key, delete::DeleteError::MacosRm { vm_name, error });
         }
         if let Some(vm) = t.vm.as_ref() {
             self.release_leases(vm);

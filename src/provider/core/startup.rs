@@ -360,63 +360,7 @@ impl Provider {
         }
         let spec = match spec::parse(&pod) {
             Ok(spec) => spec,
-            Err(e) => {
-                // Startup reconcile matches by ID: a pod whose annotations no longer parse
-                // still names its VM, which is claimed (never destroyed as an orphan because of
-                // input we could not read) and kept tracked as at runtime, with a Warning. It
-                // is tracked only when it still gives that VM's name (one of its namespace's),
-                // or the ledger records that VM for this very pod: an ID alone never hands a
-                // pod a VM.
-                let recorded_for_pod = |v: &VmInfo| {
-                    self.owner_of(Owned::Vm, &v.name).is_some_and(|o| {
-                        o.namespace == key.namespace
-                            && !o.pod_uid.is_empty()
-                            && o.pod_uid == pod_uid(&pod)
-                    })
-                };
-                let found = unreadable_pods_vm(&key, &pod, &a.by_id, &a.by_name).or_else(|| {
-                    let ann = pod.metadata.annotations.as_ref()?;
-                    let v = a.by_id.get(ann.get(ANN_VM_ID)?)?;
-                    recorded_for_pod(v).then(|| v.clone())
-                });
-                let Some(vm) = found else {
-                    let named = pod
-                        .metadata
-                        .annotations
-                        .as_ref()
-                        .and_then(|a| a.get(ANN_VM_ID));
-                    if let Some(v) = named.and_then(|id| a.by_id.get(id)) {
-                        a.claimed.insert(v.id.clone());
-                    }
-                    return;
-                };
-                if a.claimed.contains(&vm.id) {
-                    return;
-                }
-                a.claimed.insert(vm.id.clone());
-                a.taken.insert(vm.id.clone());
-                let id = pod
-                    .metadata
-                    .annotations
-                    .as_ref()
-                    .and_then(|a| a.get(ANN_VM_ID));
-                if !self.vm_adoptable(&key, id.map_or("", String::as_str), &vm) {
-                    // Claimed (never destroyed on input we could not read), not tracked.
-                    return;
-                }
-                a.adopted += 1;
-                let uid = pod_uid(&pod);
-                self.event(
-                    &key,
-                    &uid,
-                    EventType::Warning,
-                    "ProviderUpdateFailed",
-                    &e.message,
-                );
-                let spec = spec::salvage(&pod, &vm.name, &vm.id);
-                self.adopt_at_startup(&key, &pod, spec, vm);
-                return;
-            }
+            Err(e) => return self.adopt_unreadable(a, &key, &pod, &e),
         };
         // Managed macOS guests are not cocoon's (never in its list): left untracked here,
         // their create adopts a running guest through `cocoon-macos vm inspect`.
@@ -493,6 +437,63 @@ impl Provider {
         a.adopted += 1;
         self.startup_cpu_class_gate(&key, &pod, &spec);
         self.adopt_at_startup(&key, &pod, spec, vm);
+    }
+
+    /// A listed pod whose annotations no longer parse: its VM is claimed, and tracked only
+    /// when the pod still names it or the ledger records it for this very pod.
+    fn adopt_unreadable(&mut self, a: &mut Adoption, key: &PodKey, pod: &Arc<Pod>, e: &SpecError) {
+        // Startup reconcile matches by ID: a pod whose annotations no longer parse
+        // still names its VM, which is claimed (never destroyed as an orphan because of
+        // input we could not read) and kept tracked as at runtime, with a Warning. It
+        // is tracked only when it still gives that VM's name (one of its namespace's),
+        // or the ledger records that VM for this very pod: an ID alone never hands a
+        // pod a VM.
+        let recorded_for_pod = |v: &VmInfo| {
+            self.owner_of(Owned::Vm, &v.name).is_some_and(|o| {
+                o.namespace == key.namespace && !o.pod_uid.is_empty() && o.pod_uid == pod_uid(pod)
+            })
+        };
+        let found = unreadable_pods_vm(key, pod, &a.by_id, &a.by_name).or_else(|| {
+            let ann = pod.metadata.annotations.as_ref()?;
+            let v = a.by_id.get(ann.get(ANN_VM_ID)?)?;
+            recorded_for_pod(v).then(|| v.clone())
+        });
+        let Some(vm) = found else {
+            let named = pod
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(ANN_VM_ID));
+            if let Some(v) = named.and_then(|id| a.by_id.get(id)) {
+                a.claimed.insert(v.id.clone());
+            }
+            return;
+        };
+        if a.claimed.contains(&vm.id) {
+            return;
+        }
+        a.claimed.insert(vm.id.clone());
+        a.taken.insert(vm.id.clone());
+        let id = pod
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(ANN_VM_ID));
+        if !self.vm_adoptable(key, id.map_or("", String::as_str), &vm) {
+            // Claimed (never destroyed on input we could not read), not tracked.
+            return;
+        }
+        a.adopted += 1;
+        let uid = pod_uid(pod);
+        self.event(
+            key,
+            &uid,
+            EventType::Warning,
+            "ProviderUpdateFailed",
+            &e.message,
+        );
+        let spec = spec::salvage(pod, &vm.name, &vm.id);
+        self.adopt_at_startup(key, pod, spec, vm);
     }
 
     /// Every listed pod has claimed its VM: the rest get the orphan policy, and the periodic

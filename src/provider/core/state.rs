@@ -220,11 +220,46 @@ pub(super) enum EvictStep {
     Delete,
 }
 
+/// Why the core evicts a pod: the `EvictReason` of its Failed status, and (`Display`) the
+/// status message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum EvictCause {
+    /// The VM is gone (removed, or the VM answering is not the pod's).
+    VmGone,
+    /// The deferred recheck got no answer within its budget.
+    InspectTimeout,
+    /// The VM stopped again within the restart cooldown.
+    RestartCooldown,
+    /// The restart's `vm start` failed: cocoon's error text.
+    RestartFailed(String),
+}
+
+impl EvictCause {
+    pub(super) fn reason(&self) -> EvictReason {
+        match self {
+            EvictCause::VmGone => EvictReason::VmGone,
+            EvictCause::InspectTimeout => EvictReason::VmInspectTimeout,
+            EvictCause::RestartCooldown => EvictReason::RestartCooldown,
+            EvictCause::RestartFailed(_) => EvictReason::RestartFailed,
+        }
+    }
+}
+
+impl std::fmt::Display for EvictCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EvictCause::VmGone => f.write_str("vm no longer exists"),
+            EvictCause::InspectTimeout => f.write_str("vm inspect did not resolve within budget"),
+            EvictCause::RestartCooldown => f.write_str("restart cooldown not elapsed"),
+            EvictCause::RestartFailed(error) => f.write_str(error),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub(super) struct EvictOp {
     pub(super) uid: String,
-    pub(super) reason: EvictReason,
-    pub(super) message: String,
+    pub(super) cause: EvictCause,
     pub(super) step: EvictStep,
     pub(super) attempts: u32,
 }
