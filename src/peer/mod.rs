@@ -19,4 +19,4 @@ pub mod wire;
 
 pub use client::{restore, restore_counted, PeerRestore, RestoreError, Staged};
 pub use pushed::PushedSnapshots;
-pub use server::{ClusterNodes, PeerServer, Resolver, Serving};
+pub use server::{ClusterNodes, NotANodeCert, PeerServer, Resolver, Serving};
