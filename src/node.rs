@@ -57,10 +57,60 @@ pub struct NodeOptions {
 // ------------------------------------------------------------------------------------------
 
 /// Parse a Kubernetes quantity ("16", "500m", "64Gi", "1e3") into its numeric value.
-pub fn parse_quantity(s: &str) -> Result<f64, String> {
-    crate::vm::resources::parse_quantity_f64(s)
-        .ok_or_else(|| format!("{s:?} is not a Kubernetes quantity"))
+pub fn parse_quantity(s: &str) -> Result<f64, NotAQuantity> {
+    crate::vm::resources::parse_quantity_f64(s).ok_or_else(|| NotAQuantity(s.to_string()))
 }
+
+/// The text given where a Kubernetes quantity belongs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NotAQuantity(pub String);
+
+impl std::fmt::Display for NotAQuantity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?} is not a Kubernetes quantity", self.0)
+    }
+}
+
+impl std::error::Error for NotAQuantity {}
+
+/// A capacity override (`VK_NODE_CPU`, …) that is not a quantity.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CapacityError {
+    /// The setting's name.
+    pub setting: &'static str,
+    pub value: NotAQuantity,
+}
+
+impl std::fmt::Display for CapacityError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.setting, self.value)
+    }
+}
+
+impl std::error::Error for CapacityError {}
+
+/// What the host would not tell at startup.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostFactsError {
+    /// /proc/meminfo unreadable: the reader's message.
+    Meminfo(String),
+    /// statvfs of the cocoon root failed.
+    Statfs {
+        dir: PathBuf,
+        errno: rustix::io::Errno,
+    },
+}
+
+impl std::fmt::Display for HostFactsError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HostFactsError::Meminfo(e) => write!(f, "/proc/meminfo: {e}"),
+            HostFactsError::Statfs { dir, errno } => write!(f, "statfs {}: {errno}", dir.display()),
+        }
+    }
+}
+
+impl std::error::Error for HostFactsError {}
 
 /// A byte count as the shortest exact binary quantity ("2Mi", "1Gi", else plain bytes).
 pub fn binary_quantity(bytes: u64) -> String {
@@ -93,14 +143,16 @@ pub struct HostFacts {
 
 impl HostFacts {
     /// Read CPU count, /proc/meminfo and statvfs(root_dir).
-    pub fn read(root_dir: &Path) -> Result<HostFacts, String> {
+    pub fn read(root_dir: &Path) -> Result<HostFacts, HostFactsError> {
         use procfs::Current;
         let cpus = std::thread::available_parallelism()
             .map(|n| n.get() as u64)
             .unwrap_or(1);
-        let mem = procfs::Meminfo::current().map_err(|e| format!("/proc/meminfo: {e}"))?;
-        let fs = rustix::fs::statvfs(root_dir)
-            .map_err(|e| format!("statfs {}: {e}", root_dir.display()))?;
+        let mem = procfs::Meminfo::current().map_err(|e| HostFactsError::Meminfo(e.to_string()))?;
+        let fs = rustix::fs::statvfs(root_dir).map_err(|errno| HostFactsError::Statfs {
+            dir: root_dir.to_path_buf(),
+            errno,
+        })?;
         Ok(HostFacts {
             cpus,
             mem_total_bytes: mem.mem_total,
@@ -138,11 +190,13 @@ fn fmt_num(v: f64) -> String {
 
 /// Compute capacity/allocatable at startup: overrides win, allocatable is
 /// reduced by the reserve percentage (rounded down), pods are copied unreduced.
-pub fn compute_resources(o: &NodeOptions, h: &HostFacts) -> Result<Resources, String> {
+pub fn compute_resources(o: &NodeOptions, h: &HostFacts) -> Result<Resources, CapacityError> {
     let q = |s: String| Quantity(s);
     let mut r = Resources::default();
     let reserve = o.reserve_percent.min(100);
-    let named = |what: &str, v: &str| parse_quantity(v).map_err(|e| format!("{what}: {e}"));
+    let named = |setting: &'static str, v: &str| {
+        parse_quantity(v).map_err(|value| CapacityError { setting, value })
+    };
     // cpu
     let (cpu_cap, cpu_val) = match &o.cpu {
         Some(s) => (s.trim().to_string(), named("VK_NODE_CPU", s)?),
@@ -848,6 +902,7 @@ mod tests {
         o.mem = Some("lots".into());
         assert!(compute_resources(&o, &h)
             .unwrap_err()
+            .to_string()
             .contains("VK_NODE_MEM"));
         // No hugepages on the host and no override: no hugepages resource.
         o.mem = None;

@@ -36,21 +36,45 @@ impl LedgerWriter {
     }
 }
 
+/// Why the ledger cannot be kept (the daemon does not start).
+#[derive(Debug)]
+pub(super) enum OpenError {
+    /// The state directory cannot be made.
+    Create(PathBuf, std::io::Error),
+    /// Nor narrowed to 0700.
+    Chmod(PathBuf, std::io::Error),
+    /// The writer thread did not start.
+    Writer(std::io::Error),
+}
+
+impl std::fmt::Display for OpenError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            OpenError::Create(dir, e) => write!(f, "create {}: {e}", dir.display()),
+            OpenError::Chmod(dir, e) => write!(f, "chmod 0700 {}: {e}", dir.display()),
+            OpenError::Writer(e) => write!(f, "start the ledger writer: {e}"),
+        }
+    }
+}
+
 /// Prepares the state directory, reads the ledger and starts its writer. An unreadable file
 /// is set aside (renamed) and the ledger starts empty: a missing record only ever narrows what
 /// a pod may read (the proof by name is stricter than any record). A directory that cannot be
 /// made or a thread that cannot start is an error.
-pub(super) fn open(dir: &Path, notifier: Notifier<Work>) -> Result<(Owners, LedgerWriter), String> {
-    fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+pub(super) fn open(
+    dir: &Path,
+    notifier: Notifier<Work>,
+) -> Result<(Owners, LedgerWriter), OpenError> {
+    fs::create_dir_all(dir).map_err(|e| OpenError::Create(dir.to_path_buf(), e))?;
     fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
-        .map_err(|e| format!("chmod 0700 {}: {e}", dir.display()))?;
+        .map_err(|e| OpenError::Chmod(dir.to_path_buf(), e))?;
     let owners = load(dir);
     let (tx, rx) = mpsc::channel::<(OpId, Vec<OwnerChange>)>();
     let (copy, dir) = (owners.clone(), dir.to_path_buf());
     std::thread::Builder::new()
         .name("vk-ledger".into())
         .spawn(move || writer(dir, copy, rx, notifier))
-        .map_err(|e| format!("start the ledger writer: {e}"))?;
+        .map_err(OpenError::Writer)?;
     Ok((owners, LedgerWriter { tx }))
 }
 

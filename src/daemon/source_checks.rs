@@ -66,8 +66,10 @@ fn image_host(url: &str, host: &str) -> SourceVerdict {
     };
     match sources::check_resolved(url, host, &addrs) {
         Ok(()) => SourceVerdict::Allowed,
-        Err(msg) if addrs.is_empty() => SourceVerdict::Unavailable(msg),
-        Err(msg) => SourceVerdict::Refused(msg),
+        Err(e @ sources::ResolvedError::NoAddress { .. }) => {
+            SourceVerdict::Unavailable(e.to_string())
+        }
+        Err(e) => SourceVerdict::Refused(e.to_string()),
     }
 }
 

@@ -234,7 +234,8 @@ pub(super) fn peer_service(
         },
         client_cert: cluster.client_cert.clone(),
     };
-    crate::peer::housekeeping::start(settings, kube.clone()).map_err(|e| StartError::new(1, e))
+    crate::peer::housekeeping::start(settings, kube.clone())
+        .map_err(|e| StartError::new(1, e.to_string()))
 }
 
 /// The kubelet API server, listening on VK_KUBELET_PORT (HTTPS).

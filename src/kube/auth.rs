@@ -263,6 +263,7 @@ impl Drained {
 }
 
 /// Parse a plugin's stdout (`ExecCredential` with status.token or client cert/key data).
+/// Err is the detail `fail` wraps into the plugin's error.
 fn parse_exec_output(out: &[u8]) -> Result<ExecCredential, String> {
     #[derive(serde::Deserialize)]
     #[serde(rename_all = "camelCase")]

@@ -169,6 +169,7 @@ struct Shared {
     limiter: Mutex<TokenBucket>,
 }
 
+// Err is the detail the callers wrap into KubeConfigError::Invalid or KubeError::Credentials.
 fn build_state(
     cluster: &ClusterConfig,
     cert: Option<(Vec<u8>, Vec<u8>)>,

@@ -283,6 +283,7 @@ pub const MAX_YAML_DEPTH: usize = 64;
 
 /// Walks the parser's events and sizes the document as the loader would build it, aliases
 /// expanded, without building it: refuses bombs and deep nests before they cost memory or stack.
+/// Err is the detail `parse_err` wraps into the kubeconfig's error.
 fn check_yaml_budget(text: &str) -> Result<(), String> {
     use yaml_rust2::parser::{Event, Parser};
     let mut parser = Parser::new_from_str(text);

@@ -279,7 +279,7 @@ impl Metrics {
 
     /// Adds families written as text after the registry's. Fails when one of its family names
     /// is already registered or written by another source (the text would repeat a family).
-    pub fn add_text_source(&self, source: Arc<dyn TextSource>) -> Result<(), String> {
+    pub fn add_text_source(&self, source: Arc<dyn TextSource>) -> Result<(), DuplicateFamily> {
         let mut taken: Vec<String> = self
             .registry
             .gather()
@@ -295,7 +295,7 @@ impl Metrics {
             .into_iter()
             .find(|n| taken.contains(n))
         {
-            return Err(format!("metric family {dup} is already exported"));
+            return Err(DuplicateFamily(dup));
         }
         sources.push(source);
         Ok(())
@@ -319,6 +319,18 @@ impl Metrics {
         text
     }
 }
+
+/// A text source's family that is already exported: the text would repeat it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DuplicateFamily(pub String);
+
+impl std::fmt::Display for DuplicateFamily {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "metric family {} is already exported", self.0)
+    }
+}
+
+impl std::error::Error for DuplicateFamily {}
 
 #[cfg(test)]
 mod tests {

@@ -8,7 +8,7 @@ pub mod http;
 pub mod process;
 pub mod stats;
 
-pub use families::{escape_label, Metrics, TextSource, PREFIX};
+pub use families::{escape_label, DuplicateFamily, Metrics, TextSource, PREFIX};
 
 /// Content type of the text exposition format.
 pub const TEXT_CONTENT_TYPE: &str = prometheus::TEXT_FORMAT;

@@ -23,7 +23,7 @@ use rustls::{ClientConfig, ClientConnection, StreamOwned};
 use crate::metrics::Metrics;
 use crate::snapshots::format::{envelope_for_import, import_mode, LayerRef, SnapshotConfig};
 
-use super::verify::{self, FileCheck};
+use super::verify::{self, FileCheck, VerifyError};
 
 use super::wire::{
     self, crc_hex, plain_component, valid_manifest_digest, Plan, PlanFile, Slice, CRC_TRAILER,
@@ -82,6 +82,55 @@ pub struct Staged {
     pub bytes: u64,
 }
 
+/// Why a peer restore failed; the caller falls back to the registry. Display is the text
+/// logged and carried in the core's fallback reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RestoreError {
+    /// The request names nothing a peer could serve: a bad snapshot name or manifest digest,
+    /// or a registry config without a snapshotId.
+    Request(String),
+    /// The registry's manifest cannot vouch for a raw copy, or a staged file is not its bytes.
+    Verify(VerifyError),
+    /// The peer's plan disagrees with the registry tag or breaks the plan's rules.
+    Plan(String),
+    /// The connection to the peer, or its answer, failed.
+    Peer { peer: SocketAddr, what: String },
+    /// The staging directory or a staged file could not be written.
+    Staging(String),
+    /// A slice stream died without saying why.
+    Stream,
+}
+
+impl RestoreError {
+    fn peer(peer: SocketAddr, what: impl Into<String>) -> RestoreError {
+        RestoreError::Peer {
+            peer,
+            what: what.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for RestoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RestoreError::Request(m) | RestoreError::Plan(m) | RestoreError::Staging(m) => {
+                f.write_str(m)
+            }
+            RestoreError::Verify(e) => e.fmt(f),
+            RestoreError::Peer { peer, what } => write!(f, "{peer}: {what}"),
+            RestoreError::Stream => f.write_str("a slice stream failed"),
+        }
+    }
+}
+
+impl std::error::Error for RestoreError {}
+
+impl From<VerifyError> for RestoreError {
+    fn from(e: VerifyError) -> RestoreError {
+        RestoreError::Verify(e)
+    }
+}
+
 /// Node-wide cap on concurrent restores.
 static RUNNING: Mutex<usize> = Mutex::new(0);
 static FREED: Condvar = Condvar::new();
@@ -113,7 +162,7 @@ pub fn restore_counted(
     req: &PeerRestore,
     metrics: &Metrics,
     namespace: &str,
-) -> Result<Staged, String> {
+) -> Result<Staged, RestoreError> {
     let _permit = Permit::acquire();
     let started = Instant::now();
     let out = restore(req);
@@ -132,18 +181,23 @@ pub fn restore_counted(
 }
 
 /// Fetches the plan and every slice into a new directory under the staging root.
-pub fn restore(req: &PeerRestore) -> Result<Staged, String> {
+pub fn restore(req: &PeerRestore) -> Result<Staged, RestoreError> {
     if !wire::valid_snapshot_name(&req.snapshot) {
-        return Err(format!("snapshot name {:?} is not valid", req.snapshot));
+        return Err(RestoreError::Request(format!(
+            "snapshot name {:?} is not valid",
+            req.snapshot
+        )));
     }
     if req.expected.snapshot_id.is_empty() {
-        return Err("the registry config has no snapshotId to check the peer against".into());
+        return Err(RestoreError::Request(
+            "the registry config has no snapshotId to check the peer against".into(),
+        ));
     }
     if !valid_manifest_digest(&req.manifest_digest) {
-        return Err(format!(
+        return Err(RestoreError::Request(format!(
             "manifest digest {:?} is not a sha256 digest",
             req.manifest_digest
-        ));
+        )));
     }
     // Before any connection: a snapshot whose files cannot be checked is not fetched.
     let checks = verify::expectations(&req.expected, &req.layers)?;
@@ -154,17 +208,22 @@ pub fn restore(req: &PeerRestore) -> Result<Staged, String> {
     );
     let mut resp = get(req, &target)?;
     if resp.status != 200 {
-        return Err(format!("{}: plan: HTTP {}", req.peer, resp.status));
+        return Err(RestoreError::peer(
+            req.peer,
+            format!("plan: HTTP {}", resp.status),
+        ));
     }
     let body = resp.body_to_end(PLAN_LIMIT)?;
-    let plan: Plan =
-        serde_json::from_slice(&body).map_err(|e| format!("{}: plan: {e}", req.peer))?;
+    let plan: Plan = serde_json::from_slice(&body)
+        .map_err(|e| RestoreError::peer(req.peer, format!("plan: {e}")))?;
     check_plan(&plan, &req.expected, &checks)?;
 
-    std::fs::create_dir_all(&req.staging_root)
-        .map_err(|e| format!("staging dir {}: {e}", req.staging_root.display()))?;
+    std::fs::create_dir_all(&req.staging_root).map_err(|e| {
+        RestoreError::Staging(format!("staging dir {}: {e}", req.staging_root.display()))
+    })?;
     let dir = req.staging_root.join(unique_name(&req.local_name));
-    std::fs::create_dir(&dir).map_err(|e| format!("staging {}: {e}", dir.display()))?;
+    std::fs::create_dir(&dir)
+        .map_err(|e| RestoreError::Staging(format!("staging {}: {e}", dir.display())))?;
     match fill(req, &plan, &checks, &dir) {
         Ok(bytes) => Ok(Staged { dir, bytes }),
         Err(e) => {
@@ -199,35 +258,36 @@ fn check_plan(
     plan: &Plan,
     expected: &SnapshotConfig,
     checks: &BTreeMap<String, FileCheck>,
-) -> Result<(), String> {
+) -> Result<(), RestoreError> {
+    let bad = RestoreError::Plan;
     if plan.snapshot_id != expected.snapshot_id {
-        return Err(format!(
+        return Err(bad(format!(
             "peer holds snapshot {:?}, the registry tag is {:?}",
             plan.snapshot_id, expected.snapshot_id
-        ));
+        )));
     }
     if plan.files.len() > MAX_FILES {
-        return Err(format!("plan lists {} files", plan.files.len()));
+        return Err(bad(format!("plan lists {} files", plan.files.len())));
     }
     let mut seen = HashSet::new();
     for f in &plan.files {
         if !plain_component(&f.name) || f.name == ENVELOPE_NAME || !seen.insert(f.name.as_str()) {
-            return Err(format!("plan file name {:?} refused", f.name));
+            return Err(bad(format!("plan file name {:?} refused", f.name)));
         }
         let mut end = 0u64;
         for s in &f.slices {
             let stop = s.offset.saturating_add(s.length);
             if s.length == 0 || s.length > MAX_SLICE_LEN || s.offset < end || stop > f.size {
-                return Err(format!("plan file {}: bad slice {s:?}", f.name));
+                return Err(bad(format!("plan file {}: bad slice {s:?}", f.name)));
             }
             end = stop;
         }
         if let Some(check) = checks.get(&f.name) {
             if check.logical_size != f.size {
-                return Err(format!(
+                return Err(bad(format!(
                     "plan file {}: {} bytes, the registry's layers say {}",
                     f.name, f.size, check.logical_size
-                ));
+                )));
             }
         }
         if let Some(meta) = expected.files.get(&f.name) {
@@ -237,10 +297,10 @@ fn check_plan(
                 meta.size
             };
             if logical > 0 && logical as u64 != f.size {
-                return Err(format!(
+                return Err(bad(format!(
                     "plan file {}: {} bytes, the registry says {logical}",
                     f.name, f.size
-                ));
+                )));
             }
         }
     }
@@ -250,9 +310,9 @@ fn check_plan(
         .chain(checks.keys())
         .find(|k| !seen.contains(k.as_str()) && k.as_str() != ENVELOPE_NAME)
     {
-        return Err(format!(
+        return Err(bad(format!(
             "peer lacks file {missing} of the registry snapshot"
-        ));
+        )));
     }
     Ok(())
 }
@@ -264,7 +324,10 @@ fn fill(
     plan: &Plan,
     checks: &BTreeMap<String, FileCheck>,
     dir: &Path,
-) -> Result<u64, String> {
+) -> Result<u64, RestoreError> {
+    let staging = |what: &str, path: &Path, e: io::Error| {
+        RestoreError::Staging(format!("{what} {}: {e}", path.display()))
+    };
     // Every file is created at its full size first; the slices then land anywhere in it.
     let mut files: Vec<(&PlanFile, &FileCheck, File)> = Vec::new();
     for f in &plan.files {
@@ -287,9 +350,9 @@ fn fill(
             .create_new(true)
             .mode(mode)
             .open(&path)
-            .map_err(|e| format!("create {}: {e}", path.display()))?;
+            .map_err(|e| staging("create", &path, e))?;
         file.set_len(f.size)
-            .map_err(|e| format!("size {}: {e}", path.display()))?;
+            .map_err(|e| staging("size", &path, e))?;
         files.push((f, check, file));
     }
     let jobs: Vec<(usize, Slice)> = files
@@ -308,11 +371,11 @@ fn fill(
         .create_new(true)
         .mode(0o644)
         .open(&path)
-        .map_err(|e| format!("create {}: {e}", path.display()))?;
+        .map_err(|e| staging("create", &path, e))?;
     // No fsync: the clone reads the files through the page cache right after, and a crash
     // before then leaves an entry the next start's sweep removes.
     out.write_all(&envelope)
-        .map_err(|e| format!("write {}: {e}", path.display()))?;
+        .map_err(|e| staging("write", &path, e))?;
     Ok(bytes)
 }
 
@@ -323,12 +386,12 @@ fn fetch_all(
     snapshot_id: &str,
     files: &[(&PlanFile, &FileCheck, File)],
     jobs: &[(usize, Slice)],
-) -> Result<u64, String> {
+) -> Result<u64, RestoreError> {
     let next = AtomicUsize::new(0);
     let bytes = AtomicU64::new(0);
-    let failed: Mutex<Option<String>> = Mutex::new(None);
+    let failed: Mutex<Option<RestoreError>> = Mutex::new(None);
     let stopped = || failed.lock().map(|f| f.is_some()).unwrap_or(true);
-    let fail = |e: String| {
+    let fail = |e: RestoreError| {
         if let Ok(mut f) = failed.lock() {
             f.get_or_insert(e);
         }
@@ -367,7 +430,7 @@ fn fetch_all(
     match failed.into_inner() {
         Ok(Some(e)) => Err(e),
         Ok(None) => Ok(bytes.into_inner()),
-        Err(_) => Err("a slice stream failed".into()),
+        Err(_) => Err(RestoreError::Stream),
     }
 }
 
@@ -378,7 +441,7 @@ fn fetch_slice(
     name: &str,
     s: Slice,
     file: &File,
-) -> Result<(), String> {
+) -> Result<(), RestoreError> {
     let target = format!(
         "{SLICE_PATH}?id={}&file={}&offset={}&length={}&{DIGEST_PARAM}={}",
         wire::percent_encode(snapshot_id),
@@ -389,21 +452,23 @@ fn fetch_slice(
     );
     let mut resp = get(req, &target)?;
     if resp.status != 200 {
-        return Err(format!(
-            "{}: slice {name} @{}: HTTP {}",
-            req.peer, s.offset, resp.status
+        return Err(RestoreError::peer(
+            req.peer,
+            format!("slice {name} @{}: HTTP {}", s.offset, resp.status),
         ));
     }
     let crc = resp.body_into_file(file, s.offset, s.length)?;
     let trailer = resp.trailer(CRC_TRAILER);
     if trailer.as_deref() != Some(crc_hex(crc).as_str()) {
-        return Err(format!(
-            "{}: slice {name} @{}+{}: CRC-32C {} but the peer says {:?}",
+        return Err(RestoreError::peer(
             req.peer,
-            s.offset,
-            s.length,
-            crc_hex(crc),
-            trailer
+            format!(
+                "slice {name} @{}+{}: CRC-32C {} but the peer says {:?}",
+                s.offset,
+                s.length,
+                crc_hex(crc),
+                trailer
+            ),
         ));
     }
     Ok(())
@@ -429,15 +494,15 @@ struct Response {
 }
 
 /// One GET to `req.peer` over a TLS connection of its own.
-fn get(req: &PeerRestore, target: &str) -> Result<Response, String> {
+fn get(req: &PeerRestore, target: &str) -> Result<Response, RestoreError> {
     let peer = req.peer;
-    let err = |e: io::Error| format!("{peer}: {e}");
+    let err = |e: io::Error| RestoreError::peer(peer, e.to_string());
     let sock = connect(peer, req.source).map_err(err)?;
     sock.set_read_timeout(Some(READ_TIMEOUT)).map_err(err)?;
     sock.set_write_timeout(Some(READ_TIMEOUT)).map_err(err)?;
     sock.set_nodelay(true).map_err(err)?;
     let conn = ClientConnection::new(req.tls.clone(), ServerName::IpAddress(peer.ip().into()))
-        .map_err(|e| format!("{peer}: TLS: {e}"))?;
+        .map_err(|e| RestoreError::peer(peer, format!("TLS: {e}")))?;
     let mut sock = StreamOwned::new(conn, sock);
     let head = format!(
         "GET {target} HTTP/1.1\r\nHost: {peer}\r\nUser-Agent: vk-cocoon\r\nTE: trailers\r\nConnection: close\r\n\r\n"
@@ -451,7 +516,10 @@ fn get(req: &PeerRestore, target: &str) -> Result<Response, String> {
         let before = head.len();
         read_line(&mut reader, &mut head, 16 << 10).map_err(err)?;
         if head.len() == before {
-            return Err(format!("{peer}: connection closed in the response head"));
+            return Err(RestoreError::peer(
+                peer,
+                "connection closed in the response head",
+            ));
         }
         if head.ends_with(b"\r\n\r\n") || head == b"\r\n" {
             break;
@@ -461,7 +529,7 @@ fn get(req: &PeerRestore, target: &str) -> Result<Response, String> {
     let mut r = httparse::Response::new(&mut headers);
     match r.parse(&head) {
         Ok(httparse::Status::Complete(_)) => {}
-        _ => return Err(format!("{peer}: malformed response head")),
+        _ => return Err(RestoreError::peer(peer, "malformed response head")),
     }
     let mut chunked = false;
     let mut length = None;
@@ -504,12 +572,12 @@ fn read_line(r: &mut impl BufRead, out: &mut Vec<u8>, limit: usize) -> io::Resul
 }
 
 impl Response {
-    fn err(&self, what: &str) -> String {
-        format!("{}: {what}", self.peer)
+    fn err(&self, what: &str) -> RestoreError {
+        RestoreError::peer(self.peer, what)
     }
 
     /// The whole body, at most `limit` bytes.
-    fn body_to_end(&mut self, limit: u64) -> Result<Vec<u8>, String> {
+    fn body_to_end(&mut self, limit: u64) -> Result<Vec<u8>, RestoreError> {
         let mut out = Vec::new();
         if self.chunked {
             self.chunks(limit, |b| {
@@ -535,7 +603,12 @@ impl Response {
     }
 
     /// Streams exactly `length` body bytes into `file` at `offset`; returns their CRC-32C.
-    fn body_into_file(&mut self, file: &File, offset: u64, length: u64) -> Result<u32, String> {
+    fn body_into_file(
+        &mut self,
+        file: &File,
+        offset: u64,
+        length: u64,
+    ) -> Result<u32, RestoreError> {
         if !self.chunked {
             return Err(self.err("slice not chunked: it carries no checksum trailer"));
         }
@@ -566,9 +639,9 @@ impl Response {
         &mut self,
         limit: u64,
         mut sink: impl FnMut(&[u8]) -> io::Result<()>,
-    ) -> Result<u64, String> {
+    ) -> Result<u64, RestoreError> {
         let peer = self.peer;
-        let e = move |e: io::Error| format!("{peer}: {e}");
+        let e = move |e: io::Error| RestoreError::peer(peer, e.to_string());
         let mut total = 0u64;
         let mut line = Vec::new();
         loop {

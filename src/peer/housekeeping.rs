@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::kube::Client;
-use crate::kubelet::tls::{TlsSettings, TlsState};
+use crate::kubelet::tls::{TlsError, TlsSettings, TlsState};
 use crate::vm::{argv, parse_snapshot, CocoonCall, Deadlines, Verb};
 
 use super::pushed::PushedSnapshots;
@@ -50,10 +50,33 @@ pub struct PeerSettings {
     pub client_cert: Option<(Vec<u8>, Vec<u8>)>,
 }
 
+/// Why the peer listener did not start (the daemon exits with it).
+#[derive(Debug)]
+pub enum PeerStartError {
+    /// The TLS settings requiring node client certificates are unusable.
+    Tls(TlsError),
+    /// Binding the listen address failed.
+    Listen(SocketAddr, std::io::Error),
+    /// The housekeeping thread could not be spawned.
+    Thread(std::io::Error),
+}
+
+impl std::fmt::Display for PeerStartError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PeerStartError::Tls(e) => write!(f, "peer listener TLS: {e}"),
+            PeerStartError::Listen(addr, e) => write!(f, "peer snapshot listener on {addr}: {e}"),
+            PeerStartError::Thread(e) => write!(f, "peer housekeeping thread: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for PeerStartError {}
+
 /// Starts the listener and the background thread (first Node list and staging sweep at once),
 /// logging what the listener serves to whom, or why it serves nothing, and whether this
 /// node restores from peers.
-pub fn start(settings: PeerSettings, kube: Arc<Client>) -> Result<PeerService, String> {
+pub fn start(settings: PeerSettings, kube: Arc<Client>) -> Result<PeerService, PeerStartError> {
     let nodes = Arc::new(ClusterNodes::default());
     let pushed = Arc::new(match PushedSnapshots::open(&settings.state_dir) {
         Ok(p) => p,
@@ -74,7 +97,7 @@ pub fn start(settings: PeerSettings, kube: Arc<Client>) -> Result<PeerService, S
         }
         Some(_) => {
             let tls = TlsState::requiring_client_certs(settings.tls.clone())
-                .map_err(|e| format!("peer listener TLS: {e}"))?;
+                .map_err(PeerStartError::Tls)?;
             let serving = Serving {
                 root: settings.snapshot_dir.clone(),
                 resolve: cocoon_resolver(settings.cocoon_bin.clone()),
@@ -83,7 +106,7 @@ pub fn start(settings: PeerSettings, kube: Arc<Client>) -> Result<PeerService, S
                 tls,
             };
             let server = PeerServer::start(settings.listen, serving)
-                .map_err(|e| format!("peer snapshot listener on {}: {e}", settings.listen))?;
+                .map_err(|e| PeerStartError::Listen(settings.listen, e))?;
             log::info!(
                 "peer snapshot listener on https://{} serving {}: TLS only (plain HTTP gets 400); a caller needs a client certificate of the cluster CA with CN {NODE_USER_PREFIX}<node> and O one of {NODE_GROUPS:?}, from that Node's InternalIP, and the manifest digest this node recorded when it pushed the snapshot ({} recorded)",
                 server.local_addr(),
@@ -111,7 +134,7 @@ pub fn start(settings: PeerSettings, kube: Arc<Client>) -> Result<PeerService, S
     std::thread::Builder::new()
         .name("vk-peer-house".into())
         .spawn(move || background(kube, book, record, staging_dir, snapshot_dir))
-        .map_err(|e| format!("peer housekeeping thread: {e}"))?;
+        .map_err(PeerStartError::Thread)?;
     Ok(PeerService {
         server,
         nodes,

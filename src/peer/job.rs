@@ -77,7 +77,7 @@ pub fn run(
             return Err(e);
         }
     };
-    let staged = restore_counted(&req, metrics, &job.namespace).map_err(fail)?;
+    let staged = restore_counted(&req, metrics, &job.namespace).map_err(|e| fail(e.to_string()))?;
     log::info!(
         "peer restore of {} from {} ({}): {} bytes staged in {}",
         job.vm_name,

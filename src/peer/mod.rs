@@ -17,6 +17,6 @@ pub mod store;
 pub mod verify;
 pub mod wire;
 
-pub use client::{restore, restore_counted, PeerRestore, Staged};
+pub use client::{restore, restore_counted, PeerRestore, RestoreError, Staged};
 pub use pushed::PushedSnapshots;
-pub use server::{ClusterNodes, PeerServer, Resolver, Serving};
+pub use server::{ClusterNodes, NotANodeCert, PeerServer, Resolver, Serving};

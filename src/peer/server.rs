@@ -104,26 +104,78 @@ fn canonical(ip: IpAddr) -> IpAddr {
 }
 
 /// The Node a verified client certificate speaks for, when it is one at `ip`.
-pub fn certified_node(cert: &[u8], ip: IpAddr, nodes: &ClusterNodes) -> Result<String, String> {
-    let id = cert_identity(cert).ok_or("unreadable client certificate")?;
+pub fn certified_node(
+    cert: &[u8],
+    ip: IpAddr,
+    nodes: &ClusterNodes,
+) -> Result<String, NotANodeCert> {
+    let id = cert_identity(cert).ok_or(NotANodeCert::Unreadable)?;
     let cn = id.common_name.unwrap_or_default();
-    let node = cn
+    let Some(node) = cn
         .strip_prefix(NODE_USER_PREFIX)
         .filter(|n| !n.is_empty())
-        .ok_or_else(|| format!("certificate of {cn:?}, not of a node"))?;
+        .map(str::to_string)
+    else {
+        return Err(NotANodeCert::NotANode { cn });
+    };
     if !id
         .organizations
         .iter()
         .any(|o| NODE_GROUPS.contains(&o.as_str()))
     {
-        return Err(format!("{cn:?} is in none of the groups {NODE_GROUPS:?}"));
+        return Err(NotANodeCert::NoNodeGroup { cn });
     }
-    match nodes.internal_ip(node) {
-        Some(at) if at == canonical(ip) => Ok(node.to_string()),
-        Some(at) => Err(format!("node {node} is at {at}, the caller at {ip}")),
-        None => Err(format!("no Node {node} in the cluster")),
+    match nodes.internal_ip(&node) {
+        Some(at) if at == canonical(ip) => Ok(node),
+        Some(at) => Err(NotANodeCert::Elsewhere { node, at, ip }),
+        None => Err(NotANodeCert::NoSuchNode { node }),
     }
 }
+
+/// Why a caller's certificate does not speak for the Node at its address (logged; the caller
+/// gets a 403).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NotANodeCert {
+    /// The handshake finished without a client certificate.
+    Missing,
+    Unreadable,
+    /// The common name is not `system:node:<name>`.
+    NotANode {
+        cn: String,
+    },
+    /// The certificate is in none of `NODE_GROUPS`.
+    NoNodeGroup {
+        cn: String,
+    },
+    /// The Node's InternalIP is not the caller's address.
+    Elsewhere {
+        node: String,
+        at: IpAddr,
+        ip: IpAddr,
+    },
+    NoSuchNode {
+        node: String,
+    },
+}
+
+impl std::fmt::Display for NotANodeCert {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NotANodeCert::Missing => f.write_str("no client certificate"),
+            NotANodeCert::Unreadable => f.write_str("unreadable client certificate"),
+            NotANodeCert::NotANode { cn } => write!(f, "certificate of {cn:?}, not of a node"),
+            NotANodeCert::NoNodeGroup { cn } => {
+                write!(f, "{cn:?} is in none of the groups {NODE_GROUPS:?}")
+            }
+            NotANodeCert::Elsewhere { node, at, ip } => {
+                write!(f, "node {node} is at {at}, the caller at {ip}")
+            }
+            NotANodeCert::NoSuchNode { node } => write!(f, "no Node {node} in the cluster"),
+        }
+    }
+}
+
+impl std::error::Error for NotANodeCert {}
 
 struct Shared {
     root: PathBuf,
@@ -312,7 +364,7 @@ fn serve(
     }
     let node = match tls.conn.peer_certificates().and_then(|c| c.first()) {
         Some(cert) => certified_node(cert, ip, &shared.nodes),
-        None => Err("no client certificate".to_string()),
+        None => Err(NotANodeCert::Missing),
     };
     let answered = match node {
         Ok(_) => answer(shared, &mut tls),

@@ -22,6 +22,30 @@ use crate::snapshots::format::{LayerRef, SnapshotConfig};
 /// Bytes read per call while hashing.
 const READ_BLOCK: usize = 4 << 20;
 
+/// Why a peer copy is refused; the text names the file and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VerifyError {
+    /// The registry's manifest cannot vouch for a raw copy (no layers, a zstd layer, a digest
+    /// that is not sha256, inconsistent sizes or sparse map): the peer is not used.
+    Uncheckable(String),
+    /// A staged file could not be read back.
+    Read(String),
+    /// A staged file's bytes are not the registry layers' bytes.
+    Mismatch(String),
+}
+
+impl std::fmt::Display for VerifyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            VerifyError::Uncheckable(m) | VerifyError::Read(m) | VerifyError::Mismatch(m) => {
+                f.write_str(m)
+            }
+        }
+    }
+}
+
+impl std::error::Error for VerifyError {}
+
 /// What one staged file must hold.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FileCheck {
@@ -44,9 +68,12 @@ struct SparseRegion {
 pub fn expectations(
     cfg: &SnapshotConfig,
     layers: &[LayerRef],
-) -> Result<BTreeMap<String, FileCheck>, String> {
+) -> Result<BTreeMap<String, FileCheck>, VerifyError> {
+    let no = VerifyError::Uncheckable;
     if layers.is_empty() {
-        return Err("the registry manifest lists no layers to check a peer copy against".into());
+        return Err(no(
+            "the registry manifest lists no layers to check a peer copy against".into(),
+        ));
     }
     let by_digest: HashMap<&str, &LayerRef> =
         layers.iter().map(|l| (l.digest.as_str(), l)).collect();
@@ -58,15 +85,15 @@ pub fn expectations(
         }
         let same: Vec<&LayerRef> = layers.iter().filter(|l| l.title == title).collect();
         if let Some(z) = same.iter().find(|l| l.media_type.ends_with("+zstd")) {
-            return Err(format!(
+            return Err(no(format!(
                 "{title}: layer {} is zstd-encoded; a raw peer copy cannot be checked against it",
                 z.digest
-            ));
+            )));
         }
         let meta = cfg.files.get(title).cloned().unwrap_or_default();
         let pieces: Vec<(String, u64)> = if meta.chunks.is_empty() {
             if same.len() != 1 {
-                return Err(format!("{title}: {} unchunked layers", same.len()));
+                return Err(no(format!("{title}: {} unchunked layers", same.len())));
             }
             vec![(sha256_hex(&layer.digest, title)?, layer.size)]
         } else {
@@ -75,20 +102,20 @@ pub fn expectations(
                 .map(|c| {
                     let l = by_digest
                         .get(c.as_str())
-                        .ok_or_else(|| format!("{title}: chunk {c} is not a manifest layer"))?;
+                        .ok_or_else(|| no(format!("{title}: chunk {c} is not a manifest layer")))?;
                     Ok((sha256_hex(c, title)?, l.size))
                 })
-                .collect::<Result<_, String>>()?
+                .collect::<Result<_, VerifyError>>()?
         };
         let body = pieces
             .iter()
             .try_fold(0u64, |a, (_, n)| a.checked_add(*n))
-            .ok_or_else(|| format!("{title}: layer sizes overflow"))?;
+            .ok_or_else(|| no(format!("{title}: layer sizes overflow")))?;
         if meta.size > 0 && meta.size as u64 != body {
-            return Err(format!(
+            return Err(no(format!(
                 "{title}: the config says {} bytes, its layers hold {body}",
                 meta.size
-            ));
+            )));
         }
         let (regions, logical_size) = if meta.sparse_map.is_empty() {
             (vec![(0, body)], body)
@@ -108,12 +135,14 @@ pub fn expectations(
 }
 
 /// The hex part of a `sha256:` digest; any other algorithm cannot be checked here.
-fn sha256_hex(digest: &str, title: &str) -> Result<String, String> {
+fn sha256_hex(digest: &str, title: &str) -> Result<String, VerifyError> {
     match digest.strip_prefix("sha256:") {
         Some(h) if h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()) => {
             Ok(h.to_ascii_lowercase())
         }
-        _ => Err(format!("{title}: digest {digest:?} is not a sha256 digest")),
+        _ => Err(VerifyError::Uncheckable(format!(
+            "{title}: digest {digest:?} is not a sha256 digest"
+        ))),
     }
 }
 
@@ -124,8 +153,8 @@ fn sparse_regions(
     sparse_size: i64,
     body: u64,
     title: &str,
-) -> Result<(Vec<(u64, u64)>, u64), String> {
-    let bad = |why: &str| format!("{title}: sparse map {why}");
+) -> Result<(Vec<(u64, u64)>, u64), VerifyError> {
+    let bad = |why: &str| VerifyError::Uncheckable(format!("{title}: sparse map {why}"));
     if sparse_size <= 0 {
         return Err(bad("without a sparse size"));
     }
@@ -154,25 +183,33 @@ fn sparse_regions(
 
 /// Checks `file` (staged, `written` being the slices the peer sent into it; the rest was
 /// never written and reads as zeros) against `check`.
-pub fn verify(file: &File, check: &FileCheck, written: &[Slice], name: &str) -> Result<(), String> {
-    let len = file.metadata().map_err(|e| format!("{name}: {e}"))?.len();
+pub fn verify(
+    file: &File,
+    check: &FileCheck,
+    written: &[Slice],
+    name: &str,
+) -> Result<(), VerifyError> {
+    let len = file
+        .metadata()
+        .map_err(|e| VerifyError::Read(format!("{name}: {e}")))?
+        .len();
     if len != check.logical_size {
-        return Err(format!(
+        return Err(VerifyError::Mismatch(format!(
             "{name}: {len} bytes staged, the registry says {}",
             check.logical_size
-        ));
+        )));
     }
     let mut pieces = check.pieces.iter();
     let mut current = pieces.next();
     let mut left = current.map_or(0, |p| p.1);
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; READ_BLOCK];
-    let finish = |hasher: &mut Sha256, want: &str| -> Result<(), String> {
+    let finish = |hasher: &mut Sha256, want: &str| -> Result<(), VerifyError> {
         let got = hex(&hasher.finalize_reset());
         if got != want {
-            return Err(format!(
+            return Err(VerifyError::Mismatch(format!(
                 "{name}: sha256 {got} but the registry layer is {want}: the peer sent other bytes"
-            ));
+            )));
         }
         Ok(())
     };
@@ -183,7 +220,9 @@ pub fn verify(file: &File, check: &FileCheck, written: &[Slice], name: &str) -> 
             // Empty pieces (an empty file) are finished before reading on.
             while left == 0 {
                 let Some(p) = current else {
-                    return Err(format!("{name}: more data than the layers hold"));
+                    return Err(VerifyError::Mismatch(format!(
+                        "{name}: more data than the layers hold"
+                    )));
                 };
                 finish(&mut hasher, &p.0)?;
                 current = pieces.next();
@@ -191,7 +230,7 @@ pub fn verify(file: &File, check: &FileCheck, written: &[Slice], name: &str) -> 
             }
             let n = (end - at).min(left).min(READ_BLOCK as u64) as usize;
             file.read_exact_at(&mut buf[..n], at)
-                .map_err(|e| format!("{name}: read at {at}: {e}"))?;
+                .map_err(|e| VerifyError::Read(format!("{name}: read at {at}: {e}")))?;
             hasher.update(&buf[..n]);
             at += n as u64;
             left -= n as u64;
@@ -199,7 +238,9 @@ pub fn verify(file: &File, check: &FileCheck, written: &[Slice], name: &str) -> 
     }
     while let Some(p) = current {
         if left != 0 {
-            return Err(format!("{name}: fewer data bytes than the layers hold"));
+            return Err(VerifyError::Mismatch(format!(
+                "{name}: fewer data bytes than the layers hold"
+            )));
         }
         finish(&mut hasher, &p.0)?;
         current = pieces.next();
@@ -215,7 +256,7 @@ fn zeros_outside(
     written: &[Slice],
     buf: &mut [u8],
     name: &str,
-) -> Result<(), String> {
+) -> Result<(), VerifyError> {
     for s in written {
         let (mut at, end) = (s.offset, s.offset + s.length);
         while at < end {
@@ -232,11 +273,11 @@ fn zeros_outside(
             while at < gap_end {
                 let n = (gap_end - at).min(buf.len() as u64) as usize;
                 file.read_exact_at(&mut buf[..n], at)
-                    .map_err(|e| format!("{name}: read at {at}: {e}"))?;
+                    .map_err(|e| VerifyError::Read(format!("{name}: read at {at}: {e}")))?;
                 if buf[..n].iter().any(|b| *b != 0) {
-                    return Err(format!(
+                    return Err(VerifyError::Mismatch(format!(
                         "{name}: data near offset {at} lies outside the sparse map's regions"
-                    ));
+                    )));
                 }
                 at += n as u64;
             }
@@ -287,7 +328,9 @@ mod tests {
         let (f, w) = staged(&data);
         verify(f.as_file(), check, &w, "memory-ranges").unwrap();
         let (f, w) = staged(b"guest memorY");
-        let err = verify(f.as_file(), check, &w, "memory-ranges").unwrap_err();
+        let err = verify(f.as_file(), check, &w, "memory-ranges")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("sha256"), "{err}");
         let (f, w) = staged(b"guest memory!");
         assert!(verify(f.as_file(), check, &w, "memory-ranges").is_err());
@@ -341,7 +384,7 @@ mod tests {
         // A byte planted in a hole is in no digest: refused.
         logical[12] = 1;
         let (f, w) = staged(&logical);
-        let err = verify(f.as_file(), check, &w, "m").unwrap_err();
+        let err = verify(f.as_file(), check, &w, "m").unwrap_err().to_string();
         assert!(err.contains("outside"), "{err}");
     }
 

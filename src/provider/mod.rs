@@ -383,7 +383,8 @@ pub enum Input {
         op: OpId,
         result: Result<(), crate::guest::sac::SacError>,
     },
-    /// Answer of [`Effect::RecordOwners`]: Ok once the changes are on disk.
+    /// Answer of [`Effect::RecordOwners`]: Ok once the changes are on disk; Err is the
+    /// writer's failure text, which the core reports as it is.
     OwnersRecorded {
         op: OpId,
         result: Result<(), String>,

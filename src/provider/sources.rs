@@ -84,18 +84,18 @@ fn forbidden_v6(ip: Ipv6Addr) -> Option<&'static str> {
 /// The host of an `http://` or `https://` URL, lower-case, without port, brackets or a
 /// trailing dot; Err when the authority is not one a reader can trust to name one host (empty,
 /// percent-encoded, with spaces or backslashes, or with a port that is not a number).
-pub fn url_host(url: &str) -> Result<String, String> {
+pub fn url_host(url: &str) -> Result<String, UrlHostError> {
     let rest = url
         .strip_prefix("https://")
         .or_else(|| url.strip_prefix("http://"))
-        .ok_or("is not an http(s) URL")?;
+        .ok_or(UrlHostError::NotHttp)?;
     let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
     // Some parsers read `\` as `/`: a host that depends on the parser is no host to trust.
     if authority
         .bytes()
         .any(|b| b == b'\\' || !b.is_ascii_graphic())
     {
-        return Err("has a host with characters no host name has".into());
+        return Err(UrlHostError::BadCharacters);
     }
     // Userinfo ends at the last `@`, as Go's URL parser (cocoon's) reads it.
     let host_port = authority.rsplit('@').next().unwrap_or("");
@@ -103,11 +103,11 @@ pub fn url_host(url: &str) -> Result<String, String> {
         .bytes()
         .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_' | b':' | b'[' | b']'))
     {
-        return Err("has a host with characters no host name has".into());
+        return Err(UrlHostError::BadCharacters);
     }
     let (host, port) = match host_port.strip_prefix('[') {
         Some(v6) => {
-            let (host, after) = v6.split_once(']').ok_or("has an unclosed [")?;
+            let (host, after) = v6.split_once(']').ok_or(UrlHostError::UnclosedBracket)?;
             (host, after.strip_prefix(':'))
         }
         None => match host_port.split_once(':') {
@@ -116,14 +116,39 @@ pub fn url_host(url: &str) -> Result<String, String> {
         },
     };
     if port.is_some_and(|p| p.is_empty() || !p.bytes().all(|b| b.is_ascii_digit())) {
-        return Err("has a port that is not a number".into());
+        return Err(UrlHostError::BadPort);
     }
     let host = host.strip_suffix('.').unwrap_or(host).to_ascii_lowercase();
     if host.is_empty() {
-        return Err("has no host".into());
+        return Err(UrlHostError::NoHost);
     }
     Ok(host)
 }
+
+/// Why a URL names no host to trust; Display completes `image URL "<url>" …`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UrlHostError {
+    NotHttp,
+    /// Backslashes, spaces, percent-encoding or other characters no host name has.
+    BadCharacters,
+    UnclosedBracket,
+    BadPort,
+    NoHost,
+}
+
+impl std::fmt::Display for UrlHostError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            UrlHostError::NotHttp => "is not an http(s) URL",
+            UrlHostError::BadCharacters => "has a host with characters no host name has",
+            UrlHostError::UnclosedBracket => "has an unclosed [",
+            UrlHostError::BadPort => "has a port that is not a number",
+            UrlHostError::NoHost => "has no host",
+        })
+    }
+}
+
+impl std::error::Error for UrlHostError {}
 
 /// The image URL rule on the URL alone: allow-listed hosts pass, address literals are judged
 /// here, metadata and loopback names are refused, other names must be resolved (off the loop).
@@ -158,23 +183,65 @@ pub fn check_image_url(url: &str, allow_hosts: &[String]) -> ImageUrl {
 
 /// The rule on the addresses a host name resolved to: every one must be allowed (a name with
 /// one public and one internal address would reach the internal one as often as not).
-pub fn check_resolved(url: &str, host: &str, addrs: &[IpAddr]) -> Result<(), String> {
+pub fn check_resolved(url: &str, host: &str, addrs: &[IpAddr]) -> Result<(), ResolvedError> {
     if addrs.is_empty() {
-        return Err(format!(
-            "image URL {url:?}: its host {host} resolves to no address"
-        ));
+        return Err(ResolvedError::NoAddress {
+            url: url.to_string(),
+            host: host.to_string(),
+        });
     }
     match addrs
         .iter()
-        .find_map(|ip| forbidden_address(*ip).map(|w| (ip, w)))
+        .find_map(|ip| forbidden_address(*ip).map(|w| (*ip, w)))
     {
         None => Ok(()),
-        Some((ip, what)) => Err(format!(
-            "image URL {url:?} refused: its host {host} resolves to {ip}, {what}; name the host \
-             in {IMAGE_URL_ALLOW_SETTING} to allow it"
-        )),
+        Some((ip, what)) => Err(ResolvedError::Forbidden {
+            url: url.to_string(),
+            host: host.to_string(),
+            ip,
+            what,
+        }),
     }
 }
+
+/// Why an image URL's resolved host is not fetched from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ResolvedError {
+    /// The name resolved to nothing (may change: not a refusal).
+    NoAddress { url: String, host: String },
+    /// One of its addresses is in a forbidden class (`what`, from `forbidden_address`).
+    Forbidden {
+        url: String,
+        host: String,
+        ip: IpAddr,
+        what: &'static str,
+    },
+}
+
+impl std::fmt::Display for ResolvedError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ResolvedError::NoAddress { url, host } => {
+                write!(
+                    f,
+                    "image URL {url:?}: its host {host} resolves to no address"
+                )
+            }
+            ResolvedError::Forbidden {
+                url,
+                host,
+                ip,
+                what,
+            } => write!(
+                f,
+                "image URL {url:?} refused: its host {host} resolves to {ip}, {what}; name the \
+                 host in {IMAGE_URL_ALLOW_SETTING} to allow it"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for ResolvedError {}
 
 /// The clone-from-dir rule on the path alone: `dir` (absolute and canonical, as the annotation
 /// contract checks) lies strictly below `root`, compared component by component (`/srv/snaps-x`
@@ -327,7 +394,9 @@ mod tests {
         let public: IpAddr = "93.184.216.34".parse().unwrap();
         let internal: IpAddr = "10.0.0.9".parse().unwrap();
         assert_eq!(check_resolved(url, "img.example", &[public]), Ok(()));
-        let e = check_resolved(url, "img.example", &[public, internal]).unwrap_err();
+        let e = check_resolved(url, "img.example", &[public, internal])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("resolves to 10.0.0.9, a private address"), "{e}");
         assert!(check_resolved(url, "img.example", &[]).is_err());
     }

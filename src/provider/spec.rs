@@ -462,21 +462,43 @@ pub fn generation(pod: &Pod) -> i64 {
 
 /// Absolute and already canonical: starts with `/`, no `.`/`..` components, no `//`, no
 /// trailing `/` (the root `/` itself is canonical). Checked purely on the string.
-pub fn validate_clone_dir(dir: &str) -> Result<(), String> {
+pub fn validate_clone_dir(dir: &str) -> Result<(), CloneDirError> {
     if !dir.starts_with('/') {
-        return Err("must be an absolute path".into());
+        return Err(CloneDirError::NotAbsolute);
     }
     if dir == "/" {
         return Ok(());
     }
     if dir.ends_with('/') || dir.contains("//") {
-        return Err("must be canonical (no trailing or doubled /)".into());
+        return Err(CloneDirError::StraySlash);
     }
     if dir[1..].split('/').any(|c| c == "." || c == "..") {
-        return Err("must be canonical (no . or .. components)".into());
+        return Err(CloneDirError::DotComponent);
     }
     Ok(())
 }
+
+/// Why a `clone-from-dir` value is refused; Display completes `<annotation> "<dir>" …`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CloneDirError {
+    NotAbsolute,
+    /// A trailing or doubled `/`.
+    StraySlash,
+    /// A `.` or `..` component.
+    DotComponent,
+}
+
+impl std::fmt::Display for CloneDirError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CloneDirError::NotAbsolute => "must be an absolute path",
+            CloneDirError::StraySlash => "must be canonical (no trailing or doubled /)",
+            CloneDirError::DotComponent => "must be canonical (no . or .. components)",
+        })
+    }
+}
+
+impl std::error::Error for CloneDirError {}
 
 /// Snapshot CPU-class gate: a non-empty selector requires the node's class to be equal.
 pub fn cpu_class_ok(spec: &VmSpec, node_class: Option<&str>) -> bool {
@@ -510,25 +532,46 @@ pub fn cpu_class_gate(
 /// `snapshot save --name fork-<source>`): it must be a cocoon VM name
 /// (`[a-zA-Z0-9][a-zA-Z0-9._-]*`), short enough that `fork-<source>` is a legal snapshot name,
 /// and not the pod's own VM.
-pub fn validate_fork_source(source: &str, own_vm: &str) -> Result<(), String> {
+pub fn validate_fork_source(source: &str, own_vm: &str) -> Result<(), ForkSourceError> {
     let mut chars = source.chars();
     let first_ok = chars.next().is_some_and(|c| c.is_ascii_alphanumeric());
     if !first_ok || !chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')) {
-        return Err(
-            "is not a VM name (letters, digits, '.', '_', '-'; starting with a letter or digit)"
-                .into(),
-        );
+        return Err(ForkSourceError::NotAVmName);
     }
     if fork_snapshot_name(source).len() > NAME_MAX {
-        return Err(format!(
-            "is too long: its fork snapshot name would exceed {NAME_MAX} characters"
-        ));
+        return Err(ForkSourceError::TooLong);
     }
     if source == own_vm {
-        return Err("names the pod's own VM".into());
+        return Err(ForkSourceError::OwnVm);
     }
     Ok(())
 }
+
+/// Why a `fork-from` value is refused; Display completes `<annotation> "<source>" …`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ForkSourceError {
+    NotAVmName,
+    /// `fork-<source>` would pass `NAME_MAX`.
+    TooLong,
+    OwnVm,
+}
+
+impl std::fmt::Display for ForkSourceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ForkSourceError::NotAVmName => f.write_str(
+                "is not a VM name (letters, digits, '.', '_', '-'; starting with a letter or digit)",
+            ),
+            ForkSourceError::TooLong => write!(
+                f,
+                "is too long: its fork snapshot name would exceed {NAME_MAX} characters"
+            ),
+            ForkSourceError::OwnVm => f.write_str("names the pod's own VM"),
+        }
+    }
+}
+
+impl std::error::Error for ForkSourceError {}
 
 /// The local snapshot a fork of `source` clones from (shared by every pod forking it).
 pub fn fork_snapshot_name(source: &str) -> String {
@@ -569,7 +612,7 @@ pub fn is_http_url(image: &str) -> bool {
     image.starts_with("http://") || image.starts_with("https://")
 }
 
-fn parse_resources(pod: &Pod) -> Result<Resources, String> {
+fn parse_resources(pod: &Pod) -> Result<Resources, ResourceError> {
     let Some(c) = pod.spec.as_ref().and_then(|s| s.containers.first()) else {
         return Ok(Resources::default());
     };
@@ -579,12 +622,12 @@ fn parse_resources(pod: &Pod) -> Result<Resources, String> {
     let get =
         |m: &Option<BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>,
          k: &str| m.as_ref().and_then(|m| m.get(k)).map(|q| q.0.clone());
-    let milli = |v: Option<String>, what: &str| -> Result<Option<u64>, String> {
-        v.map(|s| quantity_milli(&s).map_err(|e| format!("{what} {s:?}: {e}")))
+    let milli = |v: Option<String>, what: &'static str| -> Result<Option<u64>, ResourceError> {
+        v.map(|raw| quantity_milli(&raw).map_err(|_| ResourceError { what, raw }))
             .transpose()
     };
-    let bytes = |v: Option<String>, what: &str| -> Result<Option<u64>, String> {
-        v.map(|s| quantity_bytes(&s).map_err(|e| format!("{what} {s:?}: {e}")))
+    let bytes = |v: Option<String>, what: &'static str| -> Result<Option<u64>, ResourceError> {
+        v.map(|raw| quantity_bytes(&raw).map_err(|_| ResourceError { what, raw }))
             .transpose()
     };
     Ok(Resources {
@@ -595,14 +638,40 @@ fn parse_resources(pod: &Pod) -> Result<Resources, String> {
     })
 }
 
+/// A container resource quantity that does not parse: `<what> "<raw>": not a Kubernetes …`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ResourceError {
+    /// `cpu limit`, `memory request`, …
+    what: &'static str,
+    raw: String,
+}
+
+impl std::fmt::Display for ResourceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {:?}: {BadQuantity}", self.what, self.raw)
+    }
+}
+
+/// Not a Kubernetes quantity, or one too large for a u64.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BadQuantity;
+
+impl std::fmt::Display for BadQuantity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("not a Kubernetes quantity (or too large)")
+    }
+}
+
+impl std::error::Error for BadQuantity {}
+
 /// Quantity in milli-units (CPU), rounded up: the vm room's one quantity parser.
-pub fn quantity_milli(q: &str) -> Result<u64, String> {
-    crate::vm::parse_milli(q).ok_or_else(|| "not a Kubernetes quantity (or too large)".into())
+pub fn quantity_milli(q: &str) -> Result<u64, BadQuantity> {
+    crate::vm::parse_milli(q).ok_or(BadQuantity)
 }
 
 /// Quantity as a whole count (bytes), rounded up: the vm room's one quantity parser.
-pub fn quantity_bytes(q: &str) -> Result<u64, String> {
-    crate::vm::parse_quantity(q).ok_or_else(|| "not a Kubernetes quantity (or too large)".into())
+pub fn quantity_bytes(q: &str) -> Result<u64, BadQuantity> {
+    crate::vm::parse_quantity(q).ok_or(BadQuantity)
 }
 
 #[cfg(test)]
@@ -840,12 +909,14 @@ pub(crate) mod tests {
         assert!(validate_fork_source(&longest, "x").is_ok());
         assert!(validate_fork_source(&format!("{longest}v"), "x")
             .unwrap_err()
+            .to_string()
             .contains("too long"));
         for bad in ["", "-x", ".x", "a b", "a/b", "a:b", "a;b", "é"] {
             assert!(validate_fork_source(bad, "x").is_err(), "{bad:?}");
         }
         assert!(validate_fork_source("x", "x")
             .unwrap_err()
+            .to_string()
             .contains("own VM"));
         let pod = pod_with(&[(ANN_VM_NAME, "v"), (ANN_FORK_FROM, "--rm")]);
         assert_eq!(parse(&pod).unwrap_err().reason, "bad_fork_from");

@@ -319,7 +319,7 @@ fn a_tampered_stream_stages_nothing() {
     // Past the handshake, inside the slices.
     let proxy = relay(served.server.local_addr(), Some(256 << 10));
     let req = request(&cluster, root.path(), proxy.addr, staging.path(), ID);
-    let err = restore(&req).unwrap_err();
+    let err = restore(&req).unwrap_err().to_string();
     assert!(!err.is_empty());
     assert!(
         entries(staging.path()).is_empty(),
@@ -388,7 +388,7 @@ fn a_peer_serving_other_bytes_with_matching_crcs_stages_nothing() {
     f.seek(SeekFrom::Start(1 << 20)).unwrap();
     f.write_all(b"\0evil").unwrap();
     drop(f);
-    let err = restore(&req).unwrap_err();
+    let err = restore(&req).unwrap_err().to_string();
     assert!(err.contains("sha256") && err.contains("cow.raw"), "{err}");
     assert!(
         entries(staging.path()).is_empty(),
@@ -402,7 +402,7 @@ fn a_peer_serving_other_bytes_with_matching_crcs_stages_nothing() {
     f.seek(SeekFrom::Start(MEM_SIZE / 2)).unwrap();
     f.write_all(b"x").unwrap();
     drop(f);
-    let err = restore(&req).unwrap_err();
+    let err = restore(&req).unwrap_err().to_string();
     assert!(err.contains("memory-ranges"), "{err}");
     assert!(entries(staging.path()).is_empty());
 }
@@ -422,7 +422,7 @@ fn a_snapshot_with_zstd_layers_is_not_fetched_from_a_peer() {
         ID,
     );
     req.layers[0].media_type = "application/vnd.cocoonstack.vm.memory+zstd".into();
-    let err = restore(&req).unwrap_err();
+    let err = restore(&req).unwrap_err().to_string();
     assert!(err.contains("zstd"), "{err}");
     assert!(entries(staging.path()).is_empty());
     assert_eq!(
@@ -446,7 +446,8 @@ fn a_peer_holding_another_snapshot_is_not_used() {
         staging.path(),
         "01NEWERPUSH",
     ))
-    .unwrap_err();
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("01NEWERPUSH"), "{err}");
     assert!(entries(staging.path()).is_empty());
     // A file the registry lists but the peer lacks is refused too.
@@ -454,7 +455,7 @@ fn a_peer_holding_another_snapshot_is_not_used() {
     req.expected
         .files
         .insert("state.json".into(), SnapshotFile::default());
-    let err = restore(&req).unwrap_err();
+    let err = restore(&req).unwrap_err().to_string();
     assert!(err.contains("state.json"), "{err}");
     assert!(entries(staging.path()).is_empty());
 }
@@ -480,7 +481,9 @@ fn only_a_node_at_its_own_address_is_answered() {
     // No node at 127.0.0.1: closed unanswered; the restore fails and stages nothing.
     let refused = tls_get(addr, "127.0.0.1", &b, &plan);
     assert!(refused.starts_with("TLS error"), "{refused}");
-    let err = restore(&request(&cluster, root.path(), addr, staging.path(), ID)).unwrap_err();
+    let err = restore(&request(&cluster, root.path(), addr, staging.path(), ID))
+        .unwrap_err()
+        .to_string();
     assert!(!err.is_empty());
     assert!(entries(staging.path()).is_empty());
     // node-b's certificate from node-c's address.
@@ -597,7 +600,7 @@ fn a_node_naming_the_wrong_manifest_digest_gets_nothing() {
     );
     let mut req = request(&cluster, root.path(), addr, staging.path(), ID);
     req.manifest_digest = other;
-    let err = restore(&req).unwrap_err();
+    let err = restore(&req).unwrap_err().to_string();
     assert!(err.contains("404"), "{err}");
     assert!(entries(staging.path()).is_empty());
     // The right one is served.

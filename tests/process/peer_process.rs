@@ -154,9 +154,13 @@ fn another_node_restores_a_snapshot_the_daemon_pushed_from_its_peer_listener() {
     // Refused callers: nothing staged, no snapshot byte answered, each counted.
     let before = std::fs::read_dir(&staging).unwrap().count();
     let other = sha256_digest(b"another manifest");
-    let err = restore(&req([127, 0, 0, 2], &other)).unwrap_err();
+    let err = restore(&req([127, 0, 0, 2], &other))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("404"), "another digest: {err}");
-    let err = restore(&req([127, 0, 0, 3], &tag.digest)).unwrap_err();
+    let err = restore(&req([127, 0, 0, 3], &tag.digest))
+        .unwrap_err()
+        .to_string();
     assert!(!err.is_empty(), "not a node's address");
     assert_eq!(std::fs::read_dir(&staging).unwrap().count(), before);
     let plan = format!("/v1/snapshot-plan?name={VM}&digest={}", tag.digest);
