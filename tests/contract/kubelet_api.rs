@@ -7,7 +7,7 @@ use std::io::{Read, Write};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kubelet_support::{pod, Harness, Options};
+use kubelet_support::{pod, promtool_check, Harness, Options};
 use vk_cocoon::kubelet::stats::Summary;
 
 const ROUTES: [(&str, &str); 11] = [
@@ -319,32 +319,6 @@ fn plain_routes_and_stats_match_proc() {
         (c.connections, c.children, c.reactor_children),
         (0, 0, 0),
         "{c:?}"
-    );
-}
-
-fn promtool_check(text: &str) {
-    let Ok(mut child) = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-    else {
-        eprintln!("SKIP promtool check: promtool not installed (Debian package `prometheus`)");
-        return;
-    };
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "promtool: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
     );
 }
 

@@ -9,6 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
+use crate::kubelet_support::promtool_check;
 use vk_cocoon::kubelet::stats::{build_summary, resource_metrics_text, Summary};
 use vk_cocoon::metrics::collectors::VmCollector;
 use vk_cocoon::metrics::stats::{StatsHub, StatsPaths, TrackedVm};
@@ -238,32 +239,6 @@ fn stable_sample(
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     unreachable!()
-}
-
-fn promtool_check(text: &str) {
-    let Ok(mut child) = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-    else {
-        eprintln!("SKIP promtool check: promtool not installed (Debian package `prometheus`)");
-        return;
-    };
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "promtool rejected:\n{}\n{}\n--- text ---\n{text}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 #[test]

@@ -477,3 +477,32 @@ pub fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
         b = b.get(size + 2..)?;
     }
 }
+
+/// `promtool check metrics` on a Prometheus text (skipped when promtool is not installed).
+pub fn promtool_check(text: &str) {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let Ok(mut child) = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+    else {
+        eprintln!("SKIP promtool check: promtool not installed (Debian package `prometheus`)");
+        return;
+    };
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool rejected:\n{}\n{}\n--- text ---\n{text}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
