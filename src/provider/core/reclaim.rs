@@ -213,6 +213,7 @@ impl Provider {
                 .is_some_and(|source| self.forks.contains_key(source));
         if (r.success || r.snapshot_not_found()) && !recreating {
             self.local_snapshots.may_exist.remove(name);
+            self.pulled_at.remove(name);
             self.forget_owner(Owned::Snapshot, name);
         }
     }
