@@ -9,7 +9,8 @@
 //! malformed value as the Go daemon does, with a warning in `Config::warnings`.
 //! `VK_LOG_LEVEL` is validated by `logging`; main reports it with these errors (exit 2).
 //! Beyond the Go daemon: `VK_KUBELET_AUTH` and `VK_CLIENT_CA_FILE` (the kubelet API is authenticated,
-//! unlike the Go daemon's). The virtual-kubelet CLI's environment knobs (`KUBELET_PORT`,
+//! unlike the Go daemon's), and `OCI_REGISTRY_CA_FILE` (the Go daemon trusted only the host's
+//! store, which a private registry CA had to be installed into). The virtual-kubelet CLI's environment knobs (`KUBELET_PORT`,
 //! `DEFAULT_NODE_NAME`, `VKUBELET_TAINT_*`, `APISERVER_*_LOCATION`) belong to the
 //! virtual-kubelet CLI, which the Go vk-cocoon never used, so they are not read.
 
@@ -35,6 +36,7 @@ const fn var(name: &'static str, default: &'static str, meaning: &'static str) -
 /// Every variable the daemon reads, in the order of the README table.
 pub const VARIABLES: &[Variable] = &[
     var("OCI_REGISTRY", "(required)", "Registry base for snapshots and cloud images, e.g. `registry.example.com/cocoon`."),
+    var("OCI_REGISTRY_CA_FILE", "unset (system trust store)", "PEM bundle of CA certificates the registry client trusts in addition to the host's trust store (`SSL_CERT_FILE`, `SSL_CERT_DIR`, the distribution bundle), for a registry with a private CA."),
     var("KUBECONFIG", "unset", "Kubeconfig path list; falls back to `~/.kube/config`, then in-cluster config."),
     var("VK_LOG_LEVEL", "info", "`trace`, `debug`, `info`, `warn`, `error` or `off`."),
     var("VK_NODE_NAME", "cocoon-pool", "Name of the virtual Node (RFC 1123 subdomain)."),
@@ -170,6 +172,8 @@ pub struct Config {
     pub snapshot_cpu_class: Option<String>,
     pub provider_id: Option<String>,
     pub oci_registry: String,
+    /// Extra CA bundle for registry TLS; None = the host's trust store alone.
+    pub oci_registry_ca_file: Option<PathBuf>,
     pub google_application_credentials: Option<PathBuf>,
     pub leases_path: PathBuf,
     /// None = lease release disabled (variable set but empty).
@@ -376,8 +380,6 @@ fn quantity(env: Lookup, name: &'static str) -> Result<Option<String>, ConfigErr
 /// Largest capacity value accepted: what an int64 Kubernetes quantity can hold.
 const MAX_QUANTITY: f64 = 9.2e18;
 
-/// VK_CLIENT_CA_FILE must name a readable PEM bundle of at least one usable CA certificate:
-/// checked here so a bad file is a configuration error, not a failure after start-up.
 /// VK_STATE_DIR: an absolute path (the daemon creates it at start).
 fn state_dir(env: Lookup) -> Result<PathBuf, ConfigError> {
     const NAME: &str = "VK_STATE_DIR";
@@ -389,14 +391,16 @@ fn state_dir(env: Lookup) -> Result<PathBuf, ConfigError> {
     Ok(dir)
 }
 
-fn client_ca_file(env: Lookup) -> Result<Option<PathBuf>, ConfigError> {
-    const NAME: &str = "VK_CLIENT_CA_FILE";
-    let Some(raw) = get(env, NAME) else {
+/// A CA bundle variable (`VK_CLIENT_CA_FILE`, `OCI_REGISTRY_CA_FILE`) must name a readable PEM
+/// file of at least one usable CA certificate: checked here so a bad file is a configuration
+/// error, not a failure after start-up.
+fn ca_bundle_file(env: Lookup, name: &'static str) -> Result<Option<PathBuf>, ConfigError> {
+    let Some(raw) = get(env, name) else {
         return Ok(None);
     };
     let allowed = |why: String| {
         invalid(
-            NAME,
+            name,
             &raw,
             format!("a readable PEM file of CA certificates ({why})"),
         )
@@ -667,6 +671,7 @@ impl Config {
             snapshot_cpu_class,
             provider_id: get(env, "VK_PROVIDER_ID"),
             oci_registry,
+            oci_registry_ca_file: ca_bundle_file(env, "OCI_REGISTRY_CA_FILE")?,
             google_application_credentials: get(env, "GOOGLE_APPLICATION_CREDENTIALS")
                 .map(PathBuf::from),
             leases_path: path_or(env, "VK_LEASES_PATH", "/var/lib/cocoon/net/leases.json"),
@@ -690,7 +695,7 @@ impl Config {
             tls_key: path_or(env, "VK_TLS_KEY", "/etc/cocoon/vk/tls/vk-kubelet.key"),
             kubelet_port,
             kubelet_auth,
-            client_ca_file: client_ca_file(env)?,
+            client_ca_file: ca_bundle_file(env, "VK_CLIENT_CA_FILE")?,
             metrics_addr: listen_addr(env, "VK_METRICS_ADDR", ":9091")?,
             reserve_percent: int_in(
                 env,
@@ -1108,7 +1113,7 @@ mod tests {
     }
 
     #[test]
-    fn client_ca_file_must_hold_a_certificate() {
+    fn ca_bundle_files_must_hold_a_certificate() {
         let dir = tempfile::tempdir().unwrap();
         let empty = dir.path().join("empty.pem");
         std::fs::write(&empty, "not a certificate\n").unwrap();
@@ -1118,14 +1123,18 @@ mod tests {
             "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
         )
         .unwrap();
-        for (path, why) in [
-            (&empty, "no CERTIFICATE block"),
-            (&garbage, "bad certificate"),
-        ] {
-            let p = path.display().to_string();
-            let line = err(&[("VK_CLIENT_CA_FILE", p.as_str())]);
-            assert!(line.starts_with("VK_CLIENT_CA_FILE="), "{line}");
-            assert!(line.contains(why), "{line}");
+        let missing = dir.path().join("missing.pem");
+        for name in ["VK_CLIENT_CA_FILE", "OCI_REGISTRY_CA_FILE"] {
+            for (path, why) in [
+                (&empty, "no CERTIFICATE block"),
+                (&garbage, "bad certificate"),
+                (&missing, "cannot read"),
+            ] {
+                let p = path.display().to_string();
+                let line = err(&[(name, p.as_str())]);
+                assert!(line.starts_with(&format!("{name}=")), "{line}");
+                assert!(line.contains(why), "{line}");
+            }
         }
         let good = dir.path().join("ca.pem");
         let key = rcgen::KeyPair::generate().unwrap();
@@ -1135,6 +1144,9 @@ mod tests {
         let p = good.display().to_string();
         let c = ok(&[("VK_CLIENT_CA_FILE", p.as_str())]);
         assert_eq!(c.client_ca_file.as_deref(), Some(good.as_path()));
+        assert_eq!(c.oci_registry_ca_file, None);
+        let c = ok(&[("OCI_REGISTRY_CA_FILE", p.as_str())]);
+        assert_eq!(c.oci_registry_ca_file.as_deref(), Some(good.as_path()));
     }
 
     #[test]

@@ -293,6 +293,12 @@ fn check_config() -> i32 {
             ));
         }
     }
+    if let Some(c) = &config {
+        match vk_cocoon::snapshots::trust::RegistryTrust::load(c.oci_registry_ca_file.as_deref()) {
+            Ok(trust) => println!("registry TLS trusts {}", trust.source),
+            Err(e) => problems.push(format!("OCI_REGISTRY_CA_FILE: {e}")),
+        }
+    }
     for n in &notes {
         println!("warning: {n}");
     }

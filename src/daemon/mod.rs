@@ -302,7 +302,11 @@ impl Daemon {
         let registry = if config.oci_registry.is_empty() {
             None
         } else {
-            let client = RegistryClient::from_env(&config.oci_registry).map_err(|e| {
+            let client = RegistryClient::from_env(
+                &config.oci_registry,
+                config.oci_registry_ca_file.as_deref(),
+            )
+            .map_err(|e| {
                 StartError::new(2, format!("OCI_REGISTRY {:?}: {e}", config.oci_registry))
             })?;
             Some(Arc::new(client))

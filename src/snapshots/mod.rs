@@ -22,6 +22,7 @@ pub mod pull;
 pub mod push;
 pub mod reference;
 pub mod tarstream;
+pub mod trust;
 
 use std::fmt;
 

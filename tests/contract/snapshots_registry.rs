@@ -2311,3 +2311,71 @@ fn discard_mode_checks_the_tar_framing_and_stores_nothing() {
     assert!(cocoon.snapshot_names().is_empty());
     assert!(cocoon.import_staging().is_empty());
 }
+
+// ---------------------------------------------------------------- private CA
+
+/// A test CA and a registry certificate it signed for 127.0.0.1, as PEM files in `dir`:
+/// (CA bundle, certificate chain, key).
+fn private_ca(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+    let ca_key = KeyPair::generate().expect("CA key");
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "vk-cocoon test registry CA");
+    let ca = ca_params.self_signed(&ca_key).expect("CA certificate");
+    let key = KeyPair::generate().expect("registry key");
+    let params = CertificateParams::new(vec!["127.0.0.1".to_string()]).expect("registry params");
+    let cert = params
+        .signed_by(&key, &ca, &ca_key)
+        .expect("registry certificate");
+    let paths = (
+        dir.join("ca.pem"),
+        dir.join("registry.crt"),
+        dir.join("registry.key"),
+    );
+    fs::write(&paths.0, ca.pem()).unwrap();
+    fs::write(&paths.1, cert.pem() + &ca.pem()).unwrap();
+    fs::write(&paths.2, key.serialize_pem()).unwrap();
+    (paths.0, paths.1, paths.2)
+}
+
+#[test]
+fn a_registry_behind_a_private_ca_works_only_with_oci_registry_ca_file() {
+    if !Registry::available() {
+        eprintln!("SKIP: {REGISTRY_BIN} missing (apt-get install docker-registry)");
+        return;
+    }
+    let pki = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = private_ca(pki.path());
+    let reg = Registry::start_with(None, None, Some((&cert, &key)));
+    let cocoon = FakeCocoon::new();
+
+    // The host's trust store alone: a certificate error that names the fix, and no fall back
+    // to plain HTTP (which this loopback host would otherwise be allowed).
+    let untrusting = client_for(&reg.host(), AuthSettings::default());
+    let err = round_trip_small(&untrusting, &cocoon, "vm-tls").expect_err("untrusted CA");
+    let text = format!("{err:?}");
+    assert!(matches!(err, TransferError::Transient(_)), "{text}");
+    for want in [
+        "TLS certificate of https://127.0.0.1:",
+        "UnknownIssuer",
+        "OCI_REGISTRY_CA_FILE",
+    ] {
+        assert!(text.contains(want), "{want} missing from {text}");
+    }
+
+    // The daemon's construction with OCI_REGISTRY_CA_FILE: push and pull over https.
+    let trusting = RegistryClient::from_env(&reg.host(), Some(&ca)).expect("client");
+    round_trip_small(&trusting, &cocoon, "vm-tls").expect("push and pull through the CA");
+    let info = manifest_info(&trusting, "vm-tls", "latest").expect("manifest over https");
+    assert_eq!(info.map(|i| i.kind), Some(ArtifactKind::SnapshotV1));
+
+    // Another CA's bundle is no substitute, even under the same name (its signature fails).
+    let other = tempfile::tempdir().unwrap();
+    let (other_ca, _, _) = private_ca(other.path());
+    let wrong = RegistryClient::from_env(&reg.host(), Some(&other_ca)).expect("client");
+    let err = manifest_info(&wrong, "vm-tls", "latest").expect_err("other CA");
+    assert!(format!("{err:?}").contains("BadSignature"), "{err:?}");
+}

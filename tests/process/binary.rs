@@ -524,7 +524,13 @@ fn check_config_lists_every_problem_at_once() {
     assert_eq!(errors.len(), 6, "{stdout}");
     assert!(stdout.ends_with("6 problem(s) found\n"), "{stdout}");
 
-    // A configuration the daemon would start with passes, noting the self-signed fallback.
+    // A configuration the daemon would start with passes, noting the self-signed fallback
+    // and naming the registry CA bundle among the trusted sources.
+    let ca = dir.path().join("registry-ca.pem");
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    std::fs::write(&ca, ca_params.self_signed(&ca_key).unwrap().pem()).unwrap();
     let out = base_command(dir.path(), &Api::Unreachable)
         .arg("check-config")
         .stdout(Stdio::piped())
@@ -532,6 +538,7 @@ fn check_config_lists_every_problem_at_once() {
             "VK_TLS_CERT",
             dir.path().join("absent.crt").to_string_lossy().as_ref(),
         )
+        .env("OCI_REGISTRY_CA_FILE", &ca)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -543,6 +550,13 @@ fn check_config_lists_every_problem_at_once() {
     );
     assert!(
         stdout.contains("self-signed certificate would be used"),
+        "{stdout}"
+    );
+    let trust = format!("+ OCI_REGISTRY_CA_FILE {} (1 certificates)", ca.display());
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("registry TLS trusts ") && l.ends_with(&trust)),
         "{stdout}"
     );
     assert!(stdout.ends_with("configuration OK\n"), "{stdout}");

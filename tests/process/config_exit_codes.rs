@@ -1,6 +1,6 @@
 //! Hostile configuration reaches the real binary as a configuration error (exit 2, one clear
-//! line), never as a runtime failure or an abort: out-of-range quantities, a bad client CA
-//! file, a kubeconfig YAML alias bomb.
+//! line), never as a runtime failure or an abort: out-of-range quantities, a bad client or
+//! registry CA file, a kubeconfig YAML alias bomb.
 
 use std::process::Command;
 
@@ -31,7 +31,7 @@ fn run(dir: &std::path::Path, extra: &[(&str, &str)]) -> (Option<i32>, String) {
 }
 
 #[test]
-fn out_of_range_quantities_and_a_bad_client_ca_exit_2() {
+fn out_of_range_quantities_and_bad_ca_files_exit_2() {
     let dir = tempfile::tempdir().unwrap();
     let garbage = dir.path().join("ca.pem");
     std::fs::write(&garbage, "not a certificate\n").unwrap();
@@ -41,6 +41,8 @@ fn out_of_range_quantities_and_a_bad_client_ca_exit_2() {
         ("VK_NODE_PODS", "-5"),
         ("VK_CLIENT_CA_FILE", garbage.as_str()),
         ("VK_CLIENT_CA_FILE", "/nonexistent/ca.pem"),
+        ("OCI_REGISTRY_CA_FILE", garbage.as_str()),
+        ("OCI_REGISTRY_CA_FILE", "/nonexistent/ca.pem"),
     ] {
         let (code, stderr) = run(dir.path(), &[(var, value)]);
         assert_eq!(code, Some(2), "{var}={value}: {stderr}");

@@ -381,7 +381,7 @@ fn a_daemon_killed_at_each_step_of_hibernate_and_wake_converges() {
     let base = w.registry_base();
     std::thread::scope(|s| {
         s.spawn(|| {
-            let client = vk_cocoon::snapshots::RegistryClient::from_env(&base).unwrap();
+            let client = vk_cocoon::snapshots::RegistryClient::from_env(&base, None).unwrap();
             let mut seen = false;
             while !stop.load(std::sync::atomic::Ordering::SeqCst) {
                 match manifest_info(&client, vm, "hibernate") {

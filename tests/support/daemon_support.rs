@@ -232,7 +232,7 @@ impl World {
 
     /// A registry client for this world's registry, as the daemon configures it.
     pub fn registry_client(&self) -> RegistryClient {
-        RegistryClient::from_env(&self.registry_base()).expect("registry client")
+        RegistryClient::from_env(&self.registry_base(), None).expect("registry client")
     }
 
     /// Pushes the fake's local snapshot `name` to `<OCI_REGISTRY>/<name>:<tag>` as this node's

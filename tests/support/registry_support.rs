@@ -26,6 +26,24 @@ impl Registry {
     /// system temp dir when None); `htpasswd` (an `htpasswd -B` file's bytes) turns on basic
     /// auth. Waits until the port accepts connections.
     pub fn start(root: Option<&Path>, htpasswd: Option<&[u8]>) -> Registry {
+        Registry::start_with(root, htpasswd, None)
+    }
+
+    /// Like [`Registry::start`], serving HTTPS only when `tls` names a PEM certificate chain
+    /// and its key.
+    pub fn start_with(
+        root: Option<&Path>,
+        htpasswd: Option<&[u8]>,
+        tls: Option<(&Path, &Path)>,
+    ) -> Registry {
+        let tls = match tls {
+            Some((cert, key)) => format!(
+                "  tls:\n    certificate: {}\n    key: {}\n",
+                cert.display(),
+                key.display()
+            ),
+            None => String::new(),
+        };
         let dir = match root {
             Some(r) => tempfile::tempdir_in(r),
             None => tempfile::tempdir(),
@@ -50,7 +68,7 @@ impl Registry {
             let cfg = format!(
                 "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\nstorage:\n  \
                  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  \
-                 addr: 127.0.0.1:{port}\n{auth}",
+                 addr: 127.0.0.1:{port}\n{tls}{auth}",
                 dir.path().join("data").display()
             );
             let cfg_path = dir.path().join("config.yml");

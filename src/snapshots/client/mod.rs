@@ -8,12 +8,14 @@ mod session;
 mod uploads;
 
 use std::collections::{HashMap, HashSet};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::auth::{AuthSettings, Challenge};
 use super::reference::{allows_plain_http, Reference, RegistryBase};
+use super::trust::{certificate_problem, RegistryTrust};
 use super::TransferError;
 
 pub use gate::{Gate, GatePermit};
@@ -64,9 +66,21 @@ pub struct RegistryClient {
 }
 
 impl RegistryClient {
-    /// A client for `base` with explicit auth settings and retry policy.
+    /// A client for `base` with explicit auth settings and retry policy, trusting the host's
+    /// certificate authorities.
     pub fn new(base: RegistryBase, auth: AuthSettings, retry: RetryPolicy) -> Self {
+        Self::with_trust(base, auth, retry, &RegistryTrust::host())
+    }
+
+    /// A client for `base` whose TLS trusts `trust` (the registry, its token realm, redirects).
+    pub fn with_trust(
+        base: RegistryBase,
+        auth: AuthSettings,
+        retry: RetryPolicy,
+        trust: &RegistryTrust,
+    ) -> Self {
         let agent = ureq::AgentBuilder::new()
+            .tls_config(trust.tls.clone())
             .timeout_connect(Duration::from_secs(30))
             // No overall timeout, but a stalled socket must not pin a worker forever.
             .timeout_read(Duration::from_secs(300))
@@ -94,14 +108,18 @@ impl RegistryClient {
         }
     }
 
-    /// `OCI_REGISTRY` plus the environment's credentials and the spec's retry policy.
-    pub fn from_env(oci_registry: &str) -> Result<Self, TransferError> {
+    /// `OCI_REGISTRY` plus the environment's credentials, the host's trust store with
+    /// `ca_file` (`OCI_REGISTRY_CA_FILE`) added, and the spec's retry policy.
+    pub fn from_env(oci_registry: &str, ca_file: Option<&Path>) -> Result<Self, TransferError> {
         let base =
             RegistryBase::parse(oci_registry).map_err(|e| TransferError::Invalid(e.to_string()))?;
-        Ok(Self::new(
+        let trust = RegistryTrust::load(ca_file).map_err(TransferError::Invalid)?;
+        log::info!("registry TLS trusts {}", trust.source);
+        Ok(Self::with_trust(
             base,
             AuthSettings::from_env(),
             RetryPolicy::default(),
+            &trust,
         ))
     }
 
@@ -129,7 +147,18 @@ impl RegistryClient {
             .call();
         let (scheme, resp) = match https {
             Ok(r) | Err(ureq::Error::Status(_, r)) => ("https", r),
-            Err(e) if allows_plain_http(host) => {
+            Err(e) => {
+                // The host speaks TLS with a certificate we do not trust: plain HTTP would only
+                // hide that behind a 400, so say what is wrong and how to fix it.
+                if let Some(why) = certificate_problem(&e) {
+                    return Err(TransferError::Transient(format!(
+                        "ping {host}: TLS certificate of https://{host}/ not accepted: {why} \
+                         (a registry with a private CA needs OCI_REGISTRY_CA_FILE)"
+                    )));
+                }
+                if !allows_plain_http(host) {
+                    return Err(TransferError::Transient(format!("ping {host}: {e}")));
+                }
                 match self.agent.get(&format!("http://{host}/v2/")).call() {
                     Ok(r) | Err(ureq::Error::Status(_, r)) => ("http", r),
                     Err(e2) => {
@@ -139,7 +168,6 @@ impl RegistryClient {
                     }
                 }
             }
-            Err(e) => return Err(TransferError::Transient(format!("ping {host}: {e}"))),
         };
         lock(&self.schemes).insert(host.to_string(), scheme);
         // The probe was a ping: its answer serves the sessions that follow.
