@@ -18,6 +18,9 @@ use std::fmt;
 use std::net::IpAddr;
 use std::path::PathBuf;
 
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::CertificateDer;
+
 /// One documented variable: name, default as shown to operators, meaning.
 pub struct Variable {
     pub name: &'static str,
@@ -407,7 +410,7 @@ fn ca_bundle_file(env: Lookup, name: &'static str) -> Result<Option<PathBuf>, Co
     };
     let pem = std::fs::read(&raw).map_err(|e| allowed(format!("cannot read: {e}")))?;
     let mut roots = rustls::RootCertStore::empty();
-    for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
+    for cert in CertificateDer::pem_slice_iter(&pem) {
         let cert = cert.map_err(|e| allowed(format!("bad PEM: {e}")))?;
         roots
             .add(cert)

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::WebPkiServerVerifier;
 use rustls::crypto::{verify_tls12_signature, verify_tls13_signature, CryptoProvider};
+use rustls::pki_types::pem::{self, PemObject};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
 
@@ -24,7 +25,7 @@ fn provider() -> Arc<CryptoProvider> {
 
 /// Parse every certificate in a PEM bundle.
 pub fn parse_certs(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, String> {
-    let certs: Result<Vec<_>, _> = rustls_pemfile::certs(&mut &pem[..]).collect();
+    let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(pem).collect();
     let certs = certs.map_err(|e| format!("bad PEM certificate: {e}"))?;
     if certs.is_empty() {
         return Err("no certificate found in PEM data".to_string());
@@ -34,9 +35,10 @@ pub fn parse_certs(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, String> {
 
 /// Parse the first private key (PKCS#8, PKCS#1 or SEC1) in PEM data.
 pub fn parse_key(pem: &[u8]) -> Result<PrivateKeyDer<'static>, String> {
-    rustls_pemfile::private_key(&mut &pem[..])
-        .map_err(|e| format!("bad PEM private key: {e}"))?
-        .ok_or_else(|| "no private key found in PEM data".to_string())
+    PrivateKeyDer::from_pem_slice(pem).map_err(|e| match e {
+        pem::Error::NoItemsFound => "no private key found in PEM data".to_string(),
+        e => format!("bad PEM private key: {e}"),
+    })
 }
 
 /// Accepts any server certificate: only for insecure-skip-tls-verify.

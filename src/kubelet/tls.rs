@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use rustls::pki_types::pem::{self, PemObject};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig};
@@ -189,8 +190,7 @@ fn build_config(
     let builder = match &s.client_ca_pem {
         Some(pem) => {
             let mut roots = RootCertStore::empty();
-            let mut rd = io::Cursor::new(pem);
-            for c in rustls_pemfile::certs(&mut rd) {
+            for c in CertificateDer::pem_slice_iter(pem) {
                 let c =
                     c.map_err(|e| TlsError::BadPem(PathBuf::from("<cluster CA>"), e.to_string()))?;
                 roots.add(c).map_err(|e| TlsError::Rustls(e.to_string()))?;
@@ -232,15 +232,16 @@ fn load_from_disk(s: &TlsSettings) -> Result<Option<Pair>, TlsError> {
     };
     let key_pem = fs::read(&s.key_path).map_err(|e| TlsError::Io(s.key_path.clone(), e))?;
     let mut chain = Vec::new();
-    for c in rustls_pemfile::certs(&mut io::Cursor::new(&cert_pem)) {
+    for c in CertificateDer::pem_slice_iter(&cert_pem) {
         chain.push(c.map_err(|e| TlsError::BadPem(s.cert_path.clone(), e.to_string()))?);
     }
     let Some(leaf) = chain.first() else {
         return Err(TlsError::NoCertificate(s.cert_path.clone()));
     };
-    let key = rustls_pemfile::private_key(&mut io::Cursor::new(&key_pem))
-        .map_err(|e| TlsError::BadPem(s.key_path.clone(), e.to_string()))?
-        .ok_or_else(|| TlsError::NoKey(s.key_path.clone()))?;
+    let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| match e {
+        pem::Error::NoItemsFound => TlsError::NoKey(s.key_path.clone()),
+        e => TlsError::BadPem(s.key_path.clone(), e.to_string()),
+    })?;
     if let Some(not_after) = cert_not_after(leaf) {
         if not_after < crate::wall_clock::now() {
             log::warn!(

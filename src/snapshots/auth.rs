@@ -8,6 +8,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::PrivateKeyDer;
 
 use super::reference::strip_port;
 use super::TransferError;
@@ -526,9 +528,9 @@ pub fn service_account_jwt(
             "service-account key lacks client_email or private_key".into(),
         ));
     }
-    let der = match rustls_pemfile::read_one(&mut pem.as_bytes()) {
-        Ok(Some(rustls_pemfile::Item::Pkcs8Key(k))) => k.secret_pkcs8_der().to_vec(),
-        Ok(Some(rustls_pemfile::Item::Pkcs1Key(k))) => k.secret_pkcs1_der().to_vec(),
+    let der = match PrivateKeyDer::from_pem_slice(pem.as_bytes()) {
+        Ok(PrivateKeyDer::Pkcs8(k)) => k.secret_pkcs8_der().to_vec(),
+        Ok(PrivateKeyDer::Pkcs1(k)) => k.secret_pkcs1_der().to_vec(),
         _ => {
             return Err(TransferError::Invalid(
                 "service-account private_key is not a PEM RSA key".into(),

@@ -10,6 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::CertificateDer;
 use rustls::{ClientConfig, RootCertStore};
 
@@ -138,7 +139,7 @@ pub fn host_roots(
 
 /// Adds what parses of a PEM text; a bad block in a system bundle is skipped, as Go does.
 fn add_parsable(roots: &mut RootCertStore, pem: &[u8]) -> usize {
-    let certs: Vec<CertificateDer<'static>> = rustls_pemfile::certs(&mut &pem[..])
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(pem)
         .filter_map(Result::ok)
         .collect();
     let (added, _ignored) = roots.add_parsable_certificates(certs);

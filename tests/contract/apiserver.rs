@@ -4,6 +4,9 @@
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read};
 use std::sync::Arc;
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use std::time::{Duration, Instant};
 use vk_cocoon::sandbox::apiserver::{
     ApiServer, ApiServerHandle, ApiServerOptions, Fault, FaultMatch, TokenPolicy,
@@ -11,7 +14,7 @@ use vk_cocoon::sandbox::apiserver::{
 
 fn tls_config(ca_pem: &str, client: Option<(String, String)>) -> Arc<rustls::ClientConfig> {
     let mut roots = rustls::RootCertStore::empty();
-    for cert in rustls_pemfile::certs(&mut ca_pem.as_bytes()) {
+    for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
         roots.add(cert.unwrap()).unwrap();
     }
     let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
@@ -23,12 +26,10 @@ fn tls_config(ca_pem: &str, client: Option<(String, String)>) -> Arc<rustls::Cli
     let config = match client {
         None => builder.with_no_client_auth(),
         Some((cert, key)) => {
-            let certs: Vec<_> = rustls_pemfile::certs(&mut cert.as_bytes())
+            let certs: Vec<_> = CertificateDer::pem_slice_iter(cert.as_bytes())
                 .map(|c| c.unwrap())
                 .collect();
-            let key = rustls_pemfile::private_key(&mut key.as_bytes())
-                .unwrap()
-                .unwrap();
+            let key = PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap();
             builder.with_client_auth_cert(certs, key).unwrap()
         }
     };

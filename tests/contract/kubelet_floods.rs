@@ -32,7 +32,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kubelet_support::{decide, pod, stand_in_cocoon, Issued, Pki};
-use rustls::pki_types::ServerName;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName};
 use rustls::{ClientConnection, StreamOwned};
 use vk_cocoon::config::ListenAddr;
 use vk_cocoon::kubelet::tls::{TlsSettings, TlsState};
@@ -220,7 +221,7 @@ impl Server {
 
     fn tls_config(&self, cert: bool) -> Arc<rustls::ClientConfig> {
         let mut roots = rustls::RootCertStore::empty();
-        for c in rustls_pemfile::certs(&mut self.ca_pem.as_bytes()) {
+        for c in CertificateDer::pem_slice_iter(self.ca_pem.as_bytes()) {
             roots.add(c.unwrap()).unwrap();
         }
         let provider = Arc::new(rustls::crypto::ring::default_provider());

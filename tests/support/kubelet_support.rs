@@ -18,6 +18,7 @@ use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
     KeyPair, SanType,
 };
+use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
 use vk_cocoon::kubelet::tls::{TlsSettings, TlsState};
 use vk_cocoon::kubelet::{
@@ -335,7 +336,7 @@ impl Harness {
         roots_pem: &str,
     ) -> Arc<rustls::ClientConfig> {
         let mut roots = rustls::RootCertStore::empty();
-        for c in rustls_pemfile::certs(&mut roots_pem.as_bytes()) {
+        for c in CertificateDer::pem_slice_iter(roots_pem.as_bytes()) {
             roots.add(c.unwrap()).unwrap();
         }
         let provider = Arc::new(rustls::crypto::ring::default_provider());

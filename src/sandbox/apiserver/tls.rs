@@ -5,6 +5,7 @@ use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
     KeyPair, KeyUsagePurpose,
 };
+use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig};
@@ -129,8 +130,8 @@ impl Authority {
         let mut roots = RootCertStore::empty();
         roots.add(self.ca_cert.der().clone()).map_err(tls_err)?;
         for pem in extra_client_ca_pems {
-            for cert in rustls_pemfile::certs(&mut pem.as_bytes()) {
-                roots.add(cert?).map_err(tls_err)?;
+            for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
+                roots.add(cert.map_err(tls_err)?).map_err(tls_err)?;
             }
         }
         let verifier =
