@@ -100,7 +100,7 @@ fn data_regions(file: &File, size: u64) -> io::Result<Vec<(u64, u64)>> {
     let mut out = Vec::new();
     let mut pos = 0u64;
     while pos < size {
-        let start = match rustix::fs::seek(file, SeekFrom::Data(pos as i64)) {
+        let start = match rustix::fs::seek(file, SeekFrom::Data(pos)) {
             Ok(s) => s,
             Err(rustix::io::Errno::NXIO) => break,
             Err(rustix::io::Errno::INVAL) | Err(rustix::io::Errno::OPNOTSUPP) => {
@@ -111,7 +111,7 @@ fn data_regions(file: &File, size: u64) -> io::Result<Vec<(u64, u64)>> {
         if start >= size {
             break;
         }
-        let end = match rustix::fs::seek(file, SeekFrom::Hole(start as i64)) {
+        let end = match rustix::fs::seek(file, SeekFrom::Hole(start)) {
             Ok(e) => e.min(size),
             Err(_) => size,
         };

@@ -472,7 +472,7 @@ impl<M: Send + 'static> Reactor<M> {
                          in {grace:?}",
                         state.pid
                     );
-                    let term = rustix::process::Signal::Term;
+                    let term = rustix::process::Signal::TERM;
                     let _ = rustix::process::kill_process(pid, term);
                     state.deadline_timer = Some(
                         self.timers

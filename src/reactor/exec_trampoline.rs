@@ -83,7 +83,7 @@ pub fn run_if_asked() -> Option<i32> {
         return Some(127);
     };
     if let Err(e) =
-        rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::Kill))
+        rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))
     {
         eprintln!("vk-cocoon: {TRAMPOLINE_ARG}: parent-death signal: {e}");
         return Some(127);

@@ -155,11 +155,11 @@ impl CocoonChild {
     /// Waits for the exit without reaping, stops the watchdog, then reaps: the watchdog's
     /// kill can never reach a recycled process group.
     fn reap(&mut self) -> std::io::Result<ExitStatus> {
-        use rustix::process::{waitid, Pid, WaitId, WaitidOptions};
+        use rustix::process::{waitid, Pid, WaitId, WaitIdOptions};
         let pid = Pid::from_child(&self.child);
         while let Err(rustix::io::Errno::INTR) = waitid(
             WaitId::Pid(pid),
-            WaitidOptions::EXITED | WaitidOptions::NOWAIT,
+            WaitIdOptions::EXITED | WaitIdOptions::NOWAIT,
         ) {}
         if let Some(w) = self.watchdog.take() {
             w.stop();

@@ -679,7 +679,7 @@ pub fn kill_hypervisor(w: &World, id: &str) -> i32 {
         .ok()
         .and_then(rustix::process::Pid::from_raw)
         .expect("the VM has a hypervisor PID");
-    rustix::process::kill_process(hypervisor, rustix::process::Signal::Kill).expect("kill");
+    rustix::process::kill_process(hypervisor, rustix::process::Signal::KILL).expect("kill");
     hypervisor.as_raw_nonzero().get()
 }
 
