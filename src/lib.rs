@@ -11,6 +11,7 @@ pub mod logging;
 pub mod metrics;
 pub mod network;
 pub mod node;
+pub mod node_ip;
 pub mod peer;
 pub mod percent;
 pub mod probes;

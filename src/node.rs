@@ -34,7 +34,7 @@ pub const ROLE_LABEL: &str = "node-role.kubernetes.io/cocoon-vm";
 #[derive(Clone, Debug)]
 pub struct NodeOptions {
     pub name: String,
-    /// VK_NODE_IP, or `detect_node_ip()` when it is `auto`.
+    /// VK_NODE_IP, or `node_ip::detect()` when it is `auto`.
     pub ip: IpAddr,
     pub pool: String,
     pub snapshot_cpu_class: Option<String>,
@@ -261,34 +261,6 @@ pub fn storage_allocatable(o: &NodeOptions, avail_bytes: u64) -> Option<Quantity
     Some(Quantity(
         reduce(avail_bytes as f64, o.reserve_percent.min(100)).to_string(),
     ))
-}
-
-/// First non-loopback IPv4 address of any interface (VK_NODE_IP=auto).
-pub fn detect_node_ip() -> Option<IpAddr> {
-    let mut found = None;
-    let mut ifap: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills `ifap` with a list we only read and free with freeifaddrs;
-    // no safe crate API in the dependency set lists interface addresses.
-    unsafe {
-        if libc::getifaddrs(&mut ifap) != 0 {
-            return None;
-        }
-        let mut cur = ifap;
-        while !cur.is_null() {
-            let addr = (*cur).ifa_addr;
-            if !addr.is_null() && i32::from((*addr).sa_family) == libc::AF_INET {
-                let sin = &*(addr as *const libc::sockaddr_in);
-                let ip = std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
-                if !ip.is_loopback() && !ip.is_unspecified() {
-                    found = Some(IpAddr::V4(ip));
-                    break;
-                }
-            }
-            cur = (*cur).ifa_next;
-        }
-        libc::freeifaddrs(ifap);
-    }
-    found
 }
 
 // ------------------------------------------------------------------------------------------
