@@ -2,6 +2,7 @@
 //! The module map follows the design notes (one room per concern); `daemon` is where they meet.
 
 pub mod backoff;
+pub mod check;
 pub mod config;
 pub mod daemon;
 pub mod guest;

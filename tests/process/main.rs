@@ -20,6 +20,7 @@ mod registry_support;
 
 mod binary;
 mod binary_packaging;
+mod check_config;
 mod config_exit_codes;
 mod daemon_apiserver_restart;
 mod daemon_argv;
