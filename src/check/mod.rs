@@ -125,7 +125,7 @@ pub fn run(online_checks: bool) -> i32 {
                     cluster.source
                 ))),
                 Ok(_) => offline.push(Finding::pass(format!(
-                    "kubeconfig {} loads (API server {})",
+                    "{} loads (API server {})",
                     cluster.source, cluster.server
                 ))),
             }
@@ -197,7 +197,14 @@ pub fn run(online_checks: bool) -> i32 {
             )),
         }
         if let Some(c) = &config {
-            found.push(online::registry(&c.oci_registry));
+            let host = c.oci_registry.split('/').next().unwrap_or("");
+            if settings::placeholder_host(host) {
+                found.push(Finding::fail(format!(
+                    "registry {host}: not pinged, a placeholder (see the WARN above)"
+                )));
+            } else {
+                found.push(online::registry(&c.oci_registry));
+            }
         }
         for f in &found {
             println!("{}", f.line());

@@ -103,7 +103,7 @@ pub fn resolved(c: &Config, env: &dyn Fn(&str) -> Option<String>, d: &Detected) 
         let kc = |name: &str, value: String| Setting {
             name: name.into(),
             value,
-            source: format!("kubeconfig {from}"),
+            source: from.clone(),
         };
         out.push(kc("API server", server.clone()));
         out.push(kc("API credentials", auth.clone()));
@@ -206,7 +206,7 @@ fn value_of(c: &Config, name: &str) -> Option<String> {
 
 /// Hosts reserved for documentation and tests (RFC 2606, RFC 6761): a registry there is a
 /// placeholder left from an example file, never a real one.
-fn placeholder_host(host: &str) -> bool {
+pub fn placeholder_host(host: &str) -> bool {
     let h = host
         .split(':')
         .next()
@@ -376,10 +376,7 @@ mod tests {
         assert_eq!(secret.value, "(set, 20 bytes)", "never the secret itself");
         let kc = find(&s, "KUBECONFIG");
         assert_eq!(kc.value, "/etc/cocoon/kubeconfig");
-        assert_eq!(
-            find(&s, "API server").source,
-            "kubeconfig /etc/cocoon/kubeconfig"
-        );
+        assert_eq!(find(&s, "API server").source, "/etc/cocoon/kubeconfig");
     }
 
     #[test]
