@@ -43,7 +43,7 @@ pub const VARIABLES: &[Variable] = &[
     var("KUBECONFIG", "unset", "Kubeconfig path list; falls back to `~/.kube/config`, then in-cluster config."),
     var("VK_LOG_LEVEL", "info", "`trace`, `debug`, `info`, `warn`, `error` or `off`."),
     var("VK_NODE_NAME", "cocoon-pool", "Name of the virtual Node (RFC 1123 subdomain)."),
-    var("VK_NODE_IP", "auto", "Node InternalIP; auto = first non-loopback IPv4 of any interface."),
+    var("VK_NODE_IP", "auto", "Node InternalIP; auto = the address of the interface the default route leaves by (IPv4 route, else IPv6; with no default route, the first non-loopback IPv4)."),
     var("VK_NODE_POOL", "default", "Value of node label `cocoonstack.io/pool`."),
     var("VK_SNAPSHOT_CPU_CLASS", "unset", "CPU class label for snapshot compatibility (a label value)."),
     var("VK_PROVIDER_ID", "unset", "Copied to `node.spec.providerID` when set."),

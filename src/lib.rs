@@ -2,6 +2,7 @@
 //! The module map follows the design notes (one room per concern); `daemon` is where they meet.
 
 pub mod backoff;
+pub mod check;
 pub mod config;
 pub mod daemon;
 pub mod guest;
@@ -11,6 +12,7 @@ pub mod logging;
 pub mod metrics;
 pub mod network;
 pub mod node;
+pub mod node_ip;
 pub mod peer;
 pub mod percent;
 pub mod probes;

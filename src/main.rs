@@ -1,8 +1,8 @@
 //! vk-cocoon entry point: parse the command line, run the daemon or a tool mode.
 //! Exit codes: 0 clean stop, 1 runtime failure, 2 configuration error.
 
-use vk_cocoon::config::{self, Config, ConfigError};
-use vk_cocoon::{daemon, kube, kubelet, logging, version};
+use vk_cocoon::config::{self, Config};
+use vk_cocoon::{daemon, logging, version};
 
 const HELP: &str = "\
 vk-cocoon: a virtual kubelet that turns Kubernetes pods into cocoon MicroVMs.
@@ -32,11 +32,19 @@ variable is reported at once, at error priority, and the exit status is then 2.
 ";
 
 const CHECK_HELP: &str = "\
-Usage: vk-cocoon check-config
+Usage: vk-cocoon check-config [--online]
 
-Validates every environment variable (VK_LOG_LEVEL included), loads the kubeconfig the daemon
-would use and the kubelet API's TLS files, and prints every problem found, one per line.
-Contacts nothing. Exit status: 0 when the daemon would start with this configuration, 2 if not.
+Shows what the daemon would do with this environment: every setting with its resolved value and
+where it came from (env, default, auto-detected, kubeconfig), then one PASS / WARN / FAIL line
+per check: every variable (VK_LOG_LEVEL included), the kubeconfig, the kubelet API's TLS files,
+the serving certificate's SANs against the node name and IP, the expiry of the serving and the
+kubeconfig client certificates (WARN under 30 days, FAIL expired or not yet valid), risky
+combinations and placeholder values. Contacts nothing.
+  --online   also ask the API server, with one SelfSubjectAccessReview each, whether this
+             identity may do every verb on every resource of packaging/rbac.yaml, and ping
+             the registry (GET /v2/ with the configured credentials)
+Exit status: 0 all good, 2 the configuration fails (the daemon would not start or would break),
+1 only an online check failed.
 ";
 
 const ENV_HELP: &str = "\
@@ -87,14 +95,17 @@ fn real_main() -> i32 {
         };
     }
     let known = matches!(command, None | Some("run" | "check-config" | "env"));
-    if let Some(extra) = args.get(2).filter(|_| known && !wants_help) {
+    let online =
+        command == Some("check-config") && args.get(2).map(String::as_str) == Some("--online");
+    let extra_at = if online { 3 } else { 2 };
+    if let Some(extra) = args.get(extra_at).filter(|_| known && !wants_help) {
         eprintln!("vk-cocoon: unexpected argument {extra:?}; see vk-cocoon --help");
         return 2;
     }
     match (command, wants_help) {
         (None | Some("run"), false) => run_daemon(),
         (Some("run"), true) => print_help(RUN_HELP),
-        (Some("check-config"), false) => check_config(),
+        (Some("check-config"), false) => vk_cocoon::check::run(online),
         (Some("check-config"), true) => print_help(CHECK_HELP),
         (Some("env"), false) => print_variables(),
         (Some("env"), true) => print_help(ENV_HELP),
@@ -148,19 +159,7 @@ fn print_variables() -> i32 {
 
 /// VK_LOG_LEVEL and every other variable: the configuration, or every problem with it.
 fn read_config() -> Result<Config, Vec<String>> {
-    let mut problems = Vec::new();
-    let level = std::env::var("VK_LOG_LEVEL").ok();
-    if let Err(e) = logging::parse_level(level.as_deref().unwrap_or("")) {
-        problems.push(e.to_string());
-    }
-    match Config::from_env_all(&|name| std::env::var(name).ok()) {
-        Ok(c) if problems.is_empty() => Ok(c),
-        Ok(_) => Err(problems),
-        Err(errors) => {
-            problems.extend(errors.iter().map(ConfigError::to_string));
-            Err(problems)
-        }
-    }
+    vk_cocoon::check::read_config(&|name| std::env::var(name).ok())
 }
 
 /// Installs the logger at VK_LOG_LEVEL, or at the default level when that value is itself
@@ -230,86 +229,4 @@ fn unknown_variables() -> Vec<String> {
         .filter_map(|(k, _)| k.into_string().ok())
         .collect();
     config::unknown_vk_variables(names.iter().map(String::as_str))
-}
-
-/// `vk-cocoon check-config`: every problem on its own line (stdout), then a verdict.
-fn check_config() -> i32 {
-    let mut problems = Vec::new();
-    let mut notes = Vec::new();
-    let config = match read_config() {
-        Ok(c) => Some(c),
-        Err(p) => {
-            problems.extend(p);
-            None
-        }
-    };
-    if let Some(c) = &config {
-        notes.extend(c.warnings.iter().cloned());
-    }
-    notes.extend(
-        unknown_variables()
-            .into_iter()
-            .map(|n| format!("unknown variable {n} is ignored")),
-    );
-    let cluster = match kube::kubeconfig::load(&kube::kubeconfig::KubeOptions::from_process_env()) {
-        Ok(cluster) => {
-            let tls = kube::tls::client_config(&kube::tls::TlsParams {
-                ca_pem: cluster.ca_pem.as_deref(),
-                insecure_skip_tls_verify: cluster.insecure_skip_tls_verify,
-                tls_server_name: cluster.tls_server_name.as_deref(),
-                client_cert: cluster
-                    .client_cert
-                    .as_ref()
-                    .map(|(c, k)| (c.as_slice(), k.as_slice())),
-            });
-            if let Err(e) = tls {
-                problems.push(format!("kubeconfig ({}): {e}", cluster.source));
-            }
-            Some(cluster)
-        }
-        Err(e) => {
-            problems.push(format!("kubeconfig: {e}"));
-            None
-        }
-    };
-    if let (Some(c), Some(cluster)) = (&config, &cluster) {
-        match kubelet::tls_settings(c, c.node_ip, cluster.ca_pem.clone()) {
-            Err(e) => problems.push(format!("kubelet client CA: {e}")),
-            Ok(settings) => match kubelet::tls::TlsState::new(settings) {
-                Err(e) => problems.push(format!("kubelet TLS: {e}")),
-                Ok(state) if *state.source() == kubelet::tls::CertSource::SelfSigned => {
-                    notes.push(format!(
-                        "kubelet TLS: {} not found; a self-signed certificate would be used",
-                        c.tls_cert.display()
-                    ))
-                }
-                Ok(_) => {}
-            },
-        }
-        if !c.cocoon_bin.is_file() {
-            problems.push(format!(
-                "VK_COCOON_BIN: {} does not exist",
-                c.cocoon_bin.display()
-            ));
-        }
-    }
-    if let Some(c) = &config {
-        match vk_cocoon::snapshots::trust::RegistryTrust::load(c.oci_registry_ca_file.as_deref()) {
-            Ok(trust) => println!("registry TLS trusts {}", trust.source),
-            Err(e) => problems.push(format!("OCI_REGISTRY_CA_FILE: {e}")),
-        }
-    }
-    for n in &notes {
-        println!("warning: {n}");
-    }
-    for p in &problems {
-        println!("error: {p}");
-    }
-    if problems.is_empty() {
-        println!("configuration OK");
-        0
-    } else {
-        println!("{} problem(s) found", problems.len());
-        2
-    }
 }

@@ -34,7 +34,7 @@ pub const ROLE_LABEL: &str = "node-role.kubernetes.io/cocoon-vm";
 #[derive(Clone, Debug)]
 pub struct NodeOptions {
     pub name: String,
-    /// VK_NODE_IP, or `detect_node_ip()` when it is `auto`.
+    /// VK_NODE_IP, or `node_ip::detect()` when it is `auto`.
     pub ip: IpAddr,
     pub pool: String,
     pub snapshot_cpu_class: Option<String>,
@@ -263,34 +263,6 @@ pub fn storage_allocatable(o: &NodeOptions, avail_bytes: u64) -> Option<Quantity
     ))
 }
 
-/// First non-loopback IPv4 address of any interface (VK_NODE_IP=auto).
-pub fn detect_node_ip() -> Option<IpAddr> {
-    let mut found = None;
-    let mut ifap: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills `ifap` with a list we only read and free with freeifaddrs;
-    // no safe crate API in the dependency set lists interface addresses.
-    unsafe {
-        if libc::getifaddrs(&mut ifap) != 0 {
-            return None;
-        }
-        let mut cur = ifap;
-        while !cur.is_null() {
-            let addr = (*cur).ifa_addr;
-            if !addr.is_null() && i32::from((*addr).sa_family) == libc::AF_INET {
-                let sin = &*(addr as *const libc::sockaddr_in);
-                let ip = std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
-                if !ip.is_loopback() && !ip.is_unspecified() {
-                    found = Some(IpAddr::V4(ip));
-                    break;
-                }
-            }
-            cur = (*cur).ifa_next;
-        }
-        libc::freeifaddrs(ifap);
-    }
-    found
-}
-
 // ------------------------------------------------------------------------------------------
 // The Node object.
 // ------------------------------------------------------------------------------------------
@@ -431,28 +403,64 @@ pub fn build_node(o: &NodeOptions, r: &Resources, now: &Time) -> Node {
         },
         spec: Some(NodeSpec {
             provider_id: o.provider_id.clone().filter(|p| !p.is_empty()),
-            taints: Some(vec![Taint {
-                key: TAINT_KEY.into(),
-                value: Some("cocoon".into()),
-                effect: "NoSchedule".into(),
-                time_added: None,
-            }]),
+            taints: Some(vec![provider_taint()]),
             ..Default::default()
         }),
         status: Some(node_status(o, r, now, now)),
     }
 }
 
-/// Apply vk-cocoon's labels to an existing node: ours upserted, the CPU-class label removed
-/// when not configured, other actors' labels kept. Returns true when something changed.
-pub fn reassert_labels(node: &mut Node, o: &NodeOptions) -> bool {
-    let labels = node.metadata.labels.get_or_insert_with(BTreeMap::new);
-    let before = labels.clone();
-    labels.extend(node_labels(o));
-    if o.snapshot_cpu_class.as_deref().is_none_or(str::is_empty) {
-        labels.remove(CPU_CLASS_LABEL);
+/// The JSON merge patch (RFC 7386) that brings an existing node's labels and taint to what
+/// vk-cocoon asserts, or None when it already has them. Only vk-cocoon's own keys appear in
+/// it (the CPU-class label as null when not configured), so labels other actors set, and any
+/// field newer than this build's types, are left as the server holds them. A merge patch
+/// replaces lists whole: when the provider taint is missing the patch carries every taint
+/// read plus ours, and the resourceVersion read, so a taint added meanwhile makes it a 409
+/// (read again) instead of being dropped.
+pub fn node_patch(node: &Node, o: &NodeOptions) -> Option<serde_json::Value> {
+    let current = node.metadata.labels.clone().unwrap_or_default();
+    let mut labels = serde_json::Map::new();
+    for (k, v) in node_labels(o) {
+        if current.get(&k) != Some(&v) {
+            labels.insert(k, serde_json::Value::String(v));
+        }
     }
-    *labels != before
+    if o.snapshot_cpu_class.as_deref().is_none_or(str::is_empty)
+        && current.contains_key(CPU_CLASS_LABEL)
+    {
+        labels.insert(CPU_CLASS_LABEL.into(), serde_json::Value::Null);
+    }
+    let taints = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.clone())
+        .unwrap_or_default();
+    let taint_missing = !taints.iter().any(|t| t.key == TAINT_KEY);
+    if labels.is_empty() && !taint_missing {
+        return None;
+    }
+    let mut patch = serde_json::json!({ "metadata": {} });
+    if !labels.is_empty() {
+        patch["metadata"]["labels"] = serde_json::Value::Object(labels);
+    }
+    if taint_missing {
+        let mut all = taints;
+        all.push(provider_taint());
+        patch["spec"] = serde_json::json!({ "taints": all });
+        if let Some(rv) = &node.metadata.resource_version {
+            patch["metadata"]["resourceVersion"] = serde_json::Value::String(rv.clone());
+        }
+    }
+    Some(patch)
+}
+
+fn provider_taint() -> Taint {
+    Taint {
+        key: TAINT_KEY.into(),
+        value: Some("cocoon".into()),
+        effect: "NoSchedule".into(),
+        time_added: None,
+    }
 }
 
 /// The strategic-merge patch for nodes/<name>/status: the whole desired status (conditions and
@@ -723,7 +731,9 @@ impl NodeAgent {
         }
     }
 
-    /// Create the node, or update an existing one (labels re-asserted, then status).
+    /// Create a missing node, or bring an existing one up to date: labels and taint by a merge
+    /// patch of those keys only (never a whole-object write, which would drop what others
+    /// added meanwhile or fields newer than this build), then status.
     fn register(&mut self, client: &Client, wall: SystemTime) -> Result<String, KubeError> {
         let now = api_time(wall);
         for _ in 0..5 {
@@ -738,8 +748,8 @@ impl NodeAgent {
                 }
                 Err(e) => return Err(e),
                 Ok(mut existing) => {
-                    if reassert_labels(&mut existing, &self.opts) {
-                        match client.update_node(&existing) {
+                    if let Some(patch) = node_patch(&existing, &self.opts) {
+                        match client.patch_node(&self.opts.name, &patch) {
                             Ok(n) => existing = n,
                             Err(e) if e.is_conflict() => continue,
                             Err(e) => return Err(e),
@@ -969,21 +979,58 @@ mod tests {
     }
 
     #[test]
-    fn labels_reasserted_and_cpu_class_removed() {
+    fn the_node_patch_names_only_our_labels_and_a_missing_taint() {
         let mut o = opts();
         o.snapshot_cpu_class = None;
         let mut n = Node::default();
+        n.metadata.resource_version = Some("41".into());
         n.metadata.labels = Some(BTreeMap::from([
             (CPU_CLASS_LABEL.to_string(), "old".to_string()),
             ("other".to_string(), "kept".to_string()),
             (POOL_LABEL.to_string(), "stale".to_string()),
+            ("type".to_string(), "virtual-kubelet".to_string()),
         ]));
-        assert!(reassert_labels(&mut n, &o));
-        let l = n.metadata.labels.as_ref().unwrap();
-        assert_eq!(l.get(POOL_LABEL).map(String::as_str), Some("gpu"));
-        assert_eq!(l.get("other").map(String::as_str), Some("kept"));
-        assert!(!l.contains_key(CPU_CLASS_LABEL));
-        assert!(!reassert_labels(&mut n, &o));
+        n.spec = Some(NodeSpec {
+            taints: Some(vec![Taint {
+                key: "team".into(),
+                value: Some("x".into()),
+                effect: "NoExecute".into(),
+                time_added: None,
+            }]),
+            ..Default::default()
+        });
+        let p = node_patch(&n, &o).expect("a patch");
+        let labels = p["metadata"]["labels"].as_object().unwrap();
+        assert_eq!(labels[POOL_LABEL], "gpu");
+        assert!(labels[CPU_CLASS_LABEL].is_null(), "removed by null");
+        assert!(!labels.contains_key("other"), "others' labels untouched");
+        assert!(!labels.contains_key("type"), "unchanged labels not sent");
+        let taints = p["spec"]["taints"].as_array().unwrap();
+        assert_eq!(taints.len(), 2, "the list is replaced whole: theirs kept");
+        assert_eq!(taints[0]["key"], "team");
+        assert_eq!(taints[1]["key"], TAINT_KEY);
+        assert_eq!(p["metadata"]["resourceVersion"], "41");
+
+        // Applied, nothing is left to patch; labels alone need no resourceVersion.
+        let mut l = n.metadata.labels.clone().unwrap();
+        l.extend(node_labels(&o));
+        l.remove(CPU_CLASS_LABEL);
+        n.metadata.labels = Some(l.clone());
+        n.spec
+            .as_mut()
+            .unwrap()
+            .taints
+            .as_mut()
+            .unwrap()
+            .push(provider_taint());
+        assert_eq!(node_patch(&n, &o), None);
+        l.insert(POOL_LABEL.into(), "stale".into());
+        n.metadata.labels = Some(l);
+        let p = node_patch(&n, &o).unwrap();
+        assert_eq!(
+            p,
+            serde_json::json!({"metadata": {"labels": {POOL_LABEL: "gpu"}}})
+        );
     }
 
     #[test]

@@ -17,7 +17,7 @@ use crate::kube::Client;
 use crate::kubelet::tls::TlsState;
 use crate::kubelet::{KubeletConfig, KubeletServer};
 use crate::metrics::stats::StatsHub;
-use crate::node::{compute_resources, detect_node_ip, HostFacts, NodeAgent, NodeOptions};
+use crate::node::{compute_resources, HostFacts, NodeAgent, NodeOptions};
 use crate::provider::cocoon::parse_vm_list;
 use crate::provider::Input;
 use crate::reactor::{sd_notify, ChildExit, Reactor};
@@ -165,12 +165,16 @@ impl Daemon {
 pub(super) fn node_agent(config: &Config, now: Instant) -> Result<NodeAgent, StartError> {
     let ip = match config.node_ip {
         Some(ip) => ip,
-        None => detect_node_ip().ok_or_else(|| {
-            StartError::new(
-                1,
-                "VK_NODE_IP is not set and no non-loopback IPv4 address was found",
-            )
-        })?,
+        None => {
+            let found = crate::node_ip::detect().ok_or_else(|| {
+                StartError::new(
+                    1,
+                    "VK_NODE_IP is not set and no default route or non-loopback IPv4 address was found",
+                )
+            })?;
+            log::info!("node IP {} ({})", found.ip, found.how);
+            found.ip
+        }
     };
     let opts = NodeOptions {
         name: config.node_name.clone(),

@@ -584,15 +584,14 @@ impl Client {
         self.call_json("POST", "/api/v1/nodes", &[], Some((CT_JSON, &body)))
     }
 
-    /// PUT the whole node (metadata.resourceVersion must be the one read).
-    pub fn update_node(&self, node: &Node) -> Result<Node, KubeError> {
-        let name = node.metadata.name.as_deref().unwrap_or_default();
-        let body = encode(node)?;
+    /// JSON merge patch of the node object (labels, taints): only the keys in `patch` change.
+    pub fn patch_node(&self, name: &str, patch: &serde_json::Value) -> Result<Node, KubeError> {
+        let body = encode(patch)?;
         self.call_json(
-            "PUT",
+            "PATCH",
             &format!("/api/v1/nodes/{name}"),
             &[],
-            Some((CT_JSON, &body)),
+            Some((CT_MERGE_PATCH, &body)),
         )
     }
 

@@ -383,9 +383,19 @@ pub fn cert_identity(cert: &[u8]) -> Option<CertIdentity> {
 
 /// NotAfter of a certificate.
 pub fn cert_not_after(cert: &[u8]) -> Option<SystemTime> {
+    cert_validity(cert).map(|(_, not_after)| not_after)
+}
+
+/// NotBefore and NotAfter of a certificate. None when the DER cannot be walked.
+pub fn cert_validity(cert: &[u8]) -> Option<(SystemTime, SystemTime)> {
     let (validity, _) = tbs_validity_subject(cert)?;
-    let (_, _, rest) = der(validity)?;
-    let (tag, t, _) = der(rest)?;
+    let (before_tag, before, rest) = der(validity)?;
+    let (after_tag, after, _) = der(rest)?;
+    Some((der_time(before_tag, before)?, der_time(after_tag, after)?))
+}
+
+/// A UTCTime (0x17) or GeneralizedTime (0x18) as a SystemTime (before 1970 reads as 1970).
+fn der_time(tag: u8, t: &[u8]) -> Option<SystemTime> {
     let s = std::str::from_utf8(t).ok()?;
     let digits = |a: usize, b: usize| -> Option<i64> { s.get(a..b)?.parse().ok() };
     let (year, off) = match tag {

@@ -809,3 +809,44 @@ fn paging_with_limit_and_continue() {
     }
     assert_eq!(names, vec!["p0", "p1", "p2", "p3", "p4"]);
 }
+
+#[test]
+fn the_rbac_knob_forbids_requests_and_answers_self_subject_access_reviews() {
+    let server = start();
+    let c = Client::new(&server);
+    assert_eq!(c.post(PODS, &pod("a", Some("n1"))).0, 201);
+    server.deny("patch", "pods/status");
+    let (s, body) = c.patch(
+        &format!("{PODS}/a/status"),
+        "application/merge-patch+json",
+        &json!({"status": {"phase": "Running"}}),
+    );
+    assert_eq!(s, 403, "{body}");
+    assert_eq!(body["reason"], "Forbidden");
+    let msg = body["message"].as_str().unwrap();
+    assert!(
+        msg.contains("cannot patch resource \"pods/status\"")
+            && msg.contains("namespace \"default\""),
+        "{msg}"
+    );
+    // Other verbs and the main resource are untouched.
+    let (s, _) = c.patch(
+        &format!("{PODS}/a"),
+        "application/merge-patch+json",
+        &json!({"metadata": {"labels": {"x": "y"}}}),
+    );
+    assert_eq!(s, 200);
+    let review = |verb: &str, sub: &str| {
+        let (s, v) = c.post(
+            "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+            &json!({"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+                    "spec": {"resourceAttributes": {"verb": verb, "resource": "pods", "subresource": sub}}}),
+        );
+        assert_eq!(s, 201, "{v}");
+        assert_eq!(v["kind"], "SelfSubjectAccessReview");
+        v["status"]["allowed"].as_bool().unwrap()
+    };
+    assert!(!review("patch", "status"));
+    assert!(review("get", "status"));
+    assert!(review("patch", ""));
+}

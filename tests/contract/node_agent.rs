@@ -196,10 +196,16 @@ fn existing_node_is_updated_not_recreated() {
     let mut first = agent(node_opts("cocoon-3"));
     first.tick(&client, Instant::now());
     let uid = api.get_node("cocoon-3").unwrap().metadata.uid;
+    // Someone else's label and taint, and a field newer than this build's Node type (a
+    // whole-object write of the typed Node would drop it), with our taint gone.
     api.edit_object("nodes", "", "cocoon-3", |v| {
         v["metadata"]["labels"]["team"] = "x".into();
+        v["spec"]["taints"] =
+            serde_json::json!([{"key": "team", "value": "x", "effect": "NoExecute"}]);
+        v["spec"]["aFieldFromANewerRelease"] = "kept".into();
     })
     .unwrap();
+    api.clear_requests();
     let mut o = node_opts("cocoon-3");
     o.snapshot_cpu_class = None;
     o.pool = "pool-b".into();
@@ -214,6 +220,61 @@ fn existing_node_is_updated_not_recreated() {
     );
     assert_eq!(labels.get("team").map(String::as_str), Some("x"));
     assert!(!labels.contains_key(CPU_CLASS_LABEL));
+    let v = api.get_object("nodes", "", "cocoon-3").unwrap();
+    assert_eq!(v["spec"]["aFieldFromANewerRelease"], "kept");
+    let taints: Vec<&str> = v["spec"]["taints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|t| t["key"].as_str())
+        .collect();
+    assert_eq!(taints, ["team", "virtual-kubelet.io/provider"]);
+    let writes: Vec<(String, Option<String>)> = api
+        .requests()
+        .into_iter()
+        .filter(|r| r.resource == "nodes" && r.method != "GET")
+        .map(|r| (r.method, r.content_type))
+        .collect();
+    assert_eq!(
+        writes,
+        [(
+            "PATCH".to_string(),
+            Some("application/merge-patch+json".to_string())
+        )],
+        "one merge patch, no PUT of the node"
+    );
+}
+
+#[test]
+fn a_taint_added_between_read_and_patch_is_not_lost() {
+    let (api, _dir, _kc, client) = setup();
+    let mut first = agent(node_opts("cocoon-5"));
+    first.tick(&client, Instant::now());
+    api.edit_object("nodes", "", "cocoon-5", |v| {
+        v["spec"]["taints"] = serde_json::json!([]);
+    })
+    .unwrap();
+    // The first merge patch carries a stale resourceVersion: the server answers 409, the
+    // agent reads again and patches with the taint that arrived in between.
+    let stale = serde_json::to_value(api.get_node("cocoon-5").unwrap()).unwrap();
+    api.edit_object("nodes", "", "cocoon-5", |v| {
+        v["spec"]["taints"] = serde_json::json!([{"key": "late", "effect": "NoSchedule"}]);
+    })
+    .unwrap();
+    let node: k8s_openapi::api::core::v1::Node = serde_json::from_value(stale).unwrap();
+    let patch = vk_cocoon::node::node_patch(&node, &node_opts("cocoon-5")).unwrap();
+    let err = client.patch_node("cocoon-5", &patch).unwrap_err();
+    assert!(err.is_conflict(), "{err}");
+    let mut second = agent(node_opts("cocoon-5"));
+    second.tick(&client, Instant::now());
+    let v = api.get_object("nodes", "", "cocoon-5").unwrap();
+    let taints: Vec<&str> = v["spec"]["taints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|t| t["key"].as_str())
+        .collect();
+    assert_eq!(taints, ["late", "virtual-kubelet.io/provider"]);
 }
 
 #[test]

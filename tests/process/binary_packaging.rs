@@ -464,3 +464,113 @@ fn grafana_dashboard_parses_and_queries_only_exported_series() {
         "{exported:?}"
     );
 }
+
+/// The first-column names (`` `name` ``) of the table under the README heading `heading`.
+fn readme_table(heading: &str) -> std::collections::BTreeSet<String> {
+    let readme = repo_file("README.md");
+    let start = readme
+        .find(&format!("\n{heading}\n"))
+        .unwrap_or_else(|| panic!("README has no {heading:?} section"));
+    readme[start + heading.len() + 2..]
+        .lines()
+        .take_while(|l| !l.starts_with("#"))
+        .filter(|l| l.starts_with("| `"))
+        .filter_map(|l| l.split('`').nth(1).map(str::to_string))
+        .collect()
+}
+
+#[test]
+fn readme_metrics_table_lists_exactly_the_exported_families() {
+    let documented = readme_table("### Metrics");
+    let mut exported: std::collections::BTreeSet<String> =
+        exported_families().into_iter().map(|(n, _)| n).collect();
+    // A family added to the registry's struct counts even before exported_families names it.
+    let families = repo_file("src/metrics/families.rs");
+    for line in families.lines() {
+        let Some((field, kind)) = line
+            .trim()
+            .strip_prefix("pub ")
+            .and_then(|l| l.split_once(": "))
+        else {
+            continue;
+        };
+        let kind = kind.trim_end_matches(',');
+        if ["IntCounter", "IntCounterVec", "Histogram", "HistogramVec"].contains(&kind) {
+            exported.insert(format!("vk_cocoon_{field}"));
+        }
+    }
+    let undocumented: Vec<&String> = exported.difference(&documented).collect();
+    let stale: Vec<&String> = documented.difference(&exported).collect();
+    assert!(
+        undocumented.is_empty() && stale.is_empty(),
+        "README metrics table lacks {undocumented:?}; lists what is not exported: {stale:?}"
+    );
+}
+
+/// Every Kubernetes Event reason the daemon can emit: the capitalised string literals of the
+/// provider core and the daemon (outside tests), less the other words spelled that way there.
+fn event_reasons_in_code() -> std::collections::BTreeSet<String> {
+    // Pod phases, condition types and values, event types, answer names: not reasons.
+    const NOT_REASONS: &[&str] = &[
+        "ApiDelete",
+        "CocoonSet",
+        "Failed",
+        "False",
+        "Initialized",
+        "Normal",
+        "Pending",
+        "ProviderFailed",
+        "Ready",
+        "ReadyWait",
+        "Running",
+        "Succeeded",
+        "Terminated",
+        "True",
+        "VM",
+        "Warning",
+    ];
+    fn walk(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() && p.file_name().is_some_and(|n| n != "tests") {
+                walk(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    walk(&root.join("src/provider"), &mut files);
+    walk(&root.join("src/daemon"), &mut files);
+    let mut out = std::collections::BTreeSet::new();
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        let code = text.split("#[cfg(test)]").next().unwrap_or("");
+        for piece in code.split('"').skip(1).step_by(2) {
+            let word = piece.len() > 1
+                && piece.starts_with(|c: char| c.is_ascii_uppercase())
+                && piece.chars().all(|c| c.is_ascii_alphabetic());
+            if word && !NOT_REASONS.contains(&piece) {
+                out.insert(piece.to_string());
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn readme_events_table_lists_exactly_the_event_reasons() {
+    let documented = readme_table("### Events");
+    let emitted = event_reasons_in_code();
+    assert!(
+        emitted.contains("VMGone") && emitted.contains("Woken"),
+        "{emitted:?}"
+    );
+    let undocumented: Vec<&String> = emitted.difference(&documented).collect();
+    let stale: Vec<&String> = documented.difference(&emitted).collect();
+    assert!(
+        undocumented.is_empty() && stale.is_empty(),
+        "README events table lacks {undocumented:?}; lists reasons the code never emits: {stale:?}"
+    );
+}

@@ -20,6 +20,7 @@ mod registry_support;
 
 mod binary;
 mod binary_packaging;
+mod check_config;
 mod config_exit_codes;
 mod daemon_apiserver_restart;
 mod daemon_argv;
@@ -32,6 +33,7 @@ mod daemon_full_disk;
 mod daemon_hibernate;
 mod daemon_isolation;
 mod daemon_macos;
+mod daemon_node_labels;
 mod daemon_ownership;
 mod daemon_post_clone;
 mod daemon_process;

@@ -215,6 +215,7 @@ pub fn handle_resource(
             match rp.def.plural {
                 "tokenreviews" => ok(201, &token_review(shared, body)),
                 "subjectaccessreviews" => ok(201, &access_review(shared, body)),
+                "selfsubjectaccessreviews" => ok(201, &self_access_review(shared, body)),
                 _ => ok(201, &create_object(shared, rp.def, rp.ns(), body)?),
             }
         }
@@ -918,6 +919,36 @@ fn access_review(shared: &Shared, mut body: Value) -> Value {
     body["kind"] = json!("SubjectAccessReview");
     body["apiVersion"] = json!("authorization.k8s.io/v1");
     body["status"] = json!({"allowed": allowed, "reason": reason});
+    body
+}
+
+/// A SelfSubjectAccessReview: allowed unless the RBAC knob denies its verb and resource.
+fn self_access_review(shared: &Shared, mut body: Value) -> Value {
+    let attrs = body
+        .pointer("/spec/resourceAttributes")
+        .cloned()
+        .unwrap_or(json!({}));
+    let field = |k: &str| {
+        attrs
+            .get(k)
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string()
+    };
+    let (verb, resource, sub) = (field("verb"), field("resource"), field("subresource"));
+    let resource = if sub.is_empty() {
+        resource
+    } else {
+        format!("{resource}/{sub}")
+    };
+    let status = if shared.denies(&verb, &resource) {
+        json!({"allowed": false, "reason": format!("RBAC: {verb} {resource} is not granted")})
+    } else {
+        json!({"allowed": true, "reason": "RBAC: allowed by the fake API server"})
+    };
+    body["kind"] = json!("SelfSubjectAccessReview");
+    body["apiVersion"] = json!("authorization.k8s.io/v1");
+    body["status"] = status;
     body
 }
 

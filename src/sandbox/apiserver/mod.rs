@@ -144,6 +144,9 @@ pub(crate) struct Shared {
     default_watch_timeout: Duration,
     token_users: Mutex<HashMap<String, ReviewUser>>,
     access_reviewer: Mutex<Option<AccessReviewer>>,
+    /// (verb, resource) pairs RBAC denies every user: requests get 403 and
+    /// SelfSubjectAccessReviews answer not allowed. Resource as RBAC names it ("pods/status").
+    denied: Mutex<Vec<(String, String)>>,
     conns: Mutex<HashMap<u64, TcpStream>>,
     next_conn: AtomicU64,
     open_watches: AtomicUsize,
@@ -183,6 +186,13 @@ impl Shared {
             Some(f) => f(spec),
             None => (true, "the fake API server allows everything".to_string()),
         }
+    }
+
+    /// Whether the RBAC knob denies `verb` on `resource` ("pods", "pods/status").
+    fn denies(&self, verb: &str, resource: &str) -> bool {
+        lock(&self.denied)
+            .iter()
+            .any(|(v, r)| v == verb && r == resource)
     }
 
     /// The client configuration for kubelet connections (kube-apiserver's kubelet client cert).
@@ -266,6 +276,7 @@ impl ApiServer {
             default_watch_timeout: opts.default_watch_timeout,
             token_users: Mutex::new(HashMap::new()),
             access_reviewer: Mutex::new(None),
+            denied: Mutex::new(Vec::new()),
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(0),
             open_watches: AtomicUsize::new(0),
@@ -480,6 +491,12 @@ impl ApiServerHandle {
         f: impl Fn(&Value) -> (bool, String) + Send + Sync + 'static,
     ) {
         *lock(&self.shared().access_reviewer) = Some(Arc::new(f));
+    }
+
+    /// RBAC as if the ClusterRole lacked `verb` on `resource` ("pods/status", "leases"): every
+    /// such request gets 403 Forbidden and a SelfSubjectAccessReview of it answers not allowed.
+    pub fn deny(&self, verb: &str, resource: &str) {
+        lock(&self.shared().denied).push((verb.to_string(), resource.to_string()));
     }
 
     // ----- fault knobs -----

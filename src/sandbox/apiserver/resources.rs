@@ -133,6 +133,18 @@ pub static RESOURCES: &[ResourceDef] = &[
         subresources: &[],
         stored: false,
     },
+    ResourceDef {
+        group: "authorization.k8s.io",
+        version: "v1",
+        plural: "selfsubjectaccessreviews",
+        singular: "selfsubjectaccessreview",
+        kind: "SelfSubjectAccessReview",
+        namespaced: false,
+        short_names: &[],
+        verbs: CREATE_ONLY,
+        subresources: &[],
+        stored: false,
+    },
 ];
 
 /// The resource served at `group/version/plural`, if any.

@@ -242,6 +242,27 @@ fn authenticate(
     auth.anonymous.then(|| "system:anonymous".to_string())
 }
 
+/// RBAC's refusal, worded as kube-apiserver words it.
+fn forbidden(user: &str, verb: &str, rp: &handlers::ResourcePath) -> ApiError {
+    let what = match &rp.name {
+        Some(n) => format!("{} \"{n}\"", rp.def.plural),
+        None => rp.def.plural.to_string(),
+    };
+    let scope = match &rp.namespace {
+        Some(ns) => format!(" in the namespace \"{ns}\""),
+        None => " at the cluster scope".to_string(),
+    };
+    ApiError::new(
+        403,
+        "Forbidden",
+        format!(
+            "{what} is forbidden: User \"{user}\" cannot {verb} resource \"{}\" in API group \"{}\"{scope}",
+            rp.resource_name(),
+            rp.def.group
+        ),
+    )
+}
+
 fn error_reply(e: &ApiError) -> Reply {
     let mut resp = Response::json(e.code, &e.status());
     if let Some(secs) = e.retry_after {
@@ -270,6 +291,9 @@ fn dispatch(shared: &Shared, req: &http::Request, cert: Option<&CertIdentity>) -
         // metrics.k8s.io is computed from the kubelets, not kept in the store.
         (_, _, Some(m)) => Reply::Response(super::metrics::handle(shared, req, m)),
         (Err(e), _, _) => error_reply(e),
+        (Ok(Target::Resource(rp)), Some(u), _) if shared.denies(&verb, &resource) => {
+            error_reply(&forbidden(u, &verb, rp))
+        }
         (Ok(Target::Resource(rp)), _, _) => match shared.faults.take(&verb, &resource) {
             Some(fault) if verb == "watch" => {
                 match handlers::handle_resource(shared, req, rp, &verb) {

@@ -198,6 +198,28 @@ impl RegistryClient {
         self.prepare(&sess, &mut st)
     }
 
+    /// `GET /v2/` with the configured credentials, a bearer challenge followed with a pull
+    /// token for `repository` (what `check-config --online` reports): how the registry was
+    /// reached and authenticated, or why not.
+    pub fn check_access(&self, repository: &str) -> Result<String, TransferError> {
+        let host = self.base.host.clone();
+        let sess = self.session(&host, repository, "pull");
+        let url = self.url(&host, "/v2/")?;
+        let resp = self
+            .exchange(&sess, "GET", &url, &[], http::Body::Empty)
+            .map_err(|f| f.into_error(&format!("GET {url}")))?;
+        let st = lock(&sess.state);
+        let scheme = st.challenge.as_ref().map(|c| c.scheme.clone());
+        let how = match (scheme.as_deref(), &st.credential) {
+            (None, _) => "no authentication asked".to_string(),
+            (Some(s), Some(c)) if *c != crate::snapshots::auth::Credential::Anonymous => {
+                format!("{s} challenge answered with {c:?} credentials")
+            }
+            (Some(s), _) => format!("{s} challenge answered anonymously"),
+        };
+        Ok(format!("GET {url} answered {} ({how})", resp.status()))
+    }
+
     /// Ranged GETs answered 206 so far (observability for tests and logs).
     pub fn ranged_pieces(&self) -> u64 {
         self.ranged.load(Ordering::Relaxed)
