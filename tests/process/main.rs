@@ -31,6 +31,7 @@ mod daemon_fork;
 mod daemon_full_disk;
 mod daemon_hibernate;
 mod daemon_isolation;
+mod daemon_kubelet_metrics;
 mod daemon_macos;
 mod daemon_ownership;
 mod daemon_post_clone;
