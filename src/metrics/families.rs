@@ -80,7 +80,9 @@ pub struct Metrics {
     pub probe_duration_seconds: HistogramVec,
     /// result
     pub postclone_retry_attempts: HistogramVec,
-    /// namespace, pod: a stopped VM started again by the daemon (not in the Go daemon).
+    /// namespace, pod: a stopped VM started again by the daemon (not in the Go daemon). Only
+    /// pods whose VM restarted have a series, and it stays after the pod goes: the operator
+    /// recreates an evicted pod under its name, whose restarts then keep adding up.
     pub vm_restarts_total: IntCounterVec,
     /// certificate (`kubelet-serving`, `kube-client`): NotAfter in unix seconds (not in the
     /// Go daemon).

@@ -133,3 +133,49 @@ pub fn set_expiry(metrics: &Metrics, certificate: &str, not_after: SystemTime) {
         .with_label_values(&[certificate])
         .set(secs);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(pod: serde_json::Value) -> PodInfo {
+        PodInfo {
+            namespace: "ns".into(),
+            name: "p".into(),
+            uid: "u".into(),
+            vm: None,
+            pod: Arc::new(serde_json::from_value(pod).unwrap()),
+            status: None,
+        }
+    }
+
+    #[test]
+    fn facts_come_from_the_first_container_and_the_status() {
+        let f = pod_facts(&info(serde_json::json!({
+            "metadata": {"name": "p", "annotations": {"cocoonset.cocoonstack.io/image": "snap"}},
+            "spec": {"containers": [{"name": "agent", "image": "img:1",
+                "resources": {"requests": {"memory": "1Gi"}, "limits": {"cpu": "1500m", "memory": "2Gi"}}}]},
+            "status": {"startTime": "2026-01-02T03:04:05Z"}
+        })));
+        assert_eq!(f.image, "img:1");
+        assert_eq!(
+            f.memory_limit_bytes,
+            Some(1 << 30),
+            "the VM is sized by the request"
+        );
+        assert_eq!(f.cpu_quota, Some((150_000, 100_000)));
+        let start = f.start_time.unwrap().duration_since(UNIX_EPOCH).unwrap();
+        assert_eq!(start.as_secs(), 1_767_323_045);
+
+        // No container image: the annotation's; resources that do not parse: none known.
+        let f = pod_facts(&info(serde_json::json!({
+            "metadata": {"name": "p", "annotations": {"cocoonset.cocoonstack.io/image": "snap"}},
+            "spec": {"containers": [{"name": "agent", "resources": {"limits": {"memory": "lots"}}}]}
+        })));
+        assert_eq!(f.image, "snap");
+        assert_eq!(
+            (f.memory_limit_bytes, f.cpu_quota, f.start_time),
+            (None, None, None)
+        );
+    }
+}
