@@ -16,6 +16,7 @@ use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::time::{Duration, Instant, SystemTime};
 
+use crate::metrics::probes::{ProbeCounts, ProbeOutcome};
 use crate::network::icmp::{PingId, PingStart, Pinger, PingerMode};
 use crate::network::leases::LeaseFile;
 use crate::network::tcp::TcpProbes;
@@ -223,6 +224,8 @@ pub struct ProbeManager {
     next_key: u64,
     leases: Option<LeaseFile>,
     duration: Option<prometheus::HistogramVec>,
+    /// `/metrics/probes` counts, when the kubelet API serves them.
+    counts: Option<ProbeCounts>,
 }
 
 impl ProbeManager {
@@ -236,7 +239,13 @@ impl ProbeManager {
             next_key: 1,
             leases,
             duration: None,
+            counts: None,
         }
+    }
+
+    /// Count every probe's result here (the kubelet API's `prober_probe_total`).
+    pub fn set_probe_counts(&mut self, counts: ProbeCounts) {
+        self.counts = Some(counts);
     }
 
     /// Observe every probe's duration into this histogram (label: namespace).
@@ -292,7 +301,7 @@ impl ProbeManager {
         now: Instant,
         wall: SystemTime,
     ) -> Vec<ProbeAction> {
-        let mut out = self.forget(pod);
+        let mut out = self.drop_agent(pod);
         let agent = Agent {
             target,
             ready: false,
@@ -309,8 +318,18 @@ impl ProbeManager {
         out
     }
 
-    /// `Forget(key)`: cancel the agent's timer and in-flight probe and drop its result.
+    /// `Forget(key)`: cancel the agent's timer and in-flight probe and drop its result and
+    /// its probe counts.
     pub fn forget(&mut self, pod: &str) -> Vec<ProbeAction> {
+        if let Some(c) = &self.counts {
+            let (ns, name) = split_key(pod);
+            c.forget(ns, name);
+        }
+        self.drop_agent(pod)
+    }
+
+    /// Cancels the agent's timer and in-flight probe and drops its result.
+    fn drop_agent(&mut self, pod: &str) -> Vec<ProbeAction> {
         let mut out = Vec::new();
         if let Some(agent) = self.agents.remove(pod) {
             if let Some(key) = agent.timer {
@@ -393,7 +412,7 @@ impl ProbeManager {
         };
         let notified_ready = agent.started && agent.ready;
         let Some(target) = agent.target.as_mut() else {
-            self.settle(pod, false, "vm gone".to_string(), now, now, out);
+            self.settle(pod, None, "vm gone".to_string(), now, now, out);
             return;
         };
         let (ip, lease_note) = resolve_ip(target, self.leases.as_mut(), wall);
@@ -412,7 +431,7 @@ impl ProbeManager {
                 Some(note) => format!("waiting for dhcp lease ({note})"),
                 None => "waiting for dhcp lease".to_string(),
             };
-            self.settle(pod, false, message, now, now, out);
+            self.settle(pod, None, message, now, now, out);
             return;
         };
         let kind = match target.probe_port.as_deref() {
@@ -428,7 +447,7 @@ impl ProbeManager {
                         agent.logged_bad_port = Some(raw.to_string());
                     }
                     let message = format!("invalid probe-port {raw:?}");
-                    self.settle(pod, false, message, now, now, out);
+                    self.settle(pod, None, message, now, now, out);
                     return;
                 }
             },
@@ -469,14 +488,15 @@ impl ProbeManager {
                 (false, format!("ssh probe {}: {e}", addr.port()))
             }
         };
-        self.settle(pod, ready, message, probe.started, now, out);
+        self.settle(pod, Some(ready), message, probe.started, now, out);
     }
 
     /// Store a probe's result, apply the readiness transitions and arm the next probe's timer.
+    /// `ran` is the network probe's verdict, None when no probe could run (not ready).
     fn settle(
         &mut self,
         pod: &str,
-        ready: bool,
+        ran: Option<bool>,
         message: String,
         started: Instant,
         now: Instant,
@@ -486,9 +506,20 @@ impl ProbeManager {
         let Some(agent) = self.agents.get_mut(pod) else {
             return;
         };
+        let ready = ran.unwrap_or(false);
         if let (Some(h), Some(t)) = (&self.duration, &agent.target) {
             let secs = now.saturating_duration_since(started).as_secs_f64();
             h.with_label_values(&[t.namespace.as_str()]).observe(secs);
+        }
+        if let Some(c) = &self.counts {
+            let (ns, name) = split_key(pod);
+            let uid = agent.target.as_ref().map_or("", |t| t.uid.as_str());
+            let outcome = match ran {
+                Some(true) => ProbeOutcome::Successful,
+                Some(false) => ProbeOutcome::Failed,
+                None => ProbeOutcome::Unknown,
+            };
+            c.record(ns, name, uid, outcome);
         }
         // Which notification, if any, this result produces.
         let notify = if !agent.started {
@@ -550,6 +581,11 @@ impl ProbeManager {
             at: now + sleep,
         });
     }
+}
+
+/// (namespace, name) of a pod key `namespace/name` (a namespace has no `/`).
+fn split_key(pod: &str) -> (&str, &str) {
+    pod.split_once('/').unwrap_or(("", pod))
 }
 
 /// Which IP to probe: the lease file's, else the tracked one. Returns the IP to probe and,

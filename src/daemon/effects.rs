@@ -709,6 +709,10 @@ pub(super) fn apply_metric(m: &Metrics, update: MetricUpdate) {
         MetricUpdate::WakeRenewNudge { result } => {
             m.wake_renew_nudge_total.with_label_values(&[result]).inc()
         }
+        MetricUpdate::VmRestart { namespace, pod } => m
+            .vm_restarts_total
+            .with_label_values(&[&namespace, &pod])
+            .inc(),
     }
 }
 

@@ -221,6 +221,8 @@ impl Daemon {
             log::info!("node {} registered", self.config.node_name);
         }
         self.node = Some(agent);
+        // An exec credential plugin may have handed out a new client certificate.
+        super::startup::export_kube_client_expiry(&self.metrics, &self.kube);
     }
 
     /// Lists the node's pods on a lane worker (startup reconcile or a watch relist).

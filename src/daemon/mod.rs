@@ -332,7 +332,14 @@ impl Daemon {
             metrics_server.local_addr()
         );
 
-        let kubelet = startup::kubelet_server(&config, &kube, node.options(), stats, &mut reactor)?;
+        let mut kubelet =
+            startup::kubelet_server(&config, &kube, node.options(), stats, &mut reactor)?;
+        let probe_counts = crate::metrics::probes::ProbeCounts::default();
+        kubelet.serve_metrics(crate::kubelet::server::ServedMetrics {
+            metrics: metrics.clone(),
+            probes: probe_counts.clone(),
+        });
+        startup::export_kube_client_expiry(&metrics, &kube);
         let peer = startup::peer_service(&config, &kube)?;
         let review_kube = kube.clone();
         let auth_lane = auth_lane::AuthLane::new(
@@ -349,6 +356,7 @@ impl Daemon {
             Some(LeaseFile::new(config.leases_path.clone())),
         );
         probe_manager.set_duration_histogram(metrics.probe_duration_seconds.clone());
+        probe_manager.set_probe_counts(probe_counts);
         let pinger = Pinger::open();
         crate::network::icmp::register_mode_gauge(metrics.registry(), pinger.mode())
             .map_err(|e| StartError::new(1, format!("metrics: {e}")))?;

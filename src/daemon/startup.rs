@@ -276,3 +276,17 @@ pub(super) fn kubelet_server(
     log::info!("kubelet API listening on https://{bound}");
     Ok(server)
 }
+
+/// Sets `certificate_expiry_timestamp_seconds{certificate="kube-client"}` from the client
+/// certificate the API client presents (none with token credentials: no series then).
+pub(super) fn export_kube_client_expiry(metrics: &crate::metrics::Metrics, kube: &Client) {
+    let not_after = kube.client_cert_pem().and_then(|pem| {
+        let der = rustls_pemfile::certs(&mut std::io::Cursor::new(pem))
+            .next()?
+            .ok()?;
+        crate::kubelet::tls::cert_not_after(&der)
+    });
+    if let Some(at) = not_after {
+        crate::kubelet::server::set_expiry(metrics, crate::metrics::families::CERT_KUBE_CLIENT, at);
+    }
+}

@@ -296,6 +296,15 @@ impl Client {
         &self.cluster
     }
 
+    /// PEM of the client certificate in use: the exec plugin's latest, else the kubeconfig's.
+    pub fn client_cert_pem(&self) -> Option<Vec<u8>> {
+        let st = self.shared.tls.lock().unwrap_or_else(|p| p.into_inner());
+        st.cert
+            .as_ref()
+            .or(self.cluster.client_cert.as_ref())
+            .map(|(cert, _)| cert.clone())
+    }
+
     /// Current credentials, with the agent rebuilt if an exec plugin handed out a new client cert.
     fn material(
         &self,

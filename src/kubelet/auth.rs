@@ -317,6 +317,17 @@ mod tests {
             "metrics"
         );
         assert_eq!(attributes("GET", "/logs/", "n").subresource, "log");
+        // The kubelet's own scrape paths are nodes/metrics; a path that only starts with the
+        // same letters is not under /metrics (the kubelet matches whole path segments).
+        for p in [
+            "/metrics",
+            "/metrics/cadvisor",
+            "/metrics/probes",
+            "/metrics/",
+        ] {
+            assert_eq!(attributes("GET", p, "n").subresource, "metrics", "{p}");
+        }
+        assert_eq!(attributes("GET", "/metricsx", "n").subresource, "proxy");
         assert_eq!(
             attributes("GET", "/containerLogs/a/b/c", "n").subresource,
             "proxy"

@@ -146,6 +146,10 @@ pub enum Route {
     RunningPods,
     StatsSummary,
     MetricsResource,
+    /// The daemon's own families (the 9091 text).
+    Metrics,
+    MetricsCadvisor,
+    MetricsProbes,
     ContainerLogs {
         namespace: String,
         pod: String,
@@ -180,6 +184,9 @@ pub fn route(method: &str, path: &str) -> Route {
         ["runningpods", ""] | ["runningpods"] => only(get, Route::RunningPods),
         ["stats", "summary"] | ["stats", "summary", ""] => only(get, Route::StatsSummary),
         ["metrics", "resource"] | ["metrics", "resource", ""] => only(get, Route::MetricsResource),
+        ["metrics"] | ["metrics", ""] => only(get, Route::Metrics),
+        ["metrics", "cadvisor"] | ["metrics", "cadvisor", ""] => only(get, Route::MetricsCadvisor),
+        ["metrics", "probes"] | ["metrics", "probes", ""] => only(get, Route::MetricsProbes),
         ["containerLogs", ns, pod, c] if nonempty(&[ns, pod, c]) => only(
             get,
             Route::ContainerLogs {
@@ -386,6 +393,11 @@ mod tests {
         );
         assert_eq!(route("GET", "/portForward/a/b"), Route::PortForward);
         assert_eq!(route("GET", "/configz"), Route::NotFound);
+        assert_eq!(route("GET", "/metrics"), Route::Metrics);
+        assert_eq!(route("GET", "/metrics/cadvisor"), Route::MetricsCadvisor);
+        assert_eq!(route("GET", "/metrics/probes/"), Route::MetricsProbes);
+        assert_eq!(route("POST", "/metrics/probes"), Route::MethodNotAllowed);
+        assert_eq!(route("GET", "/metrics/other"), Route::NotFound);
         assert_eq!(parse_bool("True"), Some(true));
         assert_eq!(parse_bool("yes"), None);
     }

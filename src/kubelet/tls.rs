@@ -76,6 +76,8 @@ pub struct TlsState {
     require_client_cert: bool,
     config: Arc<ServerConfig>,
     source: CertSource,
+    /// NotAfter of the serving certificate in use.
+    not_after: Option<SystemTime>,
     stamp: Option<FileStamp>,
     last_check: Option<Instant>,
 }
@@ -112,13 +114,14 @@ impl TlsState {
     }
 
     fn build(settings: TlsSettings, require_client_cert: bool) -> Result<Self, TlsError> {
-        let (config, source) = build_config(&settings, require_client_cert)?;
+        let (config, source, not_after) = build_config(&settings, require_client_cert)?;
         let stamp = stamp_of(&settings.cert_path, &settings.key_path);
         Ok(TlsState {
             settings,
             require_client_cert,
             config,
             source,
+            not_after,
             stamp,
             last_check: None,
         })
@@ -130,6 +133,11 @@ impl TlsState {
 
     pub fn source(&self) -> &CertSource {
         &self.source
+    }
+
+    /// NotAfter of the serving certificate in use (None if it could not be read from it).
+    pub fn not_after(&self) -> Option<SystemTime> {
+        self.not_after
     }
 
     /// Re-reads the certificate files when their size or mtime changed (checked at most every
@@ -155,10 +163,11 @@ impl TlsState {
             return false;
         }
         match build_config(&self.settings, self.require_client_cert) {
-            Ok((config, source)) => {
+            Ok((config, source, not_after)) => {
                 log::info!("kubelet TLS reloaded ({source:?})");
                 self.config = config;
                 self.source = source;
+                self.not_after = not_after;
                 self.stamp = stamp;
                 true
             }
@@ -171,10 +180,10 @@ impl TlsState {
     }
 }
 
-fn build_config(
-    s: &TlsSettings,
-    require_client_cert: bool,
-) -> Result<(Arc<ServerConfig>, CertSource), TlsError> {
+/// The server configuration, where its certificate came from, and the certificate's NotAfter.
+type Built = (Arc<ServerConfig>, CertSource, Option<SystemTime>);
+
+fn build_config(s: &TlsSettings, require_client_cert: bool) -> Result<Built, TlsError> {
     let (chain, key, source) = match load_from_disk(s)? {
         Some((chain, key)) => (chain, key, CertSource::Disk(s.cert_path.clone())),
         None => {
@@ -182,6 +191,7 @@ fn build_config(
             (vec![c], k, CertSource::SelfSigned)
         }
     };
+    let not_after = chain.first().and_then(|c| cert_not_after(c));
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder =
         ServerConfig::builder_with_details(provider.clone(), Arc::new(crate::wall_clock::TlsClock))
@@ -216,7 +226,7 @@ fn build_config(
         .map_err(|e| TlsError::Rustls(e.to_string()))?;
     // HTTP/1.1 only: exec and attach need the Upgrade mechanism.
     cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Ok((Arc::new(cfg), source))
+    Ok((Arc::new(cfg), source, not_after))
 }
 
 type Pair = (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>);

@@ -4,7 +4,7 @@
 use std::sync::{Arc, RwLock};
 
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
+    GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
 };
 
 /// Prefix of every family (spec README precedence rule 4: `vk_cocoon_`, not `cocoon_vk_`).
@@ -80,7 +80,19 @@ pub struct Metrics {
     pub probe_duration_seconds: HistogramVec,
     /// result
     pub postclone_retry_attempts: HistogramVec,
+    /// namespace, pod: a stopped VM started again by the daemon (not in the Go daemon). Only
+    /// pods whose VM restarted have a series, and it stays after the pod goes: the operator
+    /// recreates an evicted pod under its name, whose restarts then keep adding up.
+    pub vm_restarts_total: IntCounterVec,
+    /// certificate (`kubelet-serving`, `kube-client`): NotAfter in unix seconds (not in the
+    /// Go daemon).
+    pub certificate_expiry_timestamp_seconds: GaugeVec,
 }
+
+/// `certificate` label of the kubelet API's serving certificate.
+pub const CERT_KUBELET_SERVING: &str = "kubelet-serving";
+/// `certificate` label of the kubeconfig's client certificate.
+pub const CERT_KUBE_CLIENT: &str = "kube-client";
 
 fn counter_vec(
     r: &Registry,
@@ -265,6 +277,23 @@ impl Metrics {
                 &["result"],
                 &[1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 60.0],
             )?,
+            vm_restarts_total: counter_vec(
+                &r,
+                "vm_restarts_total",
+                "VMs found stopped and started again by the daemon, by namespace and pod.",
+                &["namespace", "pod"],
+            )?,
+            certificate_expiry_timestamp_seconds: {
+                let g = GaugeVec::new(
+                    Opts::new(
+                        format!("{PREFIX}certificate_expiry_timestamp_seconds"),
+                        "NotAfter of the certificates the daemon presents, in unix seconds.",
+                    ),
+                    &["certificate"],
+                )?;
+                r.register(Box::new(g.clone()))?;
+                g
+            },
             registry: r,
             text_sources: Arc::new(RwLock::new(vec![
                 Arc::new(super::process::ProcessCollector) as Arc<dyn TextSource>,
@@ -467,6 +496,18 @@ mod tests {
             &["result"],
             &[1., 2., 5., 10., 20., 40., 60.],
         ),
+        (
+            "vm_restarts_total",
+            MetricType::COUNTER,
+            &["namespace", "pod"],
+            &[],
+        ),
+        (
+            "certificate_expiry_timestamp_seconds",
+            MetricType::GAUGE,
+            &["certificate"],
+            &[],
+        ),
     ];
 
     /// Touches one child of every family so that gather() reports it.
@@ -509,6 +550,7 @@ mod tests {
                     &m.hibernate_total,
                     &m.wake_ip_wait_total,
                     &m.postclone_total,
+                    &m.vm_restarts_total,
                     crate::metrics::admission::refused_total(),
                 ];
                 let vecs_h = [
@@ -536,6 +578,12 @@ mod tests {
                             hits += 1;
                         }
                     }
+                }
+                if full == m.certificate_expiry_timestamp_seconds.desc()[0].fq_name {
+                    m.certificate_expiry_timestamp_seconds
+                        .with_label_values(&values)
+                        .set(1.0);
+                    hits += 1;
                 }
                 assert_eq!(hits, 1, "{full}: field with that name and label arity");
             }

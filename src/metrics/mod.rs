@@ -2,9 +2,11 @@
 //! Collectors read /proc and sysfs through procfs; nothing here forks.
 
 pub mod admission;
+pub mod cadvisor;
 pub mod collectors;
 pub mod families;
 pub mod http;
+pub mod probes;
 pub mod process;
 pub mod stats;
 

@@ -89,6 +89,19 @@ pub struct VmSample {
     pub cow_bytes: u64,
     pub rx_bytes: u64,
     pub tx_bytes: u64,
+    /// The rest of the tap's `/proc/<pid>/net/dev` row (same read as the bytes).
+    pub net: NetCounters,
+}
+
+/// Packet, error and drop counters of one `/proc/<pid>/net/dev` row.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NetCounters {
+    pub rx_packets: u64,
+    pub rx_errors: u64,
+    pub rx_dropped: u64,
+    pub tx_packets: u64,
+    pub tx_errors: u64,
+    pub tx_dropped: u64,
 }
 
 impl VmSample {
@@ -110,6 +123,9 @@ pub struct NodeSample {
     pub memory_total_bytes: u64,
     pub storage_total_bytes: u64,
     pub storage_available_bytes: u64,
+    /// `cpuN` lines of /proc/stat: the logical CPUs the kernel accounts (cAdvisor's
+    /// `machine_cpu_cores`).
+    pub cpu_cores: u32,
 }
 
 impl NodeSample {
@@ -150,6 +166,7 @@ pub fn read_sample(paths: &StatsPaths, vms: &[TrackedVm], now: Instant) -> Sampl
             cow_bytes: 0,
             rx_bytes: 0,
             tx_bytes: 0,
+            net: NetCounters::default(),
         };
         let cpu_stat = paths
             .cgroup_root
@@ -187,9 +204,10 @@ pub fn read_sample(paths: &StatsPaths, vms: &[TrackedVm], now: Instant) -> Sampl
         if let Some(tap) = vm.tap.as_deref().filter(|t| !t.is_empty()) {
             match read_into(&pid_dir.join("net/dev"), &mut buf) {
                 Ok(true) => {
-                    if let Some((rx, tx)) = parse_net_dev(&buf, tap) {
+                    if let Some((rx, tx, net)) = parse_net_dev_row(&buf, tap) {
                         s.rx_bytes = rx;
                         s.tx_bytes = tx;
+                        s.net = net;
                     }
                 }
                 Ok(false) => {}
@@ -200,7 +218,10 @@ pub fn read_sample(paths: &StatsPaths, vms: &[TrackedVm], now: Instant) -> Sampl
     }
     let mut node = NodeSample::default();
     match read_into(&paths.proc_root.join("stat"), &mut buf) {
-        Ok(true) => node.cpu_ticks = parse_proc_stat_cpu(&buf).unwrap_or(0),
+        Ok(true) => {
+            node.cpu_ticks = parse_proc_stat_cpu(&buf).unwrap_or(0);
+            node.cpu_cores = count_proc_stat_cpus(&buf);
+        }
         _ => errors += 1,
     }
     match read_into(&paths.proc_root.join("meminfo"), &mut buf) {
@@ -313,6 +334,12 @@ pub fn parse_stat_cpu_ticks(text: &str) -> Option<u64> {
 
 /// rx bytes (1st field) and tx bytes (9th field) of the `<tap>:` line of /proc/<pid>/net/dev.
 pub fn parse_net_dev(text: &str, tap: &str) -> Option<(u64, u64)> {
+    parse_net_dev_row(text, tap).map(|(rx, tx, _)| (rx, tx))
+}
+
+/// The `<tap>:` line of /proc/<pid>/net/dev: rx bytes, tx bytes and the packet, error and drop
+/// counters (fields 2-4 and 10-12). Rows cut short after the bytes give zero counters.
+pub fn parse_net_dev_row(text: &str, tap: &str) -> Option<(u64, u64, NetCounters)> {
     for line in text.lines().skip(2) {
         let Some((name, rest)) = line.split_once(':') else {
             continue;
@@ -323,9 +350,28 @@ pub fn parse_net_dev(text: &str, tap: &str) -> Option<(u64, u64)> {
         let f: Vec<&str> = rest.split_ascii_whitespace().collect();
         let rx = f.first()?.parse().ok()?;
         let tx = f.get(8)?.parse().ok()?;
-        return Some((rx, tx));
+        let at = |i: usize| f.get(i).and_then(|v| v.parse().ok()).unwrap_or(0);
+        let net = NetCounters {
+            rx_packets: at(1),
+            rx_errors: at(2),
+            rx_dropped: at(3),
+            tx_packets: at(9),
+            tx_errors: at(10),
+            tx_dropped: at(11),
+        };
+        return Some((rx, tx, net));
     }
     None
+}
+
+/// Number of per-CPU `cpuN` lines of /proc/stat.
+pub fn count_proc_stat_cpus(text: &str) -> u32 {
+    let per_cpu = text.lines().filter(|l| {
+        l.strip_prefix("cpu")
+            .and_then(|r| r.split(' ').next())
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    });
+    u32::try_from(per_cpu.count()).unwrap_or(u32::MAX)
 }
 
 /// Sum of the fields of the aggregate `cpu ` line of /proc/stat (ticks).
@@ -554,6 +600,21 @@ mod tests {
         assert_eq!(parse_net_dev(t, "lo"), Some((100, 200)));
         assert_eq!(parse_net_dev(t, "tap1"), None);
         assert_eq!(parse_net_dev("a\nb\ntap0: x y\n", "tap0"), None);
+        let (_, _, net) = parse_net_dev_row(t, "tap0").unwrap();
+        assert_eq!((net.rx_packets, net.tx_packets), (1, 2));
+        let t2 = "h1\nh2\n eth0: 10 20 3 4 0 0 0 0 30 40 5 6 0 0 0 0\n";
+        let (_, _, net) = parse_net_dev_row(t2, "eth0").unwrap();
+        assert_eq!(
+            net,
+            NetCounters {
+                rx_packets: 20,
+                rx_errors: 3,
+                rx_dropped: 4,
+                tx_packets: 40,
+                tx_errors: 5,
+                tx_dropped: 6
+            }
+        );
     }
 
     #[test]
@@ -563,6 +624,10 @@ mod tests {
             Some(36)
         );
         assert_eq!(parse_proc_stat_cpu("intr 1\n"), None);
+        assert_eq!(
+            count_proc_stat_cpus("cpu  1 2\ncpu0 1 1\ncpu1 1 1\ncpufreq 3\nintr 1\n"),
+            2
+        );
         assert_eq!(
             parse_meminfo("MemTotal: 1000 kB\nMemFree: 5 kB\nMemAvailable: 400 kB\n"),
             (1000, 400)

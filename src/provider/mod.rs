@@ -309,6 +309,8 @@ pub enum MetricUpdate {
     PostCloneAttempts { result: &'static str, attempts: u32 },
     /// `wake_renew_nudge_total{result}`.
     WakeRenewNudge { result: &'static str },
+    /// `vm_restarts_total{namespace,pod}`: the pod's stopped VM is being started again.
+    VmRestart { namespace: String, pod: String },
 }
 
 /// Why a pod was evicted; also the terminated container's reason.

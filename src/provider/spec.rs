@@ -612,6 +612,12 @@ pub fn is_http_url(image: &str) -> bool {
     image.starts_with("http://") || image.starts_with("https://")
 }
 
+/// The first container's resources, or None when one of them does not parse (such a pod
+/// never gets a VM).
+pub fn pod_resources(pod: &Pod) -> Option<Resources> {
+    parse_resources(pod).ok()
+}
+
 fn parse_resources(pod: &Pod) -> Result<Resources, ResourceError> {
     let Some(c) = pod.spec.as_ref().and_then(|s| s.containers.first()) else {
         return Ok(Resources::default());

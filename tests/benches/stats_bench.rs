@@ -1,5 +1,6 @@
 //! Benchmark: scrapes with 1,000 tracked VMs — /stats/summary and /metrics/resource over HTTPS
-//! (keep-alive, authorised), the 9091 /metrics endpoint over HTTP, and a full sample refresh.
+//! (keep-alive, authorised), the 9091 /metrics endpoint over HTTP, a full sample refresh and
+//! the /metrics/cadvisor rendering the loop does once per sample.
 //! `cargo test --release --test benches stats_bench -- --ignored --nocapture`
 //! Zero forks: run it under `strace -f -e trace=execve,fork,vfork -o trace.txt` and count execve.
 
@@ -120,6 +121,25 @@ fn bench_scrapes_with_1000_vms() {
         report(&format!("HTTPS {path} ({bytes} bytes)"), lat);
     }
 
+    // The cAdvisor text, rendered on the loop once per sample (the scrapes between reuse it).
+    let sample = h.stats.sample(Instant::now());
+    let facts: vk_cocoon::metrics::cadvisor::PodFactsMap = pods(N)
+        .iter()
+        .map(|p| {
+            let key = (p.namespace.clone(), p.name.clone());
+            (key, vk_cocoon::kubelet::server::pod_facts(p))
+        })
+        .collect();
+    let mut lat = Vec::new();
+    let mut size = 0;
+    for _ in 0..30 {
+        let t = Instant::now();
+        let text = vk_cocoon::metrics::cadvisor::cadvisor_text(&sample, &facts, "cocoon.slice");
+        lat.push(t.elapsed());
+        size = text.len();
+    }
+    report(&format!("cadvisor_text render ({size} bytes)"), lat);
+
     // 9091: the daemon's whole /metrics answer (registry families + the per-VM text) over
     // plain HTTP, one connection per scrape as Prometheus does with Connection: close.
     let metrics = Metrics::new().unwrap();
@@ -176,7 +196,14 @@ fn read_response(s: &mut impl Read) -> usize {
         .parse()
         .unwrap();
     let mut body = vec![0u8; len];
-    s.read_exact(&mut body).unwrap();
+    let mut got = 0;
+    while got < len {
+        match s.read(&mut body[got..]) {
+            Ok(0) => panic!("closed after {got} of {len} bytes"),
+            Ok(n) => got += n,
+            Err(e) => panic!("{e} after {got} of {len} bytes"),
+        }
+    }
     len
 }
 

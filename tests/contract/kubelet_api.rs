@@ -10,12 +10,15 @@ use std::time::{Duration, Instant};
 use kubelet_support::{pod, promtool_check, Harness, Options};
 use vk_cocoon::kubelet::stats::Summary;
 
-const ROUTES: [(&str, &str); 11] = [
+const ROUTES: [(&str, &str); 14] = [
     ("GET", "/healthz"),
     ("GET", "/pods"),
     ("GET", "/runningpods/"),
     ("GET", "/stats/summary"),
     ("GET", "/metrics/resource"),
+    ("GET", "/metrics"),
+    ("GET", "/metrics/cadvisor"),
+    ("GET", "/metrics/probes"),
     ("GET", "/containerLogs/ns1/web/agent"),
     ("POST", "/exec/ns1/web/agent?command=true&output=1"),
     ("POST", "/attach/ns1/web/agent?output=1"),
@@ -110,6 +113,13 @@ fn callers_without_rights_are_refused_on_every_route() {
             .status,
         200
     );
+    for path in ["/metrics", "/metrics/cadvisor", "/metrics/probes"] {
+        assert_eq!(
+            h.request(anon.clone(), "GET", path, &hdr).unwrap().status,
+            200,
+            "{path} is nodes/metrics"
+        );
+    }
     assert_eq!(
         h.request(anon.clone(), "GET", "/pods", &hdr)
             .unwrap()

@@ -262,6 +262,8 @@ fn exported_families() -> Vec<(String, bool)> {
         &m.hibernate_total,
         &m.wake_ip_wait_total,
         &m.postclone_total,
+        &m.vm_restarts_total,
+        &m.certificate_expiry_timestamp_seconds,
         vk_cocoon::metrics::admission::refused_total(),
     ];
     let histograms: Vec<&dyn Collector> = vec![
@@ -324,6 +326,25 @@ fn series_names(text: &str, with_process: bool) -> Vec<String> {
         let rest = &text[i..];
         let starts =
             rest.starts_with("vk_cocoon_") || (with_process && rest.starts_with("process_"));
+        if starts && !text[..i].ends_with(ident) {
+            let end = rest.find(|c: char| !ident(c)).unwrap_or(rest.len());
+            names.push(rest[..end].to_string());
+        }
+    }
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// The cAdvisor and prober metric names `text` uses (`container_*`, `machine_*`, `prober_*`).
+fn kubelet_series_names(text: &str) -> Vec<String> {
+    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':';
+    let mut names = Vec::new();
+    for (i, _) in text.char_indices() {
+        let rest = &text[i..];
+        let starts = ["container_", "machine_", "prober_"]
+            .iter()
+            .any(|p| rest.starts_with(p));
         if starts && !text[..i].ends_with(ident) {
             let end = rest.find(|c: char| !ident(c)).unwrap_or(rest.len());
             names.push(rest[..end].to_string());
@@ -400,6 +421,8 @@ fn alerting_rules_use_only_series_the_daemon_exports() {
         "vk_cocoon_snapshot_push_total",
         "vk_cocoon_snapshot_pull_total",
         "vk_cocoon_orphan_vm_total",
+        "vk_cocoon_vm_restarts_total",
+        "vk_cocoon_certificate_expiry_timestamp_seconds",
     ] {
         assert!(names.iter().any(|n| n == needed), "no rule over {needed}");
     }
@@ -453,8 +476,37 @@ fn grafana_dashboard_parses_and_queries_only_exported_series() {
         "process_cpu_seconds_total",
         "vk_cocoon_vm_cpu_seconds_total",
         "vk_cocoon_vm_memory_rss_bytes",
+        "vk_cocoon_vm_restarts_total",
+        "vk_cocoon_certificate_expiry_timestamp_seconds",
     ] {
         assert!(names.iter().any(|n| n == needed), "no panel over {needed}");
+    }
+    // The panels over the kubelet job's paths use only what /metrics/cadvisor and
+    // /metrics/probes serve.
+    let kubelet_names = kubelet_series_names(&exprs.join("\n"));
+    let served: Vec<&str> = vk_cocoon::metrics::cadvisor::FAMILIES
+        .iter()
+        .copied()
+        .chain(["prober_probe_total"])
+        .collect();
+    let unknown: Vec<&String> = kubelet_names
+        .iter()
+        .filter(|n| !served.contains(&n.as_str()))
+        .collect();
+    assert!(
+        unknown.is_empty(),
+        "vk-cocoon.json uses kubelet series not served: {unknown:?}"
+    );
+    for needed in [
+        "container_cpu_usage_seconds_total",
+        "container_memory_working_set_bytes",
+        "container_network_receive_bytes_total",
+        "prober_probe_total",
+    ] {
+        assert!(
+            kubelet_names.iter().any(|n| n == needed),
+            "no panel over {needed}"
+        );
     }
     let exported = exported_families();
     assert!(

@@ -32,6 +32,7 @@ mod daemon_fork;
 mod daemon_full_disk;
 mod daemon_hibernate;
 mod daemon_isolation;
+mod daemon_kubelet_metrics;
 mod daemon_macos;
 mod daemon_node_labels;
 mod daemon_ownership;

@@ -253,6 +253,22 @@ fn kubectl_logs_exec_and_top_reach_the_vms_through_the_fake_api_server() {
         },
     );
     assert!(summary.contains("demo-1"), "{summary}");
+    // The cAdvisor path the kubelet ServiceMonitor scrapes, here through the API server's
+    // node proxy as kubectl reaches it: the pods' container series.
+    let cadvisor = sandbox.kubectl_until(
+        &[
+            "get",
+            "--raw",
+            "/api/v1/nodes/cocoon-sandbox/proxy/metrics/cadvisor",
+        ],
+        |out| out.contains("pod=\"demo-1\""),
+    );
+    assert!(
+        cadvisor.lines().any(|l| l
+            .starts_with("container_memory_working_set_bytes{container=\"agent\"")
+            && l.contains("pod=\"demo-0\"")),
+        "{cadvisor}"
+    );
     let missing = sandbox.kubectl(&["logs", "no-such-pod"], &[]);
     assert!(!missing.status.success());
     let stderr = String::from_utf8_lossy(&missing.stderr);

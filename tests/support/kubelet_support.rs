@@ -20,11 +20,14 @@ use rcgen::{
 };
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+use vk_cocoon::kubelet::server::ServedMetrics;
 use vk_cocoon::kubelet::tls::{TlsSettings, TlsState};
 use vk_cocoon::kubelet::{
     AuthAnswer, AuthRequest, KubeletConfig, KubeletServer, KubeletView, PodInfo, UserInfo, VmInfo,
 };
+use vk_cocoon::metrics::probes::ProbeCounts;
 use vk_cocoon::metrics::stats::{StatsHub, StatsPaths};
+use vk_cocoon::metrics::Metrics;
 use vk_cocoon::reactor::{Event, Reactor};
 
 pub struct Pki {
@@ -132,6 +135,9 @@ pub struct Harness {
     pub addr: SocketAddr,
     pub pki: Pki,
     pub stats: StatsHub,
+    /// The registry `/metrics` serves and the counts `/metrics/probes` serves.
+    pub metrics: Metrics,
+    pub probe_counts: ProbeCounts,
     pub counters: Arc<Mutex<Counters>>,
     pub log_dir: PathBuf,
     stop: Arc<AtomicBool>,
@@ -240,11 +246,18 @@ impl Harness {
         let c2 = counters.clone();
         let stop2 = stop.clone();
         let pods = opts.pods;
+        let metrics = Metrics::new().unwrap();
+        let probe_counts = ProbeCounts::default();
+        let served = ServedMetrics {
+            metrics: metrics.clone(),
+            probes: probe_counts.clone(),
+        };
         let thread = std::thread::spawn(move || {
             let mut reactor: Reactor<()> = Reactor::new(1, 16).unwrap();
             let tls = TlsState::new(settings).unwrap();
             let mut server = KubeletServer::new(cfg, tls, hub);
             server.set_view(KubeletView { pods });
+            server.serve_metrics(served);
             let addr = server
                 .listen(&mut reactor, "127.0.0.1:0".parse().unwrap())
                 .unwrap();
@@ -303,6 +316,8 @@ impl Harness {
             addr,
             pki,
             stats,
+            metrics,
+            probe_counts,
             counters,
             log_dir,
             stop,

@@ -16,7 +16,9 @@ use crate::reactor::Reactor;
 impl KubeletServer {
     pub(super) fn accept<M: Send + 'static>(&mut self, r: &mut Reactor<M>) {
         let now = r.now();
-        self.tls.maybe_reload(now);
+        if self.tls.maybe_reload(now) {
+            self.export_cert_expiry();
+        }
         loop {
             let Some((l, _)) = self.listener.as_ref() else {
                 return;

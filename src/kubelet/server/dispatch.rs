@@ -1,5 +1,5 @@
 //! Request dispatch of the kubelet server: the route of an authorised request, answered at once
-//! (health, pods, stats, resource metrics) or handed to `children` (logs, exec, attach).
+//! (health, pods, stats, metrics) or handed to `children` (logs, exec, attach).
 
 use std::sync::Arc;
 
@@ -103,6 +103,9 @@ impl KubeletServer {
                 };
                 routes::response(200, "text/plain; version=0.0.4", text.as_bytes(), false)
             }
+            Route::Metrics => self.own_metrics_response(),
+            Route::MetricsCadvisor => self.cadvisor_response(now),
+            Route::MetricsProbes => self.probes_response(),
             Route::PortForward => routes::text(
                 501,
                 "vk-cocoon: port forwarding is not supported for cocoon VMs\n",

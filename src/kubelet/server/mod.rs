@@ -23,6 +23,7 @@ mod auth_flow;
 mod children;
 mod conn;
 mod dispatch;
+mod metrics;
 mod requests;
 mod socket;
 
@@ -44,6 +45,7 @@ use crate::reactor::{ChildId, IoReady, Reactor, TimerId};
 
 pub use children::ATTACH_TAIL_LINES;
 use conn::Conn;
+pub use metrics::{pod_facts, set_expiry, ServedMetrics};
 
 /// Key of the server's single reactor timer.
 pub const TIMER_KEY: u64 = 0x6b75_6265_6c65_7400;
@@ -83,6 +85,12 @@ pub struct KubeletServer {
     auth_error_logged: Option<Instant>,
     /// `/metrics/resource` rendered from the sample it was made of.
     resource_text: Option<(Arc<Sample>, Arc<String>)>,
+    /// `/metrics/cadvisor` rendered from the sample it was made of (dropped with the view).
+    cadvisor_text: Option<(Arc<Sample>, Arc<String>)>,
+    /// The pods' facts for `/metrics/cadvisor`, from the view.
+    facts: crate::metrics::cadvisor::PodFactsMap,
+    /// The daemon's registry and probe counts for `/metrics` and `/metrics/probes`.
+    served: Option<ServedMetrics>,
 }
 
 impl KubeletServer {
@@ -114,6 +122,9 @@ impl KubeletServer {
             refusals: RefusalLog::new("kubelet"),
             auth_error_logged: None,
             resource_text: None,
+            cadvisor_text: None,
+            facts: Default::default(),
+            served: None,
         }
     }
 
@@ -160,6 +171,7 @@ impl KubeletServer {
             .collect();
         self.stats.set_vms(vms);
         self.view = view;
+        self.refresh_facts();
     }
 
     pub fn owns_token(&self, t: Token) -> bool {

@@ -333,6 +333,10 @@ impl Provider {
             return self.start_evict(key, EvictCause::RestartCooldown, true);
         }
         self.note_restart(&c.vm_id);
+        self.metric(MetricUpdate::VmRestart {
+            namespace: key.namespace.clone(),
+            pod: key.name.clone(),
+        });
         self.advance(
             key,
             CheckStep::Start,

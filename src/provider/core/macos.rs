@@ -622,6 +622,10 @@ impl Provider {
             return self.end_op(key);
         }
         self.note_restart(&vm.id);
+        self.metric(MetricUpdate::VmRestart {
+            namespace: key.namespace.clone(),
+            pod: key.name.clone(),
+        });
         log::warn!("provider: {key}: QEMU of {} is dead; starting it", vm.name);
         let vnc_display = self
             .vnc_ports

@@ -73,6 +73,12 @@ fn stopped_vm_is_restarted_then_cooldown_evicts() {
     );
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm start VM1");
+    // The restart is counted for the pod (vm_restarts_total).
+    let restart = MetricUpdate::VmRestart {
+        namespace: "ns".into(),
+        pod: "a".into(),
+    };
+    assert!(has_metric(&e, &restart), "{e:?}");
     let e = h.cocoon(op, CocoonResult::ok(""));
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm inspect VM1");
@@ -97,6 +103,7 @@ fn stopped_vm_is_restarted_then_cooldown_evicts() {
     );
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm rm --force VM1");
+    assert!(!has_metric(&e, &restart), "no restart within the cooldown");
     let e = h.cocoon(op, CocoonResult::ok(""));
     let st = statuses(&e);
     assert_eq!(st[0].1.reason.as_deref(), Some("RestartCooldown"));
