@@ -15,6 +15,7 @@ pub mod logs;
 pub mod routes;
 pub mod server;
 pub mod stats;
+pub mod streams;
 pub mod tls;
 
 use std::sync::Arc;
