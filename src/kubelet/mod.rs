@@ -12,6 +12,7 @@
 pub mod auth;
 pub mod exec;
 pub mod logs;
+pub mod portforward;
 pub mod routes;
 pub mod server;
 pub mod stats;

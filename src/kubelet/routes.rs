@@ -161,7 +161,10 @@ pub enum Route {
         pod: String,
         container: String,
     },
-    PortForward,
+    PortForward {
+        namespace: String,
+        pod: String,
+    },
     /// Path known, method not (405).
     MethodNotAllowed,
     NotFound,
@@ -204,7 +207,13 @@ pub fn route(method: &str, path: &str) -> Route {
                 container: c.to_string(),
             },
         ),
-        ["portForward", ns, pod] if nonempty(&[ns, pod]) => only(get_or_post, Route::PortForward),
+        ["portForward", ns, pod] if nonempty(&[ns, pod]) => only(
+            get_or_post,
+            Route::PortForward {
+                namespace: ns.to_string(),
+                pod: pod.to_string(),
+            },
+        ),
         _ => Route::NotFound,
     }
 }
@@ -384,7 +393,13 @@ mod tests {
                 container: "c".into()
             }
         );
-        assert_eq!(route("GET", "/portForward/a/b"), Route::PortForward);
+        assert_eq!(
+            route("GET", "/portForward/a/b"),
+            Route::PortForward {
+                namespace: "a".into(),
+                pod: "b".into()
+            }
+        );
         assert_eq!(route("GET", "/configz"), Route::NotFound);
         assert_eq!(parse_bool("True"), Some(true));
         assert_eq!(parse_bool("yes"), None);
