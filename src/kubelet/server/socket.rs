@@ -166,13 +166,17 @@ impl KubeletServer {
                     }
                 }
                 let mut blocked = false;
+                let mut sent = false;
                 while c.tls.wants_write() {
                     match c.tls.write_tls(&mut c.sock) {
                         Ok(0) => {
                             failed = true;
                             break;
                         }
-                        Ok(_) => delivered = true,
+                        Ok(_) => {
+                            delivered = true;
+                            sent = true;
+                        }
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                             blocked = true;
                             break;
@@ -184,12 +188,14 @@ impl KubeletServer {
                         }
                     }
                 }
-                // Nothing taken and nothing to send (rustls' buffer is full while it waits for
-                // the peer): stop; the next readiness event continues.
+                // Nothing taken and nothing sent (rustls' buffer is full while it waits for
+                // the peer): stop; the next readiness event continues. Records sent just now
+                // made room in rustls' buffer: go round again, or nothing would ever come back
+                // for this output (the socket did not block, so no readiness event follows).
                 if failed
                     || blocked
                     || taken == c.out.len()
-                    || (accepted == 0 && !c.tls.wants_write())
+                    || (accepted == 0 && !sent && !c.tls.wants_write())
                 {
                     break;
                 }
