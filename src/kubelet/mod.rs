@@ -1,4 +1,4 @@
-//! The kubelet HTTPS API on 10250: authentication, logs, exec and attach, stats.
+//! The kubelet HTTPS API on 10250: authentication, logs, exec and attach, port-forward, stats.
 //! Serves from the event loop; the VM facts it needs come from the daemon.
 //!
 //! Wiring (what the daemon does):
