@@ -281,9 +281,8 @@ pub(super) fn kubelet_server(
 /// certificate the API client presents (none with token credentials: no series then).
 pub(super) fn export_kube_client_expiry(metrics: &crate::metrics::Metrics, kube: &Client) {
     let not_after = kube.client_cert_pem().and_then(|pem| {
-        let der = rustls_pemfile::certs(&mut std::io::Cursor::new(pem))
-            .next()?
-            .ok()?;
+        use rustls::pki_types::{pem::PemObject, CertificateDer};
+        let der = CertificateDer::pem_slice_iter(&pem).next()?.ok()?;
         crate::kubelet::tls::cert_not_after(&der)
     });
     if let Some(at) = not_after {

@@ -1,4 +1,4 @@
-//! The kubelet HTTPS API on 10250: authentication, logs, exec and attach, stats.
+//! The kubelet HTTPS API on 10250: authentication, logs, exec and attach, port-forward, stats.
 //! Serves from the event loop; the VM facts it needs come from the daemon.
 //!
 //! Wiring (what the daemon does):
@@ -12,9 +12,11 @@
 pub mod auth;
 pub mod exec;
 pub mod logs;
+pub mod portforward;
 pub mod routes;
 pub mod server;
 pub mod stats;
+pub mod streams;
 pub mod tls;
 
 use std::sync::Arc;

@@ -165,7 +165,10 @@ pub enum Route {
         pod: String,
         container: String,
     },
-    PortForward,
+    PortForward {
+        namespace: String,
+        pod: String,
+    },
     /// Path known, method not (405).
     MethodNotAllowed,
     NotFound,
@@ -211,7 +214,13 @@ pub fn route(method: &str, path: &str) -> Route {
                 container: c.to_string(),
             },
         ),
-        ["portForward", ns, pod] if nonempty(&[ns, pod]) => only(get_or_post, Route::PortForward),
+        ["portForward", ns, pod] if nonempty(&[ns, pod]) => only(
+            get_or_post,
+            Route::PortForward {
+                namespace: ns.to_string(),
+                pod: pod.to_string(),
+            },
+        ),
         _ => Route::NotFound,
     }
 }
@@ -391,7 +400,13 @@ mod tests {
                 container: "c".into()
             }
         );
-        assert_eq!(route("GET", "/portForward/a/b"), Route::PortForward);
+        assert_eq!(
+            route("GET", "/portForward/a/b"),
+            Route::PortForward {
+                namespace: "a".into(),
+                pod: "b".into()
+            }
+        );
         assert_eq!(route("GET", "/configz"), Route::NotFound);
         assert_eq!(route("GET", "/metrics"), Route::Metrics);
         assert_eq!(route("GET", "/metrics/cadvisor"), Route::MetricsCadvisor);

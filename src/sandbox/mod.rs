@@ -362,6 +362,7 @@ impl Sandbox {
              \n  {k} get nodes,pods -o wide\
              \n  {k} logs {clone_pod}\
              \n  {k} exec {clone_pod} -- uname -a\
+             \n  {k} port-forward {clone_pod} 8022:22   (reaches what listens on the pod's loopback IP)\
              \n  {k} top pod        (the first answer takes a few seconds)\
              \n  {k} top node\
              \n  {k} get events\

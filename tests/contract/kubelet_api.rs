@@ -291,11 +291,12 @@ fn plain_routes_and_stats_match_proc() {
             .status,
         405
     );
+    // Port forwarding needs an upgrade to a stream protocol; a plain request is told so.
     let pf = h
         .request(cfg.clone(), "POST", "/portForward/ns1/web", &a)
         .unwrap();
-    assert_eq!(pf.status, 501);
-    assert!(pf.text().contains("not supported"));
+    assert_eq!(pf.status, 400);
+    assert!(pf.text().contains("unable to upgrade"), "{}", pf.text());
     // The pod's own container name (whatever its spec calls it) reaches the VM's logs, as
     // with the Go daemon, which ignores the name.
     let own_name = h

@@ -28,6 +28,7 @@ mod kubelet_exec;
 mod kubelet_fake_cocoon;
 mod kubelet_floods;
 mod kubelet_metrics;
+mod kubelet_portforward;
 mod network_icmp;
 mod network_leases;
 mod network_release;

@@ -433,7 +433,8 @@ fn prometheus_scrapes_the_kubelet_paths_and_the_kubelet_rules_see_the_pod() {
     let pem = base64::engine::general_purpose::STANDARD
         .decode(cert_b64)
         .expect("base64");
-    let der = rustls_pemfile::certs(&mut std::io::Cursor::new(pem))
+    use rustls::pki_types::{pem::PemObject, CertificateDer};
+    let der = CertificateDer::pem_slice_iter(&pem)
         .next()
         .expect("a certificate")
         .expect("PEM");

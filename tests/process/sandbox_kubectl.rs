@@ -1,10 +1,14 @@
-//! The sandbox as a little cluster for the real kubectl: logs, exec (SPDY and WebSocket) and top
-//! go through the fake API server to the daemon's kubelet API; the example manifests run.
+//! The sandbox as a little cluster for the real kubectl: logs, exec (SPDY and WebSocket), top
+//! and port-forward (SPDY and SPDY tunnelled in WebSocket) go through the fake API server to the
+//! daemon's kubelet API; the example manifests run.
 //! Skipped with a printed reason when /usr/bin/kubectl is missing.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const SANDBOX_BIN: &str = env!("CARGO_BIN_EXE_vk-cocoon-sandbox");
@@ -129,6 +133,129 @@ impl Sandbox {
             .expect("run the fake cocoon");
         serde_json::from_slice::<Vec<serde_json::Value>>(&out.stdout).unwrap_or_default()
     }
+}
+
+/// A service in the guest: a TCP echo server on the pod's VM address (the fake guests' addresses
+/// are loopback ones), counting the connections it accepted.
+struct EchoGuest {
+    port: u16,
+    accepted: Arc<AtomicUsize>,
+}
+
+fn echo_guest(ip: &str) -> EchoGuest {
+    let listener = TcpListener::bind((ip, 0)).expect("listen on the guest's address");
+    let port = listener.local_addr().expect("bound address").port();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            count.fetch_add(1, Ordering::SeqCst);
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 64 * 1024];
+                loop {
+                    match conn.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => {
+                            if conn.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                        }
+                    }
+                }
+                // The client's end reaches the guest; the guest's end reaches the client.
+                let _ = conn.shutdown(Shutdown::Write);
+            });
+        }
+    });
+    EchoGuest { port, accepted }
+}
+
+/// A running `kubectl port-forward`; killed however the test ends.
+struct PortForward {
+    child: std::process::Child,
+    stderr: PathBuf,
+}
+
+impl Drop for PortForward {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl PortForward {
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    /// Waits for kubectl to exit on its own; its status, or None after the deadline.
+    fn wait_exit(&mut self) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + DEADLINE;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        None
+    }
+}
+
+impl Sandbox {
+    /// Starts `kubectl port-forward pod/POD LOCAL:GUEST` and waits until it listens.
+    fn port_forward(&self, pod: &str, guest_port: u16, websockets: &str) -> (PortForward, u16) {
+        let local = free_port();
+        let stderr = self.dir.join(format!("port-forward-{local}.err"));
+        let mut child = Command::new(KUBECTL)
+            .arg("--kubeconfig")
+            .arg(self.dir.join("kubeconfig"))
+            .args(["port-forward", "--address", "127.0.0.1"])
+            .arg(format!("pod/{pod}"))
+            .arg(format!("{local}:{guest_port}"))
+            .env("KUBECTL_PORT_FORWARD_WEBSOCKETS", websockets)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr).expect("stderr file"))
+            .spawn()
+            .expect("run kubectl port-forward");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let pf = PortForward { child, stderr };
+        let want = format!("Forwarding from 127.0.0.1:{local}");
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(line) if line.contains(&want) => return (pf, local),
+                Ok(_) => {}
+                Err(_) => panic!(
+                    "kubectl port-forward never listened: {}\n{}",
+                    pf.stderr(),
+                    self.log()
+                ),
+            }
+        }
+    }
+}
+
+/// Sends `data` on a forwarded connection, ends its side, and returns all the guest sent back.
+fn echo_through(mut conn: TcpStream, data: Vec<u8>) -> Vec<u8> {
+    conn.set_read_timeout(Some(DEADLINE)).expect("read timeout");
+    let mut writer = conn.try_clone().expect("clone the connection");
+    let sender = std::thread::spawn(move || {
+        writer.write_all(&data).expect("send through the forward");
+        writer.shutdown(Shutdown::Write).expect("end our side");
+    });
+    let mut back = Vec::new();
+    conn.read_to_end(&mut back).expect("read the echo");
+    sender.join().expect("sender thread");
+    back
 }
 
 /// The local addresses of every TCP socket `pid` listens on (from /proc: its socket inodes,
@@ -345,4 +472,105 @@ fn the_example_manifests_run_and_ctrl_c_removes_the_fake_vms() {
         "fake VMs left behind: {:?}",
         sandbox.fake_vms()
     );
+}
+
+#[test]
+fn kubectl_port_forward_reaches_guest_ports_and_kubectl_cp_fails_clearly() {
+    if !kubectl_present() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    let sandbox = Sandbox::start(dir.path(), 1);
+    sandbox.wait_running("demo-0");
+    let ip = sandbox.kubectl_until(
+        &["get", "pod", "demo-0", "-o", "jsonpath={.status.podIP}"],
+        |ip| !ip.is_empty(),
+    );
+    assert!(ip.starts_with("127."), "fake guests live on loopback: {ip}");
+    let guest = echo_guest(&ip);
+
+    // kubectl's default (SPDY tunnelled in WebSocket) and plain SPDY: two connections at once
+    // through one forward, a megabyte each way on each, the guest's end reaching the client.
+    for (protocol, websockets) in [("websocket", "true"), ("spdy", "false")] {
+        let before = guest.accepted.load(Ordering::SeqCst);
+        let (pf, local) = sandbox.port_forward("demo-0", guest.port, websockets);
+        let mut a = TcpStream::connect(("127.0.0.1", local)).expect("connect to the forward");
+        let mut b = TcpStream::connect(("127.0.0.1", local)).expect("connect to the forward");
+        for (conn, hello) in [(&mut a, b"hello a"), (&mut b, b"hello b")] {
+            conn.set_read_timeout(Some(DEADLINE)).expect("read timeout");
+            conn.write_all(hello).expect("greet the guest");
+            let mut back = [0u8; 7];
+            conn.read_exact(&mut back).expect("the guest's echo");
+            assert_eq!(&back, hello, "over {protocol}: {}", pf.stderr());
+        }
+        let pattern = |seed: u8| -> Vec<u8> {
+            (0..1024 * 1024u32)
+                .map(|i| (i % 251) as u8 ^ seed)
+                .collect()
+        };
+        let (da, db) = (pattern(0x5a), pattern(0xa5));
+        let ta = std::thread::spawn({
+            let da = da.clone();
+            move || echo_through(a, da)
+        });
+        let back_b = echo_through(b, db.clone());
+        let back_a = ta.join().expect("connection a");
+        assert!(
+            back_a == da,
+            "over {protocol}: connection a got {} bytes back, not its own",
+            back_a.len()
+        );
+        assert!(
+            back_b == db,
+            "over {protocol}: connection b got {} bytes back, not its own",
+            back_b.len()
+        );
+        assert_eq!(
+            guest.accepted.load(Ordering::SeqCst) - before,
+            2,
+            "over {protocol}: one guest connection per forwarded connection"
+        );
+        drop(pf);
+    }
+
+    // A guest port where nothing listens: kubectl reports the kubelet's error and gives up.
+    let closed = {
+        let l = TcpListener::bind((ip.as_str(), 0)).expect("listen on the guest's address");
+        l.local_addr().expect("bound address").port()
+    };
+    for (protocol, websockets) in [("websocket", "true"), ("spdy", "false")] {
+        let (mut pf, local) = sandbox.port_forward("demo-0", closed, websockets);
+        let mut conn = TcpStream::connect(("127.0.0.1", local)).expect("connect to the forward");
+        conn.set_read_timeout(Some(DEADLINE)).expect("read timeout");
+        let _ = conn.write_all(b"anyone there?");
+        let mut back = Vec::new();
+        let _ = conn.read_to_end(&mut back);
+        assert!(back.is_empty(), "over {protocol}: {back:?}");
+        let status = pf.wait_exit();
+        let stderr = pf.stderr();
+        assert!(
+            status.is_some_and(|s| !s.success()),
+            "over {protocol}: {status:?} {stderr}"
+        );
+        assert!(
+            stderr.contains(&format!(
+                "error forwarding port {closed} to pod default/demo-0"
+            )) && stderr.contains(&format!(
+                "dial tcp {ip}:{closed}: connect: connection refused"
+            )),
+            "over {protocol}: {stderr}"
+        );
+    }
+
+    // kubectl cp needs tar in the guest; the fake guest has none and says so, as a shell would.
+    let file = dir.path().join("to-copy.txt");
+    std::fs::write(&file, "some bytes\n").expect("write the file to copy");
+    let cp = sandbox.kubectl(
+        &["cp", &file.to_string_lossy(), "demo-0:/tmp/copied.txt"],
+        &[],
+    );
+    let stderr = String::from_utf8_lossy(&cp.stderr);
+    assert!(!cp.status.success(), "{stderr}");
+    assert!(stderr.contains("tar: command not found"), "{stderr}");
+    assert!(stderr.contains("exit code 127"), "{stderr}");
 }

@@ -123,6 +123,8 @@ pub fn stand_in_cocoon(log_dir: &Path) -> Vec<String> {
 pub struct Counters {
     pub connections: usize,
     pub children: usize,
+    /// Port-forward sockets to guests.
+    pub guests: usize,
     pub reactor_children: usize,
     pub turns: u64,
     /// Reviews the server gave up on because their client left (cumulative).
@@ -304,6 +306,7 @@ impl Harness {
                 *c2.lock().unwrap() = Counters {
                     connections: server.connection_count(),
                     children: server.child_count(),
+                    guests: server.guest_connection_count(),
                     reactor_children: reactor.children_running(),
                     turns,
                     cancelled_reviews,
@@ -336,7 +339,7 @@ impl Harness {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         loop {
             let c = self.counters();
-            if (c.connections == 0 && c.children == 0 && c.reactor_children == 0)
+            if (c.connections == 0 && c.children == 0 && c.guests == 0 && c.reactor_children == 0)
                 || std::time::Instant::now() > deadline
             {
                 return c;

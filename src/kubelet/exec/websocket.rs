@@ -1,86 +1,22 @@
-//! Server side of the WebSocket remote-command transport (channel.k8s.io family):
-//! RFC 6455 framing (masked client frames, fragmentation, ping/close) and the channel byte.
+//! Exec and attach over WebSocket (channel.k8s.io family): the channel byte (or base64 text
+//! with a channel digit) on the shared RFC 6455 framing, stdin in, output and status out.
 //!
 //! Pure bytes in, bytes and events out.
 
 use base64::Engine;
 
 use super::SessionEvent;
+pub use crate::kubelet::streams::websocket::{accept_key, frame, handshake_response, MAX_MESSAGE};
+use crate::kubelet::streams::websocket::{frame_parts, WsInput, WsReader, BINARY, TEXT};
 
-/// The largest client message accepted (a bigger one closes with 1009).
-pub const MAX_MESSAGE: usize = 16 * 1024 * 1024;
 /// Outgoing data is split into frames of at most this size.
 const OUT_FRAME: usize = 64 * 1024;
-
-const GUID: &str = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11";
-
-/// `Sec-WebSocket-Accept` for a client key.
-pub fn accept_key(key: &str) -> String {
-    let d = ring::digest::digest(
-        &ring::digest::SHA1_FOR_LEGACY_USE_ONLY,
-        format!("{}{GUID}", key.trim()).as_bytes(),
-    );
-    base64::engine::general_purpose::STANDARD.encode(d.as_ref())
-}
-
-/// The 101 response for a WebSocket upgrade.
-pub fn handshake_response(accept: &str, protocol: &str) -> Vec<u8> {
-    format!(
-        "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: {accept}\r\nSec-WebSocket-Protocol: {protocol}\r\n\r\n"
-    )
-    .into_bytes()
-}
-
-/// Appends one unmasked server frame.
-pub fn frame(opcode: u8, payload: &[u8], out: &mut Vec<u8>) {
-    frame_parts(opcode, &[], payload, out);
-}
-
-/// Appends one unmasked server frame whose payload is `head` then `payload`, copied once.
-fn frame_parts(opcode: u8, head: &[u8], payload: &[u8], out: &mut Vec<u8>) {
-    let n = head.len() + payload.len();
-    out.reserve(n + 10);
-    out.push(0x80 | opcode);
-    if n < 126 {
-        out.push(n as u8);
-    } else if n <= u16::MAX as usize {
-        out.push(126);
-        out.extend_from_slice(&(n as u16).to_be_bytes());
-    } else {
-        out.push(127);
-        out.extend_from_slice(&(n as u64).to_be_bytes());
-    }
-    out.extend_from_slice(head);
-    out.extend_from_slice(payload);
-}
-
-/// XORs the client's masking key over a payload, eight bytes at a time.
-fn unmask(payload: &mut [u8], mask: [u8; 4]) {
-    let word = u64::from_ne_bytes([
-        mask[0], mask[1], mask[2], mask[3], mask[0], mask[1], mask[2], mask[3],
-    ]);
-    let mut chunks = payload.chunks_exact_mut(8);
-    for c in &mut chunks {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(c);
-        c.copy_from_slice(&(u64::from_ne_bytes(b) ^ word).to_ne_bytes());
-    }
-    // The remainder starts at a multiple of eight, so the key phase is unchanged.
-    for (i, b) in chunks.into_remainder().iter_mut().enumerate() {
-        *b ^= mask[i % 4];
-    }
-}
 
 pub struct WsSession {
     protocol: String,
     base64: bool,
     v5: bool,
-    buf: Vec<u8>,
-    /// Bytes of `buf` already parsed; dropped once per `feed`, not once per frame.
-    pos: usize,
-    /// Fragmented message being assembled: (opcode, data).
-    partial: Option<(u8, Vec<u8>)>,
-    closed: bool,
+    reader: WsReader,
     stdin_open: bool,
 }
 
@@ -97,10 +33,7 @@ impl WsSession {
             protocol: protocol.to_string(),
             base64: protocol.contains("base64"),
             v5: protocol.starts_with("v5."),
-            buf: Vec::new(),
-            pos: 0,
-            partial: None,
-            closed: false,
+            reader: WsReader::new(),
             stdin_open: stdin,
         };
         // An empty message tells the client the connection is live.
@@ -127,15 +60,15 @@ impl WsSession {
                     .encode(data)
                     .as_bytes(),
             );
-            frame(1, &p, out);
+            frame(TEXT, &p, out);
         } else {
-            frame_parts(2, &[channel], data, out);
+            frame_parts(BINARY, &[channel], data, out);
         }
     }
 
     /// Sends data on a channel (1 stdout, 2 stderr, 3 error), split into bounded frames.
     pub fn send(&mut self, channel: u8, data: &[u8], out: &mut Vec<u8>) {
-        if self.closed {
+        if self.reader.closed() {
             return;
         }
         for piece in data.chunks(OUT_FRAME) {
@@ -145,141 +78,38 @@ impl WsSession {
 
     /// Error-channel message (if any) then a normal close.
     pub fn finish(&mut self, status: Option<&str>, out: &mut Vec<u8>) {
-        if self.closed {
+        if self.reader.closed() {
             return;
         }
         if let Some(s) = status {
             self.message(3, s.as_bytes(), out);
         }
-        frame(8, &1000u16.to_be_bytes(), out);
-        self.closed = true;
+        self.reader.close(1000, out);
     }
 
     fn fail(&mut self, code: u16, why: &str, out: &mut Vec<u8>, ev: &mut Vec<SessionEvent>) {
-        if !self.closed {
-            let mut p = code.to_be_bytes().to_vec();
-            p.extend_from_slice(why.as_bytes());
-            frame(8, &p, out);
-            self.closed = true;
+        if !self.reader.closed() {
+            self.reader.close(code, out);
         }
         ev.push(SessionEvent::ProtocolError(why.to_string()));
     }
 
     pub fn feed(&mut self, data: &[u8], out: &mut Vec<u8>, ev: &mut Vec<SessionEvent>) {
-        if self.pos > 0 {
-            self.buf.drain(..self.pos);
-            self.pos = 0;
-        }
-        self.buf.extend_from_slice(data);
-        loop {
-            let at = self.pos;
-            let avail = self.buf.len() - at;
-            if avail < 2 {
-                return;
+        let mut got = Vec::new();
+        self.reader.feed(data, out, &mut got);
+        for g in got {
+            match g {
+                WsInput::Message(_, msg) => self.message_in(msg, out, ev),
+                WsInput::Closed => ev.push(SessionEvent::Closed),
+                WsInput::Broken(why) => ev.push(SessionEvent::ProtocolError(why)),
             }
-            let b0 = self.buf[at];
-            let b1 = self.buf[at + 1];
-            let fin = b0 & 0x80 != 0;
-            let opcode = b0 & 0x0f;
-            if b0 & 0x70 != 0 {
-                return self.fail(1002, "reserved bits set", out, ev);
-            }
-            if b1 & 0x80 == 0 {
-                return self.fail(1002, "client frames must be masked", out, ev);
-            }
-            let (len, mut pos) = match b1 & 0x7f {
-                126 => {
-                    if avail < 4 {
-                        return;
-                    }
-                    (
-                        u16::from_be_bytes([self.buf[at + 2], self.buf[at + 3]]) as u64,
-                        4,
-                    )
-                }
-                127 => {
-                    if avail < 10 {
-                        return;
-                    }
-                    let mut b = [0u8; 8];
-                    b.copy_from_slice(&self.buf[at + 2..at + 10]);
-                    (u64::from_be_bytes(b), 10)
-                }
-                n => (n as u64, 2),
-            };
-            if len > MAX_MESSAGE as u64 {
-                return self.fail(1009, "message too big", out, ev);
-            }
-            let len = len as usize;
-            if avail < pos + 4 + len {
-                return;
-            }
-            let m = at + pos;
-            let mask = [
-                self.buf[m],
-                self.buf[m + 1],
-                self.buf[m + 2],
-                self.buf[m + 3],
-            ];
-            pos += 4;
-            let mut payload: Vec<u8> = self.buf[at + pos..at + pos + len].to_vec();
-            unmask(&mut payload, mask);
-            self.pos = at + pos + len;
-            match opcode {
-                0x8 => {
-                    if !self.closed {
-                        frame(8, payload.get(..2).unwrap_or(&1000u16.to_be_bytes()), out);
-                        self.closed = true;
-                    }
-                    ev.push(SessionEvent::Closed);
-                    return;
-                }
-                0x9 => {
-                    if payload.len() > 125 {
-                        return self.fail(1002, "control frame too long", out, ev);
-                    }
-                    frame(0xA, &payload, out);
-                }
-                0xA => {}
-                0x0 => {
-                    let Some((op, mut acc)) = self.partial.take() else {
-                        return self.fail(1002, "continuation without a message", out, ev);
-                    };
-                    if acc.len() + payload.len() > MAX_MESSAGE {
-                        return self.fail(1009, "message too big", out, ev);
-                    }
-                    acc.extend_from_slice(&payload);
-                    if fin {
-                        self.message_in(op, acc, out, ev);
-                    } else {
-                        self.partial = Some((op, acc));
-                    }
-                }
-                0x1 | 0x2 => {
-                    if self.partial.is_some() {
-                        return self.fail(1002, "new message inside a fragmented one", out, ev);
-                    }
-                    if fin {
-                        self.message_in(opcode, payload, out, ev);
-                    } else {
-                        self.partial = Some((opcode, payload));
-                    }
-                }
-                _ => return self.fail(1002, "unknown opcode", out, ev),
-            }
-            if self.closed {
+            if self.reader.closed() {
                 return;
             }
         }
     }
 
-    fn message_in(
-        &mut self,
-        _opcode: u8,
-        msg: Vec<u8>,
-        out: &mut Vec<u8>,
-        ev: &mut Vec<SessionEvent>,
-    ) {
+    fn message_in(&mut self, msg: Vec<u8>, out: &mut Vec<u8>, ev: &mut Vec<SessionEvent>) {
         let Some((&first, rest)) = msg.split_first() else {
             return;
         };
@@ -310,36 +140,7 @@ impl WsSession {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn unmask_matches_the_bytewise_definition() {
-        let mask = [0x12, 0x34, 0x56, 0x78];
-        for n in 0..40 {
-            let data: Vec<u8> = (0..n as u8).map(|i| i.wrapping_mul(37)).collect();
-            let mut fast = data.clone();
-            unmask(&mut fast, mask);
-            let slow: Vec<u8> = data
-                .iter()
-                .enumerate()
-                .map(|(i, b)| b ^ mask[i % 4])
-                .collect();
-            assert_eq!(fast, slow, "length {n}");
-        }
-    }
-
-    fn client_frame(opcode: u8, fin: bool, payload: &[u8]) -> Vec<u8> {
-        let mut f = vec![if fin { 0x80 } else { 0 } | opcode];
-        let mask = [1u8, 2, 3, 4];
-        if payload.len() < 126 {
-            f.push(0x80 | payload.len() as u8);
-        } else {
-            f.push(0x80 | 126);
-            f.extend_from_slice(&(payload.len() as u16).to_be_bytes());
-        }
-        f.extend_from_slice(&mask);
-        f.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
-        f
-    }
+    use crate::kubelet::streams::websocket::tests::client_frame;
 
     #[test]
     fn stdin_fragments_ping_and_close() {

@@ -42,6 +42,8 @@ pub(super) enum Phase {
         /// The command ended and `finish` ran, but output still waits for the peer's window.
         ended: bool,
     },
+    /// Upgraded port-forward session and its connections to the guest.
+    PortForward(Box<super::forward::Forwarding>),
     /// Flushing the last bytes, then closing.
     Closing,
 }
@@ -110,6 +112,7 @@ impl KubeletServer {
             Phase::WaitAuth { id, .. } => {
                 self.drop_pending(id, true);
             }
+            Phase::PortForward(mut f) => self.drop_forwards(r, &mut f),
             _ => {}
         }
     }

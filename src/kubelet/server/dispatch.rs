@@ -1,5 +1,6 @@
 //! Request dispatch of the kubelet server: the route of an authorised request, answered at once
-//! (health, pods, stats, metrics) or handed to `children` (logs, exec, attach).
+//! (health, pods, stats, metrics) or handed to `children` (logs, exec, attach) or `forward`
+//! (port-forward).
 
 use std::sync::Arc;
 
@@ -106,11 +107,6 @@ impl KubeletServer {
             Route::Metrics => self.own_metrics_response(),
             Route::MetricsCadvisor => self.cadvisor_response(now),
             Route::MetricsProbes => self.probes_response(),
-            Route::PortForward => routes::text(
-                501,
-                "vk-cocoon: port forwarding is not supported for cocoon VMs\n",
-                false,
-            ),
             Route::MethodNotAllowed => routes::text(405, "405 method not allowed", false),
             Route::NotFound => routes::text(404, "404 request not found", false),
             Route::ContainerLogs {
@@ -128,6 +124,9 @@ impl KubeletServer {
                 pod,
                 container,
             } => return self.upgrade_exec(r, token, &req, &namespace, &pod, &container, true),
+            Route::PortForward { namespace, pod } => {
+                return self.upgrade_port_forward(r, token, &req, &namespace, &pod)
+            }
         };
         self.respond(r, token, resp, close);
     }

@@ -15,7 +15,8 @@
 //! This file holds the server's state and its entry points from the loop; each concern has its
 //! own file: `admission` (accept and the connection limits), `auth_flow` (who may do what),
 //! `requests` (request framing and responses), `dispatch` (the routes answered at once),
-//! `children` (logs and exec children wired to their connection), `socket` (TLS reads, writes
+//! `children` (logs and exec children wired to their connection), `forward` (port-forward
+//! connections and their sockets to guests), `socket` (TLS reads, writes
 //! and pacing) and `conn` (one connection's state and its end).
 
 mod admission;
@@ -23,6 +24,7 @@ mod auth_flow;
 mod children;
 mod conn;
 mod dispatch;
+mod forward;
 mod metrics;
 mod requests;
 mod socket;
@@ -64,6 +66,8 @@ pub struct KubeletServer {
     view: KubeletView,
     index: HashMap<(String, String), usize>,
     children: HashMap<ChildId, Token>,
+    /// Sockets to guests of port-forward connections: the connection and the forward's key.
+    guests: HashMap<Token, (Token, crate::kubelet::portforward::Key)>,
     auth_pending: HashMap<AuthId, (Token, AuthRequest, PeerKey)>,
     auth_out: Vec<(AuthId, AuthRequest, PeerKey)>,
     /// Reviews whose client left (or timed out) before the answer: the daemon drops them
@@ -109,6 +113,7 @@ impl KubeletServer {
             view: KubeletView::default(),
             index: HashMap::new(),
             children: HashMap::new(),
+            guests: HashMap::new(),
             auth_pending: HashMap::new(),
             auth_out: Vec::new(),
             auth_cancelled: Vec::new(),
@@ -175,7 +180,9 @@ impl KubeletServer {
     }
 
     pub fn owns_token(&self, t: Token) -> bool {
-        self.conns.contains_key(&t) || self.listener.as_ref().is_some_and(|(_, lt)| *lt == t)
+        self.conns.contains_key(&t)
+            || self.guests.contains_key(&t)
+            || self.listener.as_ref().is_some_and(|(_, lt)| *lt == t)
     }
     pub fn owns_timer(&self, id: TimerId) -> bool {
         self.timer.is_some_and(|(t, _)| t == id)
@@ -197,6 +204,8 @@ impl KubeletServer {
     pub fn on_io<M: Send + 'static>(&mut self, r: &mut Reactor<M>, ev: IoReady) {
         if self.listener.as_ref().is_some_and(|(_, t)| *t == ev.token) {
             self.accept(r);
+        } else if self.guests.contains_key(&ev.token) {
+            self.on_guest_io(r, ev);
         } else if let Some(c) = self.conns.get(&ev.token) {
             if c.read_paused {
                 // Not reading: only a broken socket matters now.

@@ -83,6 +83,7 @@ impl KubeletServer {
                 }
                 self.flush(r, token);
             }
+            Phase::PortForward(_) => self.forward_input(r, token, data),
             Phase::Closing => {}
             _ => {
                 if c.inbuf.len() + data.len() > routes::MAX_HEAD_BYTES + MAX_IDLE_INPUT {

@@ -135,6 +135,13 @@ impl KubeletServer {
     /// Pushes queued plaintext through TLS to the socket, then re-decides what is read.
     pub(super) fn flush<M: Send + 'static>(&mut self, r: &mut Reactor<M>, token: Token) {
         self.ack_stdin(r, token);
+        if self
+            .conns
+            .get(&token)
+            .is_some_and(|c| matches!(c.phase, Phase::PortForward(_)))
+        {
+            self.expire_connects(r, token);
+        }
         let mut failed = false;
         let mut delivered = false;
         {
@@ -159,13 +166,17 @@ impl KubeletServer {
                     }
                 }
                 let mut blocked = false;
+                let mut sent = false;
                 while c.tls.wants_write() {
                     match c.tls.write_tls(&mut c.sock) {
                         Ok(0) => {
                             failed = true;
                             break;
                         }
-                        Ok(_) => delivered = true,
+                        Ok(_) => {
+                            delivered = true;
+                            sent = true;
+                        }
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                             blocked = true;
                             break;
@@ -177,12 +188,14 @@ impl KubeletServer {
                         }
                     }
                 }
-                // Nothing taken and nothing to send (rustls' buffer is full while it waits for
-                // the peer): stop; the next readiness event continues.
+                // Nothing taken and nothing sent (rustls' buffer is full while it waits for
+                // the peer): stop; the next readiness event continues. Records sent just now
+                // made room in rustls' buffer: go round again, or nothing would ever come back
+                // for this output (the socket did not block, so no readiness event follows).
                 if failed
                     || blocked
                     || taken == c.out.len()
-                    || (accepted == 0 && !c.tls.wants_write())
+                    || (accepted == 0 && !sent && !c.tls.wants_write())
                 {
                     break;
                 }
@@ -193,10 +206,16 @@ impl KubeletServer {
             self.close(r, token);
             return;
         }
-        let resumed = self.pace(r, token, delivered);
+        let (resumed, guests_resumed) = self.pace(r, token, delivered);
         if resumed {
             // Requests that waited in the input buffer while the client was not reading.
             self.after_input(r, token);
+        }
+        if guests_resumed {
+            self.read_guests(r, token);
+            // What they had waiting goes out now.
+            self.flush(r, token);
+            return;
         }
         self.close_if_done(r, token);
     }
@@ -238,19 +257,20 @@ impl KubeletServer {
 
     /// Decides from what is queued whether the socket and the child's output are read, and
     /// whether the client is stalling; registers the socket accordingly. `delivered`: bytes
-    /// reached the socket just now. Returns true when reading the socket resumed.
+    /// reached the socket just now. Returns whether reading the socket resumed, and whether
+    /// reading a port-forward connection's guests did.
     fn pace<M: Send + 'static>(
         &mut self,
         r: &mut Reactor<M>,
         token: Token,
         delivered: bool,
-    ) -> bool {
+    ) -> (bool, bool) {
         let cap = self.cfg.output_pause_at;
         let stdin_cap = self.cfg.max_queued_stdin;
         let stall = self.cfg.write_stall_timeout;
         let now = r.now();
         let Some(c) = self.conns.get_mut(&token) else {
-            return false;
+            return (false, false);
         };
         let (held, child, stdin_queued) = match &c.phase {
             Phase::Exec {
@@ -265,9 +285,19 @@ impl KubeletServer {
                     + child.map_or(0, |id| r.stdin_queued(id)),
             ),
             Phase::Logs { child, .. } => (0, *child, 0),
+            Phase::PortForward(f) => (f.session.pending_output(), None, f.queued_to_guests()),
             _ => (0, None, 0),
         };
         let backlog = c.out.len() + held;
+        let mut guests_resumed = false;
+        if let Phase::PortForward(f) = &mut c.phase {
+            if !f.guests_paused && backlog >= cap {
+                f.guests_paused = true;
+            } else if f.guests_paused && backlog <= cap / 2 {
+                f.guests_paused = false;
+                guests_resumed = true;
+            }
+        }
         if let Some(id) = child {
             if !c.child_paused && backlog >= cap {
                 r.pause_output(id);
@@ -294,7 +324,7 @@ impl KubeletServer {
         if want != c.interest && r.registry().reregister(&mut c.sock, token, want).is_ok() {
             c.interest = want;
         }
-        was_paused && !c.read_paused
+        (was_paused && !c.read_paused, guests_resumed)
     }
 }
 

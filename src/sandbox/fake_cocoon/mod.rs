@@ -77,8 +77,10 @@
 //! stripped) is interpreted: `cat` copies stdin to stdout (stdin is empty without `-i`);
 //! `echo ARGS` prints them; `true`/`false`; `exit N`; `sh|bash|/bin/sh -c SCRIPT` interprets
 //! SCRIPT's words the same way (so `sh -c 'exit 3'` exits 3); `env` prints the `-e` variables;
-//! `hostname` prints the VM name; `sleep SECS`; `stderr TEXT` prints TEXT to stderr; anything
-//! else prints `fake-cocoon exec: <argv>` and exits 0. The VM must be running.
+//! `hostname` prints the VM name; `uname [-a]`; `powershell ARGS` succeeds silently (the
+//! Windows fix-up); `sleep SECS`; `stderr TEXT` prints TEXT to
+//! stderr; anything else prints `<cmd>: command not found` to stderr and exits 127, as a shell
+//! does (so `kubectl cp`, which needs `tar`, fails clearly). The VM must be running.
 //! Guest files: `echo WORDS > /path` (alone or as an `sh -c` script) writes a file on the VM's
 //! disk and `cat /path` prints it back (exit 1 when missing). `snapshot save` captures them and
 //! a clone of the snapshot has them, so a fork or a wake sees what its source wrote.

@@ -859,6 +859,15 @@ fn guest_command(
             let _ = writeln!(out, "{hostname}");
             0
         }
+        "uname" => {
+            let line = if args.iter().any(|a| a == "-a") {
+                format!("Linux {hostname} 6.1.0-cocoon #1 SMP x86_64 GNU/Linux")
+            } else {
+                "Linux".to_string()
+            };
+            let _ = writeln!(out, "{line}");
+            0
+        }
         "sleep" => {
             let secs: f64 = args.first().and_then(|a| a.parse().ok()).unwrap_or(0.0);
             if secs.is_finite() && secs > 0.0 {
@@ -870,6 +879,8 @@ fn guest_command(
             eprintln!("{}", args.join(" "));
             0
         }
+        // A Windows guest's shell: its scripts (the post-clone NIC reset) are taken as run.
+        "powershell" if !args.is_empty() => 0,
         "sh" | "bash" | "ash" | "dash"
             if args.first().map(String::as_str) == Some("-c") && depth < 4 =>
         {
@@ -885,9 +896,12 @@ fn guest_command(
                 guest_command(&words, env, interactive, hostname, depth + 1)
             };
         }
+        // As a shell answers for a program it cannot find: what kubectl cp (tar) and other
+        // tools then report is a clear failure, not an empty success.
         _ => {
-            let _ = writeln!(out, "fake-cocoon exec: {}", argv.join(" "));
-            0
+            drop(out);
+            eprintln!("{prog}: command not found");
+            return 127;
         }
     };
     let _ = out.flush();
