@@ -242,6 +242,7 @@ fn api_outage_of_60_seconds_is_survived() {
     // Backoff is capped (lease renew: 7 s), so the agent comes back within seconds.
     assert!(a.next_due() <= now + Duration::from_secs(7));
     api.restart().unwrap();
+    api.clear_requests();
     let before = a.stats.lease_renewals;
     let lease_rv = |api: &ApiServerHandle| {
         api.leases()
@@ -267,6 +268,15 @@ fn api_outage_of_60_seconds_is_survived() {
         "back on the normal cadence"
     );
     assert_ne!(lease_rv(&api), rv_before);
+    // The server came back with its data: the lease cached before the outage is renewed with
+    // the one PUT, no GET first (every node of a fleet would add one at the worst moment).
+    let lease_calls: Vec<String> = api
+        .requests()
+        .iter()
+        .filter(|r| r.resource == "leases")
+        .map(|r| format!("{} {}", r.verb, r.status))
+        .collect();
+    assert_eq!(lease_calls, ["update 200"], "lease calls after the outage");
 }
 
 fn allocatable(api: &ApiServerHandle, name: &str, key: &str) -> String {
