@@ -4,13 +4,14 @@
 //!     cargo test --release --test benches fleet_bench -- --ignored --nocapture
 //!
 //! FLEET_NODES (default 20) real daemons, each with its own node name, fake cocoon and state,
-//! FLEET_PODS (default 20) pods each; 50 x 100 works too, given a quarter of an hour. Phases:
+//! FLEET_PODS (default 20) pods each; 50 x 100 works too (about 5 minutes here). Phases:
 //! FLEET_REST_SECS (60) at rest, FLEET_CHURN_SECS (60) of churn at FLEET_CHURN pod
 //! replacements per node per minute (6), then two API server restarts, each down for
 //! FLEET_DOWN_SECS (5) and watched for FLEET_OBSERVE_SECS (30) after it comes back: the first
 //! keeps its data and watch history (every node must resume its watch, none may relist), the
 //! second loses its watch cache (every node relists, and no more than 40 % of the fleet in any
-//! one second). BENCH_DIR as for daemon_bench (default /dev/shm).
+//! one second). BENCH_DIR and BENCH_BIN_DIR as for daemon_bench (the latter runs another build,
+//! say the daemon before a change, against the same bench).
 
 use crate::fleet_support;
 
