@@ -1,6 +1,5 @@
 //! Exponential backoff: the one doubling-with-a-cap schedule the daemon's retries use, and the
-//! jitter that keeps a fleet of nodes from retrying in step. Pure arithmetic on durations; it
-//! reads no clock, so callers add the delay to their `now`.
+//! jitter that keeps a fleet from retrying in step. Pure arithmetic: it reads no clock.
 
 use std::time::Duration;
 

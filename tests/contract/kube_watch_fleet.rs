@@ -1,6 +1,5 @@
-//! Many pod watches against one fake API server that restarts, as the nodes of a fleet see it:
-//! back with its data and history, every watch resumes from its resourceVersion without a
-//! relist; back without its watch cache, every watch relists, spread out rather than at once.
+//! Many pod watches against one fake API server that restarts, as a fleet's nodes see it: with
+//! its history each resumes without a relist; without its watch cache they relist spread out.
 
 use std::time::{Duration, Instant};
 

@@ -1,6 +1,5 @@
-//! Harness of the fleet bench: N real daemons, each with its own node name, fake cocoon and
-//! state, against one fake API server; and what the bench reads from them (request counts per
-//! node identity, Lease renewal times, each daemon's RSS and CPU from /proc).
+//! Harness of the fleet bench: N real daemons (own node name, fake cocoon, state) against one
+//! fake API server, and what the bench reads: request counts, Lease renewals, /proc RSS and CPU.
 #![allow(dead_code)]
 
 use crate::daemon_support::{self, World};
