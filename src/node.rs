@@ -15,7 +15,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference, Time};
 use k8s_openapi::chrono::{DateTime, Utc};
 
-use crate::backoff::Backoff;
+use crate::backoff::{salt, Backoff, Jitter};
 use crate::kube::{Client, KubeError};
 use crate::metrics::stats::{cow_allocated_bytes, StatsHub};
 
@@ -550,6 +550,7 @@ pub struct NodeAgent {
 
 impl NodeAgent {
     pub fn new(opts: NodeOptions, resources: Resources, now: Instant) -> NodeAgent {
+        let jitter = Jitter::new(salt(&opts.name));
         NodeAgent {
             opts,
             resources,
@@ -561,7 +562,9 @@ impl NodeAgent {
             next_storage: now + STORAGE_REFRESH,
             since: api_time(crate::wall_clock::now()),
             register_backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(30)),
-            lease_backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(7)),
+            // Jittered: after an API server outage the fleet's renewals come back spread out.
+            lease_backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(7))
+                .with_jitter(jitter),
             status_backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(30)),
             clock_steps: crate::wall_clock::StepWatch::default(),
             cow_of: None,
@@ -683,7 +686,6 @@ impl NodeAgent {
                 }
                 Err(e) => {
                     self.stats.failures += 1;
-                    self.lease = None;
                     let d = self.lease_backoff.fail();
                     log::warn!(
                         "node {}: lease renewal failed: {e}; retrying in {d:?}",
@@ -773,9 +775,18 @@ impl NodeAgent {
         let uid = self.node_uid.clone().unwrap_or_default();
         let name = self.opts.name.clone();
         if let Some(cached) = self.lease.take() {
-            if let Ok(l) = client.update_lease(&renew_lease(cached, &name, &uid, wall)) {
-                self.lease = Some(l);
-                return Ok(());
+            match client.update_lease(&renew_lease(cached.clone(), &name, &uid, wall)) {
+                Ok(l) => {
+                    self.lease = Some(l);
+                    return Ok(());
+                }
+                // Nothing came back: keep the cached lease, so that a server back with its data
+                // takes the one PUT again, and do not GET from a server that is not there.
+                Err(KubeError::Transport(e)) => {
+                    self.lease = Some(cached);
+                    return Err(KubeError::Transport(e));
+                }
+                Err(_) => {}
             }
         }
         for _ in 0..5 {

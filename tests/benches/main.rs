@@ -7,6 +7,8 @@
 
 #[path = "../support/daemon_support.rs"]
 mod daemon_support;
+#[path = "../support/fleet_support.rs"]
+mod fleet_support;
 #[path = "../support/kubelet_support.rs"]
 mod kubelet_support;
 #[path = "../support/load_support.rs"]
@@ -15,6 +17,7 @@ mod load_support;
 mod registry_support;
 
 mod daemon_bench;
+mod fleet_bench;
 mod hibernate_bench;
 mod kube_bench;
 mod peer_bench;

@@ -175,6 +175,8 @@ fn five_hundred_pods_with_drops_and_410_converge() {
         WatchConfig {
             backoff_initial: Duration::from_millis(20),
             backoff_max: Duration::from_millis(300),
+            // One watch, not a fleet: relist soon after a 410.
+            relist_spread: Duration::from_millis(50),
             ..WatchConfig::default()
         },
     );
@@ -302,6 +304,7 @@ fn error_event_410_and_http_410_both_relist() {
         NODE,
         WatchConfig {
             backoff_initial: Duration::from_millis(10),
+            relist_spread: Duration::from_millis(50),
             ..WatchConfig::default()
         },
     );

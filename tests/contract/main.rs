@@ -23,6 +23,7 @@ mod fake_cocoon_dhcp;
 mod guest_sac;
 mod kube_client;
 mod kube_watch;
+mod kube_watch_fleet;
 mod kubelet_api;
 mod kubelet_exec;
 mod kubelet_fake_cocoon;

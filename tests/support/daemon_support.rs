@@ -81,6 +81,19 @@ impl World {
         World::in_cluster(self.api.clone(), self.registry.clone(), dir, node, node_ip)
     }
 
+    /// A node of the cluster of `api` and `registry` whose files live under `parent`: a daemon
+    /// of its own named `node` at `node_ip`, a fake cocoon state of its own (a fleet's node).
+    pub fn join(
+        api: Arc<ApiServerHandle>,
+        registry: Arc<Registry>,
+        parent: &std::path::Path,
+        node: &str,
+        node_ip: &str,
+    ) -> World {
+        let dir = tempfile::tempdir_in(parent).expect("temp dir");
+        World::in_cluster(api, registry, dir, node, node_ip)
+    }
+
     fn in_cluster(
         api: Arc<ApiServerHandle>,
         registry: Arc<Registry>,

@@ -20,6 +20,7 @@ use mio::{Registry, Token};
 
 use super::client::Client;
 use super::error::KubeError;
+use crate::backoff::{self, Jitter};
 
 pub use chunked::{FramingError, StreamDecoder};
 use connection::{Conn, End};
@@ -35,9 +36,13 @@ pub struct WatchConfig {
     pub stall_after: Duration,
     /// Connect + TLS + response head must finish within this.
     pub connect_timeout: Duration,
-    /// Failure backoff: initial, cap.
+    /// Failure backoff: initial, cap (each wait jittered, see `backoff::jittered`).
     pub backoff_initial: Duration,
     pub backoff_max: Duration,
+    /// After a 410 Gone the relist waits a random moment of this window. An API server that
+    /// lost its watch cache answers 410 to every node at once; spread this way, about
+    /// `1 s / relist_spread` of the fleet relists in any one second instead of all of it.
+    pub relist_spread: Duration,
 }
 
 impl Default for WatchConfig {
@@ -48,6 +53,7 @@ impl Default for WatchConfig {
             connect_timeout: Duration::from_secs(10),
             backoff_initial: Duration::from_millis(800),
             backoff_max: Duration::from_secs(30),
+            relist_spread: Duration::from_secs(8),
         }
     }
 }
@@ -72,7 +78,7 @@ pub struct PodWatch {
     /// waiting for readiness (the socket is edge-triggered and will not report them again).
     read_more: bool,
     failures: u32,
-    rng: u64,
+    jitter: Jitter,
     /// Counters for logs and tests.
     pub stats: WatchStats,
 }
@@ -88,10 +94,6 @@ pub struct WatchStats {
 
 impl PodWatch {
     pub fn new(node: &str, config: WatchConfig) -> PodWatch {
-        let seed = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0x9e37_79b9_7f4a_7c15);
         PodWatch {
             node: node.to_string(),
             config,
@@ -106,7 +108,7 @@ impl PodWatch {
             relist_wanted: false,
             read_more: false,
             failures: 0,
-            rng: seed | 1,
+            jitter: Jitter::new(backoff::salt(node)),
             stats: WatchStats::default(),
         }
     }
@@ -270,7 +272,7 @@ impl PodWatch {
                 }
                 self.conn = Some(conn);
                 self.end(end, now);
-                // A 410 relists right away (short blocking call, per the design card).
+                // A relist already due (no spread configured) runs right away.
                 if self.need_relist && self.retry_at.is_some_and(|t| t <= now) {
                     out.extend(self.on_timer(client, now));
                 }
@@ -285,14 +287,34 @@ impl PodWatch {
             .as_ref()
             .map(|c| (now.saturating_duration_since(c.opened), c.events))
             .unwrap_or_default();
+        // A body that ended with its last chunk was ended by the server (its timeout); one that
+        // stops short was cut (the server went away, a proxy dropped it).
+        let finished = self
+            .conn
+            .as_ref()
+            .and_then(|c| c.body.as_ref())
+            .is_some_and(|d| d.finished());
         self.drop_conn();
         match end {
-            End::Closed if events > 0 || lived >= Duration::from_secs(1) => {
+            End::Closed if finished && (events > 0 || lived >= Duration::from_secs(1)) => {
                 log::debug!(
                     "pod watch: stream ended after {lived:?} and {events} events; re-watching"
                 );
                 self.failures = 0;
                 self.retry_at = Some(now);
+            }
+            End::Closed if events > 0 || lived >= Duration::from_secs(1) => {
+                // Every node lost its stream at this instant: reconnect at a random moment of
+                // the first backoff step rather than all at once (a herd of TLS handshakes),
+                // from the last resourceVersion. A refused connect then backs off as usual.
+                let wait = backoff::spread(self.config.backoff_initial, self.jitter.unit());
+                log::info!(
+                    "pod watch: stream cut after {lived:?} and {events} events; re-watching \
+                     from resourceVersion {} in {wait:?}",
+                    self.resource_version
+                );
+                self.failures = 0;
+                self.retry_at = Some(now + wait);
             }
             End::Closed => {
                 log::debug!("pod watch: stream ended at once with no events");
@@ -303,9 +325,10 @@ impl PodWatch {
                 self.fail_backoff(now, None);
             }
             End::Gone(m) => {
-                log::info!("pod watch: {m}; relisting");
+                let wait = backoff::spread(self.config.relist_spread, self.jitter.unit());
+                log::info!("pod watch: {m}; relisting in {wait:?}");
                 self.need_relist = true;
-                self.retry_at = Some(now);
+                self.retry_at = Some(now + wait);
             }
             End::Unauthorized(m) => {
                 log::warn!("pod watch: {m}; refreshing credentials");
@@ -319,19 +342,15 @@ impl PodWatch {
     }
 
     fn fail_backoff(&mut self, now: Instant, at_least: Option<Duration>) {
+        // Jittered like client-go's reflector (factor 1.0), so that a fleet whose API server
+        // went away does not come back in step.
+        let delay = backoff::jittered(
+            self.config.backoff_initial,
+            self.config.backoff_max,
+            self.failures,
+            self.jitter.unit(),
+        );
         self.failures = self.failures.saturating_add(1);
-        let exp = self.failures.saturating_sub(1).min(16);
-        let base = self
-            .config
-            .backoff_initial
-            .saturating_mul(1u32 << exp)
-            .min(self.config.backoff_max);
-        // Jitter up to +100% (client-go's reflector uses jitter 1.0), capped at the maximum.
-        self.rng ^= self.rng << 13;
-        self.rng ^= self.rng >> 7;
-        self.rng ^= self.rng << 17;
-        let frac = (self.rng % 1000) as f64 / 1000.0;
-        let delay = base.mul_f64(1.0 + frac).min(self.config.backoff_max);
         let delay = delay.max(at_least.unwrap_or_default());
         self.retry_at = Some(now + delay);
     }

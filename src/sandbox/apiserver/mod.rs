@@ -4,6 +4,7 @@
 //! Start one with [`ApiServer::start`]; the returned [`ApiServerHandle`] writes kubeconfigs,
 //! gives tests direct access to the objects, and turns the fault knobs.
 
+mod accounting;
 mod discovery;
 mod faults;
 mod handlers;
@@ -20,6 +21,7 @@ mod table;
 mod tls;
 mod watch;
 
+pub use accounting::RequestCount;
 pub use faults::{Fault, FaultMatch};
 pub use handlers::DeleteOptions;
 pub use meta::ApiError;
@@ -151,6 +153,8 @@ pub(crate) struct Shared {
     next_conn: AtomicU64,
     open_watches: AtomicUsize,
     requests: Mutex<VecDeque<RequestRecord>>,
+    /// Counters of every request by second, identity, verb and resource (never trimmed).
+    tally: accounting::Tally,
     addr: Mutex<SocketAddr>,
     /// TLS to kubelets with the fake's kubelet client certificate, made on first use.
     kubelet_client: std::sync::OnceLock<Result<Arc<rustls::ClientConfig>, String>>,
@@ -246,6 +250,8 @@ impl Shared {
     }
 
     fn record(&self, r: RequestRecord) {
+        self.tally
+            .count(Instant::now(), &r.user, &r.verb, &r.resource);
         let mut log = lock(&self.requests);
         if log.len() >= REQUEST_LOG_LIMIT {
             log.pop_front();
@@ -281,6 +287,7 @@ impl ApiServer {
             next_conn: AtomicU64::new(0),
             open_watches: AtomicUsize::new(0),
             requests: Mutex::new(VecDeque::new()),
+            tally: accounting::Tally::new(),
             addr: Mutex::new(requested),
             kubelet_client: std::sync::OnceLock::new(),
             cpu_samples: Mutex::new(metrics::CpuSamples::default()),
