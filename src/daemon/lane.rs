@@ -9,9 +9,8 @@
 //! Rules (issue 14):
 //! * per pod, writes are applied first-in first-out and at most one is in flight; pods run in
 //!   parallel up to the slot limits;
-//! * the Failed status of a pod whose VM died (an eviction: VM gone, restart failed, ...) goes
-//!   before everything: to the front of its pod's queue (ahead of the pod's own queued patches:
-//!   the pod is finished, nothing queued before can matter more than saying so) and to the
+//! * a pod holding the Failed status of a dead VM (an eviction: VM gone, restart failed, ...)
+//!   goes before everything: its writes (in their order, the status usually alone) go to the
 //!   next free worker with a token taken on credit (up to [`VM_DEATH_CREDIT`] tokens of
 //!   debt, which the writes behind it pay), so a backlog of thousands never delays it;
 //! * then a pod holding a delete or another failure status (create failed) is served before
@@ -262,8 +261,7 @@ impl KubeLane {
             .map_or(Duration::ZERO, |at| now.saturating_duration_since(at))
     }
 
-    /// Queue a write behind the pod's earlier ones (a dead VM's status ahead of them),
-    /// replacing or merging as the rules say.
+    /// Queue a write behind the pod's earlier ones, replacing or merging as the rules say.
     pub fn push(&mut self, mut write: PodWrite) {
         let q = self.pods.entry(write.key.clone()).or_default();
         let was = q.queued.iter().map(PodWrite::urgency).max();
@@ -307,11 +305,7 @@ impl KubeLane {
             WriteKind::Delete { .. } => {}
         }
         let key = write.key.clone();
-        if write.urgency() == Urgency::VmDeath {
-            q.queued.push_front(write);
-        } else {
-            q.queued.push_back(write);
-        }
+        q.queued.push_back(write);
         self.queued_writes += 1;
         if q.in_flight {
             return;
@@ -401,8 +395,8 @@ impl KubeLane {
     }
 
     /// The first valid entry of a ready list (stale ones are dropped), without taking it. A
-    /// dead VM's entry is valid only while that status still leads its pod's queue (a newer
-    /// status of the pod may have replaced it).
+    /// dead VM's entry is valid only while the pod still holds that status (a newer status of
+    /// the pod may have replaced it).
     fn next_ready(&mut self, urgency: Urgency) -> Option<()> {
         let list = match urgency {
             Urgency::VmDeath => &mut self.ready_death,
@@ -413,9 +407,9 @@ impl KubeLane {
             let valid = self.pods.get(key).is_some_and(|q| {
                 !q.in_flight
                     && q.generation == *generation
-                    && q.queued.front().is_some_and(|w| {
-                        urgency != Urgency::VmDeath || w.urgency() == Urgency::VmDeath
-                    })
+                    && !q.queued.is_empty()
+                    && (urgency != Urgency::VmDeath
+                        || q.queued.iter().any(|w| w.urgency() == Urgency::VmDeath))
             });
             if valid {
                 return Some(());
@@ -883,39 +877,34 @@ mod tests {
         assert_eq!(ops(&take(&mut lane, at, &mut b)), vec![20_001]);
     }
 
-    /// A dead VM's status leads its pod's queue (ahead of the pod's own queued patches) and
+    /// A pod holding a dead VM's status is served first, its writes in their order; the status
     /// folds the pod's queued older status in; the write in flight finishes first.
     #[test]
-    fn a_dead_vms_status_goes_ahead_of_its_pods_queued_writes_and_folds_the_older_status() {
+    fn a_pod_with_a_dead_vms_status_is_served_first_in_its_own_order() {
         let t = Instant::now();
         let mut b = unlimited(t);
         let mut lane = KubeLane::new(LaneLimits::default());
         lane.push(annotate("d", 1, "k0", Some("v"), t));
         let in_flight = take(&mut lane, t, &mut b);
+        lane.push(status("other", 10, "Running", t));
         lane.push(annotate("d", 2, "k1", Some("v"), t));
         lane.push(status("d", 3, "Running", t));
-        lane.push(annotate("d", 4, "k2", Some("v"), t));
         lane.push(evicted("d", 5, t));
-        assert_eq!(lane.queued(), 3);
-        assert!(
-            take(&mut lane, t, &mut b).is_empty(),
-            "one write per pod in flight"
-        );
+        let got = take(&mut lane, t, &mut b);
+        assert_eq!(ops(&got), vec![10], "d has a write in flight");
+        lane.finished(&got[0]);
+        lane.push(status("other", 11, "Running", t));
         lane.finished(&in_flight[0]);
         let got = take(&mut lane, t, &mut b);
-        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].ops, vec![2], "d first, its patch before its status");
+        lane.finished(&got[0]);
+        let got = take(&mut lane, t, &mut b);
         assert_eq!(
             got[0].ops,
             vec![3, 5],
             "the Running status rides on the Failed one"
         );
         assert_eq!(got[0].urgency(), Urgency::VmDeath);
-        lane.finished(&got[0]);
-        // Then the patches in their order (not merged: the status was queued between them).
-        let got = take(&mut lane, t, &mut b);
-        assert_eq!(ops(&got), vec![2]);
-        lane.finished(&got[0]);
-        assert_eq!(ops(&take(&mut lane, t, &mut b)), vec![4]);
     }
 
     #[test]
