@@ -85,22 +85,33 @@ const STDOUT_LIMIT: usize = 16 << 20;
 const STDERR_LIMIT: usize = 64 << 10;
 /// cocoon calls the provider may have running at once; the rest wait in order.
 pub(super) const MAX_COCOON_CALLS: usize = 32;
-/// Slots beyond `MAX_COCOON_CALLS` that only VM inspects (liveness checks) may take.
-const INSPECT_RESERVE: usize = 4;
+/// Slots beyond `MAX_COCOON_CALLS` that only the calls of `jumps_the_queue` may take.
+const PRIORITY_RESERVE: usize = 4;
+
+/// The cocoon calls that go ahead of queued creates, take the reserved slots and have their
+/// answers handled ahead of other inputs: checking (`vm inspect`), restarting (`vm start`) and
+/// removing (`vm rm`) a VM. They are short, and a dead VM's pod waits on them.
+pub(super) fn jumps_the_queue(verb: Verb) -> bool {
+    matches!(verb, Verb::VmInspect | Verb::VmStart | Verb::VmRm)
+}
 
 impl Daemon {
     pub(super) fn perform(&mut self, effect: Effect) {
         match effect {
             Effect::Cocoon { op, cmd } => {
-                if matches!(cmd, crate::provider::CocoonCmd::VmInspect { .. }) {
-                    // A liveness check (is the VM gone?) must not wait behind a burst of
-                    // creates: inspects go ahead of the queue, first-in first-out among them.
+                let verb = cmd.verb();
+                if jumps_the_queue(verb) {
+                    // A liveness check (is the VM gone?), a restart or a removal must not wait
+                    // behind a burst of creates: they go ahead of the queue, first-in first-out
+                    // among them.
                     self.cocoon_queue
-                        .insert(self.cocoon_inspects_queued, (op, cmd));
-                    self.cocoon_inspects_queued += 1;
-                    if self.cocoon_running >= MAX_COCOON_CALLS + INSPECT_RESERVE {
+                        .insert(self.cocoon_priority_queued, (op, cmd));
+                    self.cocoon_priority_queued += 1;
+                    if self.cocoon_running >= MAX_COCOON_CALLS + PRIORITY_RESERVE {
+                        // The bench counts the "vm inspect waits for a slot" lines.
                         log::debug!(
-                            "cocoon op {op}: inspect waits for a slot ({} run)",
+                            "cocoon op {op}: {} waits for a slot ({} run)",
+                            verb.as_str(),
                             self.cocoon_running
                         );
                     }
@@ -119,7 +130,9 @@ impl Daemon {
                 firecracker,
             } => {
                 let pid = read_vm_pid(&self.config.cocoon_root_dir, &vm_id, firecracker);
-                self.pending.push_back(Input::VmPidRead { op, pid });
+                // Ahead of the backlog: the hypervisor watch is armed once the core has the
+                // PID, in this very turn, not after a burst's queued inputs.
+                self.urgent_inputs.push_back(Input::VmPidRead { op, pid });
             }
             Effect::LookupLease { op, mac } => {
                 let result = match self.leases.lookup(&mac, crate::wall_clock::now()) {
@@ -412,12 +425,12 @@ impl Daemon {
     /// Starts queued cocoon calls while fewer than `MAX_COCOON_CALLS` run: a burst of pods must
     /// not fork a thousand CLI processes at once (a stampede on cocoon's lock). A call's
     /// deadline counts from its start, not from its queueing.
-    /// VM inspects (they lead the queue) may also take `INSPECT_RESERVE` slots beyond the
-    /// limit: a VM-gone check never waits for a burst's clones to finish.
+    /// VM checks, restarts and removals (they lead the queue) may also take `PRIORITY_RESERVE`
+    /// slots beyond the limit: a VM-gone check never waits for a burst's clones to finish.
     pub(super) fn start_cocoon_calls(&mut self) {
         loop {
-            let limit = if self.cocoon_inspects_queued > 0 {
-                MAX_COCOON_CALLS + INSPECT_RESERVE
+            let limit = if self.cocoon_priority_queued > 0 {
+                MAX_COCOON_CALLS + PRIORITY_RESERVE
             } else {
                 MAX_COCOON_CALLS
             };
@@ -427,7 +440,7 @@ impl Daemon {
             let Some((op, cmd)) = self.cocoon_queue.pop_front() else {
                 return;
             };
-            self.cocoon_inspects_queued = self.cocoon_inspects_queued.saturating_sub(1);
+            self.cocoon_priority_queued = self.cocoon_priority_queued.saturating_sub(1);
             let bin = if cmd.is_macos() {
                 self.config.cocoon_macos_bin.clone()
             } else {

@@ -9,12 +9,17 @@
 //! Rules (issue 14):
 //! * per pod, writes are applied first-in first-out and at most one is in flight; pods run in
 //!   parallel up to the slot limits;
-//! * a pod holding a delete or a failure status (phase Failed: eviction, VM gone, create failed)
-//!   is served before pods holding only other status / annotation writes; Events come last;
+//! * a pod holding the Failed status of a dead VM (an eviction: VM gone, restart failed, ...)
+//!   goes before everything: its writes (in their order, the status usually alone) go to the
+//!   next free worker with a token taken on credit (up to [`VM_DEATH_CREDIT`] tokens of
+//!   debt, which the writes behind it pay), so a backlog of thousands never delays it;
+//! * then a pod holding a delete or another failure status (create failed) is served before
+//!   pods holding only other status / annotation writes; Events come last;
 //! * a newer status of the same pod incarnation replaces a queued older one (it is the core's
 //!   whole current view); an annotation patch right behind a queued annotation patch of the
 //!   same incarnation merges into it. Order stays the core's: a replaced status moves to the
-//!   newer one's place, and patches merge only when nothing was queued between them;
+//!   newer one's place (the front for a dead VM's), and patches merge only when nothing was
+//!   queued between them;
 //! * every op id of a replaced or merged write rides on the write that carries it, so each
 //!   still gets its own `KubeDone` with that write's answer.
 
@@ -25,7 +30,22 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::PodStatus;
 
 use crate::kube::ratelimit::TokenBucket;
-use crate::provider::{Effect, OpId, PodKey};
+use crate::provider::{Effect, EvictReason, OpId, PodKey};
+
+/// Tokens of debt a dead VM's status may take when the bucket is empty: a few deaths at once
+/// go out at once; a host losing every VM still writes them at the client's rate.
+pub const VM_DEATH_CREDIT: f64 = 4.0;
+
+/// How soon a queued write must go (ordered: a later variant goes first).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Urgency {
+    /// Status and annotation writes of live pods.
+    Normal,
+    /// Deletes and failure statuses other than a dead VM's (a create that failed).
+    Urgent,
+    /// The Failed status of an eviction: the pod's VM is gone, the cluster must know now.
+    VmDeath,
+}
 
 /// What one pod write does on the API server.
 #[derive(Clone, Debug, PartialEq)]
@@ -104,13 +124,29 @@ impl PodWrite {
         })
     }
 
-    /// Deletes and failure statuses go before everything else.
-    pub fn urgent(&self) -> bool {
+    /// How soon the write must go: a dead VM's status first, then deletes and failure
+    /// statuses, then the rest. An eviction's status carries its reason (`VMGone`, ...).
+    pub fn urgency(&self) -> Urgency {
         match &self.kind {
-            WriteKind::Delete { .. } => true,
-            WriteKind::Status { status, .. } => status.phase.as_deref() == Some("Failed"),
-            WriteKind::Annotations { .. } => false,
+            WriteKind::Delete { .. } => Urgency::Urgent,
+            WriteKind::Status { status, .. } if status.phase.as_deref() == Some("Failed") => {
+                let evicted = status
+                    .reason
+                    .as_deref()
+                    .is_some_and(|r| EvictReason::ALL.iter().any(|e| e.as_str() == r));
+                if evicted {
+                    Urgency::VmDeath
+                } else {
+                    Urgency::Urgent
+                }
+            }
+            WriteKind::Status { .. } | WriteKind::Annotations { .. } => Urgency::Normal,
         }
+    }
+
+    /// Deletes and failure statuses (a dead VM's among them) go before other writes.
+    pub fn urgent(&self) -> bool {
+        self.urgency() >= Urgency::Urgent
     }
 }
 
@@ -167,7 +203,9 @@ pub struct LaneStats {
 pub struct KubeLane {
     limits: LaneLimits,
     pods: HashMap<PodKey, PodQueue>,
-    /// Pods with queued writes and none in flight, in the order they became ready.
+    /// Pods with queued writes and none in flight, in the order they became ready, by the
+    /// most urgent write they hold.
+    ready_death: VecDeque<(PodKey, u64)>,
     ready_urgent: VecDeque<(PodKey, u64)>,
     ready_normal: VecDeque<(PodKey, u64)>,
     writes_in_flight: usize,
@@ -187,6 +225,7 @@ impl KubeLane {
                 event_slots: limits.event_slots.max(1),
             },
             pods: HashMap::new(),
+            ready_death: VecDeque::new(),
             ready_urgent: VecDeque::new(),
             ready_normal: VecDeque::new(),
             writes_in_flight: 0,
@@ -225,7 +264,8 @@ impl KubeLane {
     /// Queue a write behind the pod's earlier ones, replacing or merging as the rules say.
     pub fn push(&mut self, mut write: PodWrite) {
         let q = self.pods.entry(write.key.clone()).or_default();
-        let was_urgent = q.queued.iter().any(PodWrite::urgent);
+        let was = q.queued.iter().map(PodWrite::urgency).max();
+        let mut replaced = false;
         match &write.kind {
             WriteKind::Status { uid, .. } => {
                 let older = q
@@ -240,6 +280,7 @@ impl KubeLane {
                         write.queued_at = write.queued_at.min(old.queued_at);
                         self.queued_writes -= 1;
                         self.stats.statuses_replaced += 1;
+                        replaced = true;
                     }
                 }
             }
@@ -263,24 +304,27 @@ impl KubeLane {
             }
             WriteKind::Delete { .. } => {}
         }
-        let urgent = write.urgent();
+        let key = write.key.clone();
         q.queued.push_back(write);
         self.queued_writes += 1;
         if q.in_flight {
             return;
         }
         let generation = q.generation;
-        let key = q.queued[0].key.clone();
-        if q.queued.len() == 1 {
-            if urgent {
-                self.ready_urgent.push_back((key, generation));
-            } else {
-                self.ready_normal.push_back((key, generation));
-            }
-        } else if urgent && !was_urgent {
-            // Already waiting in the normal list; the urgent entry overtakes it (the stale
-            // normal entry is skipped later by its generation).
-            self.ready_urgent.push_back((key, generation));
+        let most = q.queued.iter().map(PodWrite::urgency).max();
+        // A pod already waiting in a less urgent list gets an entry in the more urgent one,
+        // which overtakes it (the stale entry is skipped later by its generation); a replaced
+        // status may have taken the pod's urgency down, and its entry's validity with it.
+        if let Some(most) = most.filter(|m| replaced || was.is_none_or(|was| *m > was)) {
+            self.ready_list(most).push_back((key, generation));
+        }
+    }
+
+    fn ready_list(&mut self, urgency: Urgency) -> &mut VecDeque<(PodKey, u64)> {
+        match urgency {
+            Urgency::VmDeath => &mut self.ready_death,
+            Urgency::Urgent => &mut self.ready_urgent,
+            Urgency::Normal => &mut self.ready_normal,
         }
     }
 
@@ -296,10 +340,18 @@ impl KubeLane {
         if total >= self.limits.slots {
             return None;
         }
+        if self.next_ready(Urgency::VmDeath).is_some() {
+            // Nothing takes a token before it; when even the credit is spent it waits.
+            if !bucket.try_take_on_credit(now, VM_DEATH_CREDIT) {
+                return None;
+            }
+            self.stats.dispatched += 1;
+            return self.take(Urgency::VmDeath).map(Job::Write);
+        }
         let normal_room = total < self.limits.slots - self.limits.urgent_reserve;
-        let urgent = self.next_ready(true);
+        let urgent = self.next_ready(Urgency::Urgent);
         let normal = if urgent.is_none() && normal_room {
-            self.next_ready(false)
+            self.next_ready(Urgency::Normal)
         } else {
             None
         };
@@ -319,13 +371,17 @@ impl KubeLane {
             self.events_in_flight += 1;
             return Some(Job::Event);
         }
-        let from_urgent = urgent.is_some();
-        let list = if from_urgent {
-            &mut self.ready_urgent
+        let from = if urgent.is_some() {
+            Urgency::Urgent
         } else {
-            &mut self.ready_normal
+            Urgency::Normal
         };
-        let (key, _) = list.pop_front()?;
+        self.take(from).map(Job::Write)
+    }
+
+    /// Hands out the front write of the first pod of the `from` list (`next_ready` checked it).
+    fn take(&mut self, from: Urgency) -> Option<PodWrite> {
+        let (key, _) = self.ready_list(from).pop_front()?;
         let q = self.pods.get_mut(&key)?;
         let write = q.queued.pop_front()?;
         q.in_flight = true;
@@ -335,19 +391,25 @@ impl KubeLane {
         if write.urgent() {
             self.urgent_in_flight += 1;
         }
-        Some(Job::Write(write))
+        Some(write)
     }
 
-    /// The first valid entry of a ready list (stale ones are dropped), without taking it.
-    fn next_ready(&mut self, urgent: bool) -> Option<()> {
-        let list = if urgent {
-            &mut self.ready_urgent
-        } else {
-            &mut self.ready_normal
+    /// The first valid entry of a ready list (stale ones are dropped), without taking it. A
+    /// dead VM's entry is valid only while the pod still holds that status (a newer status of
+    /// the pod may have replaced it).
+    fn next_ready(&mut self, urgency: Urgency) -> Option<()> {
+        let list = match urgency {
+            Urgency::VmDeath => &mut self.ready_death,
+            Urgency::Urgent => &mut self.ready_urgent,
+            Urgency::Normal => &mut self.ready_normal,
         };
         while let Some((key, generation)) = list.front() {
             let valid = self.pods.get(key).is_some_and(|q| {
-                !q.in_flight && q.generation == *generation && !q.queued.is_empty()
+                !q.in_flight
+                    && q.generation == *generation
+                    && !q.queued.is_empty()
+                    && (urgency != Urgency::VmDeath
+                        || q.queued.iter().any(|w| w.urgency() == Urgency::VmDeath))
             });
             if valid {
                 return Some(());
@@ -369,10 +431,13 @@ impl KubeLane {
         if total >= self.limits.slots {
             return None;
         }
+        if self.next_ready(Urgency::VmDeath).is_some() {
+            return Some(bucket.next_credit_at(now, VM_DEATH_CREDIT));
+        }
         let normal_room = total < self.limits.slots - self.limits.urgent_reserve;
-        let work = self.next_ready(true).is_some()
+        let work = self.next_ready(Urgency::Urgent).is_some()
             || (normal_room
-                && (self.next_ready(false).is_some()
+                && (self.next_ready(Urgency::Normal).is_some()
                     || (events_waiting && self.events_in_flight < self.limits.event_slots)));
         work.then(|| bucket.next_token_at(now))
     }
@@ -392,11 +457,9 @@ impl KubeLane {
             return;
         }
         let entry = (write.key.clone(), q.generation);
-        if q.queued.iter().any(PodWrite::urgent) {
-            self.ready_urgent.push_back(entry);
-        } else {
-            self.ready_normal.push_back(entry);
-        }
+        let most = q.queued.iter().map(PodWrite::urgency).max();
+        self.ready_list(most.unwrap_or(Urgency::Normal))
+            .push_back(entry);
     }
 
     /// An Event job came back.
@@ -455,6 +518,23 @@ mod tests {
             kind: WriteKind::Delete {
                 uid: "u".into(),
                 grace: Some(0),
+            },
+            queued_at: t,
+        }
+    }
+
+    /// The Failed status an eviction writes (its reason says the VM is gone).
+    fn evicted(pod: &str, op: OpId, t: Instant) -> PodWrite {
+        PodWrite {
+            key: key(pod),
+            ops: vec![op],
+            kind: WriteKind::Status {
+                uid: "u".into(),
+                status: Arc::new(PodStatus {
+                    phase: Some("Failed".into()),
+                    reason: Some(EvictReason::RestartFailed.as_str().into()),
+                    ..PodStatus::default()
+                }),
             },
             queued_at: t,
         }
@@ -670,10 +750,11 @@ mod tests {
             rng ^= rng >> 7;
             rng ^= rng << 17;
             let pod = format!("p{}", rng % 20);
-            let w = match rng % 4 {
+            let w = match rng % 5 {
                 0 => status(&pod, op, "Running", t),
                 1 => status(&pod, op, "Failed", t),
                 2 => annotate(&pod, op, &format!("k{}", rng % 3), Some("v"), t),
+                3 => evicted(&pod, op, t),
                 _ => delete(&pod, op, t),
             };
             issued.push(op);
@@ -745,5 +826,119 @@ mod tests {
         // 5 at once (burst), then 95 at 50/s.
         let took = now.duration_since(t0).as_secs_f64();
         assert!((1.85..=1.95).contains(&took), "{took}");
+    }
+
+    #[test]
+    fn only_an_evictions_failed_status_is_a_vm_death() {
+        let t = Instant::now();
+        assert_eq!(evicted("a", 1, t).urgency(), Urgency::VmDeath);
+        assert_eq!(status("a", 1, "Failed", t).urgency(), Urgency::Urgent);
+        assert_eq!(delete("a", 1, t).urgency(), Urgency::Urgent);
+        assert_eq!(status("a", 1, "Running", t).urgency(), Urgency::Normal);
+    }
+
+    /// The bucket is empty and a thousand creates' writes wait (some urgent): a dead VM's
+    /// status is handed out at once, on credit, before any of them; the backlog pays the debt.
+    #[test]
+    fn a_dead_vms_status_is_taken_before_every_queued_write_without_waiting_for_a_token() {
+        let t = Instant::now();
+        let mut b = TokenBucket::new(50.0, 1, t);
+        let mut lane = KubeLane::new(LaneLimits::default());
+        for i in 0..1000 {
+            lane.push(annotate(&format!("c{i}"), i, "k", Some("v"), t));
+            lane.push(status(&format!("c{i}"), 10_000 + i, "Running", t));
+        }
+        lane.push(delete("deleted", 20_000, t));
+        lane.push(status("create-failed", 20_001, "Failed", t));
+        assert_eq!(
+            ops(&take(&mut lane, t, &mut b)),
+            vec![20_000],
+            "the one token"
+        );
+        lane.push(evicted("dead", 30_000, t));
+        let next_token = b.next_token_at(t);
+        assert!(next_token > t);
+        assert_eq!(
+            lane.wake_at(t, &b, false),
+            Some(t),
+            "the dead VM's status need not wait"
+        );
+        let got = take(&mut lane, t, &mut b);
+        assert_eq!(
+            ops(&got),
+            vec![30_000],
+            "before the other failure and the creates"
+        );
+        assert!(
+            b.next_token_at(t) > next_token,
+            "the credit taken is paid by the writes behind it"
+        );
+        let at = lane.wake_at(t, &b, false).expect("backlog");
+        assert_eq!(ops(&take(&mut lane, at, &mut b)), vec![20_001]);
+    }
+
+    /// A pod holding a dead VM's status is served first, its writes in their order; the status
+    /// folds the pod's queued older status in; the write in flight finishes first.
+    #[test]
+    fn a_pod_with_a_dead_vms_status_is_served_first_in_its_own_order() {
+        let t = Instant::now();
+        let mut b = unlimited(t);
+        let mut lane = KubeLane::new(LaneLimits::default());
+        lane.push(annotate("d", 1, "k0", Some("v"), t));
+        let in_flight = take(&mut lane, t, &mut b);
+        lane.push(status("other", 10, "Running", t));
+        lane.push(annotate("d", 2, "k1", Some("v"), t));
+        lane.push(status("d", 3, "Running", t));
+        lane.push(evicted("d", 5, t));
+        let got = take(&mut lane, t, &mut b);
+        assert_eq!(ops(&got), vec![10], "d has a write in flight");
+        lane.finished(&got[0]);
+        lane.push(status("other", 11, "Running", t));
+        lane.finished(&in_flight[0]);
+        let got = take(&mut lane, t, &mut b);
+        assert_eq!(got[0].ops, vec![2], "d first, its patch before its status");
+        lane.finished(&got[0]);
+        let got = take(&mut lane, t, &mut b);
+        assert_eq!(
+            got[0].ops,
+            vec![3, 5],
+            "the Running status rides on the Failed one"
+        );
+        assert_eq!(got[0].urgency(), Urgency::VmDeath);
+    }
+
+    #[test]
+    fn the_credit_of_dead_vms_is_bounded() {
+        let t = Instant::now();
+        let mut b = TokenBucket::new(10.0, 1, t);
+        assert!(b.try_take(t));
+        let mut lane = KubeLane::new(LaneLimits::default());
+        for i in 0..10 {
+            lane.push(evicted(&format!("d{i}"), i, t));
+        }
+        let got = take(&mut lane, t, &mut b);
+        assert_eq!(got.len(), VM_DEATH_CREDIT as usize);
+        let at = lane.wake_at(t, &b, false).expect("more deaths wait");
+        assert!(at > t);
+        assert_eq!(
+            take(&mut lane, at, &mut b).len(),
+            1,
+            "one per token after that"
+        );
+    }
+
+    /// A newer status of the same incarnation replaces a queued dead VM's status: the pod is
+    /// still served (its entry among the dead VMs no longer is valid).
+    #[test]
+    fn a_replaced_dead_vm_status_leaves_its_pod_served() {
+        let t = Instant::now();
+        let mut b = unlimited(t);
+        let mut lane = KubeLane::new(LaneLimits::default());
+        lane.push(evicted("d", 1, t));
+        lane.push(status("d", 2, "Running", t));
+        let got = take(&mut lane, t, &mut b);
+        assert_eq!(ops(&got), vec![1, 2]);
+        lane.finished(&got[0]);
+        assert!(lane.idle());
     }
 }

@@ -184,6 +184,10 @@ pub struct Daemon {
     registry: Option<Arc<RegistryClient>>,
     provider: Provider,
     pending: VecDeque<Input>,
+    /// Inputs handled before `pending`: a hypervisor's exit and the answers of the cocoon calls
+    /// that check, restart or remove VMs, so a dead VM's pod is failed without waiting behind
+    /// a burst's backlog of watch events and create answers.
+    urgent_inputs: VecDeque<Input>,
     /// Effects of a handled input that the turn's budget left for the next turn (in order).
     owed_effects: VecDeque<Effect>,
     startup: Option<Startup>,
@@ -215,8 +219,9 @@ pub struct Daemon {
     children: HashMap<ChildId, ChildRole>,
     /// Provider cocoon calls waiting for a slot, and how many run (see `start_cocoon_calls`).
     cocoon_queue: VecDeque<(OpId, crate::provider::CocoonCmd)>,
-    /// How many `vm inspect` calls lead the queue (they go ahead of creates).
-    cocoon_inspects_queued: usize,
+    /// How many VM checks and teardowns (`vm inspect`, `vm start`, `vm rm`) lead the queue
+    /// (they go ahead of creates; see `effects::jumps_the_queue`).
+    cocoon_priority_queued: usize,
     cocoon_running: usize,
     /// Registry transfer jobs waiting for a worker, and how many run (see `start_transfers`).
     transfer_queue: VecDeque<(OpId, effects::TransferJob)>,
@@ -433,6 +438,7 @@ impl Daemon {
             registry,
             provider,
             pending: VecDeque::new(),
+            urgent_inputs: VecDeque::new(),
             owed_effects: VecDeque::new(),
             watch,
             relisting: false,
@@ -455,7 +461,7 @@ impl Daemon {
             releaser,
             children: HashMap::new(),
             cocoon_queue: VecDeque::new(),
-            cocoon_inspects_queued: 0,
+            cocoon_priority_queued: 0,
             cocoon_running: 0,
             transfer_queue: VecDeque::new(),
             transfers_running: 0,
@@ -577,10 +583,15 @@ impl Daemon {
                 match self.children.remove(&exit.id) {
                     Some(ChildRole::Op { op, call }) => {
                         self.cocoon_running = self.cocoon_running.saturating_sub(1);
-                        self.pending.push_back(Input::CocoonDone {
+                        let input = Input::CocoonDone {
                             op,
                             result: effects::cocoon_result(&exit, &call),
-                        });
+                        };
+                        if effects::jumps_the_queue(call.verb) {
+                            self.urgent_inputs.push_back(input);
+                        } else {
+                            self.pending.push_back(input);
+                        }
                         self.start_cocoon_calls();
                     }
                     Some(ChildRole::StartupList) => self.startup_listed(exit),
@@ -779,7 +790,11 @@ impl Daemon {
             if started.elapsed() >= INPUT_BUDGET {
                 break;
             }
-            let Some(input) = self.pending.pop_front() else {
+            let Some(input) = self
+                .urgent_inputs
+                .pop_front()
+                .or_else(|| self.pending.pop_front())
+            else {
                 break;
             };
             let now = self.reactor.now();
@@ -825,7 +840,10 @@ impl Daemon {
                 .map_or(self.reactor.now(), |at| at + VIEW_REFRESH);
             self.arm(OwnTimer::View, due);
         }
-        if !self.pending.is_empty() || !self.owed_effects.is_empty() {
+        if !self.pending.is_empty()
+            || !self.urgent_inputs.is_empty()
+            || !self.owed_effects.is_empty()
+        {
             self.arm(OwnTimer::Provider, self.reactor.now());
         }
         if !self.cocoon_queue.is_empty() && self.cocoon_running < effects::MAX_COCOON_CALLS {

@@ -65,7 +65,8 @@ impl Daemon {
             }
             IoOwner::Hypervisor => {
                 if let Some(vm) = self.hypervisors.exited(&mut self.reactor, ready.token) {
-                    self.pending.push_back(Input::VmEvent {
+                    // Ahead of the backlog: the pod of a dead VM is failed in milliseconds.
+                    self.urgent_inputs.push_back(Input::VmEvent {
                         kind: VmEventKind::Modified,
                         vm,
                     });

@@ -43,6 +43,38 @@ impl TokenBucket {
         }
     }
 
+    /// Take one token now, going up to `credit` tokens into debt when none is there: for the
+    /// few writes that must not wait behind a backlog (a dead VM's status). The debt is paid
+    /// by everyone after it (`next_token_at` moves out), so the average rate stays `qps`.
+    pub fn try_take_on_credit(&mut self, now: Instant, credit: f64) -> bool {
+        if self.disabled() {
+            return true;
+        }
+        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+        self.last = now.max(self.last);
+        self.tokens = (self.tokens + elapsed * self.qps).min(self.burst);
+        if self.tokens - 1.0 >= -credit.max(0.0) {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// When `try_take_on_credit` with this `credit` will next succeed.
+    pub fn next_credit_at(&self, now: Instant, credit: f64) -> Instant {
+        if self.disabled() {
+            return now;
+        }
+        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+        let tokens = (self.tokens + elapsed * self.qps).min(self.burst) + credit.max(0.0);
+        if tokens >= 1.0 {
+            now
+        } else {
+            now + Duration::from_secs_f64((1.0 - tokens) / self.qps) + Duration::from_micros(1)
+        }
+    }
+
     /// When `try_take` will next succeed: `now` when a token is there (or limiting is off).
     /// Lets a caller arm a timer for the next token instead of sleeping for it.
     pub fn next_token_at(&self, now: Instant) -> Instant {
@@ -127,6 +159,22 @@ mod tests {
         assert!(b.reserve(t1).is_zero());
         assert!(b.reserve(t1) > Duration::ZERO);
         assert!(b.next_token_at(t1) >= t1 + Duration::from_millis(199));
+    }
+
+    #[test]
+    fn credit_lets_a_take_go_into_bounded_debt_that_later_takes_pay() {
+        let t0 = Instant::now();
+        let mut b = TokenBucket::new(10.0, 1, t0);
+        assert!(b.try_take(t0));
+        assert!(!b.try_take(t0), "the bucket is empty");
+        assert!(b.try_take_on_credit(t0, 2.0) && b.try_take_on_credit(t0, 2.0));
+        assert!(!b.try_take_on_credit(t0, 2.0), "two tokens of debt at most");
+        assert!(b.next_credit_at(t0, 2.0) > t0);
+        // The debt is paid before anyone without credit gets a token: 3 tokens at 10/s.
+        let next = b.next_token_at(t0);
+        assert!((next - t0).as_secs_f64() > 0.299, "{:?}", next - t0);
+        assert!(!b.try_take(t0 + Duration::from_millis(290)));
+        assert!(b.try_take(next));
     }
 
     #[test]

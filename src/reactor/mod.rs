@@ -58,6 +58,17 @@ pub use mio::{Interest, Registry, Token};
 pub use pool::{Notifier, QueueFull};
 pub use timers::TimerId;
 
+thread_local! {
+    /// Set on the thread that polls a reactor: blocking helpers assert they never run there.
+    static LOOP_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the calling thread runs a reactor's loop (it has called `poll`). Debug assertions
+/// in blocking helpers (name lookups) use it to prove they stay off the loop.
+pub fn on_loop_thread() -> bool {
+    LOOP_THREAD.with(|on| on.get())
+}
+
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read};
 use std::sync::{Arc, Mutex};
@@ -310,6 +321,7 @@ impl<M: Send + 'static> Reactor<M> {
 
     /// Waits until at least one event has been appended to `out`.
     pub fn poll(&mut self, out: &mut Vec<Event<M>>) -> io::Result<()> {
+        LOOP_THREAD.with(|on| on.set(true));
         let start = out.len();
         loop {
             let timeout = if !self.again.is_empty() || self.sweep_exits {

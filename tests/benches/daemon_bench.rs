@@ -4,7 +4,8 @@
 //!     cargo test --release --test benches daemon_bench -- --ignored --nocapture
 //!
 //! BENCH_PODS (default 1000) sets the pod count; BENCH_QPS the client rate limit
-//! (COCOON_K8S_QPS; default the shipped 50, 0 = off); BENCH_DIR where the fake cocoon's state
+//! (COCOON_K8S_QPS; default the shipped 50, 0 = off); BENCH_KILLS (default 20) how many
+//! hypervisors are killed during the burst; BENCH_DIR where the fake cocoon's state
 //! lives (default /dev/shm); BENCH_BIN_DIR a directory holding the `vk-cocoon` and
 //! `vk-cocoon-sandbox` binaries to run instead of these (e.g. the static musl build). The
 //! lifecycle's figures are printed, not asserted; the soak (`SOAK_*`, see its doc) fails when
@@ -15,7 +16,7 @@ use crate::daemon_support;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use daemon_support::{annotation, lease_age, phase, pod_writes_per_pod, World};
+use daemon_support::{annotation, kill_hypervisor, lease_age, phase, pod_writes_per_pod, World};
 use vk_cocoon::sandbox::apiserver::ApiServerHandle;
 use vk_cocoon::sandbox::demo_pod;
 
@@ -107,6 +108,9 @@ fn bench_pod_lifecycle() {
     let mut w = World::new_in(&parent);
     w.extra_env
         .push(("FAKE_COCOON_NO_PROCESS".into(), "1".into()));
+    // Only the VMs whose hypervisors get killed run as processes.
+    w.extra_env
+        .push(("FAKE_COCOON_PROCESS_NAMES".into(), "vk-default-hv-".into()));
     w.extra_env.push(("COCOON_K8S_QPS".into(), qps.clone()));
     w.seed_snapshot("base");
     w.start_daemon();
@@ -152,6 +156,7 @@ fn bench_pod_lifecycle() {
         writes_by_kind(&w, "seq-", SEQUENTIAL)
     );
     let mut oldest_lease = 0.0f64;
+    let killed = start_killable_pods(&w);
 
     // 2. Burst: n pods at once; while its writes are queued, the sequential pods' VMs vanish
     // one at a time (VM vanish -> Failed written, behind the backlog).
@@ -189,6 +194,7 @@ fn bench_pod_lifecycle() {
             seen
         });
         let (vanish, queued) = vanish_during_burst(&w, &ids, &mut oldest_lease);
+        kill_during_burst(&w, &killed);
         while !poller.is_finished() {
             oldest_lease = oldest_lease.max(lease_age(&w).unwrap_or(0.0));
             std::thread::sleep(Duration::from_millis(100));
@@ -286,6 +292,75 @@ fn vanish_during_burst(
         }
     }
     ((vanish, gone_to_failed), queued_at_vanish)
+}
+
+/// Pods `hv-0`.. (BENCH_KILLS of them), Running on VMs backed by a process each, whose
+/// hypervisors the burst kills. Returns pod name → VM id.
+fn start_killable_pods(w: &World) -> BTreeMap<String, String> {
+    let kills: usize = std::env::var("BENCH_KILLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
+    let names: Vec<String> = (0..kills).map(|i| format!("hv-{i}")).collect();
+    for name in &names {
+        w.api
+            .create_pod(&demo_pod("default", name, "clone", "base"))
+            .unwrap();
+    }
+    names
+        .into_iter()
+        .map(|name| {
+            let (_, id) = w.wait(&format!("{name} Running"), Duration::from_secs(60), || {
+                daemon_support::running_with_vm(w, &name)
+            });
+            (name, id)
+        })
+        .collect()
+}
+
+/// The hypervisors of `killed` are SIGKILLed one at a time while the burst's writes are queued,
+/// with cocoon's `vm start` failing (so each restart fails and the pod is evicted,
+/// RestartFailed); each until the fake API server holds its pod Failed (or no longer holds it).
+fn kill_during_burst(w: &World, killed: &BTreeMap<String, String>) {
+    if killed.is_empty() {
+        return;
+    }
+    std::fs::write(
+        w.path("state/faults.json"),
+        r#"{"vm start": {"fail_count": 100000, "fail_message": "start: boom"}}"#,
+    )
+    .expect("faults");
+    let queued =
+        daemon_support::metric_value(&w.metrics(), r#"vk_cocoon_kube_lane_queued{lane="pods"}"#)
+            .unwrap_or(f64::NAN);
+    let mut took = Vec::new();
+    for (name, id) in killed {
+        let uid = w.pod(name).and_then(|p| p.metadata.uid).unwrap_or_default();
+        let t = Instant::now();
+        kill_hypervisor(w, id);
+        loop {
+            let done = match w.pod(name) {
+                None => true,
+                Some(p) if p.metadata.uid.as_deref() != Some(uid.as_str()) => true,
+                Some(p) => phase(&p) == "Failed",
+            };
+            if done {
+                break;
+            }
+            assert!(t.elapsed() < Duration::from_secs(30), "{name} never failed");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        took.push(t.elapsed());
+    }
+    println!(
+        "hypervisor killed (vm start failing) -> pod Failed during the burst ({queued} pod \
+         writes queued at the first kill, {} kills): p50 {:?} p99 {:?} max {:?}",
+        took.len(),
+        percentile(&mut took.clone(), 0.5),
+        percentile(&mut took.clone(), 0.99),
+        took.iter().max().copied().unwrap_or_default()
+    );
+    std::fs::write(w.path("state/faults.json"), "{}").expect("faults");
 }
 
 /// `vm clone 1100, vm inspect 1700, ...`: the daemon's cocoon calls by their first two words,

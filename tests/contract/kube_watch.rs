@@ -407,3 +407,73 @@ fn stalled_server_does_not_block_the_loop() {
     );
     api.set_latency(Duration::ZERO);
 }
+
+/// The API server named by a host name: the watch looks the name up on a thread of its own,
+/// never on the thread that drives it, and tries every address in order. `localhost` answering
+/// ::1 first (as on hosts whose /etc/hosts lists both) while the server listens on 127.0.0.1
+/// only still gets its watch, through one connection.
+#[test]
+fn a_name_whose_first_address_refuses_still_gets_its_watch_resolved_off_the_loop() {
+    let (api, dir, _) = setup();
+    let kc = dir.path().join("kubeconfig-localhost");
+    let text = std::fs::read_to_string(dir.path().join("kubeconfig")).unwrap();
+    let ip_url = api.url();
+    let name_url = ip_url.replace("127.0.0.1", "localhost");
+    assert!(text.contains(&ip_url), "{text}");
+    std::fs::write(&kc, text.replace(&ip_url, &name_url)).unwrap();
+    let client = Client::from_env(&KubeOptions {
+        kubeconfig: Some(kc.to_string_lossy().into_owned()),
+        timeout: Duration::from_secs(5),
+        qps: 0.0,
+        ..KubeOptions::default()
+    })
+    .unwrap();
+
+    let lookups: Arc<Mutex<Vec<(String, std::thread::ThreadId)>>> = Arc::default();
+    let recorded = lookups.clone();
+    let mut w = PodWatch::new(NODE, WatchConfig::default());
+    w.set_resolver(Arc::new(move |host: &str, port: u16| {
+        recorded
+            .lock()
+            .unwrap()
+            .push((host.to_string(), std::thread::current().id()));
+        Ok(vec![
+            std::net::SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port)),
+            std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        ])
+    }));
+    let mut poll = Poll::new().unwrap();
+    w.register(poll.registry(), WATCH).unwrap();
+    let mut view = View::default();
+    view.apply(w.relist(&client, Instant::now()).unwrap());
+    api.create_pod(&pod("after-the-list", NODE)).unwrap();
+    let done = || true;
+    assert!(
+        run_loop(
+            &mut poll,
+            &mut w,
+            &client,
+            &mut view,
+            &api,
+            &done,
+            Duration::from_secs(20)
+        ),
+        "the watch never delivered the new pod (stats {:?})",
+        w.stats
+    );
+    assert!(view.pods.contains_key("default/after-the-list"));
+    assert_eq!(
+        w.stats.connects, 1,
+        "one connection, through the second address"
+    );
+    let lookups = lookups.lock().unwrap();
+    assert!(!lookups.is_empty(), "the name was never looked up");
+    let loop_thread = std::thread::current().id();
+    for (host, thread) in lookups.iter() {
+        assert_eq!(host, "localhost");
+        assert_ne!(
+            *thread, loop_thread,
+            "the name was looked up on the loop's thread"
+        );
+    }
+}

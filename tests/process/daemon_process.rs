@@ -929,6 +929,68 @@ fn a_killed_hypervisor_fails_its_pod_in_milliseconds_whatever_cocoons_ticker() {
     }
 }
 
+/// A hypervisor killed while pod writes wait for tokens (the client at 2 requests a second),
+/// failure statuses among them (pods whose annotations name no VM): the dead VM's pod's
+/// Failed status overtakes the whole backlog, those urgent writes included. Asserted by
+/// order, not by a wall-clock bound: when the pod reads Failed, the writes queued before the
+/// kill still wait.
+#[test]
+fn a_killed_hypervisors_pod_is_failed_ahead_of_the_queued_writes() {
+    const BAD: usize = 12;
+    let mut w = World::new();
+    w.extra_env.push(("COCOON_K8S_QPS".into(), "2".into()));
+    w.extra_env.push(("COCOON_K8S_BURST".into(), "1".into()));
+    w.seed_snapshot("base");
+    w.start_daemon();
+    w.api
+        .create_pod(&demo_pod("default", "victim", "clone", "base"))
+        .expect("create pod");
+    let (pod, id) = w.wait("victim Running", SETTLE_LIMIT, || {
+        running_with_vm(&w, "victim")
+    });
+    let uid = pod.metadata.uid.clone().unwrap_or_default();
+    std::fs::write(
+        w.path("state/faults.json"),
+        r#"{"vm start": {"fail_count": 100000, "fail_message": "start: boom"}}"#,
+    )
+    .expect("faults");
+    for i in 0..BAD {
+        let mut bad = demo_pod("default", &format!("bad-{i}"), "clone", "base");
+        if let Some(a) = bad.metadata.annotations.as_mut() {
+            a.remove("vm.cocoonstack.io/name");
+        }
+        // restartPolicy Never: the provider failure is phase Failed, an urgent write.
+        if let Some(spec) = bad.spec.as_mut() {
+            spec.restart_policy = Some("Never".into());
+        }
+        w.api.create_pod(&bad).expect("create pod");
+    }
+    let queued =
+        || metric_value(&w.metrics(), r#"vk_cocoon_kube_lane_queued{lane="pods"}"#).unwrap_or(0.0);
+    w.wait("a backlog of failure statuses", SETTLE_LIMIT, || {
+        (queued() >= 8.0).then_some(())
+    });
+    kill_hypervisor(&w, &id);
+    w.wait("victim Failed", SETTLE_LIMIT, || match w.pod("victim") {
+        None => Some(()),
+        Some(p) if p.metadata.uid.as_deref() != Some(uid.as_str()) => Some(()),
+        Some(p) if phase(&p) == "Failed" => Some(()),
+        Some(_) => None,
+    });
+    let failed_before = (0..BAD)
+        .filter(|i| {
+            w.pod(&format!("bad-{i}"))
+                .is_some_and(|p| phase(&p) == "Failed")
+        })
+        .count();
+    assert!(
+        failed_before + 4 <= BAD,
+        "the dead VM's status waited behind the backlog: {failed_before} of {BAD} earlier \
+         failure statuses were written before it ({} writes still queued)",
+        queued()
+    );
+}
+
 /// `cargo test --test process -- --ignored daemon_process::hypervisor_kill_bench --nocapture`
 #[test]
 #[ignore]

@@ -1,8 +1,8 @@
-//! The watch connection: connect (TCP, TLS), send the watch request, read within a budget, parse
-//! the response head and feed the body to the decoders; how it ended is an `End`.
+//! The watch connection: dial (off the loop, see `dial`), TLS, send the watch request, read
+//! within a budget, parse the response head and feed the body to the decoders; how it ended is
+//! an `End`.
 
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -11,6 +11,7 @@ use mio::Interest;
 use rustls::pki_types::ServerName;
 use rustls::ClientConnection;
 
+use super::dial::{Dialing, Resolver, PER_ADDRESS_TIMEOUT};
 use super::{PodWatch, StreamDecoder, WatchOutput};
 use crate::kube::client::{Client, WatchSession};
 use crate::kube::error::{ApiStatus, KubeError};
@@ -28,8 +29,14 @@ pub(super) enum Transport {
     Tls(Box<ClientConnection>),
 }
 
+/// The connection's socket: still being dialled on the dial thread, or open.
+pub(super) enum Link {
+    Dialing(Dialing),
+    Open(TcpStream),
+}
+
 pub(super) struct Conn {
-    pub(super) stream: TcpStream,
+    pub(super) link: Link,
     pub(super) transport: Transport,
     /// Request bytes not yet written (plain transport only; TLS buffers in rustls).
     pub(super) out: Vec<u8>,
@@ -56,12 +63,10 @@ pub(super) enum End {
 }
 
 impl PodWatch {
+    /// Starts a connection: the dial runs on its own thread and its end is reported as
+    /// readiness of the watch's token; TLS and the request follow in `drive`.
     pub(super) fn connect(&mut self, client: &Client, now: Instant) -> Result<(), KubeError> {
         let session: WatchSession = client.watch_session()?;
-        let addr = resolve(&session.target.host, session.target.port)
-            .map_err(|e| KubeError::Transport(format!("resolve {}: {e}", session.target.host)))?;
-        let mut stream = TcpStream::connect(addr)
-            .map_err(|e| KubeError::Transport(format!("connect {addr}: {e}")))?;
         let request = self.request_bytes(&session);
         let (transport, out) = match &session.tls {
             Some(cfg) => {
@@ -78,17 +83,20 @@ impl PodWatch {
             }
             None => (Transport::Plain, request),
         };
-        if let Some(reg) = &self.registry {
-            reg.register(
-                &mut stream,
+        let per_address = PER_ADDRESS_TIMEOUT.min(self.config.connect_timeout);
+        let dialing = self
+            .dialer
+            .start(
+                &session.target.host,
+                session.target.port,
+                per_address,
+                self.registry.as_ref(),
                 self.token,
-                Interest::READABLE | Interest::WRITABLE,
             )
-            .map_err(|e| KubeError::Transport(format!("register watch socket: {e}")))?;
-        }
+            .map_err(|e| KubeError::Transport(format!("dial {}: {e}", session.target.host)))?;
         self.stats.connects += 1;
         self.conn = Some(Conn {
-            stream,
+            link: Link::Dialing(dialing),
             transport,
             out,
             connected: false,
@@ -99,6 +107,12 @@ impl PodWatch {
             events: 0,
         });
         Ok(())
+    }
+
+    /// The function the watch resolves the API server's name with (the system resolver by
+    /// default); it runs on the dial thread. Drops any address already resolved.
+    pub fn set_resolver(&mut self, resolver: Resolver) {
+        self.dialer.set_resolver(resolver);
     }
 
     fn request_bytes(&self, s: &WatchSession) -> Vec<u8> {
@@ -128,29 +142,78 @@ impl PodWatch {
 
     pub(super) fn drop_conn(&mut self) {
         if let Some(mut c) = self.conn.take() {
-            if let Some(reg) = &self.registry {
-                let _ = reg.deregister(&mut c.stream);
+            // A connection that ended before the server answered may have gone to an address
+            // that is no longer the server's: the name is looked up again next time.
+            if c.body.is_none() {
+                self.dialer.forget();
+            }
+            match &mut c.link {
+                Link::Dialing(d) => d.deregister(self.registry.as_ref()),
+                Link::Open(stream) => {
+                    if let Some(reg) = &self.registry {
+                        let _ = reg.deregister(stream);
+                    }
+                }
             }
         }
     }
 
-    /// Move bytes: finish connecting, write the request, read and decode what is there.
+    /// Move bytes: take the dial's answer, write the request, read and decode what is there.
+    /// A failed connection also drops the resolved addresses (looked up again next time).
     pub(super) fn drive(
         &mut self,
         c: &mut Conn,
         now: Instant,
         out: &mut Vec<WatchOutput>,
     ) -> Result<(), End> {
-        if !c.connected {
-            if let Ok(Some(e)) | Err(e) = c.stream.take_error() {
-                return Err(End::Failed(format!("connect: {e}")));
-            }
-            match c.stream.peer_addr() {
-                Ok(_) => c.connected = true,
-                Err(e) if e.kind() == io::ErrorKind::NotConnected => return Ok(()),
-                Err(e) => return Err(End::Failed(format!("connect: {e}"))),
-            }
+        let result = self.drive_link(c, now, out);
+        if let Err(End::Failed(_)) = &result {
+            self.dialer.forget();
         }
+        result
+    }
+
+    /// The dial's answer, once: the connected socket goes into the poll under the watch's
+    /// token in place of the wake socket. Ok(false) while the dial is still under way.
+    fn take_dial(&mut self, c: &mut Conn) -> Result<bool, End> {
+        let Link::Dialing(dialing) = &mut c.link else {
+            return Ok(true);
+        };
+        let Some(answer) = dialing.outcome() else {
+            return Ok(false);
+        };
+        dialing.deregister(self.registry.as_ref());
+        let std_stream = answer.map_err(End::Failed)?;
+        std_stream
+            .set_nonblocking(true)
+            .map_err(|e| End::Failed(format!("connect: {e}")))?;
+        let _ = std_stream.set_nodelay(true);
+        let mut stream = TcpStream::from_std(std_stream);
+        if let Some(reg) = &self.registry {
+            reg.register(
+                &mut stream,
+                self.token,
+                Interest::READABLE | Interest::WRITABLE,
+            )
+            .map_err(|e| End::Failed(format!("register watch socket: {e}")))?;
+        }
+        c.link = Link::Open(stream);
+        c.connected = true;
+        Ok(true)
+    }
+
+    fn drive_link(
+        &mut self,
+        c: &mut Conn,
+        now: Instant,
+        out: &mut Vec<WatchOutput>,
+    ) -> Result<(), End> {
+        if !self.take_dial(c)? {
+            return Ok(());
+        }
+        let Link::Open(stream) = &mut c.link else {
+            return Ok(());
+        };
         let mut buf = [0u8; 32 * 1024];
         let mut plain: Vec<u8> = Vec::new();
         let mut eof = false;
@@ -158,7 +221,7 @@ impl PodWatch {
         match &mut c.transport {
             Transport::Plain => {
                 while !c.out.is_empty() {
-                    match c.stream.write(&c.out) {
+                    match stream.write(&c.out) {
                         Ok(0) => return Err(End::Failed("connection closed while sending".into())),
                         Ok(n) => {
                             c.out.drain(..n);
@@ -173,7 +236,7 @@ impl PodWatch {
                         more = true;
                         break;
                     }
-                    match c.stream.read(&mut buf) {
+                    match stream.read(&mut buf) {
                         Ok(0) => {
                             eof = true;
                             break;
@@ -188,14 +251,14 @@ impl PodWatch {
             Transport::Tls(tls) => loop {
                 // Flush whatever TLS wants to send (handshake, request).
                 while tls.wants_write() {
-                    match tls.write_tls(&mut c.stream) {
+                    match tls.write_tls(stream) {
                         Ok(_) => {}
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                         Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                         Err(e) => return Err(End::Failed(format!("send: {e}"))),
                     }
                 }
-                let got = match tls.read_tls(&mut c.stream) {
+                let got = match tls.read_tls(stream) {
                     Ok(0) => {
                         eof = true;
                         0
@@ -230,7 +293,7 @@ impl PodWatch {
                 if got == 0 || eof {
                     // Flush again: processing may have queued alerts or key updates.
                     while tls.wants_write() {
-                        match tls.write_tls(&mut c.stream) {
+                        match tls.write_tls(stream) {
                             Ok(_) => {}
                             Err(_) => break,
                         }
@@ -345,14 +408,4 @@ impl PodWatch {
         }
         fed.map_err(|e| End::Failed(format!("bad chunked body: {e}")))
     }
-}
-
-fn resolve(host: &str, port: u16) -> io::Result<SocketAddr> {
-    if let Ok(ip) = host.parse::<std::net::IpAddr>() {
-        return Ok(SocketAddr::new(ip, port));
-    }
-    (host, port)
-        .to_socket_addrs()?
-        .next()
-        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no address"))
 }

@@ -3,12 +3,14 @@
 //! Owns the watch socket and the known-pod set; it never decides what to do with a pod.
 //!
 //! This file holds the watch's state, its entry points and how a connection's end is handled
-//! (reconnect, relist, backoff); `connection` moves the bytes, `chunked` de-chunks and splits
+//! (reconnect, relist, backoff); `dial` resolves the API server's name and connects off the loop,
+//! `connection` moves the bytes, `chunked` de-chunks and splits
 //! lines, `event` decodes a line into a watch event, `known` turns events and relists into the
 //! per-pod outputs the daemon gets.
 
 mod chunked;
 mod connection;
+mod dial;
 mod event;
 mod known;
 
@@ -24,6 +26,7 @@ use crate::backoff::{self, Jitter};
 
 pub use chunked::{FramingError, StreamDecoder};
 use connection::{Conn, End};
+pub use dial::{system_resolver, Resolver, ADDRESS_TTL, PER_ADDRESS_TIMEOUT};
 pub use event::{decode_line, decode_stream, BadEvent, PodEvent};
 pub use known::{KnownPods, WatchOutput};
 
@@ -79,6 +82,8 @@ pub struct PodWatch {
     read_more: bool,
     failures: u32,
     jitter: Jitter,
+    /// Resolves and connects off the loop; keeps the resolved addresses between connections.
+    dialer: dial::Dialer,
     /// Counters for logs and tests.
     pub stats: WatchStats,
 }
@@ -109,6 +114,7 @@ impl PodWatch {
             read_more: false,
             failures: 0,
             jitter: Jitter::new(backoff::salt(node)),
+            dialer: dial::Dialer::default(),
             stats: WatchStats::default(),
         }
     }

@@ -27,6 +27,8 @@
 //!   stats are real; it exits by itself once its record is gone, and `vm rm`/`vm stop` kill it.
 //!   For a Cloud Hypervisor VM it also serves `<run dir>/console.sock` as a Windows SAC console
 //!   (`sandbox::fake_sac`) whose interfaces are the VM's NICs.
+//! - `FAKE_COCOON_PROCESS_NAMES=<prefix>`: with `FAKE_COCOON_NO_PROCESS=1`, VMs whose name
+//!   starts with the prefix still get their process (a bench kills a few among thousands).
 //! - `FAKE_COCOON_DHCP=1` with `FAKE_COCOON_LEASES=<path>`: DHCP mode, as with cocoon-net. NICs
 //!   have no static `network` address; after every invocation the fake rewrites the lease file
 //!   (cocoon-net's JSON lease format, atomic rename, 0644) with one row per NIC of each running VM (127.88.x.y,
@@ -244,6 +246,7 @@ fn store_from_env(args: &[String]) -> Result<Store, String> {
         log_dir,
         gen_b: env_nonempty("FAKE_COCOON_GENERATION").as_deref() == Some("B"),
         spawn_process: env_nonempty("FAKE_COCOON_NO_PROCESS").as_deref() != Some("1"),
+        process_names: env_nonempty("FAKE_COCOON_PROCESS_NAMES"),
         leases: None,
     };
     store
@@ -261,6 +264,7 @@ fn store_at(state_dir: &Path) -> Store {
         log_dir: state_dir.join("log"),
         gen_b: false,
         spawn_process: false,
+        process_names: None,
         leases: dhcp::remembered(state_dir),
     }
 }

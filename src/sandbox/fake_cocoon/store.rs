@@ -66,6 +66,9 @@ pub struct Store {
     pub gen_b: bool,
     /// Back each running VM with a sleeping process (off with FAKE_COCOON_NO_PROCESS=1).
     pub spawn_process: bool,
+    /// VM name prefix backed by a process even when `spawn_process` is off
+    /// (`FAKE_COCOON_PROCESS_NAMES`): a bench's few killable hypervisors among thousands.
+    pub process_names: Option<String>,
     /// DHCP mode (`FAKE_COCOON_DHCP=1`): NICs get no static address and this lease file is kept
     /// like cocoon-net would (see `dhcp`).
     pub leases: Option<PathBuf>,
@@ -84,6 +87,15 @@ pub enum RefError {
 }
 
 impl Store {
+    /// Whether the VM named `name` runs as a process of its own.
+    pub fn backs_with_process(&self, name: &str) -> bool {
+        self.spawn_process
+            || self
+                .process_names
+                .as_deref()
+                .is_some_and(|prefix| name.starts_with(prefix))
+    }
+
     pub fn vms_dir(&self) -> PathBuf {
         self.state.join("vms")
     }
@@ -548,6 +560,7 @@ mod tests {
             log_dir: dir.path().join("log"),
             gen_b: false,
             spawn_process: false,
+            process_names: None,
             leases: None,
         };
         store.init().unwrap();

@@ -201,6 +201,7 @@ mod tests {
             log_dir: dir.path().join("log"),
             gen_b: false,
             spawn_process: false,
+            process_names: None,
             leases: None,
         };
         let text = "t ADDED A\nt MODIFIED B\nt DELETED A\nt ADD";

@@ -149,8 +149,8 @@ fn resolve(store: &Store, r: &str) -> Result<StoredVm, String> {
     })
 }
 
-fn spawn_backing_process(store: &Store, id: &str) -> Result<i64, String> {
-    if !store.spawn_process {
+fn spawn_backing_process(store: &Store, id: &str, name: &str) -> Result<i64, String> {
+    if !store.backs_with_process(name) {
         return Ok(0);
     }
     let exe = std::env::current_exe().map_err(io_err("locate own binary"))?;
@@ -218,7 +218,7 @@ fn append_console(store: &Store, vm: &Vm, line: &str) {
 /// Starts a VM record: disks, backing process, `running`.
 fn boot(store: &Store, sv: &mut StoredVm, reason: &str) -> Result<(), String> {
     prepare_disks(store, &mut sv.vm)?;
-    let pid = spawn_backing_process(store, &sv.vm.id)?;
+    let pid = spawn_backing_process(store, &sv.vm.id, &sv.vm.config.name)?;
     let now = now_rfc3339();
     sv.vm.pid = pid;
     sv.vm.state = "running".into();
@@ -230,7 +230,7 @@ fn boot(store: &Store, sv: &mut StoredVm, reason: &str) -> Result<(), String> {
     sv.vm.last_transition_at = Some(now);
     sv.vm.transition_generation += 1;
     sv.owner_pid = 0;
-    if store.spawn_process {
+    if store.backs_with_process(&sv.vm.config.name) {
         let _ = fs::write(
             store.run_dir(&sv.vm).join(if sv.vm.is_firecracker() {
                 "fc.pid"
