@@ -940,7 +940,13 @@ impl Sim {
             // not the one the daemon knows (then the daemon asks cocoon).
             Effect::ReadVmPid { op, vm_id, .. } => {
                 let running = self.vms.get(&vm_id).is_some_and(|v| v.state == "running");
-                let pid = (running && !(self.faults && self.rng.chance(100))).then_some(100);
+                let pid = if self.faults && self.rng.chance(100) {
+                    vk_cocoon::vm::PidFile::NoRunDir
+                } else if running {
+                    vk_cocoon::vm::PidFile::Live(100)
+                } else {
+                    vk_cocoon::vm::PidFile::Dead
+                };
                 let l = self.latency();
                 self.later(l, Delivery::Input(Input::VmPidRead { op, pid }));
             }

@@ -42,44 +42,6 @@ fn no_registry() -> TransferError {
     TransferError::Invalid("no OCI registry is configured (OCI_REGISTRY)".into())
 }
 
-/// Whether process `pid` exists and is not a zombie (`/proc/<pid>/stat`): the liveness check
-/// of a macOS guest's QEMU. A zombie is a dead QEMU its parent has not reaped yet.
-fn process_alive(pid: i64) -> bool {
-    if pid <= 0 {
-        return false;
-    }
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return false;
-    };
-    // The state is the first field after the parenthesised command (which may hold spaces).
-    let state = stat
-        .rfind(')')
-        .and_then(|i| stat.get(i + 1..))
-        .and_then(|rest| rest.split_whitespace().next());
-    !matches!(state, Some("Z") | Some("X") | None)
-}
-
-/// The hypervisor PID cocoon wrote for VM `vm_id` (`<root>/run/<backend dir>/<vm_id>/ch.pid`,
-/// `fc.pid` for Firecracker), when it names a live process. A VM ID is cocoon's own answer,
-/// but it becomes a path here: anything but a plain file name is not looked up.
-fn read_vm_pid(root: &std::path::Path, vm_id: &str, firecracker: bool) -> Option<i64> {
-    let plain = !vm_id.is_empty()
-        && vm_id
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
-    if !plain {
-        return None;
-    }
-    let (dir, file) = if firecracker {
-        ("firecracker", "fc.pid")
-    } else {
-        ("cloudhypervisor", "ch.pid")
-    };
-    let path = root.join("run").join(dir).join(vm_id).join(file);
-    let pid: i64 = std::fs::read_to_string(path).ok()?.trim().parse().ok()?;
-    process_alive(pid).then_some(pid)
-}
-
 /// cocoon's JSON answers are small; a `vm list` of a dense host is the largest.
 const STDOUT_LIMIT: usize = 16 << 20;
 const STDERR_LIMIT: usize = 64 << 10;
@@ -121,7 +83,7 @@ impl Daemon {
                 self.start_cocoon_calls();
             }
             Effect::CheckPid { op, pid } => {
-                let alive = process_alive(pid);
+                let alive = crate::vm::process_alive(pid);
                 self.pending.push_back(Input::PidChecked { op, alive });
             }
             Effect::ReadVmPid {
@@ -129,7 +91,8 @@ impl Daemon {
                 vm_id,
                 firecracker,
             } => {
-                let pid = read_vm_pid(&self.config.cocoon_root_dir, &vm_id, firecracker);
+                let pid =
+                    crate::vm::read_pid_file(&self.config.cocoon_root_dir, &vm_id, firecracker);
                 // Ahead of the backlog: the hypervisor watch is armed once the core has the
                 // PID, in this very turn, not after a burst's queued inputs.
                 self.urgent_inputs.push_back(Input::VmPidRead { op, pid });
@@ -832,37 +795,6 @@ mod tests {
         assert_eq!(p["metadata"]["annotations"]["vm.cocoonstack.io/id"], "vm-1");
         assert!(
             p["metadata"]["annotations"]["vm.cocoonstack.io/lifecycle-state-message"].is_null()
-        );
-    }
-
-    #[test]
-    fn a_vm_pid_is_read_from_the_backends_pid_file_when_its_process_lives() {
-        let root = tempfile::tempdir().expect("tempdir");
-        let write = |dir: &str, id: &str, file: &str, text: &str| {
-            let d = root.path().join("run").join(dir).join(id);
-            std::fs::create_dir_all(&d).expect("mkdir");
-            std::fs::write(d.join(file), text).expect("write");
-        };
-        let me = i64::from(std::process::id());
-        write("cloudhypervisor", "CH1", "ch.pid", &format!("{me}\n"));
-        write("firecracker", "FC1", "fc.pid", &me.to_string());
-        write("cloudhypervisor", "BAD", "ch.pid", "not a pid");
-        let mut child = std::process::Command::new("true").spawn().expect("spawn");
-        let gone = i64::from(child.id());
-        child.wait().expect("reap");
-        write("cloudhypervisor", "GONE", "ch.pid", &gone.to_string());
-
-        let read = |id: &str, fc: bool| read_vm_pid(root.path(), id, fc);
-        assert_eq!(read("CH1", false), Some(me));
-        assert_eq!(read("FC1", true), Some(me));
-        assert_eq!(read("CH1", true), None, "a Firecracker VM has fc.pid");
-        assert_eq!(read("BAD", false), None);
-        assert_eq!(read("GONE", false), None, "the process has exited");
-        assert_eq!(read("MISSING", false), None);
-        assert_eq!(
-            read("../cloudhypervisor/CH1", false),
-            None,
-            "no path in an ID"
         );
     }
 }

@@ -31,8 +31,8 @@
 //! * [`Effect::CheckPid`] `{op, pid}`: is that process alive (not a zombie)? Answer
 //!   [`Input::PidChecked`] (a macOS guest's QEMU).
 //! * [`Effect::ReadVmPid`] `{op, vm_id, firecracker}`: read the hypervisor's PID from the
-//!   VM's pid file in cocoon's run dir; answer [`Input::VmPidRead`] (None unless it names a
-//!   live process).
+//!   VM's pid file in cocoon's run dir; answer [`Input::VmPidRead`] (a live PID, a dead one,
+//!   no file, or no run directory where the daemon looks).
 //! * [`Effect::CheckSource`] `{op, check}`: check a source the pod names on the host, off the
 //!   loop (resolve an http(s) image URL's host and judge every address with
 //!   [`sources::check_resolved`]; walk a clone-from-dir below its root with lstat: no symlink);
@@ -396,10 +396,10 @@ pub enum Input {
         op: OpId,
         alive: bool,
     },
-    /// Answer of [`Effect::ReadVmPid`]: the PID, when the file names a live process.
+    /// Answer of [`Effect::ReadVmPid`]: what the hypervisor's PID file says.
     VmPidRead {
         op: OpId,
-        pid: Option<i64>,
+        pid: crate::vm::PidFile,
     },
     /// Answer of [`Effect::CheckSource`].
     SourceChecked {

@@ -16,6 +16,7 @@ pub mod blocking;
 pub mod call;
 pub mod error;
 pub mod events;
+pub mod pid_file;
 pub mod resources;
 pub mod runner;
 pub mod types;
@@ -30,6 +31,7 @@ pub use error::{classify, CocoonError, ErrorKind};
 pub use events::{
     parse_event_line, EventLineError, EventStreamSupervisor, LineSplitter, StreamAction,
 };
+pub use pid_file::{process_alive, read_pid_file, PidFile};
 pub use resources::{
     cpu_policy, cpu_weight, memory_arg, parse_milli, parse_quantity, vcpu_count, CpuPolicy,
 };

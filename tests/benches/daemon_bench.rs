@@ -123,6 +123,7 @@ fn bench_pod_lifecycle() {
     // time also holds the fake cocoon's fork/exec and the registry lookup.
     let pid = w.daemon.as_ref().map(|c| c.id()).unwrap_or(0);
     w.api.clear_requests();
+    let seq_log = w.log().len();
     let mut single = Vec::new();
     let mut own = Vec::new();
     for i in 0..SEQUENTIAL {
@@ -155,12 +156,17 @@ fn bench_pod_lifecycle() {
         pod_writes_per_pod(&w, "seq-", SEQUENTIAL),
         writes_by_kind(&w, "seq-", SEQUENTIAL)
     );
+    println!(
+        "cocoon calls per created pod, sequential: {}",
+        cocoon_calls_per_pod(&log_since(&w, seq_log), &[], SEQUENTIAL)
+    );
     let mut oldest_lease = 0.0f64;
     let killed = start_killable_pods(&w);
 
     // 2. Burst: n pods at once; while its writes are queued, the sequential pods' VMs vanish
     // one at a time (VM vanish -> Failed written, behind the backlog).
     w.api.clear_requests();
+    let burst_log = w.log().len();
     let burst_cpu = daemon_cpu(pid);
     let t0 = Instant::now();
     for i in 0..n {
@@ -229,6 +235,14 @@ fn bench_pod_lifecycle() {
         n as f64 / all.as_secs_f64(),
         percentile(&mut lat.clone(), 0.5),
         percentile(&mut lat, 0.99)
+    );
+    // The sequential pods' VMs vanish meanwhile: their calls (verify, evict) are not the
+    // burst's creates.
+    let mut vanished: Vec<String> = ids.values().cloned().collect();
+    vanished.push("vk-default-seq-".into());
+    println!(
+        "cocoon calls per created pod, burst (the vanished VMs' calls not counted): {}",
+        cocoon_calls_per_pod(&log_since(&w, burst_log), &vanished, n)
     );
     print_after_burst(&w, pid, n, burst_cpu, oldest_lease);
     deletes_and_restart(&mut w, n);
@@ -363,9 +377,9 @@ fn kill_during_burst(w: &World, killed: &BTreeMap<String, String>) {
     std::fs::write(w.path("state/faults.json"), "{}").expect("faults");
 }
 
-/// `vm clone 1100, vm inspect 1700, ...`: the daemon's cocoon calls by their first two words,
-/// most frequent first (each call is a process, so this is where the host's CPU goes).
-fn cocoon_calls_by_command(log: &str) -> String {
+/// The daemon's cocoon calls in `log` by their first two words (`vm clone`), skipping calls
+/// whose line mentions any of `skip` (another phase's VMs).
+fn cocoon_call_counts(log: &str, skip: &[String]) -> BTreeMap<String, usize> {
     let mut counts: BTreeMap<String, usize> = BTreeMap::new();
     for line in log.lines() {
         let Some((_, call)) = line.split_once("cocoon op ") else {
@@ -375,13 +389,42 @@ fn cocoon_calls_by_command(log: &str) -> String {
         if !words.get(1).is_some_and(|bin| bin.ends_with("/cocoon")) {
             continue;
         }
+        if skip.iter().any(|s| call.contains(s.as_str())) {
+            continue;
+        }
         let words: Vec<&str> = words.into_iter().skip(2).take(2).collect();
         *counts.entry(words.join(" ")).or_default() += 1;
     }
-    let mut counts: Vec<(String, usize)> = counts.into_iter().collect();
+    counts
+}
+
+/// `vm clone 1100, vm inspect 1700, ...`: the daemon's cocoon calls by their first two words,
+/// most frequent first (each call is a process, so this is where the host's CPU goes).
+fn cocoon_calls_by_command(log: &str) -> String {
+    let mut counts: Vec<(String, usize)> = cocoon_call_counts(log, &[]).into_iter().collect();
     counts.sort_by_key(|c| std::cmp::Reverse(c.1));
     let parts: Vec<String> = counts.iter().map(|(c, n)| format!("{c} {n}")).collect();
     parts.join(", ")
+}
+
+/// `4.00 (vm clone 1.00, vm inspect 1.00, ...)`: cocoon calls per pod, in total and by
+/// command, of the calls a phase made (`log` is the daemon log from the phase's start).
+fn cocoon_calls_per_pod(log: &str, skip: &[String], pods: usize) -> String {
+    let mut counts: Vec<(String, usize)> = cocoon_call_counts(log, skip).into_iter().collect();
+    counts.sort_by_key(|c| std::cmp::Reverse(c.1));
+    let per = |n: usize| n as f64 / pods.max(1) as f64;
+    let total: usize = counts.iter().map(|c| c.1).sum();
+    let parts: Vec<String> = counts
+        .iter()
+        .map(|(c, n)| format!("{c} {:.2}", per(*n)))
+        .collect();
+    format!("{:.2} ({})", per(total), parts.join(", "))
+}
+
+/// The daemon log from byte `from` on (a phase's part of it).
+fn log_since(w: &World, from: usize) -> String {
+    let log = w.log();
+    log.get(from..).unwrap_or_default().to_string()
 }
 
 /// Cocoon calls, CPU, RSS, writes per pod, longest turn and Lease after the burst.
@@ -443,6 +486,7 @@ fn deletes_and_restart(w: &mut World, n: usize) {
         },
     );
     w.api.clear_requests();
+    let delete_log = w.log().len();
     for i in 0..deleted {
         w.api
             .delete_pod("default", &format!("pod-{i}"), Some(30))
@@ -470,6 +514,10 @@ fn deletes_and_restart(w: &mut World, n: usize) {
         "pod writes per pod, delete -> gone: {:.2} ({})",
         delete_writes / deleted as f64,
         writes_by_kind(w, "pod-", deleted)
+    );
+    println!(
+        "cocoon calls per deleted pod: {}",
+        cocoon_calls_per_pod(&log_since(w, delete_log), &[], deleted)
     );
 
     // 4. Restart: startup reconcile of n pods and VMs, nothing recreated.

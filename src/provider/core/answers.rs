@@ -147,6 +147,7 @@ impl Provider {
             Waiter::SharedRead { argv, keys } => {
                 self.shared_reads.remove(&argv);
                 if let Res::Cocoon(r) = res {
+                    self.read_facts.read_answered(&argv, &r);
                     for key in keys {
                         self.pod_step_result(&key, op, Res::Cocoon(r.clone()));
                     }
@@ -376,7 +377,7 @@ pub(super) enum Res {
     /// A process liveness check (macOS guests' QEMU).
     Pid(bool),
     /// A VM's hypervisor PID read from its pid file (None: no file or no such process).
-    VmPid(Option<i64>),
+    VmPid(crate::vm::PidFile),
     /// A write of the ownership ledger.
     Owners(Result<(), String>),
     /// The host's verdict on a source the pod names.

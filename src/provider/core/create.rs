@@ -2,6 +2,7 @@
 //! clone or run. The bring-up after the VM exists is in `bring_up`.
 
 use super::*;
+use crate::vm::PidFile;
 
 /// Metric reason of a create refused because another live pod holds the VM.
 const REASON_VM_OWNED: &str = "vm_owned_by_another_pod";
@@ -601,13 +602,18 @@ impl Provider {
             (CreateStep::PidFile, Res::VmPid(pid)) => {
                 let mut vm = c.vm.clone().unwrap_or_default();
                 match pid {
-                    Some(pid) => {
+                    PidFile::Live(pid) => {
                         vm.pid = pid;
                         self.by_name.insert(spec.vm_name.clone(), vm.clone());
                         self.vm_up(key, vm, false)
                     }
-                    // No file (another cocoon layout) or no process: cocoon answers.
-                    None => self.run_inspect(key, vm),
+                    // cocoon's own `pid` comes from this very file: with the VM's run
+                    // directory where we look and no file in it, an inspect would answer
+                    // pid 0 too. The VM is up as the bring-up's answer says.
+                    PidFile::NoFile => self.vm_up(key, vm, false),
+                    // A PID that is not alive (the hypervisor may have died), or a run
+                    // directory elsewhere (another cocoon layout): cocoon answers, once.
+                    PidFile::Dead | PidFile::NoRunDir => self.run_inspect(key, vm),
                 }
             }
             (CreateStep::BootFailedInspect { error }, Res::Cocoon(r)) => {
@@ -823,12 +829,14 @@ impl Provider {
                 result: if r.success { "ok" } else { "failed" },
             });
         }
+        let what = if spec.fresh_boot() {
+            "vm run"
+        } else {
+            "vm clone"
+        };
         if !r.success {
-            let what = if spec.fresh_boot() {
-                "vm run"
-            } else {
-                "vm clone"
-            };
+            // The snapshot or image the shared facts said was there may be gone.
+            self.read_facts.forget_all();
             // A clone killed at its deadline (or failing half-way) can leave a VM
             // record behind; if the pod is deleted before the retry, nothing would
             // ever remove it. Look before reporting the failure.
@@ -843,7 +851,19 @@ impl Provider {
         }
         let vm = match parse_vm(&r.stdout) {
             Ok(v) => v,
-            Err(e) => return self.fail_create(key, &c.uid, &e, true),
+            // The call succeeded but its answer names no VM (no id, or unreadable): one
+            // lookup by name says what it made, as after a failed bring-up (a running VM of
+            // this name is the pod's; anything else is removed and the create retried).
+            Err(e) => {
+                let error = format!("{what} {} answered without a VM record: {e}", spec.vm_name);
+                return self.advance(
+                    key,
+                    CreateStep::BootFailedInspect { error },
+                    Ask::Cocoon(CocoonCmd::VmInspect {
+                        reference: spec.vm_name.clone(),
+                    }),
+                );
+            }
         };
         self.by_name.insert(spec.vm_name.clone(), vm.clone());
         let fresh_run = spec.fresh_boot();

@@ -81,6 +81,7 @@ mod kube_writes;
 mod ledger;
 mod macos;
 mod post_clone;
+mod read_facts;
 mod reclaim;
 mod source_check;
 mod startup;
@@ -135,6 +136,8 @@ pub struct Provider {
     waiters: BTreeMap<OpId, Waiter>,
     /// Running shared reads (`pod_cocoon_read`), by argv.
     shared_reads: BTreeMap<Vec<String>, OpId>,
+    /// Snapshot and image answers later creates reuse (`read_facts`: what drops them).
+    read_facts: read_facts::ReadFacts,
     /// VM-name index: VMs we created, adopted, or orphans kept for adoption.
     by_name: BTreeMap<String, VmInfo>,
     /// Namespace of the last pod that held each VM of `by_name` (ownership: a kept VM goes
@@ -271,6 +274,7 @@ impl Provider {
             slots: BTreeMap::new(),
             waiters: BTreeMap::new(),
             shared_reads: BTreeMap::new(),
+            read_facts: Default::default(),
             by_name: BTreeMap::new(),
             last_holder_ns: BTreeMap::new(),
             last_restart: BTreeMap::new(),
@@ -291,8 +295,10 @@ impl Provider {
     pub fn handle(&mut self, input: Input, now: Instant, wall: SystemTime) -> Vec<Effect> {
         self.now = now;
         self.wall = to_time(wall);
+        self.read_facts.note_input(&input, now);
         self.dispatch(input);
         self.note_snapshot_writes();
+        self.read_facts.note_effects(&self.out);
         std::mem::take(&mut self.out)
     }
 
@@ -364,6 +370,7 @@ impl Provider {
             ("slots", self.slots.len()),
             ("waiters", self.waiters.len()),
             ("shared_reads", self.shared_reads.len()),
+            ("read_facts", self.read_facts.len()),
             ("by_name", self.by_name.len()),
             ("last_holder_ns", self.last_holder_ns.len()),
             ("last_restart", self.last_restart.len()),
@@ -504,7 +511,14 @@ impl Provider {
     /// already running waits for that answer instead of starting another process. The answer
     /// is at most one call older than its own would be; a burst of pods cloned from one
     /// snapshot then costs a few inspects instead of one per pod.
+    /// An inspect of a snapshot or an image is answered from `read_facts` when an earlier
+    /// answer still stands (no change of it since): a create then costs no inspect at all.
     fn pod_cocoon_read(&mut self, key: &PodKey, cmd: CocoonCmd) {
+        if let Some(answer) = self.read_facts.answer(&cmd, self.now, &self.out) {
+            let op = self.op_id();
+            self.slot(key).awaiting = Some(op);
+            return self.pod_step_result(key, op, Res::Cocoon(answer));
+        }
         let argv = cmd.argv();
         if let Some(&op) = self.shared_reads.get(&argv) {
             if let Some(Waiter::SharedRead { keys, .. }) = self.waiters.get_mut(&op) {
@@ -514,6 +528,7 @@ impl Provider {
             }
         }
         let op = self.op_id();
+        self.read_facts.read_issued(&cmd, self.now);
         self.shared_reads.insert(argv.clone(), op);
         self.waiters.insert(
             op,

@@ -2,6 +2,7 @@
 //! bring-up failures, adoption of a preassigned VM.
 
 use super::*;
+use crate::vm::PidFile;
 
 #[test]
 fn clone_create_publishes_running_then_ready_status_before_annotation() {
@@ -790,17 +791,31 @@ fn concurrent_clones_of_one_snapshot_share_the_source_inspect() {
         .collect();
     clones.sort();
     assert_eq!(clones, ["vk-ns-demo-0", "vk-ns-demo-1", "vk-ns-demo-2"]);
-    // The next pod after the read ended starts a read of its own.
-    let e = h.feed(Input::PodUpserted(Box::new(mk(
-        "d",
-        "u3",
-        &managed("d", "vk-ns-demo-3"),
-    ))));
-    let e = no_evidence(&mut h, &e);
-    let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(""));
-    let (_, cmd) = one_cocoon(&e);
-    assert_eq!(argv(&cmd), "snapshot inspect team/agent:v3");
+    // The next pod after the read ended takes the kept answers (nothing changed them): it
+    // clones at once. Once they aged out it reads again.
+    for (name, uid, vm, wait, first) in [
+        ("d", "u3", "vk-ns-demo-3", 0, "vm clone"),
+        (
+            "e",
+            "u4",
+            "vk-ns-demo-4",
+            31,
+            "snapshot inspect team/agent:v3",
+        ),
+    ] {
+        h.now += Duration::from_secs(wait);
+        h.wall += Duration::from_secs(wait);
+        let e = h.feed(Input::PodUpserted(Box::new(mk(
+            name,
+            uid,
+            &managed(name, vm),
+        ))));
+        let e = no_evidence(&mut h, &e);
+        let (op, _) = one_cocoon(&e);
+        let e = h.cocoon(op, CocoonResult::ok(""));
+        let (_, cmd) = one_cocoon(&e);
+        assert!(argv(&cmd).starts_with(first), "{}", argv(&cmd));
+    }
 }
 
 #[test]
@@ -1001,7 +1016,7 @@ fn a_clone_answered_with_pid_0_takes_the_pid_from_the_hypervisor_pid_file() {
     assert_eq!((vm_id.as_str(), firecracker), ("VM1", false));
     let e = h.feed(Input::VmPidRead {
         op,
-        pid: Some(4242),
+        pid: PidFile::Live(4242),
     });
     assert!(cocoon_ops(&e).is_empty(), "{e:?}");
     let op = lookup(&e).expect("the bring-up goes on");
@@ -1014,15 +1029,77 @@ fn a_clone_answered_with_pid_0_takes_the_pid_from_the_hypervisor_pid_file() {
 }
 
 #[test]
-fn without_a_readable_pid_file_cocoon_is_asked() {
+fn without_the_vms_run_directory_cocoon_is_asked_once() {
+    for answer_of_file in [PidFile::NoRunDir, PidFile::Dead] {
+        let mut h = H::new(ProviderConfig::default());
+        let e = clone_with_pid_0(&mut h);
+        let (op, _, _) = pid_file_read(&e).expect("a pid file read");
+        let e = h.feed(Input::VmPidRead {
+            op,
+            pid: answer_of_file,
+        });
+        let e = answer(
+            &mut h,
+            &e,
+            "vm inspect VM1",
+            CocoonResult::ok(vm_json(
+                "VM1",
+                "vk-ns-demo-0",
+                "running",
+                "02:00:00:00:00:01",
+            )),
+        );
+        assert!(cocoon_ops(&e).is_empty(), "one inspect only: {e:?}");
+        let op = lookup(&e).expect("the bring-up goes on");
+        h.feed(Input::LeaseLooked {
+            op,
+            result: Ok(Some("10.0.0.9".into())),
+        });
+        let key = PodKey::new("ns", "a");
+        assert_eq!(h.p.pod_vm(&key).map(|v| v.pid), Some(42));
+    }
+}
+
+/// cocoon's `pid` comes from the PID file: with the run directory there and no file in it, an
+/// inspect would say pid 0 as well, so none is run.
+#[test]
+fn with_the_run_directory_but_no_pid_file_no_inspect_runs() {
     let mut h = H::new(ProviderConfig::default());
     let e = clone_with_pid_0(&mut h);
     let (op, _, _) = pid_file_read(&e).expect("a pid file read");
-    let e = h.feed(Input::VmPidRead { op, pid: None });
+    let e = h.feed(Input::VmPidRead {
+        op,
+        pid: PidFile::NoFile,
+    });
+    assert!(cocoon_ops(&e).is_empty(), "no vm inspect: {e:?}");
+    let op = lookup(&e).expect("the bring-up goes on");
+    h.feed(Input::LeaseLooked {
+        op,
+        result: Ok(Some("10.0.0.9".into())),
+    });
+    let key = PodKey::new("ns", "a");
+    assert_eq!(h.p.pod_vm(&key).map(|v| v.pid), Some(0));
+    assert_eq!(
+        h.p.pod_vm(&key).map(|v| v.id.clone()).as_deref(),
+        Some("VM1")
+    );
+}
+
+/// A clone that exits 0 with no VM record (no id) is looked up by name once: the VM it made is
+/// the pod's when it runs.
+#[test]
+fn a_clone_answer_without_an_id_falls_back_to_one_inspect_by_name() {
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
+    let (op, _) = drive_to_clone(&mut h, p);
+    let e = h.cocoon(
+        op,
+        CocoonResult::ok(r#"{"id":"","state":"running","pid":0}"#),
+    );
     let e = answer(
         &mut h,
         &e,
-        "vm inspect VM1",
+        "vm inspect vk-ns-demo-0",
         CocoonResult::ok(vm_json(
             "VM1",
             "vk-ns-demo-0",
@@ -1030,11 +1107,16 @@ fn without_a_readable_pid_file_cocoon_is_asked() {
             "02:00:00:00:00:01",
         )),
     );
+    assert!(cocoon_ops(&e).is_empty(), "one inspect only: {e:?}");
     let op = lookup(&e).expect("the bring-up goes on");
     h.feed(Input::LeaseLooked {
         op,
         result: Ok(Some("10.0.0.9".into())),
     });
     let key = PodKey::new("ns", "a");
+    assert_eq!(
+        h.p.pod_vm(&key).map(|v| v.id.clone()).as_deref(),
+        Some("VM1")
+    );
     assert_eq!(h.p.pod_vm(&key).map(|v| v.pid), Some(42));
 }
