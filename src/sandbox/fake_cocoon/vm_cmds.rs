@@ -879,8 +879,9 @@ fn guest_command(
             eprintln!("{}", args.join(" "));
             0
         }
-        // A Windows guest's shell: its scripts (the post-clone NIC reset) are taken as run.
-        "powershell" if !args.is_empty() => 0,
+        // A Windows guest's shells: their scripts (the post-clone NIC reset, `ipconfig /release`
+        // before hibernate, `/renew` after wake) are taken as run.
+        "powershell" | "cmd" if !args.is_empty() => 0,
         "sh" | "bash" | "ash" | "dash"
             if args.first().map(String::as_str) == Some("-c") && depth < 4 =>
         {
