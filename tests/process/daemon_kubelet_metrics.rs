@@ -333,14 +333,19 @@ fn prometheus_scrapes_the_kubelet_paths_and_the_kubelet_rules_see_the_pod() {
     promtool_check_metrics("/metrics/probes", &probes, &dir);
 
     // /metrics/cadvisor, twice, two samples apart (the shared sample is re-read every 2 s).
-    let first = scrape(&w, "/metrics/cadvisor", &prometheus);
+    // The VM is in the cAdvisor text from the first sample taken after it started, which a
+    // scrape right after the probe result can precede: wait for it.
     let stamp = |t: &str| {
         t.lines()
             .find(|l| l.starts_with("container_memory_rss{container=\"agent\""))
             .and_then(|l| l.rsplit(' ').next())
             .map(str::to_string)
     };
-    let first_stamp = stamp(&first).unwrap_or_else(|| panic!("no container series:\n{first}"));
+    let first = w.wait("the VM's container series", SETTLE_LIMIT, || {
+        let t = scrape(&w, "/metrics/cadvisor", &prometheus);
+        stamp(&t).map(|_| t)
+    });
+    let first_stamp = stamp(&first).unwrap_or_default();
     let second = w.wait("a second cAdvisor sample", SETTLE_LIMIT, || {
         std::thread::sleep(Duration::from_millis(500));
         let t = scrape(&w, "/metrics/cadvisor", &prometheus);
