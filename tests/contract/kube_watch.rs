@@ -19,7 +19,7 @@ use vk_cocoon::sandbox::apiserver::{
 const NODE: &str = "n1";
 const WATCH: Token = Token(7);
 
-fn pod(name: &str, node: &str) -> Pod {
+pub(crate) fn pod(name: &str, node: &str) -> Pod {
     serde_json::from_value(serde_json::json!({
         "metadata": {"name": name, "namespace": "default"},
         "spec": {"nodeName": node, "containers": [{"name": "agent", "image": "img"}]}
@@ -27,7 +27,7 @@ fn pod(name: &str, node: &str) -> Pod {
     .unwrap()
 }
 
-fn setup() -> (ApiServerHandle, tempfile::TempDir, Client) {
+pub(crate) fn setup() -> (ApiServerHandle, tempfile::TempDir, Client) {
     let api = ApiServer::start(ApiServerOptions {
         bookmark_interval: Duration::from_millis(300),
         ..ApiServerOptions::default()

@@ -5,44 +5,17 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use mio::{Events, Poll, Token};
-use vk_cocoon::kube::{Client, KubeOptions, PodWatch, WatchConfig, WatchOutput};
-use vk_cocoon::sandbox::apiserver::{ApiServer, ApiServerHandle, ApiServerOptions, KubeconfigAuth};
+use vk_cocoon::kube::{Client, PodWatch, WatchConfig, WatchOutput};
+use vk_cocoon::sandbox::apiserver::ApiServerHandle;
 
-const NODE: &str = "fleet-node";
+/// The node of the watch module's fake API server set-up, which this file shares.
+const NODE: &str = "n1";
 
 fn pod(name: &str) -> Pod {
-    serde_json::from_value(serde_json::json!({
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {"nodeName": NODE, "containers": [{"name": "agent", "image": "img"}]}
-    }))
-    .unwrap()
+    super::kube_watch::pod(name, NODE)
 }
 
-fn setup() -> (ApiServerHandle, tempfile::TempDir, Client) {
-    let api = ApiServer::start(ApiServerOptions {
-        bookmark_interval: Duration::from_millis(300),
-        ..ApiServerOptions::default()
-    })
-    .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let kc = dir.path().join("kubeconfig");
-    api.write_kubeconfig(
-        &kc,
-        &KubeconfigAuth::ClientCert {
-            user: format!("system:node:{NODE}"),
-            groups: vec!["system:nodes".into()],
-        },
-    )
-    .unwrap();
-    let client = Client::from_env(&KubeOptions {
-        kubeconfig: Some(kc.to_string_lossy().into_owned()),
-        timeout: Duration::from_secs(5),
-        qps: 0.0,
-        ..KubeOptions::default()
-    })
-    .unwrap();
-    (api, dir, client)
-}
+use super::kube_watch::setup;
 
 /// `n` watches of the node's pods in one mio loop, each listed once and connected.
 struct Watches {
