@@ -179,3 +179,63 @@ fn own_families_are_the_registry_text() {
     assert!(get(&h, "/metrics/cadvisor/").contains("# TYPE machine_cpu_cores gauge"));
     assert!(get(&h, "/metrics/probes/").contains("# TYPE prober_probe_total counter"));
 }
+
+/// `/metrics/cadvisor` is rendered on a helper thread while the scrape waits on its connection:
+/// concurrent scrapes all get the whole text, and a keep-alive client pipelining a scrape
+/// between two other requests gets its three answers in order.
+#[test]
+fn cadvisor_scrapes_wait_for_the_render_off_the_loop_and_keep_their_order() {
+    let sleeper = Kill(
+        Command::new("sleep")
+            .arg("60")
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let pid = sleeper.0.id();
+    let pods: Vec<_> = (0..300)
+        .map(|i| pod("ns1", &format!("p{i}"), Some((&format!("vm-{i}"), pid))))
+        .collect();
+    let h = Harness::start(Options {
+        pods,
+        ..Default::default()
+    });
+    let texts: Vec<String> = std::thread::scope(|s| {
+        let scrapes: Vec<_> = (0..6)
+            .map(|_| s.spawn(|| get(&h, "/metrics/cadvisor")))
+            .collect();
+        scrapes.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    for text in &texts {
+        for i in [0, 150, 299] {
+            let series = format!("container_memory_working_set_bytes{{container=\"agent\",id=\"/cocoon.slice/vm-vm-{i}.scope\"");
+            assert!(text.contains(&series), "p{i} missing");
+        }
+    }
+
+    let cfg = h.client_config(None, &h.pki.ca_pem);
+    let mut s = h.connect(cfg).unwrap();
+    let auth = "Authorization: Bearer stats-token\r\n";
+    let pipelined = format!(
+        "GET /metrics/probes HTTP/1.1\r\nHost: x\r\n{auth}\r\n\
+         GET /metrics/cadvisor HTTP/1.1\r\nHost: x\r\n{auth}\r\n\
+         GET /metrics/probes HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n"
+    );
+    std::io::Write::write_all(&mut s, pipelined.as_bytes()).unwrap();
+    let mut raw = Vec::new();
+    match std::io::Read::read_to_end(&mut s, &mut raw) {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !raw.is_empty() => {}
+        Err(e) => panic!("{e}"),
+    }
+    let raw = String::from_utf8_lossy(&raw);
+    let probes_type = "# TYPE prober_probe_total counter";
+    let first = raw.find(probes_type).expect("first /metrics/probes");
+    let cadvisor = raw
+        .find("# TYPE machine_cpu_cores gauge")
+        .expect("the scrape");
+    let last = raw.rfind(probes_type).expect("last /metrics/probes");
+    assert!(first < cadvisor && cadvisor < last, "answers out of order");
+    assert_eq!(raw.matches("HTTP/1.1 200").count(), 3);
+    drop(sleeper);
+}

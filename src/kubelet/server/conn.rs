@@ -21,6 +21,8 @@ pub(super) enum Phase {
     Head,
     /// Head parsed; the daemon is checking who may do what.
     WaitAuth { req: Request, id: AuthId },
+    /// `/metrics/cadvisor` waits for its text from the render thread.
+    WaitRender,
     /// `/containerLogs`: streaming a `vm logs` child as a chunked body.
     Logs {
         child: Option<ChildId>,
@@ -112,6 +114,7 @@ impl KubeletServer {
             Phase::WaitAuth { id, .. } => {
                 self.drop_pending(id, true);
             }
+            Phase::WaitRender => self.render.forget(token),
             Phase::PortForward(mut f) => self.drop_forwards(r, &mut f),
             _ => {}
         }

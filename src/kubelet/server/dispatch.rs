@@ -105,7 +105,10 @@ impl KubeletServer {
                 routes::response(200, "text/plain; version=0.0.4", text.as_bytes(), false)
             }
             Route::Metrics => self.own_metrics_response(),
-            Route::MetricsCadvisor => self.cadvisor_response(now),
+            Route::MetricsCadvisor => match self.cadvisor_response(r, token, close) {
+                Some(resp) => resp,
+                None => return,
+            },
             Route::MetricsProbes => self.probes_response(),
             Route::MethodNotAllowed => routes::text(405, "405 method not allowed", false),
             Route::NotFound => routes::text(404, "404 request not found", false),

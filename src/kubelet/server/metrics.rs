@@ -5,13 +5,12 @@
 //! same authorisation as every kubelet path (subresource `nodes/metrics`). The cAdvisor text
 //! depends on the shared sample and the pods' facts only, so it is rendered once per sample.
 
-use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::KubeletServer;
 use crate::kubelet::routes;
 use crate::kubelet::PodInfo;
-use crate::metrics::cadvisor::{cadvisor_text, PodFacts, PodFactsMap};
+use crate::metrics::cadvisor::{PodFacts, PodFactsMap};
 use crate::metrics::probes::ProbeCounts;
 use crate::metrics::Metrics;
 
@@ -89,8 +88,9 @@ impl KubeletServer {
             .iter()
             .filter(|p| p.vm.is_some())
             .map(|p| ((p.namespace.clone(), p.name.clone()), pod_facts(p)))
-            .collect::<PodFactsMap>();
-        self.cadvisor_text = None;
+            .collect::<PodFactsMap>()
+            .into();
+        self.facts_generation += 1;
     }
 
     pub(super) fn own_metrics_response(&self) -> Vec<u8> {
@@ -105,20 +105,6 @@ impl KubeletServer {
             Some(s) => routes::response(200, TEXT, s.probes.text().as_bytes(), false),
             None => routes::text(404, "404 request not found", false),
         }
-    }
-
-    pub(super) fn cadvisor_response(&mut self, now: Instant) -> Vec<u8> {
-        let sample = self.stats.sample(now);
-        let text = match &self.cadvisor_text {
-            Some((of, text)) if Arc::ptr_eq(of, &sample) => text.clone(),
-            _ => {
-                let parent = self.stats.paths().cgroup_parent.clone();
-                let text = Arc::new(cadvisor_text(&sample, &self.facts, &parent));
-                self.cadvisor_text = Some((sample, text.clone()));
-                text
-            }
-        };
-        routes::response(200, TEXT, text.as_bytes(), false)
     }
 }
 
@@ -137,6 +123,7 @@ pub fn set_expiry(metrics: &Metrics, certificate: &str, not_after: SystemTime) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     fn info(pod: serde_json::Value) -> PodInfo {
         PodInfo {

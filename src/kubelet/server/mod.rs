@@ -15,6 +15,7 @@
 //! This file holds the server's state and its entry points from the loop; each concern has its
 //! own file: `admission` (accept and the connection limits), `auth_flow` (who may do what),
 //! `requests` (request framing and responses), `dispatch` (the routes answered at once),
+//! `render` (`/metrics/cadvisor` rendered on a helper thread),
 //! `children` (logs and exec children wired to their connection), `forward` (port-forward
 //! connections and their sockets to guests), `socket` (TLS reads, writes
 //! and pacing) and `conn` (one connection's state and its end).
@@ -26,6 +27,7 @@ mod conn;
 mod dispatch;
 mod forward;
 mod metrics;
+mod render;
 mod requests;
 mod socket;
 
@@ -89,10 +91,12 @@ pub struct KubeletServer {
     auth_error_logged: Option<Instant>,
     /// `/metrics/resource` rendered from the sample it was made of.
     resource_text: Option<(Arc<Sample>, Arc<String>)>,
-    /// `/metrics/cadvisor` rendered from the sample it was made of (dropped with the view).
-    cadvisor_text: Option<(Arc<Sample>, Arc<String>)>,
-    /// The pods' facts for `/metrics/cadvisor`, from the view.
-    facts: crate::metrics::cadvisor::PodFactsMap,
+    /// `/metrics/cadvisor`'s render on a helper thread and the scrapes waiting for it.
+    render: render::CadvisorRender,
+    /// The pods' facts for `/metrics/cadvisor`, from the view, shared with the render thread.
+    facts: Arc<crate::metrics::cadvisor::PodFactsMap>,
+    /// Counts the views: a rendered text is kept for the facts it was made of.
+    facts_generation: u64,
     /// The daemon's registry and probe counts for `/metrics` and `/metrics/probes`.
     served: Option<ServedMetrics>,
 }
@@ -127,8 +131,9 @@ impl KubeletServer {
             refusals: RefusalLog::new("kubelet"),
             auth_error_logged: None,
             resource_text: None,
-            cadvisor_text: None,
+            render: Default::default(),
             facts: Default::default(),
+            facts_generation: 0,
             served: None,
         }
     }
@@ -182,6 +187,7 @@ impl KubeletServer {
     pub fn owns_token(&self, t: Token) -> bool {
         self.conns.contains_key(&t)
             || self.guests.contains_key(&t)
+            || self.render.owns_token(t)
             || self.listener.as_ref().is_some_and(|(_, lt)| *lt == t)
     }
     pub fn owns_timer(&self, id: TimerId) -> bool {
@@ -206,6 +212,8 @@ impl KubeletServer {
             self.accept(r);
         } else if self.guests.contains_key(&ev.token) {
             self.on_guest_io(r, ev);
+        } else if self.render.owns_token(ev.token) {
+            self.on_render_done(r);
         } else if let Some(c) = self.conns.get(&ev.token) {
             if c.read_paused {
                 // Not reading: only a broken socket matters now.

@@ -216,6 +216,12 @@ impl KubeletServer {
                     c.deadline = Some(r.now() + self.cfg.head_timeout);
                 }
             }
+            Phase::WaitRender => {
+                self.render_timed_out(r, token);
+                if let Some(c) = self.conns.get_mut(&token) {
+                    c.deadline = Some(r.now() + self.cfg.head_timeout);
+                }
+            }
             _ => self.close(r, token),
         }
     }
