@@ -1,6 +1,6 @@
 //! Benchmark: scrapes with 1,000 tracked VMs — /stats/summary and /metrics/resource over HTTPS
 //! (keep-alive, authorised), the 9091 /metrics endpoint over HTTP, a full sample refresh and
-//! the /metrics/cadvisor rendering the loop does once per sample.
+//! the /metrics/cadvisor rendering a helper thread does once per sample.
 //! `cargo test --release --test benches stats_bench -- --ignored --nocapture`
 //! Zero forks: run it under `strace -f -e trace=execve,fork,vfork -o trace.txt` and count execve.
 
@@ -121,7 +121,8 @@ fn bench_scrapes_with_1000_vms() {
         report(&format!("HTTPS {path} ({bytes} bytes)"), lat);
     }
 
-    // The cAdvisor text, rendered on the loop once per sample (the scrapes between reuse it).
+    // The cAdvisor text, rendered off the loop once per sample (the scrapes between reuse it):
+    // what a scrape waits for, not what the loop spends.
     let sample = h.stats.sample(Instant::now());
     let facts: vk_cocoon::metrics::cadvisor::PodFactsMap = pods(N)
         .iter()
