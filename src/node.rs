@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference, Time};
-use k8s_openapi::chrono::{DateTime, Utc};
+use k8s_openapi::jiff::Timestamp;
 
 use crate::backoff::{salt, Backoff, Jitter};
 use crate::kube::{Client, KubeError};
@@ -267,22 +267,16 @@ pub fn storage_allocatable(o: &NodeOptions, avail_bytes: u64) -> Option<Quantity
 // The Node object.
 // ------------------------------------------------------------------------------------------
 
-fn to_time(t: SystemTime) -> DateTime<Utc> {
-    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
-    DateTime::from_timestamp(d.as_secs() as i64, d.subsec_nanos()).unwrap_or_default()
-}
-
 /// Seconds-precision API time.
 pub fn api_time(t: SystemTime) -> Time {
-    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
-    Time(DateTime::from_timestamp(d.as_secs() as i64, 0).unwrap_or_default())
+    let at = crate::rfc3339::timestamp(t);
+    Time(Timestamp::from_second(at.as_second()).unwrap_or(Timestamp::UNIX_EPOCH))
 }
 
 /// Microsecond-precision API time (Lease renewTime, Event eventTime).
 pub fn api_micro_time(t: SystemTime) -> MicroTime {
-    let d = to_time(t);
-    let micros = d.timestamp_subsec_micros();
-    MicroTime(DateTime::from_timestamp(d.timestamp(), micros * 1000).unwrap_or_default())
+    let at = crate::rfc3339::timestamp(t);
+    MicroTime(Timestamp::from_microsecond(at.as_microsecond()).unwrap_or(Timestamp::UNIX_EPOCH))
 }
 
 /// The labels vk-cocoon asserts (framework defaults plus its own).
@@ -827,6 +821,34 @@ fn uid_of(n: &Node) -> Result<String, KubeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lease_and_api_times_have_the_api_servers_wire_form() {
+        let t = SystemTime::UNIX_EPOCH + Duration::new(1_767_225_600, 123_456_789);
+        let lease = serde_json::to_value(build_lease("n", "u", t)).unwrap();
+        // metav1.MicroTime: six digits always, truncated, UTC `Z`.
+        assert_eq!(lease["spec"]["renewTime"], "2026-01-01T00:00:00.123456Z");
+        let whole = SystemTime::UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+        let lease = serde_json::to_value(build_lease("n", "u", whole)).unwrap();
+        assert_eq!(lease["spec"]["renewTime"], "2026-01-01T00:00:00.000000Z");
+        // metav1.Time: whole seconds, and the value itself holds no fraction, so what is
+        // compared in memory is what the server echoes back.
+        assert_eq!(
+            serde_json::to_value(api_time(t)).unwrap(),
+            "2026-01-01T00:00:00Z"
+        );
+        let echoed: Time = serde_json::from_value("2026-01-01T00:00:00Z".into()).unwrap();
+        assert_eq!(api_time(t), echoed);
+        let echoed: MicroTime =
+            serde_json::from_value("2026-01-01T00:00:00.123456Z".into()).unwrap();
+        assert_eq!(api_micro_time(t), echoed);
+        // A clock before the epoch reads as the epoch.
+        let early = SystemTime::UNIX_EPOCH - Duration::from_secs(5);
+        assert_eq!(
+            serde_json::to_value(api_micro_time(early)).unwrap(),
+            "1970-01-01T00:00:00.000000Z"
+        );
+    }
 
     fn opts() -> NodeOptions {
         NodeOptions {

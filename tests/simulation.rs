@@ -859,7 +859,7 @@ impl Sim {
                     self.api_remove(key);
                 } else if p.metadata.deletion_timestamp.is_none() {
                     p.metadata.deletion_timestamp = Some(Time(
-                        k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap_or_default(),
+                        k8s_openapi::jiff::Timestamp::from_second(1).unwrap_or_default(),
                     ));
                     p.metadata.deletion_grace_period_seconds = Some(30);
                     self.api_changed(key);
@@ -1497,7 +1497,7 @@ impl Sim {
                 };
                 if let Some(p) = self.api.get_mut(&k) {
                     p.metadata.deletion_timestamp = Some(Time(
-                        k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap_or_default(),
+                        k8s_openapi::jiff::Timestamp::from_second(1).unwrap_or_default(),
                     ));
                     p.metadata.deletion_grace_period_seconds = Some(30);
                     self.api_changed(&k);
@@ -1631,8 +1631,7 @@ impl Sim {
                     if let Some(p) = self.api.get_mut(&key) {
                         if p.metadata.deletion_timestamp.is_none() {
                             p.metadata.deletion_timestamp = Some(Time(
-                                k8s_openapi::chrono::DateTime::from_timestamp(1, 0)
-                                    .unwrap_or_default(),
+                                k8s_openapi::jiff::Timestamp::from_second(1).unwrap_or_default(),
                             ));
                             p.metadata.deletion_grace_period_seconds = Some(30);
                             self.api_changed(&key);
@@ -1709,7 +1708,7 @@ impl Sim {
                 if let Some(p) = self.api.get_mut(&key) {
                     if p.metadata.deletion_timestamp.is_none() {
                         p.metadata.deletion_timestamp = Some(Time(
-                            k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap_or_default(),
+                            k8s_openapi::jiff::Timestamp::from_second(1).unwrap_or_default(),
                         ));
                         p.metadata.deletion_grace_period_seconds = Some(30);
                         self.api_changed(&key);

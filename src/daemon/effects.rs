@@ -699,7 +699,7 @@ pub(super) fn authorize(kube: &Arc<Client>, req: &AuthRequest) -> AuthAnswer {
         (None, Some(token)) => {
             let review = TokenReview {
                 spec: TokenReviewSpec {
-                    token: Some(token.clone()),
+                    token: token.clone(),
                     ..TokenReviewSpec::default()
                 },
                 ..TokenReview::default()

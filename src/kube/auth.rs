@@ -292,9 +292,12 @@ fn parse_exec_output(out: &[u8]) -> Result<ExecCredential, String> {
     let s = w.status.ok_or("ExecCredential has no status")?;
     let expires = match s.expiration_timestamp.as_deref().filter(|t| !t.is_empty()) {
         Some(t) => {
-            let dt = k8s_openapi::chrono::DateTime::parse_from_rfc3339(t)
-                .map_err(|e| format!("bad expirationTimestamp {t:?}: {e}"))?;
-            let secs = u64::try_from(dt.timestamp()).unwrap_or(0);
+            let at = crate::rfc3339::parse(t)
+                .ok_or_else(|| format!("bad expirationTimestamp {t:?}: not RFC 3339"))?;
+            // Whole seconds, as before: a fraction never moves a credential's refresh.
+            let secs = at
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
             Some(SystemTime::UNIX_EPOCH + Duration::from_secs(secs))
         }
         None => None,

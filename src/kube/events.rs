@@ -6,7 +6,6 @@ use std::time::{Duration, Instant, SystemTime};
 
 use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
-use k8s_openapi::chrono::DateTime;
 
 use super::client::Client;
 use super::error::KubeError;
@@ -93,8 +92,7 @@ pub fn truncate_message(m: &str) -> String {
 }
 
 fn time(t: SystemTime) -> Time {
-    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
-    Time(DateTime::from_timestamp(d.as_secs() as i64, 0).unwrap_or_default())
+    crate::node::api_time(t)
 }
 
 impl EventRecorder {
@@ -399,7 +397,8 @@ mod tests {
     fn builds_the_event_and_aggregates_queued_duplicates() {
         let mut r = EventRecorder::new("node-1", 10);
         let t = Instant::now();
-        let w = SystemTime::UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+        // A fraction on the clock: metav1.Time on the wire is whole seconds with `Z`.
+        let w = SystemTime::UNIX_EPOCH + Duration::new(1_767_225_600, 750_000_000);
         let p = pod("p", "u1");
         r.record(
             &p,

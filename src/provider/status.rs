@@ -214,10 +214,10 @@ pub fn is_ready(s: &PodStatus) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::chrono::{TimeZone, Utc};
+    use k8s_openapi::jiff::Timestamp;
 
     fn t(sec: i64) -> Time {
-        Time(Utc.timestamp_opt(sec, 0).unwrap())
+        Time(Timestamp::from_second(sec).unwrap())
     }
 
     #[test]
@@ -244,6 +244,25 @@ mod tests {
         assert!(cs[0].get("imageID").is_none());
         assert!(v.get("hostIP").is_none());
         assert!(v.get("podIPs").is_none());
+    }
+
+    #[test]
+    fn status_times_go_out_in_whole_seconds_with_z() {
+        // The provider stamps statuses with the full-precision instant; metav1.Time on the
+        // wire is second precision in UTC, as the API server writes it back.
+        let start = Time(Timestamp::new(1_767_225_600, 987_654_321).unwrap());
+        let now = Time(Timestamp::new(1_767_225_601, 1).unwrap());
+        let v = to_wire_json(&running("10.0.0.5", true, None, Some(&start), &now));
+        assert_eq!(v["startTime"], "2026-01-01T00:00:00Z");
+        assert_eq!(
+            v["conditions"][0]["lastTransitionTime"],
+            "2026-01-01T00:00:01Z"
+        );
+        let back: PodStatus = serde_json::from_value(v).unwrap();
+        assert_eq!(
+            back.start_time,
+            Some(Time(Timestamp::from_second(1_767_225_600).unwrap()))
+        );
     }
 
     #[test]

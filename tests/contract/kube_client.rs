@@ -474,7 +474,7 @@ fn token_and_access_reviews() {
     let tr = c
         .create_token_review(&TokenReview {
             spec: TokenReviewSpec {
-                token: Some("metrics-token".into()),
+                token: "metrics-token".into(),
                 ..Default::default()
             },
             ..Default::default()

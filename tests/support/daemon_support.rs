@@ -494,7 +494,7 @@ pub fn running_with_vm(w: &World, name: &str) -> Option<(Pod, String)> {
 pub fn lease_age(w: &World) -> Option<f64> {
     let v = w.api.get_object("leases", "kube-node-lease", NODE)?;
     let lease: k8s_openapi::api::coordination::v1::Lease = serde_json::from_value(v).ok()?;
-    let renewed = lease.spec?.renew_time?.0.timestamp_micros();
+    let renewed = lease.spec?.renew_time?.0.as_microsecond();
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .ok()?

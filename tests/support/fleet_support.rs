@@ -220,7 +220,7 @@ impl LeaseRecorder {
                     let name = l["metadata"]["name"].as_str()?.to_string();
                     let lease: k8s_openapi::api::coordination::v1::Lease =
                         serde_json::from_value(l.clone()).ok()?;
-                    Some((name, lease.spec?.renew_time?.0.timestamp_micros()))
+                    Some((name, lease.spec?.renew_time?.0.as_microsecond()))
                 });
                 let mut seen = record.lock().unwrap_or_else(|e| e.into_inner());
                 for (name, renewed) in leases {

@@ -45,7 +45,7 @@ pub fn pod_facts(p: &PodInfo) -> PodFacts {
     });
     let status = p.status.as_deref().or(p.pod.status.as_ref());
     let start_time = status.and_then(|s| s.start_time.as_ref()).and_then(|t| {
-        let secs = u64::try_from(t.0.timestamp()).ok()?;
+        let secs = u64::try_from(t.0.as_second()).ok()?;
         Some(UNIX_EPOCH + std::time::Duration::from_secs(secs))
     });
     let resources = crate::provider::spec::pod_resources(&p.pod).unwrap_or_default();

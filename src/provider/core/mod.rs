@@ -49,7 +49,6 @@ use std::time::{Duration, Instant, SystemTime};
 
 use k8s_openapi::api::core::v1::{Pod, PodStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use k8s_openapi::chrono::{DateTime, Utc};
 
 use super::cocoon::{
     parse_snapshot, parse_stale_outcome, parse_vm, CloneOptions, CloneSource, CocoonCmd,
@@ -168,9 +167,7 @@ pub struct Provider {
 }
 
 fn to_time(t: SystemTime) -> Time {
-    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
-    let secs = i64::try_from(d.as_secs()).unwrap_or(0);
-    Time(DateTime::<Utc>::from_timestamp(secs, d.subsec_nanos()).unwrap_or_default())
+    Time(crate::rfc3339::timestamp(t))
 }
 
 fn pod_uid(p: &Pod) -> String {

@@ -167,9 +167,8 @@ fn a_delete_during_the_lookup_ends_it() {
     ann.push((ANN_OS, "windows".into()));
     ann.push((ANN_VM_ID, "W1".into()));
     let mut gone = mk("a", "u1", &ann);
-    gone.metadata.deletion_timestamp = Some(Time(
-        k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap(),
-    ));
+    gone.metadata.deletion_timestamp =
+        Some(Time(k8s_openapi::jiff::Timestamp::from_second(1).unwrap()));
     let e = h.feed(Input::PodUpserted(Box::new(gone)));
     assert!(
         cocoon_ops(&e)

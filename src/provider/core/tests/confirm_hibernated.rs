@@ -258,7 +258,7 @@ fn a_delete_during_a_retried_lookup_does_not_wait_for_the_registry() {
     local_then(&mut h, &e, snapshot("S1"), registry_down());
     let mut p = failed_push_pod();
     p.metadata.deletion_timestamp = Some(Time(
-        k8s_openapi::chrono::DateTime::from_timestamp(1_700_000_000, 0).unwrap(),
+        k8s_openapi::jiff::Timestamp::from_second(1_700_000_000).unwrap(),
     ));
     let e = h.feed(Input::PodUpserted(Box::new(p)));
     // The delete looks the VM up (by name) right away.

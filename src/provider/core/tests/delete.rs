@@ -4,9 +4,8 @@
 use super::*;
 
 pub(super) fn deleting_pod(mut p: Pod, running: bool) -> Pod {
-    p.metadata.deletion_timestamp = Some(Time(
-        k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap(),
-    ));
+    p.metadata.deletion_timestamp =
+        Some(Time(k8s_openapi::jiff::Timestamp::from_second(1).unwrap()));
     p.metadata.deletion_grace_period_seconds = Some(30);
     if running {
         p.status = Some(status::running(
@@ -14,7 +13,7 @@ pub(super) fn deleting_pod(mut p: Pod, running: bool) -> Pod {
             true,
             None,
             None,
-            &Time(k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap()),
+            &Time(k8s_openapi::jiff::Timestamp::from_second(1).unwrap()),
         ));
     }
     p

@@ -280,9 +280,8 @@ fn concurrent_forks_of_one_source_share_one_save_that_outlives_a_deleted_caller(
     // The pod that started the flight is deleted while the save runs: its delete starts at
     // once (it need not wait for a save that may take long), and nothing is cancelled.
     let mut gone = fork_pod("a", "u1", "vk-ns-a-0");
-    gone.metadata.deletion_timestamp = Some(Time(
-        k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap(),
-    ));
+    gone.metadata.deletion_timestamp =
+        Some(Time(k8s_openapi::jiff::Timestamp::from_second(1).unwrap()));
     let e = h.feed(Input::PodUpserted(Box::new(gone)));
     let (_, cmd) = one_cocoon(&e);
     assert_eq!(
@@ -545,9 +544,8 @@ fn a_source_deleted_while_its_fork_snapshot_is_saved_is_not_handed_out() {
 
     // The source pod is deleted meanwhile: its delete removes the VM and fork-<source>.
     let mut gone = main;
-    gone.metadata.deletion_timestamp = Some(Time(
-        k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap(),
-    ));
+    gone.metadata.deletion_timestamp =
+        Some(Time(k8s_openapi::jiff::Timestamp::from_second(1).unwrap()));
     let mut e = h.feed(Input::PodUpserted(Box::new(gone)));
     let mut removed_fork = false;
     while let Some((op, cmd)) = cocoon_ops(&e).first().cloned() {

@@ -11,9 +11,8 @@ fn in_namespace(mut p: Pod, ns: &str) -> Pod {
 }
 
 fn deleted(mut p: Pod) -> Pod {
-    p.metadata.deletion_timestamp = Some(Time(
-        k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap(),
-    ));
+    p.metadata.deletion_timestamp =
+        Some(Time(k8s_openapi::jiff::Timestamp::from_second(1).unwrap()));
     p
 }
 
@@ -315,7 +314,7 @@ fn a_vm_vanished_across_a_restart_is_not_replaced_by_the_vm_its_id_prefixes() {
         true,
         None,
         None,
-        &Time(k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap()),
+        &Time(k8s_openapi::jiff::Timestamp::from_second(1).unwrap()),
     ));
     let (mut h, e) = H::starting(ProviderConfig::default(), vec![p], vec![]);
     let e = answer(

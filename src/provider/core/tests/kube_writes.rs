@@ -25,7 +25,7 @@ fn drift_republishes_a_clobbered_status_and_readiness_updates_flow() {
         false,
         None,
         None,
-        &Time(k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap()),
+        &Time(k8s_openapi::jiff::Timestamp::from_second(1).unwrap()),
     ));
     q.metadata
         .annotations

@@ -297,9 +297,8 @@ fn when_all_vnc_ports_are_reserved_the_create_fails_and_gets_the_port_freed_by_a
 
     // Deleting the guest on display 42 frees its port.
     let mut gone = mac_pod("m42", "u42", &[]);
-    gone.metadata.deletion_timestamp = Some(Time(
-        k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap(),
-    ));
+    gone.metadata.deletion_timestamp =
+        Some(Time(k8s_openapi::jiff::Timestamp::from_second(1).unwrap()));
     let e = h.feed(Input::PodUpserted(Box::new(gone)));
     let (op, a) = one_macos(&e);
     assert_eq!(a, "vm rm vk-ns-m42");
@@ -331,9 +330,8 @@ fn a_delete_that_cocoon_macos_refuses_keeps_the_guest_and_a_missing_vm_counts_as
     let mut h = H::new(vnc_on());
     adopt(&mut h, "mac-1", "u1", 1);
     let mut gone = mac_pod("mac-1", "u1", &[]);
-    gone.metadata.deletion_timestamp = Some(Time(
-        k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap(),
-    ));
+    gone.metadata.deletion_timestamp =
+        Some(Time(k8s_openapi::jiff::Timestamp::from_second(1).unwrap()));
     let e = h.feed(Input::PodUpserted(Box::new(gone)));
     let (op, _) = one_macos(&e);
     let e = h.cocoon(op, CocoonResult::failed("Error: qemu: permission denied"));

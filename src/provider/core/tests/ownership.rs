@@ -47,9 +47,8 @@ fn a_pod_naming_another_pods_vm_is_refused_and_its_delete_leaves_the_vm() {
     assert!(h.p.pod_vm(&PodKey::new("team", "attacker")).is_none());
     // Deleting the refused pod runs nothing against the victim's VM.
     let mut gone = attacker;
-    gone.metadata.deletion_timestamp = Some(Time(
-        k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap(),
-    ));
+    gone.metadata.deletion_timestamp =
+        Some(Time(k8s_openapi::jiff::Timestamp::from_second(1).unwrap()));
     let mut all = h.feed(Input::PodUpserted(Box::new(gone.clone())));
     all.extend(h.feed(Input::PodDeleted(Box::new(gone))));
     assert!(no_vm_command(&all), "{all:?}");
@@ -157,7 +156,7 @@ fn an_unmanaged_pod_naming_a_kept_vm_by_another_name_is_refused() {
 fn at_startup_the_older_pod_keeps_a_shared_vm_name_and_an_id_needs_its_name() {
     let at = |secs| {
         Some(Time(
-            k8s_openapi::chrono::DateTime::from_timestamp(secs, 0).unwrap(),
+            k8s_openapi::jiff::Timestamp::from_second(secs).unwrap(),
         ))
     };
     let mut victim = in_namespace(

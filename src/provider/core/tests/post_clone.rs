@@ -423,9 +423,8 @@ fn a_delete_during_the_fix_up_ends_it_and_its_late_answer_is_ignored() {
     let e = clone_with(&mut h, &ann, STATIC_VM);
     let (op, _, _) = exec_of(&e).unwrap();
     let mut p = mk("a", "u1", &ann);
-    p.metadata.deletion_timestamp = Some(Time(
-        k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap(),
-    ));
+    p.metadata.deletion_timestamp =
+        Some(Time(k8s_openapi::jiff::Timestamp::from_second(1).unwrap()));
     let e = h.feed(Input::PodUpserted(Box::new(p)));
     assert!(
         cocoon_ops(&e).iter().any(|(_, c)| argv_is(c, "vm ")),

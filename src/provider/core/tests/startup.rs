@@ -122,7 +122,7 @@ fn failed_pod_left_by_an_interrupted_eviction_is_deleted_after_restart() {
         "VMGone",
         "vm no longer exists",
         None,
-        &Time(k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap()),
+        &Time(k8s_openapi::jiff::Timestamp::from_second(1).unwrap()),
     ));
     let e = h.feed(Input::PodUpserted(Box::new(p.clone())));
     assert_eq!(deletes(&e), vec![(deletes(&e)[0].0, Some(0))]);
@@ -184,7 +184,7 @@ fn a_restart_keeps_the_vm_of_a_pod_whose_annotations_no_longer_parse() {
             true,
             None,
             None,
-            &Time(k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap()),
+            &Time(k8s_openapi::jiff::Timestamp::from_second(1).unwrap()),
         ));
         let e = h.feed(Input::StartupListed {
             pods: vec![p],
@@ -242,7 +242,7 @@ fn a_running_pod_whose_vm_vanished_across_a_restart_is_evicted_not_recreated() {
             true,
             None,
             None,
-            &Time(k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap()),
+            &Time(k8s_openapi::jiff::Timestamp::from_second(1).unwrap()),
         ));
         let e = h.feed(Input::StartupListed {
             pods: vec![p],
@@ -483,7 +483,7 @@ fn an_unrecorded_pod_on_a_stopped_vm_is_published_ready_after_its_restart() {
         true,
         None,
         None,
-        &Time(k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap()),
+        &Time(k8s_openapi::jiff::Timestamp::from_second(1).unwrap()),
     ));
     let (mut h, e) = H::starting(
         ProviderConfig::default(),

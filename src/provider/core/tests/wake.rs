@@ -581,9 +581,8 @@ fn waiting_on_the_peer(h: &mut H) -> OpId {
 
 fn deleted_asking_wake() -> Pod {
     let mut p = asking(false);
-    p.metadata.deletion_timestamp = Some(Time(
-        k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap(),
-    ));
+    p.metadata.deletion_timestamp =
+        Some(Time(k8s_openapi::jiff::Timestamp::from_second(1).unwrap()));
     p
 }
 
