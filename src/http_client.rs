@@ -209,3 +209,40 @@ impl Transport for TlsTransport {
         true
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_header_named_twice_keeps_its_last_value() {
+        let req = request(
+            "PATCH",
+            "http://127.0.0.1:1/x",
+            &[
+                ("Content-Length", "1"),
+                ("Accept", "a/b"),
+                ("content-length", "2"),
+            ],
+        )
+        .body(())
+        .expect("request");
+        let lens: Vec<_> = req.headers().get_all("content-length").iter().collect();
+        assert_eq!(lens, ["2"]);
+        assert_eq!(req.headers()["accept"], "a/b");
+        assert_eq!(req.method(), "PATCH");
+    }
+
+    #[test]
+    fn https_without_a_tls_configuration_does_not_connect() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let agent = agent(config().build(), None);
+        let err = checked(agent.get(&format!("https://127.0.0.1:{port}/")).call())
+            .expect_err("no TLS configuration");
+        assert!(
+            err.to_string().contains("without a TLS configuration"),
+            "{err}"
+        );
+    }
+}
