@@ -4,7 +4,7 @@
 //! ureq's own TLS settings cannot carry what these clients verify with: the daemon's clock
 //! (`wall_clock::TlsClock`), a kubeconfig's `tls-server-name`, insecure-skip-tls-verify. So the
 //! agents are built on ureq's connector interface with a TLS step that uses a prebuilt
-//! `rustls::ClientConfig`, and ureq's rustls, native-tls and proxy connectors are not compiled in.
+//! `rustls::ClientConfig`; ureq's own TLS (rustls, webpki-roots, native-tls) is not compiled in.
 //! Every agent answers 4xx / 5xx as responses and reads no proxy from the environment; [`checked`]
 //! turns a status of 400 or more into [`CallError::Status`], as callers expect.
 
