@@ -6,6 +6,7 @@ pub mod check;
 pub mod config;
 pub mod daemon;
 pub mod guest;
+pub mod http_client;
 pub mod kube;
 pub mod kubelet;
 pub mod logging;

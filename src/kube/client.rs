@@ -18,6 +18,8 @@ use super::error::{parse_retry_after, KubeError};
 use super::kubeconfig::{self, ClusterConfig, KubeConfigError, KubeOptions};
 use super::ratelimit::TokenBucket;
 use super::tls::{client_config, TlsParams};
+use crate::http_client::{self, CallError};
+use crate::percent;
 
 /// Largest response body accepted (a big pod list).
 const MAX_BODY: u64 = 256 << 20;
@@ -186,22 +188,23 @@ fn build_state(
     } else {
         None
     };
-    let mut b = ureq::AgentBuilder::new()
-        .timeout(timeout)
-        .timeout_connect(timeout.min(Duration::from_secs(5)))
+    let agent_config = http_client::config()
+        .timeout_global(Some(timeout))
+        .timeout_connect(Some(timeout.min(Duration::from_secs(5))))
         .user_agent(concat!("vk-cocoon/", env!("CARGO_PKG_VERSION")))
         // The daemon's kube lane runs up to ~20 calls at once: keep their connections (and
         // TLS sessions) for reuse instead of one handshake per call.
         .max_idle_connections(64)
         .max_idle_connections_per_host(32)
-        .redirects(0);
-    if let Some(c) = &config {
-        b = b.tls_config(c.clone());
-    }
+        // A redirect is answered to the caller as it came, never followed.
+        .max_redirects(0)
+        .max_redirects_will_error(false)
+        .build();
+    let agent = http_client::agent(agent_config, config.clone());
     Ok(TlsState {
         cert,
         config,
-        agent: b.build(),
+        agent,
     })
 }
 
@@ -365,22 +368,35 @@ impl Client {
         loop {
             self.throttle();
             let (m, agent, _) = self.material()?;
-            let url = format!("{}{}", self.cluster.server, path);
-            let mut req = agent.request(method, &url).set("Accept", CT_JSON);
-            for (k, v) in query {
-                req = req.query(k, v);
+            let mut url = format!("{}{}", self.cluster.server, path);
+            for (i, (k, v)) in query.iter().enumerate() {
+                url.push(if i == 0 && !path.contains('?') {
+                    '?'
+                } else {
+                    '&'
+                });
+                url.push_str(&percent::encode(k));
+                url.push('=');
+                url.push_str(&percent::encode(v));
             }
+            let mut headers = vec![("Accept", CT_JSON)];
             if let Some(a) = &m.authorization {
-                req = req.set("Authorization", a);
+                headers.push(("Authorization", a));
             }
+            if let Some((ct, _)) = body {
+                headers.push(("Content-Type", ct));
+            }
+            let req = http_client::request(method, &url, &headers);
             let result = match body {
-                Some((ct, bytes)) => req.set("Content-Type", ct).send_bytes(bytes),
-                None => req.call(),
-            };
-            match result {
+                Some((_, bytes)) => req.body(bytes).map(|r| agent.run(r)),
+                None => req.body(()).map(|r| agent.run(r)),
+            }
+            .map_err(|e| KubeError::Transport(format!("{method} {path}: {e}")))?;
+            match http_client::checked(result) {
                 Ok(resp) => {
                     let mut buf = Vec::new();
-                    resp.into_reader()
+                    resp.into_body()
+                        .into_reader()
                         .take(MAX_BODY)
                         .read_to_end(&mut buf)
                         .map_err(|e| {
@@ -388,10 +404,14 @@ impl Client {
                         })?;
                     return Ok(buf);
                 }
-                Err(ureq::Error::Status(code, resp)) => {
-                    let retry_after = parse_retry_after(resp.header("Retry-After"));
+                Err(CallError::Status(code, resp)) => {
+                    let retry_after = parse_retry_after(http_client::header(&resp, "Retry-After"));
                     let mut buf = Vec::new();
-                    let _ = resp.into_reader().take(1 << 20).read_to_end(&mut buf);
+                    let _ = resp
+                        .into_body()
+                        .into_reader()
+                        .take(1 << 20)
+                        .read_to_end(&mut buf);
                     let err = KubeError::from_response(code, &buf, retry_after);
                     if code == 401 && !refreshed && self.shared.creds.refreshable() {
                         refreshed = true;
@@ -400,7 +420,7 @@ impl Client {
                     }
                     return Err(err);
                 }
-                Err(ureq::Error::Transport(t)) => {
+                Err(CallError::Transport(t)) => {
                     return Err(KubeError::Transport(format!("{method} {path}: {t}")));
                 }
             }

@@ -13,6 +13,7 @@ use rustls::pki_types::PrivateKeyDer;
 
 use super::reference::strip_port;
 use super::TransferError;
+use crate::http_client::{checked, CallError, Response};
 
 const GOOGLE_SCOPE: &str = "https://www.googleapis.com/auth/cloud-platform";
 
@@ -425,23 +426,26 @@ pub fn google_access_token(
         return Ok(None);
     };
     let url = format!("http://{host}/computeMetadata/v1/instance/service-accounts/default/token?scopes={GOOGLE_SCOPE}");
-    match agent
+    let call = agent
         .get(&url)
-        .set("Metadata-Flavor", "Google")
-        .timeout(Duration::from_secs(3))
-        .call()
-    {
+        .header("Metadata-Flavor", "Google")
+        .config()
+        .timeout_global(Some(Duration::from_secs(3)))
+        .build()
+        .call();
+    match checked(call) {
         Ok(resp) => parse_token_response(resp, "metadata server").map(Some),
-        Err(ureq::Error::Transport(_)) => Ok(None),
-        Err(ureq::Error::Status(code, _)) => Err(TransferError::Unauthorized(format!(
+        Err(CallError::Transport(_)) => Ok(None),
+        Err(CallError::Status(code, _)) => Err(TransferError::Unauthorized(format!(
             "metadata server token: HTTP {code}"
         ))),
     }
 }
 
-fn parse_token_response(resp: ureq::Response, what: &str) -> Result<AccessToken, TransferError> {
+fn parse_token_response(resp: Response, what: &str) -> Result<AccessToken, TransferError> {
     let v: serde_json::Value = resp
-        .into_json()
+        .into_body()
+        .read_json()
         .map_err(|e| TransferError::Unauthorized(format!("{what}: bad token response: {e}")))?;
     let tok = v
         .get("access_token")
@@ -482,12 +486,12 @@ pub fn google_token_from_key(
     let resp = match kind.as_str() {
         "service_account" => {
             let assertion = service_account_jwt(key, &token_uri)?;
-            agent.post(&token_uri).send_form(&[
+            agent.post(&token_uri).send_form([
                 ("grant_type", "urn:ietf:params:oauth:grant-type:jwt-bearer"),
                 ("assertion", &assertion),
             ])
         }
-        "authorized_user" => agent.post(&token_uri).send_form(&[
+        "authorized_user" => agent.post(&token_uri).send_form([
             ("grant_type", "refresh_token"),
             ("refresh_token", &s("refresh_token")),
             ("client_id", &s("client_id")),
@@ -499,9 +503,9 @@ pub fn google_token_from_key(
             )))
         }
     };
-    match resp {
+    match checked(resp) {
         Ok(r) => parse_token_response(r, &token_uri),
-        Err(ureq::Error::Status(code, _)) => Err(TransferError::Unauthorized(format!(
+        Err(CallError::Status(code, _)) => Err(TransferError::Unauthorized(format!(
             "token exchange at {token_uri}: HTTP {code}"
         ))),
         Err(e) => Err(TransferError::Transient(format!(

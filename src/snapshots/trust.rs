@@ -166,9 +166,13 @@ pub fn certificate_problem(err: &(dyn std::error::Error + 'static)) -> Option<St
         if let Some(tls) = e.downcast_ref::<rustls::Error>() {
             return is_certificate(tls).then(|| tls.to_string());
         }
-        // rustls errors reach ureq inside an io::Error, whose `source` skips the inner error.
-        if let Some(inner) = e
-            .downcast_ref::<std::io::Error>()
+        // rustls errors reach ureq inside an io::Error, whose `source` skips the inner error;
+        // ureq's own error has no `source` at all.
+        let io = match e.downcast_ref::<ureq::Error>() {
+            Some(ureq::Error::Io(io)) => Some(io),
+            _ => e.downcast_ref::<std::io::Error>(),
+        };
+        if let Some(inner) = io
             .and_then(|io| io.get_ref())
             .and_then(|i| i.downcast_ref::<rustls::Error>())
         {

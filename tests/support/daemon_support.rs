@@ -300,7 +300,8 @@ impl World {
         ureq::get(&format!("http://127.0.0.1:{}/metrics", self.metrics_port))
             .call()
             .expect("metrics")
-            .into_string()
+            .into_body()
+            .read_to_string()
             .expect("metrics text")
     }
 
@@ -617,7 +618,9 @@ pub fn assert_loop_turns(w: &World, bound: f64) {
         tail(&w.log(), 30)
     );
     let m = ureq::get(&format!("http://127.0.0.1:{}/metrics", w.metrics_port))
-        .timeout(Duration::from_secs(5))
+        .config()
+        .timeout_global(Some(Duration::from_secs(5)))
+        .build()
         .call();
     assert!(m.is_ok(), "/metrics does not answer: {m:?}");
 }

@@ -6,6 +6,7 @@ use std::io::{self, Read};
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, SystemTime};
 
+use crate::http_client::Response;
 use crate::snapshots::TransferError;
 
 use super::RETRY_STATUSES;
@@ -99,7 +100,7 @@ impl Read for FileBody<'_> {
 
 /// What went wrong with one HTTP exchange, before it becomes a [`TransferError`].
 pub enum HttpFailure {
-    Status(u16, Box<ureq::Response>),
+    Status(u16, Box<Response>),
     Transport(String),
     Auth(TransferError),
 }
@@ -139,8 +140,12 @@ impl HttpFailure {
     }
 }
 
-fn read_error_body(resp: ureq::Response) -> String {
+fn read_error_body(resp: Response) -> String {
     let mut s = String::new();
-    let _ = resp.into_reader().take(4096).read_to_string(&mut s);
+    let _ = resp
+        .into_body()
+        .into_reader()
+        .take(4096)
+        .read_to_string(&mut s);
     s.trim().chars().take(300).collect()
 }

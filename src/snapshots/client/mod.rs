@@ -17,6 +17,7 @@ use super::auth::{AuthSettings, Challenge};
 use super::reference::{allows_plain_http, Reference, RegistryBase};
 use super::trust::{certificate_problem, RegistryTrust};
 use super::TransferError;
+use crate::http_client::{header, Response};
 
 pub use gate::{Gate, GatePermit};
 pub use http::{Body, HttpFailure, RetryPolicy};
@@ -79,19 +80,21 @@ impl RegistryClient {
         retry: RetryPolicy,
         trust: &RegistryTrust,
     ) -> Self {
-        let agent = ureq::AgentBuilder::new()
-            .tls_config(trust.tls.clone())
-            .timeout_connect(Duration::from_secs(30))
+        let agent_config = crate::http_client::config()
+            .timeout_connect(Some(Duration::from_secs(30)))
             // No overall timeout, but a stalled socket must not pin a worker forever.
-            .timeout_read(Duration::from_secs(300))
-            .timeout_write(Duration::from_secs(300))
+            .timeout_per_read(Some(Duration::from_secs(300)))
+            .timeout_per_write(Some(Duration::from_secs(300)))
             .max_idle_connections(100)
             .max_idle_connections_per_host(32)
+            // Four redirects followed, the fifth an error (what the client always allowed).
+            .max_redirects(4)
             // A redirect (a blob served from storage elsewhere) never carries the registry's
             // credentials, to whatever host or scheme it points.
-            .redirect_auth_headers(ureq::RedirectAuthHeaders::Never)
+            .redirect_auth_headers(ureq::config::RedirectAuthHeaders::Never)
             .user_agent(USER_AGENT)
             .build();
+        let agent = crate::http_client::agent(agent_config, Some(trust.tls.clone()));
         RegistryClient {
             base,
             agent,
@@ -143,10 +146,11 @@ impl RegistryClient {
         let https = self
             .agent
             .get(&format!("https://{host}/v2/"))
-            .set("User-Agent", "Go-http-client/1.1")
+            .header("User-Agent", "Go-http-client/1.1")
             .call();
+        // Any answer, whatever its status, shows the scheme is spoken.
         let (scheme, resp) = match https {
-            Ok(r) | Err(ureq::Error::Status(_, r)) => ("https", r),
+            Ok(r) => ("https", r),
             Err(e) => {
                 // The host speaks TLS with a certificate we do not trust: plain HTTP would only
                 // hide that behind a 400, so say what is wrong and how to fix it.
@@ -160,7 +164,7 @@ impl RegistryClient {
                     return Err(TransferError::Transient(format!("ping {host}: {e}")));
                 }
                 match self.agent.get(&format!("http://{host}/v2/")).call() {
-                    Ok(r) | Err(ureq::Error::Status(_, r)) => ("http", r),
+                    Ok(r) => ("http", r),
                     Err(e2) => {
                         return Err(TransferError::Transient(format!(
                             "ping {host}: https: {e}; http: {e2}"
@@ -171,7 +175,8 @@ impl RegistryClient {
         };
         lock(&self.schemes).insert(host.to_string(), scheme);
         // The probe was a ping: its answer serves the sessions that follow.
-        if resp.status() < 300 || resp.status() == 401 {
+        let status = resp.status().as_u16();
+        if status < 300 || status == 401 {
             if let Ok(ch) = ping_challenge(host, &resp) {
                 lock(&self.pings).insert(host.to_string(), (Instant::now(), ch));
             }
@@ -217,7 +222,10 @@ impl RegistryClient {
             }
             (Some(s), _) => format!("{s} challenge answered anonymously"),
         };
-        Ok(format!("GET {url} answered {} ({how})", resp.status()))
+        Ok(format!(
+            "GET {url} answered {} ({how})",
+            resp.status().as_u16()
+        ))
     }
 
     /// Ranged GETs answered 206 so far (observability for tests and logs).

@@ -34,9 +34,10 @@ impl RegistryClient {
                 }
                 e => e,
             })?;
-        let ctype = resp.header("content-type").unwrap_or("").to_string();
+        let ctype = header(&resp, "content-type").unwrap_or("").to_string();
         let mut body = Vec::new();
-        resp.into_reader()
+        resp.into_body()
+            .into_reader()
             .take(MANIFEST_LIMIT + 1)
             .read_to_end(&mut body)
             .map_err(|e| TransferError::Transient(format!("{what}: reading body: {e}")))?;
@@ -91,10 +92,7 @@ impl RegistryClient {
         let resp = self
             .with_transport_retry(|| self.exchange(&sess, "GET", &url, &[], Body::Empty))
             .map_err(|f| f.into_error(&what))?;
-        if let Some(len) = resp
-            .header("content-length")
-            .and_then(|l| l.parse::<u64>().ok())
-        {
+        if let Some(len) = header(&resp, "content-length").and_then(|l| l.parse::<u64>().ok()) {
             if len != expected_size {
                 return Err(TransferError::Integrity(format!(
                     "{what}: registry sends {len} bytes, descriptor says {expected_size}"
@@ -102,7 +100,7 @@ impl RegistryClient {
             }
         }
         Ok(BlobReader {
-            inner: resp.into_reader(),
+            inner: Box::new(resp.into_body().into_reader()),
             hasher: Sha256::new(),
             read: 0,
             expected_size,
@@ -150,9 +148,9 @@ impl RegistryClient {
             .with_transport_retry(|| {
                 let resp = self.exchange(&sess, "GET", &url, &[("Range", &range)], Body::Empty)?;
                 let answer = classify_range(
-                    resp.status(),
-                    resp.header("content-range"),
-                    resp.header("content-length"),
+                    resp.status().as_u16(),
+                    header(&resp, "content-range"),
+                    header(&resp, "content-length"),
                     offset,
                     len,
                     blob_size,
@@ -163,7 +161,7 @@ impl RegistryClient {
                     return Ok(answer);
                 }
                 let mut body = BlobReader {
-                    inner: resp.into_reader(),
+                    inner: Box::new(resp.into_body().into_reader()),
                     hasher: Sha256::new(),
                     read: 0,
                     expected_size: len,

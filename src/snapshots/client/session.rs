@@ -10,16 +10,18 @@ use crate::snapshots::TransferError;
 
 use super::http::FileBody;
 use super::*;
+use crate::http_client::{checked, header_all, request, CallError};
+use ureq::SendBody;
 
 /// The challenge of a `GET /v2/` answer: None unless it is a 401, which must carry one.
 pub(super) fn ping_challenge(
     host: &str,
-    resp: &ureq::Response,
+    resp: &Response,
 ) -> Result<Option<Challenge>, TransferError> {
-    if resp.status() != 401 {
+    if resp.status().as_u16() != 401 {
         return Ok(None);
     }
-    let values = resp.all("www-authenticate");
+    let values = header_all(resp, "www-authenticate");
     auth::pick_challenge(&values).map(Some).ok_or_else(|| {
         TransferError::Unauthorized(format!(
             "ping {host}: 401 without a usable WWW-Authenticate challenge"
@@ -110,12 +112,10 @@ impl RegistryClient {
         }
         let scheme = self.scheme_for(host)?;
         let url = format!("{scheme}://{host}/v2/");
-        let resp = self.with_transport_retry(|| match self.agent.get(&url).call() {
+        let resp = self.with_transport_retry(|| match checked(self.agent.get(&url).call()) {
             Ok(r) => Ok(r),
-            Err(ureq::Error::Status(code, r)) if code != 401 => {
-                Err(HttpFailure::Status(code, Box::new(r)))
-            }
-            Err(ureq::Error::Status(_, r)) => Ok(r),
+            Err(CallError::Status(code, r)) if code != 401 => Err(HttpFailure::Status(code, r)),
+            Err(CallError::Status(_, r)) => Ok(*r),
             Err(e) => Err(HttpFailure::Transport(e.to_string())),
         });
         let resp = resp.map_err(|f| f.into_error(&format!("ping {host}")))?;
@@ -162,11 +162,11 @@ impl RegistryClient {
                 ("scope", scope.as_str()),
                 ("client_id", "go-containerregistry"),
             ];
-            match self.agent.post(realm).send_form(&form) {
+            match checked(self.agent.post(realm).send_form(form)) {
                 Ok(r) => resp = Some(r),
-                Err(ureq::Error::Status(404, _)) => {}
-                Err(ureq::Error::Status(code, r)) => {
-                    return Err(HttpFailure::Status(code, Box::new(r)).into_error(&what))
+                Err(CallError::Status(404, _)) => {}
+                Err(CallError::Status(code, r)) => {
+                    return Err(HttpFailure::Status(code, r).into_error(&what))
                 }
                 Err(e) => return Err(TransferError::Transient(format!("{what}: {e}"))),
             }
@@ -182,19 +182,20 @@ impl RegistryClient {
                     req = req.query("service", &service);
                 }
                 if let Some(h) = cred.basic_header() {
-                    req = req.set("Authorization", &h);
+                    req = req.header("Authorization", &h);
                 }
-                match req.call() {
+                match checked(req.call()) {
                     Ok(r) => r,
-                    Err(ureq::Error::Status(code, r)) => {
-                        return Err(HttpFailure::Status(code, Box::new(r)).into_error(&what))
+                    Err(CallError::Status(code, r)) => {
+                        return Err(HttpFailure::Status(code, r).into_error(&what))
                     }
                     Err(e) => return Err(TransferError::Transient(format!("{what}: {e}"))),
                 }
             }
         };
         let v: serde_json::Value = resp
-            .into_json()
+            .into_body()
+            .read_json()
             .map_err(|e| TransferError::Unauthorized(format!("{what}: bad JSON: {e}")))?;
         let token = v
             .get("token")
@@ -303,7 +304,7 @@ impl RegistryClient {
         url: &str,
         headers: &[(&str, &str)],
         body: Body<'_>,
-    ) -> Result<ureq::Response, HttpFailure> {
+    ) -> Result<Response, HttpFailure> {
         let mut st = lock(&sess.state);
         self.prepare(sess, &mut st).map_err(HttpFailure::Auth)?;
         let credentials = self.credentials_allowed(url, &sess.host);
@@ -317,41 +318,51 @@ impl RegistryClient {
             } else {
                 None
             };
-            let mut req = self.agent.request(method, url);
-            for (k, v) in headers {
-                req = req.set(k, v);
-            }
+            let mut all_headers = headers.to_vec();
             if let Some(a) = &authz {
-                req = req.set("Authorization", a);
+                all_headers.push(("Authorization", a));
             }
+            // ureq sizes a byte body itself; an empty body of a method that carries one and a
+            // file body (read as a stream) say their length here.
+            let len = body.len().to_string();
+            let sized_here = match body {
+                Body::Empty => matches!(method, "POST" | "PUT" | "PATCH"),
+                Body::Bytes(_) => false,
+                Body::File { .. } => true,
+            };
+            if sized_here {
+                all_headers.push(("Content-Length", &len));
+            }
+            let req = request(method, url, &all_headers);
             // The lock is released while bytes move so parallel requests share the session.
             drop(st);
             let result = match body {
-                Body::Empty if method == "POST" || method == "PUT" || method == "PATCH" => {
-                    req.set("Content-Length", "0").send_bytes(&[])
+                Body::Empty => req.body(()).map(|r| self.send(r)),
+                Body::Bytes(b) => req.body(b).map(|r| self.send(r)),
+                Body::File { file, len } => {
+                    let mut reader = FileBody::new(file, len);
+                    req.body(SendBody::from_reader(&mut reader))
+                        .map(|r| self.send(r))
                 }
-                Body::Empty => req.call(),
-                Body::Bytes(b) => req
-                    .set("Content-Length", &b.len().to_string())
-                    .send_bytes(b),
-                Body::File { file, len } => req
-                    .set("Content-Length", &len.to_string())
-                    .send(FileBody::new(file, len)),
             };
             st = lock(&sess.state);
+            let result = match result {
+                Ok(r) => checked(r),
+                Err(e) => return Err(HttpFailure::Transport(format!("{method} {url}: {e}"))),
+            };
             match result {
                 Ok(r) => return Ok(r),
                 // Without credentials a 401 is the answer: a fresh token could not be sent.
-                Err(ureq::Error::Status(401, r)) if !credentials => {
-                    return Err(HttpFailure::Status(401, Box::new(r)))
+                Err(CallError::Status(401, r)) if !credentials => {
+                    return Err(HttpFailure::Status(401, r))
                 }
                 // A bearer challenge on a request (also when the ping asked for none) gets a
                 // token with the scopes it names, once.
-                Err(ureq::Error::Status(401, r)) if !reauthed => {
-                    let values = r.all("www-authenticate");
+                Err(CallError::Status(401, r)) if !reauthed => {
+                    let values = header_all(&r, "www-authenticate");
                     let ch = auth::pick_challenge(&values).filter(|c| c.scheme == "bearer");
                     let Some(ch) = ch else {
-                        return Err(HttpFailure::Status(401, Box::new(r)));
+                        return Err(HttpFailure::Status(401, r));
                     };
                     if let Some(scope) = ch.params.get("scope") {
                         for s in scope.split(' ').rev() {
@@ -366,7 +377,7 @@ impl RegistryClient {
                     st.challenge = Some(ch);
                     reauthed = true;
                 }
-                Err(ureq::Error::Status(401, r)) if reauthed => {
+                Err(CallError::Status(401, r)) if reauthed => {
                     let what = format!(
                         "{} {}: registry answered 401 after a fresh token",
                         method, url
@@ -374,11 +385,30 @@ impl RegistryClient {
                     drop(r);
                     return Err(HttpFailure::Auth(TransferError::Unauthorized(what)));
                 }
-                Err(ureq::Error::Status(code, r)) => {
-                    return Err(HttpFailure::Status(code, Box::new(r)))
-                }
-                Err(e) => return Err(HttpFailure::Transport(e.to_string())),
+                Err(CallError::Status(code, r)) => return Err(HttpFailure::Status(code, r)),
+                Err(CallError::Transport(e)) => return Err(HttpFailure::Transport(e.to_string())),
             }
+        }
+    }
+
+    /// Runs a request on the agent. Only requests without a body follow redirects: a 307 / 308
+    /// to a request with a body is answered to the caller as it came (the body is not sent
+    /// twice), and so is any redirect of a POST, PUT, PATCH or DELETE.
+    pub(super) fn send<B: ureq::AsSendBody>(
+        &self,
+        req: ureq::http::Request<B>,
+    ) -> Result<Response, ureq::Error> {
+        let follows = matches!(req.method().as_str(), "GET" | "HEAD" | "OPTIONS" | "TRACE");
+        if follows {
+            self.agent.run(req)
+        } else {
+            let req = self
+                .agent
+                .configure_request(req)
+                .max_redirects(0)
+                .max_redirects_will_error(false)
+                .build();
+            self.agent.run(req)
         }
     }
 

@@ -9,6 +9,8 @@ use crate::snapshots::TransferError;
 
 use super::session::SessionState;
 use super::*;
+use crate::http_client::{checked, request, CallError};
+use ureq::SendBody;
 
 impl RegistryClient {
     /// Uploads a blob unless present: HEAD, POST, PATCH (whole body), PUT ?digest=, retried
@@ -70,10 +72,10 @@ impl RegistryClient {
             &[("Content-Type", "application/json")],
             Body::Empty,
         )?;
-        if resp.status() == 201 {
+        if resp.status().as_u16() == 201 {
             return Ok(());
         }
-        let loc = self.resolve_location(&post_url, resp.header("location"))?;
+        let loc = self.resolve_location(&post_url, header(&resp, "location"))?;
         let len = body.len().to_string();
         let resp = self.exchange(
             sess,
@@ -85,7 +87,7 @@ impl RegistryClient {
             ],
             body,
         )?;
-        let loc = self.resolve_location(&loc, resp.header("location"))?;
+        let loc = self.resolve_location(&loc, header(&resp, "location"))?;
         let sep = if loc.contains('?') { '&' } else { '?' };
         let put_url = format!("{loc}{sep}digest={}", digest.replace(':', "%3A"));
         let resp = self.exchange(
@@ -95,8 +97,8 @@ impl RegistryClient {
             &[("Content-Type", "application/octet-stream")],
             Body::Empty,
         )?;
-        if resp.status() != 201 {
-            return Err(HttpFailure::Status(resp.status(), Box::new(resp)));
+        if resp.status().as_u16() != 201 {
+            return Err(HttpFailure::Status(resp.status().as_u16(), Box::new(resp)));
         }
         Ok(())
     }
@@ -115,13 +117,13 @@ impl RegistryClient {
                 Body::Empty,
             )
             .map_err(|f| f.into_error(&what))?;
-        if resp.status() != 202 {
+        if resp.status().as_u16() != 202 {
             return Err(TransferError::Registry(format!(
                 "{what}: HTTP {} instead of 202",
-                resp.status()
+                resp.status().as_u16()
             )));
         }
-        self.resolve_location(&post_url, resp.header("location"))
+        self.resolve_location(&post_url, header(&resp, "location"))
             .map_err(|f| f.into_error(&what))
     }
 
@@ -143,22 +145,25 @@ impl RegistryClient {
         } else {
             None
         };
-        let mut req = self
-            .agent
-            .request("PATCH", &location)
-            .set("Content-Type", "application/octet-stream")
-            .set("Content-Length", &len.to_string());
+        let len = len.to_string();
+        let mut headers = vec![
+            ("Content-Type", "application/octet-stream"),
+            ("Content-Length", len.as_str()),
+        ];
         if let Some(a) = &authz {
-            req = req.set("Authorization", a);
+            headers.push(("Authorization", a));
         }
-        let resp = match req.send(body) {
+        let sent = request("PATCH", &location, &headers)
+            .body(SendBody::from_reader(body))
+            .map_err(|e| TransferError::Transient(format!("{what}: {e}")))?;
+        let resp = match checked(self.send(sent)) {
             Ok(r) => r,
-            Err(ureq::Error::Status(code, r)) => {
-                return Err(HttpFailure::Status(code, Box::new(r)).into_error(&what))
+            Err(CallError::Status(code, r)) => {
+                return Err(HttpFailure::Status(code, r).into_error(&what))
             }
             Err(e) => return Err(TransferError::Transient(format!("{what}: {e}"))),
         };
-        self.resolve_location(&location, resp.header("location"))
+        self.resolve_location(&location, header(&resp, "location"))
             .map_err(|f| f.into_error(&what))
     }
 
@@ -182,10 +187,10 @@ impl RegistryClient {
                 Body::Empty,
             )
             .map_err(|f| f.into_error(&what))?;
-        if resp.status() != 201 {
+        if resp.status().as_u16() != 201 {
             return Err(TransferError::Registry(format!(
                 "{what}: HTTP {} instead of 201",
-                resp.status()
+                resp.status().as_u16()
             )));
         }
         lock(&self.uploaded).insert((repository.to_string(), digest.to_string()));
