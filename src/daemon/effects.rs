@@ -318,11 +318,10 @@ impl Daemon {
                     staging_root: self.config.staging_dir.clone(),
                     tls: self.peer.client_tls.clone(),
                 };
-                let kube = self.kube.clone();
                 let nodes = self.peer.nodes.clone();
                 let metrics = self.metrics.clone();
                 self.transfer(op, move |registry| {
-                    crate::peer::job::run(&job, &site, registry, &kube, &nodes, &metrics)
+                    crate::peer::job::run(&job, &site, registry, &nodes, &metrics)
                         .map(|dir| dir.to_string_lossy().into_owned())
                 });
             }

@@ -573,39 +573,12 @@ impl Client {
         self.call_json("GET", &format!("/api/v1/nodes/{name}"), &[], None)
     }
 
-    /// Every Node's name and InternalIP (None when it has none that parses), following
-    /// `continue` pages; a Node that does not decode is skipped.
-    pub fn list_node_addresses(
-        &self,
-    ) -> Result<Vec<(String, Option<std::net::IpAddr>)>, KubeError> {
-        let mut out = Vec::new();
-        let mut cont = String::new();
-        loop {
-            let mut q: Vec<(&str, &str)> = vec![("limit", "500")];
-            if !cont.is_empty() {
-                q.push(("continue", &cont));
-            }
-            let w: serde_json::Value = self.call_json("GET", "/api/v1/nodes", &q, None)?;
-            for item in w
-                .get("items")
-                .and_then(|i| i.as_array())
-                .into_iter()
-                .flatten()
-            {
-                let Some(name) = item.pointer("/metadata/name").and_then(|v| v.as_str()) else {
-                    continue;
-                };
-                out.push((name.to_string(), node_internal_ip_json(item)));
-            }
-            match w
-                .pointer("/metadata/continue")
-                .and_then(|c| c.as_str())
-                .filter(|c| !c.is_empty())
-            {
-                Some(c) => cont = c.to_string(),
-                None => return Ok(out),
-            }
-        }
+    /// Node `name`'s InternalIP: `Ok(None)` when the Node has none that parses (a missing
+    /// Node is `KubeError::NotFound`). One GET of one Node, not a list of the cluster.
+    pub fn node_internal_ip(&self, name: &str) -> Result<Option<std::net::IpAddr>, KubeError> {
+        let node: serde_json::Value =
+            self.call_json("GET", &format!("/api/v1/nodes/{name}"), &[], None)?;
+        Ok(node_internal_ip_json(&node))
     }
 
     pub fn create_node(&self, node: &Node) -> Result<Node, KubeError> {

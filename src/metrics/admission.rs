@@ -87,10 +87,11 @@ pub enum Refusal {
     Global,
     /// The cap on connections from one peer address.
     PerPeer,
-    /// The address is no cluster node's (the peer snapshot listener answers nodes only).
+    /// A node certificate whose Node is unknown or has another InternalIP than the caller's
+    /// address (the peer snapshot listener answers nodes only, each from its own address).
     NotANode,
-    /// No client certificate of a node (of the cluster CA, naming a Node at the caller's
-    /// address): the peer snapshot listener.
+    /// No client certificate of a node (of the cluster CA, `system:node:<name>` in a node
+    /// group): the peer snapshot listener.
     NotANodeCertificate,
     /// A plain-HTTP request to a TLS-only listener (the peer snapshot listener).
     PlainHttp,
@@ -158,10 +159,10 @@ impl RefusalLog {
         let why = match reason {
             Refusal::Global => format!("connection limit of {limit} reached"),
             Refusal::PerPeer => format!("per-address connection limit of {limit} reached"),
-            Refusal::NotANode => format!("not one of the {limit} cluster nodes' addresses"),
-            Refusal::NotANodeCertificate => {
-                "no client certificate of the Node at that address".to_string()
+            Refusal::NotANode => {
+                "the certificate's Node is unknown or not at that address".to_string()
             }
+            Refusal::NotANodeCertificate => "no client certificate of a node".to_string(),
             Refusal::PlainHttp => "plain HTTP to a TLS-only listener".to_string(),
         };
         log::warn!(

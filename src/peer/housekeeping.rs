@@ -1,10 +1,10 @@
-//! The peer service as the daemon runs it: the TLS listener with its Node list kept fresh,
-//! the record of this node's pushes (pruned of snapshots that are gone), the snapshot-name
-//! resolver backed by `cocoon snapshot inspect`, the restore client's TLS identity, and the
-//! staging sweep at start and on a timer. One background thread lists Nodes and sweeps.
+//! The peer service as the daemon runs it: the TLS listener with its Node lookups, the record
+//! of this node's pushes (pruned of snapshots that are gone), the snapshot-name resolver backed
+//! by `cocoon snapshot inspect`, the restore client's TLS identity, and the staging sweep at
+//! start and on a timer. One background thread prunes and sweeps; Nodes are looked up one at a
+//! time when a peer needs one (see `nodes.rs`), never listed.
 
-use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,15 +13,14 @@ use crate::kube::Client;
 use crate::kubelet::tls::{TlsError, TlsSettings, TlsState};
 use crate::vm::{argv, parse_snapshot, CocoonCall, Deadlines, Verb};
 
+use super::nodes::{api_lookup, ClusterNodes};
 use super::pushed::PushedSnapshots;
-use super::server::{ClusterNodes, PeerServer, Resolver, Serving, NODE_GROUPS, NODE_USER_PREFIX};
+use super::server::{PeerServer, Resolver, Serving, NODE_GROUPS, NODE_USER_PREFIX};
 use super::staging;
 use super::wire::plain_component;
 
-/// How often the Node list is re-read (and the push record pruned).
-pub const NODE_REFRESH: Duration = Duration::from_secs(30);
-/// The wait before listing again after a failed list.
-const NODE_RETRY: Duration = Duration::from_secs(2);
+/// How often the push record is pruned of snapshots that are gone.
+pub const PRUNE_EVERY: Duration = Duration::from_secs(30);
 
 /// What the daemon keeps of the running peer service.
 pub struct PeerService {
@@ -73,11 +72,11 @@ impl std::fmt::Display for PeerStartError {
 
 impl std::error::Error for PeerStartError {}
 
-/// Starts the listener and the background thread (first Node list and staging sweep at once),
+/// Starts the listener and the background thread (first prune and staging sweep at once),
 /// logging what the listener serves to whom, or why it serves nothing, and whether this
 /// node restores from peers.
 pub fn start(settings: PeerSettings, kube: Arc<Client>) -> Result<PeerService, PeerStartError> {
-    let nodes = Arc::new(ClusterNodes::default());
+    let nodes = Arc::new(ClusterNodes::new(api_lookup(kube)));
     let pushed = Arc::new(match PushedSnapshots::open(&settings.state_dir) {
         Ok(p) => p,
         Err(e) => {
@@ -129,11 +128,11 @@ pub fn start(settings: PeerSettings, kube: Arc<Client>) -> Result<PeerService, P
             None
         }
     };
-    let (book, record) = (nodes.clone(), pushed.clone());
+    let record = pushed.clone();
     let (staging_dir, snapshot_dir) = (settings.staging_dir, settings.snapshot_dir);
     std::thread::Builder::new()
         .name("vk-peer-house".into())
-        .spawn(move || background(kube, book, record, staging_dir, snapshot_dir))
+        .spawn(move || background(record, staging_dir, snapshot_dir))
         .map_err(PeerStartError::Thread)?;
     Ok(PeerService {
         server,
@@ -143,44 +142,17 @@ pub fn start(settings: PeerSettings, kube: Arc<Client>) -> Result<PeerService, P
     })
 }
 
-fn background(
-    kube: Arc<Client>,
-    nodes: Arc<ClusterNodes>,
-    pushed: Arc<PushedSnapshots>,
-    staging_dir: PathBuf,
-    snapshot_dir: PathBuf,
-) {
+fn background(pushed: Arc<PushedSnapshots>, staging_dir: PathBuf, snapshot_dir: PathBuf) {
     let mut sweeper = staging::Sweeper::default();
     sweeper.sweep(&staging_dir, crate::wall_clock::now(), Instant::now());
     let mut next_sweep = Instant::now() + staging::SWEEP_EVERY;
-    let mut logged_error = false;
     loop {
-        // A failed list is retried soon: until the first one lands no peer is answered.
-        let pause = match kube.list_node_addresses() {
-            Ok(list) => {
-                let m: HashMap<String, IpAddr> = list
-                    .into_iter()
-                    .filter_map(|(n, ip)| Some((n, ip?)))
-                    .collect();
-                nodes.replace(m);
-                logged_error = false;
-                NODE_REFRESH
-            }
-            // The previous list stays: a flapping API server must not open the listener.
-            Err(e) => {
-                if !logged_error {
-                    log::warn!("peer listener: listing nodes: {e}");
-                    logged_error = true;
-                }
-                NODE_RETRY
-            }
-        };
         prune_gone(&pushed, &snapshot_dir);
         if Instant::now() >= next_sweep {
             sweeper.sweep(&staging_dir, crate::wall_clock::now(), Instant::now());
             next_sweep = Instant::now() + staging::SWEEP_EVERY;
         }
-        std::thread::sleep(pause);
+        std::thread::sleep(PRUNE_EVERY);
     }
 }
 

@@ -9,12 +9,11 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use crate::kube::Client;
 use crate::metrics::Metrics;
 use crate::snapshots::{manifest_info, RegistryClient, TransferError};
 
 use super::client::{restore_counted, PeerRestore};
-use super::server::ClusterNodes;
+use super::nodes::ClusterNodes;
 
 /// The registry tag a peer restore stands in for.
 pub const HIBERNATE_TAG: &str = "hibernate";
@@ -54,7 +53,6 @@ pub fn run(
     job: &PeerJob,
     site: &PeerSite,
     registry: &RegistryClient,
-    kube: &Client,
     nodes: &ClusterNodes,
     metrics: &Metrics,
 ) -> Result<PathBuf, TransferError> {
@@ -67,7 +65,7 @@ pub fn run(
         return Err(fail(NO_CLIENT_CERT.into()));
     };
     // From here on it is an attempt: a failure before the transfer counts as one too.
-    let req = match plan(job, site, registry, kube, nodes, tls) {
+    let req = match plan(job, site, registry, nodes, tls) {
         Ok(req) => req,
         Err(e) => {
             metrics
@@ -95,23 +93,14 @@ fn plan(
     job: &PeerJob,
     site: &PeerSite,
     registry: &RegistryClient,
-    kube: &Client,
     nodes: &ClusterNodes,
     tls: Arc<rustls::ClientConfig>,
 ) -> Result<PeerRestore, TransferError> {
     let fail =
         |m: String| TransferError::Transient(format!("peer restore of {}: {m}", job.vm_name));
-    let ip = match nodes.internal_ip(&job.from_node) {
-        Some(ip) => ip,
-        None => {
-            let node = kube
-                .get_node(&job.from_node)
-                .map_err(|e| fail(format!("node {}: {e}", job.from_node)))?;
-            let json = serde_json::to_value(&node).unwrap_or_default();
-            crate::kube::client::node_internal_ip_json(&json)
-                .ok_or_else(|| fail(format!("node {} has no InternalIP", job.from_node)))?
-        }
-    };
+    let ip = nodes
+        .internal_ip(&job.from_node)
+        .ok_or_else(|| fail(format!("node {}: unknown or no InternalIP", job.from_node)))?;
     let info = manifest_info(registry, &job.vm_name, HIBERNATE_TAG)?
         .ok_or_else(|| TransferError::NotFound(format!("{}:{HIBERNATE_TAG}", job.vm_name)))?;
     let expected = info

@@ -10,6 +10,7 @@
 pub mod client;
 pub mod housekeeping;
 pub mod job;
+pub mod nodes;
 pub mod pushed;
 pub mod server;
 pub mod staging;
@@ -18,5 +19,6 @@ pub mod verify;
 pub mod wire;
 
 pub use client::{restore, restore_counted, PeerRestore, RestoreError, Staged};
+pub use nodes::{ClusterNodes, NodeLookup};
 pub use pushed::PushedSnapshots;
-pub use server::{ClusterNodes, NotANodeCert, PeerServer, Resolver, Serving};
+pub use server::{NotANodeCert, PeerServer, Resolver, Serving};

@@ -8,13 +8,12 @@
 //! Plain HTTP gets a 400 and nothing else. Files are opened only inside the snapshot directory
 //! (see `store.rs`); connections and slice streams are capped (503 beyond), stalled peers cut.
 
-use std::collections::{HashMap, HashSet};
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rustls::{ServerConfig, ServerConnection, StreamOwned};
@@ -22,6 +21,7 @@ use rustls::{ServerConfig, ServerConnection, StreamOwned};
 use crate::kubelet::tls::{cert_identity, TlsState};
 use crate::metrics::admission::{Refusal, RefusalLog};
 
+use super::nodes::{canonical, ClusterNodes};
 use super::pushed::PushedSnapshots;
 use super::store::{build_plan, open_member, open_snapshot_dir};
 use super::wire::{
@@ -54,54 +54,6 @@ const CHUNK: usize = 1 << 20;
 /// Maps a snapshot name to the id of its directory under the snapshot directory;
 /// `Ok(None)` when no such snapshot exists.
 pub type Resolver = Arc<dyn Fn(&str) -> Result<Option<String>, String> + Send + Sync>;
-
-/// The cluster's Nodes and their InternalIPs, replaced wholesale by whoever lists the Nodes:
-/// the listener answers only these addresses, each only for its own Node's certificate, and
-/// a restore dials the pushing Node here.
-#[derive(Debug, Default)]
-pub struct ClusterNodes(RwLock<Nodes>);
-
-#[derive(Debug, Default)]
-struct Nodes {
-    by_name: HashMap<String, IpAddr>,
-    addresses: HashSet<IpAddr>,
-}
-
-impl ClusterNodes {
-    pub fn replace(&self, nodes: impl IntoIterator<Item = (String, IpAddr)>) {
-        let by_name: HashMap<String, IpAddr> = nodes
-            .into_iter()
-            .map(|(n, ip)| (n, canonical(ip)))
-            .collect();
-        let addresses = by_name.values().copied().collect();
-        if let Ok(mut g) = self.0.write() {
-            *g = Nodes { by_name, addresses };
-        }
-    }
-    /// Whether `ip` is some Node's InternalIP.
-    pub fn contains(&self, ip: IpAddr) -> bool {
-        self.0
-            .read()
-            .is_ok_and(|g| g.addresses.contains(&canonical(ip)))
-    }
-    pub fn internal_ip(&self, node: &str) -> Option<IpAddr> {
-        self.0.read().ok()?.by_name.get(node).copied()
-    }
-    pub fn len(&self) -> usize {
-        self.0.read().map(|g| g.by_name.len()).unwrap_or(0)
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
-/// IPv4-mapped IPv6 addresses compare as their IPv4 form.
-fn canonical(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
-        v4 => v4,
-    }
-}
 
 /// The Node a verified client certificate speaks for, when it is one at `ip`.
 pub fn certified_node(
@@ -257,12 +209,9 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>, mut tls: TlsState) {
                 continue;
             }
         };
+        // Which Node an address is cannot be known before the certificate names one (Nodes
+        // are looked up by name, not listed): the address is checked after the handshake.
         let ip = canonical(peer.ip());
-        if !shared.nodes.contains(ip) {
-            // Closed unanswered: no handshake work for addresses that are no node's.
-            refuse(&shared, Refusal::NotANode, ip, shared.nodes.len());
-            continue;
-        }
         if shared.connections.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
             shared.connections.fetch_sub(1, Ordering::AcqRel);
             refuse(&shared, Refusal::Global, ip, MAX_CONNECTIONS);
@@ -369,7 +318,13 @@ fn serve(
     let answered = match node {
         Ok(_) => answer(shared, &mut tls),
         Err(why) => {
-            refuse(shared, Refusal::NotANodeCertificate, ip, 0);
+            let reason = match why {
+                NotANodeCert::Elsewhere { .. } | NotANodeCert::NoSuchNode { .. } => {
+                    Refusal::NotANode
+                }
+                _ => Refusal::NotANodeCertificate,
+            };
+            refuse(shared, reason, ip, 0);
             log::debug!("peer {ip}: {why}");
             let _ = read_head(&mut tls)?;
             tls.write_all(&simple(

@@ -74,8 +74,9 @@ fn peer_restore_vs_curl() {
     let (cert_file, key_file) = (dir.path().join("node-b.crt"), dir.path().join("node-b.key"));
     std::fs::write(&cert_file, &cert).unwrap();
     std::fs::write(&key_file, &key).unwrap();
-    let nodes = Arc::new(ClusterNodes::default());
-    nodes.replace([("node-b".to_string(), "127.0.0.1".parse().unwrap())]);
+    let nodes = Arc::new(ClusterNodes::new(Arc::new(|name: &str| {
+        Ok((name == "node-b").then(|| "127.0.0.1".parse().unwrap()))
+    })));
     let digest = sha256_digest(b"the manifest of vk-bench:hibernate");
     let pushed = Arc::new(PushedSnapshots::in_memory());
     pushed.record("vk-bench", "hibernate", &digest, ID).unwrap();

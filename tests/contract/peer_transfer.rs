@@ -1,7 +1,8 @@
 //! The peer snapshot listener and the peer restore client over real loopback TLS: a restore
 //! copies every byte and writes the clone envelope, and nothing of the snapshot crosses in
 //! clear text; a caller without a node's client certificate, with another node's, from an
-//! address that is no node's, in plain HTTP, or naming the wrong manifest digest gets nothing;
+//! address that is not its Node's, in plain HTTP, or naming the wrong manifest digest gets
+//! nothing; Nodes are looked up one GET per TTL, unknown names one per negative TTL;
 //! a tampered stream, a lying peer, a plan of another snapshot, path escapes and the 129th
 //! concurrent slice stream are all refused.
 
@@ -15,16 +16,19 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use k8s_openapi::api::core::v1::Node;
 use peer_support::{
     connect_with, ip, plain_get, tls_get, tls_request_over, with_certificate, without_certificate,
 };
+use vk_cocoon::kube::{Client, KubeOptions};
 use vk_cocoon::kubelet::tls::{TlsSettings, TlsState};
 use vk_cocoon::peer::client::SLICE_STREAMS;
+use vk_cocoon::peer::nodes::{api_lookup, NODE_TTL, UNKNOWN_TTL};
 use vk_cocoon::peer::server::MAX_SLICE_STREAMS;
 use vk_cocoon::peer::{
     restore, ClusterNodes, PeerRestore, PeerServer, PushedSnapshots, Resolver, Serving,
 };
-use vk_cocoon::sandbox::apiserver::{ApiServer, ApiServerHandle, ApiServerOptions};
+use vk_cocoon::sandbox::apiserver::{ApiServer, ApiServerHandle, ApiServerOptions, KubeconfigAuth};
 use vk_cocoon::snapshots::client::sha256_digest;
 use vk_cocoon::snapshots::format::{LayerRef, SnapshotConfig, SnapshotFile};
 
@@ -85,20 +89,81 @@ impl Cluster {
     fn node_b(&self) -> (String, String) {
         self.cert("system:node:node-b", &["vk-cocoon:nodes"])
     }
+
+    /// Creates Node `name` with InternalIP `address`, or moves it there.
+    fn put_node(&self, name: &str, address: &str) {
+        let _ = self.api.delete_node(name);
+        let node: Node = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": name},
+            "status": {"addresses": [{"type": "InternalIP", "address": address}]},
+        }))
+        .unwrap();
+        self.api.create_node(&node).unwrap();
+    }
+
+    /// The `get nodes` requests node-a has made so far.
+    fn node_gets(&self) -> u64 {
+        self.api
+            .request_counts()
+            .iter()
+            .filter(|c| c.user == NODE_A && c.verb == "get" && c.resource == "nodes")
+            .map(|c| c.count)
+            .sum()
+    }
 }
 
+/// The serving node's identity at the API server.
+const NODE_A: &str = "system:node:node-a";
+
 /// A listener serving `root` as node-a, whose records say it pushed `vk-demo` (id `ID`) with
-/// manifest `digest()`; `nodes` are the cluster's Nodes (name, InternalIP). The resolver
+/// manifest `digest()`; `nodes` are the cluster's Nodes (name, InternalIP), created in the
+/// fake API server, which node-a looks up one at a time as `system:node:node-a`. The resolver
 /// counts its calls: a refused request must not reach it.
 struct Served {
     server: PeerServer,
-    nodes: Arc<ClusterNodes>,
     resolved: Arc<AtomicUsize>,
+    _kubeconfig: tempfile::TempDir,
 }
 
 fn serve(cluster: &Cluster, root: &Path, nodes: &[(&str, &str)]) -> Served {
-    let table = Arc::new(ClusterNodes::default());
-    table.replace(nodes.iter().map(|(n, a)| (n.to_string(), ip(a))));
+    serve_with_ttls(cluster, root, nodes, NODE_TTL, UNKNOWN_TTL)
+}
+
+fn serve_with_ttls(
+    cluster: &Cluster,
+    root: &Path,
+    nodes: &[(&str, &str)],
+    ttl: Duration,
+    unknown_ttl: Duration,
+) -> Served {
+    for (name, address) in nodes {
+        cluster.put_node(name, address);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    cluster
+        .api
+        .write_kubeconfig(
+            &kubeconfig,
+            &KubeconfigAuth::ClientCert {
+                user: NODE_A.into(),
+                groups: vec!["vk-cocoon:nodes".into()],
+            },
+        )
+        .unwrap();
+    let kube = Client::from_env(&KubeOptions {
+        kubeconfig: Some(kubeconfig.to_string_lossy().into_owned()),
+        timeout: Duration::from_secs(5),
+        ..KubeOptions::default()
+    })
+    .unwrap();
+    let table = Arc::new(ClusterNodes::with_ttls(
+        api_lookup(Arc::new(kube)),
+        ttl,
+        unknown_ttl,
+    ));
     let pushed = Arc::new(PushedSnapshots::in_memory());
     pushed
         .record("vk-demo", "hibernate", &digest(), ID)
@@ -123,15 +188,15 @@ fn serve(cluster: &Cluster, root: &Path, nodes: &[(&str, &str)]) -> Served {
             root: root.to_path_buf(),
             resolve,
             pushed,
-            nodes: table.clone(),
+            nodes: table,
             tls,
         },
     )
     .unwrap();
     Served {
         server,
-        nodes: table,
         resolved,
+        _kubeconfig: dir,
     }
 }
 
@@ -460,27 +525,31 @@ fn a_peer_holding_another_snapshot_is_not_used() {
     assert!(entries(staging.path()).is_empty());
 }
 
-/// The source address must be a Node's InternalIP, and the certificate that Node's: an
-/// address that is no node's is closed before TLS, another node's certificate gets 403, and
-/// both follow the Node list.
+/// The source address must be the InternalIP of the Node the certificate names: from another
+/// address (no node's, or another node's) it gets a 403, and a Node that moves is followed.
 #[test]
 fn only_a_node_at_its_own_address_is_answered() {
     let cluster = Cluster::new();
     let root = snapshot_root();
     let staging = tempfile::tempdir().unwrap();
-    let served = serve(
+    let served = serve_with_ttls(
         &cluster,
         root.path(),
         &[("node-b", "127.0.0.2"), ("node-c", "127.0.0.3")],
+        Duration::from_millis(200),
+        UNKNOWN_TTL,
     );
     let addr = served.server.local_addr();
     let b = with_certificate(&cluster.node_b());
     let plan = plan_target(&digest());
     let ok = tls_get(addr, "127.0.0.2", &b, &plan);
     assert!(ok.starts_with("HTTP/1.1 200") && ok.contains(ID), "{ok}");
-    // No node at 127.0.0.1: closed unanswered; the restore fails and stages nothing.
+    // No node at 127.0.0.1: refused; the restore fails and stages nothing.
     let refused = tls_get(addr, "127.0.0.1", &b, &plan);
-    assert!(refused.starts_with("TLS error"), "{refused}");
+    assert!(
+        refused.starts_with("HTTP/1.1 403") && !refused.contains(ID),
+        "{refused}"
+    );
     let err = restore(&request(&cluster, root.path(), addr, staging.path(), ID))
         .unwrap_err()
         .to_string();
@@ -489,13 +558,96 @@ fn only_a_node_at_its_own_address_is_answered() {
     // node-b's certificate from node-c's address.
     let r = tls_get(addr, "127.0.0.3", &b, &plan);
     assert!(r.starts_with("HTTP/1.1 403") && !r.contains(ID), "{r}");
-    // The Node list moves node-b to 127.0.0.1: its restore works there, not at .2.
-    served.nodes.replace([
-        ("node-b".to_string(), ip("127.0.0.1")),
-        ("node-c".to_string(), ip("127.0.0.3")),
-    ]);
-    assert!(tls_get(addr, "127.0.0.2", &b, &plan).starts_with("TLS error"));
+    // node-b moves to 127.0.0.1: once its lookup is older than the TTL (at most 1.5 x 200 ms),
+    // its restore works there, not at .2.
+    cluster.put_node("node-b", "127.0.0.1");
+    std::thread::sleep(Duration::from_millis(400));
+    assert!(tls_get(addr, "127.0.0.2", &b, &plan).starts_with("HTTP/1.1 403"));
     assert!(restore(&request(&cluster, root.path(), addr, staging.path(), ID)).is_ok());
+}
+
+/// A Node's InternalIP is fetched once per TTL, not per connection: a peer whose Node moves is
+/// still checked against the old address until the TTL passes, then re-checked against the
+/// new one, each time with one `GET nodes/node-b`.
+#[test]
+fn a_node_that_moves_is_rechecked_after_the_ttl() {
+    let cluster = Cluster::new();
+    let root = snapshot_root();
+    let ttl = Duration::from_millis(800);
+    let served = serve_with_ttls(
+        &cluster,
+        root.path(),
+        &[("node-b", "127.0.0.2")],
+        ttl,
+        UNKNOWN_TTL,
+    );
+    let addr = served.server.local_addr();
+    let b = with_certificate(&cluster.node_b());
+    let plan = plan_target(&digest());
+    let fetched_at = Instant::now();
+    for _ in 0..3 {
+        let r = tls_get(addr, "127.0.0.2", &b, &plan);
+        assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+    }
+    assert_eq!(cluster.node_gets(), 1, "one GET for three connections");
+    cluster.put_node("node-b", "127.0.0.4");
+    let r = tls_get(addr, "127.0.0.2", &b, &plan);
+    if fetched_at.elapsed() < ttl {
+        // Within the TTL the cached address still holds.
+        assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+        assert_eq!(cluster.node_gets(), 1);
+    }
+    // Past the longest jittered TTL the Node is fetched again and the old address refused.
+    std::thread::sleep((ttl + ttl / 2).saturating_sub(fetched_at.elapsed()) + ttl / 8);
+    let r = tls_get(addr, "127.0.0.2", &b, &plan);
+    assert!(r.starts_with("HTTP/1.1 403") && !r.contains(ID), "{r}");
+    assert_eq!(cluster.node_gets(), 2);
+    cluster.put_node("node-b", "127.0.0.2");
+    let r = tls_get(addr, "127.0.0.2", &b, &plan);
+    assert!(
+        r.starts_with("HTTP/1.1 403"),
+        "the move back waits for the TTL: {r}"
+    );
+    assert_eq!(cluster.node_gets(), 2);
+}
+
+/// A certificate naming a Node that does not exist is refused, and the name is not looked up
+/// again within the negative TTL however often the caller retries; after it, once more.
+#[test]
+fn an_unknown_node_is_refused_and_not_refetched_within_the_negative_ttl() {
+    let cluster = Cluster::new();
+    let root = snapshot_root();
+    let unknown_ttl = Duration::from_secs(2);
+    let served = serve_with_ttls(
+        &cluster,
+        root.path(),
+        &[("node-b", "127.0.0.2")],
+        NODE_TTL,
+        unknown_ttl,
+    );
+    let addr = served.server.local_addr();
+    let ghost = with_certificate(&cluster.cert("system:node:ghost", &["vk-cocoon:nodes"]));
+    let plan = plan_target(&digest());
+    let first = Instant::now();
+    for _ in 0..10 {
+        let r = tls_get(addr, "127.0.0.2", &ghost, &plan);
+        assert!(r.starts_with("HTTP/1.1 403") && !r.contains(ID), "{r}");
+    }
+    if first.elapsed() < unknown_ttl {
+        assert_eq!(cluster.node_gets(), 1, "ten refusals, one GET");
+    }
+    assert_eq!(served.resolved.load(Ordering::SeqCst), 0);
+    std::thread::sleep(unknown_ttl.saturating_sub(first.elapsed()) + Duration::from_millis(100));
+    let gets = cluster.node_gets();
+    let r = tls_get(addr, "127.0.0.2", &ghost, &plan);
+    assert!(r.starts_with("HTTP/1.1 403"), "{r}");
+    assert_eq!(
+        cluster.node_gets(),
+        gets + 1,
+        "asked again after the negative TTL"
+    );
+    let metrics = vk_cocoon::metrics::admission::refused_total();
+    assert!(metrics.with_label_values(&["peer", "not_a_node"]).get() > 0);
 }
 
 /// A caller at a Node's address without a node's client certificate gets no byte of any

@@ -112,7 +112,7 @@ fn another_node_restores_a_snapshot_the_daemon_pushed_from_its_peer_listener() {
         staging_root: staging.clone(),
         streams: SLICE_STREAMS,
     };
-    // The daemon lists Nodes as it starts; node-b may take a moment to be allowed.
+    // The daemon looks node-b up when it first calls; the listener may take a moment to start.
     let staged = a.wait("the restore from node-b", LIMIT, || {
         restore(&req([127, 0, 0, 2], &tag.digest)).ok()
     });

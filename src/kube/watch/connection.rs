@@ -67,7 +67,8 @@ impl PodWatch {
     /// readiness of the watch's token; TLS and the request follow in `drive`.
     pub(super) fn connect(&mut self, client: &Client, now: Instant) -> Result<(), KubeError> {
         let session: WatchSession = client.watch_session()?;
-        let request = self.request_bytes(&session);
+        let timeout_seconds = self.draw_timeout_seconds();
+        let request = self.request_bytes(&session, timeout_seconds);
         let (transport, out) = match &session.tls {
             Some(cfg) => {
                 let name = ServerName::try_from(session.target.host.clone()).map_err(|e| {
@@ -115,12 +116,12 @@ impl PodWatch {
         self.dialer.set_resolver(resolver);
     }
 
-    fn request_bytes(&self, s: &WatchSession) -> Vec<u8> {
+    fn request_bytes(&self, s: &WatchSession, timeout_seconds: u64) -> Vec<u8> {
         let mut path = format!(
             "{}/api/v1/pods?fieldSelector={}&watch=1&allowWatchBookmarks=true&timeoutSeconds={}",
             s.target.base_path,
             percent::encode(&format!("spec.nodeName={}", self.node)),
-            self.config.timeout_seconds
+            timeout_seconds
         );
         if !self.resource_version.is_empty() {
             path.push_str("&resourceVersion=");

@@ -33,7 +33,9 @@ pub use known::{KnownPods, WatchOutput};
 /// Tunables of the watch.
 #[derive(Clone, Debug)]
 pub struct WatchConfig {
-    /// Server-side watch timeout asked for (timeoutSeconds).
+    /// Server-side watch timeout, T: each watch asks a timeoutSeconds drawn from [T, 2T) (as
+    /// the kubelet's reflector does), so a fleet's watches, started together, do not all end
+    /// and re-watch in the same second every T.
     pub timeout_seconds: u64,
     /// No byte for this long on an established stream (bookmarks arrive about every minute) = stalled.
     pub stall_after: Duration,
@@ -59,6 +61,12 @@ impl Default for WatchConfig {
             relist_spread: Duration::from_secs(8),
         }
     }
+}
+
+/// `t` stretched by `unit` (a random number in [0, 1)) of itself: a point of [t, 2t).
+pub fn watch_timeout_seconds(t: u64, unit: f64) -> u64 {
+    let extra = (t as f64 * unit.clamp(0.0, 1.0)) as u64;
+    t + extra.min(t.saturating_sub(1))
 }
 
 /// The pod watch. Drive it with `on_ready` (socket readiness) and `on_timer` (at `next_due`).
@@ -117,6 +125,12 @@ impl PodWatch {
             dialer: dial::Dialer::default(),
             stats: WatchStats::default(),
         }
+    }
+
+    /// The timeoutSeconds of the next watch request: drawn from [T, 2T) for T =
+    /// `config.timeout_seconds` (0, no timeout, stays 0).
+    fn draw_timeout_seconds(&mut self) -> u64 {
+        watch_timeout_seconds(self.config.timeout_seconds, self.jitter.unit())
     }
 
     /// Give the watch the loop's registry and its token. Connections register themselves.
@@ -418,5 +432,32 @@ impl PodWatch {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_watch_asks_a_timeout_of_t_to_2t_and_they_differ() {
+        let mut w = PodWatch::new("node-1", WatchConfig::default());
+        let t = WatchConfig::default().timeout_seconds;
+        let drawn: Vec<u64> = (0..1000).map(|_| w.draw_timeout_seconds()).collect();
+        assert!(drawn.iter().all(|&d| (t..2 * t).contains(&d)), "{drawn:?}");
+        let distinct: std::collections::BTreeSet<u64> = drawn.iter().copied().collect();
+        assert!(
+            distinct.len() > 100,
+            "spread over the band: {}",
+            distinct.len()
+        );
+        let (lo, hi) = (drawn.iter().min(), drawn.iter().max());
+        assert!(lo < Some(&(t + t / 10)) && hi >= Some(&(2 * t - t / 10)));
+        // The band's edges, whatever the random number.
+        assert_eq!(watch_timeout_seconds(300, 0.0), 300);
+        assert_eq!(watch_timeout_seconds(300, 0.999_999_9), 599);
+        assert_eq!(watch_timeout_seconds(300, 1.0), 599);
+        assert_eq!(watch_timeout_seconds(1, 0.9), 1);
+        assert_eq!(watch_timeout_seconds(0, 0.5), 0);
     }
 }
