@@ -585,7 +585,7 @@ impl Daemon {
                         self.cocoon_running = self.cocoon_running.saturating_sub(1);
                         let input = Input::CocoonDone {
                             op,
-                            result: effects::cocoon_result(&exit, &call),
+                            result: crate::vm::Answer::of_exit(&call, &exit),
                         };
                         if effects::jumps_the_queue(call.verb) {
                             self.urgent_inputs.push_back(input);

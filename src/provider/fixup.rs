@@ -10,8 +10,8 @@
 
 use std::net::IpAddr;
 
-use super::cocoon::VmInfo;
 use super::spec::{Os, BACKEND_FC};
+use crate::vm::VmInfo;
 
 /// What a clone needs fixed; also the `kind` label of `postclone_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -211,7 +211,7 @@ fn static_address(ip: &str, prefix: u64, gateway: &str) -> Result<Address, Strin
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::provider::cocoon::NicInfo;
+    use crate::vm::NicInfo;
 
     fn nic(mac: &str, ip: &str, prefix: u64, gw: &str) -> NicInfo {
         NicInfo {

@@ -16,12 +16,7 @@ fn to_source(h: &mut H, name: &str, vm: &str, extra: &[(&'static str, String)]) 
         &ann,
     ))));
     let e = no_evidence(h, &e);
-    answer(
-        h,
-        &e,
-        &format!("snapshot rm fork-{vm}"),
-        CocoonResult::ok(""),
-    )
+    answer(h, &e, &format!("snapshot rm fork-{vm}"), Answer::ok(""))
 }
 
 fn clones(e: &[Effect]) -> usize {
@@ -46,7 +41,7 @@ fn creates_of_one_image_share_its_snapshot_inspect() {
         &mut h,
         &e,
         "snapshot inspect team/agent:v3",
-        CocoonResult::ok(SNAP),
+        Answer::ok(SNAP),
     );
     assert_eq!(clones(&e), 1);
     // The next create of the image asks nothing: it clones at once.
@@ -63,7 +58,7 @@ fn a_kept_snapshot_answer_ages_out() {
         &mut h,
         &e,
         "snapshot inspect team/agent:v3",
-        CocoonResult::ok(SNAP),
+        Answer::ok(SNAP),
     );
     h.now += Duration::from_secs(31);
     h.wall += Duration::from_secs(31);
@@ -79,10 +74,10 @@ fn a_failed_clone_forgets_the_kept_answers() {
         &mut h,
         &e,
         "snapshot inspect team/agent:v3",
-        CocoonResult::ok(SNAP),
+        Answer::ok(SNAP),
     );
     let (op, _) = one_cocoon(&e);
-    h.cocoon(op, CocoonResult::failed("Error: clone: snapshot not found"));
+    h.cocoon(op, Answer::failed("Error: clone: snapshot not found"));
     let e = to_source(&mut h, "b", "vk-ns-demo-1", &[]);
     assert_eq!(inspects(&e), 1, "the snapshot may be gone: {e:?}");
 }
@@ -100,7 +95,7 @@ fn a_pull_of_the_snapshot_forces_a_fresh_read() {
         &mut h,
         &e,
         "snapshot inspect team/agent:v3",
-        CocoonResult::ok(SNAP),
+        Answer::ok(SNAP),
     );
     // force-pull: the kept answer is older than this create, so the snapshot is pulled again.
     let force = [(ANN_FORCE_PULL, "true".to_string())];
@@ -120,7 +115,7 @@ fn a_pull_of_the_snapshot_forces_a_fresh_read() {
         &mut h,
         &e,
         "snapshot inspect team/agent:v3",
-        CocoonResult::ok(SNAP),
+        Answer::ok(SNAP),
     );
     assert_eq!(clones(&e), 1);
     let e = h.feed(Input::TransferDone {
@@ -131,7 +126,7 @@ fn a_pull_of_the_snapshot_forces_a_fresh_read() {
         &mut h,
         &e,
         "snapshot inspect team/agent:v3",
-        CocoonResult::ok(SNAP),
+        Answer::ok(SNAP),
     );
     let e = to_source(&mut h, "d", "vk-ns-demo-3", &[]);
     assert_eq!(inspects(&e), 1, "read again after the pull: {e:?}");
@@ -168,7 +163,7 @@ fn a_removal_or_save_of_the_snapshot_forces_a_fresh_read() {
         };
         let now = Instant::now();
         facts.read_issued(&read, now);
-        facts.read_answered(&read.argv(), &CocoonResult::ok(SNAP));
+        facts.read_answered(&read.argv(), &Answer::ok(SNAP));
         assert!(facts.answer(&read, now, &[]).is_some());
         let effect = Effect::Cocoon { op: 7, cmd: change };
         // Issued in the same input: already counted.
@@ -182,15 +177,15 @@ fn a_removal_or_save_of_the_snapshot_forces_a_fresh_read() {
         assert_eq!(facts.answer(&read, now, &[]).is_none(), drops);
         // A read while the change runs is not kept; after its answer, reads are kept again.
         facts.read_issued(&read, now);
-        facts.read_answered(&read.argv(), &CocoonResult::ok(SNAP));
+        facts.read_answered(&read.argv(), &Answer::ok(SNAP));
         assert_eq!(facts.answer(&read, now, &[]).is_none(), drops);
         let done = Input::CocoonDone {
             op: 7,
-            result: CocoonResult::ok(""),
+            result: Answer::ok(""),
         };
         facts.note_input(&done, now);
         facts.read_issued(&read, now);
-        facts.read_answered(&read.argv(), &CocoonResult::ok(SNAP));
+        facts.read_answered(&read.argv(), &Answer::ok(SNAP));
         assert!(facts.answer(&read, now, &[]).is_some());
     }
 }
@@ -204,7 +199,7 @@ fn an_image_pull_forces_a_fresh_image_read() {
     };
     let now = Instant::now();
     facts.read_issued(&read, now);
-    facts.read_answered(&read.argv(), &CocoonResult::ok("{}"));
+    facts.read_answered(&read.argv(), &Answer::ok("{}"));
     assert!(facts.answer(&read, now, &[]).is_some());
     let pull = Effect::MaterialiseImage {
         op: 3,
@@ -224,7 +219,7 @@ fn an_image_pull_forces_a_fresh_image_read() {
     facts.read_issued(&read, now);
     facts.read_answered(
         &read.argv(),
-        &CocoonResult::failed("Error: not found in any backend"),
+        &Answer::failed("Error: not found in any backend"),
     );
     assert!(facts.answer(&read, now, &[]).is_none());
 }
