@@ -59,7 +59,7 @@ impl Provider {
                     command: Vec::new(),
                     hint: String::new(),
                 };
-                return self.post_clone_failed(key, &uid, mode, &fix, 0, &[e]);
+                return self.post_clone_failed(key, &uid, mode, &fix, 0, &[e.to_string()]);
             }
         };
         let windows_static =
