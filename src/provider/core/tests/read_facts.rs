@@ -33,16 +33,16 @@ fn inspects(e: &[Effect]) -> usize {
         .count()
 }
 
+/// Pod `a`'s create asks for the image's snapshot, answered with [`SNAP`]: the effects after.
+fn inspected_first_create(h: &mut H) -> Vec<Effect> {
+    let e = to_source(h, "a", "vk-ns-demo-0", &[]);
+    answer(h, &e, "snapshot inspect team/agent:v3", Answer::ok(SNAP))
+}
+
 #[test]
 fn creates_of_one_image_share_its_snapshot_inspect() {
     let mut h = H::new(ProviderConfig::default());
-    let e = to_source(&mut h, "a", "vk-ns-demo-0", &[]);
-    let e = answer(
-        &mut h,
-        &e,
-        "snapshot inspect team/agent:v3",
-        Answer::ok(SNAP),
-    );
+    let e = inspected_first_create(&mut h);
     assert_eq!(clones(&e), 1);
     // The next create of the image asks nothing: it clones at once.
     let e = to_source(&mut h, "b", "vk-ns-demo-1", &[]);
@@ -53,13 +53,7 @@ fn creates_of_one_image_share_its_snapshot_inspect() {
 #[test]
 fn a_kept_snapshot_answer_ages_out() {
     let mut h = H::new(ProviderConfig::default());
-    let e = to_source(&mut h, "a", "vk-ns-demo-0", &[]);
-    answer(
-        &mut h,
-        &e,
-        "snapshot inspect team/agent:v3",
-        Answer::ok(SNAP),
-    );
+    inspected_first_create(&mut h);
     h.now += Duration::from_secs(31);
     h.wall += Duration::from_secs(31);
     let e = to_source(&mut h, "b", "vk-ns-demo-1", &[]);
@@ -69,13 +63,7 @@ fn a_kept_snapshot_answer_ages_out() {
 #[test]
 fn a_failed_clone_forgets_the_kept_answers() {
     let mut h = H::new(ProviderConfig::default());
-    let e = to_source(&mut h, "a", "vk-ns-demo-0", &[]);
-    let e = answer(
-        &mut h,
-        &e,
-        "snapshot inspect team/agent:v3",
-        Answer::ok(SNAP),
-    );
+    let e = inspected_first_create(&mut h);
     let (op, _) = one_cocoon(&e);
     h.cocoon(op, Answer::failed("Error: clone: snapshot not found"));
     let e = to_source(&mut h, "b", "vk-ns-demo-1", &[]);
@@ -90,13 +78,7 @@ fn a_pull_of_the_snapshot_forces_a_fresh_read() {
         registry: true,
         ..Default::default()
     });
-    let e = to_source(&mut h, "a", "vk-ns-demo-0", &[]);
-    answer(
-        &mut h,
-        &e,
-        "snapshot inspect team/agent:v3",
-        Answer::ok(SNAP),
-    );
+    inspected_first_create(&mut h);
     // force-pull: the kept answer is older than this create, so the snapshot is pulled again.
     let force = [(ANN_FORCE_PULL, "true".to_string())];
     let e = to_source(&mut h, "b", "vk-ns-demo-1", &force);
