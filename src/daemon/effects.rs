@@ -431,7 +431,11 @@ impl Daemon {
             // started answers later as a `ChildExit` with its spawn error.
             match self.reactor.spawn(spec) {
                 Ok(id) => {
-                    self.children.insert(id, ChildRole::Op { op, call });
+                    let macos = match cmd {
+                        crate::provider::CocoonCmd::Macos(m) => Some(m),
+                        _ => None,
+                    };
+                    self.children.insert(id, ChildRole::Op { op, call, macos });
                     self.cocoon_running += 1;
                 }
                 Err(e) => self.pending.push_back(Input::CocoonDone {

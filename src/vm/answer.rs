@@ -105,6 +105,15 @@ impl Answer {
         Answer::failure(ErrorKind::TimedOut, "")
     }
 
+    /// The same failure read by another contract's rule (cocoon-macos words a missing VM its
+    /// own way): its kind replaced, its text kept. A success stays one.
+    pub fn reclassified(mut self, kind: ErrorKind) -> Self {
+        if let Some(f) = self.failure.as_mut() {
+            f.kind = kind;
+        }
+        self
+    }
+
     pub fn succeeded(&self) -> bool {
         self.failure.is_none()
     }

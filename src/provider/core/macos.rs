@@ -210,7 +210,7 @@ impl Provider {
                         Err(e) => self.fail_create(key, &c.uid, &e, true),
                     };
                 }
-                if r.timed_out() || !contract::not_found(r.stderr()) {
+                if !r.vm_not_found() {
                     let msg = format!("cocoon-macos vm inspect {name}: {}", r.error_text());
                     return self.fail_create(key, &c.uid, &msg, true);
                 }
@@ -472,7 +472,7 @@ impl Provider {
 
     /// `vm rm` answered: a missing VM counts as removed; anything else keeps the pod.
     pub(super) fn macos_removed(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp, r: Answer) {
-        if !r.succeeded() && (r.timed_out() || !contract::not_found(r.stderr())) {
+        if !r.succeeded() && !r.vm_not_found() {
             let (vm_name, error) = (d.vm_name.clone(), r.error_text());
             return self.delete_failed(key, delete::DeleteError::MacosRm { vm_name, error });
         }
