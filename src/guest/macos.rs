@@ -237,12 +237,30 @@ struct RawVm {
     vnc: Option<serde_json::Value>,
 }
 
+/// Why a `vm inspect` output is no VM record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum InspectError {
+    BadJson(String),
+    NoName,
+}
+
+impl std::fmt::Display for InspectError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            InspectError::BadJson(e) => write!(f, "cocoon-macos vm inspect: bad JSON: {e}"),
+            InspectError::NoName => f.write_str("cocoon-macos vm inspect: record without a name"),
+        }
+    }
+}
+
+impl std::error::Error for InspectError {}
+
 /// Parses `vm inspect`'s JSON; a display given as a number or a decimal string (`"3"`, `":3"`).
-pub fn parse_inspect(stdout: &str) -> Result<MacosVm, String> {
-    let raw: RawVm = serde_json::from_str(stdout.trim())
-        .map_err(|e| format!("cocoon-macos vm inspect: bad JSON: {e}"))?;
+pub fn parse_inspect(stdout: &str) -> Result<MacosVm, InspectError> {
+    let raw: RawVm =
+        serde_json::from_str(stdout.trim()).map_err(|e| InspectError::BadJson(e.to_string()))?;
     if raw.name.is_empty() {
-        return Err("cocoon-macos vm inspect: record without a name".into());
+        return Err(InspectError::NoName);
     }
     let vnc_display = match raw.vnc {
         Some(serde_json::Value::Number(n)) => n.as_u64().and_then(|d| u16::try_from(d).ok()),
@@ -398,7 +416,11 @@ mod tests {
         let out = parse_inspect(r#"{"name":"m","vnc":4000,"pid":-5}"#).unwrap();
         assert_eq!((out.vnc_display, out.pid), (None, 0));
         assert!(parse_inspect("{not json").is_err());
-        assert!(parse_inspect(r#"{"pid":1}"#).is_err());
+        assert_eq!(
+            parse_inspect(r#"{"pid":1}"#),
+            Err(InspectError::NoName),
+            "a record without a name"
+        );
     }
 
     #[test]

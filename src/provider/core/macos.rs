@@ -207,7 +207,7 @@ impl Provider {
                             let ask = Ask::effect(move |op| Effect::CheckPid { op, pid });
                             self.advance(key, CreateStep::MacosAlive { vm }, ask)
                         }
-                        Err(e) => self.fail_create(key, &c.uid, &e, true),
+                        Err(e) => self.fail_create(key, &c.uid, &e.to_string(), true),
                     };
                 }
                 if !r.vm_not_found() {
@@ -279,7 +279,7 @@ impl Provider {
             }
             (CreateStep::MacosLaunched, Res::Cocoon(r)) => {
                 let parsed = if r.succeeded() {
-                    contract::parse_inspect(&r.stdout)
+                    contract::parse_inspect(&r.stdout).map_err(|e| e.to_string())
                 } else {
                     Err(format!(
                         "cocoon-macos vm inspect {name} after launch: {}",
