@@ -57,16 +57,16 @@ use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, PodStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use vk_cocoon::daemon::lane::{Job, KubeLane, LaneLimits, PodWrite, WriteKind};
 use vk_cocoon::kube::ratelimit::TokenBucket;
-use vk_cocoon::provider::cocoon::CocoonCmd;
 use vk_cocoon::provider::spec::{
     ANN_FORK_FROM, ANN_GENERATION, ANN_HIBERNATE, ANN_IMAGE, ANN_LIFECYCLE_STATE, ANN_MANAGED,
     ANN_RESTORE, ANN_VM_ID, ANN_VM_IP, ANN_VM_NAME,
 };
 use vk_cocoon::provider::status;
 use vk_cocoon::provider::{
-    CocoonResult, Effect, HibernateTag, Input, KubeError, OpId, PodKey, Provider, ProviderConfig,
+    Answer, Effect, HibernateTag, Input, KubeError, OpId, PodKey, Provider, ProviderConfig,
     TransferError, VmEventKind, VmInfo,
 };
+use vk_cocoon::vm::CocoonCmd;
 
 /// xorshift64*: tiny, deterministic, good enough for fault injection.
 struct Rng(u64);
@@ -108,7 +108,7 @@ impl SimVm {
         )
     }
     fn info(&self) -> VmInfo {
-        vk_cocoon::provider::cocoon::parse_vm(&self.json()).expect("sim vm json")
+        vk_cocoon::vm::read_vm(&self.json()).expect("sim vm json")
     }
     fn ip(&self) -> String {
         let n = u32::from_str_radix(&self.mac.replace(':', "")[6..], 16).unwrap_or(0);
@@ -465,7 +465,7 @@ impl Sim {
     }
 
     /// The hibernate run's local snapshot verbs; None outside that run (or for other verbs).
-    fn snapshot_verb(&mut self, cmd: &CocoonCmd) -> Option<CocoonResult> {
+    fn snapshot_verb(&mut self, cmd: &CocoonCmd) -> Option<Answer> {
         let save_breaks = self.faults && self.hib.is_some() && self.rng.chance(100);
         let running = |vms: &BTreeMap<String, SimVm>, id: &str| {
             vms.get(id).is_some_and(|v| v.state == "running")
@@ -482,29 +482,29 @@ impl Sim {
         let r = match cmd {
             CocoonCmd::SnapshotSave { name, vm_id, .. } => {
                 if !vm_running {
-                    CocoonResult::failed(format!("Error: save: vm {vm_id} is not running"))
+                    Answer::failed(format!("Error: save: vm {vm_id} is not running"))
                 } else if h.snapshots.contains_key(name) {
-                    CocoonResult::failed(format!("Error: snapshot name \"{name}\" already exists"))
+                    Answer::failed(format!("Error: snapshot name \"{name}\" already exists"))
                 } else if save_breaks {
-                    CocoonResult::failed("Error: save: sim: disk full")
+                    Answer::failed("Error: save: sim: disk full")
                 } else {
                     h.next_snap += 1;
                     h.snapshots
                         .insert(name.clone(), format!("SNAP{}", h.next_snap));
                     saved = Some(name.clone());
-                    CocoonResult::ok("")
+                    Answer::ok("")
                 }
             }
             CocoonCmd::SnapshotRm { name } => match h.snapshots.remove(name) {
-                Some(_) => CocoonResult::ok(""),
-                None => CocoonResult::failed("Error: rm: snapshot not found"),
+                Some(_) => Answer::ok(""),
+                None => Answer::failed("Error: rm: snapshot not found"),
             },
             CocoonCmd::SnapshotInspect { name } if name != "team/agent:v1" => {
                 match h.snapshots.get(name) {
-                    Some(id) => CocoonResult::ok(format!(
+                    Some(id) => Answer::ok(format!(
                         r#"{{"id":"{id}","name":"{name}","image":"team/agent:v1","hypervisor":"cloud-hypervisor"}}"#
                     )),
-                    None => CocoonResult::failed("Error: snapshot not found"),
+                    None => Answer::failed("Error: snapshot not found"),
                 }
             }
             CocoonCmd::VmClone(a) => {
@@ -512,7 +512,7 @@ impl Sim {
                     return None;
                 };
                 if src != "team/agent:v1" && !h.snapshots.contains_key(src) {
-                    return Some(CocoonResult::failed(format!(
+                    return Some(Answer::failed(format!(
                         "Error: clone: snapshot \"{src}\": snapshot not found"
                     )));
                 }
@@ -1125,7 +1125,7 @@ impl Sim {
                 let roll = self.rng.below(1000);
                 if roll < 200 {
                     self.count("fork_save_fail");
-                    let result = CocoonResult::failed("Error: save: injected failure");
+                    let result = Answer::failed("Error: save: injected failure");
                     let l = self.latency();
                     return self.later(l, Delivery::Input(Input::CocoonDone { op, result }));
                 }
@@ -1134,7 +1134,7 @@ impl Sim {
                     self.next_snap += 1;
                     let holder = format!("HALF{}", self.next_snap);
                     self.fork_snaps.insert(name.clone(), Some(holder));
-                    let result = CocoonResult::failed("signal: killed");
+                    let result = Answer::failed("signal: killed");
                     let l = self.latency();
                     return self.later(l, Delivery::Input(Input::CocoonDone { op, result }));
                 }
@@ -1158,7 +1158,7 @@ impl Sim {
                 .chain(local)
                 .map(|(id, name)| format!(r#"{{"id":"{id}","name":"{name}"}}"#))
                 .collect();
-            let result = CocoonResult::ok(format!("[{}]", items.join(",")));
+            let result = Answer::ok(format!("[{}]", items.join(",")));
             self.later(
                 Duration::ZERO,
                 Delivery::Input(Input::CocoonDone { op, result }),
@@ -1169,16 +1169,12 @@ impl Sim {
         let hang = self.faults && !fail && self.rng.chance(10);
         let result = if fail {
             self.count("cocoon_fail");
-            CocoonResult::failed("Error: transient backend failure")
+            Answer::failed("Error: transient backend failure")
         } else {
             let r = self.cocoon_exec(&cmd, hang);
             if hang {
                 self.count("cocoon_hang");
-                CocoonResult {
-                    success: false,
-                    timed_out: true,
-                    ..Default::default()
-                }
+                Answer::timed_out_call()
             } else {
                 r
             }
@@ -1187,7 +1183,7 @@ impl Sim {
         self.later(delay, Delivery::Input(Input::CocoonDone { op, result }));
     }
 
-    fn cocoon_exec(&mut self, cmd: &CocoonCmd, hang: bool) -> CocoonResult {
+    fn cocoon_exec(&mut self, cmd: &CocoonCmd, hang: bool) -> Answer {
         if let Some(r) = self.snapshot_verb(cmd) {
             return r;
         }
@@ -1196,7 +1192,7 @@ impl Sim {
                 if let vk_cocoon::vm::CloneSource::Snapshot(src) = &a.source {
                     if let Some(source) = src.strip_prefix("fork-") {
                         if !matches!(self.fork_snaps.get(src), Some(None)) {
-                            return CocoonResult::failed(format!(
+                            return Answer::failed(format!(
                                 "Error: clone: snapshot \"{src}\": snapshot not found"
                             ));
                         }
@@ -1212,7 +1208,7 @@ impl Sim {
                     }
                 }
                 if let Some(id) = self.find_vm(&a.name) {
-                    return CocoonResult::failed(format!(
+                    return Answer::failed(format!(
                         "vm name \"{}\" already exists (id: {id})",
                         a.name
                     ));
@@ -1243,22 +1239,20 @@ impl Sim {
                     a.vm_name_owner.insert(name, ns);
                 });
                 self.vms.insert(vm.id.clone(), vm);
-                CocoonResult::ok(json)
+                Answer::ok(json)
             }
-            CocoonCmd::VmRun(_) => CocoonResult::failed("sim: run not used"),
+            CocoonCmd::VmRun(_) => Answer::failed("sim: run not used"),
             CocoonCmd::VmInspect { reference } => match self.find_vm(reference) {
-                Some(id) => CocoonResult::ok(self.vms[&id].json()),
-                None => {
-                    CocoonResult::failed(format!("Error: inspect: vm {reference}: VM not found"))
-                }
+                Some(id) => Answer::ok(self.vms[&id].json()),
+                None => Answer::failed(format!("Error: inspect: vm {reference}: VM not found")),
             },
             CocoonCmd::VmStart { id } => {
                 match self.find_vm(id).and_then(|i| self.vms.get_mut(&i)) {
                     Some(v) => {
                         v.state = "running".into();
-                        CocoonResult::ok("")
+                        Answer::ok("")
                     }
-                    None => CocoonResult::failed(format!("vm {id}: VM not found")),
+                    None => Answer::failed(format!("vm {id}: VM not found")),
                 }
             }
             CocoonCmd::VmRm { id } => match self.find_vm(id).and_then(|i| self.removed(&i)) {
@@ -1272,25 +1266,25 @@ impl Sim {
                             vm: info,
                         }),
                     );
-                    CocoonResult::ok("")
+                    Answer::ok("")
                 }
-                None => CocoonResult::failed(format!("vm {id}: VM not found")),
+                None => Answer::failed(format!("vm {id}: VM not found")),
             },
             CocoonCmd::ReconcileStaleCreate { id } => match self.vms.get(id) {
                 Some(v) if v.state == "creating" => {
                     self.vms.remove(id);
-                    CocoonResult::ok(format!(r#"{{"id":"{id}","outcome":"collected"}}"#))
+                    Answer::ok(format!(r#"{{"id":"{id}","outcome":"collected"}}"#))
                 }
-                Some(_) => CocoonResult::ok(format!(r#"{{"id":"{id}","outcome":"not-creating"}}"#)),
-                None => CocoonResult::ok(r#"{"outcome":"not-found"}"#),
+                Some(_) => Answer::ok(format!(r#"{{"id":"{id}","outcome":"not-creating"}}"#)),
+                None => Answer::ok(r#"{"outcome":"not-found"}"#),
             },
             CocoonCmd::SnapshotInspect { name } if name.starts_with("fork-") => {
                 match self.fork_snaps.get(name) {
-                    Some(None) => CocoonResult::ok(format!(
+                    Some(None) => Answer::ok(format!(
                         r#"{{"id":"F{name}","name":"{name}","hypervisor":"cloud-hypervisor"}}"#
                     )),
                     // A half-saved record is invisible.
-                    _ => CocoonResult::failed("Error: inspect: snapshot not found"),
+                    _ => Answer::failed("Error: inspect: snapshot not found"),
                 }
             }
             CocoonCmd::SnapshotRm { name } if self.fork_snap_ref(name).is_some() => {
@@ -1298,24 +1292,22 @@ impl Sim {
                     self.fork_snaps.remove(&n);
                     self.fork_saved_from.remove(&n);
                 }
-                CocoonResult::ok("")
+                Answer::ok("")
             }
             CocoonCmd::SnapshotSave { name, vm_id, .. } if name.starts_with("fork-") => {
                 match self.vms.get(vm_id) {
                     Some(v) if v.state == "running" => {}
-                    Some(_) => {
-                        return CocoonResult::failed(format!("save: vm {vm_id} is not running"))
-                    }
-                    None => return CocoonResult::failed(format!("save: vm {vm_id}: VM not found")),
+                    Some(_) => return Answer::failed(format!("save: vm {vm_id} is not running")),
+                    None => return Answer::failed(format!("save: vm {vm_id}: VM not found")),
                 }
                 match self.fork_snaps.get(name) {
                     Some(None) => {
-                        return CocoonResult::failed(format!(
+                        return Answer::failed(format!(
                             "Error: snapshot name \"{name}\" already exists"
                         ))
                     }
                     Some(Some(h)) => {
-                        return CocoonResult::failed(format!(
+                        return Answer::failed(format!(
                             "Error: snapshot name \"{name}\" already in use by {h}"
                         ))
                     }
@@ -1324,22 +1316,22 @@ impl Sim {
                 self.count("fork_save");
                 self.fork_snaps.insert(name.clone(), None);
                 self.fork_saved_from.insert(name.clone(), vm_id.clone());
-                CocoonResult::ok("")
+                Answer::ok("")
             }
-            CocoonCmd::SnapshotInspect { name } if name == "team/agent:v1" => CocoonResult::ok(
+            CocoonCmd::SnapshotInspect { name } if name == "team/agent:v1" => Answer::ok(
                 r#"{"id":"SNAP1","name":"team/agent:v1","hypervisor":"cloud-hypervisor"}"#,
             ),
-            CocoonCmd::SnapshotInspect { .. } => CocoonResult::failed("snapshot not found"),
-            CocoonCmd::SnapshotRm { .. } => CocoonResult::failed("rm: snapshot not found"),
-            CocoonCmd::SnapshotSave { .. } => CocoonResult::ok(""),
-            CocoonCmd::SnapshotList => CocoonResult::ok("[]"),
-            CocoonCmd::ImageInspect { .. } | CocoonCmd::ImagePull { .. } => CocoonResult::ok("{}"),
-            CocoonCmd::VmNet { .. } => CocoonResult::ok(""),
+            CocoonCmd::SnapshotInspect { .. } => Answer::failed("snapshot not found"),
+            CocoonCmd::SnapshotRm { .. } => Answer::failed("rm: snapshot not found"),
+            CocoonCmd::SnapshotSave { .. } => Answer::ok(""),
+            CocoonCmd::SnapshotList => Answer::ok("[]"),
+            CocoonCmd::ImageInspect { .. } | CocoonCmd::ImagePull { .. } => Answer::ok("{}"),
+            CocoonCmd::VmNet { .. } => Answer::ok(""),
             CocoonCmd::VmExec { id, .. } => match self.find_vm(id).and_then(|i| self.vms.get(&i)) {
-                Some(v) if v.state == "running" => CocoonResult::ok(""),
-                _ => CocoonResult::failed(format!("exec: vm {id} is not running")),
+                Some(v) if v.state == "running" => Answer::ok(""),
+                _ => Answer::failed(format!("exec: vm {id} is not running")),
             },
-            CocoonCmd::Macos(_) => CocoonResult::failed("Error: cocoon-macos is not simulated"),
+            CocoonCmd::Macos(_) => Answer::failed("Error: cocoon-macos is not simulated"),
         }
     }
 

@@ -13,12 +13,28 @@ use rustls::pki_types::pem::PemObject;
 /// Under this much validity left, a certificate is warned about.
 pub const RENEW_WITHIN: Duration = Duration::from_secs(30 * 86_400);
 
+/// Why a PEM bundle has no leaf certificate.
+#[derive(Debug)]
+enum LeafError {
+    NotPem(rustls::pki_types::pem::Error),
+    Empty,
+}
+
+impl std::fmt::Display for LeafError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LeafError::NotPem(e) => write!(f, "not a PEM certificate: {e}"),
+            LeafError::Empty => f.write_str("no certificate in it"),
+        }
+    }
+}
+
 /// The first certificate of a PEM bundle (the leaf), or why there is none.
-fn leaf(pem: &[u8]) -> Result<CertificateDer<'static>, String> {
+fn leaf(pem: &[u8]) -> Result<CertificateDer<'static>, LeafError> {
     match CertificateDer::pem_slice_iter(pem).next() {
         Some(Ok(c)) => Ok(c),
-        Some(Err(e)) => Err(format!("not a PEM certificate: {e}")),
-        None => Err("no certificate in it".into()),
+        Some(Err(e)) => Err(LeafError::NotPem(e)),
+        None => Err(LeafError::Empty),
     }
 }
 

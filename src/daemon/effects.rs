@@ -22,16 +22,15 @@ use crate::kubelet::{AuthAnswer, AuthRequest, UserInfo};
 use crate::metrics::Metrics;
 use crate::probes::ProbeTarget;
 use crate::provider::{
-    CocoonResult, Effect, HibernateTag, Input, KubeError, MetricUpdate, OpId, PodKey, SourceVerdict,
+    Answer, Effect, HibernateTag, Input, KubeError, MetricUpdate, OpId, PodKey, SourceVerdict,
 };
-use crate::reactor::ChildExit;
 use crate::snapshots::cocoon_child::transfer_error;
 use crate::snapshots::reference::split_image_ref;
 use crate::snapshots::{
     manifest_info, pull_cloud_image, pull_snapshot, push_snapshot, ArtifactKind, CloudImageRequest,
     PullRequest, PushKnobs, PushRequest, RegistryClient, TransferError,
 };
-use crate::vm::{argv, CallOutcome, CocoonCall, CocoonError, Deadlines, Verb};
+use crate::vm::{argv, CocoonCall, CocoonError, Deadlines, Verb};
 
 /// A registry job waiting in the daemon's transfer queue.
 pub(super) type TransferJob =
@@ -414,7 +413,7 @@ impl Daemon {
                 log::warn!("cocoon op {op}: not run: {e}");
                 self.pending.push_back(Input::CocoonDone {
                     op,
-                    result: CocoonResult::not_started(format!(
+                    result: Answer::not_started(format!(
                         "Error: vk-cocoon refused to run {bin}: {e}"
                     )),
                 });
@@ -431,12 +430,16 @@ impl Daemon {
             // started answers later as a `ChildExit` with its spawn error.
             match self.reactor.spawn(spec) {
                 Ok(id) => {
-                    self.children.insert(id, ChildRole::Op { op, call });
+                    let macos = match cmd {
+                        crate::provider::CocoonCmd::Macos(m) => Some(m),
+                        _ => None,
+                    };
+                    self.children.insert(id, ChildRole::Op { op, call, macos });
                     self.cocoon_running += 1;
                 }
                 Err(e) => self.pending.push_back(Input::CocoonDone {
                     op,
-                    result: CocoonResult::not_started(format!("Error: run {bin}: {e}")),
+                    result: Answer::not_started(format!("Error: run {bin}: {e}")),
                 }),
             }
         }
@@ -487,15 +490,6 @@ impl Daemon {
             }
         }
     }
-}
-
-/// The provider's view of a finished cocoon child: the contract's classification of `call`
-/// (a child that could not be started is [`crate::vm::ErrorKind::Spawn`]).
-pub(super) fn cocoon_result(exit: &ChildExit, call: &CocoonCall) -> CocoonResult {
-    if let Some(e) = &exit.spawn_error {
-        return CocoonResult::not_started(format!("Error: run cocoon: {e}"));
-    }
-    CocoonResult::from_outcome(call, &CallOutcome::from_exit(exit.clone()))
 }
 
 pub(super) fn map_kube_error(e: &ApiError) -> KubeError {
@@ -611,7 +605,7 @@ fn image_pull(cocoon: &Path, image: &str, force: bool) -> Result<String, CocoonE
 /// room's blocking runner, under the verb's configured deadline: killed and reaped there.
 fn run_short(cocoon: &Path, verb: Verb, args: Vec<String>) -> Result<(), CocoonError> {
     let call = CocoonCall::new(verb, args, &Deadlines::configured());
-    call.check(&crate::vm::blocking::run(cocoon, &call)?)
+    crate::vm::blocking::run_checked(cocoon, &call)
 }
 
 pub(super) fn apply_metric(m: &Metrics, update: MetricUpdate) {

@@ -9,11 +9,11 @@
 use std::collections::HashSet;
 
 use super::{ChildRole, Daemon};
-use crate::provider::cocoon::{parse_vm_list, VmInfo};
 use crate::provider::{Input, VmEventKind};
 use crate::reactor::ChildExit;
 use crate::vm::runner::StreamOutput;
 use crate::vm::types::EventKind;
+use crate::vm::{read_vm_list, VmInfo};
 
 impl Daemon {
     /// What one reactor event meant for the stream: events for the provider, logs, a re-sync.
@@ -71,9 +71,9 @@ impl Daemon {
 
     /// The re-sync list ended: synthesise the events the stream may have missed.
     pub(super) fn resync_listed(&mut self, exit: ChildExit) {
-        let result = super::effects::cocoon_result(&exit, &super::vm_list_call());
-        let listed = if result.success {
-            parse_vm_list(&result.stdout)
+        let result = crate::vm::Answer::of_exit(&super::vm_list_call(), &exit);
+        let listed = if result.succeeded() {
+            read_vm_list(&result.stdout).map_err(|e| e.to_string())
         } else {
             Err(result.error_text())
         };

@@ -18,8 +18,8 @@ use mio::unix::SourceFd;
 use mio::{Interest, Token};
 use rustix::process::{pidfd_open, Pid, PidfdFlags};
 
-use crate::provider::cocoon::{VmInfo, VmState};
 use crate::reactor::Reactor;
+use crate::vm::{VmInfo, VmState};
 
 struct Watched {
     vm: VmInfo,

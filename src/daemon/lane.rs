@@ -482,62 +482,53 @@ mod tests {
         PodKey::new("ns", n)
     }
 
-    fn status(pod: &str, op: OpId, phase: &str, t: Instant) -> PodWrite {
+    /// Pod `pod`'s write of `kind` for op `op`, queued at `t`.
+    fn write(pod: &str, op: OpId, kind: WriteKind, t: Instant) -> PodWrite {
         PodWrite {
             key: key(pod),
             ops: vec![op],
-            kind: WriteKind::Status {
-                uid: "u".into(),
-                status: Arc::new(PodStatus {
-                    phase: Some(phase.into()),
-                    ..PodStatus::default()
-                }),
-            },
+            kind,
             queued_at: t,
         }
+    }
+
+    fn status_of(phase: &str, reason: Option<&str>) -> WriteKind {
+        WriteKind::Status {
+            uid: "u".into(),
+            status: Arc::new(PodStatus {
+                phase: Some(phase.into()),
+                reason: reason.map(str::to_string),
+                ..PodStatus::default()
+            }),
+        }
+    }
+
+    fn status(pod: &str, op: OpId, phase: &str, t: Instant) -> PodWrite {
+        write(pod, op, status_of(phase, None), t)
     }
 
     fn annotate(pod: &str, op: OpId, k: &str, v: Option<&str>, t: Instant) -> PodWrite {
         let mut annotations = BTreeMap::new();
         annotations.insert(k.to_string(), v.map(str::to_string));
-        PodWrite {
-            key: key(pod),
-            ops: vec![op],
-            kind: WriteKind::Annotations {
-                uid: Some("u".into()),
-                annotations,
-            },
-            queued_at: t,
-        }
+        let kind = WriteKind::Annotations {
+            uid: Some("u".into()),
+            annotations,
+        };
+        write(pod, op, kind, t)
     }
 
     fn delete(pod: &str, op: OpId, t: Instant) -> PodWrite {
-        PodWrite {
-            key: key(pod),
-            ops: vec![op],
-            kind: WriteKind::Delete {
-                uid: "u".into(),
-                grace: Some(0),
-            },
-            queued_at: t,
-        }
+        let kind = WriteKind::Delete {
+            uid: "u".into(),
+            grace: Some(0),
+        };
+        write(pod, op, kind, t)
     }
 
     /// The Failed status an eviction writes (its reason says the VM is gone).
     fn evicted(pod: &str, op: OpId, t: Instant) -> PodWrite {
-        PodWrite {
-            key: key(pod),
-            ops: vec![op],
-            kind: WriteKind::Status {
-                uid: "u".into(),
-                status: Arc::new(PodStatus {
-                    phase: Some("Failed".into()),
-                    reason: Some(EvictReason::RestartFailed.as_str().into()),
-                    ..PodStatus::default()
-                }),
-            },
-            queued_at: t,
-        }
+        let reason = EvictReason::RestartFailed.as_str();
+        write(pod, op, status_of("Failed", Some(reason)), t)
     }
 
     fn unlimited(t: Instant) -> TokenBucket {

@@ -166,8 +166,13 @@ impl OwnTimer {
 
 /// What a running cocoon child is for.
 enum ChildRole {
-    /// A provider `Effect::Cocoon`, and the call it runs (its verb classifies the result).
-    Op { op: OpId, call: CocoonCall },
+    /// A provider `Effect::Cocoon`, and the call it runs (its verb classifies the result; a
+    /// cocoon-macos call's own contract reads it after).
+    Op {
+        op: OpId,
+        call: CocoonCall,
+        macos: Option<crate::guest::macos::MacosCmd>,
+    },
     /// The startup `cocoon vm list -o json`.
     StartupList,
     /// The re-sync `vm list` owed after the event stream restarted.
@@ -581,12 +586,14 @@ impl Daemon {
                     return;
                 }
                 match self.children.remove(&exit.id) {
-                    Some(ChildRole::Op { op, call }) => {
+                    Some(ChildRole::Op { op, call, macos }) => {
                         self.cocoon_running = self.cocoon_running.saturating_sub(1);
-                        let input = Input::CocoonDone {
-                            op,
-                            result: effects::cocoon_result(&exit, &call),
+                        let answer = crate::vm::Answer::of_exit(&call, &exit);
+                        let result = match &macos {
+                            Some(m) => m.classify(answer),
+                            None => answer,
                         };
+                        let input = Input::CocoonDone { op, result };
                         if effects::jumps_the_queue(call.verb) {
                             self.urgent_inputs.push_back(input);
                         } else {

@@ -18,9 +18,9 @@ use crate::kubelet::tls::TlsState;
 use crate::kubelet::{KubeletConfig, KubeletServer};
 use crate::metrics::stats::StatsHub;
 use crate::node::{compute_resources, HostFacts, NodeAgent, NodeOptions};
-use crate::provider::cocoon::parse_vm_list;
 use crate::provider::Input;
 use crate::reactor::{sd_notify, ChildExit, Reactor};
+use crate::vm::read_vm_list;
 
 const RETRY_FIRST: Duration = Duration::from_secs(1);
 const RETRY_MAX: Duration = Duration::from_secs(30);
@@ -96,9 +96,9 @@ impl Daemon {
 
     /// The `vm list` ended: hand both lists to the provider and bring the node up.
     pub(super) fn startup_listed(&mut self, exit: ChildExit) {
-        let result = super::effects::cocoon_result(&exit, &super::vm_list_call());
-        let vms = if result.success {
-            parse_vm_list(&result.stdout)
+        let result = crate::vm::Answer::of_exit(&super::vm_list_call(), &exit);
+        let vms = if result.succeeded() {
+            read_vm_list(&result.stdout).map_err(|e| e.to_string())
         } else {
             Err(result.error_text())
         };

@@ -12,6 +12,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::vm::{Answer, ErrorKind};
+
 /// The first VNC port (display 0); displays 0–99 map onto 5900–5999.
 pub const VNC_FIRST_PORT: u16 = 5900;
 pub const VNC_LAST_PORT: u16 = 5999;
@@ -235,12 +237,30 @@ struct RawVm {
     vnc: Option<serde_json::Value>,
 }
 
+/// Why a `vm inspect` output is no VM record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum InspectError {
+    BadJson(String),
+    NoName,
+}
+
+impl std::fmt::Display for InspectError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            InspectError::BadJson(e) => write!(f, "cocoon-macos vm inspect: bad JSON: {e}"),
+            InspectError::NoName => f.write_str("cocoon-macos vm inspect: record without a name"),
+        }
+    }
+}
+
+impl std::error::Error for InspectError {}
+
 /// Parses `vm inspect`'s JSON; a display given as a number or a decimal string (`"3"`, `":3"`).
-pub fn parse_inspect(stdout: &str) -> Result<MacosVm, String> {
-    let raw: RawVm = serde_json::from_str(stdout.trim())
-        .map_err(|e| format!("cocoon-macos vm inspect: bad JSON: {e}"))?;
+pub fn parse_inspect(stdout: &str) -> Result<MacosVm, InspectError> {
+    let raw: RawVm =
+        serde_json::from_str(stdout.trim()).map_err(|e| InspectError::BadJson(e.to_string()))?;
     if raw.name.is_empty() {
-        return Err("cocoon-macos vm inspect: record without a name".into());
+        return Err(InspectError::NoName);
     }
     let vnc_display = match raw.vnc {
         Some(serde_json::Value::Number(n)) => n.as_u64().and_then(|d| u16::try_from(d).ok()),
@@ -259,9 +279,24 @@ pub fn parse_inspect(stdout: &str) -> Result<MacosVm, String> {
 }
 
 /// `cocoon-macos` says the VM does not exist (any "not found" / "no such vm" error text).
-pub fn not_found(stderr: &str) -> bool {
+fn not_found(stderr: &str) -> bool {
     let t = stderr.to_ascii_lowercase();
     t.contains("not found") || t.contains("no such vm")
+}
+
+impl MacosCmd {
+    /// The answer of this call as cocoon-macos's contract reads it: a `vm inspect` or `vm rm`
+    /// that failed (in time) with any "not found" text is the VM's absence,
+    /// [`ErrorKind::VmNotFound`], whatever cocoon's own rule made of the words.
+    pub fn classify(&self, answer: Answer) -> Answer {
+        let about_the_vm = matches!(self, MacosCmd::Inspect { .. } | MacosCmd::Rm { .. });
+        if about_the_vm && !answer.succeeded() && !answer.timed_out() && not_found(answer.stderr())
+        {
+            answer.reclassified(ErrorKind::VmNotFound)
+        } else {
+            answer
+        }
+    }
 }
 
 #[cfg(test)]
@@ -381,7 +416,11 @@ mod tests {
         let out = parse_inspect(r#"{"name":"m","vnc":4000,"pid":-5}"#).unwrap();
         assert_eq!((out.vnc_display, out.pid), (None, 0));
         assert!(parse_inspect("{not json").is_err());
-        assert!(parse_inspect(r#"{"pid":1}"#).is_err());
+        assert_eq!(
+            parse_inspect(r#"{"pid":1}"#),
+            Err(InspectError::NoName),
+            "a record without a name"
+        );
     }
 
     #[test]
@@ -393,5 +432,18 @@ mod tests {
         }
         assert!(not_found("Error: vm not found: m"));
         assert!(!not_found("Error: qemu crashed"));
+        let rm = MacosCmd::Rm { name: "m".into() };
+        let gone = rm.classify(Answer::failure(ErrorKind::Other, "Error: m: not found"));
+        assert!(
+            gone.vm_not_found(),
+            "cocoon-macos's own words for a missing VM"
+        );
+        assert!(!rm
+            .classify(Answer::failed("Error: qemu crashed"))
+            .vm_not_found());
+        assert!(!rm.classify(Answer::timed_out_call()).vm_not_found());
+        let pull = MacosCmd::ImagePull { image: "i".into() };
+        let other = pull.classify(Answer::failure(ErrorKind::Other, "Error: i: not found"));
+        assert_eq!(other.kind(), Some(&ErrorKind::Other), "not about the VM");
     }
 }

@@ -177,7 +177,7 @@ fn build_state(
     cert: Option<(Vec<u8>, Vec<u8>)>,
     https: bool,
     timeout: Duration,
-) -> Result<TlsState, String> {
+) -> Result<TlsState, crate::kube::tls::TlsError> {
     let config = if https {
         Some(client_config(&TlsParams {
             ca_pem: cluster.ca_pem.as_deref(),
@@ -320,7 +320,7 @@ impl Client {
             .or_else(|| self.cluster.client_cert.clone());
         if st.cert != want {
             *st = build_state(&self.cluster, want, self.target.https, self.timeout)
-                .map_err(KubeError::Credentials)?;
+                .map_err(|e| KubeError::Credentials(e.to_string()))?;
         }
         Ok((m, st.agent.clone(), st.config.clone()))
     }

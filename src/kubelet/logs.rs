@@ -1,4 +1,4 @@
-//! `/containerLogs`: query parsing, the `cocoon vm logs` argv, and the
+//! `/containerLogs`: query parsing, the `cocoon vm logs` call, and the
 //! shaping of the child's stdout (limitBytes, timestamps) into the response body.
 //!
 //! Pure: the server feeds child output in and writes what comes out.
@@ -7,6 +7,7 @@ use std::time::SystemTime;
 
 use super::routes::{parse_bool, OptionError, Request};
 use super::stats::rfc3339_nano;
+use crate::vm::{CocoonCall, Deadlines, Verb};
 
 /// Parsed log options.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -58,13 +59,22 @@ pub fn parse_options(req: &Request) -> Result<LogOptions, OptionError> {
     Ok(o)
 }
 
-/// `cocoon vm logs [--tail N] [-f] <id>`, built by the vm room's argv
-/// builder. sinceSeconds / sinceTime / previous have no cocoon equivalent and are ignored.
-pub fn logs_argv(cocoon_bin: &str, vm_id: &str, o: &LogOptions) -> Vec<String> {
-    let mut a = vec![cocoon_bin.to_string()];
+/// `cocoon vm logs [--tail N] [-f] <id>` as the vm room's typed call. A read ends at the
+/// verb's deadline (a hung cocoon must not hold the request forever); a follow stream has
+/// none (it runs while the client listens). sinceSeconds / sinceTime / previous have no
+/// cocoon equivalent and are ignored.
+pub fn logs_call(vm_id: &str, o: &LogOptions) -> CocoonCall {
     let tail = o.tail_lines.unwrap_or(0);
-    a.extend(crate::vm::argv::vm_logs(vm_id, tail, o.follow));
-    a
+    let call = CocoonCall::new(
+        Verb::VmLogs,
+        crate::vm::argv::vm_logs(vm_id, tail, o.follow),
+        &Deadlines::configured(),
+    );
+    if o.follow {
+        call.with_deadline(None)
+    } else {
+        call
+    }
 }
 
 /// Shapes log bytes: prefixes lines with a timestamp when asked and stops at limitBytes.
@@ -131,21 +141,24 @@ mod tests {
             "tailLines=5&follow=true&limitBytes=10&timestamps=1&stream=All",
         ))
         .unwrap();
+        let follow = logs_call("vm1", &o);
         assert_eq!(
-            logs_argv("/bin/cocoon", "vm1", &o),
-            vec![
-                "/bin/cocoon",
-                "vm",
-                "logs",
-                "--tail",
-                "5",
-                "-f",
-                "--",
-                "vm1"
-            ]
+            follow.deadline, None,
+            "a follow stream runs while the client listens"
+        );
+        assert_eq!(
+            follow.argv,
+            vec!["vm", "logs", "--tail", "5", "-f", "--", "vm1"]
         );
         let o = parse_options(&req("tailLines=0")).unwrap();
-        assert_eq!(logs_argv("c", "v", &o), vec!["c", "vm", "logs", "--", "v"]);
+        let read = logs_call("v", &o);
+        assert_eq!(read.argv, vec!["vm", "logs", "--", "v"]);
+        assert_eq!(
+            read.deadline,
+            Deadlines::configured().for_verb(Verb::VmLogs),
+            "a read ends at the verb's deadline"
+        );
+        assert!(read.deadline.is_some());
         assert!(parse_options(&req("tailLines=-1")).is_err());
         assert!(parse_options(&req("limitBytes=0")).is_err());
         assert!(parse_options(&req("follow=yes")).is_err());

@@ -477,7 +477,10 @@ fn fetch_slice(
 /// A client configuration presenting the node's client certificate (PEM chain and key, from
 /// the kubeconfig). The peer's serving certificate is not checked: its CA may be one this
 /// node does not know, and what it sends is checked against the registry's digests anyway.
-pub fn client_tls(cert_pem: &[u8], key_pem: &[u8]) -> Result<Arc<ClientConfig>, String> {
+pub fn client_tls(
+    cert_pem: &[u8],
+    key_pem: &[u8],
+) -> Result<Arc<ClientConfig>, crate::kube::tls::TlsError> {
     crate::kube::tls::unverified_client_config(cert_pem, key_pem)
 }
 

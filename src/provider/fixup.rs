@@ -8,10 +8,11 @@
 //! need networkd (or cloud-init) to write the new one. All-DHCP Cloud Hypervisor guests re-DHCP
 //! on their own and need nothing.
 
+use std::fmt;
 use std::net::IpAddr;
 
-use super::cocoon::VmInfo;
 use super::spec::{Os, BACKEND_FC};
+use crate::vm::VmInfo;
 
 /// What a clone needs fixed; also the `kind` label of `postclone_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,6 +61,44 @@ pub struct Fixup {
 const WINDOWS_SCRIPT: &str = "$d = Get-PnpDevice -Class Net -PresentOnly; \
 $d | Disable-PnpDevice -Confirm:$false; $d | Enable-PnpDevice -Confirm:$false";
 
+/// A value of the VM's record that failed its check: nothing is built from it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FixupError {
+    /// The VM name is not fit for `/etc/hostname`.
+    Hostname(String),
+    /// A NIC (by index) with a value that failed its check.
+    Nic { index: usize, error: NicError },
+}
+
+/// The NIC value that failed its check, as received.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NicError {
+    Mac(String),
+    StaticIp(String),
+    Gateway(String),
+}
+
+impl fmt::Display for FixupError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FixupError::Hostname(name) => write!(f, "VM name {name:?} is not a valid hostname"),
+            FixupError::Nic { index, error } => write!(f, "nic {index}: {error}"),
+        }
+    }
+}
+
+impl fmt::Display for NicError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NicError::Mac(raw) => write!(f, "MAC {raw:?} is not six hex pairs"),
+            NicError::StaticIp(ip) => write!(f, "static IP {ip:?} is not an IP address"),
+            NicError::Gateway(gw) => write!(f, "gateway {gw:?} is not an IP address"),
+        }
+    }
+}
+
+impl std::error::Error for FixupError {}
+
 /// Builds the fix-up for a clone of `kind`. `cloud_image`: the guest came from a cloud image,
 /// so cloud-init rewrites the network instead of networkd files. Err names the value that
 /// failed its check; nothing is built from it.
@@ -68,7 +107,7 @@ pub fn build(
     vm_name: &str,
     vm: &VmInfo,
     cloud_image: bool,
-) -> Result<Fixup, String> {
+) -> Result<Fixup, FixupError> {
     if kind == FixupKind::Windows {
         return Ok(Fixup {
             kind,
@@ -95,18 +134,16 @@ fn linux_script(
     vm_name: &str,
     vm: &VmInfo,
     cloud_image: bool,
-) -> Result<String, String> {
+) -> Result<String, FixupError> {
     let host = hostname(vm_name)?;
     let mut nics = Vec::with_capacity(vm.nics.len());
     for (i, n) in vm.nics.iter().enumerate() {
-        let mac = mac(&n.mac).map_err(|e| format!("nic {i}: {e}"))?;
+        let nic_error = |error| FixupError::Nic { index: i, error };
+        let mac = mac(&n.mac).map_err(nic_error)?;
         let addr = if n.static_ip.is_empty() {
             None
         } else {
-            Some(
-                static_address(&n.static_ip, n.prefix, &n.gateway)
-                    .map_err(|e| format!("nic {i}: {e}"))?,
-            )
+            Some(static_address(&n.static_ip, n.prefix, &n.gateway).map_err(nic_error)?)
         };
         nics.push((mac, addr));
     }
@@ -152,7 +189,7 @@ fn linux_script(
 
 /// A VM name fit for `/etc/hostname` and for a single-quoted shell word: letters, digits, `-`,
 /// `.` and `_`, at most 253 bytes, not starting with `-`.
-fn hostname(name: &str) -> Result<&str, String> {
+fn hostname(name: &str) -> Result<&str, FixupError> {
     let ok = !name.is_empty()
         && name.len() <= 253
         && !name.starts_with('-')
@@ -162,12 +199,12 @@ fn hostname(name: &str) -> Result<&str, String> {
     if ok {
         Ok(name)
     } else {
-        Err(format!("VM name {name:?} is not a valid hostname"))
+        Err(FixupError::Hostname(name.to_string()))
     }
 }
 
 /// A MAC as six colon-separated hex pairs, lower-cased.
-fn mac(raw: &str) -> Result<String, String> {
+fn mac(raw: &str) -> Result<String, NicError> {
     let parts: Vec<&str> = raw.split(':').collect();
     let ok = parts.len() == 6
         && parts
@@ -176,7 +213,7 @@ fn mac(raw: &str) -> Result<String, String> {
     if ok {
         Ok(raw.to_ascii_lowercase())
     } else {
-        Err(format!("MAC {raw:?} is not six hex pairs"))
+        Err(NicError::Mac(raw.to_string()))
     }
 }
 
@@ -185,11 +222,11 @@ type Address = (IpAddr, u64, Option<IpAddr>);
 /// A static address: the IP and gateway must parse (they are written back in their canonical
 /// form, never as received); a prefix outside 1..=32 (1..=128 for IPv6) means the usual /24
 /// (/64), as the SAC pass does for Windows.
-fn static_address(ip: &str, prefix: u64, gateway: &str) -> Result<Address, String> {
+fn static_address(ip: &str, prefix: u64, gateway: &str) -> Result<Address, NicError> {
     let ip: IpAddr = ip
         .trim()
         .parse()
-        .map_err(|_| format!("static IP {ip:?} is not an IP address"))?;
+        .map_err(|_| NicError::StaticIp(ip.to_string()))?;
     let (max, usual) = if ip.is_ipv4() { (32, 24) } else { (128, 64) };
     let prefix = if (1..=max).contains(&prefix) {
         prefix
@@ -202,7 +239,7 @@ fn static_address(ip: &str, prefix: u64, gateway: &str) -> Result<Address, Strin
         let gw: IpAddr = gateway
             .trim()
             .parse()
-            .map_err(|_| format!("gateway {gateway:?} is not an IP address"))?;
+            .map_err(|_| NicError::Gateway(gateway.to_string()))?;
         Some(gw)
     };
     Ok((ip, prefix, gw))
@@ -211,7 +248,7 @@ fn static_address(ip: &str, prefix: u64, gateway: &str) -> Result<Address, Strin
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::provider::cocoon::NicInfo;
+    use crate::vm::NicInfo;
 
     fn nic(mac: &str, ip: &str, prefix: u64, gw: &str) -> NicInfo {
         NicInfo {
@@ -339,7 +376,9 @@ mod tests {
             ),
         ] {
             let v = vm("cloud-hypervisor", vec![n]);
-            let err = build(FixupKind::LinuxStatic, name, &v, false).unwrap_err();
+            let err = build(FixupKind::LinuxStatic, name, &v, false)
+                .unwrap_err()
+                .to_string();
             assert!(err.contains(want), "{name}: {err}");
         }
     }

@@ -12,7 +12,7 @@
 //!
 //! Inputs, who sends them:
 //! * [`Input::StartupListed`] once, after listing pods (`spec.nodeName=<node>`) and
-//!   `cocoon vm list -o json` (parsed with [`cocoon::parse_vm_list`]), with the ownership
+//!   `cocoon vm list -o json` (read with [`crate::vm::read_vm_list`]), with the ownership
 //!   ledger as the daemon loaded it ([`owners::Owners`]). Pod events that arrive before it are
 //!   buffered. A provider restart = a new `Provider` fed a fresh `StartupListed`.
 //! * [`Input::PodUpserted`] / [`Input::PodDeleted`] from the watch (ADDED/MODIFIED, DELETED).
@@ -24,9 +24,9 @@
 //!
 //! Effects and the result each one owes back (same `op` id):
 //! * [`Effect::Cocoon`] `{op, cmd}`: run `cocoon` with `cmd.argv()` (deadline `cmd.deadline()`),
-//!   answer [`Input::CocoonDone`] `{op, result}` with the raw exit (success, stdout, stderr,
-//!   timed_out). The core reads it through the vm room's parsers and classification. A
-//!   [`cocoon::CocoonCmd::Macos`] call runs `VK_COCOON_MACOS_BIN` instead, with the VM's VNC
+//!   answer [`Input::CocoonDone`] `{op, result}` with the vm room's [`Answer`] of the finished
+//!   call ([`Answer::of`]); the core matches on its error kind and reads its records. A
+//!   [`CocoonCmd::Macos`] call runs `VK_COCOON_MACOS_BIN` instead, with the VM's VNC
 //!   password in the child's environment (`cmd.child_env(secret)`), never on its argv.
 //! * [`Effect::CheckPid`] `{op, pid}`: is that process alive (not a zombie)? Answer
 //!   [`Input::PidChecked`] (a macOS guest's QEMU).
@@ -65,7 +65,6 @@
 //!   [`Effect::StopProbe`], [`Effect::ReleaseLeases`], [`Effect::RemoveStagedDir`],
 //!   [`Effect::Metric`].
 
-pub mod cocoon;
 pub mod core;
 pub mod fixup;
 pub mod lifecycle;
@@ -80,8 +79,8 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Pod, PodStatus};
 
-pub use self::cocoon::{CocoonCmd, CocoonResult, VmInfo};
 pub use self::core::Provider;
+pub use crate::vm::{Answer, CocoonCmd, VmInfo};
 
 /// `namespace/name`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -358,7 +357,7 @@ pub enum Input {
     PodsRelisted(Vec<Pod>),
     CocoonDone {
         op: OpId,
-        result: CocoonResult,
+        result: Answer,
     },
     LeaseLooked {
         op: OpId,

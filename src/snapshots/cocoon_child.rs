@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::{ChildStdin, ChildStdout};
 
 use super::TransferError;
-use crate::vm::blocking::{self, run};
+use crate::vm::blocking::{self, run_checked};
 use crate::vm::{argv, CocoonCall, CocoonError, Deadlines, ErrorKind, Verb};
 
 /// A failed cocoon call as a transfer failure (its text names the command and the stderr).
@@ -54,7 +54,7 @@ pub fn remove_snapshot(bin: &Path, name: &str) -> Result<(), TransferError> {
         argv::snapshot_rm(name),
         &Deadlines::configured(),
     );
-    match run(bin, &call).and_then(|out| call.check(&out)) {
+    match run_checked(bin, &call) {
         Ok(()) => Ok(()),
         Err(e) if e.kind == ErrorKind::SnapshotNotFound => Ok(()),
         Err(e) => Err(transfer_error(e)),

@@ -38,7 +38,7 @@ impl RegistryTrust {
     /// The host's trust store plus, when given, every certificate of the PEM bundle `ca_file`.
     /// A `ca_file` that cannot be read or holds no usable certificate is an error (the daemon
     /// exits 2); an unreadable host store only falls back to the built-in roots.
-    pub fn load(ca_file: Option<&Path>) -> Result<RegistryTrust, String> {
+    pub fn load(ca_file: Option<&Path>) -> Result<RegistryTrust, CaFileError> {
         let (mut roots, mut source) = host_roots_from_env();
         if let Some(path) = ca_file {
             let added = add_ca_file(&mut roots, path)?;
@@ -72,16 +72,39 @@ fn host_roots_from_env() -> (RootCertStore, String) {
     )
 }
 
+/// Why a CA bundle file (`OCI_REGISTRY_CA_FILE`) added no trust; each names the file.
+#[derive(Debug)]
+pub enum CaFileError {
+    Unreadable(PathBuf, std::io::Error),
+    Pem(PathBuf, crate::kube::tls::PemError),
+    /// A certificate the root store refused.
+    Unusable(PathBuf, String),
+}
+
+impl std::fmt::Display for CaFileError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CaFileError::Unreadable(path, e) => write!(f, "cannot read {}: {e}", path.display()),
+            CaFileError::Pem(path, e) => write!(f, "{}: {e}", path.display()),
+            CaFileError::Unusable(path, e) => {
+                write!(f, "{}: unusable certificate: {e}", path.display())
+            }
+        }
+    }
+}
+
+impl std::error::Error for CaFileError {}
+
 /// Reads every certificate of a PEM CA bundle into `roots`; how many were added.
-pub fn add_ca_file(roots: &mut RootCertStore, path: &Path) -> Result<usize, String> {
-    let pem = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+pub fn add_ca_file(roots: &mut RootCertStore, path: &Path) -> Result<usize, CaFileError> {
+    let pem = std::fs::read(path).map_err(|e| CaFileError::Unreadable(path.into(), e))?;
     let certs =
-        crate::kube::tls::parse_certs(&pem).map_err(|e| format!("{}: {e}", path.display()))?;
+        crate::kube::tls::parse_certs(&pem).map_err(|e| CaFileError::Pem(path.into(), e))?;
     let mut added = 0;
     for cert in certs {
         roots
             .add(cert)
-            .map_err(|e| format!("{}: unusable certificate: {e}", path.display()))?;
+            .map_err(|e| CaFileError::Unusable(path.into(), e.to_string()))?;
         added += 1;
     }
     Ok(added)
@@ -193,6 +216,7 @@ fn is_certificate(e: &rustls::Error) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kube::tls::PemError;
 
     fn ca_pem() -> String {
         let key = rcgen::KeyPair::generate().unwrap();
@@ -238,11 +262,16 @@ mod tests {
         let bad = dir.path().join("bad.pem");
         std::fs::write(&bad, "hello").unwrap();
         let err = RegistryTrust::load(Some(&bad)).err().unwrap();
-        assert!(err.contains("no certificate"), "{err}");
+        assert!(
+            matches!(err, CaFileError::Pem(_, PemError::NoCertificate)),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("no certificate"), "{err}");
         let err = RegistryTrust::load(Some(&dir.path().join("missing.pem")))
             .err()
             .unwrap();
-        assert!(err.contains("cannot read"), "{err}");
+        assert!(matches!(err, CaFileError::Unreadable(..)), "{err:?}");
+        assert!(err.to_string().contains("cannot read"), "{err}");
         let good = dir.path().join("good.pem");
         std::fs::write(&good, ca_pem()).unwrap();
         let trust = RegistryTrust::load(Some(&good)).unwrap();

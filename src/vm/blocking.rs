@@ -271,6 +271,12 @@ pub fn run(bin: &Path, call: &CocoonCall) -> Result<CallOutcome, CocoonError> {
     child.finish(stdout, truncated)
 }
 
+/// [`run`] a call whose output is not read (rm, pull): Ok when it succeeded, else the
+/// contract's classification of how it ended.
+pub fn run_checked(bin: &Path, call: &CocoonCall) -> Result<(), CocoonError> {
+    call.check(&run(bin, call)?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,13 +7,17 @@
 //! [`CallOutcome::from_exit`], then parse with [`parse_vm`], [`parse_vm_list`], [`parse_snapshot`],
 //! [`parse_image`], [`parse_stale_create_outcome`] or [`CocoonCall::check`] (combined-mode verbs).
 //! Failures are a [`CocoonError`] whose [`ErrorKind`] says not-found / transient / other.
+//! The core asks for a [`CocoonCmd`] and gets back one [`Answer`] ([`Answer::of`] classifies
+//! the finished call once), which it reads as typed records ([`Answer::vm`], [`VmInfo`]).
 //! The event stream is [`EventStream`] (child + [`EventStreamSupervisor`] + [`LineSplitter`]).
 //! The loop runs calls as reactor children; worker threads run them with [`blocking::run`] /
 //! [`blocking::CocoonChild`], which kill and reap a call at its deadline.
 
+pub mod answer;
 pub mod argv;
 pub mod blocking;
 pub mod call;
+pub mod command;
 pub mod error;
 pub mod events;
 pub mod pid_file;
@@ -21,12 +25,17 @@ pub mod resources;
 pub mod runner;
 pub mod types;
 
+pub use answer::{
+    read_snapshot, read_snapshot_list, read_stale_outcome, read_vm, read_vm_list, Answer, NicInfo,
+    ReadError, VmInfo,
+};
 pub use argv::{Backend, CloneOptions, CloneSource, ExecOptions, RestoreMode, RunOptions};
 pub use call::{
     parse_image, parse_snapshot, parse_snapshot_list, parse_stale_create_outcome, parse_vm,
     parse_vm_list, run_needs_inspect, CallMode, CallOutcome, CocoonCall, Deadlines, DeadlinesError,
     ExitKind, Listing, Verb,
 };
+pub use command::CocoonCmd;
 pub use error::{classify, CocoonError, ErrorKind};
 pub use events::{
     parse_event_line, EventLineError, EventStreamSupervisor, LineSplitter, StreamAction,

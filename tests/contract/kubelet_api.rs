@@ -4,10 +4,9 @@
 use crate::kubelet_support;
 
 use std::io::{Read, Write};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kubelet_support::{pod, promtool_check, Harness, Options};
+use kubelet_support::{pod, promtool_check, Harness, Options, Sleeper};
 use vk_cocoon::kubelet::stats::Summary;
 
 const ROUTES: [(&str, &str); 14] = [
@@ -26,14 +25,6 @@ const ROUTES: [(&str, &str); 14] = [
     ("GET", "/configz"),
     ("GET", "/nonexistent/route"),
 ];
-
-struct Kill(Child);
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn bearer(t: &str) -> String {
     format!("Bearer {t}")
@@ -202,14 +193,8 @@ fn open_mode_serves_without_credentials() {
 
 #[test]
 fn plain_routes_and_stats_match_proc() {
-    let sleeper = Kill(
-        Command::new("sleep")
-            .arg("60")
-            .stdin(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let pid = sleeper.0.id();
+    let sleeper = Sleeper::start();
+    let pid = sleeper.pid();
     let h = Harness::start(Options {
         pods: vec![
             pod("ns1", "web", Some(("vm-web", pid))),

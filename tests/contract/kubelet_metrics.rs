@@ -6,19 +6,10 @@
 
 use crate::kubelet_support;
 
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime};
 
-use kubelet_support::{pod, promtool_check, Harness, Options};
+use kubelet_support::{pod, promtool_check, Harness, Options, Sleeper};
 use vk_cocoon::probes::{ProbeAction, ProbeConfig, ProbeManager, ProbeTarget};
-
-struct Kill(Child);
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 const METRICS_SERVER: (&str, &str) = ("Authorization", "Bearer stats-token");
 
@@ -40,14 +31,8 @@ fn value(text: &str, series: &str) -> Option<f64> {
 
 #[test]
 fn cadvisor_series_match_proc_with_container_and_pod_level_labels() {
-    let sleeper = Kill(
-        Command::new("sleep")
-            .arg("60")
-            .stdin(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let pid = sleeper.0.id();
+    let sleeper = Sleeper::start();
+    let pid = sleeper.pid();
     let h = Harness::start(Options {
         pods: vec![
             pod("ns1", "web", Some(("vm-web", pid))),

@@ -5,33 +5,14 @@ use std::fs;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
-use crate::kubelet_support::promtool_check;
+use crate::kubelet_support::{promtool_check, Sleeper};
 use vk_cocoon::kubelet::stats::{build_summary, resource_metrics_text, Summary};
 use vk_cocoon::metrics::collectors::VmCollector;
 use vk_cocoon::metrics::stats::{StatsHub, StatsPaths, TrackedVm};
 use vk_cocoon::metrics::Metrics;
-
-struct Kill(Child);
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn sleeper() -> Kill {
-    Kill(
-        Command::new("sleep")
-            .arg("60")
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("spawn sleep"),
-    )
-}
 
 /// Field 24 (rss pages) of /proc/<pid>/stat × page size, parsed here independently of the
 /// sampler (the spec's source; on recent kernels it is the fast, approximate per-cpu counter).
@@ -98,9 +79,9 @@ fn sample_matches_real_proc_of_child_processes() {
     let mut got = [0u8; 4096];
     s.read_exact(&mut got).unwrap();
 
-    let a = sleeper();
-    let b = sleeper();
-    let (pa, pb) = (a.0.id(), b.0.id());
+    let a = Sleeper::start();
+    let b = Sleeper::start();
+    let (pa, pb) = (a.pid(), b.pid());
     // Wait until both children are asleep in nanosleep: after exec the dynamic loader is still
     // mapping pages (comm already says `sleep`), so the RSS moves until the process blocks.
     for pid in [pa, pb] {
@@ -245,14 +226,14 @@ fn stable_sample(
 fn both_metrics_texts_pass_promtool() {
     let tmp = tempfile::tempdir().unwrap();
     fs::create_dir_all(tmp.path().join("cocoon")).unwrap();
-    let a = sleeper();
+    let a = Sleeper::start();
     let hub = StatsHub::new(paths(tmp.path()));
     hub.set_vms(vec![
-        vm("a", a.0.id(), "ns\"quoted", "lo"),
-        vm("b", a.0.id(), "ns2", "lo"),
+        vm("a", a.pid(), "ns\"quoted", "lo"),
+        vm("b", a.pid(), "ns2", "lo"),
         vm("c", 0, "ns2", "lo"),
     ]);
-    let sample = stable_sample(&hub, &[a.0.id()]);
+    let sample = stable_sample(&hub, &[a.pid()]);
     let resource = resource_metrics_text(&sample);
     assert!(resource.contains("container_cpu_usage_seconds_total{container=\"agent\",namespace=\"ns\\\"quoted\",pod=\"pod-a\"}"));
     assert!(resource.contains("pod_memory_working_set_bytes{namespace=\"ns2\",pod=\"pod-b\"}"));

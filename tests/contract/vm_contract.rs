@@ -683,23 +683,48 @@ fn the_provider_commands_are_the_contract_builders_and_deadlines() {
 
 #[test]
 fn failed_results_are_classified_by_the_contract() {
-    use vk_cocoon::provider::CocoonResult;
-    let gone = CocoonResult::failed("Error: inspect: vm x: VM not found");
-    assert_eq!(
-        gone.error_kind(Verb::VmInspect),
-        Some(ErrorKind::VmNotFound)
-    );
+    use vk_cocoon::vm::Answer;
+    let gone = Answer::failed("Error: inspect: vm x: VM not found");
+    assert_eq!(gone.kind(), Some(&ErrorKind::VmNotFound));
     assert!(gone.vm_not_found());
-    let hung = CocoonResult {
-        timed_out: true,
-        ..CocoonResult::failed("")
-    };
-    assert_eq!(hung.error_kind(Verb::VmRm), Some(ErrorKind::TimedOut));
+    let hung = Answer::timed_out_call();
+    assert_eq!(hung.kind(), Some(&ErrorKind::TimedOut));
+    assert!(hung.timed_out());
     assert!(!hung.vm_not_found());
-    assert_eq!(
-        CocoonResult::ok("vm not found").error_kind(Verb::VmRm),
-        None
-    );
-    let taken = CocoonResult::failed("Error: snapshot name \"s\" already in use by ABC");
+    assert_eq!(Answer::ok("vm not found").kind(), None);
+    let taken = Answer::failed("Error: snapshot name \"s\" already in use by ABC");
     assert!(taken.name_taken());
+}
+
+#[test]
+fn a_finished_call_is_classified_once_for_its_verb() {
+    use vk_cocoon::vm::Answer;
+    // A snapshot verb's "not found" is the snapshot's, whatever else the text names.
+    let call = CocoonCall::new(
+        Verb::SnapshotInspect,
+        argv::snapshot_inspect("s"),
+        &Deadlines::default(),
+    );
+    let both = CallOutcome::failed(1, b"Error: vm not found; snapshot not found");
+    let answer = Answer::of(&call, &both);
+    assert_eq!(answer.kind(), Some(&ErrorKind::SnapshotNotFound));
+    assert!(!answer.succeeded());
+    // A signal is its own kind, and the message says so where stderr does not.
+    let mut killed = CallOutcome::failed(0, b"");
+    killed.exit = ExitKind::Signal(9);
+    let answer = Answer::of(&call, &killed);
+    assert_eq!(answer.kind(), Some(&ErrorKind::Signalled(9)));
+    assert_eq!(answer.error_text(), "vk-cocoon: cocoon killed by signal 9");
+    // Success keeps the record, read as the core's typed VM.
+    let vm_call = CocoonCall::new(
+        Verb::VmInspect,
+        argv::vm_inspect("v"),
+        &Deadlines::default(),
+    );
+    let answer = Answer::of(
+        &vm_call,
+        &CallOutcome::ok(br#"{"id":"V","state":"running","config":{"name":"v"}}"#),
+    );
+    assert!(answer.succeeded());
+    assert_eq!(answer.vm().map(|vm| vm.name), Ok("v".to_string()));
 }

@@ -8,7 +8,7 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use crate::registry_support::Registry;
-use vk_cocoon::sandbox::apiserver::{ApiServer, ApiServerOptions, KubeconfigAuth};
+use vk_cocoon::sandbox::apiserver::{ApiServer, ApiServerHandle, ApiServerOptions, KubeconfigAuth};
 
 const BIN: &str = env!("CARGO_BIN_EXE_vk-cocoon");
 
@@ -65,6 +65,20 @@ fn write_pair(dir: &Path, sans: &[&str], from: i64, to: i64) {
     std::fs::write(dir.join("tls.key"), key.serialize_pem()).unwrap();
 }
 
+/// An API server and, in `dir/kubeconfig`, node-1's client-certificate kubeconfig for it.
+fn node_kubeconfig(dir: &Path) -> ApiServerHandle {
+    let api = ApiServer::start(ApiServerOptions::default()).unwrap();
+    api.write_kubeconfig(
+        &dir.join("kubeconfig"),
+        &KubeconfigAuth::ClientCert {
+            user: "system:node:node-1".into(),
+            groups: vec!["vk-cocoon:nodes".into()],
+        },
+    )
+    .unwrap();
+    api
+}
+
 fn line<'a>(out: &'a str, start: &str, needle: &str) -> &'a str {
     out.lines()
         .find(|l| l.starts_with(start) && l.contains(needle))
@@ -74,15 +88,7 @@ fn line<'a>(out: &'a str, start: &str, needle: &str) -> &'a str {
 #[test]
 fn settings_show_their_source_and_certificates_are_checked() {
     let dir = tempfile::tempdir().unwrap();
-    let api = ApiServer::start(ApiServerOptions::default()).unwrap();
-    api.write_kubeconfig(
-        &dir.path().join("kubeconfig"),
-        &KubeconfigAuth::ClientCert {
-            user: "system:node:node-1".into(),
-            groups: vec!["vk-cocoon:nodes".into()],
-        },
-    )
-    .unwrap();
+    let _api = node_kubeconfig(dir.path());
     write_pair(dir.path(), &["node-1", "10.0.0.5"], -1, 200);
     let (code, out) = check(dir.path(), &[], &[("VK_RESERVE_PERCENT", "10".into())]);
     assert_eq!(code, Some(0), "{out}");
@@ -171,15 +177,7 @@ fn online_reviews_every_rbac_verb_and_pings_the_registry_with_its_credentials() 
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let api = ApiServer::start(ApiServerOptions::default()).unwrap();
-    api.write_kubeconfig(
-        &dir.path().join("kubeconfig"),
-        &KubeconfigAuth::ClientCert {
-            user: "system:node:node-1".into(),
-            groups: vec!["vk-cocoon:nodes".into()],
-        },
-    )
-    .unwrap();
+    let api = node_kubeconfig(dir.path());
     let entries = Command::new("htpasswd")
         .args(["-Bbn", "alice", "s3cret"])
         .output()

@@ -3,9 +3,8 @@
 
 use crate::daemon_support;
 
-use daemon_support::{annotation, running_with_vm, World, SETTLE_LIMIT};
+use daemon_support::{annotation, World, SETTLE_LIMIT};
 use vk_cocoon::network::leases::LeaseFile;
-use vk_cocoon::sandbox::demo_pod;
 
 fn ready(p: &k8s_openapi::api::core::v1::Pod) -> bool {
     let st = p.status.as_ref();
@@ -22,14 +21,7 @@ fn ready(p: &k8s_openapi::api::core::v1::Pod) -> bool {
 fn a_dhcp_clone_pod_gets_the_lease_ip_and_becomes_ready() {
     let mut w = World::dhcp();
     let leases = w.path("net/leases.json");
-    w.seed_snapshot("base");
-    w.start_daemon();
-    w.api
-        .create_pod(&demo_pod("default", "web", "clone", "base"))
-        .expect("create pod");
-    let (_, id) = w.wait("pod web Running", SETTLE_LIMIT, || {
-        running_with_vm(&w, "web")
-    });
+    let (_, id) = w.run_web_pod();
     let pod = w.wait("pod web Ready", SETTLE_LIMIT, || w.pod("web").filter(ready));
     let (ok, out) = w.cocoon(&["vm", "inspect", &id]);
     assert!(ok, "{out}");

@@ -14,8 +14,7 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use daemon_support::{kill_hypervisor, running_with_vm, World, SETTLE_LIMIT};
-use vk_cocoon::sandbox::demo_pod;
+use daemon_support::{kill_hypervisor, World, SETTLE_LIMIT};
 
 /// A client certificate on disk for curl.
 struct Identity {
@@ -285,14 +284,7 @@ fn prometheus_scrapes_the_kubelet_paths_and_the_kubelet_rules_see_the_pod() {
         seen.lock().unwrap().push((user, verb, sub));
         (allowed, String::new())
     });
-    w.seed_snapshot("base");
-    w.start_daemon();
-    w.api
-        .create_pod(&demo_pod("default", "web", "clone", "base"))
-        .expect("create pod");
-    let (pod, id) = w.wait("pod web Running with a VM", SETTLE_LIMIT, || {
-        running_with_vm(&w, "web")
-    });
+    let (pod, id) = w.run_web_pod();
     let uid = pod.metadata.uid.clone().unwrap_or_default();
     let prometheus = identity(&w, "prometheus");
     let nobody = identity(&w, "nobody");

@@ -18,15 +18,7 @@ use vk_cocoon::sandbox::demo_pod;
 #[test]
 fn a_pod_becomes_a_running_vm_and_deleting_it_removes_the_vm_and_the_pod() {
     let mut w = World::new();
-    w.seed_snapshot("base");
-    w.start_daemon();
-    w.api
-        .create_pod(&demo_pod("default", "web", "clone", "base"))
-        .expect("create pod");
-
-    let (pod, id) = w.wait("pod web Running with a VM id", SETTLE_LIMIT, || {
-        running_with_vm(&w, "web")
-    });
+    let (pod, id) = w.run_web_pod();
     let vms = w.vms();
     let (vm_id, state) = vms
         .get("vk-default-web")
@@ -767,14 +759,7 @@ fn a_daemon_killed_between_a_pods_delete_and_its_vm_removal_removes_both_after_r
     let mut w = World::new();
     w.extra_env
         .push(("VK_ORPHAN_POLICY".into(), "alert".into()));
-    w.seed_snapshot("base");
-    w.start_daemon();
-    w.api
-        .create_pod(&demo_pod("default", "web", "clone", "base"))
-        .expect("create pod");
-    let (_, id) = w.wait("pod web Running", SETTLE_LIMIT, || {
-        running_with_vm(&w, "web")
-    });
+    let (_, id) = w.run_web_pod();
     std::fs::write(
         w.path("state/faults.json"),
         r#"{"vm rm": {"slow_ms": 4000}}"#,

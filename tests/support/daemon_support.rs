@@ -485,6 +485,23 @@ pub fn annotation(p: &Pod, key: &str) -> Option<String> {
     p.metadata.annotations.as_ref()?.get(key).cloned()
 }
 
+impl World {
+    /// Seeds snapshot `base`, starts the daemon and creates pod `web` cloned from it: the pod
+    /// and its VM id once it runs with a VM.
+    pub fn run_web_pod(&mut self) -> (Pod, String) {
+        self.seed_snapshot("base");
+        self.start_daemon();
+        self.api
+            .create_pod(&vk_cocoon::sandbox::demo_pod(
+                "default", "web", "clone", "base",
+            ))
+            .expect("create pod");
+        self.wait("pod web Running with a VM id", SETTLE_LIMIT, || {
+            running_with_vm(self, "web")
+        })
+    }
+}
+
 pub fn running_with_vm(w: &World, name: &str) -> Option<(Pod, String)> {
     let p = w.pod(name)?;
     let id = annotation(&p, "vm.cocoonstack.io/id")?;

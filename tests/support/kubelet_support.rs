@@ -192,6 +192,33 @@ impl Default for Options {
     }
 }
 
+/// A `sleep 60` process standing in for a VM's hypervisor: a real /proc entry for the stats
+/// and metrics paths to read; killed and reaped when dropped.
+pub struct Sleeper(std::process::Child);
+
+impl Sleeper {
+    pub fn start() -> Sleeper {
+        Sleeper(
+            std::process::Command::new("sleep")
+                .arg("60")
+                .stdin(std::process::Stdio::null())
+                .spawn()
+                .expect("spawn sleep"),
+        )
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for Sleeper {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 pub fn pod(ns: &str, name: &str, vm: Option<(&str, u32)>) -> PodInfo {
     PodInfo {
         namespace: ns.into(),

@@ -6,7 +6,7 @@
 
 use base64::Engine;
 
-use super::{parse_port, Key, PfEvent};
+use super::{parse_port, Key, PfEvent, PortError};
 use crate::kubelet::routes::Request;
 use crate::kubelet::streams::websocket::{frame, frame_parts, WsInput, WsReader, BINARY, TEXT};
 
@@ -16,21 +16,21 @@ pub const MAX_PORTS: usize = 64;
 const OUT_FRAME: usize = 64 * 1024;
 
 /// The `port` query values (each may be a comma-separated list), 1-65535 each.
-pub fn parse_ports(req: &Request) -> Result<Vec<u16>, String> {
+pub fn parse_ports(req: &Request) -> Result<Vec<u16>, PortError> {
     let mut ports = Vec::new();
     for v in req.query_values("port") {
         if v.is_empty() {
-            return Err("query parameter \"port\" cannot be empty".into());
+            return Err(PortError::EmptyQuery);
         }
         for p in v.split(',') {
             ports.push(parse_port(p)?);
         }
     }
     if ports.is_empty() {
-        return Err("query parameter \"port\" is required".into());
+        return Err(PortError::NoQuery);
     }
     if ports.len() > MAX_PORTS {
-        return Err(format!("at most {MAX_PORTS} ports per connection"));
+        return Err(PortError::TooMany(MAX_PORTS));
     }
     Ok(ports)
 }

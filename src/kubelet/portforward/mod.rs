@@ -60,7 +60,7 @@ pub fn negotiate(req: &Request) -> Result<Upgrade, (u16, String)> {
                 ))
             }
         };
-        let ports = channels::parse_ports(req).map_err(|e| (400, e))?;
+        let ports = channels::parse_ports(req).map_err(|e| (400, e.to_string()))?;
         return Ok(Upgrade::Channels {
             protocol,
             accept,
@@ -86,11 +86,41 @@ pub fn negotiate(req: &Request) -> Result<Upgrade, (u16, String)> {
     ))
 }
 
+/// Why the ports a client named cannot be forwarded (the request's 400 text, or a
+/// connection's error stream).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PortError {
+    /// Not a number 1-65535, as the client wrote it.
+    Invalid(String),
+    /// A SPDY stream pair without a `port` header.
+    NoHeader,
+    /// `?port=` given empty.
+    EmptyQuery,
+    /// No `?port=` on a WebSocket request.
+    NoQuery,
+    /// More ports than one WebSocket may forward.
+    TooMany(usize),
+}
+
+impl std::fmt::Display for PortError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PortError::Invalid(text) => write!(f, "invalid port {text:?}: a port must be 1-65535"),
+            PortError::NoHeader => f.write_str("no port header"),
+            PortError::EmptyQuery => f.write_str("query parameter \"port\" cannot be empty"),
+            PortError::NoQuery => f.write_str("query parameter \"port\" is required"),
+            PortError::TooMany(max) => write!(f, "at most {max} ports per connection"),
+        }
+    }
+}
+
+impl std::error::Error for PortError {}
+
 /// A port the client named: 1-65535, or why not (reported on the connection's error stream).
-pub fn parse_port(text: &str) -> Result<u16, String> {
+pub fn parse_port(text: &str) -> Result<u16, PortError> {
     match text.trim().parse::<u32>() {
         Ok(p) if (1..=65535).contains(&p) => Ok(p as u16),
-        _ => Err(format!("invalid port {text:?}: a port must be 1-65535")),
+        _ => Err(PortError::Invalid(text.to_string())),
     }
 }
 
@@ -98,7 +128,10 @@ pub fn parse_port(text: &str) -> Result<u16, String> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PfEvent {
     /// A forwarded connection to `port` begins (Err: the port the client named is unusable).
-    Open { key: Key, port: Result<u16, String> },
+    Open {
+        key: Key,
+        port: Result<u16, PortError>,
+    },
     /// Bytes for the guest; acknowledge them with `consumed` once written.
     Data { key: Key, data: Vec<u8> },
     /// The client sends nothing more on this connection.

@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use super::{parse_port, Key, PfEvent};
+use super::{parse_port, Key, PfEvent, PortError};
 use crate::kubelet::streams::spdy::{header, Frame, SpdyConn, PROTOCOL_ERROR, REFUSED_STREAM};
 
 /// Forwarded connections (complete or half-created pairs) one session keeps at most.
@@ -127,7 +127,7 @@ impl SpdyForward {
             pair.opened = true;
             let port = match &pair.port {
                 Some(p) => parse_port(p),
-                None => Err("no port header".to_string()),
+                None => Err(PortError::NoHeader),
             };
             let request = std::mem::take(&mut pair.request);
             self.by_request.remove(&request);
@@ -348,7 +348,7 @@ mod tests {
                 },
                 PfEvent::Open {
                     key: 2,
-                    port: Err("invalid port \"99999\": a port must be 1-65535".into())
+                    port: Err(PortError::Invalid("99999".into()))
                 },
                 PfEvent::Eof { key: 1 },
             ]

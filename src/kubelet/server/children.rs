@@ -146,11 +146,13 @@ impl KubeletServer {
         if opts.tail_lines == Some(0) && !opts.follow {
             return self.respond(r, token, routes::text(200, "", false), close);
         }
-        let argv = self.cocoon_argv(&logs::logs_argv("", &vm_id, &opts)[1..]);
-        let spec = ChildSpec::new(argv)
+        let call = logs::logs_call(&vm_id, &opts);
+        let mut spec = ChildSpec::new(self.cocoon_argv(&call.argv))
             .stdin(StdinMode::Null)
             .stdout(OutputMode::Stream)
             .stderr(OutputMode::Stream);
+        // The reactor kills a read that outlives the verb's deadline; a follow has none.
+        spec.deadline = call.deadline;
         let spec = self.with_env(spec);
         match r.spawn(spec) {
             Ok(id) => {
@@ -239,7 +241,7 @@ impl KubeletServer {
                 follow: true,
                 ..Default::default()
             };
-            self.cocoon_argv(&logs::logs_argv("", &vm_id, &o)[1..])
+            self.cocoon_argv(&logs::logs_call(&vm_id, &o).argv)
         } else {
             self.cocoon_argv(&exec::exec_argv("", &vm_id, &opts)[1..])
         };

@@ -16,7 +16,7 @@ use mio::{Interest, Token};
 
 use super::conn::Phase;
 use super::KubeletServer;
-use crate::kubelet::portforward::{self, Key, PfEvent, PfSession};
+use crate::kubelet::portforward::{self, Key, PfEvent, PfSession, PortError};
 use crate::kubelet::routes::{self, Request};
 use crate::kubelet::PodInfo;
 use crate::reactor::{IoReady, Reactor};
@@ -33,7 +33,7 @@ pub(super) struct Forwarding {
     pod: String,
     uid: String,
     /// Where the guest is, or why it cannot be reached.
-    guest: Result<IpAddr, String>,
+    guest: Result<IpAddr, GuestError>,
     pub(super) forwards: HashMap<Key, Forward>,
     /// Guests' sockets are not read: too much output waits for the client.
     pub(super) guests_paused: bool,
@@ -76,10 +76,31 @@ fn io_text(e: &io::Error) -> String {
     }
 }
 
+/// Why a pod's guest cannot be reached (the text of every forward's error stream).
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum GuestError {
+    NoVm,
+    NoIp,
+    /// The pod IP of the status, as it stands there.
+    Unusable(String),
+}
+
+impl std::fmt::Display for GuestError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GuestError::NoVm => f.write_str("pod has no running VM"),
+            GuestError::NoIp => f.write_str("the pod's VM has no IP address yet"),
+            GuestError::Unusable(ip) => {
+                write!(f, "the pod's VM address {ip:?} is not a usable IP address")
+            }
+        }
+    }
+}
+
 /// The pod's VM address as the daemon reports it (the pod IP of its status).
-fn guest_ip(p: &PodInfo) -> Result<IpAddr, String> {
+fn guest_ip(p: &PodInfo) -> Result<IpAddr, GuestError> {
     if p.vm.is_none() {
-        return Err("pod has no running VM".into());
+        return Err(GuestError::NoVm);
     }
     let ip = p
         .status
@@ -88,13 +109,11 @@ fn guest_ip(p: &PodInfo) -> Result<IpAddr, String> {
         .or_else(|| p.pod.status.as_ref().and_then(|s| s.pod_ip.clone()))
         .filter(|ip| !ip.is_empty());
     let Some(ip) = ip else {
-        return Err("the pod's VM has no IP address yet".into());
+        return Err(GuestError::NoIp);
     };
     match ip.parse::<IpAddr>() {
         Ok(a) if !a.is_unspecified() && !a.is_multicast() => Ok(a),
-        _ => Err(format!(
-            "the pod's VM address {ip:?} is not a usable IP address"
-        )),
+        _ => Err(GuestError::Unusable(ip)),
     }
 }
 
@@ -224,7 +243,7 @@ impl KubeletServer {
         r: &mut Reactor<M>,
         token: Token,
         key: Key,
-        port: Result<u16, String>,
+        port: Result<u16, PortError>,
     ) {
         let total = self.guests.len();
         let limit = self.cfg.max_connections;
@@ -242,12 +261,12 @@ impl KubeletServer {
         };
         let port = match port {
             Ok(p) => p,
-            Err(e) => return fail(f, out, "", &e),
+            Err(e) => return fail(f, out, "", &e.to_string()),
         };
         let ip = match &f.guest {
             Ok(ip) => *ip,
             Err(e) => {
-                let e = e.clone();
+                let e = e.to_string();
                 return fail(f, out, &port.to_string(), &e);
             }
         };

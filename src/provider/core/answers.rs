@@ -366,7 +366,7 @@ impl Provider {
 
 #[derive(Debug)]
 pub(super) enum Res {
-    Cocoon(CocoonResult),
+    Cocoon(Answer),
     Lease(Result<Option<String>, LeaseError>),
     Kube(Result<(), KubeError>),
     Transfer(Result<String, TransferError>),
@@ -406,7 +406,7 @@ impl Res {
     pub(super) fn transfer_or_cocoon(self) -> Result<String, String> {
         match self {
             Res::Transfer(r) => r.map_err(|e| e.to_string()),
-            Res::Cocoon(r) if r.success => Ok(String::new()),
+            Res::Cocoon(r) if r.succeeded() => Ok(String::new()),
             Res::Cocoon(r) => Err(r.error_text()),
             other => Err(format!("unexpected result {other:?}")),
         }

@@ -123,15 +123,11 @@ impl Provider {
     }
 
     /// `Inspect`: the VM an event said was gone or stopped, as cocoon sees it.
-    fn check_inspected(&mut self, key: &PodKey, c: CheckOp, r: CocoonResult, attempt: u32) {
+    fn check_inspected(&mut self, key: &PodKey, c: CheckOp, r: Answer, attempt: u32) {
         if r.vm_not_found() {
             return self.start_evict(key, EvictCause::VmGone, false);
         }
-        let vm = if r.success {
-            parse_vm(&r.stdout).ok()
-        } else {
-            None
-        };
+        let vm = if r.succeeded() { r.vm().ok() } else { None };
         match vm {
             None if attempt < 2 => {
                 let at = self.now + INSPECT_RETRY * attempt;
@@ -156,18 +152,14 @@ impl Provider {
         &mut self,
         key: &PodKey,
         c: CheckOp,
-        r: CocoonResult,
+        r: Answer,
         delay: Duration,
         until: Instant,
     ) {
         if r.vm_not_found() {
             return self.start_evict(key, EvictCause::VmGone, false);
         }
-        match if r.success {
-            parse_vm(&r.stdout).ok()
-        } else {
-            None
-        } {
+        match if r.succeeded() { r.vm().ok() } else { None } {
             None if self.now >= until => self.start_evict(key, EvictCause::InspectTimeout, true),
             None => {
                 let delay = (delay * 2).min(RECHECK_MAX);
@@ -182,8 +174,8 @@ impl Provider {
     }
 
     /// `Start`: the restart's `vm start` answered.
-    fn check_started(&mut self, key: &PodKey, c: CheckOp, r: CocoonResult) {
-        if r.timed_out {
+    fn check_started(&mut self, key: &PodKey, c: CheckOp, r: Answer) {
+        if r.timed_out() {
             let step = CheckStep::StartUnanswered {
                 error: r.error_text(),
             };
@@ -192,7 +184,7 @@ impl Provider {
             };
             return self.advance(key, step, Ask::Cocoon(inspect));
         }
-        if !r.success {
+        if !r.succeeded() {
             let msg = r.error_text();
             return self.start_evict(key, EvictCause::RestartFailed(msg), true);
         }
@@ -206,15 +198,11 @@ impl Provider {
     }
 
     /// `StartUnanswered`: the look after a `vm start` that timed out.
-    fn check_start_unanswered(&mut self, key: &PodKey, c: CheckOp, r: CocoonResult, error: String) {
+    fn check_start_unanswered(&mut self, key: &PodKey, c: CheckOp, r: Answer, error: String) {
         if r.vm_not_found() {
             return self.start_evict(key, EvictCause::VmGone, false);
         }
-        match if r.success {
-            parse_vm(&r.stdout).ok()
-        } else {
-            None
-        } {
+        match if r.succeeded() { r.vm().ok() } else { None } {
             // The start went through after all: the restart succeeded.
             Some(vm) if vm.running() && self.checked_vm_is_ours(key, &c, &vm) => {
                 if let Some(v) = self.slot(key).tracked.as_mut().and_then(|t| t.vm.as_mut()) {
@@ -229,13 +217,13 @@ impl Provider {
     }
 
     /// `Refresh`: the restarted VM, as cocoon sees it.
-    fn check_refreshed(&mut self, key: &PodKey, c: CheckOp, r: CocoonResult) {
+    fn check_refreshed(&mut self, key: &PodKey, c: CheckOp, r: Answer) {
         if r.vm_not_found() {
             // Removed between its restart and this look.
             return self.start_evict(key, EvictCause::VmGone, false);
         }
-        let vm = parse_vm(&r.stdout).ok();
-        if let Some(vm) = vm.filter(|v| r.success && self.checked_vm_is_ours(key, &c, v)) {
+        let vm = r.vm().ok();
+        if let Some(vm) = vm.filter(|v| r.succeeded() && self.checked_vm_is_ours(key, &c, v)) {
             if let Some(t) = self.slot(key).tracked.as_mut() {
                 if let Some(v) = t.vm.as_mut() {
                     v.pid = vm.pid;

@@ -85,11 +85,11 @@ impl Provider {
         let vm = t.spec.vm_name.clone();
         match (c.step.clone(), res) {
             (ConfirmStep::LocalInspect, Res::Cocoon(r)) => {
-                let local_id = if r.success {
+                let local_id = if r.succeeded() {
                     // Another snapshot than `<vm>` (an ID-prefix match) is none.
                     match isolation::inspected_snapshot(&r, &vm) {
                         Ok(s) => s.map(|s| s.id),
-                        Err(e) => return self.confirm_unreadable(key, &c, &e),
+                        Err(e) => return self.confirm_unreadable(key, &c, &e.to_string()),
                     }
                 } else if r.snapshot_not_found() {
                     None

@@ -556,7 +556,7 @@ impl Provider {
             }
             (CreateStep::UnmanagedInspect, Res::Cocoon(r)) => self.unmanaged_found(key, &c, r),
             (CreateStep::RmStaleByName, Res::Cocoon(r)) => {
-                if !r.success && !r.vm_not_found() {
+                if !r.succeeded() && !r.vm_not_found() {
                     let msg = format!("remove leftover vm {}: {}", spec.vm_name, r.error_text());
                     return self.fail_create(key, &c.uid, &msg, true);
                 }
@@ -568,7 +568,7 @@ impl Provider {
             (CreateStep::RmFork, Res::Cocoon(r)) => {
                 // Failure only logged, as the create contract says.
                 let name = spec::fork_snapshot_name(&spec.vm_name);
-                if !r.success && !r.snapshot_not_found() {
+                if !r.succeeded() && !r.snapshot_not_found() {
                     log::warn!("provider: {key}: remove {name}: {}", r.error_text());
                 }
                 self.snapshot_removed(&name, &r);
@@ -584,7 +584,7 @@ impl Provider {
             }
             (CreateStep::PullSnapshot, Res::Transfer(r)) => self.snapshot_pulled(key, &c, r),
             (CreateStep::ImageInspect, Res::Cocoon(r)) => {
-                if r.success {
+                if r.succeeded() {
                     return self.do_clone(key);
                 }
                 let ask = self.materialise(&c.snapshot_image, false);
@@ -620,7 +620,7 @@ impl Provider {
                 self.boot_failed_inspected(key, &c, error, r)
             }
             (CreateStep::BootFailedRm { error }, Res::Cocoon(r)) => {
-                if !r.success && !r.vm_not_found() {
+                if !r.succeeded() && !r.vm_not_found() {
                     log::warn!(
                         "provider: {key}: remove leftover of failed bring-up: {}",
                         r.error_text()
@@ -631,7 +631,7 @@ impl Provider {
                 self.fail_create(key, &c.uid, &error, true)
             }
             (CreateStep::RunInspect, Res::Cocoon(r)) => {
-                let vm = match (r.success, parse_vm(&r.stdout)) {
+                let vm = match (r.succeeded(), r.vm()) {
                     (true, Ok(v)) => v,
                     _ => c.vm.clone().unwrap_or_default(),
                 };
@@ -652,11 +652,11 @@ impl Provider {
 
     /// A retry's lookup of a VM an earlier attempt may have left under the pod's VM name:
     /// adopted when running and the pod's namespace's, removed when stopped.
-    fn create_inspected_by_name(&mut self, key: &PodKey, c: &CreateOp, r: CocoonResult) {
+    fn create_inspected_by_name(&mut self, key: &PodKey, c: &CreateOp, r: Answer) {
         let spec = &c.spec;
-        if r.success {
+        if r.succeeded() {
             // Only a VM of this very name (not one whose ID it prefixes).
-            let vm = parse_vm(&r.stdout).ok();
+            let vm = r.vm().ok();
             if let Some(vm) = vm.filter(|v| isolation::vm_named(v, &spec.vm_name)) {
                 // A VM no live pod holds: only the namespace that owns it takes it
                 // (or removes it as a leftover).
@@ -687,11 +687,11 @@ impl Provider {
     }
 
     /// The hibernate evidence without a registry: the local snapshot named after the VM.
-    fn local_evidence(&mut self, key: &PodKey, c: &CreateOp, r: CocoonResult) {
+    fn local_evidence(&mut self, key: &PodKey, c: &CreateOp, r: Answer) {
         let spec = &c.spec;
         // No registry: a local snapshot named after the VM is the evidence. A failed
         // inspect means there is none; one that hung says nothing, so fail closed.
-        let found = if r.success {
+        let found = if r.succeeded() {
             isolation::inspected_snapshot(&r, &spec.vm_name)
                 .map(|s| {
                     s.map(|s| HibernateTag {
@@ -700,8 +700,8 @@ impl Provider {
                         ..Default::default()
                     })
                 })
-                .map_err(TransferError::Cocoon)
-        } else if r.timed_out {
+                .map_err(|e| TransferError::Cocoon(e.to_string()))
+        } else if r.timed_out() {
             Err(TransferError::Cocoon(format!(
                 "snapshot inspect {}: {}",
                 spec.vm_name,
@@ -715,19 +715,13 @@ impl Provider {
 
     /// The image's local clone snapshot, inspected (before or after its pull): cloned when
     /// present, the pod's namespace's and of the hypervisor asked for; pulled when missing.
-    fn image_snapshot_inspected(
-        &mut self,
-        key: &PodKey,
-        c: &CreateOp,
-        pulled: bool,
-        r: CocoonResult,
-    ) {
+    fn image_snapshot_inspected(&mut self, key: &PodKey, c: &CreateOp, pulled: bool, r: Answer) {
         let spec = &c.spec;
         // Another snapshot than the one asked for (an ID-prefix match) is none.
-        let found = match r.success {
+        let found = match r.succeeded() {
             true => match isolation::inspected_snapshot(&r, &c.local_snapshot) {
                 Ok(s) => s,
-                Err(e) => return self.fail_create(key, &c.uid, &e, true),
+                Err(e) => return self.fail_create(key, &c.uid, &e.to_string(), true),
             },
             false => None,
         };
@@ -743,7 +737,7 @@ impl Provider {
                 .is_none_or(|at| *at < c.started);
         let found = found.filter(|_| !stale);
         let Some(snap) = found else {
-            let why = if r.success {
+            let why = if r.succeeded() {
                 "cocoon answered with another snapshot".to_string()
             } else {
                 r.error_text()
@@ -822,11 +816,11 @@ impl Provider {
 
     /// The clone or run answered: the VM is up (its PID read when the answer has none), or
     /// the failure's leftover is looked for.
-    fn booted(&mut self, key: &PodKey, c: &CreateOp, r: CocoonResult) {
+    fn booted(&mut self, key: &PodKey, c: &CreateOp, r: Answer) {
         let spec = &c.spec;
         if spec.clone_from_dir.is_some() {
             self.metric(MetricUpdate::CloneFromDir {
-                result: if r.success { "ok" } else { "failed" },
+                result: if r.succeeded() { "ok" } else { "failed" },
             });
         }
         let what = if spec.fresh_boot() {
@@ -834,7 +828,7 @@ impl Provider {
         } else {
             "vm clone"
         };
-        if !r.success {
+        if !r.succeeded() {
             // The snapshot or image the shared facts said was there may be gone.
             self.read_facts.forget_all();
             // A clone killed at its deadline (or failing half-way) can leave a VM
@@ -849,7 +843,7 @@ impl Provider {
                 }),
             );
         }
-        let vm = match parse_vm(&r.stdout) {
+        let vm = match r.vm() {
             Ok(v) => v,
             // The call succeeded but its answer names no VM (no id, or unreadable): one
             // lookup by name says what it made, as after a failed bring-up (a running VM of
@@ -890,18 +884,12 @@ impl Provider {
 
     /// What a failed bring-up left under the VM name: a running VM is the bring-up finished
     /// after all, a stopped one is removed before the failure is reported.
-    fn boot_failed_inspected(
-        &mut self,
-        key: &PodKey,
-        c: &CreateOp,
-        error: String,
-        r: CocoonResult,
-    ) {
+    fn boot_failed_inspected(&mut self, key: &PodKey, c: &CreateOp, error: String, r: Answer) {
         let spec = &c.spec;
         // Only a VM of this very name is the bring-up's: cocoon may answer a lookup by
         // name with a VM whose ID starts with it, which is left alone.
-        let vm = parse_vm(&r.stdout).ok();
-        match vm.filter(|v| r.success && isolation::vm_named(v, &spec.vm_name)) {
+        let vm = r.vm().ok();
+        match vm.filter(|v| r.succeeded() && isolation::vm_named(v, &spec.vm_name)) {
             // The bring-up finished after all (a slow clone past its deadline).
             Some(vm) if vm.running() => {
                 self.by_name.insert(spec.vm_name.clone(), vm.clone());
@@ -980,9 +968,9 @@ impl Provider {
     /// The lookup of an unmanaged pod's VM by its id annotation: adopted only when cocoon
     /// answers with that exact ID and the pod's VM name (an ID prefix, or another VM's ID,
     /// fails the pod for good); not found, or no answer, fails the create and is retried.
-    fn unmanaged_found(&mut self, key: &PodKey, c: &CreateOp, r: CocoonResult) {
+    fn unmanaged_found(&mut self, key: &PodKey, c: &CreateOp, r: Answer) {
         let spec = &c.spec;
-        if r.vm_not_found() || !r.success {
+        if r.vm_not_found() || !r.succeeded() {
             let msg = format!(
                 "unmanaged vm {} ({}) not found: {}",
                 spec.vm_name,
@@ -991,7 +979,7 @@ impl Provider {
             );
             return self.fail_create(key, &c.uid, &msg, true);
         }
-        match parse_vm(&r.stdout) {
+        match r.vm() {
             Ok(vm) if isolation::vm_is(&vm, &spec.vm_id, &spec.vm_name) => {
                 self.finish_create(key, vm, false, "")
             }
@@ -1009,7 +997,7 @@ impl Provider {
                     msg,
                 )
             }
-            Err(e) => self.fail_create(key, &c.uid, &e, true),
+            Err(e) => self.fail_create(key, &c.uid, &e.to_string(), true),
         }
     }
 

@@ -150,12 +150,8 @@ impl Provider {
 
     /// The answer of that lookup: a VM found is removed as the tracked one would be; one still
     /// being created is looked at again shortly; none lets the delete finish.
-    fn found_vm_for_delete(&mut self, key: &PodKey, t: &Tracked, by_id: bool, r: CocoonResult) {
-        let found = if r.success {
-            parse_vm(&r.stdout).ok()
-        } else {
-            None
-        };
+    fn found_vm_for_delete(&mut self, key: &PodKey, t: &Tracked, by_id: bool, r: Answer) {
+        let found = if r.succeeded() { r.vm().ok() } else { None };
         // The pod's own VM only: of its name exactly, and by ID only with that name. An answer
         // for another VM (its ID prefixed by the value looked up) is as good as none.
         let other = found.as_ref().is_some_and(|v| {
@@ -315,7 +311,7 @@ impl Provider {
                 }
             },
             (DeleteStep::Rm, Res::Cocoon(r)) => {
-                if !r.success && !r.vm_not_found() {
+                if !r.succeeded() && !r.vm_not_found() {
                     let (vm_id, error) = (vm.id.clone(), r.error_text());
                     return self.delete_failed(key, DeleteError::Rm { vm_id, error });
                 }
@@ -351,9 +347,9 @@ impl Provider {
 
     /// cocoon's answer to settling a VM found still being created: looked up again, or
     /// waited for while a create still runs it.
-    fn delete_settled_creating(&mut self, key: &PodKey, t: &Tracked, by_id: bool, r: CocoonResult) {
-        let outcome = if r.success {
-            parse_stale_outcome(&r.stdout).ok()
+    fn delete_settled_creating(&mut self, key: &PodKey, t: &Tracked, by_id: bool, r: Answer) {
+        let outcome = if r.succeeded() {
+            r.stale_outcome().ok()
         } else {
             None
         };
@@ -374,7 +370,7 @@ impl Provider {
 
     /// The VM inspected before its delete: a running one is saved first, a stopped or gone
     /// one removed.
-    fn delete_inspected(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp, r: CocoonResult) {
+    fn delete_inspected(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp, r: Answer) {
         let vm = t.vm.clone().unwrap_or_default();
         if r.vm_not_found() {
             return self.advance(
@@ -383,11 +379,7 @@ impl Provider {
                 Ask::Cocoon(CocoonCmd::VmRm { id: vm.id }),
             );
         }
-        let parsed = if r.success {
-            parse_vm(&r.stdout).ok()
-        } else {
-            None
-        };
+        let parsed = if r.succeeded() { r.vm().ok() } else { None };
         match parsed {
             None => self.delete_failed(
                 key,
@@ -407,8 +399,8 @@ impl Provider {
 
     /// The `snapshot save` before the delete answered: its push follows (after a look at
     /// whose `<vm>:latest` it replaces), the name's holder is removed once, or the delete fails.
-    fn delete_saved(&mut self, key: &PodKey, d: &DeleteOp, retried: bool, r: CocoonResult) {
-        if r.success {
+    fn delete_saved(&mut self, key: &PodKey, d: &DeleteOp, retried: bool, r: Answer) {
+        if r.succeeded() {
             self.metric(MetricUpdate::SnapshotSave { result: "ok" });
             // Whose `<vm>:latest` the push would replace, first.
             let (repo, tag) = (d.vm_name.clone(), "latest".to_string());

@@ -71,7 +71,7 @@ impl Provider {
     pub(super) fn evict_step(&mut self, key: &PodKey, e: EvictOp, res: Res) {
         match (e.step, res) {
             (EvictStep::Remove, Res::Cocoon(r)) => {
-                if !r.success && !r.vm_not_found() {
+                if !r.succeeded() && !r.vm_not_found() {
                     // Remove-then-evict keeps it; the Go daemon then never looks again and the pod
                     // stays Running on a dead VM. Re-check it on the deferred schedule instead:
                     // a later round restarts or removes it.

@@ -26,7 +26,7 @@ pub(super) enum ForkError {
     /// An answer of a kind the flight's step does not wait on.
     Unexpected { name: String, kind: &'static str },
     /// cocoon's answer did not parse (the parser's text).
-    Parse(String),
+    Parse(crate::vm::ReadError),
     /// `snapshot inspect fork-<source>` failed.
     Inspect { name: String, error: String },
     /// The removal of an unrecorded `fork-<source>` failed.
@@ -59,7 +59,7 @@ impl std::fmt::Display for ForkError {
             ForkError::Unexpected { name, kind } => {
                 write!(f, "fork snapshot {name}: unexpected {kind} answer")
             }
-            ForkError::Parse(e) => f.write_str(e),
+            ForkError::Parse(e) => e.fmt(f),
             ForkError::Inspect { name, error } => {
                 write!(f, "inspect fork snapshot {name}: {error}")
             }
@@ -226,13 +226,15 @@ impl Provider {
         match step {
             ForkStep::Inspect => {
                 // Another snapshot than `fork-<source>` (an ID-prefix match) is none.
-                let found = r.success.then(|| isolation::inspected_snapshot(&r, &name));
+                let found = r
+                    .succeeded()
+                    .then(|| isolation::inspected_snapshot(&r, &name));
                 match found {
                     Some(Ok(Some(s))) => return self.fork_snapshot_found(source, s.hypervisor),
                     Some(Err(e)) => return self.fork_done(source, Err(ForkError::Parse(e))),
                     Some(Ok(None)) | None => {}
                 }
-                if !r.success && !r.snapshot_not_found() {
+                if !r.succeeded() && !r.snapshot_not_found() {
                     // A hung or failing inspect says nothing: fail, the creates retry.
                     let error = r.error_text();
                     return self.fork_done(source, Err(ForkError::Inspect { name, error }));
@@ -240,7 +242,7 @@ impl Provider {
                 self.fork_find_source(source, false)
             }
             ForkStep::RmUnowned => {
-                if !r.success && !r.snapshot_not_found() {
+                if !r.succeeded() && !r.snapshot_not_found() {
                     let error = r.error_text();
                     return self.fork_done(source, Err(ForkError::RmUnowned { name, error }));
                 }
@@ -256,7 +258,7 @@ impl Provider {
                 self.fork_done(source, Err(ForkError::Unexpected { name, kind }))
             }
             ForkStep::RmHolder => {
-                if !r.success && !r.snapshot_not_found() {
+                if !r.succeeded() && !r.snapshot_not_found() {
                     self.metric(MetricUpdate::SnapshotSave { result: "failed" });
                     let error = r.error_text();
                     return self
@@ -268,12 +270,12 @@ impl Provider {
     }
 
     /// `FindSource`: the source VM, as cocoon sees it; a running one is saved.
-    fn fork_source_inspected(&mut self, source: &str, r: CocoonResult) {
+    fn fork_source_inspected(&mut self, source: &str, r: Answer) {
         if r.vm_not_found() {
             let source_vm = source.to_string();
             return self.fork_done(source, Err(ForkError::SourceNotFound { source_vm }));
         }
-        let vm = match (r.success, parse_vm(&r.stdout)) {
+        let vm = match (r.succeeded(), r.vm()) {
             (true, Ok(vm)) if isolation::vm_named(&vm, source) => vm,
             // An answer for a VM whose ID the name prefixes is no source VM.
             (true, Ok(_)) => {
@@ -300,7 +302,7 @@ impl Provider {
     fn fork_saved(
         &mut self,
         source: &str,
-        r: CocoonResult,
+        r: Answer,
         retried: bool,
         name: String,
         source_hv: String,
@@ -312,7 +314,7 @@ impl Provider {
                 seconds: secs.as_secs_f64(),
             });
         }
-        if r.success {
+        if r.succeeded() {
             self.metric(MetricUpdate::SnapshotSave { result: "ok" });
             return self.fork_done(source, Ok(source_hv));
         }
@@ -335,14 +337,10 @@ impl Provider {
     }
 
     /// `TakenInspect`: the snapshot holding the name the save wanted.
-    fn fork_taken_inspected(
-        &mut self,
-        source: &str,
-        r: CocoonResult,
-        holder: String,
-        name: String,
-    ) {
-        let found = r.success.then(|| isolation::inspected_snapshot(&r, &name));
+    fn fork_taken_inspected(&mut self, source: &str, r: Answer, holder: String, name: String) {
+        let found = r
+            .succeeded()
+            .then(|| isolation::inspected_snapshot(&r, &name));
         match found.and_then(Result::transpose) {
             // Another save (a create of an earlier process) landed it: reuse it.
             Some(Ok(s)) => return self.fork_snapshot_found(source, s.hypervisor),
@@ -600,7 +598,10 @@ mod tests {
                 },
                 "fork snapshot fork-vk-a-src: unexpected kube answer",
             ),
-            (ForkError::Parse(e("bad json")), "bad json"),
+            (
+                ForkError::Parse(crate::vm::ReadError::EmptyRecord { what: "snapshot" }),
+                "empty snapshot record in JSON payload",
+            ),
             (
                 ForkError::Inspect {
                     name: name(),

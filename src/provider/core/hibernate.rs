@@ -2,14 +2,16 @@
 //! and its VM removed; every failure rolls back to the running VM, never losing VM or snapshot.
 
 use super::*;
-use crate::provider::cocoon::GUEST_EXEC_DEADLINE;
-use crate::vm::ErrorKind as ErrorKindRef;
+use crate::vm::ErrorKind;
 
 /// The tag a hibernated VM's snapshot is pushed under (repository = VM name).
 pub(super) const HIBERNATE_TAG: &str = "hibernate";
 /// How long the holder of a taken snapshot name is retried while cocoon says it is in use.
 const HOLDER_BUDGET: Duration = Duration::from_secs(30);
 const HOLDER_RETRY: Duration = Duration::from_millis(500);
+/// How long a guest command of the core may run (the DHCP release before a NIC drop is best
+/// effort and capped at 20 s by the hibernate contract).
+const GUEST_EXEC_DEADLINE: Duration = Duration::from_secs(20);
 
 /// The guest commands around a Windows NIC drop: fixed argv, nothing from the pod.
 fn ipconfig(verb: &str) -> Vec<String> {
@@ -158,7 +160,7 @@ impl Provider {
         let vm_name = t.spec.vm_name.clone();
         match (h.step.clone(), res) {
             (HibernateStep::StartVm, Res::Cocoon(r)) => {
-                if !r.success {
+                if !r.succeeded() {
                     let msg = format!(
                         "start vm {} to resume hibernate: {}",
                         h.vm.id,
@@ -173,7 +175,7 @@ impl Provider {
             }
             (HibernateStep::DhcpRelease, Res::Cocoon(r)) => {
                 // Best effort: the guest may not answer; the NIC goes either way.
-                self.phase(key, "dhcp_release", r.success);
+                self.phase(key, "dhcp_release", r.succeeded());
                 let ask = Ask::Cocoon(CocoonCmd::VmNet {
                     id: h.vm.id.clone(),
                     nics: 0,
@@ -181,8 +183,8 @@ impl Provider {
                 self.advance(key, HibernateStep::NetDrop, ask)
             }
             (HibernateStep::NetDrop, Res::Cocoon(r)) => {
-                self.phase(key, "net_resize", r.success);
-                if !r.success {
+                self.phase(key, "net_resize", r.succeeded());
+                if !r.succeeded() {
                     // The NIC may still be there: nudge the guest to renew, detached.
                     self.fire_and_forget_cocoon(CocoonCmd::VmExec {
                         deadline: GUEST_EXEC_DEADLINE,
@@ -201,8 +203,7 @@ impl Provider {
                 self.hibernate_saved(key, &h, &t, retried, r)
             }
             (HibernateStep::RmHolder { until }, Res::Cocoon(r)) => {
-                let in_use =
-                    r.error_kind(crate::vm::Verb::SnapshotRm) == Some(ErrorKindRef::SnapshotInUse);
+                let in_use = r.kind() == Some(&ErrorKind::SnapshotInUse);
                 if in_use && self.now + HOLDER_RETRY <= until {
                     let at = self.now + HOLDER_RETRY;
                     return self.advance(
@@ -249,7 +250,7 @@ impl Provider {
                 self.hibernate_rollback(key, failure)
             }
             (HibernateStep::RestoreNic { failure }, Res::Cocoon(r)) => {
-                if !r.success {
+                if !r.succeeded() {
                     log::warn!(
                         "provider: {key}: give vm {} its NIC back: {}",
                         h.vm.id,
@@ -277,7 +278,7 @@ impl Provider {
         h: &HibernateOp,
         t: &Tracked,
         retried: bool,
-        r: CocoonResult,
+        r: Answer,
     ) {
         let vm_name = t.spec.vm_name.clone();
         let secs = self.now.saturating_duration_since(h.save_started);
@@ -285,7 +286,7 @@ impl Provider {
             namespace: key.namespace.clone(),
             seconds: secs.as_secs_f64(),
         });
-        if r.success {
+        if r.succeeded() {
             self.metric(MetricUpdate::SnapshotSave { result: "ok" });
             self.phase(key, "snapshot", true);
             return self.hibernate_push(key, t);
@@ -293,8 +294,8 @@ impl Provider {
         if r.name_taken() && !retried {
             // An earlier save (a failed push, or a daemon killed after its save) holds
             // the name: that copy is replaced, its registry tag is not touched.
-            let holder = match r.error_kind(crate::vm::Verb::SnapshotSave) {
-                Some(ErrorKindRef::SnapshotNameTaken { holder: Some(id) }) => id,
+            let holder = match r.kind() {
+                Some(ErrorKind::SnapshotNameTaken { holder: Some(id) }) => id.clone(),
                 _ => vm_name.clone(),
             };
             let until = self.now + HOLDER_BUDGET;
@@ -342,9 +343,9 @@ impl Provider {
 
     /// The VM's removal answered: hibernated, or the pushed tag is dropped and the VM rolled
     /// back.
-    fn hibernate_removed(&mut self, key: &PodKey, h: &HibernateOp, t: &Tracked, r: CocoonResult) {
+    fn hibernate_removed(&mut self, key: &PodKey, h: &HibernateOp, t: &Tracked, r: Answer) {
         let vm_name = t.spec.vm_name.clone();
-        if r.success || r.vm_not_found() {
+        if r.succeeded() || r.vm_not_found() {
             self.phase(key, "remove", true);
             return self.hibernated(key, h, t);
         }
@@ -369,10 +370,10 @@ impl Provider {
         key: &PodKey,
         t: &Tracked,
         failure: OpFailure,
-        r: CocoonResult,
+        r: Answer,
     ) {
         let vm_name = t.spec.vm_name.clone();
-        if let (true, Ok(fresh)) = (r.success, parse_vm(&r.stdout)) {
+        if let (true, Ok(fresh)) = (r.succeeded(), r.vm()) {
             // DHCP NICs come back with new leases: their IP is learned again.
             let dhcp = fresh.nics.first().is_some_and(|n| n.static_ip.is_empty());
             if let Some(t) = self.slot(key).tracked.as_mut() {

@@ -5,8 +5,8 @@
 //! one its name proves. Refusals fail the pod for good and run nothing.
 
 use super::*;
-use crate::provider::cocoon::Snapshot;
 use crate::provider::naming;
+use crate::vm::Snapshot;
 
 /// `pod_lifecycle_total` reason and Warning of a pod whose VM name is not its namespace's.
 pub(super) const REASON_VM_NOT_IN_NS: &str = "vm_not_in_namespace";
@@ -65,8 +65,11 @@ pub(super) fn snapshot_is(s: &Snapshot, name: &str) -> bool {
 /// A successful `snapshot inspect <name>` answer read and held to the name: Ok(Some) for that
 /// very snapshot, Ok(None) for another one (an ID-prefix match, as good as not found), Err
 /// when it does not parse.
-pub(super) fn inspected_snapshot(r: &CocoonResult, name: &str) -> Result<Option<Snapshot>, String> {
-    parse_snapshot(&r.stdout).map(|s| snapshot_is(&s, name).then_some(s))
+pub(super) fn inspected_snapshot(
+    r: &Answer,
+    name: &str,
+) -> Result<Option<Snapshot>, crate::vm::ReadError> {
+    r.snapshot().map(|s| snapshot_is(&s, name).then_some(s))
 }
 
 /// The ownership check of a read: a record (the ledger's, or a manifest's owner annotation)

@@ -155,7 +155,7 @@ impl Provider {
                         let why = format!("record the owner before it is made: {e}");
                         let res = match then {
                             Deferred::Cocoon(_) => {
-                                Res::Cocoon(CocoonResult::failed(format!("Error: {why}")))
+                                Res::Cocoon(Answer::failed(format!("Error: {why}")))
                             }
                             Deferred::Effect(_) => Res::Transfer(Err(TransferError::Io(why))),
                         };

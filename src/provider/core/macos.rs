@@ -14,7 +14,7 @@
 
 use super::*;
 use crate::guest::macos::{self as contract, MacosCmd, MacosRun, MacosVm};
-use crate::provider::cocoon::NicInfo;
+use crate::vm::NicInfo;
 
 /// Annotation of the VNC port of a managed macOS guest.
 pub(super) const ANN_VNC_PORT: &str = "vm.cocoonstack.io/vnc-port";
@@ -193,7 +193,7 @@ impl Provider {
         let name = c.spec.vm_name.clone();
         match (c.step.clone(), res) {
             (CreateStep::MacosInspect, Res::Cocoon(r)) => {
-                if r.success {
+                if r.succeeded() {
                     return match contract::parse_inspect(&r.stdout) {
                         // Only the guest of this very name is adopted.
                         Ok(vm) if vm.name != name => {
@@ -207,10 +207,10 @@ impl Provider {
                             let ask = Ask::effect(move |op| Effect::CheckPid { op, pid });
                             self.advance(key, CreateStep::MacosAlive { vm }, ask)
                         }
-                        Err(e) => self.fail_create(key, &c.uid, &e, true),
+                        Err(e) => self.fail_create(key, &c.uid, &e.to_string(), true),
                     };
                 }
-                if r.timed_out || !contract::not_found(&r.stderr) {
+                if !r.vm_not_found() {
                     let msg = format!("cocoon-macos vm inspect {name}: {}", r.error_text());
                     return self.fail_create(key, &c.uid, &msg, true);
                 }
@@ -240,7 +240,7 @@ impl Provider {
                 )
             }
             (CreateStep::MacosImageInspect, Res::Cocoon(r)) => {
-                if r.success {
+                if r.succeeded() {
                     return self.macos_run(key, &c);
                 }
                 let image = c.spec.image.clone();
@@ -251,7 +251,7 @@ impl Provider {
                 )
             }
             (CreateStep::MacosImagePull, Res::Cocoon(r)) => {
-                if r.success {
+                if r.succeeded() {
                     return self.macos_run(key, &c);
                 }
                 let msg = format!(
@@ -262,7 +262,7 @@ impl Provider {
                 self.fail_create(key, &c.uid, &msg, true)
             }
             (CreateStep::MacosStart | CreateStep::MacosRun, Res::Cocoon(r)) => {
-                if !r.success {
+                if !r.succeeded() {
                     let verb = if matches!(c.step, CreateStep::MacosRun) {
                         "run"
                     } else {
@@ -278,8 +278,8 @@ impl Provider {
                 )
             }
             (CreateStep::MacosLaunched, Res::Cocoon(r)) => {
-                let parsed = if r.success {
-                    contract::parse_inspect(&r.stdout)
+                let parsed = if r.succeeded() {
+                    contract::parse_inspect(&r.stdout).map_err(|e| e.to_string())
                 } else {
                     Err(format!(
                         "cocoon-macos vm inspect {name} after launch: {}",
@@ -471,14 +471,8 @@ impl Provider {
     }
 
     /// `vm rm` answered: a missing VM counts as removed; anything else keeps the pod.
-    pub(super) fn macos_removed(
-        &mut self,
-        key: &PodKey,
-        t: &Tracked,
-        d: &DeleteOp,
-        r: CocoonResult,
-    ) {
-        if !r.success && (r.timed_out || !contract::not_found(&r.stderr)) {
+    pub(super) fn macos_removed(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp, r: Answer) {
+        if !r.succeeded() && !r.vm_not_found() {
             let (vm_name, error) = (d.vm_name.clone(), r.error_text());
             return self.delete_failed(key, delete::DeleteError::MacosRm { vm_name, error });
         }
@@ -555,7 +549,7 @@ impl Provider {
             (MacosWatchStep::Inspect { dead }, Res::Cocoon(r)) => {
                 match contract::parse_inspect(&r.stdout)
                     .ok()
-                    .filter(|_| r.success)
+                    .filter(|_| r.succeeded())
                 {
                     // A record with a new pid may be a QEMU started meanwhile: check that one.
                     Some(m) if dead && m.pid != vm.pid => {
@@ -585,7 +579,7 @@ impl Provider {
                 self.macos_restart(key, &vm)
             }
             (MacosWatchStep::Start, Res::Cocoon(r)) => {
-                if !r.success {
+                if !r.succeeded() {
                     // Tried again by the next round once the 10 s have passed.
                     log::warn!(
                         "provider: {key}: restart dead QEMU of {name}: {}",
@@ -602,7 +596,7 @@ impl Provider {
             (MacosWatchStep::Refresh, Res::Cocoon(r)) => {
                 if let Some(m) = contract::parse_inspect(&r.stdout)
                     .ok()
-                    .filter(|_| r.success)
+                    .filter(|_| r.succeeded())
                 {
                     self.macos_refresh(key, &m);
                 }

@@ -50,10 +50,6 @@ use std::time::{Duration, Instant, SystemTime};
 use k8s_openapi::api::core::v1::{Pod, PodStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
-use super::cocoon::{
-    parse_snapshot, parse_stale_outcome, parse_vm, CloneOptions, CloneSource, CocoonCmd,
-    CocoonResult, RunOptions, StaleCreateOutcome, VmInfo, VmState,
-};
 use super::lifecycle::{self, Intent, State};
 use super::owners::{Owned, Owner};
 use super::spec::{self, Mode, Os, SpecError, VmSpec, ANN_VM_ID, ANN_VM_IP};
@@ -64,6 +60,9 @@ use super::{
     VmEventKind,
 };
 use super::{LeaseError, TransferError};
+use crate::vm::{
+    Answer, CloneOptions, CloneSource, CocoonCmd, RunOptions, StaleCreateOutcome, VmInfo, VmState,
+};
 
 mod answers;
 mod bring_up;

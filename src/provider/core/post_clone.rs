@@ -59,7 +59,7 @@ impl Provider {
                     command: Vec::new(),
                     hint: String::new(),
                 };
-                return self.post_clone_failed(key, &uid, mode, &fix, 0, &[e]);
+                return self.post_clone_failed(key, &uid, mode, &fix, 0, &[e.to_string()]);
             }
         };
         let windows_static =
@@ -190,7 +190,7 @@ impl Provider {
         let Res::Cocoon(r) = res else {
             return self.unexpected_answer(key, &step, &res);
         };
-        if r.success {
+        if r.succeeded() {
             if let Some(plan) = p.sac.clone() {
                 // The NIC reset worked; the static addresses go in over the console.
                 let vm_id = p.vm_id.clone();
@@ -199,7 +199,7 @@ impl Provider {
             }
             return self.post_clone_succeeded(key);
         }
-        let err = if r.timed_out {
+        let err = if r.timed_out() {
             "vm exec did not finish within the fix-up's budget".to_string()
         } else {
             r.error_text()
@@ -477,8 +477,8 @@ impl Provider {
     }
 
     /// The nudge's answer: count it, then look at the lease again.
-    pub(super) fn renew_nudge_result(&mut self, key: &PodKey, r: &CocoonResult) {
-        let result = if r.success { "ok" } else { "failed" };
+    pub(super) fn renew_nudge_result(&mut self, key: &PodKey, r: &Answer) {
+        let result = if r.succeeded() { "ok" } else { "failed" };
         self.metric(MetricUpdate::WakeRenewNudge { result });
         self.ready_wait_poll(key);
     }

@@ -19,8 +19,8 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use super::super::cocoon::{CocoonCmd, CocoonResult};
 use super::super::{Effect, Input, OpId};
+use crate::vm::{Answer, CocoonCmd};
 
 /// How long a shared answer stands at most (a bound on changes made behind the daemon's back).
 pub(super) const FACTS_TTL: Duration = Duration::from_secs(30);
@@ -39,7 +39,7 @@ pub(super) enum Subject {
 struct Fact {
     subject: Subject,
     read_at: Instant,
-    answer: CocoonResult,
+    answer: Answer,
 }
 
 /// The shared answers, the reads that may become one, and the changes in flight.
@@ -96,7 +96,7 @@ impl ReadFacts {
         cmd: &CocoonCmd,
         now: Instant,
         issuing: &[Effect],
-    ) -> Option<CocoonResult> {
+    ) -> Option<Answer> {
         let subject = read_subject(cmd)?;
         let changed_now = issuing
             .iter()
@@ -123,11 +123,11 @@ impl ReadFacts {
 
     /// A shareable read answered: kept when it succeeded and nothing changed its subject since
     /// it was issued.
-    pub(super) fn read_answered(&mut self, argv: &[String], answer: &CocoonResult) {
+    pub(super) fn read_answered(&mut self, argv: &[String], answer: &Answer) {
         let Some((subject, read_at)) = self.reading.remove(argv) else {
             return;
         };
-        if answer.success && !self.in_flux(&subject) {
+        if answer.succeeded() && !self.in_flux(&subject) {
             let fact = Fact {
                 subject,
                 read_at,

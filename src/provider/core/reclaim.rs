@@ -93,8 +93,8 @@ impl Provider {
     pub(super) fn reclaim_answer(&mut self, step: ReclaimStep, res: Res) {
         match (step, res) {
             (ReclaimStep::List, Res::Cocoon(r)) => {
-                let listed = if r.success {
-                    crate::provider::cocoon::parse_snapshot_list(&r.stdout)
+                let listed = if r.succeeded() {
+                    r.snapshot_list().map_err(|e| e.to_string())
                 } else {
                     Err(r.error_text())
                 };
@@ -206,12 +206,12 @@ impl Provider {
 
     /// A removal of local snapshot `name` answered. Gone (or never there) leaves the record
     /// unless a fork flight or a pull may be creating it again.
-    pub(super) fn snapshot_removed(&mut self, name: &str, r: &CocoonResult) {
+    pub(super) fn snapshot_removed(&mut self, name: &str, r: &Answer) {
         let recreating = self.pulls.contains_key(name)
             || name
                 .strip_prefix("fork-")
                 .is_some_and(|source| self.forks.contains_key(source));
-        if (r.success || r.snapshot_not_found()) && !recreating {
+        if (r.succeeded() || r.snapshot_not_found()) && !recreating {
             self.local_snapshots.may_exist.remove(name);
             self.pulled_at.remove(name);
             self.forget_owner(Owned::Snapshot, name);

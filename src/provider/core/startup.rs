@@ -76,8 +76,8 @@ impl Provider {
         let Res::Cocoon(r) = res else {
             return;
         };
-        let outcome = if r.success {
-            parse_stale_outcome(&r.stdout).ok()
+        let outcome = if r.succeeded() {
+            r.stale_outcome().ok()
         } else {
             None
         };
@@ -123,11 +123,7 @@ impl Provider {
         let Res::Cocoon(r) = res else {
             return;
         };
-        let parsed = if r.success {
-            parse_vm(&r.stdout).ok()
-        } else {
-            None
-        };
+        let parsed = if r.succeeded() { r.vm().ok() } else { None };
         enum V {
             Drop,
             Keep(VmInfo),

@@ -105,7 +105,7 @@ impl Provider {
                 Res::Evidence(found),
             ) => self.wake_local_verified(key, &w, &local_id, &local_image, found),
             (WakeStep::RmStale, Res::Cocoon(r)) => {
-                if !r.success && !r.snapshot_not_found() {
+                if !r.succeeded() && !r.snapshot_not_found() {
                     log::warn!(
                         "provider: {key}: remove stale snapshot {vm}: {}",
                         r.error_text()
@@ -163,7 +163,7 @@ impl Provider {
             (WakeStep::ImportInspect, Res::Cocoon(r)) => {
                 let import = import_name(&vm);
                 let found = r
-                    .success
+                    .succeeded()
                     .then(|| isolation::inspected_snapshot(&r, &import));
                 match found {
                     Some(Ok(Some(snap))) => {
@@ -183,7 +183,7 @@ impl Provider {
                 self.wake_clone_failed_inspected(key, &w, &source, error, r)
             }
             (WakeStep::CloneFailedRm { error }, Res::Cocoon(r)) => {
-                if !r.success && !r.vm_not_found() {
+                if !r.succeeded() && !r.vm_not_found() {
                     log::warn!(
                         "provider: {key}: remove leftover of failed wake clone: {}",
                         r.error_text()
@@ -199,15 +199,15 @@ impl Provider {
 
     /// The local snapshot named after the VM: cloned without a registry, verified against
     /// the registry's tag with one, passed over for the tag when absent or not the pod's.
-    fn wake_local_inspected(&mut self, key: &PodKey, w: &WakeOp, r: CocoonResult) {
+    fn wake_local_inspected(&mut self, key: &PodKey, w: &WakeOp, r: Answer) {
         let vm = w.spec.vm_name.clone();
         let evidence =
             |vm_name: String| Ask::effect(move |op| Effect::CheckHibernateEvidence { op, vm_name });
         // Another snapshot than `<vm>` (an ID-prefix match) is none.
-        let local = match r.success {
+        let local = match r.succeeded() {
             true => match isolation::inspected_snapshot(&r, &vm) {
                 Ok(s) => s,
-                Err(e) => return self.wake_failed(key, fail("WakePullFailed", e)),
+                Err(e) => return self.wake_failed(key, fail("WakePullFailed", e.to_string())),
             },
             false => None,
         };
@@ -247,7 +247,7 @@ impl Provider {
             };
             return self.advance(key, step, evidence(vm));
         }
-        if !r.success && !r.snapshot_not_found() {
+        if !r.succeeded() && !r.snapshot_not_found() {
             let msg = format!("inspect local snapshot {vm}: {}", r.error_text());
             return self.wake_failed(key, fail("WakePullFailed", msg));
         }
@@ -301,13 +301,13 @@ impl Provider {
     }
 
     /// The clone of the wake answered: woken, or the leftover of a failed clone is looked for.
-    fn wake_cloned(&mut self, key: &PodKey, w: &WakeOp, source: String, r: CocoonResult) {
+    fn wake_cloned(&mut self, key: &PodKey, w: &WakeOp, source: String, r: Answer) {
         let vm = w.spec.vm_name.clone();
         if source == import_name(&vm) {
             // The import served its clone (or failed it); a retry pulls afresh.
             self.remove_snapshot_detached(&source);
         }
-        if !r.success {
+        if !r.succeeded() {
             // A clone killed at its deadline (or failing half-way) can leave a VM
             // record under the name: the retry's clone would then fail on the taken
             // name, and a delete before it would not know of the record. Look first.
@@ -317,9 +317,9 @@ impl Provider {
             });
             return self.advance(key, WakeStep::CloneFailedInspect { source, error }, ask);
         }
-        match parse_vm(&r.stdout) {
+        match r.vm() {
             Ok(v) => self.woken(key, w, v, &source),
-            Err(e) => self.wake_failed(key, fail("WakeCloneFailed", e)),
+            Err(e) => self.wake_failed(key, fail("WakeCloneFailed", e.to_string())),
         }
     }
 
@@ -331,12 +331,12 @@ impl Provider {
         w: &WakeOp,
         source: &str,
         error: String,
-        r: CocoonResult,
+        r: Answer,
     ) {
         let vm = w.spec.vm_name.clone();
         // Only a VM of this very name is the clone's (not one its name ID-prefixes).
-        let found = parse_vm(&r.stdout).ok();
-        match found.filter(|v| r.success && isolation::vm_named(v, &vm)) {
+        let found = r.vm().ok();
+        match found.filter(|v| r.succeeded() && isolation::vm_named(v, &vm)) {
             // The clone finished after all (a slow clone past its deadline).
             Some(v) if v.running() => self.woken(key, w, v, source),
             Some(v) => {

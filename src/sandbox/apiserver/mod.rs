@@ -210,6 +210,7 @@ impl Shared {
                 // kube-apiserver without --kubelet-certificate-authority does not verify the
                 // kubelet's serving certificate either.
                 crate::kube::tls::unverified_client_config(cert.as_bytes(), key.as_bytes())
+                    .map_err(|e| e.to_string())
             })
             .clone()
     }

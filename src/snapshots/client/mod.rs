@@ -116,7 +116,8 @@ impl RegistryClient {
     pub fn from_env(oci_registry: &str, ca_file: Option<&Path>) -> Result<Self, TransferError> {
         let base =
             RegistryBase::parse(oci_registry).map_err(|e| TransferError::Invalid(e.to_string()))?;
-        let trust = RegistryTrust::load(ca_file).map_err(TransferError::Invalid)?;
+        let trust =
+            RegistryTrust::load(ca_file).map_err(|e| TransferError::Invalid(e.to_string()))?;
         log::info!("registry TLS trusts {}", trust.source);
         Ok(Self::with_trust(
             base,

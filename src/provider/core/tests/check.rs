@@ -14,7 +14,7 @@ fn vm_gone_evicts_with_failed_status_then_deletes() {
     });
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm inspect VM1");
-    let e = h.cocoon(op, CocoonResult::failed("vm not found"));
+    let e = h.cocoon(op, Answer::failed("vm not found"));
     assert!(e.iter().any(|x| matches!(x, Effect::ReleaseLeases { .. })));
     let st = statuses(&e);
     assert_eq!(st.len(), 1);
@@ -64,7 +64,7 @@ fn stopped_vm_is_restarted_then_cooldown_evicts() {
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(
         op,
-        CocoonResult::ok(vm_json(
+        Answer::ok(vm_json(
             "VM1",
             "vk-ns-demo-0",
             "stopped",
@@ -79,12 +79,12 @@ fn stopped_vm_is_restarted_then_cooldown_evicts() {
         pod: "a".into(),
     };
     assert!(has_metric(&e, &restart), "{e:?}");
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm inspect VM1");
     h.cocoon(
         op,
-        CocoonResult::ok(vm_json(
+        Answer::ok(vm_json(
             "VM1",
             "vk-ns-demo-0",
             "running",
@@ -99,12 +99,12 @@ fn stopped_vm_is_restarted_then_cooldown_evicts() {
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(
         op,
-        CocoonResult::ok(vm_json("VM1", "vk-ns-demo-0", "error", "02:00:00:00:00:01")),
+        Answer::ok(vm_json("VM1", "vk-ns-demo-0", "error", "02:00:00:00:00:01")),
     );
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm rm --force VM1");
     assert!(!has_metric(&e, &restart), "no restart within the cooldown");
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     let st = statuses(&e);
     assert_eq!(st[0].1.reason.as_deref(), Some("RestartCooldown"));
 }
@@ -121,7 +121,7 @@ fn an_event_stream_restart_forgets_restarts_older_than_a_minute() {
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(
         op,
-        CocoonResult::ok(vm_json(
+        Answer::ok(vm_json(
             "VM1",
             "vk-ns-demo-0",
             "stopped",
@@ -130,7 +130,7 @@ fn an_event_stream_restart_forgets_restarts_older_than_a_minute() {
     );
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm start VM1");
-    h.cocoon(op, CocoonResult::ok(""));
+    h.cocoon(op, Answer::ok(""));
     assert_eq!(h.p.restart_records(), 1);
     // Within the minute the record stays (it may still hold a cooldown).
     h.advance(Duration::from_secs(59));
@@ -150,11 +150,11 @@ fn restart_once(h: &mut H, id: &str, name: &str) {
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(
         op,
-        CocoonResult::ok(vm_json(id, name, "stopped", "02:00:00:00:00:01")),
+        Answer::ok(vm_json(id, name, "stopped", "02:00:00:00:00:01")),
     );
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), format!("vm start {id}"));
-    h.cocoon(op, CocoonResult::ok(""));
+    h.cocoon(op, Answer::ok(""));
 }
 
 /// A restart record outlives its cooldown only until the next restart anywhere: records of
@@ -180,18 +180,18 @@ fn transient_inspect_errors_defer_a_recheck() {
         vm: vm_info("VM1", "", ""),
     });
     let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::failed("connection refused"));
+    let e = h.cocoon(op, Answer::failed("connection refused"));
     assert!(cocoon_ops(&e).is_empty());
     let e = h.advance(Duration::from_millis(200));
     let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::failed("connection refused"));
+    let e = h.cocoon(op, Answer::failed("connection refused"));
     assert!(has_metric(&e, &MetricUpdate::VmInspectTransientFail));
     let e = h.advance(Duration::from_secs(1));
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm inspect VM1");
     let e = h.cocoon(
         op,
-        CocoonResult::ok(vm_json(
+        Answer::ok(vm_json(
             "VM1",
             "vk-ns-demo-0",
             "running",
@@ -215,24 +215,19 @@ fn failed_rm_before_eviction_rechecks_instead_of_giving_up() {
         vm: vm_info("VM1", "vk-ns-demo-0", "stopped"),
     });
     let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(stopped()));
-    let e = answer(
-        &mut h,
-        &e,
-        "vm start VM1",
-        CocoonResult::failed("backend busy"),
-    );
+    let e = h.cocoon(op, Answer::ok(stopped()));
+    let e = answer(&mut h, &e, "vm start VM1", Answer::failed("backend busy"));
     let e = answer(
         &mut h,
         &e,
         "vm rm --force VM1",
-        CocoonResult::failed("backend busy"),
+        Answer::failed("backend busy"),
     );
     assert!(statuses(&e).is_empty(), "no eviction while the VM is kept");
     // One second later the deferred recheck looks again; the cooldown now removes and evicts.
     let e = h.advance(Duration::from_secs(1));
-    let e = answer(&mut h, &e, "vm inspect VM1", CocoonResult::ok(stopped()));
-    let e = answer(&mut h, &e, "vm rm --force VM1", CocoonResult::ok(""));
+    let e = answer(&mut h, &e, "vm inspect VM1", Answer::ok(stopped()));
+    let e = answer(&mut h, &e, "vm rm --force VM1", Answer::ok(""));
     assert_eq!(statuses(&e)[0].1.reason.as_deref(), Some("RestartCooldown"));
 }
 
@@ -241,7 +236,7 @@ fn vm_event_during_a_create_is_looked_at_once_the_create_is_done() {
     let mut h = H::new(ProviderConfig::default());
     let (op, _) = drive_to_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")));
     let running = || vm_json("VM1", "vk-ns-demo-0", "running", "02:00:00:00:00:01");
-    let e = h.cocoon(op, CocoonResult::ok(running()));
+    let e = h.cocoon(op, Answer::ok(running()));
     let lop = lookup(&e).expect("lease lookup");
     // The fresh VM crashes while the lease lookup is in flight: nothing to look at yet.
     let e = h.feed(Input::VmEvent {
@@ -259,16 +254,16 @@ fn vm_event_during_a_create_is_looked_at_once_the_create_is_done() {
         &mut h,
         &e,
         "vm inspect VM1",
-        CocoonResult::ok(vm_json(
+        Answer::ok(vm_json(
             "VM1",
             "vk-ns-demo-0",
             "stopped",
             "02:00:00:00:00:01",
         )),
     );
-    let e = answer(&mut h, &e, "vm start VM1", CocoonResult::ok(""));
+    let e = answer(&mut h, &e, "vm start VM1", Answer::ok(""));
     let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(running()));
+    let e = h.cocoon(op, Answer::ok(running()));
     // The check preempted the wait for Ready; it resumes, and the lease brings Ready.
     let lop = lookup(&e).expect("the wait for Ready resumed");
     let e = h.feed(Input::LeaseLooked {
@@ -314,14 +309,14 @@ fn a_vm_gone_event_during_a_restart_is_looked_at_before_the_check_ends() {
         kind: VmEventKind::Modified,
         vm: vm_info("VM1", "vk-ns-demo-0", "stopped"),
     });
-    let stopped = CocoonResult::ok(vm_json(
+    let stopped = Answer::ok(vm_json(
         "VM1",
         "vk-ns-demo-0",
         "stopped",
         "02:00:00:00:00:01",
     ));
     let e = answer(&mut h, &e, "vm inspect VM1", stopped);
-    let e = answer(&mut h, &e, "vm start VM1", CocoonResult::ok(""));
+    let e = answer(&mut h, &e, "vm start VM1", Answer::ok(""));
     let (refresh, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm inspect VM1");
     let e = h.feed(Input::VmEvent {
@@ -329,19 +324,14 @@ fn a_vm_gone_event_during_a_restart_is_looked_at_before_the_check_ends() {
         vm: vm_info("VM1", "vk-ns-demo-0", "running"),
     });
     assert!(e.is_empty(), "the check in flight holds the pod: {e:?}");
-    let running = CocoonResult::ok(vm_json(
+    let running = Answer::ok(vm_json(
         "VM1",
         "vk-ns-demo-0",
         "running",
         "02:00:00:00:00:01",
     ));
     let e = h.cocoon(refresh, running);
-    let e = answer(
-        &mut h,
-        &e,
-        "vm inspect VM1",
-        CocoonResult::failed("VM not found"),
-    );
+    let e = answer(&mut h, &e, "vm inspect VM1", Answer::failed("VM not found"));
     let st = statuses(&e);
     assert_eq!(st.len(), 1, "{e:?}");
     assert_eq!(st[0].1.phase.as_deref(), Some("Failed"));
@@ -356,20 +346,15 @@ fn a_vm_missing_at_the_re_inspect_after_its_restart_is_evicted() {
         kind: VmEventKind::Modified,
         vm: vm_info("VM1", "vk-ns-demo-0", "stopped"),
     });
-    let stopped = CocoonResult::ok(vm_json(
+    let stopped = Answer::ok(vm_json(
         "VM1",
         "vk-ns-demo-0",
         "stopped",
         "02:00:00:00:00:01",
     ));
     let e = answer(&mut h, &e, "vm inspect VM1", stopped);
-    let e = answer(&mut h, &e, "vm start VM1", CocoonResult::ok(""));
-    let e = answer(
-        &mut h,
-        &e,
-        "vm inspect VM1",
-        CocoonResult::failed("VM not found"),
-    );
+    let e = answer(&mut h, &e, "vm start VM1", Answer::ok(""));
+    let e = answer(&mut h, &e, "vm inspect VM1", Answer::failed("VM not found"));
     let st = statuses(&e);
     assert_eq!(st.len(), 1, "{e:?}");
     assert_eq!(st[0].1.phase.as_deref(), Some("Failed"));
@@ -387,22 +372,16 @@ fn an_unanswered_restart_is_looked_at_before_the_vm_is_removed() {
             vm: vm_info("VM1", "vk-ns-demo-0", "stopped"),
         });
         let stopped = vm_json("VM1", "vk-ns-demo-0", "stopped", "02:00:00:00:00:01");
-        let e = answer(&mut h, &e, "vm inspect VM1", CocoonResult::ok(stopped));
-        let unanswered = CocoonResult {
-            success: false,
-            stdout: String::new(),
-            stderr: String::new(),
-            timed_out: true,
-            kind: None,
-        };
+        let e = answer(&mut h, &e, "vm inspect VM1", Answer::ok(stopped));
+        let unanswered = Answer::timed_out_call();
         let e = answer(&mut h, &e, "vm start VM1", unanswered);
         let now = vm_json("VM1", "vk-ns-demo-0", after, "02:00:00:00:00:01");
-        let e = answer(&mut h, &e, "vm inspect VM1", CocoonResult::ok(now));
+        let e = answer(&mut h, &e, "vm inspect VM1", Answer::ok(now));
         let cmds: Vec<String> = cocoon_ops(&e).iter().map(|(_, c)| argv(c)).collect();
         if removed {
             assert_eq!(cmds, vec!["vm rm --force VM1".to_string()]);
             let (op, _) = one_cocoon(&e);
-            let e = h.cocoon(op, CocoonResult::ok(""));
+            let e = h.cocoon(op, Answer::ok(""));
             let st = statuses(&e);
             let term = st[0].1.container_statuses.as_ref().unwrap()[0]
                 .state

@@ -24,7 +24,7 @@ fn restart(cfg: ProviderConfig) -> (H, Vec<Effect>) {
         ledger: Default::default(),
         hold_ledger: false,
     };
-    let vm = crate::provider::cocoon::parse_vm(WINDOWS_VM).unwrap();
+    let vm = crate::vm::read_vm(WINDOWS_VM).unwrap();
     let e = h.feed(Input::StartupListed {
         pods: vec![mk("a", "u1", &ann)],
         vms: vec![vm],

@@ -39,12 +39,12 @@ fn failed_push_pod() -> Pod {
     ])
 }
 
-fn snapshot(id: &str) -> CocoonResult {
-    CocoonResult::ok(format!(r#"{{"id":"{id}","name":"{VM}"}}"#))
+fn snapshot(id: &str) -> Answer {
+    Answer::ok(format!(r#"{{"id":"{id}","name":"{VM}"}}"#))
 }
 
-fn no_snapshot() -> CocoonResult {
-    CocoonResult::failed("Error: snapshot not found")
+fn no_snapshot() -> Answer {
+    Answer::failed("Error: snapshot not found")
 }
 
 fn registry_down() -> Result<Option<HibernateTag>, TransferError> {
@@ -54,7 +54,7 @@ fn registry_down() -> Result<Option<HibernateTag>, TransferError> {
 }
 
 /// Answers the confirmation's `snapshot inspect <vm>` with `local`; returns the effects.
-fn local(h: &mut H, e: &[Effect], local: CocoonResult) -> Vec<Effect> {
+fn local(h: &mut H, e: &[Effect], local: Answer) -> Vec<Effect> {
     answer(h, e, &format!("snapshot inspect {VM}"), local)
 }
 
@@ -62,7 +62,7 @@ fn local(h: &mut H, e: &[Effect], local: CocoonResult) -> Vec<Effect> {
 fn local_then(
     h: &mut H,
     e: &[Effect],
-    snap: CocoonResult,
+    snap: Answer,
     found: Result<Option<HibernateTag>, TransferError>,
 ) -> Vec<Effect> {
     let e = local(h, e, snap);
@@ -179,11 +179,7 @@ fn an_unreadable_registry_keeps_the_pod_as_it_is_and_looks_again() {
     assert!(cocoon_ops(&h.advance(Duration::from_millis(1900))).is_empty());
     let e = h.advance(Duration::from_millis(100));
     // A cocoon that cannot answer decides nothing either.
-    let e = local(
-        &mut h,
-        &e,
-        CocoonResult::failed("Error: database is locked"),
-    );
+    let e = local(&mut h, &e, Answer::failed("Error: database is locked"));
     assert_undecided(&e);
     let e = h.advance(Duration::from_secs(4));
     let e = local_then(&mut h, &e, snapshot("S1"), Ok(Some(tag("S1"))));

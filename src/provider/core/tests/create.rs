@@ -62,7 +62,7 @@ fn clone_waits_for_the_lease_before_ready() {
     let (op, _) = drive_to_clone(&mut h, p);
     let e = h.cocoon(
         op,
-        CocoonResult::ok(vm_json(
+        Answer::ok(vm_json(
             "VM1",
             "vk-ns-demo-0",
             "running",
@@ -93,7 +93,7 @@ fn clone_waits_for_the_lease_before_ready() {
     let (op, _) = drive_to_clone(&mut h, p);
     let e = h.cocoon(
         op,
-        CocoonResult::ok(vm_json(
+        Answer::ok(vm_json(
             "VM2",
             "vk-ns-demo-1",
             "running",
@@ -203,12 +203,9 @@ fn missing_snapshot_is_pulled_with_registry_and_fails_without() {
     ))));
     let e = no_evidence(&mut h, &e);
     let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(
-        op,
-        CocoonResult::failed("Error: inspect: snapshot not found"),
-    );
+    let e = h.cocoon(op, Answer::failed("Error: inspect: snapshot not found"));
     assert!(events(&e)
         .iter()
         .any(|(r, m)| *r == "CreateBringUpFailed" && m.contains("no registry")));
@@ -231,9 +228,9 @@ fn missing_snapshot_is_pulled_with_registry_and_fails_without() {
     ))));
     let e = no_evidence(&mut h, &e);
     let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::failed("snapshot not found"));
+    let e = h.cocoon(op, Answer::failed("snapshot not found"));
     let e = base_manifest(&mut h, &e);
     let pull = e.iter().find_map(|x| match x {
         Effect::PullSnapshot {
@@ -258,13 +255,13 @@ fn missing_snapshot_is_pulled_with_registry_and_fails_without() {
     // Recorded OCI base image whose digest is present ⇒ clone with --pull.
     let e = h.cocoon(
         op,
-        CocoonResult::ok(
+        Answer::ok(
             r#"{"id":"S","name":"team/agent:v3","image":"ubuntu:24.04","image_digest":"sha256:ab"}"#,
         ),
     );
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "image inspect sha256:ab");
-    let e = h.cocoon(op, CocoonResult::ok("{}"));
+    let e = h.cocoon(op, Answer::ok("{}"));
     let (_, cmd) = one_cocoon(&e);
     assert!(argv(&cmd).contains(" --pull "), "{}", argv(&cmd));
 }
@@ -277,11 +274,11 @@ fn backend_mismatch_refuses_to_clone() {
     let e = h.feed(Input::PodUpserted(Box::new(mk("a", "u1", &ann))));
     let e = no_evidence(&mut h, &e);
     let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(
         op,
-        CocoonResult::ok(r#"{"id":"S","name":"team/agent:v3","hypervisor":"firecracker"}"#),
+        Answer::ok(r#"{"id":"S","name":"team/agent:v3","hypervisor":"firecracker"}"#),
     );
     assert!(cocoon_ops(&e).is_empty());
     assert!(events(&e)
@@ -308,10 +305,10 @@ fn run_mode_pulls_the_image_then_runs_with_resources() {
     let e = h.feed(Input::PodUpserted(Box::new(p)));
     let e = no_evidence(&mut h, &e);
     let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "image pull --force team/agent:v3");
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(
         argv(&cmd),
@@ -319,15 +316,12 @@ fn run_mode_pulls_the_image_then_runs_with_resources() {
          --cpu-period-us 100000 --memory 4294967296 --storage 21474836480 team/agent:v3"
     );
     // Not running / pid 0 ⇒ one extra inspect.
-    let e = h.cocoon(
-        op,
-        CocoonResult::ok(r#"{"id":"R1","state":"created","pid":0}"#),
-    );
+    let e = h.cocoon(op, Answer::ok(r#"{"id":"R1","state":"created","pid":0}"#));
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm inspect R1");
     let e = h.cocoon(
         op,
-        CocoonResult::ok(vm_json(
+        Answer::ok(vm_json(
             "R1",
             "vk-ns-tb-shell",
             "running",
@@ -382,10 +376,10 @@ fn values_outside_the_contract_run_as_the_go_daemon_reads_them_with_a_warning() 
     }
     let e = no_evidence(&mut h, &e);
     let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "image pull team/agent:v3");
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     let (_, cmd) = one_cocoon(&e);
     let run = argv(&cmd);
     assert!(
@@ -422,16 +416,16 @@ fn force_pull_clones_a_copy_pulled_after_the_create_began() {
     let e = h.feed(Input::PodUpserted(Box::new(mk("a", "u1", &ann))));
     let e = no_evidence(&mut h, &e);
     let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "snapshot inspect team/agent:v3");
     // The copy is there, but from before this create: read the tag and pull.
-    let e = h.cocoon(op, CocoonResult::ok(local));
+    let e = h.cocoon(op, Answer::ok(local));
     assert!(cocoon_ops(&e).is_empty(), "no clone of the old copy: {e:?}");
     let e = pulled(&mut h, &e);
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "snapshot inspect team/agent:v3");
-    let e = h.cocoon(op, CocoonResult::ok(local));
+    let e = h.cocoon(op, Answer::ok(local));
     let (_, cmd) = one_cocoon(&e);
     assert!(argv(&cmd).starts_with("vm clone "), "{}", argv(&cmd));
 
@@ -447,9 +441,9 @@ fn force_pull_clones_a_copy_pulled_after_the_create_began() {
     ))));
     let e = no_evidence(&mut h, &e);
     let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(local));
+    let e = h.cocoon(op, Answer::ok(local));
     let (_, cmd) = one_cocoon(&e);
     assert!(argv(&cmd).starts_with("vm clone "), "{}", argv(&cmd));
 }
@@ -465,7 +459,7 @@ fn clone_from_dir_uses_from_dir_and_counts() {
     let e = h.feed(Input::PodUpserted(Box::new(mk("a", "u1", &ann))));
     let e = no_evidence(&mut h, &e);
     let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     // The daemon walked the directory (`source_check`).
     let op = e
         .iter()
@@ -480,7 +474,7 @@ fn clone_from_dir_uses_from_dir_and_counts() {
     let a = argv(&cmd);
     assert!(a.ends_with("--from-dir /srv/snap"), "{a}");
     assert!(a.contains("--pull"));
-    let e = h.cocoon(op, CocoonResult::failed("boom"));
+    let e = h.cocoon(op, Answer::failed("boom"));
     assert!(has_metric(
         &e,
         &MetricUpdate::CloneFromDir { result: "failed" }
@@ -506,7 +500,7 @@ fn unmanaged_pod_adopts_preassigned_vm_found_by_its_exact_id() {
         &mut h,
         &e,
         "vm inspect PRE",
-        CocoonResult::ok(vm_json(
+        Answer::ok(vm_json(
             "PRE",
             "vk-ns-static",
             "running",
@@ -589,10 +583,7 @@ fn cpu_class_mismatch_is_rejected() {
 fn failed_bring_up_removes_the_record_it_left_or_adopts_a_finished_one() {
     let mut h = H::new(ProviderConfig::default());
     let (op, _) = drive_to_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")));
-    let timed_out = CocoonResult {
-        timed_out: true,
-        ..Default::default()
-    };
+    let timed_out = Answer::timed_out_call();
     let e = h.cocoon(op, timed_out.clone());
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm inspect vk-ns-demo-0");
@@ -602,14 +593,14 @@ fn failed_bring_up_removes_the_record_it_left_or_adopts_a_finished_one() {
     );
     let e = h.cocoon(
         op,
-        CocoonResult::ok(vm_json(
+        Answer::ok(vm_json(
             "VM7",
             "vk-ns-demo-0",
             "creating",
             "02:00:00:00:00:01",
         )),
     );
-    let e = answer(&mut h, &e, "vm rm --force VM7", CocoonResult::ok(""));
+    let e = answer(&mut h, &e, "vm rm --force VM7", Answer::ok(""));
     let st = statuses(&e);
     assert_eq!(st[0].1.reason.as_deref(), Some("ProviderFailed"));
     assert!(events(&e).iter().any(|(r, _)| *r == "ProviderCreateFailed"));
@@ -620,7 +611,7 @@ fn failed_bring_up_removes_the_record_it_left_or_adopts_a_finished_one() {
     let (op, _) = one_cocoon(&e);
     let e = h.cocoon(
         op,
-        CocoonResult::ok(vm_json(
+        Answer::ok(vm_json(
             "VM8",
             "vk-ns-demo-1",
             "running",
@@ -701,7 +692,7 @@ fn a_conflicting_hibernate_tag_fails_the_create_closed() {
         &mut h,
         &e,
         "vm inspect vk-ns-demo-0",
-        CocoonResult::failed("Error: vm not found"),
+        Answer::failed("Error: vm not found"),
     );
     let e = no_evidence(&mut h, &e);
     let (_, cmd) = one_cocoon(&e);
@@ -742,10 +733,7 @@ fn without_a_registry_an_unreadable_local_snapshot_fails_closed() {
         "u1",
         &managed("a", "vk-ns-demo-0"),
     ))));
-    let hung = CocoonResult {
-        timed_out: true,
-        ..CocoonResult::failed("")
-    };
+    let hung = Answer::timed_out_call();
     let e = answer(&mut h, &e, "snapshot inspect vk-ns-demo-0", hung);
     evidence_failed(&e, "unavailable", "timed out");
 }
@@ -766,7 +754,7 @@ fn concurrent_clones_of_one_snapshot_share_the_source_inspect() {
         let e = no_evidence(&mut h, &e);
         let (op, cmd) = one_cocoon(&e);
         assert_eq!(argv(&cmd), format!("snapshot rm fork-{vm}"));
-        at_inspect.push(h.cocoon(op, CocoonResult::failed("snapshot not found")));
+        at_inspect.push(h.cocoon(op, Answer::failed("snapshot not found")));
     }
     // One inspect process for the three pods.
     let (inspect, cmd) = one_cocoon(&at_inspect[0]);
@@ -776,13 +764,13 @@ fn concurrent_clones_of_one_snapshot_share_the_source_inspect() {
 
     let snap = r#"{"id":"S","name":"team/agent:v3","hypervisor":"cloud-hypervisor",
         "image":"ubuntu:24.04","image_digest":"sha256:ab"}"#;
-    let e = h.cocoon(inspect, CocoonResult::ok(snap));
+    let e = h.cocoon(inspect, Answer::ok(snap));
     let image_inspects: Vec<_> = cocoon_ops(&e)
         .into_iter()
         .filter(|(_, c)| argv(c) == "image inspect sha256:ab")
         .collect();
     assert_eq!(image_inspects.len(), 1, "{e:?}");
-    let e = h.cocoon(image_inspects[0].0, CocoonResult::ok("{}"));
+    let e = h.cocoon(image_inspects[0].0, Answer::ok("{}"));
     let mut clones: Vec<String> = cocoon_ops(&e)
         .iter()
         .map(|(_, c)| argv(c))
@@ -812,7 +800,7 @@ fn concurrent_clones_of_one_snapshot_share_the_source_inspect() {
         ))));
         let e = no_evidence(&mut h, &e);
         let (op, _) = one_cocoon(&e);
-        let e = h.cocoon(op, CocoonResult::ok(""));
+        let e = h.cocoon(op, Answer::ok(""));
         let (_, cmd) = one_cocoon(&e);
         assert!(argv(&cmd).starts_with(first), "{}", argv(&cmd));
     }
@@ -933,13 +921,13 @@ fn one_pull_per_snapshot_at_a_time_later_pods_wait_for_it() {
             &mut h,
             &e,
             &format!("snapshot rm fork-{vm}"),
-            CocoonResult::ok(""),
+            Answer::ok(""),
         );
         let e = answer(
             &mut h,
             &e,
             "snapshot inspect team/agent:v3",
-            CocoonResult::failed("snapshot not found"),
+            Answer::failed("snapshot not found"),
         );
         let e = if name == "a" {
             base_manifest(&mut h, &e)
@@ -960,7 +948,7 @@ fn one_pull_per_snapshot_at_a_time_later_pods_wait_for_it() {
         &mut h,
         &e,
         "snapshot inspect team/agent:v3",
-        CocoonResult::failed("snapshot not found"),
+        Answer::failed("snapshot not found"),
     );
     assert!(pulls(&e).is_empty(), "{e:?}");
     // The pull lands: the puller inspects, the waiter's next look finds it and clones.
@@ -973,7 +961,7 @@ fn one_pull_per_snapshot_at_a_time_later_pods_wait_for_it() {
         &mut h,
         &e,
         "snapshot inspect team/agent:v3",
-        CocoonResult::ok(snap),
+        Answer::ok(snap),
     );
     assert!(argv(&one_cocoon(&e).1).starts_with("vm clone --output json --name vk-ns-demo-0"));
     let e = h.advance(Duration::from_millis(500));
@@ -981,7 +969,7 @@ fn one_pull_per_snapshot_at_a_time_later_pods_wait_for_it() {
         &mut h,
         &e,
         "snapshot inspect team/agent:v3",
-        CocoonResult::ok(snap),
+        Answer::ok(snap),
     );
     assert!(pulls(&e).is_empty());
     assert!(argv(&one_cocoon(&e).1).starts_with("vm clone --output json --name vk-ns-demo-1"));
@@ -1004,7 +992,7 @@ fn clone_with_pid_0(h: &mut H) -> Vec<Effect> {
     let (op, _) = drive_to_clone(h, p);
     let json = vm_json("VM1", "vk-ns-demo-0", "running", "02:00:00:00:00:01")
         .replace(r#""pid":42"#, r#""pid":0"#);
-    h.cocoon(op, CocoonResult::ok(json))
+    h.cocoon(op, Answer::ok(json))
 }
 
 #[test]
@@ -1042,7 +1030,7 @@ fn without_the_vms_run_directory_cocoon_is_asked_once() {
             &mut h,
             &e,
             "vm inspect VM1",
-            CocoonResult::ok(vm_json(
+            Answer::ok(vm_json(
                 "VM1",
                 "vk-ns-demo-0",
                 "running",
@@ -1092,15 +1080,12 @@ fn a_clone_answer_without_an_id_falls_back_to_one_inspect_by_name() {
     let mut h = H::new(ProviderConfig::default());
     let p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
     let (op, _) = drive_to_clone(&mut h, p);
-    let e = h.cocoon(
-        op,
-        CocoonResult::ok(r#"{"id":"","state":"running","pid":0}"#),
-    );
+    let e = h.cocoon(op, Answer::ok(r#"{"id":"","state":"running","pid":0}"#));
     let e = answer(
         &mut h,
         &e,
         "vm inspect vk-ns-demo-0",
-        CocoonResult::ok(vm_json(
+        Answer::ok(vm_json(
             "VM1",
             "vk-ns-demo-0",
             "running",

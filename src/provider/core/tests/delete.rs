@@ -47,7 +47,7 @@ fn delete_snapshots_pushes_removes_then_deletes_the_object() {
     assert_eq!(argv(&cmd), "vm inspect VM1");
     let e = h.cocoon(
         op,
-        CocoonResult::ok(vm_json(
+        Answer::ok(vm_json(
             "VM1",
             "vk-ns-demo-0",
             "running",
@@ -56,7 +56,7 @@ fn delete_snapshots_pushes_removes_then_deletes_the_object() {
     );
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "snapshot save --name vk-ns-demo-0 VM1");
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     let e = no_tag_yet(&mut h, e);
     let push = e.iter().find_map(|x| match x {
         Effect::PushSnapshot {
@@ -79,14 +79,14 @@ fn delete_snapshots_pushes_removes_then_deletes_the_object() {
     });
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm rm --force VM1");
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     assert!(e.iter().any(|x| matches!(x, Effect::ReleaseLeases { macs } if macs == &vec!["02:00:00:00:00:01".to_string()])));
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "snapshot rm vk-ns-demo-0");
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "snapshot rm fork-vk-ns-demo-0");
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     assert!(statuses(&e)
         .iter()
         .any(|(_, s)| s.phase.as_deref() == Some("Succeeded")));
@@ -121,7 +121,7 @@ fn delete_of_sub_agent_under_main_only_skips_snapshot_and_failure_keeps_vm_and_r
     let e = h.feed(Input::PodUpserted(Box::new(deleting_pod(p, true))));
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm rm --force VM2");
-    let e = h.cocoon(op, CocoonResult::failed("device busy"));
+    let e = h.cocoon(op, Answer::failed("device busy"));
     assert!(events(&e)
         .iter()
         .any(|(r, m)| *r == "ProviderDeleteFailed" && m.contains("VM kept")));
@@ -130,7 +130,7 @@ fn delete_of_sub_agent_under_main_only_skips_snapshot_and_failure_keeps_vm_and_r
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm rm --force VM2");
     // Already absent counts as removed.
-    let e = h.cocoon(op, CocoonResult::failed("Error: vm VM2: VM not found"));
+    let e = h.cocoon(op, Answer::failed("Error: vm VM2: VM not found"));
     // Its snapshots go (`<vm>` only when one is recorded for the namespace; none was saved).
     let (_, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "snapshot rm fork-vk-ns-demo-2");
@@ -192,36 +192,21 @@ fn an_untracked_pod_being_deleted_loses_the_vm_a_killed_daemon_was_cloning() {
     let e = h.feed(Input::PodUpserted(Box::new(p)));
     assert!(deletes(&e).is_empty(), "no force-delete before the lookup");
     let creating = vm_json("VM1", "vk-ns-demo-0", "creating", "02:00:00:00:00:01");
-    let e = answer(
-        &mut h,
-        &e,
-        "vm inspect vk-ns-demo-0",
-        CocoonResult::ok(creating),
-    );
+    let e = answer(&mut h, &e, "vm inspect vk-ns-demo-0", Answer::ok(creating));
     // The clone still runs (its record is busy): wait, then look again.
     let e = answer(
         &mut h,
         &e,
         "vm reconcile-stale-create -o json VM1",
-        CocoonResult::ok(r#"{"id":"VM1","outcome":"busy"}"#),
+        Answer::ok(r#"{"id":"VM1","outcome":"busy"}"#),
     );
     assert!(cocoon_ops(&e).is_empty() && deletes(&e).is_empty(), "{e:?}");
     let e = h.advance(Duration::from_secs(1));
     let running = vm_json("VM1", "vk-ns-demo-0", "running", "02:00:00:00:00:01");
-    let e = answer(
-        &mut h,
-        &e,
-        "vm inspect vk-ns-demo-0",
-        CocoonResult::ok(running),
-    );
+    let e = answer(&mut h, &e, "vm inspect vk-ns-demo-0", Answer::ok(running));
     assert!(deletes(&e).is_empty());
-    let e = answer(&mut h, &e, "vm rm --force VM1", CocoonResult::ok(""));
-    let e = answer(
-        &mut h,
-        &e,
-        "snapshot rm fork-vk-ns-demo-0",
-        CocoonResult::ok(""),
-    );
+    let e = answer(&mut h, &e, "vm rm --force VM1", Answer::ok(""));
+    let e = answer(&mut h, &e, "snapshot rm fork-vk-ns-demo-0", Answer::ok(""));
     assert_eq!(deletes(&e).len(), 1, "the object goes after its VM: {e:?}");
 }
 
@@ -233,17 +218,12 @@ fn an_untracked_deleting_pod_with_no_vm_is_deleted_after_both_lookups() {
     ann.push((ANN_VM_ID, "VM9".into()));
     let p = deleting_pod(mk("a", "u1", &ann), false);
     let e = h.feed(Input::PodUpserted(Box::new(p)));
-    let gone = || CocoonResult::failed("Error: vm x: VM not found");
+    let gone = || Answer::failed("Error: vm x: VM not found");
     let e = answer(&mut h, &e, "vm inspect vk-ns-demo-0", gone());
     let e = answer(&mut h, &e, "vm inspect VM9", gone());
     // No `snapshot rm vk-ns-demo-0`: no snapshot of that name is recorded for the namespace
     // (nor does the name prove it); the fork cache goes.
-    let e = answer(
-        &mut h,
-        &e,
-        "snapshot rm fork-vk-ns-demo-0",
-        CocoonResult::ok(""),
-    );
+    let e = answer(&mut h, &e, "snapshot rm fork-vk-ns-demo-0", Answer::ok(""));
     assert_eq!(deletes(&e).len(), 1, "{e:?}");
 }
 
@@ -258,10 +238,10 @@ fn a_create_stops_when_its_pod_is_being_deleted() {
         .feed(Input::PodUpserted(Box::new(deleting_pod(p, false))))
         .is_empty());
     let vm = vm_json("VM1", "vk-ns-demo-0", "running", "02:00:00:00:00:01");
-    let e = h.cocoon(clone_op, CocoonResult::ok(vm.clone()));
+    let e = h.cocoon(clone_op, Answer::ok(vm.clone()));
     assert!(lookup(&e).is_none(), "no bring-up: {e:?}");
-    let e = answer(&mut h, &e, "vm inspect vk-ns-demo-0", CocoonResult::ok(vm));
-    let e = answer(&mut h, &e, "vm rm --force VM1", CocoonResult::ok(""));
+    let e = answer(&mut h, &e, "vm inspect vk-ns-demo-0", Answer::ok(vm));
+    let e = answer(&mut h, &e, "vm rm --force VM1", Answer::ok(""));
     assert!(deletes(&e).is_empty());
 }
 
@@ -274,13 +254,8 @@ fn the_vm_is_removed_before_the_object_even_with_no_running_container() {
     create_clone(&mut h, p.clone(), "VM1");
     let e = h.feed(Input::PodUpserted(Box::new(deleting_pod(p, false))));
     assert!(deletes(&e).is_empty(), "{e:?}");
-    let e = answer(&mut h, &e, "vm rm --force VM1", CocoonResult::ok(""));
-    let e = answer(
-        &mut h,
-        &e,
-        "snapshot rm fork-vk-ns-demo-0",
-        CocoonResult::ok(""),
-    );
+    let e = answer(&mut h, &e, "vm rm --force VM1", Answer::ok(""));
+    let e = answer(&mut h, &e, "snapshot rm fork-vk-ns-demo-0", Answer::ok(""));
     assert_eq!(deletes(&e).len(), 1, "{e:?}");
 }
 

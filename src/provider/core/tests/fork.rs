@@ -22,7 +22,7 @@ fn to_flight(h: &mut H, p: Pod) -> Vec<Effect> {
         h,
         &e,
         &format!("snapshot rm fork-{vm}"),
-        CocoonResult::failed("Error: rm: resolve \"x\": snapshot not found"),
+        Answer::failed("Error: rm: resolve \"x\": snapshot not found"),
     )
 }
 
@@ -71,13 +71,13 @@ fn an_existing_fork_snapshot_is_reused_without_a_save() {
         &mut h,
         &e,
         &format!("snapshot inspect fork-{SRC}"),
-        CocoonResult::ok(snap_json(&format!("fork-{SRC}"))),
+        Answer::ok(snap_json(&format!("fork-{SRC}"))),
     );
     let (op, cmd) = one_cocoon(&e);
     assert_clones_from_fork(&cmd, "vk-ns-sub-0");
     let e = h.cocoon(
         op,
-        CocoonResult::ok(vm_json(
+        Answer::ok(vm_json(
             "VM2",
             "vk-ns-sub-0",
             "running",
@@ -128,13 +128,13 @@ fn a_source_in_the_name_index_is_saved_by_its_id_without_an_inspect() {
         &mut h,
         &e,
         &format!("snapshot inspect fork-{SRC}"),
-        CocoonResult::failed("Error: inspect: snapshot not found"),
+        Answer::failed("Error: inspect: snapshot not found"),
     );
     let e = answer(
         &mut h,
         &e,
         &format!("snapshot save --name fork-{SRC} SRCID"),
-        CocoonResult::ok(""),
+        Answer::ok(""),
     );
     assert!(has_metric(&e, &MetricUpdate::SnapshotSave { result: "ok" }));
     let (_, cmd) = one_cocoon(&e);
@@ -149,19 +149,19 @@ fn a_source_not_indexed_is_found_by_inspect_then_saved() {
         &mut h,
         &e,
         &format!("snapshot inspect fork-{SRC}"),
-        CocoonResult::failed("Error: inspect: snapshot not found"),
+        Answer::failed("Error: inspect: snapshot not found"),
     );
     let e = answer(
         &mut h,
         &e,
         &format!("vm inspect {SRC}"),
-        CocoonResult::ok(vm_json("SRCID", SRC, "running", "02:00:00:00:00:01")),
+        Answer::ok(vm_json("SRCID", SRC, "running", "02:00:00:00:00:01")),
     );
     let e = answer(
         &mut h,
         &e,
         &format!("snapshot save --name fork-{SRC} SRCID"),
-        CocoonResult::ok(""),
+        Answer::ok(""),
     );
     let (_, cmd) = one_cocoon(&e);
     assert_clones_from_fork(&cmd, "vk-ns-sub-0");
@@ -175,13 +175,13 @@ fn a_missing_or_stopped_source_fails_the_create_and_retries_later() {
         &mut h,
         &e,
         &format!("snapshot inspect fork-{SRC}"),
-        CocoonResult::failed("Error: inspect: snapshot not found"),
+        Answer::failed("Error: inspect: snapshot not found"),
     );
     let e = answer(
         &mut h,
         &e,
         &format!("vm inspect {SRC}"),
-        CocoonResult::failed("Error: vm not found"),
+        Answer::failed("Error: vm not found"),
     );
     failed_create(&e, &format!("source vm {SRC} not found"));
     assert!(cocoon_ops(&e).is_empty(), "no save, no clone: {e:?}");
@@ -193,26 +193,21 @@ fn a_missing_or_stopped_source_fails_the_create_and_retries_later() {
         &mut h,
         &e,
         "vm inspect vk-ns-sub-0",
-        CocoonResult::failed("Error: vm not found"),
+        Answer::failed("Error: vm not found"),
     );
     let e = no_evidence(&mut h, &e);
-    let e = answer(
-        &mut h,
-        &e,
-        "snapshot rm fork-vk-ns-sub-0",
-        CocoonResult::ok(""),
-    );
+    let e = answer(&mut h, &e, "snapshot rm fork-vk-ns-sub-0", Answer::ok(""));
     let e = answer(
         &mut h,
         &e,
         &format!("snapshot inspect fork-{SRC}"),
-        CocoonResult::failed("Error: inspect: snapshot not found"),
+        Answer::failed("Error: inspect: snapshot not found"),
     );
     let e = answer(
         &mut h,
         &e,
         &format!("vm inspect {SRC}"),
-        CocoonResult::ok(vm_json("SRCID", SRC, "stopped", "02:00:00:00:00:01")),
+        Answer::ok(vm_json("SRCID", SRC, "stopped", "02:00:00:00:00:01")),
     );
     failed_create(&e, "is stopped, not running");
 }
@@ -226,19 +221,19 @@ fn a_failed_save_fails_every_waiting_create_and_counts_the_save() {
     assert!(cocoon_ops(&e2).is_empty(), "{e2:?}");
     let e = h.cocoon(
         inspect_op,
-        CocoonResult::failed("Error: inspect: snapshot not found"),
+        Answer::failed("Error: inspect: snapshot not found"),
     );
     let e = answer(
         &mut h,
         &e,
         &format!("vm inspect {SRC}"),
-        CocoonResult::ok(vm_json("SRCID", SRC, "running", "02:00:00:00:00:01")),
+        Answer::ok(vm_json("SRCID", SRC, "running", "02:00:00:00:00:01")),
     );
     let e = answer(
         &mut h,
         &e,
         &format!("snapshot save --name fork-{SRC} SRCID"),
-        CocoonResult::failed("Error: save: disk full"),
+        Answer::failed("Error: save: disk full"),
     );
     assert!(has_metric(
         &e,
@@ -266,13 +261,13 @@ fn concurrent_forks_of_one_source_share_one_save_that_outlives_a_deleted_caller(
     assert_eq!(argv(&calls[0].1), format!("snapshot inspect fork-{SRC}"));
     let e = h.cocoon(
         calls[0].0,
-        CocoonResult::failed("Error: inspect: snapshot not found"),
+        Answer::failed("Error: inspect: snapshot not found"),
     );
     let e = answer(
         &mut h,
         &e,
         &format!("vm inspect {SRC}"),
-        CocoonResult::ok(vm_json("SRCID", SRC, "running", "02:00:00:00:00:01")),
+        Answer::ok(vm_json("SRCID", SRC, "running", "02:00:00:00:00:01")),
     );
     let (save_op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), format!("snapshot save --name fork-{SRC} SRCID"));
@@ -290,7 +285,7 @@ fn concurrent_forks_of_one_source_share_one_save_that_outlives_a_deleted_caller(
         "the delete looks its VM up"
     );
 
-    let e = h.cocoon(save_op, CocoonResult::ok(""));
+    let e = h.cocoon(save_op, Answer::ok(""));
     let clones: Vec<String> = cocoon_ops(&e)
         .iter()
         .map(|(_, c)| argv(c))
@@ -312,7 +307,7 @@ fn concurrent_forks_of_one_source_share_one_save_that_outlives_a_deleted_caller(
         &mut h,
         &e,
         &format!("snapshot inspect fork-{SRC}"),
-        CocoonResult::ok(snap_json(&format!("fork-{SRC}"))),
+        Answer::ok(snap_json(&format!("fork-{SRC}"))),
     );
     let (_, cmd) = one_cocoon(&e);
     assert_clones_from_fork(&cmd, "vk-ns-d-0");
@@ -326,35 +321,35 @@ fn a_name_held_by_an_interrupted_save_is_removed_and_the_save_retried_once() {
         &mut h,
         &e,
         &format!("snapshot inspect fork-{SRC}"),
-        CocoonResult::failed("Error: inspect: snapshot not found"),
+        Answer::failed("Error: inspect: snapshot not found"),
     );
     let e = answer(
         &mut h,
         &e,
         &format!("vm inspect {SRC}"),
-        CocoonResult::ok(vm_json("SRCID", SRC, "running", "02:00:00:00:00:01")),
+        Answer::ok(vm_json("SRCID", SRC, "running", "02:00:00:00:00:01")),
     );
     let taken = format!("Error: snapshot name \"fork-{SRC}\" already in use by HALF7");
     let e = answer(
         &mut h,
         &e,
         &format!("snapshot save --name fork-{SRC} SRCID"),
-        CocoonResult::failed(taken.clone()),
+        Answer::failed(taken.clone()),
     );
     // Not landed by another save (a complete one would be visible).
     let e = answer(
         &mut h,
         &e,
         &format!("snapshot inspect fork-{SRC}"),
-        CocoonResult::failed("Error: inspect: snapshot not found"),
+        Answer::failed("Error: inspect: snapshot not found"),
     );
-    let e = answer(&mut h, &e, "snapshot rm HALF7", CocoonResult::ok(""));
+    let e = answer(&mut h, &e, "snapshot rm HALF7", Answer::ok(""));
     // Retried once only: a second collision fails the create.
     let e = answer(
         &mut h,
         &e,
         &format!("snapshot save --name fork-{SRC} SRCID"),
-        CocoonResult::failed(taken),
+        Answer::failed(taken),
     );
     failed_create(&e, "already in use by HALF7");
     assert!(has_metric(
@@ -368,32 +363,27 @@ fn a_name_held_by_an_interrupted_save_is_removed_and_the_save_retried_once() {
         &mut h,
         &e,
         "vm inspect vk-ns-sub-0",
-        CocoonResult::failed("Error: vm not found"),
+        Answer::failed("Error: vm not found"),
     );
     let e = no_evidence(&mut h, &e);
-    let e = answer(
-        &mut h,
-        &e,
-        "snapshot rm fork-vk-ns-sub-0",
-        CocoonResult::ok(""),
-    );
+    let e = answer(&mut h, &e, "snapshot rm fork-vk-ns-sub-0", Answer::ok(""));
     let e = answer(
         &mut h,
         &e,
         &format!("snapshot inspect fork-{SRC}"),
-        CocoonResult::failed("Error: inspect: snapshot not found"),
+        Answer::failed("Error: inspect: snapshot not found"),
     );
     let e = answer(
         &mut h,
         &e,
         &format!("vm inspect {SRC}"),
-        CocoonResult::ok(vm_json("SRCID", SRC, "running", "02:00:00:00:00:01")),
+        Answer::ok(vm_json("SRCID", SRC, "running", "02:00:00:00:00:01")),
     );
     let e = answer(
         &mut h,
         &e,
         &format!("snapshot save --name fork-{SRC} SRCID"),
-        CocoonResult::failed(format!(
+        Answer::failed(format!(
             "Error: snapshot name \"fork-{SRC}\" already exists"
         )),
     );
@@ -401,7 +391,7 @@ fn a_name_held_by_an_interrupted_save_is_removed_and_the_save_retried_once() {
         &mut h,
         &e,
         &format!("snapshot inspect fork-{SRC}"),
-        CocoonResult::ok(snap_json(&format!("fork-{SRC}"))),
+        Answer::ok(snap_json(&format!("fork-{SRC}"))),
     );
     let (_, cmd) = one_cocoon(&e);
     assert_clones_from_fork(&cmd, "vk-ns-sub-0");
@@ -441,7 +431,7 @@ fn a_restore_fork_pod_with_hibernate_evidence_is_a_source_conflict_not_a_fork() 
         &mut h,
         &e,
         "snapshot inspect vk-ns-sub-0",
-        CocoonResult::ok(snap_json("vk-ns-sub-0")),
+        Answer::ok(snap_json("vk-ns-sub-0")),
     );
     assert!(cocoon_ops(&e).is_empty());
     assert!(has_metric(
@@ -494,21 +484,16 @@ fn a_firecracker_source_forks_only_into_a_firecracker_pod() {
             &mut h,
             &e,
             &format!("snapshot inspect fork-{SRC}"),
-            CocoonResult::failed("Error: inspect: snapshot not found"),
+            Answer::failed("Error: inspect: snapshot not found"),
         );
         let fc = vm_json("SRCID", SRC, "running", "02:00:00:00:00:01")
             .replace("cloud-hypervisor", "firecracker");
-        let e = answer(
-            &mut h,
-            &e,
-            &format!("vm inspect {SRC}"),
-            CocoonResult::ok(fc),
-        );
+        let e = answer(&mut h, &e, &format!("vm inspect {SRC}"), Answer::ok(fc));
         let e = answer(
             &mut h,
             &e,
             &format!("snapshot save --name fork-{SRC} SRCID"),
-            CocoonResult::ok(""),
+            Answer::ok(""),
         );
         if clones {
             let (_, cmd) = one_cocoon(&e);
@@ -537,7 +522,7 @@ fn a_source_deleted_while_its_fork_snapshot_is_saved_is_not_handed_out() {
         &mut h,
         &e,
         &format!("snapshot inspect fork-{SRC}"),
-        CocoonResult::failed("Error: inspect: snapshot not found"),
+        Answer::failed("Error: inspect: snapshot not found"),
     );
     let (save_op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), format!("snapshot save --name fork-{SRC} SRCID"));
@@ -552,16 +537,16 @@ fn a_source_deleted_while_its_fork_snapshot_is_saved_is_not_handed_out() {
         let a = argv(&cmd);
         removed_fork |= a == format!("snapshot rm fork-{SRC}");
         let r = if a.starts_with("vm inspect") {
-            CocoonResult::ok(vm_json("SRCID", SRC, "running", "02:00:00:00:00:01"))
+            Answer::ok(vm_json("SRCID", SRC, "running", "02:00:00:00:00:01"))
         } else {
-            CocoonResult::ok("")
+            Answer::ok("")
         };
         e = h.cocoon(op, r);
     }
     assert!(removed_fork);
 
     // The save lands after that: discarded, not cloned from.
-    let e = h.cocoon(save_op, CocoonResult::ok(""));
+    let e = h.cocoon(save_op, Answer::ok(""));
     let cmds: Vec<String> = cocoon_ops(&e).iter().map(|(_, c)| argv(c)).collect();
     assert_eq!(cmds, [format!("snapshot rm fork-{SRC}")], "{e:?}");
     failed_create(&e, "was deleted or re-created while it was being forked");
@@ -575,13 +560,13 @@ fn to_fork_save(h: &mut H) -> (OpId, CocoonCmd) {
         h,
         &e,
         &format!("snapshot inspect fork-{SRC}"),
-        CocoonResult::failed("Error: inspect: snapshot not found"),
+        Answer::failed("Error: inspect: snapshot not found"),
     );
     let e = answer(
         h,
         &e,
         &format!("vm inspect {SRC}"),
-        CocoonResult::ok(vm_json("SRCID", SRC, "running", "02:00:00:00:00:01")),
+        Answer::ok(vm_json("SRCID", SRC, "running", "02:00:00:00:00:01")),
     );
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), format!("snapshot save --name fork-{SRC} SRCID"));
@@ -604,7 +589,7 @@ fn the_fork_save_is_timed_in_the_save_duration_histogram() {
     let mut h = H::new(ProviderConfig::default());
     let (op, _) = to_fork_save(&mut h);
     h.now += Duration::from_secs(7);
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     // Labelled with the namespace of the forking pods (the source's own: forks stay in it).
     assert_eq!(save_seconds(&e), vec![("ns".to_string(), 7.0)]);
 
@@ -612,7 +597,7 @@ fn the_fork_save_is_timed_in_the_save_duration_histogram() {
     let mut h = H::new(ProviderConfig::default());
     let (op, _) = to_fork_save(&mut h);
     h.now += Duration::from_secs(2);
-    let e = h.cocoon(op, CocoonResult::failed("Error: save: disk full"));
+    let e = h.cocoon(op, Answer::failed("Error: save: disk full"));
     assert_eq!(save_seconds(&e), vec![("ns".to_string(), 2.0)]);
     assert!(has_metric(
         &e,
@@ -626,16 +611,13 @@ fn a_hung_fork_save_is_killed_at_the_create_deadline_not_the_transfer_one() {
     let (op, cmd) = to_fork_save(&mut h);
     // The forking creates wait for this save: it is bounded by their create deadline class.
     assert_eq!(cmd.deadline(), Duration::from_secs(600));
-    assert!(cmd.deadline() < crate::provider::cocoon::Deadlines::default().transfer);
+    assert!(cmd.deadline() < crate::vm::Deadlines::default().transfer);
     // Another fork of the same source joins the same flight (no second save).
     let e = to_flight(&mut h, fork_pod("sub2", "u2", "vk-ns-sub2-0"));
     assert!(cocoon_ops(&e).is_empty(), "{e:?}");
     // The daemon kills the child at that deadline: both creates fail and retry.
     h.now += cmd.deadline();
-    let killed = CocoonResult {
-        timed_out: true,
-        ..CocoonResult::failed("")
-    };
+    let killed = Answer::timed_out_call();
     let e = h.cocoon(op, killed);
     assert_eq!(save_seconds(&e), vec![("ns".to_string(), 600.0)]);
     let failures = events(&e)

@@ -92,7 +92,7 @@ pub(super) fn hibernate_fully(h: &mut H) -> Vec<Effect> {
         h,
         &e,
         &format!("snapshot save --name {VM} VM1"),
-        CocoonResult::ok(""),
+        Answer::ok(""),
     );
     let mut e = no_tag_yet(h, e);
     if e.iter().any(|x| matches!(x, Effect::PushSnapshot { .. })) {
@@ -108,7 +108,7 @@ pub(super) fn hibernate_fully(h: &mut H) -> Vec<Effect> {
         "nothing removed before the ids are cleared"
     );
     let e = h.kube_ok(op);
-    answer(h, &e, "vm rm --force VM1", CocoonResult::ok(""))
+    answer(h, &e, "vm rm --force VM1", Answer::ok(""))
 }
 
 #[test]
@@ -161,7 +161,7 @@ fn the_save_counts_its_metrics_and_a_taken_name_has_its_holder_removed() {
         &mut h,
         &e,
         &format!("snapshot save --name {VM} VM1"),
-        CocoonResult::failed(format!(
+        Answer::failed(format!(
             "Error: snapshot name \"{VM}\" already in use by SNAPOLD"
         )),
     );
@@ -169,23 +169,16 @@ fn the_save_counts_its_metrics_and_a_taken_name_has_its_holder_removed() {
         &mut h,
         &e,
         "snapshot rm SNAPOLD",
-        CocoonResult::failed(
-            "Error: rm: snapshot SNAPOLD is in use by an active clone/restore/export",
-        ),
+        Answer::failed("Error: rm: snapshot SNAPOLD is in use by an active clone/restore/export"),
     );
     assert!(cocoon_ops(&e).is_empty(), "waits 500 ms");
     let e = h.advance(Duration::from_millis(500));
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("snapshot rm {VM}"),
-        CocoonResult::ok(""),
-    );
+    let e = answer(&mut h, &e, &format!("snapshot rm {VM}"), Answer::ok(""));
     let e = answer(
         &mut h,
         &e,
         &format!("snapshot save --name {VM} VM1"),
-        CocoonResult::ok(""),
+        Answer::ok(""),
     );
     assert!(has_metric(&e, &MetricUpdate::SnapshotSave { result: "ok" }));
     assert!(
@@ -204,7 +197,7 @@ fn a_failed_push_keeps_the_vm_and_retries_on_the_op_schedule() {
         &mut h,
         &e,
         &format!("snapshot save --name {VM} VM1"),
-        CocoonResult::ok(""),
+        Answer::ok(""),
     );
     let e = no_tag_yet(&mut h, e);
     let op = push_op(&e);
@@ -235,7 +228,7 @@ fn a_failed_push_keeps_the_vm_and_retries_on_the_op_schedule() {
         &mut h,
         &e,
         &format!("snapshot save --name {VM} VM1"),
-        CocoonResult::failed("Error: save: vm VM1: disk full"),
+        Answer::failed("Error: save: vm VM1: disk full"),
     );
     assert!(events(&e)
         .iter()
@@ -254,7 +247,7 @@ fn a_failed_removal_deletes_the_pushed_tag_and_keeps_the_vm() {
         &mut h,
         &e,
         &format!("snapshot save --name {VM} VM1"),
-        CocoonResult::ok(""),
+        Answer::ok(""),
     );
     let e = no_tag_yet(&mut h, e);
     let op = push_op(&e);
@@ -268,7 +261,7 @@ fn a_failed_removal_deletes_the_pushed_tag_and_keeps_the_vm() {
         &mut h,
         &e,
         "vm rm --force VM1",
-        CocoonResult::failed("Error: rm: vm VM1: device busy"),
+        Answer::failed("Error: rm: vm VM1: device busy"),
     );
     let op = e
         .iter()
@@ -303,13 +296,13 @@ fn without_a_registry_the_snapshot_stays_local() {
         &mut h,
         &e,
         &format!("snapshot save --name {VM} VM1"),
-        CocoonResult::ok(""),
+        Answer::ok(""),
     );
     let e = no_tag_yet(&mut h, e);
     assert!(!e.iter().any(|x| matches!(x, Effect::PushSnapshot { .. })));
     let op = ids_cleared_op(&e);
     let e = h.kube_ok(op);
-    let e = answer(&mut h, &e, "vm rm --force VM1", CocoonResult::ok(""));
+    let e = answer(&mut h, &e, "vm rm --force VM1", Answer::ok(""));
     assert!(events(&e).iter().any(|(r, m)| *r == "Hibernated"
         && m == "snapshot saved locally (no registry pusher configured)"));
 }
@@ -322,7 +315,7 @@ fn withdrawing_a_failed_hibernate_lifts_the_failure() {
         &mut h,
         &e,
         &format!("snapshot save --name {VM} VM1"),
-        CocoonResult::failed("Error: save: vm VM1: disk full"),
+        Answer::failed("Error: save: vm VM1: disk full"),
     );
     let e = h.feed(Input::PodUpserted(Box::new(asking(false))));
     assert!(cocoon_ops(&e).is_empty(), "{e:?}");
@@ -351,10 +344,7 @@ fn a_vm_event_during_the_hibernate_is_looked_at_after_a_rollback() {
         cocoon_ops(&e).is_empty(),
         "the hibernate owns the VM now: {e:?}"
     );
-    let e = h.cocoon(
-        save,
-        CocoonResult::failed("Error: save: vm VM1 is not running"),
-    );
+    let e = h.cocoon(save, Answer::failed("Error: save: vm VM1 is not running"));
     assert!(cocoon_ops(&e).is_empty());
     // The deferred recheck finds the VM stopped and restarts it like any crash.
     let e = h.advance(Duration::from_secs(1));
@@ -362,7 +352,7 @@ fn a_vm_event_during_the_hibernate_is_looked_at_after_a_rollback() {
         &mut h,
         &e,
         "vm inspect VM1",
-        CocoonResult::ok(vm_json("VM1", VM, "stopped", "02:00:00:00:00:01")),
+        Answer::ok(vm_json("VM1", VM, "stopped", "02:00:00:00:00:01")),
     );
     let (_, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm start VM1");
@@ -376,7 +366,7 @@ fn a_crashed_vm_under_a_pod_asking_for_hibernate_is_restarted() {
         &mut h,
         &e,
         &format!("snapshot save --name {VM} VM1"),
-        CocoonResult::failed("Error: save: vm VM1: disk full"),
+        Answer::failed("Error: save: vm VM1: disk full"),
     );
     // Waiting for its retry, the VM dies: restarted as for any pod.
     let e = h.feed(Input::VmEvent {
@@ -387,7 +377,7 @@ fn a_crashed_vm_under_a_pod_asking_for_hibernate_is_restarted() {
         &mut h,
         &e,
         "vm inspect VM1",
-        CocoonResult::ok(vm_json("VM1", VM, "stopped", "02:00:00:00:00:01")),
+        Answer::ok(vm_json("VM1", VM, "stopped", "02:00:00:00:00:01")),
     );
     let (_, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm start VM1");
@@ -433,21 +423,21 @@ fn windows_drops_its_nic_and_gets_it_back_on_rollback() {
         &mut h,
         &e,
         "vm exec VM1 -- cmd /c ipconfig /release",
-        CocoonResult::failed("exec: guest agent not answering"),
+        Answer::failed("exec: guest agent not answering"),
     );
-    let e = answer(&mut h, &e, "vm net --nics 0 VM1", CocoonResult::ok(""));
+    let e = answer(&mut h, &e, "vm net --nics 0 VM1", Answer::ok(""));
     let e = answer(
         &mut h,
         &e,
         &format!("snapshot save --name {VM} VM1"),
-        CocoonResult::failed("Error: save: disk full"),
+        Answer::failed("Error: save: disk full"),
     );
-    let e = answer(&mut h, &e, "vm net --nics 1 VM1", CocoonResult::ok(""));
+    let e = answer(&mut h, &e, "vm net --nics 1 VM1", Answer::ok(""));
     let e = answer(
         &mut h,
         &e,
         "vm inspect VM1",
-        CocoonResult::ok(vm_json("VM1", VM, "running", "02:00:00:00:00:07")),
+        Answer::ok(vm_json("VM1", VM, "running", "02:00:00:00:00:07")),
     );
     // The renew is detached: nobody waits for it.
     let renew = cocoon_ops(&e)
@@ -468,13 +458,13 @@ fn windows_net_resize_failure_renews_and_fails() {
         &mut h,
         &e,
         "vm exec VM1 -- cmd /c ipconfig /release",
-        CocoonResult::ok(""),
+        Answer::ok(""),
     );
     let e = answer(
         &mut h,
         &e,
         "vm net --nics 0 VM1",
-        CocoonResult::failed("Error: net: hotplug refused"),
+        Answer::failed("Error: net: hotplug refused"),
     );
     let ops = cocoon_ops(&e);
     assert_eq!(ops.len(), 1, "only the renew: {e:?}");
@@ -499,7 +489,7 @@ fn owed_hibernate_starts_a_stopped_vm_first() {
         &mut h,
         &e,
         "vm start VM1",
-        CocoonResult::failed("Error: start: vm VM1: no such kernel"),
+        Answer::failed("Error: start: vm VM1: no such kernel"),
     );
     assert!(events(&e).iter().any(|(r, _)| *r == "ResumeStartFailed"));
     // The op retry starts it again in 15 s.
@@ -516,7 +506,7 @@ fn a_hibernate_withdrawn_before_the_removal_keeps_the_vm_and_drops_the_tag() {
         &mut h,
         &e,
         &format!("snapshot save --name {VM} VM1"),
-        CocoonResult::ok(""),
+        Answer::ok(""),
     );
     let e = no_tag_yet(&mut h, e);
     let op = push_op(&e);

@@ -167,7 +167,7 @@ fn a_vm_name_change_then_delete_removes_the_tracked_vm_and_its_snapshots_only() 
     let mut e = e;
     while let Some((op, cmd)) = cocoon_ops(&e).first().cloned() {
         seen.push(argv(&cmd));
-        e = h.cocoon(op, CocoonResult::ok("{}"));
+        e = h.cocoon(op, Answer::ok("{}"));
     }
     assert!(seen.iter().any(|a| a == "vm rm --force VM1"), "{seen:?}");
     assert!(
@@ -192,12 +192,12 @@ fn victim_json() -> String {
 fn a_failed_boots_lookup_answered_with_another_vm_neither_adopts_nor_removes_it() {
     let mut h = H::new(ProviderConfig::default());
     let (op, _) = drive_to_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")));
-    let e = h.cocoon(op, CocoonResult::failed("Error: clone: boom"));
+    let e = h.cocoon(op, Answer::failed("Error: clone: boom"));
     let e = answer(
         &mut h,
         &e,
         "vm inspect vk-ns-demo-0",
-        CocoonResult::ok(victim_json()),
+        Answer::ok(victim_json()),
     );
     assert!(cocoon_ops(&e).is_empty(), "no vm rm of the other VM: {e:?}");
     assert!(h.p.pod_vm(&PodKey::new("ns", "a")).is_none());
@@ -208,7 +208,7 @@ fn a_failed_boots_lookup_answered_with_another_vm_neither_adopts_nor_removes_it(
         &mut h,
         &e,
         "vm inspect vk-ns-demo-0",
-        CocoonResult::ok(victim_json()),
+        Answer::ok(victim_json()),
     );
     assert!(cocoon_ops(&e)
         .iter()
@@ -226,19 +226,19 @@ fn a_managed_pods_id_finds_a_vm_at_delete_only_under_the_pods_own_vm_name() {
         &mut h,
         &e,
         "vm inspect vk-ns-demo-0",
-        CocoonResult::failed("Error: vm not found"),
+        Answer::failed("Error: vm not found"),
     );
     // By ID: the VM of that exact ID carries another name, so it is not the pod's.
     let e = answer(
         &mut h,
         &e,
         "vm inspect VKNSDEMOVICTIM",
-        CocoonResult::ok(victim_json()),
+        Answer::ok(victim_json()),
     );
     let mut all = e.clone();
     let mut e = e;
     while let Some((op, _)) = cocoon_ops(&e).first().cloned() {
-        e = h.cocoon(op, CocoonResult::failed("Error: snapshot not found"));
+        e = h.cocoon(op, Answer::failed("Error: snapshot not found"));
         all.extend(e.clone());
     }
     for (_, c) in cocoon_ops(&all) {
@@ -277,7 +277,7 @@ fn an_unmanaged_pods_id_must_be_its_vms_exact_id_and_name() {
             &mut h,
             &e,
             &format!("vm inspect {id}"),
-            CocoonResult::ok(answer_json),
+            Answer::ok(answer_json),
         );
         assert!(
             refused_as(&e, "VMReferenceMismatch", "vm_reference_mismatch"),
@@ -317,12 +317,7 @@ fn a_vm_vanished_across_a_restart_is_not_replaced_by_the_vm_its_id_prefixes() {
         &Time(k8s_openapi::jiff::Timestamp::from_second(1).unwrap()),
     ));
     let (mut h, e) = H::starting(ProviderConfig::default(), vec![p], vec![]);
-    let e = answer(
-        &mut h,
-        &e,
-        "vm inspect VKNS",
-        CocoonResult::ok(victim_json()),
-    );
+    let e = answer(&mut h, &e, "vm inspect VKNS", Answer::ok(victim_json()));
     // Evicted as gone: never tracked on the other VM, nothing started or removed.
     assert!(cocoon_ops(&e).is_empty(), "{e:?}");
     assert!(statuses(&e)
@@ -343,20 +338,20 @@ fn a_snapshot_lookup_answered_with_another_snapshot_finds_none() {
         &mut h,
         &e,
         "snapshot inspect vk-ns-demo-0",
-        CocoonResult::ok(r#"{"id":"vk-ns-demo-0X","name":"vk-other-x-0"}"#),
+        Answer::ok(r#"{"id":"vk-ns-demo-0X","name":"vk-other-x-0"}"#),
     );
     let e = answer(
         &mut h,
         &e,
         "snapshot rm fork-vk-ns-demo-0",
-        CocoonResult::failed("Error: snapshot not found"),
+        Answer::failed("Error: snapshot not found"),
     );
     // The image's snapshot answered by another one: not cloned.
     let e = answer(
         &mut h,
         &e,
         "snapshot inspect team/agent:v3",
-        CocoonResult::ok(r#"{"id":"team/agent:v3X","name":"vk-other-x-0"}"#),
+        Answer::ok(r#"{"id":"team/agent:v3X","name":"vk-other-x-0"}"#),
     );
     assert!(cocoon_ops(&e).is_empty(), "{e:?}");
     assert!(events(&e)
@@ -375,19 +370,19 @@ fn a_fork_source_lookup_answered_with_another_vm_is_no_source() {
         &mut h,
         &e,
         "snapshot rm fork-vk-ns-sub-0",
-        CocoonResult::failed("Error: snapshot not found"),
+        Answer::failed("Error: snapshot not found"),
     );
     let e = answer(
         &mut h,
         &e,
         "snapshot inspect fork-vk-ns.main-0",
-        CocoonResult::failed("Error: snapshot not found"),
+        Answer::failed("Error: snapshot not found"),
     );
     let e = answer(
         &mut h,
         &e,
         "vm inspect vk-ns.main-0",
-        CocoonResult::ok(victim_json()),
+        Answer::ok(victim_json()),
     );
     assert!(cocoon_ops(&e).is_empty(), "nothing saved: {e:?}");
     assert!(events(&e)
@@ -466,18 +461,13 @@ fn a_clone_runs_only_once_its_vms_owner_is_on_disk_and_not_when_the_write_fails(
             &managed("a", "vk-ns-demo-0"),
         ))));
         let e = no_evidence(&mut h, &first);
-        let e = answer(
-            &mut h,
-            &e,
-            "snapshot rm fork-vk-ns-demo-0",
-            CocoonResult::ok(""),
-        );
+        let e = answer(&mut h, &e, "snapshot rm fork-vk-ns-demo-0", Answer::ok(""));
         h.hold_ledger = true;
         let e = answer(
             &mut h,
             &e,
             "snapshot inspect team/agent:v3",
-            CocoonResult::ok(r#"{"id":"S","name":"team/agent:v3"}"#),
+            Answer::ok(r#"{"id":"S","name":"team/agent:v3"}"#),
         );
         let rec = records(&e);
         assert_eq!(rec.len(), 1, "{e:?}");
@@ -552,9 +542,9 @@ fn the_ledger_follows_what_exists_vms_and_snapshots_go_with_their_removal() {
     let mut e = h.feed(Input::PodUpserted(Box::new(gone)));
     while let Some((op, cmd)) = cocoon_ops(&e).first().cloned() {
         let r = if argv(&cmd).starts_with("snapshot rm") {
-            CocoonResult::failed("Error: snapshot not found")
+            Answer::failed("Error: snapshot not found")
         } else {
-            CocoonResult::ok("")
+            Answer::ok("")
         };
         e = h.cocoon(op, r);
     }
@@ -622,10 +612,7 @@ fn a_snapshot_listing_trims_the_records_of_snapshots_that_are_gone() {
             _ => None,
         })
         .expect("snapshot list");
-    h.cocoon(
-        list,
-        CocoonResult::ok(r#"[{"id":"S1","name":"vk-ns-a-0"}]"#),
-    );
+    h.cocoon(list, Answer::ok(r#"[{"id":"S1","name":"vk-ns-a-0"}]"#));
     assert!(h.ledger.get(Owned::Snapshot, "vk-ns-a-0").is_some());
     assert_eq!(h.ledger.get(Owned::Snapshot, "vk-ns-gone-0"), None);
 }
@@ -736,7 +723,7 @@ fn a_wake_never_reads_another_namespaces_tag_and_keeps_the_pod_hibernated() {
         &mut h,
         &e,
         "snapshot inspect vk-ns-demo-0",
-        CocoonResult::failed("Error: snapshot not found"),
+        Answer::failed("Error: snapshot not found"),
     );
     let e = h.feed(Input::HibernateEvidence {
         op: evidence(&e),
@@ -764,7 +751,7 @@ fn a_wake_never_reads_another_namespaces_tag_and_keeps_the_pod_hibernated() {
         &mut h,
         &e,
         "snapshot inspect vk-ns-demo-0",
-        CocoonResult::failed("Error: snapshot not found"),
+        Answer::failed("Error: snapshot not found"),
     );
     let mut own = owned_tag("ns");
     own.from_node = String::new();
@@ -799,7 +786,7 @@ fn a_wake_never_clones_a_local_snapshot_recorded_for_another_namespace() {
             &mut h,
             &e,
             "snapshot inspect vk-ns-demo-0",
-            CocoonResult::ok(r#"{"id":"S1","name":"vk-ns-demo-0"}"#),
+            Answer::ok(r#"{"id":"S1","name":"vk-ns-demo-0"}"#),
         );
         assert!(reads_nothing(&e), "{e:?}");
         assert!(
@@ -826,7 +813,7 @@ fn an_image_that_is_another_namespaces_vm_snapshot_is_never_pulled_nor_cloned() 
             op: evidence(&e),
             result: Ok(None),
         });
-        answer(h, &e, "snapshot rm fork-vk-evil-x", CocoonResult::ok(""))
+        answer(h, &e, "snapshot rm fork-vk-evil-x", Answer::ok(""))
     };
     // Not on the node: its manifest says whose it is before any pull.
     for tag in [owned_tag("teamb"), owned_tag(""), {
@@ -848,7 +835,7 @@ fn an_image_that_is_another_namespaces_vm_snapshot_is_never_pulled_nor_cloned() 
                     "snapshot inspect {}",
                     crate::provider::spec::local_snapshot_name(image)
                 ),
-                CocoonResult::failed("Error: snapshot not found"),
+                Answer::failed("Error: snapshot not found"),
             );
             let read = image_read(&e);
             let e = h.feed(Input::HibernateEvidence {
@@ -872,7 +859,7 @@ fn an_image_that_is_another_namespaces_vm_snapshot_is_never_pulled_nor_cloned() 
             &mut h,
             &e,
             &format!("snapshot inspect {image}"),
-            CocoonResult::ok(format!(r#"{{"id":"S7","name":"{image}"}}"#)),
+            Answer::ok(format!(r#"{{"id":"S7","name":"{image}"}}"#)),
         );
         assert!(
             refused_as(&e, "SnapshotNotInNamespace", "snapshot_not_in_namespace"),
@@ -891,17 +878,12 @@ fn a_base_image_is_pulled_by_its_digest_and_the_namespaces_own_vm_snapshot_with_
         &managed("a", "vk-ns-demo-0"),
     ))));
     let e = no_evidence(&mut h, &e);
-    let e = answer(
-        &mut h,
-        &e,
-        "snapshot rm fork-vk-ns-demo-0",
-        CocoonResult::ok(""),
-    );
+    let e = answer(&mut h, &e, "snapshot rm fork-vk-ns-demo-0", Answer::ok(""));
     let e = answer(
         &mut h,
         &e,
         "snapshot inspect team/agent:v3",
-        CocoonResult::failed("Error: snapshot not found"),
+        Answer::failed("Error: snapshot not found"),
     );
     let read = e
         .iter()
@@ -936,17 +918,12 @@ fn a_base_image_is_pulled_by_its_digest_and_the_namespaces_own_vm_snapshot_with_
     ann.push((ANN_IMAGE, "vk-ns-demo-0".into()));
     let e = h.feed(Input::PodUpserted(Box::new(mk("b", "u2", &ann))));
     let e = no_evidence(&mut h, &e);
-    let e = answer(
-        &mut h,
-        &e,
-        "snapshot rm fork-vk-ns-b-0",
-        CocoonResult::ok(""),
-    );
+    let e = answer(&mut h, &e, "snapshot rm fork-vk-ns-b-0", Answer::ok(""));
     let e = answer(
         &mut h,
         &e,
         "snapshot inspect vk-ns-demo-0",
-        CocoonResult::failed("Error: snapshot not found"),
+        Answer::failed("Error: snapshot not found"),
     );
     let read = image_read(&e);
     let mut own = owned_tag("ns");
@@ -981,12 +958,7 @@ fn fork_from_across_team_and_team_prod_is_refused() {
         "team",
     ))));
     let e = no_evidence(&mut h, &e);
-    let e = answer(
-        &mut h,
-        &e,
-        "snapshot rm fork-vk-team-sub-0",
-        CocoonResult::ok(""),
-    );
+    let e = answer(&mut h, &e, "snapshot rm fork-vk-team-sub-0", Answer::ok(""));
     assert!(
         refused_as(&e, "VMNotInNamespace", "vm_not_in_namespace"),
         "{e:?}"
@@ -1006,12 +978,7 @@ fn fork_from_across_team_and_team_prod_is_refused() {
         "team",
     ))));
     let e = no_evidence(&mut h, &e);
-    let e = answer(
-        &mut h,
-        &e,
-        "snapshot rm fork-vk-team-sub-0",
-        CocoonResult::ok(""),
-    );
+    let e = answer(&mut h, &e, "snapshot rm fork-vk-team-sub-0", Answer::ok(""));
     assert!(
         refused_as(&e, "VMNotInNamespace", "vm_not_in_namespace"),
         "{e:?}"
@@ -1025,17 +992,12 @@ fn fork_from_across_team_and_team_prod_is_refused() {
     a.push((ANN_FORK_FROM, "vk-ns.main-0".into()));
     let e = h.feed(Input::PodUpserted(Box::new(mk("sub", "u1", &a))));
     let e = no_evidence(&mut h, &e);
-    let e = answer(
-        &mut h,
-        &e,
-        "snapshot rm fork-vk-ns-sub-0",
-        CocoonResult::ok(""),
-    );
+    let e = answer(&mut h, &e, "snapshot rm fork-vk-ns-sub-0", Answer::ok(""));
     let e = answer(
         &mut h,
         &e,
         "snapshot inspect fork-vk-ns.main-0",
-        CocoonResult::ok(r#"{"id":"F1","name":"fork-vk-ns.main-0"}"#),
+        Answer::ok(r#"{"id":"F1","name":"fork-vk-ns.main-0"}"#),
     );
     assert!(cocoon_ops(&e).is_empty(), "no clone: {e:?}");
     assert!(events(&e)
@@ -1156,9 +1118,9 @@ fn a_create_never_records_itself_as_the_owner_of_another_namespaces_vm() {
         let a = argv(&cmd);
         assert!(!a.starts_with("vm clone"), "{a}");
         let r = if a.starts_with("snapshot inspect") {
-            CocoonResult::ok(r#"{"id":"S","name":"team/agent:v3"}"#)
+            Answer::ok(r#"{"id":"S","name":"team/agent:v3"}"#)
         } else {
-            CocoonResult::ok("")
+            Answer::ok("")
         };
         e = h.cocoon(op, r);
         if refused_as(&e, "VMNotInNamespace", "vm_not_in_namespace") {
@@ -1195,7 +1157,7 @@ fn a_delete_never_removes_a_snapshot_of_its_vm_name_recorded_for_another_namespa
     let mut e = h.feed(Input::PodUpserted(Box::new(deleted(p))));
     while let Some((op, _)) = cocoon_ops(&e).first().cloned() {
         all.extend(e.clone());
-        e = h.cocoon(op, CocoonResult::failed("Error: vm not found"));
+        e = h.cocoon(op, Answer::failed("Error: vm not found"));
     }
     all.extend(e);
     assert!(
@@ -1231,7 +1193,7 @@ fn a_hibernate_never_pushes_over_another_namespaces_tag_and_keeps_the_vm() {
         &mut h,
         &e,
         "snapshot save --name vk-ns-demo-0 VM1",
-        CocoonResult::ok(""),
+        Answer::ok(""),
     );
     let e = h.feed(Input::HibernateEvidence {
         op: tag_read(&e, "hibernate"),
@@ -1261,7 +1223,7 @@ fn a_hibernate_never_pushes_over_another_namespaces_tag_and_keeps_the_vm() {
         &mut h,
         &e,
         "snapshot save --name vk-ns-demo-0 VM1",
-        CocoonResult::ok(""),
+        Answer::ok(""),
     );
     let e = h.feed(Input::HibernateEvidence {
         op: tag_read(&e, "hibernate"),
@@ -1296,12 +1258,12 @@ fn a_delete_never_pushes_over_another_namespaces_latest_and_still_removes_the_vm
         p, true,
     ))));
     let running = vm_json("VM1", "vk-ns-demo-0", "running", "02:00:00:00:00:01");
-    let e = answer(&mut h, &e, "vm inspect VM1", CocoonResult::ok(running));
+    let e = answer(&mut h, &e, "vm inspect VM1", Answer::ok(running));
     let e = answer(
         &mut h,
         &e,
         "snapshot save --name vk-ns-demo-0 VM1",
-        CocoonResult::ok(""),
+        Answer::ok(""),
     );
     let e = h.feed(Input::HibernateEvidence {
         op: tag_read(&e, "latest"),

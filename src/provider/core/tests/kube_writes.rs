@@ -78,7 +78,7 @@ fn a_lifecycle_retry_never_overwrites_a_newer_state() {
     });
     let e = h.cocoon(
         op,
-        CocoonResult::ok(vm_json(
+        Answer::ok(vm_json(
             "VM1",
             "vk-ns-demo-0",
             "running",
@@ -114,7 +114,7 @@ fn a_status_retry_never_overwrites_a_newer_status() {
     let (op, _) = drive_to_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")));
     let e = h.cocoon(
         op,
-        CocoonResult::ok(vm_json(
+        Answer::ok(vm_json(
             "VM1",
             "vk-ns-demo-0",
             "running",

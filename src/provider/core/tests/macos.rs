@@ -62,11 +62,11 @@ fn to_run(h: &mut H, name: &str, uid: &str, extra: &[(&'static str, &str)]) -> (
     assert_eq!(a, format!("vm inspect vk-ns-{name}"));
     let e = h.cocoon(
         op,
-        CocoonResult::failed(format!("Error: vm not found: vk-ns-{name}")),
+        Answer::failed(format!("Error: vm not found: vk-ns-{name}")),
     );
     let (op, a) = one_macos(&e);
     assert_eq!(a, format!("image inspect {IMAGE}"));
-    let e = h.cocoon(op, CocoonResult::ok("{}"));
+    let e = h.cocoon(op, Answer::ok("{}"));
     one_macos(&e)
 }
 
@@ -74,7 +74,7 @@ fn to_run(h: &mut H, name: &str, uid: &str, extra: &[(&'static str, &str)]) -> (
 fn adopt(h: &mut H, name: &str, uid: &str, display: u16) -> Vec<Effect> {
     let e = h.feed(Input::PodUpserted(Box::new(mac_pod(name, uid, &[]))));
     let (op, _) = one_macos(&e);
-    let e = h.cocoon(op, CocoonResult::ok(inspect_json(name, 500, Some(display))));
+    let e = h.cocoon(op, Answer::ok(inspect_json(name, 500, Some(display))));
     pid_answer(h, &e, true)
 }
 
@@ -89,10 +89,10 @@ fn a_new_guest_is_run_with_its_vnc_display_and_goes_ready_by_its_probe() {
              --exit-on-reboot --random-smbios --net cni {IMAGE}"
         )
     );
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     let (op, a) = one_macos(&e);
     assert_eq!(a, "vm inspect vk-ns-mac-0");
-    let e = h.cocoon(op, CocoonResult::ok(inspect_json("mac-0", 77, Some(0))));
+    let e = h.cocoon(op, Answer::ok(inspect_json("mac-0", 77, Some(0))));
     let ann = annotation_patches(&e);
     let ids = ann
         .iter()
@@ -139,18 +139,18 @@ fn two_guests_of_one_image_share_its_inspect_and_pull() {
         let (op, _) = one_macos(&e);
         inspects.push(h.cocoon(
             op,
-            CocoonResult::failed(format!("Error: vm not found: vk-ns-{name}")),
+            Answer::failed(format!("Error: vm not found: vk-ns-{name}")),
         ));
     }
     // The second pod joined the first one's image inspect: no second process.
     let (op, a) = one_macos(&inspects[0]);
     assert_eq!(a, format!("image inspect {IMAGE}"));
     assert!(cocoon_ops(&inspects[1]).is_empty(), "{:?}", inspects[1]);
-    let e = h.cocoon(op, CocoonResult::failed("Error: image not found"));
+    let e = h.cocoon(op, Answer::failed("Error: image not found"));
     let (op, a) = one_macos(&e);
     assert_eq!(a, format!("image pull {IMAGE}"));
     // One pull answers both: each goes on to its own `vm run`.
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     let runs: Vec<String> = cocoon_ops(&e).iter().map(|(_, c)| argv(c)).collect();
     assert_eq!(runs.len(), 2, "{runs:?}");
     assert!(runs.iter().all(|a| a.starts_with("vm run ")));
@@ -165,7 +165,7 @@ fn a_running_guest_is_adopted_with_the_port_it_serves() {
     let mut h = H::new(vnc_on());
     let e = h.feed(Input::PodUpserted(Box::new(mac_pod("mac-1", "u1", &[]))));
     let (op, _) = one_macos(&e);
-    let e = h.cocoon(op, CocoonResult::ok(inspect_json("mac-1", 500, Some(7))));
+    let e = h.cocoon(op, Answer::ok(inspect_json("mac-1", 500, Some(7))));
     assert_eq!(pid_check(&e).map(|(_, p)| p), Some(500));
     let e = pid_answer(&mut h, &e, true);
     assert!(cocoon_ops(&e).is_empty(), "adoption runs nothing: {e:?}");
@@ -219,7 +219,7 @@ fn the_port_of_a_pod_that_left_without_a_delete_is_free_again() {
     let (op, a) = to_run(&mut h, "mac-0", "u1", &[]);
     assert!(a.contains("--vnc 0 "), "{a}");
     // The run fails; the pod is then removed from the API outright (no graceful delete).
-    h.cocoon(op, CocoonResult::failed("Error: qemu: no KVM"));
+    h.cocoon(op, Answer::failed("Error: qemu: no KVM"));
     h.feed(Input::PodDeleted(Box::new(mac_pod("mac-0", "u1", &[]))));
     let (_, a) = to_run(&mut h, "mac-1", "u2", &[]);
     assert!(a.contains("--vnc 0 "), "{a}");
@@ -230,14 +230,14 @@ fn a_guest_whose_qemu_is_dead_is_started_on_its_display() {
     let mut h = H::new(vnc_on());
     let e = h.feed(Input::PodUpserted(Box::new(mac_pod("mac-1", "u1", &[]))));
     let (op, _) = one_macos(&e);
-    let e = h.cocoon(op, CocoonResult::ok(inspect_json("mac-1", 500, Some(4))));
+    let e = h.cocoon(op, Answer::ok(inspect_json("mac-1", 500, Some(4))));
     let e = pid_answer(&mut h, &e, false);
     let (op, a) = one_macos(&e);
     assert_eq!(a, "vm start --vnc 4 vk-ns-mac-1");
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     let (op, a) = one_macos(&e);
     assert_eq!(a, "vm inspect vk-ns-mac-1");
-    let e = h.cocoon(op, CocoonResult::ok(inspect_json("mac-1", 501, Some(4))));
+    let e = h.cocoon(op, Answer::ok(inspect_json("mac-1", 501, Some(4))));
     assert_eq!(vnc_annotation(&e), Some(Some("5904".into())));
 }
 
@@ -246,9 +246,9 @@ fn without_a_password_there_is_no_vnc_and_an_annotated_port_is_preferred_with_on
     let mut h = H::new(ProviderConfig::default());
     let (op, a) = to_run(&mut h, "mac-0", "u1", &[]);
     assert!(!a.contains("--vnc"), "{a}");
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     let (op, _) = one_macos(&e);
-    let e = h.cocoon(op, CocoonResult::ok(inspect_json("mac-0", 9, None)));
+    let e = h.cocoon(op, Answer::ok(inspect_json("mac-0", 9, None)));
     // No port served: the annotation is removed (null), never written as 0.
     assert_eq!(vnc_annotation(&e), Some(None));
 
@@ -284,9 +284,9 @@ fn when_all_vnc_ports_are_reserved_the_create_fails_and_gets_the_port_freed_by_a
     }
     let e = h.feed(Input::PodUpserted(Box::new(mac_pod("late", "ul", &[]))));
     let (op, _) = one_macos(&e);
-    let e = h.cocoon(op, CocoonResult::failed("Error: vm not found: vk-ns-late"));
+    let e = h.cocoon(op, Answer::failed("Error: vm not found: vk-ns-late"));
     let (op, _) = one_macos(&e);
-    let e = h.cocoon(op, CocoonResult::ok("{}"));
+    let e = h.cocoon(op, Answer::ok("{}"));
     assert!(cocoon_ops(&e).is_empty(), "no vm run without a port: {e:?}");
     assert!(events(&e)
         .iter()
@@ -302,7 +302,7 @@ fn when_all_vnc_ports_are_reserved_the_create_fails_and_gets_the_port_freed_by_a
     let e = h.feed(Input::PodUpserted(Box::new(gone)));
     let (op, a) = one_macos(&e);
     assert_eq!(a, "vm rm vk-ns-m42");
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     assert!(
         matches!(e.iter().find(|x| matches!(x, Effect::ReleaseLeases { .. })),
         Some(Effect::ReleaseLeases { macs }) if macs == &["02:00:00:00:aa:01".to_string()])
@@ -318,9 +318,9 @@ fn when_all_vnc_ports_are_reserved_the_create_fails_and_gets_the_port_freed_by_a
     // The late pod's retry (backoff) now runs on display 42.
     let e = h.advance(Duration::from_secs(2));
     let (op, _) = one_macos(&e);
-    let e = h.cocoon(op, CocoonResult::failed("Error: vm not found: vk-ns-late"));
+    let e = h.cocoon(op, Answer::failed("Error: vm not found: vk-ns-late"));
     let (op, _) = one_macos(&e);
-    let e = h.cocoon(op, CocoonResult::ok("{}"));
+    let e = h.cocoon(op, Answer::ok("{}"));
     let (_, a) = one_macos(&e);
     assert!(a.starts_with("vm run ") && a.contains("--vnc 42 "), "{a}");
 }
@@ -334,7 +334,7 @@ fn a_delete_that_cocoon_macos_refuses_keeps_the_guest_and_a_missing_vm_counts_as
         Some(Time(k8s_openapi::jiff::Timestamp::from_second(1).unwrap()));
     let e = h.feed(Input::PodUpserted(Box::new(gone)));
     let (op, _) = one_macos(&e);
-    let e = h.cocoon(op, CocoonResult::failed("Error: qemu: permission denied"));
+    let e = h.cocoon(op, Answer::failed("Error: qemu: permission denied"));
     assert!(events(&e)
         .iter()
         .any(|(r, m)| *r == "ProviderDeleteFailed" && m.contains("VM kept")));
@@ -342,7 +342,7 @@ fn a_delete_that_cocoon_macos_refuses_keeps_the_guest_and_a_missing_vm_counts_as
     let e = h.advance(Duration::from_secs(2));
     let (op, a) = one_macos(&e);
     assert_eq!(a, "vm rm vk-ns-mac-1");
-    let e = h.cocoon(op, CocoonResult::failed("Error: vm not found: vk-ns-mac-1"));
+    let e = h.cocoon(op, Answer::failed("Error: vm not found: vk-ns-mac-1"));
     assert_eq!(deletes(&e).len(), 1, "{e:?}");
 }
 
@@ -360,12 +360,12 @@ fn a_dead_qemu_is_restarted_by_the_watch_no_more_often_than_every_ten_seconds() 
     let e = pid_answer(&mut h, &e, false);
     let (op, a) = one_macos(&e);
     assert_eq!(a, "vm inspect vk-ns-mac-1");
-    let e = h.cocoon(op, CocoonResult::ok(inspect_json("mac-1", 500, Some(3))));
+    let e = h.cocoon(op, Answer::ok(inspect_json("mac-1", 500, Some(3))));
     let (op, a) = one_macos(&e);
     assert_eq!(a, "vm start --vnc 3 vk-ns-mac-1");
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     let (op, _) = one_macos(&e);
-    let e = h.cocoon(op, CocoonResult::ok(inspect_json("mac-1", 600, Some(3))));
+    let e = h.cocoon(op, Answer::ok(inspect_json("mac-1", 600, Some(3))));
     assert!(cocoon_ops(&e).is_empty());
     // Nothing before the next round; it checks the new QEMU.
     assert!(h.advance(Duration::from_millis(9_900)).is_empty());
@@ -374,7 +374,7 @@ fn a_dead_qemu_is_restarted_by_the_watch_no_more_often_than_every_ten_seconds() 
     // The new one died at once: restarted again, 10 s after the first restart.
     let e = pid_answer(&mut h, &e, false);
     let (op, _) = one_macos(&e);
-    let e = h.cocoon(op, CocoonResult::ok(inspect_json("mac-1", 600, Some(3))));
+    let e = h.cocoon(op, Answer::ok(inspect_json("mac-1", 600, Some(3))));
     let (_, a) = one_macos(&e);
     assert!(a.starts_with("vm start"), "{a}");
 }
@@ -386,14 +386,14 @@ fn a_missing_mac_is_backfilled_by_the_watch_and_the_probe_restarted() {
     let (op, _) = one_macos(&e);
     let e = h.cocoon(
         op,
-        CocoonResult::ok(r#"{"name":"vk-ns-mac-1","pid":500,"vnc":1}"#),
+        Answer::ok(r#"{"name":"vk-ns-mac-1","pid":500,"vnc":1}"#),
     );
     pid_answer(&mut h, &e, true);
     let e = h.advance(Duration::from_secs(10));
     let e = pid_answer(&mut h, &e, true);
     let (op, a) = one_macos(&e);
     assert_eq!(a, "vm inspect vk-ns-mac-1");
-    let e = h.cocoon(op, CocoonResult::ok(inspect_json("mac-1", 500, Some(1))));
+    let e = h.cocoon(op, Answer::ok(inspect_json("mac-1", 500, Some(1))));
     assert!(e.iter().any(|x| matches!(x,
         Effect::StartProbe { mac, .. } if mac == "02:00:00:00:aa:01")));
 }
@@ -484,7 +484,7 @@ fn after_a_restart_a_macos_pod_is_adopted_by_its_create_not_left_untracked() {
     let e = p.handle(
         Input::CocoonDone {
             op,
-            result: CocoonResult::ok(inspect_json("mac-1", 500, Some(3))),
+            result: Answer::ok(inspect_json("mac-1", 500, Some(3))),
         },
         now,
         wall,

@@ -7,10 +7,10 @@ use std::time::{Duration, Instant, SystemTime};
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, PodStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
 
-use crate::provider::cocoon::{CocoonCmd, CocoonResult, VmInfo};
 use crate::provider::spec::*;
 use crate::provider::status;
 use crate::provider::*;
+use crate::vm::{Answer, CocoonCmd, VmInfo};
 
 mod check;
 mod classify;
@@ -112,7 +112,7 @@ impl H {
             };
             let answer = Input::CocoonDone {
                 op,
-                result: CocoonResult::failed("Error: snapshot list: left unanswered here"),
+                result: Answer::failed("Error: snapshot list: left unanswered here"),
             };
             out.extend(self.p.handle(answer, self.now, self.wall));
         }
@@ -132,7 +132,7 @@ impl H {
         out
     }
 
-    fn cocoon(&mut self, op: OpId, r: CocoonResult) -> Vec<Effect> {
+    fn cocoon(&mut self, op: OpId, r: Answer) -> Vec<Effect> {
         self.feed(Input::CocoonDone { op, result: r })
     }
 
@@ -201,7 +201,7 @@ fn vm_json(id: &str, name: &str, state: &str, mac: &str) -> String {
 }
 
 fn vm_info(id: &str, name: &str, state: &str) -> VmInfo {
-    crate::provider::cocoon::parse_vm(&vm_json(id, name, state, "02:00:00:00:00:01")).unwrap()
+    crate::vm::read_vm(&vm_json(id, name, state, "02:00:00:00:00:01")).unwrap()
 }
 
 fn cocoon_ops(e: &[Effect]) -> Vec<(OpId, CocoonCmd)> {
@@ -316,7 +316,7 @@ fn no_evidence(h: &mut H, e: &[Effect]) -> Vec<Effect> {
         "{}",
         argv(&cmd)
     );
-    h.cocoon(op, CocoonResult::failed("Error: snapshot not found"))
+    h.cocoon(op, Answer::failed("Error: snapshot not found"))
 }
 
 /// Answer the read of the tag a push would replace (`<vm>:hibernate` / `latest`) with "none
@@ -360,7 +360,7 @@ fn create_clone(h: &mut H, p: Pod, vm_id: &str) -> Vec<Effect> {
     let e = no_evidence(h, &e);
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), format!("snapshot rm fork-{vm_name}"));
-    let e = h.cocoon(op, CocoonResult::failed("snapshot not found"));
+    let e = h.cocoon(op, Answer::failed("snapshot not found"));
     finish_clone(h, &e, &vm_name, vm_id)
 }
 
@@ -375,16 +375,14 @@ fn finish_clone(h: &mut H, e: &[Effect], vm_name: &str, vm_id: &str) -> Vec<Effe
         assert_eq!(argv(&cmd), "snapshot inspect team/agent:v3");
         h.cocoon(
             op,
-            CocoonResult::ok(
-                r#"{"id":"S","name":"team/agent:v3","hypervisor":"cloud-hypervisor"}"#,
-            ),
+            Answer::ok(r#"{"id":"S","name":"team/agent:v3","hypervisor":"cloud-hypervisor"}"#),
         )
     };
     let (op, cmd) = one_cocoon(&e);
     assert!(argv(&cmd).starts_with(&format!("vm clone --output json --name {vm_name}")));
     let e = h.cocoon(
         op,
-        CocoonResult::ok(vm_json(vm_id, vm_name, "running", "02:00:00:00:00:01")),
+        Answer::ok(vm_json(vm_id, vm_name, "running", "02:00:00:00:00:01")),
     );
     let lop = lookup(&e).expect("lease lookup");
     h.feed(Input::LeaseLooked {
@@ -394,7 +392,7 @@ fn finish_clone(h: &mut H, e: &[Effect], vm_name: &str, vm_id: &str) -> Vec<Effe
 }
 
 /// Expect exactly one cocoon call with this argv in `e`, answer it with `r`.
-fn answer(h: &mut H, e: &[Effect], want: &str, r: CocoonResult) -> Vec<Effect> {
+fn answer(h: &mut H, e: &[Effect], want: &str, r: Answer) -> Vec<Effect> {
     let (op, cmd) = one_cocoon(e);
     assert_eq!(argv(&cmd), want);
     h.cocoon(op, r)
@@ -406,9 +404,9 @@ fn drive_to_clone(h: &mut H, p: Pod) -> (OpId, Vec<Effect>) {
     let first = h.feed(Input::PodUpserted(Box::new(p)));
     let e = no_evidence(h, &first);
     let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"S","name":"team/agent:v3"}"#));
+    let e = h.cocoon(op, Answer::ok(r#"{"id":"S","name":"team/agent:v3"}"#));
     let (op, cmd) = one_cocoon(&e);
     assert!(argv(&cmd).starts_with("vm clone"));
     (op, first)

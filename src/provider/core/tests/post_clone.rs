@@ -16,7 +16,7 @@ fn fc_vm(id: &str) -> String {
 /// Drive a managed clone of `ann` up to the clone's answer `vm`; returns its effects.
 fn clone_with(h: &mut H, ann: &[(&'static str, String)], vm: &str) -> Vec<Effect> {
     let (op, _) = drive_to_clone(h, mk("a", "u1", ann));
-    h.cocoon(op, CocoonResult::ok(vm))
+    h.cocoon(op, Answer::ok(vm))
 }
 
 fn exec_of(e: &[Effect]) -> Option<(OpId, Vec<String>, Duration)> {
@@ -78,7 +78,7 @@ fn static_ch_clone_runs_the_networkd_script_then_publishes_ready() {
     // Not Ready while the guest still has the source's network, even when it answers probes.
     assert!(!ready_in(&probe_ok(&mut h, "a", "u1")));
 
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     // `done` gets no write of its own: it rides on the lifecycle `ready` patch below.
     assert!(post_clone_states(&e).is_empty(), "{e:?}");
     assert!(events(&e)
@@ -124,21 +124,16 @@ fn firecracker_clones_are_cloned_and_fixed_instead_of_refused() {
     ann.push((ANN_BACKEND, "firecracker".into()));
     let first = h.feed(Input::PodUpserted(Box::new(mk("a", "u1", &ann))));
     let e = no_evidence(&mut h, &first);
-    let e = answer(
-        &mut h,
-        &e,
-        "snapshot rm fork-vk-ns-demo-0",
-        CocoonResult::ok(""),
-    );
+    let e = answer(&mut h, &e, "snapshot rm fork-vk-ns-demo-0", Answer::ok(""));
     let e = answer(
         &mut h,
         &e,
         "snapshot inspect team/agent:v3",
-        CocoonResult::ok(r#"{"id":"S","name":"team/agent:v3","hypervisor":"firecracker"}"#),
+        Answer::ok(r#"{"id":"S","name":"team/agent:v3","hypervisor":"firecracker"}"#),
     );
     let (op, cmd) = one_cocoon(&e);
     assert!(argv(&cmd).starts_with("vm clone"), "{}", argv(&cmd));
-    let e = h.cocoon(op, CocoonResult::ok(fc_vm("FC1")));
+    let e = h.cocoon(op, Answer::ok(fc_vm("FC1")));
     // A DHCP guest: the lease first (it names the clone's MAC), then the fix-up.
     let lop = lookup(&e).expect("lease lookup");
     let e = h.feed(Input::LeaseLooked {
@@ -150,7 +145,7 @@ fn firecracker_clones_are_cloned_and_fixed_instead_of_refused() {
         "ip link set eth0 down\nip link set eth0 address 02:00:00:00:00:07\nip link set eth0 up"
     ));
     assert!(argv[3].contains("DHCP=ipv4"));
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     assert!(events(&e)
         .iter()
         .any(|(r, m)| *r == "PostCloneSucceeded" && m == "kind=linux_fc attempts=1"));
@@ -172,7 +167,7 @@ fn failed_attempts_retry_every_three_seconds_with_a_warning_each() {
     let (op, _, _) = exec_of(&e).unwrap();
     let e = h.cocoon(
         op,
-        CocoonResult::failed("Error: exec: dial agent: connection refused"),
+        Answer::failed("Error: exec: dial agent: connection refused"),
     );
     assert!(events(&e)
         .iter()
@@ -183,13 +178,13 @@ fn failed_attempts_retry_every_three_seconds_with_a_warning_each() {
     let e = h.advance(Duration::from_millis(100));
     let (op, _, deadline) = exec_of(&e).expect("second attempt at 3 s");
     assert_eq!(deadline, Duration::from_secs(177), "the rest of the budget");
-    let e = h.cocoon(op, CocoonResult::failed("exit status 1"));
+    let e = h.cocoon(op, Answer::failed("exit status 1"));
     assert!(events(&e)
         .iter()
         .any(|(r, m)| *r == "PostCloneExecAttemptFailed" && m.starts_with("attempt 2:")));
     let e = h.advance(Duration::from_secs(3));
     let (op, _, _) = exec_of(&e).expect("third attempt");
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     assert!(events(&e)
         .iter()
         .any(|(r, m)| *r == "PostCloneSucceeded" && m.ends_with("attempts=3")));
@@ -212,7 +207,7 @@ fn exhausted_budget_marks_failed_with_hint_and_errors_and_keeps_the_vm() {
     let last = loop {
         attempts += 1;
         h.now += Duration::from_secs(10);
-        let e = h.cocoon(op, CocoonResult::failed(format!("boom {attempts}")));
+        let e = h.cocoon(op, Answer::failed(format!("boom {attempts}")));
         assert!(events(&e)
             .iter()
             .all(|(r, _)| *r != "PostCloneExecExhausted"));
@@ -287,13 +282,7 @@ fn a_hung_attempt_is_abandoned_at_the_budget() {
     let (op, _, deadline) = exec_of(&e).unwrap();
     // The daemon kills the child at its deadline, the end of the budget.
     h.now += deadline;
-    let e = h.cocoon(
-        op,
-        CocoonResult {
-            timed_out: true,
-            ..Default::default()
-        },
-    );
+    let e = h.cocoon(op, Answer::timed_out_call());
     assert!(events(&e)
         .iter()
         .any(|(r, m)| *r == "PostCloneExecExhausted"
@@ -340,7 +329,7 @@ fn windows_dhcp_clones_reset_their_nics_then_get_one_renew_nudge() {
     });
     let (op, argv, _) = exec_of(&e).expect("powershell");
     assert_eq!(argv[1..4], ["powershell", "-nop", "-c"].map(String::from));
-    let mut e = h.cocoon(op, CocoonResult::ok(""));
+    let mut e = h.cocoon(op, Answer::ok(""));
     assert!(events(&e)
         .iter()
         .any(|(r, m)| *r == "PostCloneSucceeded" && m == "kind=windows attempts=1"));
@@ -359,7 +348,7 @@ fn windows_dhcp_clones_reset_their_nics_then_get_one_renew_nudge() {
         }
         if let Some((op, argv, _)) = exec_of(&e) {
             nudges.push((h.now, argv.clone()));
-            let r = h.cocoon(op, CocoonResult::ok(""));
+            let r = h.cocoon(op, Answer::ok(""));
             assert!(has_metric(
                 &r,
                 &MetricUpdate::WakeRenewNudge { result: "ok" }
@@ -392,12 +381,12 @@ fn the_wake_mode_names_the_wake_when_the_fix_up_is_exhausted() {
     let e = create_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")), "VM1");
     assert!(statuses(&e).iter().any(|(_, s)| published(s)));
     // The wake path hands its restored VM (a static one here) to the fix-up.
-    let vm = crate::provider::cocoon::parse_vm(STATIC_VM).unwrap();
+    let vm = crate::vm::read_vm(STATIC_VM).unwrap();
     let key = PodKey::new("ns", "a");
     h.p.post_clone_or_ready_wait(&key, &vm, false, PostCloneMode::Wake);
     let e = std::mem::take(&mut h.p.out);
     let (op, _, _) = exec_of(&e).expect("wake runs the fix-up");
-    let mut e = h.cocoon(op, CocoonResult::failed("no agent"));
+    let mut e = h.cocoon(op, Answer::failed("no agent"));
     for _ in 0..100 {
         if events(&e)
             .iter()
@@ -408,7 +397,7 @@ fn the_wake_mode_names_the_wake_when_the_fix_up_is_exhausted() {
         e = h.advance(Duration::from_secs(3));
         if let Some((op, _, _)) = exec_of(&e) {
             h.now += Duration::from_secs(20);
-            e = h.cocoon(op, CocoonResult::failed("no agent"));
+            e = h.cocoon(op, Answer::failed("no agent"));
         }
     }
     assert!(events(&e)
@@ -430,7 +419,7 @@ fn a_delete_during_the_fix_up_ends_it_and_its_late_answer_is_ignored() {
         cocoon_ops(&e).iter().any(|(_, c)| argv_is(c, "vm ")),
         "the delete starts at once: {e:?}"
     );
-    let late = h.cocoon(op, CocoonResult::ok(""));
+    let late = h.cocoon(op, Answer::ok(""));
     assert!(events(&late)
         .iter()
         .all(|(r, _)| *r != "PostCloneSucceeded"));
@@ -452,7 +441,7 @@ fn restart_with(pcs: Option<&str>, vm: &str) -> Vec<Effect> {
         ledger: Default::default(),
         hold_ledger: false,
     };
-    let vm = crate::provider::cocoon::parse_vm(vm).unwrap();
+    let vm = crate::vm::read_vm(vm).unwrap();
     h.feed(Input::StartupListed {
         pods: vec![mk("a", "u1", &ann)],
         vms: vec![vm],
@@ -497,7 +486,7 @@ fn a_failed_marker_is_never_overwritten_by_running() {
     let e = clone_with(&mut h, &ann, STATIC_VM);
     let (op, _, _) = exec_of(&e).expect("the fix-up still runs");
     assert!(post_clone_states(&e).is_empty());
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     assert!(post_clone_states(&e).is_empty());
     assert!(events(&e).iter().any(|(r, _)| *r == "PostCloneSucceeded"));
 }
@@ -511,17 +500,12 @@ fn windows_clones_are_restored_by_copy_whatever_the_node_default() {
     ann.push((ANN_OS, "windows".into()));
     let first = h.feed(Input::PodUpserted(Box::new(mk("a", "u1", &ann))));
     let e = no_evidence(&mut h, &first);
-    let e = answer(
-        &mut h,
-        &e,
-        "snapshot rm fork-vk-ns-demo-0",
-        CocoonResult::ok(""),
-    );
+    let e = answer(&mut h, &e, "snapshot rm fork-vk-ns-demo-0", Answer::ok(""));
     let e = answer(
         &mut h,
         &e,
         "snapshot inspect team/agent:v3",
-        CocoonResult::ok(r#"{"id":"S","name":"team/agent:v3"}"#),
+        Answer::ok(r#"{"id":"S","name":"team/agent:v3"}"#),
     );
     let (_, cmd) = one_cocoon(&e);
     assert!(argv(&cmd).contains("--restore-mode copy"), "{}", argv(&cmd));
@@ -540,7 +524,7 @@ fn windows_static_to_sac(h: &mut H) -> (OpId, crate::guest::sac::SacPlan) {
     });
     let (op, argv, _) = exec_of(&e).expect("powershell");
     assert_eq!(argv[1], "powershell");
-    let e = h.cocoon(op, CocoonResult::ok(""));
+    let e = h.cocoon(op, Answer::ok(""));
     assert!(events(&e).iter().all(|(r, _)| *r != "PostCloneSucceeded"));
     e.iter()
         .find_map(|x| match x {
@@ -631,9 +615,9 @@ fn a_windows_guest_booted_with_a_static_nic_gets_the_sac_pass_before_ready() {
         let (op, cmd) = one_cocoon(&e);
         let a = argv(&cmd);
         e = if a.starts_with("vm run") {
-            h.cocoon(op, CocoonResult::ok(vm.clone()))
+            h.cocoon(op, Answer::ok(vm.clone()))
         } else {
-            h.cocoon(op, CocoonResult::ok(r#"{"id":"I","name":"x"}"#))
+            h.cocoon(op, Answer::ok(r#"{"id":"I","name":"x"}"#))
         };
     }
     if let Some(op) = lookup(&e) {
@@ -672,7 +656,7 @@ fn a_resumed_windows_clone_whose_fix_up_was_done_runs_the_sac_pass_again() {
         ledger: Default::default(),
         hold_ledger: false,
     };
-    let vm = crate::provider::cocoon::parse_vm(WINDOWS_STATIC_VM).unwrap();
+    let vm = crate::vm::read_vm(WINDOWS_STATIC_VM).unwrap();
     let e = h.feed(Input::StartupListed {
         pods: vec![mk("a", "u1", &ann)],
         vms: vec![vm],

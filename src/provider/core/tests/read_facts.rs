@@ -16,12 +16,7 @@ fn to_source(h: &mut H, name: &str, vm: &str, extra: &[(&'static str, String)]) 
         &ann,
     ))));
     let e = no_evidence(h, &e);
-    answer(
-        h,
-        &e,
-        &format!("snapshot rm fork-{vm}"),
-        CocoonResult::ok(""),
-    )
+    answer(h, &e, &format!("snapshot rm fork-{vm}"), Answer::ok(""))
 }
 
 fn clones(e: &[Effect]) -> usize {
@@ -38,16 +33,16 @@ fn inspects(e: &[Effect]) -> usize {
         .count()
 }
 
+/// Pod `a`'s create asks for the image's snapshot, answered with [`SNAP`]: the effects after.
+fn inspected_first_create(h: &mut H) -> Vec<Effect> {
+    let e = to_source(h, "a", "vk-ns-demo-0", &[]);
+    answer(h, &e, "snapshot inspect team/agent:v3", Answer::ok(SNAP))
+}
+
 #[test]
 fn creates_of_one_image_share_its_snapshot_inspect() {
     let mut h = H::new(ProviderConfig::default());
-    let e = to_source(&mut h, "a", "vk-ns-demo-0", &[]);
-    let e = answer(
-        &mut h,
-        &e,
-        "snapshot inspect team/agent:v3",
-        CocoonResult::ok(SNAP),
-    );
+    let e = inspected_first_create(&mut h);
     assert_eq!(clones(&e), 1);
     // The next create of the image asks nothing: it clones at once.
     let e = to_source(&mut h, "b", "vk-ns-demo-1", &[]);
@@ -58,13 +53,7 @@ fn creates_of_one_image_share_its_snapshot_inspect() {
 #[test]
 fn a_kept_snapshot_answer_ages_out() {
     let mut h = H::new(ProviderConfig::default());
-    let e = to_source(&mut h, "a", "vk-ns-demo-0", &[]);
-    answer(
-        &mut h,
-        &e,
-        "snapshot inspect team/agent:v3",
-        CocoonResult::ok(SNAP),
-    );
+    inspected_first_create(&mut h);
     h.now += Duration::from_secs(31);
     h.wall += Duration::from_secs(31);
     let e = to_source(&mut h, "b", "vk-ns-demo-1", &[]);
@@ -74,15 +63,9 @@ fn a_kept_snapshot_answer_ages_out() {
 #[test]
 fn a_failed_clone_forgets_the_kept_answers() {
     let mut h = H::new(ProviderConfig::default());
-    let e = to_source(&mut h, "a", "vk-ns-demo-0", &[]);
-    let e = answer(
-        &mut h,
-        &e,
-        "snapshot inspect team/agent:v3",
-        CocoonResult::ok(SNAP),
-    );
+    let e = inspected_first_create(&mut h);
     let (op, _) = one_cocoon(&e);
-    h.cocoon(op, CocoonResult::failed("Error: clone: snapshot not found"));
+    h.cocoon(op, Answer::failed("Error: clone: snapshot not found"));
     let e = to_source(&mut h, "b", "vk-ns-demo-1", &[]);
     assert_eq!(inspects(&e), 1, "the snapshot may be gone: {e:?}");
 }
@@ -95,13 +78,7 @@ fn a_pull_of_the_snapshot_forces_a_fresh_read() {
         registry: true,
         ..Default::default()
     });
-    let e = to_source(&mut h, "a", "vk-ns-demo-0", &[]);
-    answer(
-        &mut h,
-        &e,
-        "snapshot inspect team/agent:v3",
-        CocoonResult::ok(SNAP),
-    );
+    inspected_first_create(&mut h);
     // force-pull: the kept answer is older than this create, so the snapshot is pulled again.
     let force = [(ANN_FORCE_PULL, "true".to_string())];
     let e = to_source(&mut h, "b", "vk-ns-demo-1", &force);
@@ -120,7 +97,7 @@ fn a_pull_of_the_snapshot_forces_a_fresh_read() {
         &mut h,
         &e,
         "snapshot inspect team/agent:v3",
-        CocoonResult::ok(SNAP),
+        Answer::ok(SNAP),
     );
     assert_eq!(clones(&e), 1);
     let e = h.feed(Input::TransferDone {
@@ -131,7 +108,7 @@ fn a_pull_of_the_snapshot_forces_a_fresh_read() {
         &mut h,
         &e,
         "snapshot inspect team/agent:v3",
-        CocoonResult::ok(SNAP),
+        Answer::ok(SNAP),
     );
     let e = to_source(&mut h, "d", "vk-ns-demo-3", &[]);
     assert_eq!(inspects(&e), 1, "read again after the pull: {e:?}");
@@ -168,7 +145,7 @@ fn a_removal_or_save_of_the_snapshot_forces_a_fresh_read() {
         };
         let now = Instant::now();
         facts.read_issued(&read, now);
-        facts.read_answered(&read.argv(), &CocoonResult::ok(SNAP));
+        facts.read_answered(&read.argv(), &Answer::ok(SNAP));
         assert!(facts.answer(&read, now, &[]).is_some());
         let effect = Effect::Cocoon { op: 7, cmd: change };
         // Issued in the same input: already counted.
@@ -182,15 +159,15 @@ fn a_removal_or_save_of_the_snapshot_forces_a_fresh_read() {
         assert_eq!(facts.answer(&read, now, &[]).is_none(), drops);
         // A read while the change runs is not kept; after its answer, reads are kept again.
         facts.read_issued(&read, now);
-        facts.read_answered(&read.argv(), &CocoonResult::ok(SNAP));
+        facts.read_answered(&read.argv(), &Answer::ok(SNAP));
         assert_eq!(facts.answer(&read, now, &[]).is_none(), drops);
         let done = Input::CocoonDone {
             op: 7,
-            result: CocoonResult::ok(""),
+            result: Answer::ok(""),
         };
         facts.note_input(&done, now);
         facts.read_issued(&read, now);
-        facts.read_answered(&read.argv(), &CocoonResult::ok(SNAP));
+        facts.read_answered(&read.argv(), &Answer::ok(SNAP));
         assert!(facts.answer(&read, now, &[]).is_some());
     }
 }
@@ -204,7 +181,7 @@ fn an_image_pull_forces_a_fresh_image_read() {
     };
     let now = Instant::now();
     facts.read_issued(&read, now);
-    facts.read_answered(&read.argv(), &CocoonResult::ok("{}"));
+    facts.read_answered(&read.argv(), &Answer::ok("{}"));
     assert!(facts.answer(&read, now, &[]).is_some());
     let pull = Effect::MaterialiseImage {
         op: 3,
@@ -224,7 +201,7 @@ fn an_image_pull_forces_a_fresh_image_read() {
     facts.read_issued(&read, now);
     facts.read_answered(
         &read.argv(),
-        &CocoonResult::failed("Error: not found in any backend"),
+        &Answer::failed("Error: not found in any backend"),
     );
     assert!(facts.answer(&read, now, &[]).is_none());
 }

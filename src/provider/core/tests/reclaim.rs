@@ -39,14 +39,14 @@ fn verification(e: &[Effect]) -> Vec<(OpId, String)> {
         .collect()
 }
 
-fn listing(snaps: &[(&str, &str)]) -> CocoonResult {
+fn listing(snaps: &[(&str, &str)]) -> Answer {
     let items: Vec<String> = snaps
         .iter()
         .map(|(id, name)| {
             format!(r#"{{"id":"{id}","name":"{name}","hypervisor":"cloud-hypervisor"}}"#)
         })
         .collect();
-    CocoonResult::ok(format!("[{}]", items.join(",")))
+    Answer::ok(format!("[{}]", items.join(",")))
 }
 
 /// A node with one tracked pod (VM `vk-ns-demo-0`) and one being created (VM `vk-ns-b-0`
@@ -180,7 +180,7 @@ fn an_unreadable_listing_ends_the_run_and_the_next_one_still_comes() {
     h.quiet_reclaimer = false;
     let e = h.advance(Duration::ZERO);
     let op = snapshot_list(&e).expect("a first run at start");
-    let e = h.cocoon(op, CocoonResult::ok("{not json"));
+    let e = h.cocoon(op, Answer::ok("{not json"));
     assert!(removals(&e).is_empty() && verification(&e).is_empty());
     assert!(snapshot_list(&h.advance(EVERY)).is_some());
 }
@@ -227,12 +227,7 @@ fn a_listed_node_removes_only_the_snapshots_that_may_exist() {
     finish_clone(&mut h, &e, "vk-ns-demo-0", "VM1");
     // Listed: removed first.
     let e = fresh_create(&mut h, "b", "u2", "vk-ns-b-0");
-    let e = answer(
-        &mut h,
-        &e,
-        "snapshot rm fork-vk-ns-b-0",
-        CocoonResult::ok(""),
-    );
+    let e = answer(&mut h, &e, "snapshot rm fork-vk-ns-b-0", Answer::ok(""));
     finish_clone(&mut h, &e, "vk-ns-b-0", "VM2");
 
     // Neither VM has a local snapshot left: a delete is the VM's removal and the object's.
@@ -241,12 +236,7 @@ fn a_listed_node_removes_only_the_snapshots_that_may_exist() {
         ("b", "u2", "vk-ns-b-0", "VM2"),
     ] {
         let e = delete(&mut h, name, uid, vm);
-        let e = answer(
-            &mut h,
-            &e,
-            &format!("vm rm --force {id}"),
-            CocoonResult::ok(""),
-        );
+        let e = answer(&mut h, &e, &format!("vm rm --force {id}"), Answer::ok(""));
         assert!(cocoon_ops(&e).is_empty(), "{vm}: {e:?}");
         assert_eq!(deletes(&e).len(), 1, "{vm}: {e:?}");
     }
@@ -264,19 +254,19 @@ fn a_snapshot_saved_while_the_listing_runs_is_still_removed_at_delete() {
         &mut h,
         &e,
         "snapshot rm fork-vk-ns-demo-0",
-        CocoonResult::failed("Error: rm: resolve \"fork-vk-ns-demo-0\": snapshot not found"),
+        Answer::failed("Error: rm: resolve \"fork-vk-ns-demo-0\": snapshot not found"),
     );
     finish_clone(&mut h, &e, "vk-ns-demo-0", "VM1");
 
     let p = super::delete::deleting_pod(super::delete::main_snapshotted_pod(), true);
     let e = h.feed(Input::PodUpserted(Box::new(p)));
     let running = vm_json("VM1", "vk-ns-demo-0", "running", "02:00:00:00:00:01");
-    let e = answer(&mut h, &e, "vm inspect VM1", CocoonResult::ok(running));
+    let e = answer(&mut h, &e, "vm inspect VM1", Answer::ok(running));
     let (save, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "snapshot save --name vk-ns-demo-0 VM1");
     // The listing was taken before the save landed: it shows neither snapshot.
     h.cocoon(list, listing(&[]));
-    let e = h.cocoon(save, CocoonResult::ok(""));
+    let e = h.cocoon(save, Answer::ok(""));
     let e = no_tag_yet(&mut h, e);
     let push = e.iter().find_map(|x| match x {
         Effect::PushSnapshot { op, .. } => Some(*op),
@@ -286,9 +276,9 @@ fn a_snapshot_saved_while_the_listing_runs_is_still_removed_at_delete() {
         op: push.expect("a push"),
         result: Ok(String::new()),
     });
-    let e = answer(&mut h, &e, "vm rm --force VM1", CocoonResult::ok(""));
+    let e = answer(&mut h, &e, "vm rm --force VM1", Answer::ok(""));
     // The saved snapshot goes; the fork snapshot, removed at the create, is not looked for.
-    let e = answer(&mut h, &e, "snapshot rm vk-ns-demo-0", CocoonResult::ok(""));
+    let e = answer(&mut h, &e, "snapshot rm vk-ns-demo-0", Answer::ok(""));
     assert!(cocoon_ops(&e).is_empty(), "{e:?}");
     assert_eq!(deletes(&e).len(), 1, "{e:?}");
 }

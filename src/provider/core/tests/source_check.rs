@@ -20,7 +20,7 @@ fn run_url(h: &mut H, name: &str, url: &str) -> Vec<Effect> {
         "{}",
         argv(&cmd)
     );
-    h.cocoon(op, CocoonResult::ok(""))
+    h.cocoon(op, Answer::ok(""))
 }
 
 fn check_of(e: &[Effect]) -> (OpId, SourceCheck) {
@@ -154,7 +154,7 @@ fn clone_dir(h: &mut H, name: &str, dir: &str) -> Vec<Effect> {
     let e = h.feed(Input::PodUpserted(Box::new(mk(name, "u1", &ann))));
     let e = no_evidence(h, &e);
     let (op, _) = one_cocoon(&e);
-    h.cocoon(op, CocoonResult::ok(""))
+    h.cocoon(op, Answer::ok(""))
 }
 
 fn dir_refused(e: &[Effect], what: &str) {

@@ -40,7 +40,7 @@ fn startup_adopts_by_id_and_name_and_destroys_orphans() {
     });
     let (op, cmd) = one_cocoon(&e);
     assert_eq!(argv(&cmd), "vm reconcile-stale-create -o json V4");
-    let e = h.cocoon(op, CocoonResult::ok(r#"{"id":"V4","outcome":"collected"}"#));
+    let e = h.cocoon(op, Answer::ok(r#"{"id":"V4","outcome":"collected"}"#));
     assert!(has_metric(
         &e,
         &MetricUpdate::StaleCreateReconcile {
@@ -252,7 +252,7 @@ fn a_running_pod_whose_vm_vanished_across_a_restart_is_evicted_not_recreated() {
         let (op, cmd) = one_cocoon(&e);
         assert_eq!(argv(&cmd), format!("vm inspect {reference}"));
         assert!(statuses(&e).is_empty(), "{e:?}");
-        let e = h.cocoon(op, CocoonResult::failed("Error: inspect: VM not found"));
+        let e = h.cocoon(op, Answer::failed("Error: inspect: VM not found"));
         assert!(cocoon_ops(&e).is_empty(), "no clone in place: {e:?}");
         let st = statuses(&e);
         assert_eq!(st.len(), 1, "{e:?}");
@@ -412,13 +412,13 @@ fn a_vm_removed_or_stopped_during_the_startup_reconcile_is_checked_once_it_ends(
         (
             VmEventKind::Deleted,
             "running",
-            CocoonResult::failed("Error: inspect: vm V1: VM not found"),
+            Answer::failed("Error: inspect: vm V1: VM not found"),
             None,
         ),
         (
             VmEventKind::Modified,
             "stopped",
-            CocoonResult::ok(vm_json(
+            Answer::ok(vm_json(
                 "V1",
                 "vk-ns-demo-0",
                 "stopped",
@@ -453,10 +453,7 @@ fn a_vm_removed_or_stopped_during_the_startup_reconcile_is_checked_once_it_ends(
             vm: vm_info("V1", "vk-ns-demo-0", state),
         });
         assert!(e.is_empty(), "{e:?}");
-        let e = h.cocoon(
-            stale,
-            CocoonResult::ok(r#"{"id":"V4","outcome":"collected"}"#),
-        );
+        let e = h.cocoon(stale, Answer::ok(r#"{"id":"V4","outcome":"collected"}"#));
         let e = answer(&mut h, &e, "vm inspect V1", found);
         match next {
             Some(cmd) => assert_eq!(argv(&one_cocoon(&e).1), cmd, "{e:?}"),
@@ -491,10 +488,10 @@ fn an_unrecorded_pod_on_a_stopped_vm_is_published_ready_after_its_restart() {
         vec![vm_info("V1", "vk-ns-demo-0", "stopped")],
     );
     let stopped = vm_json("V1", "vk-ns-demo-0", "stopped", "02:00:00:00:00:01");
-    let e = answer(&mut h, &e, "vm inspect V1", CocoonResult::ok(stopped));
-    let e = answer(&mut h, &e, "vm start V1", CocoonResult::ok(""));
+    let e = answer(&mut h, &e, "vm inspect V1", Answer::ok(stopped));
+    let e = answer(&mut h, &e, "vm start V1", Answer::ok(""));
     let running = vm_json("V1", "vk-ns-demo-0", "running", "02:00:00:00:00:01");
-    let e = answer(&mut h, &e, "vm inspect V1", CocoonResult::ok(running));
+    let e = answer(&mut h, &e, "vm inspect V1", Answer::ok(running));
     let (op, st) = statuses(&e).pop().expect("Ready published");
     assert_eq!(st.phase.as_deref(), Some("Running"), "{st:?}");
     let e = h.kube_ok(op);
@@ -516,7 +513,7 @@ fn a_stale_create_watch_that_ends_leaves_no_record() {
         );
         let (op, cmd) = one_cocoon(&e);
         assert_eq!(argv(&cmd), "vm reconcile-stale-create -o json V4");
-        h.cocoon(op, CocoonResult::ok(r#"{"id":"V4","outcome":"busy"}"#));
+        h.cocoon(op, Answer::ok(r#"{"id":"V4","outcome":"busy"}"#));
         // The watch's first look comes after its first delay.
         let e = h.advance(Duration::from_secs(2));
         let (op, cmd) = one_cocoon(&e);
@@ -524,14 +521,14 @@ fn a_stale_create_watch_that_ends_leaves_no_record() {
         assert_eq!(h.p.table_sizes()["stale_watch_state"], 1);
         let e = h.cocoon(
             op,
-            CocoonResult::ok(format!(r#"{{"id":"V4","outcome":"{outcome}"}}"#)),
+            Answer::ok(format!(r#"{{"id":"V4","outcome":"{outcome}"}}"#)),
         );
         if let Some(state) = inspect {
             let (op, cmd) = one_cocoon(&e);
             assert_eq!(argv(&cmd), "vm inspect V4");
             h.cocoon(
                 op,
-                CocoonResult::ok(vm_json("V4", "vk-ns-half-0", state, "02:00:00:00:00:04")),
+                Answer::ok(vm_json("V4", "vk-ns-half-0", state, "02:00:00:00:00:04")),
             );
         }
         assert_eq!(h.p.table_sizes()["stale_watch_state"], 0, "{outcome}");

@@ -80,14 +80,14 @@ fn no_local_copy_then(
         h,
         e,
         &format!("snapshot inspect {VM}"),
-        CocoonResult::failed("Error: snapshot not found"),
+        Answer::failed("Error: snapshot not found"),
     );
     let op = evidence_op(&e);
     h.feed(Input::HibernateEvidence { op, result: found })
 }
 
-fn local_snapshot(id: &str) -> CocoonResult {
-    CocoonResult::ok(format!(
+fn local_snapshot(id: &str) -> Answer {
+    Answer::ok(format!(
         r#"{{"id":"{id}","name":"{VM}","image":"team/agent:v3","hypervisor":"cloud-hypervisor"}}"#
     ))
 }
@@ -113,7 +113,7 @@ fn clone_answers(h: &mut H, e: &[Effect], source: &str) -> Vec<Effect> {
     assert!(a.ends_with(&format!(" {source}")), "{a}");
     let e = h.cocoon(
         op,
-        CocoonResult::ok(vm_json("VM2", VM, "running", "02:00:00:00:00:02")),
+        Answer::ok(vm_json("VM2", VM, "running", "02:00:00:00:00:02")),
     );
     assert!(e
         .iter()
@@ -184,17 +184,12 @@ fn a_stale_local_copy_is_removed_and_the_tag_pulled() {
         &e,
         &MetricUpdate::SnapshotVerify { result: "stale" }
     ));
-    let e = answer(
-        &mut h,
-        &e,
-        &format!("snapshot rm {VM}"),
-        CocoonResult::ok(""),
-    );
+    let e = answer(&mut h, &e, &format!("snapshot rm {VM}"), Answer::ok(""));
     let e = answer(
         &mut h,
         &e,
         &format!("snapshot rm fork-{VM}"),
-        CocoonResult::ok(""),
+        Answer::ok(""),
     );
     let op = pull_op(&mut h, &e);
     let e = h.feed(Input::TransferDone {
@@ -205,7 +200,7 @@ fn a_stale_local_copy_is_removed_and_the_tag_pulled() {
         &mut h,
         &e,
         &format!("snapshot inspect {IMPORT}"),
-        CocoonResult::ok(format!(
+        Answer::ok(format!(
             r#"{{"id":"S-new","name":"{IMPORT}","image":"team/agent:v3"}}"#
         )),
     );
@@ -217,7 +212,7 @@ fn a_stale_local_copy_is_removed_and_the_tag_pulled() {
     );
     let e = h.cocoon(
         op,
-        CocoonResult::ok(vm_json("VM2", VM, "running", "02:00:00:00:00:02")),
+        Answer::ok(vm_json("VM2", VM, "running", "02:00:00:00:00:02")),
     );
     // The import is removed once it served the clone.
     assert!(cocoon_ops(&e)
@@ -290,20 +285,20 @@ fn a_failed_pull_or_clone_is_reported_as_such() {
         &mut h,
         &e,
         &format!("snapshot inspect {IMPORT}"),
-        CocoonResult::ok(format!(r#"{{"id":"S1","name":"{IMPORT}"}}"#)),
+        Answer::ok(format!(r#"{{"id":"S1","name":"{IMPORT}"}}"#)),
     );
     let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::failed("Error: clone: restore failed"));
+    let e = h.cocoon(op, Answer::failed("Error: clone: restore failed"));
     assert!(cocoon_ops(&e)
         .iter()
         .any(|(_, c)| argv(c) == format!("snapshot rm {IMPORT}")));
-    let e = answer_leftover_lookup(&mut h, &e, CocoonResult::failed("Error: vm not found"));
+    let e = answer_leftover_lookup(&mut h, &e, Answer::failed("Error: vm not found"));
     assert!(events(&e).iter().any(|(r, _)| *r == "WakeCloneFailed"));
 }
 
 /// After a failed clone the wake looks for a record it left under the VM name (the import's
 /// removal runs beside it): answers that `vm inspect` with `r`.
-fn answer_leftover_lookup(h: &mut H, e: &[Effect], r: CocoonResult) -> Vec<Effect> {
+fn answer_leftover_lookup(h: &mut H, e: &[Effect], r: Answer) -> Vec<Effect> {
     let inspect = cocoon_ops(e)
         .into_iter()
         .filter(|(_, c)| !argv(c).starts_with("snapshot rm"))
@@ -335,24 +330,21 @@ fn wake_clone_killed_leaving(h: &mut H, state: &str) -> Vec<Effect> {
     let e = wake_to_verified_clone(h);
     let (op, cmd) = one_cocoon(&e);
     assert!(argv(&cmd).starts_with("vm clone"));
-    let killed = CocoonResult {
-        timed_out: true,
-        ..CocoonResult::failed("")
-    };
+    let killed = Answer::timed_out_call();
     let e = h.cocoon(op, killed);
     assert!(
         !events(&e).iter().any(|(r, _)| *r == "WakeCloneFailed"),
         "not reported before the lookup"
     );
     let leftover = vm_json("VM2", VM, state, "02:00:00:00:00:02");
-    answer_leftover_lookup(h, &e, CocoonResult::ok(leftover))
+    answer_leftover_lookup(h, &e, Answer::ok(leftover))
 }
 
 #[test]
 fn a_failed_wake_clone_removes_the_record_it_left_before_the_retry() {
     let mut h = H::new(registry());
     let e = wake_clone_killed_leaving(&mut h, "created");
-    let e = answer(&mut h, &e, "vm rm --force VM2", CocoonResult::ok(""));
+    let e = answer(&mut h, &e, "vm rm --force VM2", Answer::ok(""));
     assert!(events(&e).iter().any(|(r, _)| *r == "WakeCloneFailed"));
     assert!(has_metric(&e, &MetricUpdate::Wake { result: "failed" }));
     assert!(h.p.pod_vm(&key()).is_none());
@@ -466,7 +458,7 @@ fn create_restores_a_pod_whose_tag_another_daemon_pushed() {
         &mut h,
         &e,
         &format!("snapshot inspect {IMPORT}"),
-        CocoonResult::ok(format!(r#"{{"id":"S9","name":"{IMPORT}"}}"#)),
+        Answer::ok(format!(r#"{{"id":"S9","name":"{IMPORT}"}}"#)),
     );
     let e = clone_answers(&mut h, &e, IMPORT);
     assert!(has_metric(
@@ -518,14 +510,14 @@ fn an_explicit_restore_without_evidence_still_looks_for_a_source() {
         &mut h,
         &e,
         &format!("snapshot inspect {VM}"),
-        CocoonResult::failed("Error: snapshot not found"),
+        Answer::failed("Error: snapshot not found"),
     );
     // No evidence; the restore still asks for the local snapshot and reports its absence.
     let e = answer(
         &mut h,
         &e,
         &format!("snapshot inspect {VM}"),
-        CocoonResult::failed("Error: snapshot not found"),
+        Answer::failed("Error: snapshot not found"),
     );
     assert!(events(&e)
         .iter()
@@ -596,9 +588,9 @@ fn a_failed_clone_from_a_peer_copy_removes_the_copy() {
         result: Ok(STAGED.into()),
     });
     let (cop, _) = one_cocoon(&e);
-    let e = h.cocoon(cop, CocoonResult::failed("Error: clone failed: disk full"));
+    let e = h.cocoon(cop, Answer::failed("Error: clone failed: disk full"));
     assert_eq!(staged_removals(&e), vec![STAGED]);
-    let e = answer_leftover_lookup(&mut h, &e, CocoonResult::failed("Error: vm not found"));
+    let e = answer_leftover_lookup(&mut h, &e, Answer::failed("Error: vm not found"));
     assert!(events(&e).iter().any(|(r, _)| *r == "WakeCloneFailed"));
 }
 
@@ -634,7 +626,7 @@ fn a_clone_answer_after_the_pods_delete_still_removes_the_copy() {
     assert!(staged_removals(&e).is_empty());
     let e = h.cocoon(
         cop,
-        CocoonResult::ok(vm_json("VM2", VM, "running", "02:00:00:00:00:02")),
+        Answer::ok(vm_json("VM2", VM, "running", "02:00:00:00:00:02")),
     );
     assert_eq!(staged_removals(&e), vec![STAGED]);
 }
@@ -662,7 +654,7 @@ fn a_tag_pushed_by_this_node_skips_the_peer() {
         &mut h,
         &e,
         &format!("snapshot inspect {VM}"),
-        CocoonResult::failed("Error: snapshot not found"),
+        Answer::failed("Error: snapshot not found"),
     );
     let op = evidence_op(&e);
     let own = HibernateTag {
@@ -705,7 +697,7 @@ fn a_restore_whose_pod_was_edited_meanwhile_still_publishes_ready() {
         &mut h,
         &e,
         &format!("snapshot inspect {IMPORT}"),
-        CocoonResult::ok(format!(r#"{{"id":"S9","name":"{IMPORT}"}}"#)),
+        Answer::ok(format!(r#"{{"id":"S9","name":"{IMPORT}"}}"#)),
     );
     let mut e = clone_answers(&mut h, &e, IMPORT);
     e.extend(probe_ok(&mut h, "a", "u1"));
