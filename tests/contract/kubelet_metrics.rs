@@ -170,14 +170,8 @@ fn own_families_are_the_registry_text() {
 /// between two other requests gets its three answers in order.
 #[test]
 fn cadvisor_scrapes_wait_for_the_render_off_the_loop_and_keep_their_order() {
-    let sleeper = Kill(
-        Command::new("sleep")
-            .arg("60")
-            .stdin(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let pid = sleeper.0.id();
+    let sleeper = Sleeper::start();
+    let pid = sleeper.pid();
     let pods: Vec<_> = (0..300)
         .map(|i| pod("ns1", &format!("p{i}"), Some((&format!("vm-{i}"), pid))))
         .collect();

@@ -197,14 +197,37 @@ impl Default for Options {
 pub struct Sleeper(std::process::Child);
 
 impl Sleeper {
+    /// Returns once the process sleeps with the same RSS twice in a row: right after exec the
+    /// loader is still faulting pages in, and a test comparing a scrape with /proc would race it.
     pub fn start() -> Sleeper {
-        Sleeper(
+        let sleeper = Sleeper(
             std::process::Command::new("sleep")
                 .arg("60")
                 .stdin(std::process::Stdio::null())
                 .spawn()
                 .expect("spawn sleep"),
-        )
+        );
+        let stat = format!("/proc/{}/stat", sleeper.pid());
+        // State and RSS: fields 3 and 24, counted after the `)` closing the command name.
+        let read = || {
+            let text = std::fs::read_to_string(&stat).ok()?;
+            let fields: Vec<String> = text[text.rfind(')')? + 2..]
+                .split(' ')
+                .map(str::to_string)
+                .collect();
+            Some((fields.first()?.clone(), fields.get(21)?.clone()))
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let mut last = read();
+        while std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+            let now = read();
+            if now.as_ref().is_some_and(|(state, _)| state == "S") && now == last {
+                break;
+            }
+            last = now;
+        }
+        sleeper
     }
 
     pub fn pid(&self) -> u32 {
