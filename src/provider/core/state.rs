@@ -262,6 +262,8 @@ pub(super) struct EvictOp {
     pub(super) cause: EvictCause,
     pub(super) step: EvictStep,
     pub(super) attempts: u32,
+    /// The DELETE went with grace 0 (the pod was being deleted already): it ends the object.
+    pub(super) grace0: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
