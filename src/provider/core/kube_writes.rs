@@ -373,6 +373,11 @@ impl Provider {
         let Some(t) = slot.tracked.as_ref() else {
             return;
         };
+        // An eviction wrote the pod's last status (Failed): a probe answer or a drift pass
+        // while its DELETE is out must not write Running over it (nor after a grace-0 one).
+        if matches!(slot.op(), Some(Op::Evict(_))) {
+            return;
+        }
         let st = self.compute_status(slot, t);
         let sum = status::summary(&st);
         if !force && slot.last_pushed.as_ref() == Some(&sum) {
