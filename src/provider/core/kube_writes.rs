@@ -1,25 +1,30 @@
 //! Kube writes: pod status and annotation patches with their retries, lifecycle records,
 //! the Ready publication, and the periodic drift and lifecycle re-flush.
 //!
-//! The writes of one managed pod from ADDED to Running, and why each exists (the kube lane
-//! merges a queued annotation patch into the one before it and a newer status replaces a
-//! queued older one, so under backlog fewer reach the API server):
-//! 1. `lifecycle-state=creating` (annotations, at the create's start): a restarted daemon
-//!    finds a create in flight and resumes or settles it, rather than taking the VM it left
-//!    for an orphan or the pod for a new one.
-//! 2. `vm.cocoonstack.io/id` and `ip`, with the current lifecycle triple (annotations, once
-//!    the VM exists): the pod names its VM, which the startup reconcile adopts by ID and
-//!    users, exec and logs address; the triple keeps an earlier attempt's `failed` from
-//!    standing beside the new VM. A clone that needs a post-clone fix-up issues
-//!    post-clone-state `running` in the same input, which the lane merges into this patch:
-//!    the marker is on the pod before the guest is touched.
-//! 3. The Running status with Ready (status, after the first successful probe): the cluster
-//!    sees only what the daemon pushes. A clone being fixed up shows Running, not Ready, while
-//!    the fix-up runs (a queued one is replaced by the Ready one).
-//! 4. `lifecycle-state=ready` (annotations, only after write 3 landed): a restart never
-//!    claims a Ready that the cluster did not see. It also carries post-clone-state `done`,
-//!    which has no write of its own: a crash before it leaves `running`, and the restart runs
-//!    the fix-up again, which only sets what it set before.
+//! The writes of one managed pod from ADDED to Running on the plain path (a fresh pod, a
+//! create that is Ready within `STATUS_HOLD`), and why each exists (the kube lane merges a
+//! queued annotation patch into the one before it and a newer status replaces a queued older
+//! one, so under backlog fewer reach the API server):
+//! 1. The Running status with Ready (status, after the first successful probe): the cluster
+//!    sees only what the daemon pushes.
+//! 2. `vm.cocoonstack.io/id` and `ip`, lifecycle `ready` and, after a fix-up, post-clone-state
+//!    `done` (one annotation patch, only after write 1 landed): a restart never claims a Ready
+//!    that the cluster did not see; the pod names its VM, which users, exec and logs address.
+//!
+//! The writes that went, and the durable record that stands for each:
+//! - `lifecycle-state=creating` at the create's start: the ownership ledger's record of the VM
+//!   for the pod's uid (`owners.json`, durable before the clone) with the VM of the pod's name
+//!   in cocoon's list. A restart adopts that VM by name and resumes the create (fix-up or IP
+//!   wait) instead of publishing Ready at once (`ledger_create`). A pod that carries a record
+//!   (an earlier attempt's `failed`, a wake's state) still gets its `creating` written, so that
+//!   record does not stand beside this attempt.
+//! - The early `id` / `ip` patch: the same ledger record and the VM's name; a restart before
+//!   write 2 adopts by name (and re-writes id / ip, as any adoption by name does).
+//! - post-clone-state `running` before a clone's fix-up: no marker means the restart runs the
+//!   fix-up the clone needs again, which only sets what it set before. It is still written
+//!   for a wake (a woken guest's dropped NIC must not be cycled) and over an earlier marker.
+//! - The non-final statuses (Pending, Running not Ready): held for `STATUS_HOLD`; a create not
+//!   Ready by then writes its current status, so a slow one still shows progress.
 //!
 //! A delete writes two: the terminal status (the pod's last phase is recorded before the
 //! object goes) and the DELETE with grace 0 once the VM is removed (the daemon, not the
