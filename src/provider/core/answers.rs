@@ -309,6 +309,7 @@ impl Provider {
                     self.stale_watch_tick(vm, delay, until)
                 }
                 TimerEntry::Adopt => self.adopt_chunk(),
+                TimerEntry::StatusHold { key, uid } => self.status_hold_ended(&key, &uid),
             }
         }
     }

@@ -81,12 +81,11 @@ impl Provider {
         ann.insert(ANN_VM_ID.to_string(), Some(vm.id.clone()));
         ann.insert(ANN_VM_IP.to_string(), Some(ip.clone()));
         if spec.managed {
-            // The id/ip patch carries this attempt's lifecycle triple too, so the API never
-            // shows this VM beside an earlier attempt's `failed` that a restart would trust.
-            if let Some(intent) = self.slot(key).intent.as_ref().filter(|i| i.uid == uid) {
-                ann.extend(intent.patch());
-            }
-            self.send_annotations(key, &uid, ann, false);
+            // No write of their own: id / ip ride on the pod's next annotation patch, normally
+            // the lifecycle `ready` after the Ready status (a fix-up's `running` marker or a
+            // `failed` if one comes first). A restart before it finds the VM by the pod's
+            // name, recorded for the pod's uid in the ownership ledger, and adopts it.
+            self.owe_annotations(key, &uid, ann);
         }
         if spec.managed {
             self.by_name.insert(spec.vm_name.clone(), vm.clone());
@@ -354,6 +353,10 @@ impl Provider {
             let mut ann = BTreeMap::new();
             ann.insert(ANN_VM_ID.to_string(), Some(vm_id));
             ann.insert(ANN_VM_IP.to_string(), Some(ip.to_string()));
+            // Not written yet (a create's id / ip wait for its `ready`): the new ip waits too.
+            if self.vm_id_owed(key, &uid) {
+                return self.owe_annotations(key, &uid, ann);
+            }
             self.send_annotations(key, &uid, ann, false);
         }
     }

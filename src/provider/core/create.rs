@@ -69,7 +69,8 @@ impl Provider {
             });
             slot.failures
         };
-        self.set_lifecycle(key, State::Creating, "");
+        self.begin_creating(key);
+        self.hold_statuses(key, &uid);
         if macos::is_macos(&spec) {
             return self.macos_create(key, uid, spec);
         }

@@ -16,6 +16,7 @@ impl Provider {
                 cause,
                 step: EvictStep::Remove,
                 attempts: 0,
+                grace0: false,
             }),
         );
         if remove {
@@ -54,15 +55,25 @@ impl Provider {
         let Some(Op::Evict(e)) = self.slot(key).op().cloned() else {
             return;
         };
+        let grace0 = self
+            .slot(key)
+            .latest
+            .as_deref()
+            .is_some_and(|p| pod_uid(p) == e.uid && deleting(p));
         if let Some(Op::Evict(x)) = self.slot(key).op_mut() {
             x.attempts += 1;
+            x.grace0 = grace0;
         }
+        // A pod already being deleted (its delete waited on a push when the VM went) ends
+        // with grace 0, as any delete of ours does: a DELETE with no grace only restates the
+        // deletion it is in, and the object would stay terminating.
+        let grace = grace0.then_some(0);
         let (uid, k) = (e.uid.clone(), key.clone());
         let ask = Ask::effect(move |op| Effect::DeletePod {
             op,
             key: k,
             uid,
-            grace: None,
+            grace,
         });
         self.advance(key, EvictStep::Delete, ask);
     }
@@ -114,7 +125,13 @@ impl Provider {
                     // The VM is gone with its pod: so is its restart cooldown.
                     self.last_restart.remove(&vm.id);
                     let uid = e.uid.clone();
-                    self.slot(key).idle = Idle::Evicted(uid);
+                    // A pod that was being deleted went with grace 0: like any grace-0
+                    // delete of ours, only its DELETED is owed (no second delete of it).
+                    self.slot(key).idle = if e.grace0 {
+                        Idle::ApiDeleted(uid)
+                    } else {
+                        Idle::Evicted(uid)
+                    };
                     self.forget(key, true);
                     self.end_op(key);
                 }

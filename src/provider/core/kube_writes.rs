@@ -1,25 +1,30 @@
 //! Kube writes: pod status and annotation patches with their retries, lifecycle records,
 //! the Ready publication, and the periodic drift and lifecycle re-flush.
 //!
-//! The writes of one managed pod from ADDED to Running, and why each exists (the kube lane
-//! merges a queued annotation patch into the one before it and a newer status replaces a
-//! queued older one, so under backlog fewer reach the API server):
-//! 1. `lifecycle-state=creating` (annotations, at the create's start): a restarted daemon
-//!    finds a create in flight and resumes or settles it, rather than taking the VM it left
-//!    for an orphan or the pod for a new one.
-//! 2. `vm.cocoonstack.io/id` and `ip`, with the current lifecycle triple (annotations, once
-//!    the VM exists): the pod names its VM, which the startup reconcile adopts by ID and
-//!    users, exec and logs address; the triple keeps an earlier attempt's `failed` from
-//!    standing beside the new VM. A clone that needs a post-clone fix-up issues
-//!    post-clone-state `running` in the same input, which the lane merges into this patch:
-//!    the marker is on the pod before the guest is touched.
-//! 3. The Running status with Ready (status, after the first successful probe): the cluster
-//!    sees only what the daemon pushes. A clone being fixed up shows Running, not Ready, while
-//!    the fix-up runs (a queued one is replaced by the Ready one).
-//! 4. `lifecycle-state=ready` (annotations, only after write 3 landed): a restart never
-//!    claims a Ready that the cluster did not see. It also carries post-clone-state `done`,
-//!    which has no write of its own: a crash before it leaves `running`, and the restart runs
-//!    the fix-up again, which only sets what it set before.
+//! The writes of one managed pod from ADDED to Running on the plain path (a fresh pod, a
+//! create that is Ready within `STATUS_HOLD`), and why each exists (the kube lane merges a
+//! queued annotation patch into the one before it and a newer status replaces a queued older
+//! one, so under backlog fewer reach the API server):
+//! 1. The Running status with Ready (status, after the first successful probe): the cluster
+//!    sees only what the daemon pushes.
+//! 2. `vm.cocoonstack.io/id` and `ip`, lifecycle `ready` and, after a fix-up, post-clone-state
+//!    `done` (one annotation patch, only after write 1 landed): a restart never claims a Ready
+//!    that the cluster did not see; the pod names its VM, which users, exec and logs address.
+//!
+//! The writes that went, and the durable record that stands for each:
+//! - `lifecycle-state=creating` at the create's start: the ownership ledger's record of the VM
+//!   for the pod's uid (`owners.json`, durable before the clone) with the VM of the pod's name
+//!   in cocoon's list. A restart adopts that VM by name and resumes the create (fix-up or IP
+//!   wait) instead of publishing Ready at once (`ledger_create`). A pod that carries a record
+//!   (an earlier attempt's `failed`, a wake's state) still gets its `creating` written, so that
+//!   record does not stand beside this attempt.
+//! - The early `id` / `ip` patch: the same ledger record and the VM's name; a restart before
+//!   write 2 adopts by name (and re-writes id / ip, as any adoption by name does).
+//! - post-clone-state `running` before a clone's fix-up: no marker means the restart runs the
+//!   fix-up the clone needs again, which only sets what it set before. It is still written
+//!   for a wake (a woken guest's dropped NIC must not be cycled) and over an earlier marker.
+//! - The non-final statuses (Pending, Running not Ready): held for `STATUS_HOLD`; a create not
+//!   Ready by then writes its current status, so a slow one still shows progress.
 //!
 //! A delete writes two: the terminal status (the pod's last phase is recorded before the
 //! object goes) and the DELETE with grace 0 once the VM is removed (the daemon, not the
@@ -37,7 +42,10 @@ impl Provider {
     ) {
         let op = self.op_id();
         let st = Arc::new(st);
-        self.slot(key).shown = Some((uid.to_string(), st.clone()));
+        let slot = self.slot(key);
+        slot.shown = Some((uid.to_string(), st.clone()));
+        // A status written ends the create's hold: what it held is older than this one.
+        slot.status_hold = None;
         let effect = Effect::PatchPodStatus {
             op,
             key: key.clone(),
@@ -221,6 +229,92 @@ impl Provider {
         true
     }
 
+    /// A create's `creating`. A fresh pod (no lifecycle record on it, none in memory for its
+    /// uid) keeps it in memory only: the ownership ledger's record, durable before the clone,
+    /// names the pod's uid beside its VM, and a restart takes that for the create in flight
+    /// (`ledger_create`). A pod with a record (an earlier attempt's `failed`, a wake's state)
+    /// has it written, so that record does not stand while this attempt runs.
+    pub(super) fn begin_creating(&mut self, key: &PodKey) {
+        let slot = self.slot(key);
+        let Some(t) = slot.tracked.as_ref() else {
+            return;
+        };
+        let recorded = |p: &Pod| {
+            p.metadata
+                .annotations
+                .as_ref()
+                .is_some_and(|a| a.contains_key(spec::ANN_LIFECYCLE_STATE))
+        };
+        let fresh = slot.intent.as_ref().is_none_or(|i| i.uid != t.uid)
+            && !recorded(&t.pod)
+            && !slot
+                .latest
+                .as_deref()
+                .is_some_and(|p| pod_uid(p) == t.uid && recorded(p));
+        if !fresh {
+            self.set_lifecycle(key, State::Creating, "");
+            return;
+        }
+        let gen = lifecycle_generation(slot, t);
+        if let Some(mut next) = lifecycle::apply(None, &t.uid, State::Creating, gen, "") {
+            // Not written, and not to be: the pod shows no lifecycle until its `ready` (or
+            // `failed`), and the lifecycle reconciler has nothing to re-flush.
+            next.flushed = true;
+            slot.intent = Some(next);
+        }
+    }
+
+    /// The hold of a create's non-final statuses begins (see `STATUS_HOLD`).
+    pub(super) fn hold_statuses(&mut self, key: &PodKey, uid: &str) {
+        self.slot(key).status_hold = Some(uid.to_string());
+        let at = self.now + STATUS_HOLD;
+        let (key, uid) = (key.clone(), uid.to_string());
+        self.arm(at, TimerEntry::StatusHold { key, uid });
+    }
+
+    /// The hold ended with no status written since: the pod's current one is written now
+    /// (unless the incarnation went or is being deleted: its delete writes its own).
+    pub(super) fn status_hold_ended(&mut self, key: &PodKey, uid: &str) {
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        if slot.status_hold.as_deref() != Some(uid) {
+            return;
+        }
+        slot.status_hold = None;
+        let live = slot.tracked.as_ref().is_some_and(|t| t.uid == uid)
+            && slot
+                .latest
+                .as_deref()
+                .is_some_and(|p| pod_uid(p) == uid && !deleting(p));
+        if live {
+            self.push_status(key, false);
+        }
+    }
+
+    /// Annotations of an incarnation that ride on its next annotation patch (merged with any
+    /// already owed; the newer value of a key wins).
+    pub(super) fn owe_annotations(
+        &mut self,
+        key: &PodKey,
+        uid: &str,
+        ann: BTreeMap<String, Option<String>>,
+    ) {
+        let slot = self.slot(key);
+        match slot.owed_annotations.as_mut() {
+            Some((owed_uid, owed)) if owed_uid == uid => owed.extend(ann),
+            _ => slot.owed_annotations = Some((uid.to_string(), ann)),
+        }
+    }
+
+    /// Whether the VM id / ip of this incarnation are owed to its next annotation patch.
+    pub(super) fn vm_id_owed(&self, key: &PodKey, uid: &str) -> bool {
+        self.slots
+            .get(key)
+            .and_then(|s| s.owed_annotations.as_ref())
+            .is_some_and(|(u, owed)| u == uid && owed.contains_key(ANN_VM_ID))
+    }
+
     /// markReadyPublished: intent `ready` in memory, status patch first, annotation after.
     pub(super) fn publish_ready(&mut self, key: &PodKey) {
         let slot = self.slot(key);
@@ -236,6 +330,14 @@ impl Provider {
                 self.slot(key).last_pushed = Some(status::summary(&st));
                 if already {
                     self.send_status(key, &t.uid, st, false);
+                    // No lifecycle patch follows: what is owed to it goes now.
+                    let owed = self
+                        .slots
+                        .get(key)
+                        .and_then(|s| s.owed_annotations.as_ref());
+                    if owed.is_some_and(|(u, _)| *u == t.uid) {
+                        self.send_annotations(key, &t.uid, BTreeMap::new(), false);
+                    }
                 } else {
                     self.send_status(key, &t.uid, st, true);
                 }
@@ -276,9 +378,18 @@ impl Provider {
         let Some(t) = slot.tracked.as_ref() else {
             return;
         };
+        // An eviction wrote the pod's last status (Failed): a probe answer or a drift pass
+        // while its DELETE is out must not write Running over it (nor after a grace-0 one).
+        if matches!(slot.op(), Some(Op::Evict(_))) {
+            return;
+        }
         let st = self.compute_status(slot, t);
         let sum = status::summary(&st);
         if !force && slot.last_pushed.as_ref() == Some(&sum) {
+            return;
+        }
+        // Held: a create's non-final status waits for the hold's end (or its Ready).
+        if slot.status_hold.as_deref() == Some(t.uid.as_str()) && !status::is_ready(&st) {
             return;
         }
         let uid = t.uid.clone();
@@ -325,7 +436,9 @@ impl Provider {
                 t.spec.managed,
                 t.vm.as_ref().map(|v| v.id.clone()).unwrap_or_default(),
             );
-            if managed && ann_ip.as_deref() != Some(ip.as_str()) {
+            // Owed id / ip ride on the pod's next annotation patch (its `ready`).
+            let owed = self.vm_id_owed(&key, &uid);
+            if managed && !owed && ann_ip.as_deref() != Some(ip.as_str()) {
                 let mut ann = BTreeMap::new();
                 ann.insert(ANN_VM_ID.to_string(), Some(vm_id));
                 ann.insert(ANN_VM_IP.to_string(), Some(ip));

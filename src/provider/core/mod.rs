@@ -100,6 +100,9 @@ const KUBE_RETRY: Duration = Duration::from_millis(500);
 const KUBE_ATTEMPTS: u32 = 3;
 const IP_POLL: Duration = Duration::from_millis(200);
 const IP_WAIT: Duration = Duration::from_secs(45);
+/// How long a create holds its non-final statuses (Pending, Running not Ready): one that is
+/// Ready by then writes only its Ready status; a slower one shows its progress after it.
+const STATUS_HOLD: Duration = Duration::from_secs(8);
 const RESTART_COOLDOWN: Duration = Duration::from_secs(30);
 /// Restart records older than this are dropped on every event-stream restart.
 const RESTART_COOLDOWN_GC_AGE: Duration = Duration::from_secs(60);
@@ -816,6 +819,7 @@ impl Provider {
         let held_name = held.map(|v| v.name.clone()).filter(|n| !n.is_empty());
         slot.tracked = None;
         slot.last_pushed = None;
+        slot.status_hold = None;
         slot.warned_hibernate = false;
         slot.update_retry = None;
         if drop_intent {

@@ -78,7 +78,20 @@ impl Provider {
         } else {
             None
         };
-        self.write_post_clone_state(key, &uid, "running", BTreeMap::new());
+        // A wake marks the fix-up in progress: its restart cannot tell a cut-short fix-up
+        // from a woken guest's dropped NIC otherwise; so does a pod that carries an earlier
+        // marker (a `done` would skip the fix-up after a restart). A clone on a pod with no
+        // marker needs no write: a restart with no marker runs whatever the clone needs (the
+        // fix-up again), and finds the create in flight from the pod's `creating` or, on a
+        // fresh pod, from the ledger's record of its VM for its uid (`ledger_create`).
+        let marked = self
+            .slots
+            .get(key)
+            .and_then(|s| s.latest.as_deref())
+            .is_some_and(|p| post_clone_state(p).is_some());
+        if mode == PostCloneMode::Wake || marked {
+            self.write_post_clone_state(key, &uid, "running", BTreeMap::new());
+        }
         self.start_op(
             key,
             Op::PostClone(Box::new(PostCloneOp {
@@ -415,7 +428,7 @@ impl Provider {
         }
         let mut owed = BTreeMap::new();
         owed.insert(spec::ANN_POST_CLONE_STATE.to_string(), Some("done".into()));
-        slot.owed_annotations = Some((uid.to_string(), owed));
+        self.owe_annotations(key, uid, owed);
     }
 
     /// Wait for the guest IP, then publish Ready; Windows guests get a renew nudge at 30 s.

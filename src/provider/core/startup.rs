@@ -562,6 +562,11 @@ impl Provider {
             a.insert(ANN_VM_IP.to_string(), Some(ip.clone()));
             self.send_annotations(key, &uid, a, false);
         }
+        // Recorded for this very pod before the adoption records it: a create of this daemon
+        // made the VM (the record is durable before the clone).
+        let ledger_create = self
+            .owner_of(Owned::Vm, &vm.name)
+            .is_some_and(|o| !o.pod_uid.is_empty() && o.pod_uid == uid);
         if spec.managed && !vm.name.is_empty() {
             self.by_name.insert(vm.name.clone(), vm.clone());
             self.own_adopted(key, &uid, &vm.name);
@@ -574,6 +579,7 @@ impl Provider {
         let probe_port = spec.probe_port;
         let slot = self.slot(key);
         slot.intent = Intent::seed(&uid, &ann);
+        slot.ledger_create = ledger_create;
         slot.tracked = Some(Tracked {
             uid: uid.clone(),
             pod: pod.clone(),
@@ -725,8 +731,12 @@ impl Provider {
         if stale_failure && t.spec.managed {
             self.set_lifecycle(key, State::Creating, "");
         }
-        let creating =
-            state == Some(State::Creating) || (unrecorded && pcs.is_some()) || stale_failure;
+        // No record but the ledger's: a create made the VM and stopped before its `ready`
+        // (a fresh pod's `creating` is never written, see `begin_creating`).
+        let ledger_create = std::mem::take(&mut self.slot(key).ledger_create);
+        let creating = state == Some(State::Creating)
+            || (unrecorded && (pcs.is_some() || ledger_create))
+            || stale_failure;
         if !creating || !t.spec.managed {
             if unrecorded && t.spec.managed {
                 // Adopted without any lifecycle record: publish Ready as an adoption does.

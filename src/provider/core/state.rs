@@ -262,6 +262,8 @@ pub(super) struct EvictOp {
     pub(super) cause: EvictCause,
     pub(super) step: EvictStep,
     pub(super) attempts: u32,
+    /// The DELETE went with grace 0 (the pod was being deleted already): it ends the object.
+    pub(super) grace0: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -651,6 +653,12 @@ pub(super) struct Slot {
     /// Annotations of an incarnation (uid) that ride on its next annotation patch instead of
     /// a write of their own (post-clone-state `done`, see `kube_writes.rs`).
     pub(super) owed_annotations: Option<(String, BTreeMap<String, Option<String>>)>,
+    /// The incarnation (uid) whose non-final statuses (Pending, Running not Ready) wait until
+    /// its create's hold ends (`STATUS_HOLD`): a fast create writes only its final status.
+    pub(super) status_hold: Option<String>,
+    /// At a restart: the ledger recorded this pod's uid as its VM's owner before the adoption
+    /// (a create of this daemon made the VM), which stands for a `creating` never written.
+    pub(super) ledger_create: bool,
 }
 
 impl Slot {
@@ -788,6 +796,11 @@ pub(super) enum TimerEntry {
     },
     /// The startup adoption's next chunk.
     Adopt,
+    /// A create's status hold ends: a status still owed is written (see `status_hold`).
+    StatusHold {
+        key: PodKey,
+        uid: String,
+    },
 }
 
 pub(super) struct Startup {

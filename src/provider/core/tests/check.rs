@@ -51,6 +51,37 @@ fn vm_gone_evicts_with_failed_status_then_deletes() {
     assert!(h.p.get_pod(&PodKey::new("ns", "a")).is_none());
 }
 
+/// A pod whose deletion began while its eviction ran (or whose delete was held up when its
+/// VM went) is ended by the eviction with grace 0: a DELETE with no grace would only restate
+/// the deletion, and the object would stay terminating. Nothing deletes it a second time.
+#[test]
+fn an_eviction_of_a_pod_being_deleted_ends_it_with_grace_zero() {
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
+    create_clone(&mut h, p.clone(), "VM1");
+    let e = h.feed(Input::VmEvent {
+        kind: VmEventKind::Deleted,
+        vm: vm_info("VM1", "vk-ns-demo-0", "stopped"),
+    });
+    let (op, _) = one_cocoon(&e);
+    let e = h.cocoon(op, CocoonResult::failed("vm not found"));
+    let st = statuses(&e);
+    assert_eq!(st.len(), 1);
+    let mut q = p.clone();
+    q.metadata.deletion_timestamp = Some(Time(
+        k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap(),
+    ));
+    let e = h.feed(Input::PodUpserted(Box::new(q)));
+    assert!(deletes(&e).is_empty(), "{e:?}");
+    let e = h.kube_ok(st[0].0);
+    let d = deletes(&e);
+    assert_eq!(d.len(), 1, "{e:?}");
+    assert_eq!(d[0].1, Some(0));
+    let e = h.kube_ok(d[0].0);
+    assert!(deletes(&e).is_empty(), "{e:?}");
+    assert!(deletes(&h.advance(Duration::from_secs(5))).is_empty());
+}
+
 #[test]
 fn stopped_vm_is_restarted_then_cooldown_evicts() {
     let mut h = H::new(ProviderConfig::default());

@@ -4,16 +4,16 @@
 use super::*;
 use crate::vm::PidFile;
 
+/// The plain create writes one status (Running, with the pod IP) and, once it landed, one
+/// annotation patch: id, ip and lifecycle `ready` together. No `creating` (the ledger record
+/// stands for it) and no Running-not-Ready (held, and Ready came first).
 #[test]
-fn clone_create_publishes_running_then_ready_status_before_annotation() {
+fn clone_create_writes_one_status_then_one_annotation_with_id_ip_and_ready() {
     let mut h = H::new(ProviderConfig::default());
     let p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
     let e = create_clone(&mut h, p, "VM1");
-    let ann = annotation_patches(&e);
-    assert!(ann
-        .iter()
-        .any(|(_, a)| a.get(ANN_VM_ID) == Some(&Some("VM1".into()))
-            && a.get(ANN_VM_IP) == Some(&Some("10.0.0.9".into()))));
+    assert!(annotation_patches(&e).is_empty(), "{e:?}");
+    assert_eq!(statuses(&e).len(), 1, "{e:?}");
     assert!(e
         .iter()
         .any(|x| matches!(x, Effect::StartProbe { ip, .. } if ip == "10.0.0.9")));
@@ -42,6 +42,8 @@ fn clone_create_publishes_running_then_ready_status_before_annotation() {
     let ann = annotation_patches(&e);
     assert_eq!(ann.len(), 1);
     assert_eq!(ann[0].1[ANN_LIFECYCLE_STATE].as_deref(), Some("ready"));
+    assert_eq!(ann[0].1[ANN_VM_ID].as_deref(), Some("VM1"));
+    assert_eq!(ann[0].1[ANN_VM_IP].as_deref(), Some("10.0.0.9"));
     // Ready only once a probe succeeded: a resolved IP is not enough.
     assert!(!status::is_ready(&ready), "{ready:?}");
     let got = h.p.get_pod(&PodKey::new("ns", "a")).unwrap();
@@ -74,11 +76,9 @@ fn clone_waits_for_the_lease_before_ready() {
         op: lop,
         result: Ok(None),
     });
-    // Running but not ready, waiting for the lease.
-    let st = statuses(&e);
-    assert_eq!(st.len(), 1);
-    assert_eq!(st[0].1.phase.as_deref(), Some("Running"));
-    assert!(!status::is_ready(&st[0].1));
+    // Running but not ready, waiting for the lease: that status is held (a lease that comes
+    // within the hold writes only the final status).
+    assert!(statuses(&e).is_empty(), "{e:?}");
     assert!(lookup(&e).is_none());
     let e = h.advance(Duration::from_millis(200));
     let lop = lookup(&e).expect("polls the lease again");
@@ -86,7 +86,9 @@ fn clone_waits_for_the_lease_before_ready() {
         op: lop,
         result: Ok(Some("10.1.1.1".into())),
     });
-    assert!(statuses(&e).iter().any(|(_, s)| published(s)));
+    let st = statuses(&e);
+    assert_eq!(st.len(), 1, "{e:?}");
+    assert!(published(&st[0].1));
     // The lease never coming: 45 s later it fails clearly.
     let mut h = H::new(ProviderConfig::default());
     let p = mk("b", "u2", &managed("b", "vk-ns-demo-1"));
@@ -121,6 +123,13 @@ fn clone_waits_for_the_lease_before_ready() {
         lops = all_lookups(&e);
         all.extend(e);
     }
+    // A slow one shows its progress once the hold ends: Running, not Ready.
+    let first = statuses(&all)
+        .into_iter()
+        .next()
+        .expect("a status after the hold");
+    assert_eq!(first.1.phase.as_deref(), Some("Running"));
+    assert!(!status::is_ready(&first.1));
     assert!(events(&all)
         .iter()
         .any(|(r, _)| *r == "PostCloneIPWaitTimeout"));
@@ -624,6 +633,12 @@ fn failed_bring_up_removes_the_record_it_left_or_adopts_a_finished_one() {
         result: Ok(Some("10.0.0.8".into())),
     });
     assert!(cocoon_ops(&e).is_empty());
+    // The adopted VM's id rides on the lifecycle `ready` that follows the Ready status.
+    let (sop, _) = statuses(&e)
+        .into_iter()
+        .find(|(_, s)| published(s))
+        .expect("ready publication");
+    let e = h.kube_ok(sop);
     assert!(annotation_patches(&e)
         .iter()
         .any(|(_, a)| a.get(ANN_VM_ID) == Some(&Some("VM8".into()))));

@@ -68,7 +68,11 @@ fn drift_republishes_a_clobbered_status_and_readiness_updates_flow() {
 #[test]
 fn a_lifecycle_retry_never_overwrites_a_newer_state() {
     let mut h = H::new(ProviderConfig::default());
-    let (op, first) = drive_to_clone(&mut h, mk("a", "u1", &managed("a", "vk-ns-demo-0")));
+    // An earlier attempt's `failed` is on the pod: this attempt writes its `creating` (a
+    // fresh pod's is held in memory only, see `begin_creating`).
+    let mut ann = managed("a", "vk-ns-demo-0");
+    ann.push((ANN_LIFECYCLE_STATE, "failed".into()));
+    let (op, first) = drive_to_clone(&mut h, mk("a", "u1", &ann));
     let (creating, a) = annotation_patches(&first)[0].clone();
     assert_eq!(a[ANN_LIFECYCLE_STATE].as_deref(), Some("creating"));
     // The `creating` flush fails at once: its retry was due in 500 ms.
