@@ -64,13 +64,12 @@ fn an_eviction_of_a_pod_being_deleted_ends_it_with_grace_zero() {
         vm: vm_info("VM1", "vk-ns-demo-0", "stopped"),
     });
     let (op, _) = one_cocoon(&e);
-    let e = h.cocoon(op, CocoonResult::failed("vm not found"));
+    let e = h.cocoon(op, Answer::failed("vm not found"));
     let st = statuses(&e);
     assert_eq!(st.len(), 1);
     let mut q = p.clone();
-    q.metadata.deletion_timestamp = Some(Time(
-        k8s_openapi::chrono::DateTime::from_timestamp(1, 0).unwrap(),
-    ));
+    q.metadata.deletion_timestamp =
+        Some(Time(k8s_openapi::jiff::Timestamp::from_second(1).unwrap()));
     let e = h.feed(Input::PodUpserted(Box::new(q)));
     assert!(deletes(&e).is_empty(), "{e:?}");
     let e = h.kube_ok(st[0].0);

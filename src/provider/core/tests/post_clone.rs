@@ -687,7 +687,7 @@ fn a_restart_resumes_a_fresh_pods_create_that_the_ledger_records() {
             "vk-ns-demo-0".into(),
             crate::provider::owners::Owner::new("ns", owner_uid),
         );
-        let vm = crate::provider::cocoon::parse_vm(STATIC_VM).unwrap();
+        let vm = Answer::ok(STATIC_VM).vm().unwrap();
         let pod = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
         H::starting_with(ProviderConfig::default(), vec![pod], vec![vm], owners).1
     };
