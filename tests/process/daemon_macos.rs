@@ -177,8 +177,10 @@ fn a_macos_pod_runs_restarts_its_qemu_is_adopted_after_a_restart_and_is_deleted(
         .create_pod(&macos_pod("mac", port))
         .expect("create pod");
     let vm = "vk-default-mac";
-    let pod = w.wait("macOS pod Ready", SETTLE_LIMIT, || {
-        w.pod("mac").filter(ready)
+    // The id comes with the annotation patch after the Ready status.
+    let pod = w.wait("macOS pod Ready with its VM id", SETTLE_LIMIT, || {
+        w.pod("mac")
+            .filter(|p| ready(p) && annotation(p, "vm.cocoonstack.io/id").is_some())
     });
     println!("macOS pod: created to Ready in {:?}", created.elapsed());
     assert_eq!(

@@ -24,9 +24,12 @@ fn inspect(w: &World, id: &str) -> serde_json::Value {
     serde_json::from_str(&out).expect("inspect JSON")
 }
 
+/// The pod once Ready with its VM id: the id rides on the annotation patch that follows the
+/// Ready status, so a pod can be Ready for one write before it names its VM.
 fn ready_pod(w: &World, name: &str, limit: Duration) -> Pod {
-    w.wait(&format!("pod {name} Ready"), limit, || {
-        w.pod(name).filter(ready)
+    w.wait(&format!("pod {name} Ready with a VM id"), limit, || {
+        w.pod(name)
+            .filter(|p| ready(p) && annotation(p, "vm.cocoonstack.io/id").is_some())
     })
 }
 
