@@ -631,6 +631,10 @@ pub fn parse_probe_port(raw: &str) -> Option<u16> {
 /// timers from its own (`"pr"`). Probe timer keys stay below 2^48.
 pub const PROBE_TIMER_TAG: u64 = 0x7072 << 48;
 
+/// The reactor range of the engine's tokens and timer keys (the top byte of its timer tag), so
+/// the daemon routes their events to the engine without asking it.
+pub const PROBE_RANGE: crate::reactor::Range = crate::reactor::Range::of_timer_key(PROBE_TIMER_TAG);
+
 /// The probe [`TimerKey`] inside a reactor timer key, if it is one of the engine's.
 pub fn probe_timer_key(raw: u64) -> Option<TimerKey> {
     (raw >> 48 == PROBE_TIMER_TAG >> 48).then_some(TimerKey(raw & ((1 << 48) - 1)))
@@ -906,7 +910,7 @@ impl<M: Send + 'static> ProbeHost for Reactor<M> {
     }
 
     fn new_token(&mut self) -> mio::Token {
-        self.token()
+        self.token_in(PROBE_RANGE)
     }
 
     fn timer_at(&mut self, at: Instant, key: TimerKey) -> TimerId {

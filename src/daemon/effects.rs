@@ -445,6 +445,30 @@ impl Daemon {
         }
     }
 
+    /// A provider cocoon call ended: its answer is the op's next input (ahead of the backlog
+    /// for the calls of `jumps_the_queue`), and its slot goes to the next queued call.
+    pub(super) fn cocoon_call_done(
+        &mut self,
+        op: OpId,
+        call: CocoonCall,
+        macos: Option<crate::guest::macos::MacosCmd>,
+        exit: crate::reactor::ChildExit,
+    ) {
+        self.cocoon_running = self.cocoon_running.saturating_sub(1);
+        let answer = crate::vm::Answer::of_exit(&call, &exit);
+        let result = match &macos {
+            Some(m) => m.classify(answer),
+            None => answer,
+        };
+        let input = Input::CocoonDone { op, result };
+        if jumps_the_queue(call.verb) {
+            self.urgent_inputs.push_back(input);
+        } else {
+            self.pending.push_back(input);
+        }
+        self.start_cocoon_calls();
+    }
+
     /// Queues a registry job for the worker pool; its answer comes back as `TransferDone`.
     /// The node-wide gates (v2 pulls ≤ 2, zstd/chunked pushes ≤ 1) live in the
     /// shared [`RegistryClient`] and are taken inside the job, so at most

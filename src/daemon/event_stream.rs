@@ -8,14 +8,37 @@
 
 use std::collections::HashSet;
 
-use super::{ChildRole, Daemon};
+use super::{ChildRole, Daemon, Work};
 use crate::provider::{Input, VmEventKind};
-use crate::reactor::ChildExit;
+use crate::reactor::{ChildExit, Event};
 use crate::vm::runner::StreamOutput;
 use crate::vm::types::EventKind;
 use crate::vm::{read_vm_list, VmInfo};
 
 impl Daemon {
+    /// Starts the stream (after the startup reconcile).
+    pub(super) fn start_stream(&mut self) {
+        let out = self.stream.start(&mut self.reactor);
+        self.stream_output(out);
+        self.adopt_stream_child();
+    }
+
+    /// Hands the stream one of its events: its restart timer, its child's output or exit.
+    pub(super) fn stream_event(&mut self, event: &Event<Work>) {
+        if let Some(out) = self.stream.handle(&mut self.reactor, event) {
+            self.stream_output(out);
+        }
+        self.adopt_stream_child();
+    }
+
+    /// Enters the child the stream (re)started in the child table, which routes its output
+    /// and exit back here.
+    fn adopt_stream_child(&mut self) {
+        if let Some(id) = self.stream.child() {
+            self.children.entry(id).or_insert(ChildRole::EventStream);
+        }
+    }
+
     /// What one reactor event meant for the stream: events for the provider, logs, a re-sync.
     pub(super) fn stream_output(&mut self, out: StreamOutput) {
         for skipped in out.skipped {

@@ -37,10 +37,6 @@ pub struct HypervisorWatch {
 }
 
 impl HypervisorWatch {
-    pub fn owns(&self, token: Token) -> bool {
-        self.by_token.contains_key(&token)
-    }
-
     /// Whether the watch already covers exactly the running VMs of `tracked` with a PID: one
     /// lookup per VM and no allocation, so it can run after every turn that changed anything.
     fn covers<'a>(&self, tracked: impl Iterator<Item = &'a VmInfo>) -> bool {
@@ -112,7 +108,7 @@ impl HypervisorWatch {
                     continue;
                 }
             };
-            let token = reactor.token();
+            let token = reactor.token_in(super::routing::HYPERVISORS);
             let raw = fd.as_raw_fd();
             if let Err(e) =
                 reactor

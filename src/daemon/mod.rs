@@ -28,7 +28,7 @@ mod hypervisors;
 mod kube_jobs;
 pub mod lane;
 mod ledger;
-mod readiness;
+mod routing;
 mod source_checks;
 mod startup;
 mod turn_profile;
@@ -130,12 +130,10 @@ const PENDING_HIGH: usize = 256;
 /// The kubelet view (pods and VMs for logs, exec, stats) trails the provider by at most this.
 const VIEW_REFRESH: Duration = Duration::from_millis(200);
 
-/// The daemon's own reactor timer keys carry this top byte (the probe engine tags its own,
-/// the kubelet and metrics servers recognise theirs by timer id).
-const KEY_MASK: u64 = 0xff << 56;
-const KEY_OWN: u64 = 2 << 56;
+/// The daemon's own reactor timer keys are in its range (see `routing.rs`).
+const KEY_OWN: u64 = routing::OWN.timer_key(0);
 /// The event stream's restart timer (armed and consumed by `vm::runner::EventStream`).
-const KEY_EVENT_STREAM: u64 = 3 << 56;
+const KEY_EVENT_STREAM: u64 = routing::EVENT_STREAM.timer_key(0);
 
 /// The daemon's own timers (key `KEY_OWN | n`).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
@@ -177,6 +175,8 @@ enum ChildRole {
     StartupList,
     /// The re-sync `vm list` owed after the event stream restarted.
     Resync,
+    /// The event stream's `cocoon vm status --event` child (its output and exit go back to it).
+    EventStream,
 }
 
 /// Everything the loop owns.
@@ -405,7 +405,7 @@ impl Daemon {
             .map_err(|e| StartError::new(1, format!("node lease thread: {e}")))?;
         let lane_metrics = kube_jobs::LaneMetrics::register(metrics.registry())
             .map_err(|e| StartError::new(1, format!("metrics: {e}")))?;
-        let watch_token = reactor.token();
+        let watch_token = reactor.token_in(routing::WATCH);
         watch
             .register(reactor.registry(), watch_token)
             .map_err(|e| StartError::new(1, format!("pod watch: {e}")))?;
@@ -514,7 +514,7 @@ impl Daemon {
             let n_events = events.len();
             for event in events.drain(..) {
                 let io = match &event {
-                    Event::Io(ready) => self.io_owner(ready.token).profile_name(),
+                    Event::Io(ready) => routing::Owner::of_token(ready.token).profile_name(),
                     _ => "",
                 };
                 let kind = turn_profile::event_kind(&event, io);
@@ -555,90 +555,16 @@ impl Daemon {
         }
     }
 
-    fn route(&mut self, event: Event<Work>) {
-        // Readiness goes by token owner (`readiness.rs`); probe and event-stream timers and
-        // the stream's child are claimed here first.
-        if !matches!(event, Event::Io(_)) {
-            if let Some(out) =
-                self.probes
-                    .handle_event(&mut self.reactor, &event, crate::wall_clock::now())
-            {
-                self.probe_events(out);
-                return;
-            }
-            if let Some(out) = self.stream.handle(&mut self.reactor, &event) {
-                self.stream_output(out);
-                return;
-            }
+    /// One of the daemon's own timers fired: acted on unless it was re-armed since.
+    fn own_timer_fired(&mut self, id: TimerId, key: u64) {
+        let Some(which) = OwnTimer::from_key(key) else {
+            return;
+        };
+        if self.timers.get(&which).map(|t| t.0) != Some(id) {
+            return;
         }
-        match event {
-            Event::Io(ready) => self.route_io(ready),
-            Event::Timer { id, key } => self.route_timer(id, key),
-            Event::ChildOutput { id, stream, data } => {
-                if self.kubelet.owns_child(id) {
-                    self.kubelet
-                        .on_child_output(&mut self.reactor, id, stream, &data);
-                }
-            }
-            Event::ChildExit(exit) => {
-                if self.kubelet.owns_child(exit.id) {
-                    self.kubelet.on_child_exit(&mut self.reactor, &exit);
-                    return;
-                }
-                match self.children.remove(&exit.id) {
-                    Some(ChildRole::Op { op, call, macos }) => {
-                        self.cocoon_running = self.cocoon_running.saturating_sub(1);
-                        let answer = crate::vm::Answer::of_exit(&call, &exit);
-                        let result = match &macos {
-                            Some(m) => m.classify(answer),
-                            None => answer,
-                        };
-                        let input = Input::CocoonDone { op, result };
-                        if effects::jumps_the_queue(call.verb) {
-                            self.urgent_inputs.push_back(input);
-                        } else {
-                            self.pending.push_back(input);
-                        }
-                        self.start_cocoon_calls();
-                    }
-                    Some(ChildRole::StartupList) => self.startup_listed(exit),
-                    Some(ChildRole::Resync) => self.resync_listed(exit),
-                    None => {}
-                }
-            }
-            Event::Signal(sig) if sig == libc::SIGHUP => {
-                log::info!(
-                    "SIGHUP ignored: settings are read at start; restart vk-cocoon to apply changes"
-                );
-            }
-            Event::Signal(sig) => {
-                log::info!("signal {sig} received; shutting down (VMs keep running)");
-                self.stopping = true;
-            }
-            Event::Work(work) => self.route_work(work),
-        }
-    }
-
-    fn route_timer(&mut self, id: TimerId, key: u64) {
-        match key & KEY_MASK {
-            KEY_OWN => {
-                let Some(which) = OwnTimer::from_key(key) else {
-                    return;
-                };
-                if self.timers.get(&which).map(|t| t.0) != Some(id) {
-                    return;
-                }
-                self.timers.remove(&which);
-                self.fire_own(which);
-            }
-            _ => {
-                if self.kubelet.owns_timer(id) {
-                    self.kubelet.on_timer(&mut self.reactor, id);
-                } else if let Some(server) = self.metrics_server.as_mut() {
-                    server.handle_timer(&mut self.reactor, id);
-                }
-            }
-        }
+        self.timers.remove(&which);
+        self.fire_own(which);
     }
 
     fn fire_own(&mut self, which: OwnTimer) {

@@ -136,8 +136,7 @@ impl Daemon {
             n_pods, self.config.node_name, n_vms
         ));
         let _ = sd_notify::notify(&format!("READY=1\n{status}"));
-        let out = self.stream.start(&mut self.reactor);
-        self.stream_output(out);
+        self.start_stream();
     }
 
     fn startup_retry(&mut self) {

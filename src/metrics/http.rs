@@ -22,8 +22,11 @@ use mio::{Interest, Token};
 use super::admission::{PeerCounts, PeerKey, Refusal, RefusalLog};
 use super::Metrics;
 use crate::config::ListenAddr;
-use crate::reactor::{IoReady, Reactor, TimerId};
+use crate::reactor::{IoReady, Range, Reactor, TimerId};
 
+/// The reactor range of the server's tokens and timer keys: whoever shares the reactor
+/// routes their events here by range alone.
+pub const RANGE: Range = Range(b'm');
 /// Largest request head accepted; a longer one gets 431 and the connection is closed.
 pub const MAX_HEAD: usize = 16 * 1024;
 /// Time a client has to send its request and read the answer (the Go server's read-header timeout).
@@ -77,7 +80,7 @@ impl MetricsServer {
         for sa in addr.socket_addrs()? {
             match super::admission::listen(sa) {
                 Ok(mut listener) => {
-                    let listen_token = reactor.token();
+                    let listen_token = reactor.token_in(RANGE);
                     reactor
                         .registry()
                         .register(&mut listener, listen_token, Interest::READABLE)?;
@@ -145,7 +148,7 @@ impl MetricsServer {
         if let Some(conn) = self.conns.get_mut(&token) {
             let end = conn.accepted + CLIENT_TIMEOUT;
             if conn.response.is_some() && reactor.now() < end {
-                conn.timer = reactor.timer_at(end, 0);
+                conn.timer = reactor.timer_at(end, RANGE.timer_key(0));
                 self.timers.insert(conn.timer, token);
                 return true;
             }
@@ -193,7 +196,7 @@ impl MetricsServer {
                         );
                         continue;
                     }
-                    let token = reactor.token();
+                    let token = reactor.token_in(RANGE);
                     if let Err(e) = reactor.registry().register(
                         &mut stream,
                         token,
@@ -202,7 +205,7 @@ impl MetricsServer {
                         log::warn!("metrics: cannot register connection: {e}");
                         continue;
                     }
-                    let timer = reactor.timer_after(HEAD_TIMEOUT, 0);
+                    let timer = reactor.timer_after(HEAD_TIMEOUT, RANGE.timer_key(0));
                     let mut conn = Conn {
                         stream,
                         head: Vec::new(),

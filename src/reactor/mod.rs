@@ -7,6 +7,8 @@
 //! Reactor::<M>::new(workers, queue_cap)      one loop; M = message type of worker jobs / notifier posts
 //! reactor.registry() / reactor.token()       register your own mio sources under a fresh token;
 //!                                            their readiness comes back as Event::Io(IoReady)
+//! reactor.token_in(range)                    a fresh token of an owner's range (`ranges.rs`):
+//!                                            Range::of_token / of_timer_key name the owner
 //! reactor.now()                              the clock, read once per wake-up of poll()
 //! reactor.timer_at(at, key) / timer_after    one-shot timers -> Event::Timer { id, key }; re-arm by
 //! reactor.cancel_timer(id)                   arming a new one. A cancelled timer never fires; a timer
@@ -47,6 +49,7 @@ mod children;
 pub mod exec_trampoline;
 mod pool;
 pub mod priority;
+mod ranges;
 pub mod sd_notify;
 mod spawner;
 mod timers;
@@ -56,6 +59,7 @@ pub use child::{
 };
 pub use mio::{Interest, Registry, Token};
 pub use pool::{Notifier, QueueFull};
+pub use ranges::Range;
 pub use timers::TimerId;
 
 thread_local! {
@@ -127,7 +131,7 @@ pub enum Event<M> {
 
 const WAKER: Token = Token(0);
 /// Tokens at or above this belong to the reactor itself (child pipes, signal pipes);
-/// user tokens count up from 1, so the two ranges never meet.
+/// user tokens stay below it whatever their owner range, so the two never meet.
 const INTERNAL_BASE: usize = 1 << (usize::BITS - 1);
 
 #[derive(Clone, Copy, Debug)]
@@ -156,7 +160,8 @@ pub struct Reactor<M: Send + 'static> {
     events: Events,
     ready: Vec<IoReady>,
     timers: Timers<TimerKind>,
-    next_user_token: usize,
+    /// The next user token of each owner range (see `ranges.rs`).
+    next_user_token: Vec<usize>,
     next_internal_token: usize,
     internal: HashMap<Token, Internal>,
     children: HashMap<ChildId, ChildState>,
@@ -192,7 +197,7 @@ impl<M: Send + 'static> Reactor<M> {
             events: Events::with_capacity(256),
             ready: Vec::with_capacity(256),
             timers: Timers::new(),
-            next_user_token: 1,
+            next_user_token: ranges::counters(),
             next_internal_token: INTERNAL_BASE,
             internal: HashMap::new(),
             children: HashMap::new(),
@@ -215,11 +220,9 @@ impl<M: Send + 'static> Reactor<M> {
         self.poll.registry()
     }
 
-    /// A fresh token, never handed out before.
+    /// A fresh token of the default range, never handed out before.
     pub fn token(&mut self) -> Token {
-        let t = Token(self.next_user_token);
-        self.next_user_token += 1;
-        t
+        self.token_in(Range::DEFAULT)
     }
 
     fn internal_token(&mut self, what: Internal) -> Token {

@@ -37,7 +37,7 @@ impl KubeletServer {
                             continue;
                         }
                     };
-                    let token = r.token();
+                    let token = r.token_in(super::RANGE);
                     if r.registry()
                         .register(&mut sock, token, Interest::READABLE)
                         .is_err()

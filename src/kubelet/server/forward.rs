@@ -290,7 +290,7 @@ impl KubeletServer {
                 )
             }
         };
-        let guest_token = r.token();
+        let guest_token = r.token_in(super::RANGE);
         if let Err(e) = r.registry().register(
             &mut sock,
             guest_token,

@@ -53,6 +53,9 @@ pub use metrics::{pod_facts, set_expiry, ServedMetrics};
 
 /// Key of the server's single reactor timer.
 pub const TIMER_KEY: u64 = 0x6b75_6265_6c65_7400;
+/// The reactor range of the server's tokens and timer key: whoever shares the reactor routes
+/// their events here by range alone.
+pub const RANGE: crate::reactor::Range = crate::reactor::Range::of_timer_key(TIMER_KEY);
 
 /// Identifies one pending authorisation request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -145,7 +148,7 @@ impl KubeletServer {
         addr: SocketAddr,
     ) -> io::Result<SocketAddr> {
         let mut l = crate::metrics::admission::listen(addr)?;
-        let token = r.token();
+        let token = r.token_in(RANGE);
         r.registry().register(&mut l, token, Interest::READABLE)?;
         let local = l.local_addr()?;
         self.listener = Some((l, token));

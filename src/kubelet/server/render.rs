@@ -68,7 +68,7 @@ impl CadvisorRender {
             return Ok(sender.clone());
         }
         let (sender, mut receiver) = pipe::new()?;
-        let token = r.token();
+        let token = r.token_in(super::RANGE);
         r.registry()
             .register(&mut receiver, token, Interest::READABLE)?;
         let sender = Arc::new(sender);
