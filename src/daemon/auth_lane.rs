@@ -14,7 +14,7 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::Work;
+use super::{Daemon, Work};
 use crate::kubelet::{AuthAnswer, AuthId, AuthRequest};
 use crate::metrics::admission::PeerKey;
 use crate::reactor::Notifier;
@@ -210,6 +210,23 @@ fn review_worker(review: &Review, notifier: &Notifier<Work>, receiver: &Mutex<Re
         }
         let answer = review(&job.req);
         notifier.post(Work::KubeletAuth { id: job.id, answer });
+    }
+}
+
+impl Daemon {
+    /// Answers the kubelet server's pending TokenReview / SubjectAccessReview requests on the
+    /// review lane (blocking API calls never run on the loop, nor on the shared pool), and
+    /// drops those whose client left.
+    pub(super) fn kubelet_auth(&mut self) {
+        for id in self.kubelet.take_cancelled_auth() {
+            self.auth_lane.cancel(id);
+        }
+        let now = self.reactor.now();
+        for (id, req, peer) in self.kubelet.take_auth_requests() {
+            if let Err(answer) = self.auth_lane.submit(id, req, peer, now) {
+                self.kubelet.on_auth_answer(&mut self.reactor, id, answer);
+            }
+        }
     }
 }
 

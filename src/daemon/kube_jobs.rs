@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 use prometheus::{Gauge, IntCounter, IntGaugeVec, Opts, Registry};
 
 use super::lane::{Job, PodWrite, WriteKind};
-use super::{Daemon, OwnTimer, Work};
+use super::timers::OwnTimer;
+use super::{Daemon, Work};
 use crate::kube::events::{QueuedEvent, Written};
 use crate::kube::{Client, KubeError as ApiError, PodList};
 use crate::node::NodeAgent;

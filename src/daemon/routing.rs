@@ -181,6 +181,49 @@ impl Daemon {
         }
     }
 
+    /// A worker job's answer: most become the next input of the op they answer.
+    fn route_work(&mut self, work: Work) {
+        match work {
+            Work::Transfer { op, result } => {
+                self.transfers_running = self.transfers_running.saturating_sub(1);
+                self.pending.push_back(Input::TransferDone { op, result });
+                self.start_transfers();
+            }
+            Work::Evidence { op, result } => self
+                .pending
+                .push_back(Input::HibernateEvidence { op, result }),
+            Work::SourceChecked { op, verdict } => {
+                self.pending.push_back(Input::SourceChecked { op, verdict })
+            }
+            Work::Sac { op, result } => self.pending.push_back(Input::SacDone { op, result }),
+            Work::LeasesReleased { released, failed } => {
+                let family = &self.metrics.lease_release_total;
+                family.with_label_values(&["ok"]).inc_by(released as u64);
+                family
+                    .with_label_values(&["failed"])
+                    .inc_by(failed.len() as u64);
+                for f in failed {
+                    log::warn!("lease release: {f} (cocoon-net's lease expiry is the fallback)");
+                }
+            }
+            Work::KubeletAuth { id, answer } => {
+                self.auth_lane.done(id);
+                self.kubelet.on_auth_answer(&mut self.reactor, id, answer);
+                self.kubelet_auth();
+            }
+            Work::PodWritten { write, result } => self.pod_written(*write, result),
+            Work::EventWritten { event, result } => self.event_written(*event, *result),
+            Work::NodeTicked(agent) => self.node_ticked(agent),
+            Work::PodsListed { startup, result } => self.pods_listed(startup, result),
+            Work::OwnersRecorded { ops, result } => {
+                for op in ops {
+                    let result = result.clone();
+                    self.pending.push_back(Input::OwnersRecorded { op, result });
+                }
+            }
+        }
+    }
+
     /// SIGTERM / SIGINT stop the loop; SIGHUP is logged (settings are read once at start).
     fn on_signal(&mut self, sig: i32) {
         if sig == libc::SIGHUP {
@@ -230,7 +273,7 @@ mod tests {
         let probe_token = crate::probes::ProbeHost::new_token(&mut reactor);
         assert_eq!(Owner::of_token(probe_token), Owner::Probes);
         // The keys the subscribers really arm.
-        let own = super::super::KEY_OWN | super::super::OwnTimer::View as u64;
+        let own = super::super::timers::KEY_OWN | super::super::timers::OwnTimer::View as u64;
         assert_eq!(Owner::of_timer(own), Owner::Daemon);
         assert_eq!(
             Owner::of_timer(super::super::KEY_EVENT_STREAM),

@@ -9,7 +9,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{ChildRole, Daemon, OwnTimer, StartError, Work};
+use super::timers::OwnTimer;
+use super::{ChildRole, Daemon, StartError, Work};
 use crate::backoff::Backoff;
 use crate::config::Config;
 use crate::kube::watch::WatchOutput;

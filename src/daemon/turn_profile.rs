@@ -8,7 +8,8 @@
 
 use std::time::{Duration, Instant};
 
-use super::{OwnTimer, Work};
+use super::timers::OwnTimer;
+use super::Work;
 use crate::provider::{Effect, Input};
 use crate::reactor::Event;
 

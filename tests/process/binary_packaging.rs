@@ -300,7 +300,7 @@ fn exported_families() -> Vec<(String, bool)> {
             .map(|f| (f.name().to_string(), false)),
     );
     // Registered by the daemon itself (private to src/daemon/): each must be spelled there.
-    let daemon_src = repo_file("src/daemon/kube_jobs.rs") + &repo_file("src/daemon/mod.rs");
+    let daemon_src = repo_file("src/daemon/kube_jobs.rs") + &repo_file("src/daemon/wiring.rs");
     for n in [
         "vk_cocoon_kube_lane_queued",
         "vk_cocoon_kube_lane_in_flight",
