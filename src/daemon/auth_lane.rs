@@ -14,12 +14,18 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+use k8s_openapi::api::authorization::v1::{
+    ResourceAttributes as SarAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+};
+
 use super::{Daemon, Work};
-use crate::kubelet::{AuthAnswer, AuthId, AuthRequest};
+use crate::kube::Client;
+use crate::kubelet::{AuthAnswer, AuthId, AuthRequest, UserInfo};
 use crate::metrics::admission::PeerKey;
 use crate::reactor::Notifier;
 
-/// The blocking review call (the daemon's is `effects::authorize` against the API server).
+/// The blocking review call (the daemon's is `authorize` against the API server).
 pub(super) type Review = dyn Fn(&AuthRequest) -> AuthAnswer + Send + Sync;
 
 /// Review threads per class: enough for a legitimate caller's cache misses, few enough that a
@@ -230,6 +236,71 @@ impl Daemon {
     }
 }
 
+/// TokenReview then SubjectAccessReview for one kubelet API request (worker thread).
+pub(super) fn authorize(kube: &Arc<Client>, req: &AuthRequest) -> AuthAnswer {
+    let user = match (&req.user, &req.token) {
+        (Some(user), _) => user.clone(),
+        (None, Some(token)) => {
+            let review = TokenReview {
+                spec: TokenReviewSpec {
+                    token: token.clone(),
+                    ..TokenReviewSpec::default()
+                },
+                ..TokenReview::default()
+            };
+            match kube.create_token_review(&review) {
+                Ok(r) => {
+                    let status = r.status.unwrap_or_default();
+                    if !status.authenticated.unwrap_or(false) {
+                        return AuthAnswer::Unauthenticated;
+                    }
+                    let u = status.user.unwrap_or_default();
+                    UserInfo {
+                        name: u.username.unwrap_or_default(),
+                        uid: u.uid.unwrap_or_default(),
+                        groups: u.groups.unwrap_or_default(),
+                        extra: u.extra.unwrap_or_default().into_iter().collect(),
+                    }
+                }
+                Err(e) => return AuthAnswer::Error(format!("token review: {e}")),
+            }
+        }
+        (None, None) => return AuthAnswer::Unauthenticated,
+    };
+    let review = access_review(&user, req);
+    match kube.create_subject_access_review(&review) {
+        Ok(r) => AuthAnswer::Decided {
+            user,
+            allowed: r.status.is_some_and(|s| s.allowed),
+        },
+        Err(e) => AuthAnswer::Error(format!("subject access review: {e}")),
+    }
+}
+
+/// The SubjectAccessReview for a caller: name, uid, groups and `extra` as the TokenReview
+/// gave them (authorisers may decide on extra, e.g. scopes), the request's attributes.
+fn access_review(user: &UserInfo, req: &AuthRequest) -> SubjectAccessReview {
+    SubjectAccessReview {
+        spec: SubjectAccessReviewSpec {
+            user: Some(user.name.clone()),
+            uid: Some(user.uid.clone()).filter(|u| !u.is_empty()),
+            groups: Some(user.groups.clone()),
+            extra: Some(user.extra.clone().into_iter().collect())
+                .filter(|e: &std::collections::BTreeMap<String, Vec<String>>| !e.is_empty()),
+            resource_attributes: Some(SarAttributes {
+                verb: Some(req.attributes.verb.clone()),
+                resource: Some("nodes".into()),
+                subresource: Some(req.attributes.subresource.clone()),
+                name: Some(req.attributes.node_name.clone()),
+                version: Some("v1".into()),
+                ..SarAttributes::default()
+            }),
+            ..SubjectAccessReviewSpec::default()
+        },
+        ..SubjectAccessReview::default()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -384,5 +455,26 @@ mod tests {
         got.sort_by_key(|id| id.0);
         assert_eq!(got, (80..90).map(AuthId).collect::<Vec<_>>());
         drop(held);
+    }
+
+    #[test]
+    fn the_access_review_carries_the_callers_extra() {
+        let user = UserInfo {
+            name: "sa".into(),
+            extra: [("scopes".to_string(), vec!["read".to_string()])].into(),
+            ..Default::default()
+        };
+        let req = AuthRequest {
+            token: Some("t".into()),
+            user: None,
+            attributes: crate::kubelet::auth::attributes("POST", "/exec/a/b/c", "n"),
+        };
+        let spec = access_review(&user, &req).spec;
+        assert_eq!(
+            spec.extra.unwrap_or_default().get("scopes"),
+            Some(&vec!["read".to_string()])
+        );
+        let plain = UserInfo::default();
+        assert!(access_review(&plain, &req).spec.extra.is_none());
     }
 }

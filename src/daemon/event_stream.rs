@@ -94,7 +94,7 @@ impl Daemon {
 
     /// The re-sync list ended: synthesise the events the stream may have missed.
     pub(super) fn resync_listed(&mut self, exit: ChildExit) {
-        let result = crate::vm::Answer::of_exit(&super::vm_list_call(), &exit);
+        let result = crate::vm::Answer::of_exit(&super::cocoon_calls::vm_list_call(), &exit);
         let listed = if result.succeeded() {
             read_vm_list(&result.stdout).map_err(|e| e.to_string())
         } else {

@@ -10,6 +10,7 @@
 //! lane, whose `try_take` then waits for the bucket to refill). Long reads (the startup pod
 //! list, relists) run on the lane workers too, outside the scheduler's slots.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,7 +22,7 @@ use super::{Daemon, Work};
 use crate::kube::events::{QueuedEvent, Written};
 use crate::kube::{Client, KubeError as ApiError, PodList};
 use crate::node::NodeAgent;
-use crate::provider::Input;
+use crate::provider::{Input, KubeError};
 
 /// Worker threads of the kube lane: the scheduler's slots plus room for the long reads.
 pub(super) const LANE_WORKERS: usize = 18;
@@ -167,7 +168,7 @@ impl Daemon {
             WriteKind::Delete { .. } => "delete pod",
         };
         let result = result.map_err(|e| {
-            let mapped = super::effects::map_kube_error(&e);
+            let mapped = map_kube_error(&e);
             if !mapped.superseded() {
                 log::warn!("{what} {}: {e}", write.key);
             }
@@ -307,9 +308,60 @@ fn write_pod(kube: &Arc<Client>, w: &PodWrite) -> Result<(), ApiError> {
             .patch_pod(
                 ns,
                 name,
-                &super::effects::annotation_patch(uid.clone(), annotations.clone()),
+                &annotation_patch(uid.clone(), annotations.clone()),
             )
             .map(|_| ()),
         WriteKind::Delete { uid, grace } => kube.delete_pod(ns, name, *grace, Some(uid)),
+    }
+}
+
+pub(super) fn map_kube_error(e: &ApiError) -> KubeError {
+    match e {
+        ApiError::NotFound(_) => KubeError::NotFound,
+        ApiError::Conflict(_) => KubeError::Conflict,
+        ApiError::Invalid(_) => KubeError::Invalid,
+        other => KubeError::Other(other.to_string()),
+    }
+}
+
+/// `{"metadata":{"uid":..,"annotations":{k: v | null}}}` for a merge of annotations.
+pub(super) fn annotation_patch(
+    uid: Option<String>,
+    annotations: BTreeMap<String, Option<String>>,
+) -> serde_json::Value {
+    let map: serde_json::Map<String, serde_json::Value> = annotations
+        .into_iter()
+        .map(|(k, v)| {
+            (
+                k,
+                v.map_or(serde_json::Value::Null, serde_json::Value::String),
+            )
+        })
+        .collect();
+    let mut meta = serde_json::json!({ "annotations": map });
+    if let Some(uid) = uid {
+        meta["uid"] = uid.into();
+    }
+    serde_json::json!({ "metadata": meta })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn annotation_patches_delete_with_null_and_guard_with_uid() {
+        let mut a = BTreeMap::new();
+        a.insert("vm.cocoonstack.io/id".to_string(), Some("vm-1".to_string()));
+        a.insert(
+            "vm.cocoonstack.io/lifecycle-state-message".to_string(),
+            None,
+        );
+        let p = annotation_patch(Some("u-1".into()), a);
+        assert_eq!(p["metadata"]["uid"], "u-1");
+        assert_eq!(p["metadata"]["annotations"]["vm.cocoonstack.io/id"], "vm-1");
+        assert!(
+            p["metadata"]["annotations"]["vm.cocoonstack.io/lifecycle-state-message"].is_null()
+        );
     }
 }

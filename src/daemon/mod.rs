@@ -10,8 +10,10 @@
 //!
 //! Rooms: `wiring.rs` builds the parts, `turn.rs` runs one loop turn, `routing.rs` routes,
 //! `timers.rs` holds the daemon's own timers; `pod_watch.rs`, `probe_results.rs` and
-//! `event_stream.rs` turn their subscriber's output into inputs; `startup.rs` is the startup
-//! reconcile, `view.rs` the kubelet's view, `hypervisors.rs` the pidfd watch.
+//! `event_stream.rs` turn their subscriber's output into inputs; `effects.rs` dispatches the
+//! effects to `cocoon_calls.rs`, `transfers.rs`, the kube lane (`kube_jobs.rs`) and the rest;
+//! `startup.rs` is the startup reconcile, `view.rs` the kubelet's view, `hypervisors.rs` the
+//! pidfd watch, `auth_lane.rs` the kubelet API's reviews.
 //!
 //! Start order: config and credentials, node capacity, the metrics endpoint,
 //! the kubelet API, then the startup reconcile (pod list + `cocoon vm list`) — retried with
@@ -28,6 +30,7 @@
 //! every setting is read once at start, so a restart applies changes.
 
 mod auth_lane;
+mod cocoon_calls;
 mod effects;
 mod event_stream;
 mod hypervisors;
@@ -40,13 +43,13 @@ mod routing;
 mod source_checks;
 mod startup;
 mod timers;
+mod transfers;
 mod turn;
 mod turn_profile;
 mod view;
 mod wiring;
 
 use std::collections::{HashMap, VecDeque};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -65,7 +68,7 @@ use crate::provider::{Effect, Input, OpId, Provider};
 use crate::reactor::{sd_notify, ChildId, Reactor, TimerId};
 use crate::snapshots::{RegistryClient, TransferError};
 use crate::vm::runner::EventStream;
-use crate::vm::{argv, CocoonCall, Deadlines, Verb};
+use crate::vm::{CocoonCall, Deadlines};
 
 use self::startup::Startup;
 use self::timers::OwnTimer;
@@ -198,11 +201,11 @@ pub struct Daemon {
     /// Provider cocoon calls waiting for a slot, and how many run (see `start_cocoon_calls`).
     cocoon_queue: VecDeque<(OpId, crate::provider::CocoonCmd)>,
     /// How many VM checks and teardowns (`vm inspect`, `vm start`, `vm rm`) lead the queue
-    /// (they go ahead of creates; see `effects::jumps_the_queue`).
+    /// (they go ahead of creates; see `cocoon_calls::jumps_the_queue`).
     cocoon_priority_queued: usize,
     cocoon_running: usize,
     /// Registry transfer jobs waiting for a worker, and how many run (see `start_transfers`).
-    transfer_queue: VecDeque<(OpId, effects::TransferJob)>,
+    transfer_queue: VecDeque<(OpId, transfers::TransferJob)>,
     transfers_running: usize,
     timers: HashMap<OwnTimer, (TimerId, Instant)>,
     watchdog: Option<Duration>,
@@ -262,27 +265,7 @@ pub fn run(config: Config) -> i32 {
     status
 }
 
-impl Daemon {
-    /// Starts `cocoon vm list -o json` (startup reconcile or event-stream re-sync).
-    fn spawn_vm_list(&mut self, role: ChildRole) -> std::io::Result<()> {
-        let spec = vm_list_call().child_spec(&self.config.cocoon_bin.to_string_lossy());
-        let id = self.reactor.spawn(spec)?;
-        self.children.insert(id, role);
-        Ok(())
-    }
-
-    /// The cocoon binary as an argv prefix.
-    fn cocoon_bin(&self) -> PathBuf {
-        self.config.cocoon_bin.clone()
-    }
-}
-
-/// The `vm list` of the startup reconcile and the event-stream re-sync: a dense host's list
-/// is the largest answer cocoon gives.
-pub(super) fn vm_list_call() -> CocoonCall {
-    CocoonCall::new(Verb::VmList, argv::vm_list(), &Deadlines::configured())
-        .with_limits(64 << 20, 64 << 10)
-}
+impl Daemon {}
 
 /// Lifts the soft open-file limit to the hard one: the daemon holds a socket or
 /// pipe per VM, probe, client and child (the unit also sets LimitNOFILE=65536).

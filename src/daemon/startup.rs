@@ -97,7 +97,7 @@ impl Daemon {
 
     /// The `vm list` ended: hand both lists to the provider and bring the node up.
     pub(super) fn startup_listed(&mut self, exit: ChildExit) {
-        let result = crate::vm::Answer::of_exit(&super::vm_list_call(), &exit);
+        let result = crate::vm::Answer::of_exit(&super::cocoon_calls::vm_list_call(), &exit);
         let vms = if result.succeeded() {
             read_vm_list(&result.stdout).map_err(|e| e.to_string())
         } else {

@@ -8,7 +8,7 @@ use crate::reactor::Event;
 
 use super::routing::Owner;
 use super::timers::OwnTimer;
-use super::{effects, turn_profile, Daemon};
+use super::{cocoon_calls, turn_profile, Daemon};
 
 /// Loop time one turn spends feeding inputs to the provider at most (see `drain_inputs`).
 const INPUT_BUDGET: Duration = Duration::from_millis(20);
@@ -164,7 +164,7 @@ impl Daemon {
         {
             self.arm(OwnTimer::Provider, self.reactor.now());
         }
-        if !self.cocoon_queue.is_empty() && self.cocoon_running < effects::MAX_COCOON_CALLS {
+        if !self.cocoon_queue.is_empty() && self.cocoon_running < cocoon_calls::MAX_COCOON_CALLS {
             self.arm(OwnTimer::Cocoon, self.reactor.now());
         }
     }

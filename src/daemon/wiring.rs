@@ -23,7 +23,7 @@ use crate::snapshots::RegistryClient;
 use crate::vm::runner::EventStream;
 
 use super::startup::{self, Startup};
-use super::{auth_lane, effects, kube_jobs, lane, ledger, routing};
+use super::{auth_lane, kube_jobs, lane, ledger, routing};
 use super::{Daemon, StartError, Work, EVENT_QUEUE, KEY_EVENT_STREAM, WORKERS, WORK_QUEUE};
 
 impl Daemon {
@@ -187,7 +187,7 @@ fn review_lane(
 ) -> Result<auth_lane::AuthLane, StartError> {
     let review_kube = kube.clone();
     auth_lane::AuthLane::new(
-        Arc::new(move |req: &crate::kubelet::AuthRequest| effects::authorize(&review_kube, req)),
+        Arc::new(move |req: &crate::kubelet::AuthRequest| auth_lane::authorize(&review_kube, req)),
         reactor.notifier(),
         reactor.now(),
     )
