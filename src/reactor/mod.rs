@@ -51,6 +51,7 @@ mod pool;
 pub mod priority;
 mod ranges;
 pub mod sd_notify;
+mod signals;
 mod spawner;
 mod timers;
 
@@ -74,15 +75,15 @@ pub fn on_loop_thread() -> bool {
 }
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{self, Read};
+use std::io;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use mio::{Events, Poll, Waker};
-use signal_hook::SigId;
 
 use child::{ChildPart, ChildState, Starting};
 use pool::Pool;
+use signals::SignalPipe;
 use spawner::Spawner;
 use timers::Timers;
 
@@ -146,12 +147,6 @@ enum TimerKind {
     User(u64),
     Deadline(ChildId),
     Drain(ChildId),
-}
-
-struct SignalPipe {
-    sig_id: SigId,
-    token: Token,
-    reader: mio::net::UnixStream,
 }
 
 /// The event loop. See the module documentation for the contract.
@@ -278,50 +273,6 @@ impl<M: Send + 'static> Reactor<M> {
         self.notifier.clone()
     }
 
-    /// From now on the given signals are caught and reported as `Event::Signal(n)`
-    /// (several deliveries between two wake-ups count once).
-    pub fn watch_signals(&mut self, signals: &[i32]) -> io::Result<()> {
-        for &sig in signals {
-            let pipe = self.signal_pipe(sig, Internal::Signal(sig))?;
-            self.signals.push(pipe);
-        }
-        Ok(())
-    }
-
-    fn signal_pipe(&mut self, sig: i32, what: Internal) -> io::Result<SignalPipe> {
-        let (reader, writer) = std::os::unix::net::UnixStream::pair()?;
-        reader.set_nonblocking(true)?;
-        writer.set_nonblocking(true)?;
-        let sig_id = signal_hook::low_level::pipe::register(sig, writer)?;
-        let mut reader = mio::net::UnixStream::from_std(reader);
-        let token = self.internal_token(what);
-        if let Err(e) = self
-            .poll
-            .registry()
-            .register(&mut reader, token, Interest::READABLE)
-        {
-            signal_hook::low_level::unregister(sig_id);
-            return Err(e);
-        }
-        Ok(SignalPipe {
-            sig_id,
-            token,
-            reader,
-        })
-    }
-
-    /// Detect child exits through SIGCHLD instead of pidfds (used automatically
-    /// when the kernel lacks pidfd_open; public so tests can exercise it).
-    #[doc(hidden)]
-    pub fn use_sigchld_for_exits(&mut self) -> io::Result<()> {
-        if self.sigchld.is_none() {
-            let pipe = self.signal_pipe(libc::SIGCHLD, Internal::SigChld)?;
-            self.sigchld = Some(pipe);
-            self.sweep_exits = true;
-        }
-        Ok(())
-    }
-
     /// Waits until at least one event has been appended to `out`.
     pub fn poll(&mut self, out: &mut Vec<Event<M>>) -> io::Result<()> {
         LOOP_THREAD.with(|on| on.set(true));
@@ -398,36 +349,13 @@ impl<M: Send + 'static> Reactor<M> {
             return;
         };
         match what {
-            Internal::Signal(sig) => {
-                let pipe = self.signals.iter_mut().find(|p| p.token == r.token);
-                if pipe.is_some_and(|p| drain_stream(&mut p.reader)) {
-                    out.push(Event::Signal(sig));
-                }
-            }
-            Internal::SigChld => {
-                if let Some(p) = self.sigchld.as_mut() {
-                    drain_stream(&mut p.reader);
-                }
-                self.sweep_children(out);
-            }
+            Internal::Signal(sig) => self.signal_ready(r.token, sig, out),
+            Internal::SigChld => self.sigchld_ready(out),
             Internal::Child(id, ChildPart::Stdin) => self.flush_stdin(id),
             Internal::Child(id, part @ (ChildPart::Stdout | ChildPart::Stderr)) => {
                 self.read_output(id, part, out)
             }
             Internal::Child(id, ChildPart::Exit) => self.reap(id, out),
-        }
-    }
-}
-
-fn drain_stream(reader: &mut mio::net::UnixStream) -> bool {
-    let mut buf = [0u8; 64];
-    let mut any = false;
-    loop {
-        match reader.read(&mut buf) {
-            Ok(0) => return any,
-            Ok(_) => any = true,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(_) => return any,
         }
     }
 }
@@ -446,8 +374,6 @@ impl<M: Send + 'static> Drop for Reactor<M> {
                 let _ = state.child.wait();
             }
         }
-        for p in self.signals.drain(..).chain(self.sigchld.take()) {
-            signal_hook::low_level::unregister(p.sig_id);
-        }
+        self.unregister_signals();
     }
 }
