@@ -214,6 +214,16 @@ pub(super) fn read_snapshot_dir(dir: &str) -> Result<Snapshot, String> {
     Ok(env.config)
 }
 
+/// The hypervisor a new VM runs under: firecracker when asked (`--fc`, or a firecracker snapshot).
+fn hypervisor(fc: bool) -> String {
+    if fc {
+        "firecracker"
+    } else {
+        "cloud-hypervisor"
+    }
+    .into()
+}
+
 /// The snapshot a clone starts from (a stored one, or `--from-dir`) and the disk that
 /// carries the guest's files.
 fn clone_source(store: &Store, p: &Parsed) -> Result<(Snapshot, std::path::PathBuf), String> {
@@ -295,12 +305,7 @@ pub(super) fn clone(store: &Store, args: &[String], fault: &VerbFault) -> CmdRes
     }
     let vm = Vm {
         id: id.clone(),
-        hypervisor: if fc {
-            "firecracker"
-        } else {
-            "cloud-hypervisor"
-        }
-        .into(),
+        hypervisor: hypervisor(fc),
         config: VmConfig {
             cpu: cpu.max(snap.cpu),
             memory: memory.max(snap.memory),
@@ -424,12 +429,7 @@ pub(super) fn run(store: &Store, args: &[String], fault: &VerbFault, start: bool
     }
     let vm = Vm {
         id: new_id(),
-        hypervisor: if fc {
-            "firecracker"
-        } else {
-            "cloud-hypervisor"
-        }
-        .into(),
+        hypervisor: hypervisor(fc),
         config: VmConfig {
             cpu,
             memory,
