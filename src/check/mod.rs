@@ -12,7 +12,8 @@ pub mod certs;
 pub mod online;
 pub mod settings;
 
-use std::time::Duration;
+use std::net::IpAddr;
+use std::time::{Duration, SystemTime};
 
 use crate::config::{self, Config, ConfigError};
 use crate::kube::{self, KubeOptions};
@@ -85,7 +86,56 @@ pub fn run(online_checks: bool) -> i32 {
     let env = |name: &str| std::env::var(name).ok();
     let now = crate::wall_clock::now();
     let mut offline: Vec<Finding> = Vec::new();
-    let config = match read_config(&env) {
+    let config = config_findings(&env, &mut offline);
+    let kube_opts = KubeOptions {
+        timeout: Duration::from_secs(10),
+        ..KubeOptions::from_process_env()
+    };
+    let cluster = load_cluster(&kube_opts, now, &mut offline);
+
+    let mut detected = settings::Detected::default();
+    let node_ip = resolve_node_ip(config.as_ref(), &mut detected, &mut offline);
+    if let Some(cluster) = &cluster {
+        detected.kubeconfig = Some((
+            cluster.source.clone(),
+            cluster.server.clone(),
+            credentials_of(cluster),
+        ));
+    }
+    if let Some(c) = &config {
+        detected.capacity = capacity(c, node_ip);
+        offline.extend(settings::advice(c, node_ip));
+        offline.extend(files(c, cluster.as_ref(), node_ip, now));
+    }
+
+    if let Some(c) = &config {
+        println!("Settings (value, then where it came from):");
+        for s in settings::resolved(c, &env, &detected) {
+            println!("  {} = {}   [{}]", s.name, s.value, s.source);
+        }
+        println!();
+    }
+    println!("Checks:");
+    for f in &offline {
+        println!("{}", f.line());
+    }
+    let mut online_failed = false;
+    if online_checks {
+        let found = online_findings(config.as_ref(), cluster.as_ref(), &kube_opts);
+        for f in &found {
+            println!("{}", f.line());
+        }
+        online_failed = found.iter().any(|f| f.level == Level::Fail);
+    }
+    verdict(&offline, online_failed)
+}
+
+/// Reads the configuration: its errors, its warnings and unknown `VK_` variables as findings.
+fn config_findings(
+    env: &dyn Fn(&str) -> Option<String>,
+    offline: &mut Vec<Finding>,
+) -> Option<Config> {
+    let config = match read_config(env) {
         Ok(c) => Some(c),
         Err(problems) => {
             offline.extend(problems.into_iter().map(Finding::fail));
@@ -103,12 +153,16 @@ pub fn run(online_checks: bool) -> i32 {
             .into_iter()
             .map(|n| Finding::warn(format!("unknown variable {n} is ignored"))),
     );
+    config
+}
 
-    let kube_opts = KubeOptions {
-        timeout: Duration::from_secs(10),
-        ..KubeOptions::from_process_env()
-    };
-    let cluster = match kube::kubeconfig::load(&kube_opts) {
+/// Loads the kubeconfig: whether it loads, its TLS settings and its client certificate.
+fn load_cluster(
+    kube_opts: &KubeOptions,
+    now: SystemTime,
+    offline: &mut Vec<Finding>,
+) -> Option<kube::ClusterConfig> {
+    match kube::kubeconfig::load(kube_opts) {
         Ok(cluster) => {
             let tls = kube::tls::client_config(&kube::tls::TlsParams {
                 ca_pem: cluster.ca_pem.as_deref(),
@@ -138,10 +192,16 @@ pub fn run(online_checks: bool) -> i32 {
             offline.push(Finding::fail(format!("kubeconfig: {e}")));
             None
         }
-    };
+    }
+}
 
-    let mut detected = settings::Detected::default();
-    let node_ip = match &config {
+/// The node IP: the configured one, else the detected one (a failure when none is found).
+fn resolve_node_ip(
+    config: Option<&Config>,
+    detected: &mut settings::Detected,
+    offline: &mut Vec<Finding>,
+) -> Option<IpAddr> {
+    match config {
         Some(c) if c.node_ip.is_none() => match crate::node_ip::detect() {
             Some(d) => {
                 detected.node_ip = Some((d.ip, d.how.clone()));
@@ -157,63 +217,43 @@ pub fn run(online_checks: bool) -> i32 {
         },
         Some(c) => c.node_ip,
         None => None,
-    };
-    if let Some(cluster) = &cluster {
-        detected.kubeconfig = Some((
-            cluster.source.clone(),
-            cluster.server.clone(),
-            credentials_of(cluster),
-        ));
     }
-    if let Some(c) = &config {
-        detected.capacity = capacity(c, node_ip);
-        offline.extend(settings::advice(c, node_ip));
-        offline.extend(files(c, cluster.as_ref(), node_ip, now));
-    }
+}
 
-    if let Some(c) = &config {
-        println!("Settings (value, then where it came from):");
-        for s in settings::resolved(c, &env, &detected) {
-            println!("  {} = {}   [{}]", s.name, s.value, s.source);
-        }
-        println!();
+/// `--online`: the API server's access reviews and the registry ping.
+fn online_findings(
+    config: Option<&Config>,
+    cluster: Option<&kube::ClusterConfig>,
+    kube_opts: &KubeOptions,
+) -> Vec<Finding> {
+    let mut found = Vec::new();
+    match (config, cluster) {
+        (Some(_), Some(cluster)) => match kube::Client::from_config(cluster.clone(), kube_opts) {
+            Ok(client) => found.extend(online::kubernetes(&client)),
+            Err(e) => found.push(Finding::fail(format!("kubeconfig: {e}"))),
+        },
+        _ => found.push(Finding::fail(
+            "online checks skipped: the configuration or the kubeconfig does not load",
+        )),
     }
-    println!("Checks:");
-    for f in &offline {
-        println!("{}", f.line());
+    if let Some(c) = config {
+        let host = c.oci_registry.split('/').next().unwrap_or("");
+        if settings::placeholder_host(host) {
+            found.push(Finding::fail(format!(
+                "registry {host}: not pinged, a placeholder (see the WARN above)"
+            )));
+        } else {
+            found.push(online::registry(
+                &c.oci_registry,
+                c.oci_registry_ca_file.as_deref(),
+            ));
+        }
     }
-    let mut online_failed = false;
-    if online_checks {
-        let mut found = Vec::new();
-        match (&config, &cluster) {
-            (Some(_), Some(cluster)) => {
-                match kube::Client::from_config(cluster.clone(), &kube_opts) {
-                    Ok(client) => found.extend(online::kubernetes(&client)),
-                    Err(e) => found.push(Finding::fail(format!("kubeconfig: {e}"))),
-                }
-            }
-            _ => found.push(Finding::fail(
-                "online checks skipped: the configuration or the kubeconfig does not load",
-            )),
-        }
-        if let Some(c) = &config {
-            let host = c.oci_registry.split('/').next().unwrap_or("");
-            if settings::placeholder_host(host) {
-                found.push(Finding::fail(format!(
-                    "registry {host}: not pinged, a placeholder (see the WARN above)"
-                )));
-            } else {
-                found.push(online::registry(
-                    &c.oci_registry,
-                    c.oci_registry_ca_file.as_deref(),
-                ));
-            }
-        }
-        for f in &found {
-            println!("{}", f.line());
-        }
-        online_failed = found.iter().any(|f| f.level == Level::Fail);
-    }
+    found
+}
+
+/// The exit status, with its closing line: 2 for a failed check, 1 for a failed online check.
+fn verdict(offline: &[Finding], online_failed: bool) -> i32 {
     let problems = offline.iter().filter(|f| f.level == Level::Fail).count();
     if problems > 0 {
         println!("{problems} problem(s) found");

@@ -317,18 +317,13 @@ pub fn resource_metrics_text(sample: &Sample) -> String {
                 |v| v.cpu_throttled_periods as f64,
             ),
         ];
-        for (name, kind, help, value) in container_families {
-            let _ = writeln!(o, "# HELP {name} {help}");
-            let _ = writeln!(o, "# TYPE {name} {kind}");
-            for v in &sample.vms {
-                o.push_str(name);
-                o.push_str("{container=\"agent\",namespace=\"");
-                escape_label(&v.vm.namespace, &mut o);
-                o.push_str("\",pod=\"");
-                escape_label(&v.vm.pod, &mut o);
-                let _ = writeln!(o, "\"}} {} {ts}", value(v));
-            }
-        }
+        write_vm_families(
+            &mut o,
+            &container_families,
+            "container=\"agent\",",
+            sample,
+            ts,
+        );
         let pod_families: [Family; 2] = [
             (
                 "pod_cpu_usage_seconds_total",
@@ -343,23 +338,30 @@ pub fn resource_metrics_text(sample: &Sample) -> String {
                 |v| v.rss_bytes as f64,
             ),
         ];
-        for (name, kind, help, value) in pod_families {
-            let _ = writeln!(o, "# HELP {name} {help}");
-            let _ = writeln!(o, "# TYPE {name} {kind}");
-            for v in &sample.vms {
-                o.push_str(name);
-                o.push_str("{namespace=\"");
-                escape_label(&v.vm.namespace, &mut o);
-                o.push_str("\",pod=\"");
-                escape_label(&v.vm.pod, &mut o);
-                let _ = writeln!(o, "\"}} {} {ts}", value(v));
-            }
-        }
+        write_vm_families(&mut o, &pod_families, "", sample, ts);
     }
     let _ = writeln!(o, "# HELP resource_scrape_error 1 if there was an error while getting container metrics, 0 otherwise");
     let _ = writeln!(o, "# TYPE resource_scrape_error gauge");
     let _ = writeln!(o, "resource_scrape_error {}", u8::from(sample.errors > 0));
     o
+}
+
+/// One block per family: HELP, TYPE, then a line per VM labelled `{extra}namespace, pod`.
+fn write_vm_families(o: &mut String, families: &[Family], extra: &str, sample: &Sample, ts: u128) {
+    for (name, kind, help, value) in families {
+        let _ = writeln!(o, "# HELP {name} {help}");
+        let _ = writeln!(o, "# TYPE {name} {kind}");
+        for v in &sample.vms {
+            o.push_str(name);
+            o.push('{');
+            o.push_str(extra);
+            o.push_str("namespace=\"");
+            escape_label(&v.vm.namespace, o);
+            o.push_str("\",pod=\"");
+            escape_label(&v.vm.pod, o);
+            let _ = writeln!(o, "\"}} {} {ts}", value(v));
+        }
+    }
 }
 
 #[cfg(test)]

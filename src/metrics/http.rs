@@ -337,7 +337,9 @@ pub fn respond(head: &[u8], metrics: &Metrics) -> Option<Vec<u8>> {
     }
 }
 
-fn response(code: u16, reason: &str, content_type: &str, body: &[u8]) -> Vec<u8> {
+/// A whole one-shot HTTP/1.1 response (`Connection: close`); the peer listener answers with it
+/// too.
+pub fn response(code: u16, reason: &str, content_type: &str, body: &[u8]) -> Vec<u8> {
     let mut r = format!(
         "HTTP/1.1 {code} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()

@@ -20,6 +20,7 @@ use rustls::{ServerConfig, ServerConnection, StreamOwned};
 
 use crate::kubelet::tls::{cert_identity, TlsState};
 use crate::metrics::admission::{Refusal, RefusalLog};
+use crate::metrics::http::response;
 
 use super::nodes::{canonical, ClusterNodes};
 use super::pushed::PushedSnapshots;
@@ -562,14 +563,4 @@ fn busy(msg: &str) -> Vec<u8> {
 
 fn simple(code: u16, reason: &str, msg: &str) -> Vec<u8> {
     response(code, reason, "text/plain; charset=utf-8", msg.as_bytes())
-}
-
-fn response(code: u16, reason: &str, content_type: &str, body: &[u8]) -> Vec<u8> {
-    let mut r = format!(
-        "HTTP/1.1 {code} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    )
-    .into_bytes();
-    r.extend_from_slice(body);
-    r
 }

@@ -234,13 +234,7 @@ pub fn parse(pod: &Pod) -> Result<VmSpec, SpecError> {
     };
     let resources = parse_resources(pod)
         .map_err(|e| SpecError::new("bad_quantity", format!("pod {key}: {e}")))?;
-    let owner_cocoonset = pod
-        .metadata
-        .owner_references
-        .as_ref()
-        .and_then(|o| o.iter().find(|r| r.kind == "CocoonSet"))
-        .map(|r| r.name.clone())
-        .unwrap_or_default();
+    let owner_cocoonset = owner_cocoonset(pod);
     let cpu_class = pod
         .spec
         .as_ref()
@@ -276,6 +270,16 @@ pub fn parse(pod: &Pod) -> Result<VmSpec, SpecError> {
     })
 }
 
+/// The name of the CocoonSet owning the pod, empty when none does.
+fn owner_cocoonset(pod: &Pod) -> String {
+    pod.metadata
+        .owner_references
+        .as_ref()
+        .and_then(|o| o.iter().find(|r| r.kind == "CocoonSet"))
+        .map(|r| r.name.clone())
+        .unwrap_or_default()
+}
+
 /// The spec of a pod whose annotations no longer parse but whose VM (`vm_name`, `vm_id`) the
 /// daemon runs: every annotation that still reads keeps its meaning, the others take their
 /// defaults. The running daemon keeps such a pod tracked with a Warning when an update does not
@@ -289,13 +293,7 @@ pub fn salvage(pod: &Pod, vm_name: &str, vm_id: &str) -> VmSpec {
     let backend = read_backend(&get(ANN_BACKEND), &mut fallbacks);
     let storage_bytes = read_storage(&get(ANN_STORAGE), &mut fallbacks);
     let probe_port = read_probe_port(&get(ANN_PROBE_PORT), &mut fallbacks);
-    let owner_cocoonset = pod
-        .metadata
-        .owner_references
-        .as_ref()
-        .and_then(|o| o.iter().find(|r| r.kind == "CocoonSet"))
-        .map(|r| r.name.clone())
-        .unwrap_or_default();
+    let owner_cocoonset = owner_cocoonset(pod);
     VmSpec {
         vm_name: vm_name.to_string(),
         image: get(ANN_IMAGE),

@@ -7,7 +7,7 @@ use base64::Engine;
 
 use super::SessionEvent;
 pub use crate::kubelet::streams::websocket::{accept_key, frame, handshake_response, MAX_MESSAGE};
-use crate::kubelet::streams::websocket::{frame_parts, WsInput, WsReader, BINARY, TEXT};
+use crate::kubelet::streams::websocket::{channel_message, WsInput, WsReader};
 
 /// Outgoing data is split into frames of at most this size.
 const OUT_FRAME: usize = 64 * 1024;
@@ -53,17 +53,7 @@ impl WsSession {
     }
 
     fn message(&self, channel: u8, data: &[u8], out: &mut Vec<u8>) {
-        if self.base64 {
-            let mut p = vec![b'0' + channel];
-            p.extend_from_slice(
-                base64::engine::general_purpose::STANDARD
-                    .encode(data)
-                    .as_bytes(),
-            );
-            frame(TEXT, &p, out);
-        } else {
-            frame_parts(BINARY, &[channel], data, out);
-        }
+        channel_message(self.base64, channel, data, out);
     }
 
     /// Sends data on a channel (1 stdout, 2 stderr, 3 error), split into bounded frames.

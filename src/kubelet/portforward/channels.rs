@@ -8,7 +8,7 @@ use base64::Engine;
 
 use super::{parse_port, Key, PfEvent, PortError};
 use crate::kubelet::routes::Request;
-use crate::kubelet::streams::websocket::{frame, frame_parts, WsInput, WsReader, BINARY, TEXT};
+use crate::kubelet::streams::websocket::{channel_message, WsInput, WsReader};
 
 /// Ports one WebSocket may forward (two channels each, one byte per channel number).
 pub const MAX_PORTS: usize = 64;
@@ -63,17 +63,7 @@ impl ChannelForward {
     }
 
     fn message(&self, channel: u8, data: &[u8], out: &mut Vec<u8>) {
-        if self.base64 {
-            let mut p = vec![b'0'.wrapping_add(channel)];
-            p.extend_from_slice(
-                base64::engine::general_purpose::STANDARD
-                    .encode(data)
-                    .as_bytes(),
-            );
-            frame(TEXT, &p, out);
-        } else {
-            frame_parts(BINARY, &[channel], data, out);
-        }
+        channel_message(self.base64, channel, data, out);
     }
 
     pub fn feed(&mut self, data: &[u8], out: &mut Vec<u8>, ev: &mut Vec<PfEvent>) {
@@ -148,6 +138,7 @@ impl ChannelForward {
 mod tests {
     use super::*;
     use crate::kubelet::streams::websocket::tests::client_frame;
+    use crate::kubelet::streams::websocket::BINARY;
 
     #[test]
     fn ports_announced_data_routed_and_closed_when_all_end() {

@@ -62,6 +62,22 @@ pub fn frame_parts(opcode: u8, head: &[u8], payload: &[u8], out: &mut Vec<u8>) {
     out.extend_from_slice(payload);
 }
 
+/// Appends one message on a channel of the channel.k8s.io family: the channel byte then the
+/// data in a binary frame, or (base64 subprotocols) the channel digit then base64 in a text frame.
+pub fn channel_message(base64: bool, channel: u8, data: &[u8], out: &mut Vec<u8>) {
+    if base64 {
+        let mut p = vec![b'0'.wrapping_add(channel)];
+        p.extend_from_slice(
+            base64::engine::general_purpose::STANDARD
+                .encode(data)
+                .as_bytes(),
+        );
+        frame(TEXT, &p, out);
+    } else {
+        frame_parts(BINARY, &[channel], data, out);
+    }
+}
+
 /// Appends a close frame with `code`.
 pub fn close_frame(code: u16, out: &mut Vec<u8>) {
     frame(CLOSE, &code.to_be_bytes(), out);

@@ -13,78 +13,36 @@
 //! store, which a private registry CA had to be installed into). The virtual-kubelet CLI's environment knobs (`KUBELET_PORT`,
 //! `DEFAULT_NODE_NAME`, `VKUBELET_TAINT_*`, `APISERVER_*_LOCATION`) belong to the
 //! virtual-kubelet CLI, which the Go vk-cocoon never used, so they are not read.
+//!
+//! variables: the documented table; values: the generic readers (defaults, ranges, files);
+//! settings: one reader per variable with a rule of its own; syntax: Kubernetes name and
+//! quantity syntax; listen: listen addresses.
 
 use std::fmt;
 use std::net::IpAddr;
 use std::path::PathBuf;
 
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::CertificateDer;
+mod listen;
+mod settings;
+mod syntax;
+mod values;
+mod variables;
 
-/// One documented variable: name, default as shown to operators, meaning.
-pub struct Variable {
-    pub name: &'static str,
-    pub default: &'static str,
-    pub meaning: &'static str,
-}
+pub use listen::ListenAddr;
+pub use settings::macos_vnc_secret_ok;
+pub use syntax::{is_dns_name, is_label_value, is_quantity};
+pub use variables::{Variable, VARIABLES};
 
-const fn var(name: &'static str, default: &'static str, meaning: &'static str) -> Variable {
-    Variable {
-        name,
-        default,
-        meaning,
-    }
-}
-
-/// Every variable the daemon reads, in the order of the README table.
-pub const VARIABLES: &[Variable] = &[
-    var("OCI_REGISTRY", "(required)", "Registry base for snapshots and cloud images, e.g. `registry.example.com/cocoon`."),
-    var("OCI_REGISTRY_CA_FILE", "unset (system trust store)", "PEM bundle of CA certificates the registry client trusts in addition to the host's trust store (`SSL_CERT_FILE`, `SSL_CERT_DIR`, the distribution bundle), for a registry with a private CA."),
-    var("KUBECONFIG", "unset", "Kubeconfig path list; falls back to `~/.kube/config`, then in-cluster config."),
-    var("VK_LOG_LEVEL", "info", "`trace`, `debug`, `info`, `warn`, `error` or `off`."),
-    var("VK_NODE_NAME", "cocoon-pool", "Name of the virtual Node (RFC 1123 subdomain)."),
-    var("VK_NODE_IP", "auto", "Node InternalIP; auto = the address of the interface the default route leaves by (IPv4 route, else IPv6; with no default route, the first non-loopback IPv4)."),
-    var("VK_NODE_POOL", "default", "Value of node label `cocoonstack.io/pool`."),
-    var("VK_SNAPSHOT_CPU_CLASS", "unset", "CPU class label for snapshot compatibility (a label value)."),
-    var("VK_PROVIDER_ID", "unset", "Copied to `node.spec.providerID` when set."),
-    var("GOOGLE_APPLICATION_CREDENTIALS", "unset", "GCP credentials file for registry auth."),
-    var("VK_LEASES_PATH", "/var/lib/cocoon/net/leases.json", "cocoon-net lease file."),
-    var("VK_COCOON_NET_CONTROL_SOCKET", "/run/cocoon-net/control.sock", "cocoon-net control socket; set but empty disables lease release."),
-    var("VK_COCOON_BIN", "/usr/local/bin/cocoon", "The cocoon CLI."),
-    var("VK_COCOON_MACOS_BIN", "/usr/local/bin/cocoon-macos", "cocoon CLI for managed `os=macos` pods."),
-    var("COCOON_MACOS_VNC_PASSWORD", "unset (VNC off)", "Secret each macOS guest's own VNC password is derived from (8 characters of HMAC-SHA256 over the VM name; `vk-cocoon vnc-password VM` prints one), given to cocoon-macos in its environment, never on its command line: 1-256 bytes, no control characters; 16 or more random bytes recommended."),
-    var("VK_ORPHAN_POLICY", "destroy", "What to do with VMs that have no pod at startup: `destroy`, `alert` or `keep`."),
-    var("VK_RESTORE_MODE", "mmap", "Snapshot restore mode: `copy`, `ondemand` or `mmap`."),
-    var("VK_CLONE_FROM_DIR_ROOT", "unset (refused)", "Absolute directory below which `vm.cocoonstack.io/clone-from-dir` may name snapshot directories (none may be a symlink below it; it should be writable only by the operator); unset = every clone-from-dir pod fails (CloneFromDirRefused)."),
-    var("VK_IMAGE_URL_ALLOW_HOSTS", "unset (none)", "Comma-separated host names or IP addresses that http(s) image URLs may name although they are loopback, link-local, private or cloud metadata hosts (or resolve to such addresses); any other such URL fails its pod (ImageURLRefused)."),
-    var("VK_STAGING_DIR", "/var/lib/cocoon/vk-staging", "Peer-restore staging directory; the snapshot push spool is `vk-spool` beside it (mode 0700, the daemon's own)."),
-    var("VK_STATE_DIR", "/var/lib/cocoon/vk-cocoon", "The daemon's own state (absolute path, made mode 0700): the ownership ledger `owners.json` and `peer-pushed.json`, the manifest digest of every snapshot this node pushed, which peers must name."),
-    var("VK_PEER_ADDR", ":12501", "Peer snapshot listener (`host:port`, TLS with node client certificates only); its port is dialled on peers."),
-    var("VK_COCOON_SNAPSHOT_DIR", "/var/lib/cocoon/snapshot/localfile", "Snapshot store served to peers."),
-    var("VK_TLS_CERT", "/etc/cocoon/vk/tls/vk-kubelet.crt", "Kubelet API serving certificate."),
-    var("VK_TLS_KEY", "/etc/cocoon/vk/tls/vk-kubelet.key", "Kubelet API serving key."),
-    var("VK_KUBELET_PORT", "10250", "Kubelet API port (listen and advertised); malformed = default."),
-    var("VK_KUBELET_AUTH", "on", "`on`: kubelet API requires client certificates / tokens; `off`: open API like the Go daemon (warned)."),
-    var("VK_CLIENT_CA_FILE", "unset (cluster CA)", "CA bundle that verifies kubelet API client certificates; unset = the cluster CA of the kubeconfig."),
-    var("VK_METRICS_ADDR", ":9091", "Plain-HTTP `/metrics` listener (`host:port`)."),
-    var("VK_RESERVE_PERCENT", "20", "Share of host resources kept back from allocatable, 0-100."),
-    var("VK_NODE_CPU", "auto", "Override node CPU capacity (Kubernetes quantity)."),
-    var("VK_NODE_MEM", "auto", "Override node memory capacity (Kubernetes quantity)."),
-    var("VK_NODE_STORAGE", "auto", "Override node ephemeral-storage capacity (Kubernetes quantity)."),
-    var("VK_NODE_HUGEPAGES", "auto", "Override node hugepages capacity (Kubernetes quantity)."),
-    var("VK_NODE_PODS", "256", "Node pod capacity (Kubernetes quantity)."),
-    var("COCOON_ROOT_DIR", "/var/lib/cocoon", "cocoon root: statfs for storage, run directories of VMs."),
-    var("COCOON_CGROUP_PARENT", "cocoon.slice", "cgroup v2 slice holding per-VM scopes."),
-    var("SNAPSHOT_ZSTD_LEVEL", "0", "zstd level for pushed snapshot layers, 0 = off, 1-22."),
-    var("SNAPSHOT_CHUNK_SIZE_MIB", "0", "Snapshot chunk size in MiB, 0 = no chunking."),
-    var("SNAPSHOT_TRANSFER_CONCURRENCY", "8", "Parallel blob transfers, 1-256."),
-    var("SNAPSHOT_MEMORY_BUDGET_MIB", "9216", "Push buffer cap in MiB (at least 1)."),
-    var("SNAPSHOT_PULL_BUDGET_MIB", "2048", "Pull prefetch cap in MiB (at least 1)."),
-    var("COCOON_K8S_QPS", "50", "Kubernetes client requests per second; 0 = no limit; malformed = default."),
-    var("COCOON_K8S_BURST", "100", "Kubernetes client burst; 0 or malformed = default."),
-    var("VK_TEST_WALL_CLOCK_OFFSET_FILE", "unset", "Tests only, never on a host: a file of signed seconds added to the daemon's wall clock (re-read every 100 ms), so process tests can step the clock without stepping the machine's."),
-    var("VK_COCOON_DEADLINES", "query=30,control=120,create=600,transfer=3600", "Seconds after which a cocoon call is killed, per class: `query` (inspect, list of snapshots), `control` (vm list, rm, start, net, snapshot rm), `create` (clone, run), `transfer` (snapshot save, import, export, image pull, import); any subset, comma-separated."),
-];
+use settings::{
+    cgroup_parent, deadlines, k8s_burst, k8s_qps, kubelet_auth, kubelet_port, macos_vnc_password,
+    net_control_socket, node_ip, node_name, node_pool, oci_registry, orphan_policy,
+    reserve_percent, restore_mode, snapshot_chunk_size_mib, snapshot_cpu_class,
+    snapshot_memory_budget_mib, snapshot_pull_budget_mib, snapshot_transfer_concurrency,
+    snapshot_zstd_level,
+};
+use values::{
+    ca_bundle_file, dir_root, get, host_list, listen_addr, path_or, quantity, state_dir, string_or,
+};
 
 /// What to do with VMs that have no pod at startup reconcile.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -96,62 +54,6 @@ pub enum OrphanPolicy {
 
 /// How `cocoon` restores a snapshot's memory: the cocoon contract's own type.
 pub use crate::vm::RestoreMode;
-
-/// A `host:port` listen address in Go's notation: `:9091` means every interface.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ListenAddr {
-    /// Empty for "every interface"; an IP literal (brackets removed) or a host name.
-    pub host: String,
-    pub port: u16,
-}
-
-impl ListenAddr {
-    /// Parses `host:port`, `[v6]:port` or `:port`.
-    pub fn parse(text: &str) -> Option<ListenAddr> {
-        let (host, port) = text.rsplit_once(':')?;
-        let port: u16 = port.parse().ok()?;
-        let host = if let Some(inner) = host.strip_prefix('[') {
-            let inner = inner.strip_suffix(']')?;
-            inner.parse::<std::net::Ipv6Addr>().ok()?;
-            inner
-        } else {
-            if host.contains(':') || host.contains(']') {
-                return None;
-            }
-            host
-        };
-        if !host.is_empty() && host.parse::<IpAddr>().is_err() && !is_dns_name(host) {
-            return None;
-        }
-        Some(ListenAddr {
-            host: host.to_string(),
-            port,
-        })
-    }
-
-    /// The socket addresses to bind: every interface (0.0.0.0) for an empty host,
-    /// otherwise the IP literal or what the host name resolves to.
-    pub fn socket_addrs(&self) -> std::io::Result<Vec<std::net::SocketAddr>> {
-        use std::net::ToSocketAddrs;
-        if self.host.is_empty() {
-            return Ok(vec![std::net::SocketAddr::from(([0, 0, 0, 0], self.port))]);
-        }
-        if let Ok(ip) = self.host.parse::<IpAddr>() {
-            return Ok(vec![std::net::SocketAddr::new(ip, self.port)]);
-        }
-        Ok((self.host.as_str(), self.port).to_socket_addrs()?.collect())
-    }
-}
-
-impl fmt::Display for ListenAddr {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.host.contains(':') {
-            write!(f, "[{}]:{}", self.host, self.port)
-        } else {
-            write!(f, "{}:{}", self.host, self.port)
-        }
-    }
-}
 
 /// Whether the kubelet API checks who is calling.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -250,233 +152,6 @@ impl fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
-type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
-
-fn invalid(variable: &'static str, value: &str, allowed: impl Into<String>) -> ConfigError {
-    ConfigError {
-        variable,
-        value: Some(value.to_string()),
-        allowed: allowed.into(),
-    }
-}
-
-/// The macOS VNC secret's limits (the Go daemon's 8-byte passwords stay valid secrets).
-const VNC_SECRET_MAX: usize = 256;
-const VNC_SECRET_RECOMMENDED: usize = 16;
-
-/// COCOON_MACOS_VNC_PASSWORD: an error that never echoes the secret.
-pub fn macos_vnc_secret_ok(secret: &str) -> Result<(), ConfigError> {
-    if secret.is_empty() || secret.len() > VNC_SECRET_MAX || secret.chars().any(char::is_control) {
-        return Err(ConfigError {
-            variable: "COCOON_MACOS_VNC_PASSWORD",
-            value: Some(format!("<redacted, {} bytes>", secret.len())),
-            allowed: format!("1-{VNC_SECRET_MAX} bytes without control characters"),
-        });
-    }
-    Ok(())
-}
-
-/// A comma-separated list of host names or IP addresses (IPv6 with or without brackets),
-/// lower-cased, trailing dots dropped; empty entries are skipped.
-fn host_list(env: Lookup, name: &'static str) -> Result<Vec<String>, ConfigError> {
-    let Some(raw) = get(env, name) else {
-        return Ok(Vec::new());
-    };
-    raw.split(',')
-        .map(|h| h.trim().trim_start_matches('[').trim_end_matches(']'))
-        .filter(|h| !h.is_empty())
-        .map(|h| {
-            let host = h.strip_suffix('.').unwrap_or(h).to_ascii_lowercase();
-            if is_dns_name(&host) || host.parse::<std::net::IpAddr>().is_ok() {
-                Ok(host)
-            } else {
-                Err(invalid(
-                    name,
-                    &raw,
-                    format!("comma-separated host names or IP addresses ({h:?} is neither)"),
-                ))
-            }
-        })
-        .collect()
-}
-
-/// An absolute directory without `.`, `..` or empty components (a trailing `/` is dropped).
-fn dir_root(env: Lookup, name: &'static str) -> Result<Option<String>, ConfigError> {
-    let Some(raw) = get(env, name) else {
-        return Ok(None);
-    };
-    let dir = raw.trim_end_matches('/');
-    let canonical = raw.starts_with('/')
-        && !dir.is_empty()
-        && dir[1..]
-            .split('/')
-            .all(|c| !c.is_empty() && c != "." && c != "..");
-    if canonical {
-        Ok(Some(dir.to_string()))
-    } else {
-        Err(invalid(
-            name,
-            &raw,
-            "an absolute directory other than / without . or .. components",
-        ))
-    }
-}
-
-/// The value, or None when unset or empty.
-fn get(env: Lookup, name: &str) -> Option<String> {
-    env(name).filter(|v| !v.is_empty())
-}
-
-fn string_or(env: Lookup, name: &str, default: &str) -> String {
-    get(env, name).unwrap_or_else(|| default.to_string())
-}
-
-fn path_or(env: Lookup, name: &str, default: &str) -> PathBuf {
-    PathBuf::from(string_or(env, name, default))
-}
-
-fn int_in<T>(
-    env: Lookup,
-    name: &'static str,
-    default: T,
-    lo: T,
-    hi: T,
-    allowed: &str,
-) -> Result<T, ConfigError>
-where
-    T: std::str::FromStr + PartialOrd + Copy,
-{
-    let Some(raw) = get(env, name) else {
-        return Ok(default);
-    };
-    match raw.trim().parse::<T>() {
-        Ok(v) if v >= lo && v <= hi => Ok(v),
-        _ => Err(invalid(name, &raw, allowed)),
-    }
-}
-
-fn listen_addr(env: Lookup, name: &'static str, default: &str) -> Result<ListenAddr, ConfigError> {
-    let raw = string_or(env, name, default);
-    ListenAddr::parse(raw.trim())
-        .ok_or_else(|| invalid(name, &raw, "host:port, [ipv6]:port or :port (port 0-65535)"))
-}
-
-fn quantity(env: Lookup, name: &'static str) -> Result<Option<String>, ConfigError> {
-    let Some(raw) = get(env, name) else {
-        return Ok(None);
-    };
-    let q = raw.trim();
-    // Syntax alone lets `1e400` (infinite) and `-5` through; the node capacity would then fail
-    // at start-up as a runtime error instead of a configuration one.
-    let in_range = is_quantity(q) && crate::node::parse_quantity(q).is_ok_and(|v| v < MAX_QUANTITY);
-    if in_range {
-        Ok(Some(q.to_string()))
-    } else {
-        Err(invalid(
-            name,
-            &raw,
-            "a Kubernetes quantity such as 16, 500m, 64Gi or 1e3, not negative and below 2^63",
-        ))
-    }
-}
-
-/// Largest capacity value accepted: what an int64 Kubernetes quantity can hold.
-const MAX_QUANTITY: f64 = 9.2e18;
-
-/// VK_STATE_DIR: an absolute path (the daemon creates it at start).
-fn state_dir(env: Lookup) -> Result<PathBuf, ConfigError> {
-    const NAME: &str = "VK_STATE_DIR";
-    let dir = path_or(env, NAME, "/var/lib/cocoon/vk-cocoon");
-    if !dir.is_absolute() {
-        let raw = dir.display().to_string();
-        return Err(invalid(NAME, &raw, "an absolute directory path"));
-    }
-    Ok(dir)
-}
-
-/// A CA bundle variable (`VK_CLIENT_CA_FILE`, `OCI_REGISTRY_CA_FILE`) must name a readable PEM
-/// file of at least one usable CA certificate: checked here so a bad file is a configuration
-/// error, not a failure after start-up.
-fn ca_bundle_file(env: Lookup, name: &'static str) -> Result<Option<PathBuf>, ConfigError> {
-    let Some(raw) = get(env, name) else {
-        return Ok(None);
-    };
-    let allowed = |why: String| {
-        invalid(
-            name,
-            &raw,
-            format!("a readable PEM file of CA certificates ({why})"),
-        )
-    };
-    let pem = std::fs::read(&raw).map_err(|e| allowed(format!("cannot read: {e}")))?;
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_slice_iter(&pem) {
-        let cert = cert.map_err(|e| allowed(format!("bad PEM: {e}")))?;
-        roots
-            .add(cert)
-            .map_err(|e| allowed(format!("bad certificate: {e}")))?;
-    }
-    if roots.is_empty() {
-        return Err(allowed("no CERTIFICATE block".into()));
-    }
-    Ok(Some(PathBuf::from(raw)))
-}
-
-/// Kubernetes resource.Quantity syntax: signed decimal number with an optional
-/// binary (Ki..Ei), decimal (n, u, m, k, M..E) or exponent (e3, E-2) suffix.
-pub fn is_quantity(s: &str) -> bool {
-    let body = s.strip_prefix(['+', '-']).unwrap_or(s);
-    let digits_end = body
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(body.len());
-    let (number, suffix) = body.split_at(digits_end);
-    let mut parts = number.splitn(2, '.');
-    let int = parts.next().unwrap_or("");
-    let frac = parts.next();
-    if frac.is_some_and(|f| f.contains('.')) || (int.is_empty() && frac.is_none_or(str::is_empty)) {
-        return false;
-    }
-    match suffix {
-        "" | "Ki" | "Mi" | "Gi" | "Ti" | "Pi" | "Ei" | "n" | "u" | "m" | "k" | "M" | "G" | "T"
-        | "P" | "E" => true,
-        s if s.starts_with(['e', 'E']) => {
-            let exp = &s[1..];
-            let exp = exp.strip_prefix(['+', '-']).unwrap_or(exp);
-            !exp.is_empty() && exp.bytes().all(|b| b.is_ascii_digit())
-        }
-        _ => false,
-    }
-}
-
-/// A Kubernetes label value: at most 63 characters, alphanumeric at both ends,
-/// `-`, `_` and `.` inside. The empty string is valid.
-pub fn is_label_value(s: &str) -> bool {
-    let b = s.as_bytes();
-    if b.is_empty() {
-        return true;
-    }
-    b.len() <= 63
-        && b[0].is_ascii_alphanumeric()
-        && b[b.len() - 1].is_ascii_alphanumeric()
-        && b.iter()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
-}
-
-/// An RFC 1123 subdomain (what Kubernetes requires of node names).
-pub fn is_dns_name(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 253
-        && s.split('.').all(|label| {
-            let b = label.as_bytes();
-            !b.is_empty()
-                && b.len() <= 63
-                && b[0].is_ascii_alphanumeric()
-                && b[b.len() - 1].is_ascii_alphanumeric()
-                && b.iter()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
-        })
-}
-
 impl Config {
     /// The snapshot push spool: `vk-spool` beside VK_STAGING_DIR (by default
     /// /var/lib/cocoon/vk-spool), a directory only the daemon's user may enter.
@@ -490,180 +165,23 @@ impl Config {
     /// Reads and validates every variable through `env` (for the daemon: `std::env::var(..).ok()`).
     pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
         let mut warnings = Vec::new();
-
-        let oci_registry = get(env, "OCI_REGISTRY")
-            .map(|s| s.trim().to_string())
-            .unwrap_or_default();
-        if oci_registry.is_empty() {
-            return Err(ConfigError {
-                variable: "OCI_REGISTRY",
-                value: None,
-                allowed: "the registry base for snapshots and cloud images, e.g. registry.example.com/cocoon".into(),
-            });
-        }
-        if oci_registry
-            .chars()
-            .any(|c| c.is_whitespace() || c.is_control())
-        {
-            return Err(invalid(
-                "OCI_REGISTRY",
-                &oci_registry,
-                "a registry reference without spaces",
-            ));
-        }
-
-        let node_name = string_or(env, "VK_NODE_NAME", "cocoon-pool");
-        if !is_dns_name(&node_name) {
-            return Err(invalid(
-                "VK_NODE_NAME",
-                &node_name,
-                "a lowercase RFC 1123 name (a-z, 0-9, '-', '.'; at most 253 characters)",
-            ));
-        }
-
-        let node_ip = match get(env, "VK_NODE_IP") {
-            None => None,
-            Some(raw) => Some(raw.trim().parse::<IpAddr>().map_err(|_| {
-                invalid(
-                    "VK_NODE_IP",
-                    &raw,
-                    "an IP address such as 10.0.0.5, or unset for auto",
-                )
-            })?),
-        };
-
-        const LABEL_RULE: &str =
-            "a Kubernetes label value (at most 63 characters, alphanumeric at both ends, '-', '_' or '.' inside)";
-        let node_pool = string_or(env, "VK_NODE_POOL", "default");
-        if !is_label_value(&node_pool) {
-            return Err(invalid("VK_NODE_POOL", &node_pool, LABEL_RULE));
-        }
-        let snapshot_cpu_class = get(env, "VK_SNAPSHOT_CPU_CLASS");
-        if let Some(c) = &snapshot_cpu_class {
-            if !is_label_value(c) {
-                return Err(invalid("VK_SNAPSHOT_CPU_CLASS", c, LABEL_RULE));
-            }
-        }
-
-        let macos_vnc_password = get(env, "COCOON_MACOS_VNC_PASSWORD");
-        if let Some(p) = &macos_vnc_password {
-            macos_vnc_secret_ok(p)?;
-            if p.len() < VNC_SECRET_RECOMMENDED {
-                warnings.push(format!(
-                    "COCOON_MACOS_VNC_PASSWORD has {} bytes: a tenant who knows their own VM's VNC \
-                     password can search for a short secret offline and derive every other \
-                     guest's; use {VNC_SECRET_RECOMMENDED} or more random bytes",
-                    p.len()
-                ));
-            }
-        }
-
-        let orphan_policy = match get(env, "VK_ORPHAN_POLICY") {
-            None => OrphanPolicy::Destroy,
-            Some(raw) => match raw.trim().to_ascii_lowercase().as_str() {
-                "destroy" => OrphanPolicy::Destroy,
-                "alert" => OrphanPolicy::Alert,
-                "keep" => OrphanPolicy::Keep,
-                _ => return Err(invalid("VK_ORPHAN_POLICY", &raw, "destroy, alert or keep")),
-            },
-        };
-        let restore_mode = match get(env, "VK_RESTORE_MODE") {
-            None => RestoreMode::Mmap,
-            Some(raw) => match raw.trim().to_ascii_lowercase().as_str() {
-                "copy" => RestoreMode::Copy,
-                "ondemand" => RestoreMode::OnDemand,
-                "mmap" => RestoreMode::Mmap,
-                _ => return Err(invalid("VK_RESTORE_MODE", &raw, "copy, ondemand or mmap")),
-            },
-        };
-
-        let kubelet_port = match get(env, "VK_KUBELET_PORT") {
-            None => 10250,
-            Some(raw) => match raw.trim().parse::<u16>() {
-                Ok(p) if p > 0 => p,
-                _ => {
-                    warnings.push(format!(
-                        "VK_KUBELET_PORT={raw:?} is not a port 1-65535; using 10250"
-                    ));
-                    10250
-                }
-            },
-        };
-        let kubelet_auth = match get(env, "VK_KUBELET_AUTH") {
-            None => KubeletAuth::On,
-            Some(raw) => match raw.trim().to_ascii_lowercase().as_str() {
-                "on" => KubeletAuth::On,
-                "off" => {
-                    warnings.push(
-                        "VK_KUBELET_AUTH=off: the kubelet API (logs, exec) is open to anyone who can reach it".into(),
-                    );
-                    KubeletAuth::Off
-                }
-                _ => return Err(invalid("VK_KUBELET_AUTH", &raw, "on or off")),
-            },
-        };
-
-        let k8s_qps = match get(env, "COCOON_K8S_QPS") {
-            None => 50.0,
-            Some(raw) => match raw.trim().parse::<f64>() {
-                Ok(q) if q.is_finite() && q > 0.0 => q,
-                // As the client reads it: no rate limit at all (what tests and benches want).
-                Ok(0.0) => {
-                    warnings.push(
-                        "COCOON_K8S_QPS=0: Kubernetes API requests are not rate limited".into(),
-                    );
-                    0.0
-                }
-                _ => {
-                    warnings.push(format!(
-                        "COCOON_K8S_QPS={raw:?} is not a number >= 0; using 50"
-                    ));
-                    50.0
-                }
-            },
-        };
-        let k8s_burst = match get(env, "COCOON_K8S_BURST") {
-            None => 100,
-            Some(raw) => match raw.trim().parse::<u32>() {
-                Ok(b) if b > 0 => b,
-                _ => {
-                    warnings.push(format!(
-                        "COCOON_K8S_BURST={raw:?} is not a positive integer; using 100"
-                    ));
-                    100
-                }
-            },
-        };
-
-        let cocoon_net_control_socket = match env("VK_COCOON_NET_CONTROL_SOCKET") {
-            None => Some(PathBuf::from("/run/cocoon-net/control.sock")),
-            Some(v) if v.is_empty() => None,
-            Some(v) => Some(PathBuf::from(v)),
-        };
-
-        let cocoon_cgroup_parent = string_or(env, "COCOON_CGROUP_PARENT", "cocoon.slice");
-        if cocoon_cgroup_parent.contains("..")
-            || cocoon_cgroup_parent.chars().any(|c| c.is_control())
-        {
-            return Err(invalid(
-                "COCOON_CGROUP_PARENT",
-                &cocoon_cgroup_parent,
-                "a cgroup path below /sys/fs/cgroup without '..'",
-            ));
-        }
-
-        let cocoon_deadlines = match get(env, "VK_COCOON_DEADLINES") {
-            None => crate::vm::Deadlines::default(),
-            Some(raw) => crate::vm::Deadlines::parse(&raw).map_err(|why| {
-                invalid(
-                    "VK_COCOON_DEADLINES",
-                    &raw,
-                    format!(
-                        "class=seconds pairs, classes query, control, create, transfer ({why})"
-                    ),
-                )
-            })?,
-        };
+        // A fixed order: the first invalid variable is the error, and from_env_all lists
+        // them in this order.
+        let oci_registry = oci_registry(env)?;
+        let node_name = node_name(env)?;
+        let node_ip = node_ip(env)?;
+        let node_pool = node_pool(env)?;
+        let snapshot_cpu_class = snapshot_cpu_class(env)?;
+        let macos_vnc_password = macos_vnc_password(env, &mut warnings)?;
+        let orphan_policy = orphan_policy(env)?;
+        let restore_mode = restore_mode(env)?;
+        let kubelet_port = kubelet_port(env, &mut warnings);
+        let kubelet_auth = kubelet_auth(env, &mut warnings)?;
+        let k8s_qps = k8s_qps(env, &mut warnings);
+        let k8s_burst = k8s_burst(env, &mut warnings);
+        let cocoon_net_control_socket = net_control_socket(env);
+        let cocoon_cgroup_parent = cgroup_parent(env)?;
+        let cocoon_deadlines = deadlines(env)?;
 
         Ok(Config {
             kubeconfig: get(env, "KUBECONFIG"),
@@ -700,14 +218,7 @@ impl Config {
             kubelet_auth,
             client_ca_file: ca_bundle_file(env, "VK_CLIENT_CA_FILE")?,
             metrics_addr: listen_addr(env, "VK_METRICS_ADDR", ":9091")?,
-            reserve_percent: int_in(
-                env,
-                "VK_RESERVE_PERCENT",
-                20u8,
-                0,
-                100,
-                "an integer from 0 to 100",
-            )?,
+            reserve_percent: reserve_percent(env)?,
             node_cpu: quantity(env, "VK_NODE_CPU")?,
             node_mem: quantity(env, "VK_NODE_MEM")?,
             node_storage: quantity(env, "VK_NODE_STORAGE")?,
@@ -715,46 +226,11 @@ impl Config {
             node_pods: quantity(env, "VK_NODE_PODS")?.unwrap_or_else(|| "256".to_string()),
             cocoon_root_dir: path_or(env, "COCOON_ROOT_DIR", "/var/lib/cocoon"),
             cocoon_cgroup_parent,
-            snapshot_zstd_level: int_in(
-                env,
-                "SNAPSHOT_ZSTD_LEVEL",
-                0i32,
-                0,
-                22,
-                "0 (off) or a zstd level 1-22",
-            )?,
-            snapshot_chunk_size_mib: int_in(
-                env,
-                "SNAPSHOT_CHUNK_SIZE_MIB",
-                0u64,
-                0,
-                1 << 20,
-                "0 (off) or a chunk size in MiB up to 1048576",
-            )?,
-            snapshot_transfer_concurrency: int_in(
-                env,
-                "SNAPSHOT_TRANSFER_CONCURRENCY",
-                8usize,
-                1,
-                256,
-                "an integer from 1 to 256",
-            )?,
-            snapshot_memory_budget_mib: int_in(
-                env,
-                "SNAPSHOT_MEMORY_BUDGET_MIB",
-                9216u64,
-                1,
-                u64::MAX >> 20,
-                "a positive number of MiB",
-            )?,
-            snapshot_pull_budget_mib: int_in(
-                env,
-                "SNAPSHOT_PULL_BUDGET_MIB",
-                2048u64,
-                1,
-                u64::MAX >> 20,
-                "a positive number of MiB",
-            )?,
+            snapshot_zstd_level: snapshot_zstd_level(env)?,
+            snapshot_chunk_size_mib: snapshot_chunk_size_mib(env)?,
+            snapshot_transfer_concurrency: snapshot_transfer_concurrency(env)?,
+            snapshot_memory_budget_mib: snapshot_memory_budget_mib(env)?,
+            snapshot_pull_budget_mib: snapshot_pull_budget_mib(env)?,
             k8s_qps,
             k8s_burst,
             cocoon_deadlines,
@@ -1245,44 +721,5 @@ mod tests {
             unknown_vk_variables(names),
             vec!["VK_NODE_NMAE", "VK_SSH_PASSWORD"]
         );
-    }
-
-    #[test]
-    fn quantity_syntax() {
-        for q in [
-            "1", "0", "+1.5", "-2", ".5", "5.", "500m", "64Gi", "1Ki", "2k", "3M", "1e3", "1E-2",
-            "7n", "9u",
-        ] {
-            assert!(is_quantity(q), "{q}");
-        }
-        for q in [
-            "", "Gi", ".", "1..2", "1.2.3", "64GB", "1e", "1e+", "1 Gi", "--1", "0x10", "1ki",
-        ] {
-            assert!(!is_quantity(q), "{q}");
-        }
-    }
-
-    #[test]
-    fn listen_addr_forms() {
-        assert_eq!(
-            ListenAddr::parse(":80"),
-            Some(ListenAddr {
-                host: "".into(),
-                port: 80
-            })
-        );
-        assert_eq!(
-            ListenAddr::parse("localhost:80").map(|a| a.host),
-            Some("localhost".into())
-        );
-        assert_eq!(
-            ListenAddr::parse("[::]:80").map(|a| a.host),
-            Some("::".into())
-        );
-        for bad in [
-            "", "80", "[::1:80", "[zz]:80", "a:b:80", "host:", "host:-1", ":65536",
-        ] {
-            assert_eq!(ListenAddr::parse(bad), None, "{bad}");
-        }
     }
 }
