@@ -33,16 +33,16 @@ impl Provider {
         cloned: bool,
     ) {
         let until = self.now + CLASSIFY_BUDGET;
-        self.start_op(
+        self.set_op(
             key,
-            Op::Classify(ClassifyOp {
+            ClassifyOp {
                 uid,
                 vm_id,
                 cloned,
                 step: ClassifyStep::Evidence,
                 failures: 0,
                 until,
-            }),
+            },
         );
         self.ask_classify_evidence(key);
     }
@@ -60,23 +60,19 @@ impl Provider {
         self.advance(key, ClassifyStep::Evidence, ask)
     }
 
-    /// The running classification, while the pod still tracks its VM.
-    fn classify_op(&self, key: &PodKey) -> Option<ClassifyOp> {
-        let slot = self.slots.get(key)?;
-        match (slot.op(), &slot.tracked) {
-            (Some(Op::Classify(c)), Some(t))
-                if t.uid == c.uid && t.vm.as_ref().is_some_and(|v| v.id == c.vm_id) =>
-            {
-                Some(c.clone())
-            }
-            _ => None,
-        }
+    /// The classification `c` still concerns the pod: it tracks the same incarnation and VM.
+    fn classify_live(&self, key: &PodKey, c: &ClassifyOp) -> bool {
+        self.slots
+            .get(key)
+            .and_then(|s| s.tracked.as_ref())
+            .is_some_and(|t| t.uid == c.uid && t.vm.as_ref().is_some_and(|v| v.id == c.vm_id))
     }
 
-    pub(super) fn classify_step(&mut self, key: &PodKey, res: Res) {
-        let Some(c) = self.classify_op(key) else {
+    /// An answer to the classification `c`.
+    pub(super) fn classify_step(&mut self, key: &PodKey, c: ClassifyOp, res: Res) {
+        if !self.classify_live(key, &c) {
             return self.end_op(key);
-        };
+        }
         match (c.step, res) {
             (ClassifyStep::Evidence, Res::Evidence(Ok(found))) => {
                 let Some(vm) = self
@@ -111,17 +107,17 @@ impl Provider {
                     .map(|t| t.spec.vm_name.clone())
                     .unwrap_or_default();
                 let msg = format!("hibernate evidence of {vm_name}: {e}");
-                self.classify_lookup_failed(key, msg)
+                self.classify_lookup_failed(key, c, msg)
             }
             (step, res) => self.unexpected_answer(key, &step, &res),
         }
     }
 
     /// A lookup failed: ask again after the backoff, or give up once the budget is spent.
-    pub(super) fn classify_lookup_failed(&mut self, key: &PodKey, msg: String) {
-        let Some(c) = self.classify_op(key) else {
+    pub(super) fn classify_lookup_failed(&mut self, key: &PodKey, c: ClassifyOp, msg: String) {
+        if !self.classify_live(key, &c) {
             return self.end_op(key);
-        };
+        }
         let failures = c.failures + 1;
         let at = self.now + retry_delay(failures);
         if at > c.until {
@@ -144,17 +140,18 @@ impl Provider {
             return self.push_status(key, false);
         }
         log::warn!("provider: {key}: classify_drop_nic: {msg}; asking again");
-        if let Some(Op::Classify(op)) = self.slot(key).op_mut() {
+        if let Some(op) = self.op_of_mut::<ClassifyOp>(key) {
             op.failures = failures;
         }
         self.advance(key, ClassifyStep::Pause, Ask::Timer(at))
     }
 
-    pub(super) fn classify_timer(&mut self, key: &PodKey) {
-        match self.classify_op(key) {
-            Some(c) if c.step == ClassifyStep::Pause => self.ask_classify_evidence(key),
-            Some(_) => {}
-            None => self.end_op(key),
+    pub(super) fn classify_timer(&mut self, key: &PodKey, c: ClassifyOp) {
+        if !self.classify_live(key, &c) {
+            return self.end_op(key);
+        }
+        if c.step == ClassifyStep::Pause {
+            self.ask_classify_evidence(key)
         }
     }
 }

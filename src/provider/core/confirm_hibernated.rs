@@ -50,12 +50,12 @@ impl Provider {
         let slot = self.slot(key);
         slot.awaiting = None;
         slot.timer = None;
-        slot.start_op(Op::ConfirmHibernated(ConfirmOp {
+        slot.start_op(ConfirmOp {
             uid: t.uid,
             step: ConfirmStep::LocalInspect,
             delay: CONFIRM_RETRY_FIRST,
             warned: false,
-        }));
+        });
         self.confirm_local_inspect(key, &t.spec.vm_name);
     }
 
@@ -68,18 +68,9 @@ impl Provider {
         )
     }
 
-    fn confirm_op(&self, key: &PodKey) -> Option<(ConfirmOp, Tracked)> {
-        let slot = self.slots.get(key)?;
-        match (slot.op(), &slot.tracked) {
-            (Some(Op::ConfirmHibernated(c)), Some(t)) if t.uid == c.uid => {
-                Some((c.clone(), t.clone()))
-            }
-            _ => None,
-        }
-    }
-
-    pub(super) fn confirm_hibernated_step(&mut self, key: &PodKey, res: Res) {
-        let Some((c, t)) = self.confirm_op(key) else {
+    /// An answer to the confirmation `c`.
+    pub(super) fn confirm_hibernated_step(&mut self, key: &PodKey, c: ConfirmOp, res: Res) {
+        let Some(t) = self.tracked_as(key, &c.uid) else {
             return self.end_op(key);
         };
         let vm = t.spec.vm_name.clone();
@@ -142,9 +133,9 @@ impl Provider {
     }
 
     /// An answer the confirmation did not expect: handled as a failed lookup.
-    pub(super) fn confirm_hibernated_retry(&mut self, key: &PodKey, why: &str) {
-        match self.confirm_op(key) {
-            Some((c, _)) => self.confirm_unreadable(key, &c, why),
+    pub(super) fn confirm_hibernated_retry(&mut self, key: &PodKey, c: ConfirmOp, why: &str) {
+        match self.tracked_as(key, &c.uid) {
+            Some(_) => self.confirm_unreadable(key, &c, why),
             None => self.end_op(key),
         }
     }
@@ -163,7 +154,7 @@ impl Provider {
             );
         }
         let at = self.now + c.delay;
-        if let Some(Some(Op::ConfirmHibernated(op))) = self.slots.get_mut(key).map(|s| s.op_mut()) {
+        if let Some(op) = self.op_of_mut::<ConfirmOp>(key) {
             op.delay = (c.delay * 2).min(CONFIRM_RETRY_MAX);
             op.warned = true;
         }
@@ -171,8 +162,8 @@ impl Provider {
     }
 
     /// The backoff of a failed lookup ran out: look again from the start.
-    pub(super) fn confirm_hibernated_timer(&mut self, key: &PodKey) {
-        let Some((c, t)) = self.confirm_op(key) else {
+    pub(super) fn confirm_hibernated_timer(&mut self, key: &PodKey, c: ConfirmOp) {
+        let Some(t) = self.tracked_as(key, &c.uid) else {
             return self.end_op(key);
         };
         if c.step == ConfirmStep::Wait {

@@ -77,7 +77,7 @@ impl Provider {
         // Adopt an existing VM of this name.
         if let Some(vm) = self.by_name.get(&spec.vm_name).cloned() {
             let op = CreateOp::new(uid, spec, CreateStep::Boot, self.now);
-            self.start_op(key, Op::Create(Box::new(op)));
+            self.set_op(key, op);
             self.lifecycle_metric("create", "ok", "adopted");
             return self.vm_up(key, vm, true);
         }
@@ -92,7 +92,7 @@ impl Provider {
         let mut op = CreateOp::new(uid, spec.clone(), first, self.now);
         op.local_snapshot = spec::local_snapshot_name(&spec.image);
         let first = op.step.clone();
-        self.start_op(key, Op::Create(Box::new(op)));
+        self.set_op(key, op);
         match first {
             // A retry after a failure: a previous attempt may have left a VM (hung clone).
             CreateStep::InspectByName => self.advance(
@@ -119,7 +119,7 @@ impl Provider {
             return self.fail_create(key, &uid, &msg, false);
         }
         let op = CreateOp::new(uid, spec.clone(), CreateStep::UnmanagedInspect, self.now);
-        self.start_op(key, Op::Create(Box::new(op)));
+        self.set_op(key, op);
         if let Some(t) = self.slot(key).tracked.as_mut() {
             t.ip = spec.vm_ip.clone();
         }
@@ -326,7 +326,7 @@ impl Provider {
     /// Asks cocoon for the VM just booted (its state, its PID); `vm` stands if it cannot say.
     fn run_inspect(&mut self, key: &PodKey, vm: VmInfo) {
         let reference = vm.id.clone();
-        if let Some(c) = self.create_op(key) {
+        if let Some(c) = self.op_of_mut::<CreateOp>(key) {
             c.vm = Some(vm);
         }
         let ask = Ask::Cocoon(CocoonCmd::VmInspect { reference });
@@ -417,9 +417,10 @@ impl Provider {
         };
         let pulling = puller != key
             && self.slots.get(puller).is_some_and(|s| {
-                matches!(s.op(), Some(Op::Create(c))
-                    if matches!(c.step, CreateStep::ImageTag | CreateStep::PullSnapshot)
-                        && c.local_snapshot == local)
+                s.op().and_then(CreateOp::of).is_some_and(|c| {
+                    matches!(c.step, CreateStep::ImageTag | CreateStep::PullSnapshot)
+                        && c.local_snapshot == local
+                })
             });
         if !pulling {
             self.pulls.remove(local);
@@ -511,10 +512,7 @@ impl Provider {
     }
 
     /// The poll timer of a pod waiting for another pod's pull: look at the snapshot again.
-    pub(super) fn create_timer(&mut self, key: &PodKey) {
-        let Some(c) = self.create_op(key) else {
-            return;
-        };
+    pub(super) fn create_timer(&mut self, key: &PodKey, c: CreateOp) {
         if !matches!(c.step, CreateStep::PullWait) {
             return;
         }
@@ -524,13 +522,6 @@ impl Provider {
             CreateStep::SnapInspect { pulled: false },
             Ask::SharedRead(CocoonCmd::SnapshotInspect { name }),
         )
-    }
-
-    pub(super) fn create_op(&mut self, key: &PodKey) -> Option<&mut CreateOp> {
-        match self.slots.get_mut(key)?.op_mut()? {
-            Op::Create(c) => Some(c),
-            _ => None,
-        }
     }
 
     /// An answer to the running create `c` (the op as it stands in the slot).
@@ -797,7 +788,7 @@ impl Provider {
             );
             return self.fail_create(key, &c.uid, &msg, false);
         }
-        if let Some(c) = self.create_op(key) {
+        if let Some(c) = self.op_of_mut::<CreateOp>(key) {
             c.snapshot_image = snap.image.clone();
         }
         if !snap.image.is_empty()
@@ -869,7 +860,7 @@ impl Provider {
         // one the VM has no stats until a restart re-adopts it (stats skip pid-0 VMs).
         // The hypervisor's pid file tells it without another cocoon process.
         if vm.pid == 0 {
-            if let Some(c) = self.create_op(key) {
+            if let Some(c) = self.op_of_mut::<CreateOp>(key) {
                 c.vm = Some(vm.clone());
             }
             let (vm_id, firecracker) = (vm.id.clone(), vm.hypervisor == "firecracker");
@@ -1030,7 +1021,7 @@ impl Provider {
     }
 
     pub(super) fn do_clone(&mut self, key: &PodKey) {
-        let Some(c) = self.create_op(key) else {
+        let Some(c) = self.op_of_mut::<CreateOp>(key) else {
             return;
         };
         let (spec, local, img) = (
@@ -1045,7 +1036,7 @@ impl Provider {
     /// The bring-up call (`vm clone` / `vm run`), once the VM's owner (the pod's namespace) is
     /// on record: a crash after it leaves the VM owned, never ownerless.
     pub(super) fn boot(&mut self, key: &PodKey, cmd: CocoonCmd) {
-        let Some(c) = self.create_op(key) else {
+        let Some(c) = self.op_of_mut::<CreateOp>(key) else {
             return;
         };
         let owner = Owner::new(&key.namespace, &c.uid);

@@ -18,10 +18,13 @@
 //! for a new step, the step enum in `state`.
 //!
 //! An op starts, hands over and ends only through `Slot`'s functions (`start_op`,
-//! `replace_op`, `finish_op`, `drop_op`, `clear_op`): what an ending forgets is chosen there.
-//! Each op kind has its own step enum, paired with it once (`OpStep` in `state`), so `advance`
-//! can only set a step on the op of its kind. A step function only routes an answer to the
-//! function of its stage; a stage that grows gets a function of its own.
+//! `replace_op`, `finish_op`, `drop_op`, `clear_op`; `Provider::set_op`): what an ending
+//! forgets is chosen there. Each op kind has its own state struct (`OpKind` in `state`: it
+//! starts from that struct and is read back only as that kind, `op_of`) and its own step enum
+//! (`OpStep`), so `advance` can only set a step on the op of its kind. `answers` holds the one
+//! match on the op kind for answers and for timers: each op's step and timer functions take
+//! their own op struct. A step function only routes an answer to the function of its stage; a
+//! stage that grows gets a function of its own.
 //!
 //! UpdatePod lives in `update` (the decision table and the op retry), hibernating a VM in
 //! `hibernate`, waking one (and CreatePod's restore) in `wake`; `confirm_hibernated` is the
@@ -726,9 +729,26 @@ impl Provider {
         }
     }
 
-    /// Starts `op` on the pod (see `Slot::start_op`).
-    fn start_op(&mut self, key: &PodKey, op: Op) {
+    /// Starts `op` on the pod (see `Slot::start_op`): the one setter of every op kind.
+    fn set_op(&mut self, key: &PodKey, op: impl Into<Op>) {
         self.slot(key).start_op(op);
+    }
+
+    /// The pod's tracked incarnation when it is `uid`: an op's answer concerns only the
+    /// incarnation it runs for.
+    fn tracked_as(&self, key: &PodKey, uid: &str) -> Option<Tracked> {
+        let t = self.slots.get(key)?.tracked.as_ref()?;
+        (t.uid == uid).then(|| t.clone())
+    }
+
+    /// The pod's running op when it is of kind `K`.
+    fn op_of<K: OpKind>(&self, key: &PodKey) -> Option<&K> {
+        self.slots.get(key)?.op().and_then(K::of)
+    }
+
+    /// The pod's running op when it is of kind `K`, to move it on.
+    fn op_of_mut<K: OpKind>(&mut self, key: &PodKey) -> Option<&mut K> {
+        self.slots.get_mut(key)?.op_mut().and_then(K::of_mut)
     }
 
     /// End the current op (if any) and re-evaluate.
@@ -853,8 +873,10 @@ impl Provider {
                             || (vm.id.is_empty() && v.name == vm.name && !vm.name.is_empty())
                     })
                     .unwrap_or(false);
-                let creating = matches!(s.op(), Some(Op::Create(c))
-                    if !vm.name.is_empty() && c.spec.vm_name == vm.name);
+                let creating = s
+                    .op()
+                    .and_then(CreateOp::of)
+                    .is_some_and(|c| !vm.name.is_empty() && c.spec.vm_name == vm.name);
                 tracked || creating
             })
             .map(|(k, _)| k.clone())

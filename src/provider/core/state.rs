@@ -529,16 +529,8 @@ pub(super) enum Op {
     Create(Box<CreateOp>),
     /// The periodic liveness check of a macOS guest. Preemptible.
     MacosWatch(MacosWatchOp),
-    /// Poll the lease until the VM has an IP, then publish Ready. Preemptible. `mode` Wake:
-    /// the follow-up of a wake or restore, whose outcome counts `wake_total`.
-    ReadyWait {
-        uid: String,
-        vm_id: String,
-        until: Instant,
-        /// Windows guests: when to send the one `ipconfig /renew` nudge (None = not owed).
-        nudge_at: Option<Instant>,
-        mode: PostCloneMode,
-    },
+    /// Poll the lease until the VM has an IP, then publish Ready. Preemptible.
+    ReadyWait(ReadyWaitOp),
     /// Post-clone fix-up of the VM just cloned (or woken). Preemptible.
     PostClone(Box<PostCloneOp>),
     /// Owed-work classification of an unmarked CH Windows clone. Preemptible.
@@ -551,16 +543,84 @@ pub(super) enum Op {
     Evict(EvictOp),
     Check(CheckOp),
     /// DELETE of the API object for a pod being deleted that we do not track.
-    ApiDelete {
-        uid: String,
-    },
+    ApiDelete(ApiDeleteOp),
+}
+
+/// The wait for a clone's guest IP, then Ready. `mode` Wake: the follow-up of a wake or
+/// restore, whose outcome counts `wake_total`.
+#[derive(Debug, Clone)]
+pub(super) struct ReadyWaitOp {
+    pub(super) uid: String,
+    pub(super) vm_id: String,
+    pub(super) until: Instant,
+    /// Windows guests: when to send the one `ipconfig /renew` nudge (None = not owed).
+    pub(super) nudge_at: Option<Instant>,
+    pub(super) mode: PostCloneMode,
+}
+
+/// The grace-0 DELETE of the API object of an incarnation `uid` we do not track.
+#[derive(Debug, Clone)]
+pub(super) struct ApiDeleteOp {
+    pub(super) uid: String,
+}
+
+/// The state struct of one op kind, held by exactly one `Op` variant: an op starts from its
+/// own struct (`Into<Op>`), and is read back only as its own kind (`of`, `of_mut`), so code
+/// written for one op cannot act on another's state.
+pub(super) trait OpKind: Sized + Into<Op> {
+    /// This kind's state when `op` is of this kind.
+    fn of(op: &Op) -> Option<&Self>;
+    /// The same, to move it on (its step, its counters).
+    fn of_mut(op: &mut Op) -> Option<&mut Self>;
+}
+
+/// Pairs each op struct with its `Op` variant (`boxed`: the variant holds it in a `Box`).
+macro_rules! op_kinds {
+    ($($kind:ident => $ty:ty $(, $boxed:ident)?;)*) => {$(
+        impl From<$ty> for Op {
+            fn from(o: $ty) -> Op {
+                Op::$kind(op_kinds!(@wrap o $(, $boxed)?))
+            }
+        }
+        impl OpKind for $ty {
+            fn of(op: &Op) -> Option<&Self> {
+                match op {
+                    Op::$kind(o) => Some(o),
+                    _ => None,
+                }
+            }
+            fn of_mut(op: &mut Op) -> Option<&mut Self> {
+                match op {
+                    Op::$kind(o) => Some(o),
+                    _ => None,
+                }
+            }
+        }
+    )*};
+    (@wrap $o:ident, boxed) => { Box::new($o) };
+    (@wrap $o:ident) => { $o };
+}
+
+op_kinds! {
+    Create => CreateOp, boxed;
+    MacosWatch => MacosWatchOp;
+    ReadyWait => ReadyWaitOp;
+    PostClone => PostCloneOp, boxed;
+    Classify => ClassifyOp;
+    Hibernate => HibernateOp, boxed;
+    Wake => WakeOp, boxed;
+    ConfirmHibernated => ConfirmOp;
+    Delete => DeleteOp;
+    Evict => EvictOp;
+    Check => CheckOp;
+    ApiDelete => ApiDeleteOp;
 }
 
 impl Op {
     pub(super) fn preemptible(&self) -> bool {
         matches!(
             self,
-            Op::ReadyWait { .. }
+            Op::ReadyWait(_)
                 | Op::PostClone(_)
                 | Op::MacosWatch(_)
                 | Op::Classify(_)
@@ -675,15 +735,15 @@ impl Slot {
     /// Starts `op` on the pod. An op still running is replaced: that is how one op hands the
     /// pod to its follow-up (a create to its restore or to its wait for Ready) keeping what
     /// it waits on.
-    pub(super) fn start_op(&mut self, op: Op) {
-        self.op = Some(op);
+    pub(super) fn start_op(&mut self, op: impl Into<Op>) {
+        self.op = Some(op.into());
     }
 
     /// Starts `op` in place of the running one, whose outstanding answer and timer are
     /// forgotten: a late answer finds nothing waiting and is dropped.
-    pub(super) fn replace_op(&mut self, op: Op) {
+    pub(super) fn replace_op(&mut self, op: impl Into<Op>) {
         self.forget_waits();
-        self.op = Some(op);
+        self.op = Some(op.into());
     }
 
     /// Ends the running op from its own last answer: nothing is outstanding any more, and a
