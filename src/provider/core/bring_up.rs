@@ -1,5 +1,5 @@
-//! After a create's VM exists: settle it (adopt, IP, lifecycle), fail a create cleanly, wait
-//! for the lease and publish Ready; probe results (readiness) land here too.
+//! After a create's VM exists: settle it (adopt, IP, lifecycle), wait for the lease and
+//! publish Ready; probe results (readiness) land here too. A failed create is `create`'s.
 
 use super::*;
 use crate::provider::fixup;
@@ -157,89 +157,6 @@ impl Provider {
         }
         self.slot(key).finish_op();
         self.publish_ready(key);
-        self.reconcile_slot(key);
-    }
-
-    /// Create failed at bring-up: Warning CreateBringUpFailed + lifecycle failed + drop the row;
-    /// then the framework's ProviderFailed status + Warning and a backoff retry.
-    pub(super) fn fail_create(&mut self, key: &PodKey, uid: &str, err: &str, retry: bool) {
-        self.fail_create_as(key, uid, "CreateBringUpFailed", err, retry)
-    }
-
-    /// A failed create: Warning `reason`, lifecycle `failed`, ProviderFailed status, and a
-    /// retry with the pod's backoff when `retry`.
-    pub(super) fn fail_create_as(
-        &mut self,
-        key: &PodKey,
-        uid: &str,
-        reason: &'static str,
-        err: &str,
-        retry: bool,
-    ) {
-        let how = CreateFailure {
-            reason,
-            metric_reason: "",
-            retry,
-            terminal: false,
-        };
-        self.fail_create_with(key, uid, err, how)
-    }
-
-    /// A failed create as `how` says; `terminal` fails the pod (phase Failed) whatever its
-    /// restart policy: a refusal no retry settles.
-    pub(super) fn fail_create_with(
-        &mut self,
-        key: &PodKey,
-        uid: &str,
-        err: &str,
-        how: CreateFailure,
-    ) {
-        let CreateFailure {
-            reason,
-            metric_reason,
-            retry,
-            terminal,
-        } = how;
-        // The retry looks the VM up by name again; an event about it says nothing more (it
-        // ends with the op).
-        self.lifecycle_metric("create", "failed", metric_reason);
-        self.event(
-            key,
-            uid,
-            EventType::Warning,
-            reason,
-            &format!("create: {err}"),
-        );
-        self.set_lifecycle(key, State::Failed, err);
-        self.event(key, uid, EventType::Warning, "ProviderCreateFailed", err);
-        let pod = self.slot(key).tracked.as_ref().map(|t| t.pod.clone());
-        let never = terminal || pod.as_deref().map(restart_never).unwrap_or(false);
-        let st = status::provider_failed(never, err);
-        let sum = status::summary(&st);
-        let now = self.now;
-        let (failures, send) = {
-            let slot = self.slot(key);
-            slot.tracked = None;
-            slot.drop_op();
-            let send = slot.last_pushed.as_ref() != Some(&sum);
-            slot.last_pushed = Some(sum);
-            if !retry {
-                match pod.clone() {
-                    Some(p) => slot.idle = Idle::Rejected(p),
-                    None => slot.idle.clear_rejection(),
-                }
-            }
-            slot.failures += 1;
-            (slot.failures, send)
-        };
-        if send {
-            self.send_status(key, uid, st, false);
-        }
-        if retry {
-            let at = now + pod_backoff(failures - 1);
-            self.slot(key).retry_at = Some(at);
-            self.set_pod_timer(key, at);
-        }
         self.reconcile_slot(key);
     }
 
