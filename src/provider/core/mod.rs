@@ -9,17 +9,18 @@
 //!
 //! Files: this one holds the provider's tables, the input dispatch, the per-pod helpers
 //! (`advance` sets a step with the effect it waits on) and the slot reconcile; `state` the
-//! per-pod state types (ops, steps, the idle sub-state); `answers` routes each effect's answer
+//! per-pod slot (tracked incarnation, idle sub-state, waiters, timers); `ops` each op kind's
+//! state struct and step enum; `answers` routes each effect's answer
 //! to the op that waits and handles answers no step expects. One file per operation holds its
 //! transitions: `create` (up to clone / run), `bring_up` (the VM exists: settle, IP, Ready),
 //! `delete`, `check` (VM events and rechecks), `evict`, `startup` (reconcile and adoption),
 //! `fork` (the node-wide `fork-<source>` snapshot flight of fork-from) and `kube_writes`
 //! (status / annotation patches, drift). A new transition touches its operation's file and,
-//! for a new step, the step enum in `state`.
+//! for a new step, the step enum in `ops`.
 //!
 //! An op starts, hands over and ends only through `Slot`'s functions (`start_op`,
 //! `replace_op`, `finish_op`, `drop_op`, `clear_op`; `Provider::set_op`): what an ending
-//! forgets is chosen there. Each op kind has its own state struct (`OpKind` in `state`: it
+//! forgets is chosen there. Each op kind has its own state struct (`OpKind` in `ops`: it
 //! starts from that struct and is read back only as that kind, `op_of`) and its own step enum
 //! (`OpStep`), so `advance` can only set a step on the op of its kind. `answers` holds the one
 //! match on the op kind for answers and for timers: each op's step and timer functions take
@@ -81,6 +82,7 @@ mod isolation;
 mod kube_writes;
 mod ledger;
 mod macos;
+mod ops;
 mod post_clone;
 mod read_facts;
 mod reclaim;
@@ -94,6 +96,7 @@ mod wake;
 
 use self::answers::Res;
 use self::ledger::{Deferred, RecordFor};
+use self::ops::*;
 use self::state::*;
 
 const DRIFT_FIRST: Duration = Duration::from_secs(10);
