@@ -81,6 +81,7 @@ mod hibernate;
 mod isolation;
 mod kube_writes;
 mod ledger;
+mod machine;
 mod macos;
 mod ops;
 mod post_clone;
@@ -96,6 +97,7 @@ mod wake;
 
 use self::answers::Res;
 use self::ledger::{Deferred, RecordFor};
+use self::machine::{Cx, Next};
 use self::ops::*;
 use self::state::*;
 
