@@ -1,18 +1,33 @@
 //! An op as a machine: its step reads only what `Cx` lends it (the time, the config, the pod's
-//! tracked incarnation) and says what follows as a `Next`, which the provider carries out.
+//! tracked incarnation), may emit events and metrics, and says what follows as a `Next`.
 //!
 //! A step of this shape cannot reach another op's state or the provider's tables: what it may
 //! change is its own struct, and every effect, hand-over or ending goes through `Next`. The
-//! small ops take it first (`classify`); the others still step on `Provider` directly.
+//! small ops take it first (`classify`, `confirm_hibernated`); the others still step on
+//! `Provider` directly.
 
 use super::*;
 
 /// What an op's step may read of the provider.
 pub(super) struct Cx<'a> {
     pub(super) now: Instant,
+    pub(super) cfg: &'a ProviderConfig,
     pub(super) key: &'a PodKey,
     /// The pod's tracked incarnation, if any (the op checks it is still its own).
     pub(super) tracked: Option<&'a Tracked>,
+    /// The effects of this input so far: a step adds only events and metrics here.
+    out: &'a mut Vec<Effect>,
+}
+
+impl Cx<'_> {
+    pub(super) fn event(&mut self, uid: &str, t: EventType, reason: &'static str, msg: &str) {
+        let e = event_effect(self.key, uid, t, reason, msg);
+        self.out.push(e);
+    }
+
+    pub(super) fn metric(&mut self, m: MetricUpdate) {
+        self.out.push(Effect::Metric(m));
+    }
 }
 
 /// What the provider does after an op's step: `S` is the op's step type, `F` the follow-ups
@@ -32,11 +47,13 @@ pub(super) enum Next<S, F> {
 
 impl Provider {
     /// The context of a step of the op of `key`.
-    pub(super) fn cx<'a>(&'a self, key: &'a PodKey) -> Cx<'a> {
+    pub(super) fn cx<'a>(&'a mut self, key: &'a PodKey) -> Cx<'a> {
         Cx {
             now: self.now,
+            cfg: &self.cfg,
             key,
             tracked: self.slots.get(key).and_then(|s| s.tracked.as_ref()),
+            out: &mut self.out,
         }
     }
 

@@ -254,6 +254,17 @@ fn changed(a: &Pod, b: &Pod) -> bool {
         || !input_annotations(a).eq(input_annotations(b))
 }
 
+/// A Kubernetes event about incarnation `uid` of `key` (its message cut to 512 bytes).
+fn event_effect(key: &PodKey, uid: &str, t: EventType, reason: &'static str, msg: &str) -> Effect {
+    Effect::Event {
+        key: key.clone(),
+        uid: uid.to_string(),
+        type_: t,
+        reason,
+        message: truncate_bytes(msg, 512),
+    }
+}
+
 fn with_op(effect: &Effect, op: OpId) -> Effect {
     let mut e = effect.clone();
     match &mut e {
@@ -474,13 +485,7 @@ impl Provider {
     }
 
     fn event(&mut self, key: &PodKey, uid: &str, t: EventType, reason: &'static str, msg: &str) {
-        self.out.push(Effect::Event {
-            key: key.clone(),
-            uid: uid.to_string(),
-            type_: t,
-            reason,
-            message: truncate_bytes(msg, 512),
-        });
+        self.out.push(event_effect(key, uid, t, reason, msg));
     }
 
     /// Issue a cocoon call the pod's op waits for.
