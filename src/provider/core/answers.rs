@@ -36,9 +36,9 @@ impl Provider {
                 let vm_id = vm_id_of(self.slot(key));
                 self.defer_check(key, uid, vm_id)
             }
-            Op::ReadyWait { uid, .. } => {
-                warn(self, &uid);
-                self.ready_wait_poll(key)
+            Op::ReadyWait(w) => {
+                warn(self, &w.uid);
+                self.ready_wait_poll(key, w)
             }
             Op::Hibernate(h) => {
                 warn(self, &h.uid);
@@ -50,7 +50,7 @@ impl Provider {
             }
             Op::ConfirmHibernated(c) => {
                 warn(self, &c.uid);
-                self.confirm_hibernated_retry(key, &msg)
+                self.confirm_hibernated_retry(key, c, &msg)
             }
             Op::PostClone(p) => {
                 warn(self, &p.uid);
@@ -63,12 +63,12 @@ impl Provider {
             }
             Op::Classify(c) => {
                 warn(self, &c.uid);
-                self.classify_lookup_failed(key, msg)
+                self.classify_lookup_failed(key, c, msg)
             }
-            Op::ApiDelete { uid } => {
-                warn(self, &uid);
+            Op::ApiDelete(a) => {
+                warn(self, &a.uid);
                 let failed = Res::Kube(Err(KubeError::Other(msg.clone())));
-                self.api_delete_result(key, uid, failed)
+                self.api_delete_result(key, a.uid, failed)
             }
         }
     }
@@ -84,29 +84,24 @@ impl Provider {
             return; // stale (op was preempted)
         }
         slot.awaiting = None;
-        match slot.op().cloned() {
-            // Each op gets the answer with its own state (and so its own step type); the
-            // others look their op up, with the checks it needs (its incarnation, its VM).
-            Some(Op::Create(c)) => self.create_step(key, *c, res),
-            Some(Op::Delete(_)) => self.delete_step(key, res),
-            Some(Op::Evict(e)) => self.evict_step(key, e, res),
-            Some(Op::Check(c)) => self.check_step(key, c, res),
-            Some(Op::Hibernate(_)) => self.hibernate_step(key, res),
-            Some(Op::Wake(_)) => self.wake_step(key, res),
-            Some(Op::ConfirmHibernated(_)) => self.confirm_hibernated_step(key, res),
-            Some(Op::PostClone(p)) => self.post_clone_step(key, &p, res),
-            Some(Op::MacosWatch(_)) => self.macos_watch_step(key, res),
-            Some(Op::Classify(_)) => self.classify_step(key, res),
-            Some(Op::ReadyWait { .. }) => match res {
-                Res::Lease(r) => self.ready_wait_result(key, r),
-                Res::Cocoon(r) => self.renew_nudge_result(key, &r),
-                other => self.unexpected_answer(key, &"ReadyWait", &other),
-            },
-            Some(Op::ApiDelete { .. }) if !matches!(res, Res::Kube(_)) => {
-                self.unexpected_answer(key, &"ApiDelete", &res)
-            }
-            Some(Op::ApiDelete { uid }) => self.api_delete_result(key, uid, res),
-            None => {}
+        let Some(op) = slot.op().cloned() else {
+            return;
+        };
+        // The one match on the op kind: each op gets the answer with its own state, and so
+        // its own step type; its step checks what it needs (its incarnation, its VM).
+        match op {
+            Op::Create(c) => self.create_step(key, *c, res),
+            Op::Delete(d) => self.delete_step(key, d, res),
+            Op::Evict(e) => self.evict_step(key, e, res),
+            Op::Check(c) => self.check_step(key, c, res),
+            Op::Hibernate(h) => self.hibernate_step(key, *h, res),
+            Op::Wake(w) => self.wake_step(key, *w, res),
+            Op::ConfirmHibernated(c) => self.confirm_hibernated_step(key, c, res),
+            Op::PostClone(p) => self.post_clone_step(key, &p, res),
+            Op::MacosWatch(w) => self.macos_watch_step(key, w, res),
+            Op::Classify(c) => self.classify_step(key, c, res),
+            Op::ReadyWait(w) => self.ready_wait_step(key, w, res),
+            Op::ApiDelete(a) => self.api_delete_step(key, a, res),
         }
     }
 
@@ -325,42 +320,21 @@ impl Provider {
         if slot.retry_at.map(|t| t <= self.now).unwrap_or(false) {
             slot.retry_at = None;
         }
-        match slot.op().cloned() {
-            None => self.reconcile_slot(key),
-            Some(Op::ReadyWait { .. }) => self.ready_wait_poll(key),
-            Some(Op::PostClone(_)) => self.post_clone_timer(key),
-            Some(Op::Classify(_)) => self.classify_timer(key),
-            Some(Op::Check(c)) => match c.step {
-                CheckStep::Inspect { .. } => {
-                    self.pod_cocoon(key, CocoonCmd::VmInspect { reference: c.vm_id })
-                }
-                CheckStep::Deferred { delay, until } => {
-                    // Stop if no pod tracks the ID any more.
-                    let tracked = self
-                        .slots
-                        .get(key)
-                        .and_then(|s| s.tracked.as_ref())
-                        .filter(|t| t.uid == c.uid)
-                        .and_then(|t| t.vm.as_ref())
-                        .map(|v| v.id == c.vm_id)
-                        .unwrap_or(false);
-                    if !tracked {
-                        return self.end_op(key);
-                    }
-                    self.advance(
-                        key,
-                        CheckStep::DeferredInspect { delay, until },
-                        Ask::Cocoon(CocoonCmd::VmInspect { reference: c.vm_id }),
-                    )
-                }
-                _ => {}
-            },
-            Some(Op::Evict(e)) if e.step == EvictStep::Delete => self.evict_delete(key),
-            Some(Op::Delete(_)) => self.delete_timer(key),
-            Some(Op::Create(_)) => self.create_timer(key),
-            Some(Op::Hibernate(_)) => self.hibernate_timer(key),
-            Some(Op::ConfirmHibernated(_)) => self.confirm_hibernated_timer(key),
-            Some(_) => {}
+        let Some(op) = slot.op().cloned() else {
+            return self.reconcile_slot(key);
+        };
+        // The timers' one match on the op kind: each op's own handler, with its own state.
+        match op {
+            Op::ReadyWait(w) => self.ready_wait_poll(key, w),
+            Op::PostClone(p) => self.post_clone_timer(key, &p),
+            Op::Classify(c) => self.classify_timer(key, c),
+            Op::Check(c) => self.check_timer(key, c),
+            Op::Evict(e) => self.evict_timer(key, e),
+            Op::Delete(d) => self.delete_timer(key, d),
+            Op::Create(c) => self.create_timer(key, *c),
+            Op::Hibernate(h) => self.hibernate_timer(key, *h),
+            Op::ConfirmHibernated(c) => self.confirm_hibernated_timer(key, c),
+            Op::Wake(_) | Op::MacosWatch(_) | Op::ApiDelete(_) => {}
         }
     }
 }

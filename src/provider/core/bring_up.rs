@@ -1,5 +1,5 @@
-//! After a create's VM exists: settle it (adopt, IP, lifecycle), fail a create cleanly, wait
-//! for the lease and publish Ready; probe results (readiness) land here too.
+//! After a create's VM exists: settle it (adopt, IP, lifecycle), wait for the lease and
+//! publish Ready; probe results (readiness) land here too. A failed create is `create`'s.
 
 use super::*;
 use crate::provider::fixup;
@@ -7,7 +7,7 @@ use crate::provider::fixup;
 impl Provider {
     /// The VM exists (booted or adopted): resolve its IP, then finish.
     pub(super) fn vm_up(&mut self, key: &PodKey, vm: VmInfo, adopted: bool) {
-        let Some(c) = self.create_op(key) else {
+        let Some(c) = self.op_of_mut::<CreateOp>(key) else {
             return;
         };
         let spec = c.spec.clone();
@@ -30,13 +30,13 @@ impl Provider {
         let cloned = !(adopted || spec.fresh_boot());
         let ip = vm.primary_ip();
         if ip.is_empty() && !vm.primary_mac().is_empty() {
-            if let Some(c) = self.create_op(key) {
+            if let Some(c) = self.op_of_mut::<CreateOp>(key) {
                 c.vm = Some(vm.clone());
             }
             let mac = vm.primary_mac();
             if adopted {
                 // Adoption publishes Ready now: mark as not cloned.
-                if let Some(c) = self.create_op(key) {
+                if let Some(c) = self.op_of_mut::<CreateOp>(key) {
                     c.spec.mode = Mode::Run;
                     c.spec.clone_from_dir = None;
                     c.spec.fork_from.clear();
@@ -51,7 +51,7 @@ impl Provider {
     /// The end of a create once the VM is up, then the VM event that arrived meanwhile, if any.
     pub(super) fn finish_create(&mut self, key: &PodKey, vm: VmInfo, cloned: bool, ip: &str) {
         let meanwhile = self
-            .create_op(key)
+            .op_of_mut::<CreateOp>(key)
             .and_then(|c| c.vm_event_meanwhile.take());
         self.settle_create(key, vm, cloned, ip);
         if let Some((kind, vm)) = meanwhile {
@@ -62,7 +62,7 @@ impl Provider {
     /// The end of a create once the VM is up: id/ip annotations, track the VM, probe, Running,
     /// Ready.
     pub(super) fn settle_create(&mut self, key: &PodKey, vm: VmInfo, cloned: bool, ip: &str) {
-        let Some(c) = self.create_op(key) else {
+        let Some(c) = self.op_of_mut::<CreateOp>(key) else {
             return;
         };
         let (uid, spec) = (c.uid.clone(), c.spec.clone());
@@ -134,9 +134,9 @@ impl Provider {
             let cloud_image = spec::is_http_url(&c_snapshot_image);
             if ip.is_empty() && fixup::classify(spec.os, &vm).is_none() {
                 // Just looked the lease up: poll again in 200 ms.
-                self.start_op(
+                self.set_op(
                     key,
-                    Op::ReadyWait {
+                    ReadyWaitOp {
                         uid,
                         vm_id: vm.id.clone(),
                         until: self.now + IP_WAIT,
@@ -160,107 +160,27 @@ impl Provider {
         self.reconcile_slot(key);
     }
 
-    /// Create failed at bring-up: Warning CreateBringUpFailed + lifecycle failed + drop the row;
-    /// then the framework's ProviderFailed status + Warning and a backoff retry.
-    pub(super) fn fail_create(&mut self, key: &PodKey, uid: &str, err: &str, retry: bool) {
-        self.fail_create_as(key, uid, "CreateBringUpFailed", err, retry)
-    }
-
-    /// A failed create: Warning `reason`, lifecycle `failed`, ProviderFailed status, and a
-    /// retry with the pod's backoff when `retry`.
-    pub(super) fn fail_create_as(
-        &mut self,
-        key: &PodKey,
-        uid: &str,
-        reason: &'static str,
-        err: &str,
-        retry: bool,
-    ) {
-        let how = CreateFailure {
-            reason,
-            metric_reason: "",
-            retry,
-            terminal: false,
-        };
-        self.fail_create_with(key, uid, err, how)
-    }
-
-    /// A failed create as `how` says; `terminal` fails the pod (phase Failed) whatever its
-    /// restart policy: a refusal no retry settles.
-    pub(super) fn fail_create_with(
-        &mut self,
-        key: &PodKey,
-        uid: &str,
-        err: &str,
-        how: CreateFailure,
-    ) {
-        let CreateFailure {
-            reason,
-            metric_reason,
-            retry,
-            terminal,
-        } = how;
-        // The retry looks the VM up by name again; an event about it says nothing more (it
-        // ends with the op).
-        self.lifecycle_metric("create", "failed", metric_reason);
-        self.event(
-            key,
-            uid,
-            EventType::Warning,
-            reason,
-            &format!("create: {err}"),
-        );
-        self.set_lifecycle(key, State::Failed, err);
-        self.event(key, uid, EventType::Warning, "ProviderCreateFailed", err);
-        let pod = self.slot(key).tracked.as_ref().map(|t| t.pod.clone());
-        let never = terminal || pod.as_deref().map(restart_never).unwrap_or(false);
-        let st = status::provider_failed(never, err);
-        let sum = status::summary(&st);
-        let now = self.now;
-        let (failures, send) = {
-            let slot = self.slot(key);
-            slot.tracked = None;
-            slot.drop_op();
-            let send = slot.last_pushed.as_ref() != Some(&sum);
-            slot.last_pushed = Some(sum);
-            if !retry {
-                match pod.clone() {
-                    Some(p) => slot.idle = Idle::Rejected(p),
-                    None => slot.idle.clear_rejection(),
-                }
-            }
-            slot.failures += 1;
-            (slot.failures, send)
-        };
-        if send {
-            self.send_status(key, uid, st, false);
+    /// An answer to the wait for Ready `w`: a lease lookup, or the renew nudge.
+    pub(super) fn ready_wait_step(&mut self, key: &PodKey, w: ReadyWaitOp, res: Res) {
+        match res {
+            Res::Lease(r) => self.ready_wait_result(key, w, r),
+            Res::Cocoon(r) => self.renew_nudge_result(key, w, &r),
+            other => self.unexpected_answer(key, &"ReadyWait", &other),
         }
-        if retry {
-            let at = now + pod_backoff(failures - 1);
-            self.slot(key).retry_at = Some(at);
-            self.set_pod_timer(key, at);
-        }
-        self.reconcile_slot(key);
     }
 
-    pub(super) fn ready_wait_poll(&mut self, key: &PodKey) {
-        let Some(slot) = self.slots.get(key) else {
+    /// The wait for Ready `w` looks again (its timer, or an IP learned meanwhile).
+    pub(super) fn ready_wait_poll(&mut self, key: &PodKey, w: ReadyWaitOp) {
+        let Some(t) = self.slots.get(key).and_then(|s| s.tracked.as_ref()) else {
             return;
         };
-        let (
-            Some(Op::ReadyWait {
-                until,
-                uid,
-                vm_id,
-                mode,
-                ..
-            }),
-            Some(t),
-        ) = (slot.op(), &slot.tracked)
-        else {
-            return;
-        };
-        let (until, mode) = (*until, *mode);
+        let ReadyWaitOp {
+            until,
+            ref uid,
+            ref vm_id,
+            mode,
+            ..
+        } = w;
         let vm = t.vm.clone().unwrap_or_default();
         // Only while the pod still tracks the same incarnation and VM.
         if *uid != t.uid || *vm_id != vm.id || t.spec.hibernate {
@@ -298,7 +218,7 @@ impl Provider {
             self.push_status(key, false);
             return self.reconcile_slot(key);
         }
-        if self.maybe_renew_nudge(key) {
+        if self.maybe_renew_nudge(key, &w) {
             return;
         }
         let mac = vm.primary_mac();
@@ -309,22 +229,19 @@ impl Provider {
         self.pod_effect(key, |op| Effect::LookupLease { op, mac });
     }
 
-    pub(super) fn ready_wait_result(
+    fn ready_wait_result(
         &mut self,
         key: &PodKey,
+        w: ReadyWaitOp,
         r: Result<Option<String>, LeaseError>,
     ) {
         if let Ok(Some(ip)) = r {
             if !ip.is_empty() {
                 self.set_ip(key, &ip);
-                return self.ready_wait_poll(key);
+                return self.ready_wait_poll(key, w);
             }
         }
-        let until = match self.slots.get(key).and_then(|s| s.op()) {
-            Some(Op::ReadyWait { until, .. }) => *until,
-            _ => return,
-        };
-        let at = (self.now + IP_POLL).min(until);
+        let at = (self.now + IP_POLL).min(w.until);
         self.set_pod_timer(key, at);
     }
 
@@ -389,8 +306,8 @@ impl Provider {
         if let Some(ip) = ip {
             if !ip.is_empty() && ip != t.ip {
                 self.set_ip(key, &ip);
-                if let Some(Some(Op::ReadyWait { .. })) = self.slots.get(key).map(|s| s.op()) {
-                    return self.ready_wait_poll(key);
+                if let Some(w) = self.op_of::<ReadyWaitOp>(key).cloned() {
+                    return self.ready_wait_poll(key, w);
                 }
             }
         }

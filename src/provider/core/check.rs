@@ -26,7 +26,7 @@ impl Provider {
         let Some(key) = self.find_by_vm(&vm) else {
             return;
         };
-        if let Some(c) = self.create_op(&key) {
+        if let Some(c) = self.op_of_mut::<CreateOp>(&key) {
             // The create in flight may be making this very VM: look once it is done.
             c.vm_event_meanwhile = Some((kind, vm));
             return;
@@ -56,7 +56,7 @@ impl Provider {
                 // A restart or inspect in flight may have looked before this event's change
                 // (a VM removed right after its `vm start`): dropping the event would leave
                 // the pod Running on a VM that is gone, with no later event to notice it.
-                if let Some(Op::Check(c)) = self.slot(&key).op_mut() {
+                if let Some(c) = self.op_of_mut::<CheckOp>(&key) {
                     c.gone_meanwhile = true;
                 }
                 return;
@@ -74,12 +74,12 @@ impl Provider {
         step: CheckStep,
     ) {
         let slot = self.slot(key);
-        slot.start_op(Op::Check(CheckOp {
+        slot.start_op(CheckOp {
             uid,
             vm_id: vm_id.clone(),
             step,
             gone_meanwhile: false,
-        }));
+        });
         slot.awaiting = None;
         slot.timer = None;
         self.pod_cocoon(key, CocoonCmd::VmInspect { reference: vm_id });
@@ -92,18 +92,47 @@ impl Provider {
             until: self.now + RECHECK_BUDGET,
         };
         let slot = self.slot(key);
-        slot.start_op(Op::Check(CheckOp {
+        slot.start_op(CheckOp {
             uid,
             vm_id,
             step,
             gone_meanwhile: false,
-        }));
+        });
         slot.awaiting = None;
         let at = self.now + RECHECK_FIRST;
         self.set_pod_timer(key, at);
     }
 
     /// An answer to the running check `c`.
+    /// The pod timer of a check: its inspect retry, or the deferred recheck's next round.
+    pub(super) fn check_timer(&mut self, key: &PodKey, c: CheckOp) {
+        match c.step {
+            CheckStep::Inspect { .. } => {
+                self.pod_cocoon(key, CocoonCmd::VmInspect { reference: c.vm_id })
+            }
+            CheckStep::Deferred { delay, until } => {
+                // Stop if no pod tracks the ID any more.
+                let tracked = self
+                    .slots
+                    .get(key)
+                    .and_then(|s| s.tracked.as_ref())
+                    .filter(|t| t.uid == c.uid)
+                    .and_then(|t| t.vm.as_ref())
+                    .map(|v| v.id == c.vm_id)
+                    .unwrap_or(false);
+                if !tracked {
+                    return self.end_op(key);
+                }
+                self.advance(
+                    key,
+                    CheckStep::DeferredInspect { delay, until },
+                    Ask::Cocoon(CocoonCmd::VmInspect { reference: c.vm_id }),
+                )
+            }
+            _ => {}
+        }
+    }
+
     pub(super) fn check_step(&mut self, key: &PodKey, c: CheckOp, res: Res) {
         let r = match res {
             Res::Cocoon(r) => r,
@@ -239,13 +268,7 @@ impl Provider {
     /// of a fresh create; the intent still says `creating` then, so the wait resumes.
     pub(super) fn check_done(&mut self, key: &PodKey, c: &CheckOp) {
         // `c` is the op as its answer found it; an event may have marked the live one since.
-        let gone_meanwhile = matches!(
-            self.slots.get(key).and_then(|s| s.op()),
-            Some(Op::Check(CheckOp {
-                gone_meanwhile: true,
-                ..
-            }))
-        );
+        let gone_meanwhile = self.op_of::<CheckOp>(key).is_some_and(|c| c.gone_meanwhile);
         if gone_meanwhile {
             return self.start_check(
                 key,

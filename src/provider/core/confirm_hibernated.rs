@@ -50,133 +50,53 @@ impl Provider {
         let slot = self.slot(key);
         slot.awaiting = None;
         slot.timer = None;
-        slot.start_op(Op::ConfirmHibernated(ConfirmOp {
+        slot.start_op(ConfirmOp {
             uid: t.uid,
             step: ConfirmStep::LocalInspect,
             delay: CONFIRM_RETRY_FIRST,
             warned: false,
-        }));
+        });
         self.confirm_local_inspect(key, &t.spec.vm_name);
     }
 
     fn confirm_local_inspect(&mut self, key: &PodKey, vm: &str) {
-        let name = vm.to_string();
-        self.advance(
-            key,
-            ConfirmStep::LocalInspect,
-            Ask::Cocoon(CocoonCmd::SnapshotInspect { name }),
-        )
+        let (step, ask) = ConfirmOp::local_inspect(vm);
+        self.advance(key, step, ask)
     }
 
-    fn confirm_op(&self, key: &PodKey) -> Option<(ConfirmOp, Tracked)> {
-        let slot = self.slots.get(key)?;
-        match (slot.op(), &slot.tracked) {
-            (Some(Op::ConfirmHibernated(c)), Some(t)) if t.uid == c.uid => {
-                Some((c.clone(), t.clone()))
-            }
-            _ => None,
-        }
-    }
-
-    pub(super) fn confirm_hibernated_step(&mut self, key: &PodKey, res: Res) {
-        let Some((c, t)) = self.confirm_op(key) else {
-            return self.end_op(key);
-        };
-        let vm = t.spec.vm_name.clone();
-        match (c.step.clone(), res) {
-            (ConfirmStep::LocalInspect, Res::Cocoon(r)) => {
-                let local_id = if r.succeeded() {
-                    // Another snapshot than `<vm>` (an ID-prefix match) is none.
-                    match isolation::inspected_snapshot(&r, &vm) {
-                        Ok(s) => s.map(|s| s.id),
-                        Err(e) => return self.confirm_unreadable(key, &c, &e.to_string()),
-                    }
-                } else if r.snapshot_not_found() {
-                    None
-                } else {
-                    let msg = format!("inspect local snapshot {vm}: {}", r.error_text());
-                    return self.confirm_unreadable(key, &c, &msg);
-                };
-                if !self.cfg.registry {
-                    return match local_id {
-                        Some(_) => self.confirmed_hibernated(key, &t),
-                        None => self.lost_mid_hibernate(key, &t, "no local snapshot of it"),
-                    };
-                }
-                let vm_name = vm.clone();
-                let ask = Ask::effect(move |op| Effect::CheckHibernateEvidence { op, vm_name });
-                self.advance(key, ConfirmStep::Tag { local_id }, ask)
-            }
-            (ConfirmStep::Tag { local_id }, Res::Evidence(found)) => match found {
-                Ok(None) => {
-                    let why = format!("no {vm}:{HIBERNATE_TAG} in the registry");
-                    self.lost_mid_hibernate(key, &t, &why)
-                }
-                // The local save this node made is newer than the tag: its push never landed,
-                // and the tag is an earlier hibernation's. Waking from it would bring back an
-                // older VM as if it were this one.
-                Ok(Some(tag))
-                    if local_id.as_ref().is_some_and(|id| {
-                        !tag.snapshot_id.is_empty() && *id != tag.snapshot_id
-                    }) =>
-                {
-                    let why = format!(
-                        "{vm}:{HIBERNATE_TAG} holds snapshot {} but the last save here is {}: \
-                         that save was never pushed",
-                        tag.snapshot_id,
-                        local_id.unwrap_or_default()
-                    );
-                    self.lost_mid_hibernate(key, &t, &why)
-                }
-                Ok(Some(_)) => self.confirmed_hibernated(key, &t),
-                Err(e) => {
-                    self.metric(MetricUpdate::HibernateEvidence {
-                        verdict: "unavailable",
-                    });
-                    let msg = format!("look up {vm}:{HIBERNATE_TAG}: {e}");
-                    self.confirm_unreadable(key, &c, &msg)
-                }
-            },
-            (step, res) => self.unexpected_answer(key, &step, &res),
-        }
+    /// An answer to the confirmation `c`.
+    pub(super) fn confirm_hibernated_step(&mut self, key: &PodKey, mut c: ConfirmOp, res: Res) {
+        let next = c.on_answer(&mut self.cx(key), res);
+        self.confirm_next(key, c, next)
     }
 
     /// An answer the confirmation did not expect: handled as a failed lookup.
-    pub(super) fn confirm_hibernated_retry(&mut self, key: &PodKey, why: &str) {
-        match self.confirm_op(key) {
-            Some((c, _)) => self.confirm_unreadable(key, &c, why),
-            None => self.end_op(key),
-        }
-    }
-
-    /// A lookup failed: nothing is decided on it. The pod stays as it is (no VM, its record
-    /// untouched), a Warning says why once, and the lookup starts over after a backoff.
-    fn confirm_unreadable(&mut self, key: &PodKey, c: &ConfirmOp, why: &str) {
-        log::warn!("provider: {key}: hibernate snapshot lookup failed (retrying): {why}");
-        if !c.warned {
-            self.event(
-                key,
-                &c.uid,
-                EventType::Warning,
-                "HibernateEvidenceUnavailable",
-                &format!("startup: cannot tell whether the vm was hibernated: {why}; retrying"),
-            );
-        }
-        let at = self.now + c.delay;
-        if let Some(Some(Op::ConfirmHibernated(op))) = self.slots.get_mut(key).map(|s| s.op_mut()) {
-            op.delay = (c.delay * 2).min(CONFIRM_RETRY_MAX);
-            op.warned = true;
-        }
-        self.advance(key, ConfirmStep::Wait, Ask::Timer(at))
+    pub(super) fn confirm_hibernated_retry(&mut self, key: &PodKey, mut c: ConfirmOp, why: &str) {
+        let mut cx = self.cx(key);
+        let next = match c.tracked(&cx) {
+            Some(_) => c.unreadable(&mut cx, why),
+            None => Next::End,
+        };
+        self.confirm_next(key, c, next)
     }
 
     /// The backoff of a failed lookup ran out: look again from the start.
-    pub(super) fn confirm_hibernated_timer(&mut self, key: &PodKey) {
-        let Some((c, t)) = self.confirm_op(key) else {
+    pub(super) fn confirm_hibernated_timer(&mut self, key: &PodKey, c: ConfirmOp) {
+        let next = c.on_timer(&self.cx(key));
+        self.confirm_next(key, c, next)
+    }
+
+    /// Carries out what a step of the confirmation `c` decided.
+    fn confirm_next(&mut self, key: &PodKey, c: ConfirmOp, next: Next<ConfirmStep, Confirmed>) {
+        let Some((c, then)) = self.apply(key, c, next) else {
+            return;
+        };
+        let Some(t) = self.tracked_as(key, &c.uid) else {
             return self.end_op(key);
         };
-        if c.step == ConfirmStep::Wait {
-            self.confirm_local_inspect(key, &t.spec.vm_name);
+        match then {
+            Confirmed::Hibernated => self.confirmed_hibernated(key, &t),
+            Confirmed::Lost(why) => self.lost_mid_hibernate(key, &t, &why),
         }
     }
 
@@ -206,5 +126,118 @@ impl Provider {
         self.lifecycle_metric("startup", "failed", REASON_VM_LOST);
         self.event(key, &t.uid, EventType::Warning, "HibernateVMLost", &msg);
         self.start_evict(key, EvictCause::VmGone, false);
+    }
+}
+
+/// What a confirmation settled.
+enum Confirmed {
+    /// The snapshot exists: the hibernate finished.
+    Hibernated,
+    /// No snapshot (or only an older one): the VM was lost under the pod, for this reason.
+    Lost(String),
+}
+
+impl ConfirmOp {
+    /// The pod's tracked incarnation while it is this op's.
+    fn tracked<'a>(&self, cx: &Cx<'a>) -> Option<&'a Tracked> {
+        cx.tracked.filter(|t| t.uid == self.uid)
+    }
+
+    fn local_inspect(vm: &str) -> (ConfirmStep, Ask) {
+        let name = vm.to_string();
+        let ask = Ask::Cocoon(CocoonCmd::SnapshotInspect { name });
+        (ConfirmStep::LocalInspect, ask)
+    }
+
+    fn on_answer(&mut self, cx: &mut Cx, res: Res) -> Next<ConfirmStep, Confirmed> {
+        let Some(t) = self.tracked(cx) else {
+            return Next::End;
+        };
+        let vm = t.spec.vm_name.clone();
+        match (self.step.clone(), res) {
+            (ConfirmStep::LocalInspect, Res::Cocoon(r)) => {
+                let local_id = if r.succeeded() {
+                    // Another snapshot than `<vm>` (an ID-prefix match) is none.
+                    match isolation::inspected_snapshot(&r, &vm) {
+                        Ok(s) => s.map(|s| s.id),
+                        Err(e) => return self.unreadable(cx, &e.to_string()),
+                    }
+                } else if r.snapshot_not_found() {
+                    None
+                } else {
+                    let msg = format!("inspect local snapshot {vm}: {}", r.error_text());
+                    return self.unreadable(cx, &msg);
+                };
+                if !cx.cfg.registry {
+                    return Next::Then(match local_id {
+                        Some(_) => Confirmed::Hibernated,
+                        None => Confirmed::Lost("no local snapshot of it".into()),
+                    });
+                }
+                let ask = Ask::effect(move |op| Effect::CheckHibernateEvidence { op, vm_name: vm });
+                Next::Ask(ConfirmStep::Tag { local_id }, ask)
+            }
+            (ConfirmStep::Tag { local_id }, Res::Evidence(found)) => match found {
+                Ok(None) => {
+                    let why = format!("no {vm}:{HIBERNATE_TAG} in the registry");
+                    Next::Then(Confirmed::Lost(why))
+                }
+                // The local save this node made is newer than the tag: its push never landed,
+                // and the tag is an earlier hibernation's. Waking from it would bring back an
+                // older VM as if it were this one.
+                Ok(Some(tag))
+                    if local_id.as_ref().is_some_and(|id| {
+                        !tag.snapshot_id.is_empty() && *id != tag.snapshot_id
+                    }) =>
+                {
+                    let why = format!(
+                        "{vm}:{HIBERNATE_TAG} holds snapshot {} but the last save here is {}: \
+                         that save was never pushed",
+                        tag.snapshot_id,
+                        local_id.unwrap_or_default()
+                    );
+                    Next::Then(Confirmed::Lost(why))
+                }
+                Ok(Some(_)) => Next::Then(Confirmed::Hibernated),
+                Err(e) => {
+                    cx.metric(MetricUpdate::HibernateEvidence {
+                        verdict: "unavailable",
+                    });
+                    let msg = format!("look up {vm}:{HIBERNATE_TAG}: {e}");
+                    self.unreadable(cx, &msg)
+                }
+            },
+            (step, res) => Next::Unexpected(step, res),
+        }
+    }
+
+    /// A lookup failed: nothing is decided on it. The pod stays as it is (no VM, its record
+    /// untouched), a Warning says why once, and the lookup starts over after a backoff.
+    fn unreadable(&mut self, cx: &mut Cx, why: &str) -> Next<ConfirmStep, Confirmed> {
+        let key = cx.key;
+        log::warn!("provider: {key}: hibernate snapshot lookup failed (retrying): {why}");
+        if !self.warned {
+            cx.event(
+                &self.uid,
+                EventType::Warning,
+                "HibernateEvidenceUnavailable",
+                &format!("startup: cannot tell whether the vm was hibernated: {why}; retrying"),
+            );
+        }
+        let at = cx.now + self.delay;
+        self.delay = (self.delay * 2).min(CONFIRM_RETRY_MAX);
+        self.warned = true;
+        Next::Ask(ConfirmStep::Wait, Ask::Timer(at))
+    }
+
+    fn on_timer(&self, cx: &Cx) -> Next<ConfirmStep, Confirmed> {
+        let Some(t) = self.tracked(cx) else {
+            return Next::End;
+        };
+        if self.step != ConfirmStep::Wait {
+            return Next::Wait;
+        }
+        let (step, ask) = Self::local_inspect(&t.spec.vm_name);
+        Next::Ask(step, ask)
     }
 }

@@ -57,7 +57,7 @@ impl Provider {
 
     pub(super) fn start_api_delete(&mut self, key: &PodKey, uid: &str) {
         let uid = uid.to_string();
-        self.start_op(key, Op::ApiDelete { uid: uid.clone() });
+        self.set_op(key, ApiDeleteOp { uid: uid.clone() });
         self.pod_effect(key, |op| Effect::DeletePod {
             op,
             key: key.clone(),
@@ -89,13 +89,13 @@ impl Provider {
         // record that a VM is owed removal; a crash after a force-delete and before `vm rm`
         // would leave the VM for good (with the alert orphan policy) or to an orphan sweep
         // that may not run. A terminating pod waiting for its VM costs only time.
-        slot.start_op(Op::Delete(DeleteOp {
+        slot.start_op(DeleteOp {
             uid: t.uid.clone(),
             step: DeleteStep::ApiFirst,
             vm_name: t.spec.vm_name.clone(),
             keep,
             looked_up: false,
-        }));
+        });
         self.delete_after_api_first(key);
     }
 
@@ -170,7 +170,7 @@ impl Provider {
             if !by_id && t.spec.vm_id != t.spec.vm_name && lookup_reference_ok(&t.spec.vm_id) {
                 return self.find_vm_for_delete(key, t, true);
             }
-            if let Some(Op::Delete(d)) = self.slot(key).op_mut() {
+            if let Some(d) = self.op_of_mut::<DeleteOp>(key) {
                 d.looked_up = true;
             }
             // No VM of the pod's name: none is owned under it either.
@@ -205,11 +205,8 @@ impl Provider {
     }
 
     /// The pod timer of a delete waiting for a VM still being created.
-    pub(super) fn delete_timer(&mut self, key: &PodKey) {
-        let Some(slot) = self.slots.get(key) else {
-            return;
-        };
-        let (Some(Op::Delete(d)), Some(t)) = (slot.op().cloned(), slot.tracked.clone()) else {
+    pub(super) fn delete_timer(&mut self, key: &PodKey, d: DeleteOp) {
+        let Some(t) = self.slots.get(key).and_then(|s| s.tracked.clone()) else {
             return;
         };
         if let DeleteStep::FindVmWait { by_id } = d.step {
@@ -222,7 +219,7 @@ impl Provider {
         let Some(t) = slot.tracked.clone() else {
             return;
         };
-        let Some(Op::Delete(d)) = slot.op().cloned() else {
+        let Some(d) = slot.op().and_then(DeleteOp::of).cloned() else {
             return;
         };
         if !t.spec.managed {
@@ -261,16 +258,11 @@ impl Provider {
         )
     }
 
-    pub(super) fn delete_step(&mut self, key: &PodKey, res: Res) {
-        let Some(slot) = self.slots.get(key) else {
-            return;
-        };
-        let (Some(Op::Delete(d)), Some(t)) = (slot.op().cloned(), slot.tracked.clone()) else {
+    /// An answer to the delete `d`.
+    pub(super) fn delete_step(&mut self, key: &PodKey, d: DeleteOp, res: Res) {
+        let Some(t) = self.slots.get(key).and_then(|s| s.tracked.clone()) else {
             // Tracking vanished (forgotten): only ApiLast can remain.
-            if let Some(Op::Delete(d)) = slot.op().cloned() {
-                self.api_delete_result(key, d.uid, res);
-            }
-            return;
+            return self.api_delete_result(key, d.uid, res);
         };
         let vm = t.vm.clone().unwrap_or_default();
         match (d.step, res) {
@@ -574,7 +566,7 @@ impl Provider {
                 self.slot(key).idle = Idle::ApiDeleted(d.uid.clone());
                 // The op stays until the API answers so the slot is not re-driven meanwhile.
                 let (uid, pod) = (d.uid.clone(), key.clone());
-                self.start_op(key, Op::Delete(d.clone()));
+                self.set_op(key, d.clone());
                 let ask = Ask::effect(move |op| Effect::DeletePod {
                     op,
                     key: pod,
@@ -589,6 +581,14 @@ impl Provider {
 
     /// Answer of a grace-0 DELETE of the pod object: done unless the API failed transiently,
     /// in which case it is retried with the pod's backoff.
+    /// An answer to the API delete `a`: only the Kubernetes API's is expected.
+    pub(super) fn api_delete_step(&mut self, key: &PodKey, a: ApiDeleteOp, res: Res) {
+        match res {
+            Res::Kube(_) => self.api_delete_result(key, a.uid, res),
+            other => self.unexpected_answer(key, &"ApiDelete", &other),
+        }
+    }
+
     pub(super) fn api_delete_result(&mut self, key: &PodKey, uid: String, res: Res) {
         let failed = matches!(res, Res::Kube(Err(KubeError::Other(_))));
         let now = self.now;

@@ -9,15 +9,15 @@ impl Provider {
             return self.end_op(key);
         };
         let vm = t.vm.clone().unwrap_or_default();
-        self.start_op(
+        self.set_op(
             key,
-            Op::Evict(EvictOp {
+            EvictOp {
                 uid: t.uid.clone(),
                 cause,
                 step: EvictStep::Remove,
                 attempts: 0,
                 grace0: false,
-            }),
+            },
         );
         if remove {
             return self.pod_cocoon(key, CocoonCmd::VmRm { id: vm.id });
@@ -28,7 +28,10 @@ impl Provider {
 
     pub(super) fn evict_status(&mut self, key: &PodKey) {
         let slot = self.slot(key);
-        let (Some(Op::Evict(e)), Some(t)) = (slot.op().cloned(), slot.tracked.clone()) else {
+        let (Some(e), Some(t)) = (
+            slot.op().and_then(EvictOp::of).cloned(),
+            slot.tracked.clone(),
+        ) else {
             return;
         };
         let st = status::evicted(
@@ -51,16 +54,20 @@ impl Provider {
         self.advance(key, EvictStep::Status, ask);
     }
 
-    pub(super) fn evict_delete(&mut self, key: &PodKey) {
-        let Some(Op::Evict(e)) = self.slot(key).op().cloned() else {
-            return;
-        };
+    /// The pod timer of an eviction: its DELETE is retried.
+    pub(super) fn evict_timer(&mut self, key: &PodKey, e: EvictOp) {
+        if e.step == EvictStep::Delete {
+            self.evict_delete(key, e)
+        }
+    }
+
+    pub(super) fn evict_delete(&mut self, key: &PodKey, e: EvictOp) {
         let grace0 = self
             .slot(key)
             .latest
             .as_deref()
             .is_some_and(|p| pod_uid(p) == e.uid && deleting(p));
-        if let Some(Op::Evict(x)) = self.slot(key).op_mut() {
+        if let Some(x) = self.op_of_mut::<EvictOp>(key) {
             x.attempts += 1;
             x.grace0 = grace0;
         }
@@ -105,7 +112,7 @@ impl Provider {
                 }
                 self.evict_status(key)
             }
-            (EvictStep::Status, Res::Kube(_)) => self.evict_delete(key),
+            (EvictStep::Status, Res::Kube(_)) => self.evict_delete(key, e),
             (EvictStep::Delete, Res::Kube(r)) => match r {
                 Ok(()) | Err(KubeError::NotFound) | Err(KubeError::Conflict) => {
                     let vm = self

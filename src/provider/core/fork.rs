@@ -109,7 +109,7 @@ impl Provider {
     /// join the flight of its source, starting one when none runs. The pod waits in `ForkWait`.
     pub(super) fn fork_begin(&mut self, key: &PodKey, source: &str) {
         let uid = self
-            .create_op(key)
+            .op_of_mut::<CreateOp>(key)
             .map(|c| c.uid.clone())
             .unwrap_or_default();
         match self.fork_source_owner(key, source) {
@@ -498,7 +498,7 @@ impl Provider {
         };
         for key in flight.waiting {
             let waiting = self
-                .create_op(&key)
+                .op_of_mut::<CreateOp>(&key)
                 .filter(|c| matches!(&c.step, CreateStep::ForkWait { source: s } if s == source));
             if let Some(c) = waiting.cloned() {
                 self.create_step(&key, c, Res::Fork(result.clone()));

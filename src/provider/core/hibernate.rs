@@ -68,7 +68,7 @@ impl Provider {
         let slot = self.slot(key);
         slot.awaiting = None;
         slot.timer = None;
-        slot.start_op(Op::Hibernate(Box::new(HibernateOp {
+        slot.start_op(HibernateOp {
             uid: t.uid.clone(),
             vm: vm.clone(),
             step: HibernateStep::Save { retried: false },
@@ -76,7 +76,7 @@ impl Provider {
             nic_dropped: false,
             ids_cleared: false,
             vm_event_meanwhile: false,
-        })));
+        });
         self.set_lifecycle(key, State::Hibernating, "");
         if start_first {
             let ask = Ask::Cocoon(CocoonCmd::VmStart { id: vm.id });
@@ -97,19 +97,11 @@ impl Provider {
         self.hibernate_save(key, false);
     }
 
+    /// The running hibernate as it stands now, with the incarnation it runs for.
     fn hibernate_op(&self, key: &PodKey) -> Option<(HibernateOp, Tracked)> {
-        let slot = self.slots.get(key)?;
-        match (slot.op(), &slot.tracked) {
-            (Some(Op::Hibernate(h)), Some(t)) if t.uid == h.uid => Some(((**h).clone(), t.clone())),
-            _ => None,
-        }
-    }
-
-    fn hibernate_mut(&mut self, key: &PodKey) -> Option<&mut HibernateOp> {
-        match self.slots.get_mut(key)?.op_mut()? {
-            Op::Hibernate(h) => Some(h),
-            _ => None,
-        }
+        let h = self.op_of::<HibernateOp>(key)?.clone();
+        let t = self.tracked_as(key, &h.uid)?;
+        Some((h, t))
     }
 
     fn hibernate_save(&mut self, key: &PodKey, retried: bool) {
@@ -126,7 +118,7 @@ impl Provider {
             return self.hibernate_failed(key, not_in_namespace(msg));
         }
         let now = self.now;
-        if let Some(h) = self.hibernate_mut(key) {
+        if let Some(h) = self.op_of_mut::<HibernateOp>(key) {
             h.save_started = now;
         }
         let save = CocoonCmd::SnapshotSave {
@@ -152,8 +144,9 @@ impl Provider {
         });
     }
 
-    pub(super) fn hibernate_step(&mut self, key: &PodKey, res: Res) {
-        let Some((h, t)) = self.hibernate_op(key) else {
+    /// An answer to the hibernate `h`.
+    pub(super) fn hibernate_step(&mut self, key: &PodKey, h: HibernateOp, res: Res) {
+        let Some(t) = self.tracked_as(key, &h.uid) else {
             // The incarnation changed under the op: it has nothing left to say.
             return self.end_op(key);
         };
@@ -194,7 +187,7 @@ impl Provider {
                     let msg = format!("vm net --nics 0 {}: {}", h.vm.id, r.error_text());
                     return self.hibernate_failed(key, fail("HibernateNetResizeFailed", msg));
                 }
-                if let Some(h) = self.hibernate_mut(key) {
+                if let Some(h) = self.op_of_mut::<HibernateOp>(key) {
                     h.nic_dropped = true;
                 }
                 self.hibernate_save(key, false)
@@ -231,7 +224,7 @@ impl Provider {
             (HibernateStep::ClearIds, Res::Kube(r)) => {
                 if let Err(e) = &r {
                     log::warn!("provider: {key}: clear id/ip before hibernate removal: {e:?}; sent again after removal");
-                } else if let Some(h) = self.hibernate_mut(key) {
+                } else if let Some(h) = self.op_of_mut::<HibernateOp>(key) {
                     h.ids_cleared = true;
                 }
                 if !self.hibernate_still_wanted(key, &h.uid) {
@@ -387,8 +380,8 @@ impl Provider {
         self.hibernate_fail_done(key, failure)
     }
 
-    pub(super) fn hibernate_timer(&mut self, key: &PodKey) {
-        let Some((h, t)) = self.hibernate_op(key) else {
+    pub(super) fn hibernate_timer(&mut self, key: &PodKey, h: HibernateOp) {
+        let Some(t) = self.tracked_as(key, &h.uid) else {
             return;
         };
         if let HibernateStep::RmHolderWait { until } = h.step {
@@ -587,7 +580,7 @@ impl Provider {
 
     /// A VM event about the VM being hibernated: remembered for after the op.
     pub(super) fn hibernate_saw_vm_event(&mut self, key: &PodKey) -> bool {
-        match self.hibernate_mut(key) {
+        match self.op_of_mut::<HibernateOp>(key) {
             Some(h) => {
                 h.vm_event_meanwhile = true;
                 true

@@ -114,7 +114,9 @@ impl Provider {
         if let Waiter::Status { key, uid, .. } | Waiter::Annotations { key, uid, .. } = &waiter {
             let ended = self.slots.get(key).is_none_or(|s| {
                 s.idle.api_deleted(uid)
-                    || matches!(s.op(), Some(Op::ApiDelete { uid: u }) if u == uid)
+                    || s.op()
+                        .and_then(ApiDeleteOp::of)
+                        .is_some_and(|a| a.uid == *uid)
                     || s.latest.as_ref().is_none_or(|p| pod_uid(p) != *uid)
             });
             if ended {
@@ -380,7 +382,7 @@ impl Provider {
         };
         // An eviction wrote the pod's last status (Failed): a probe answer or a drift pass
         // while its DELETE is out must not write Running over it (nor after a grace-0 one).
-        if matches!(slot.op(), Some(Op::Evict(_))) {
+        if slot.op().and_then(EvictOp::of).is_some() {
             return;
         }
         let st = self.compute_status(slot, t);

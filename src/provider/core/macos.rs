@@ -90,14 +90,9 @@ impl Provider {
     /// The create of a tracked macOS pod: look for its VM first (adoption).
     pub(super) fn macos_create(&mut self, key: &PodKey, uid: String, spec: VmSpec) {
         let name = spec.vm_name.clone();
-        self.start_op(
+        self.set_op(
             key,
-            Op::Create(Box::new(CreateOp::new(
-                uid,
-                spec,
-                CreateStep::MacosInspect,
-                self.now,
-            ))),
+            CreateOp::new(uid, spec, CreateStep::MacosInspect, self.now),
         );
         self.advance(
             key,
@@ -315,7 +310,7 @@ impl Provider {
     /// The guest runs (launched or adopted): id / ip / vnc-port annotations, track, probe,
     /// Running. Ready comes from the probe ([`Provider::macos_readiness`]).
     fn macos_up(&mut self, key: &PodKey, mvm: &MacosVm, adopted: bool) {
-        let Some(c) = self.create_op(key) else {
+        let Some(c) = self.op_of_mut::<CreateOp>(key) else {
             return;
         };
         let (uid, spec, started) = (c.uid.clone(), c.spec.clone(), c.started);
@@ -444,7 +439,7 @@ impl Provider {
         };
         // The watch's liveness check may be running: it changes nothing Ready depends on, and
         // a readiness change is reported once, so it must not be lost to it.
-        let busy = !matches!(slot.op(), None | Some(Op::MacosWatch(_)));
+        let busy = slot.op().is_some_and(|o| MacosWatchOp::of(o).is_none());
         if !ready || !is_macos(&t.spec) || busy || deleting(&t.pod) {
             return false;
         }
@@ -512,12 +507,12 @@ impl Provider {
                 .is_some_and(|t| is_macos(&t.spec) && t.vm.is_some())
         });
         for (key, uid, pid) in due {
-            self.start_op(
+            self.set_op(
                 &key,
-                Op::MacosWatch(MacosWatchOp {
+                MacosWatchOp {
                     uid,
                     step: MacosWatchStep::Alive,
-                }),
+                },
             );
             let ask = Ask::effect(move |op| Effect::CheckPid { op, pid });
             self.advance(&key, MacosWatchStep::Alive, ask);
@@ -527,11 +522,9 @@ impl Provider {
         }
     }
 
-    pub(super) fn macos_watch_step(&mut self, key: &PodKey, res: Res) {
-        let Some(slot) = self.slots.get(key) else {
-            return;
-        };
-        let (Some(Op::MacosWatch(w)), Some(t)) = (slot.op().cloned(), slot.tracked.clone()) else {
+    /// An answer to the watch round `w`.
+    pub(super) fn macos_watch_step(&mut self, key: &PodKey, w: MacosWatchOp, res: Res) {
+        let Some(t) = self.slots.get(key).and_then(|s| s.tracked.clone()) else {
             return;
         };
         let Some(vm) = t.vm.clone().filter(|_| t.uid == w.uid) else {

@@ -9,19 +9,23 @@
 //!
 //! Files: this one holds the provider's tables, the input dispatch, the per-pod helpers
 //! (`advance` sets a step with the effect it waits on) and the slot reconcile; `state` the
-//! per-pod state types (ops, steps, the idle sub-state); `answers` routes each effect's answer
+//! per-pod slot (tracked incarnation, idle sub-state, waiters, timers); `ops` each op kind's
+//! state struct and step enum; `answers` routes each effect's answer
 //! to the op that waits and handles answers no step expects. One file per operation holds its
 //! transitions: `create` (up to clone / run), `bring_up` (the VM exists: settle, IP, Ready),
 //! `delete`, `check` (VM events and rechecks), `evict`, `startup` (reconcile and adoption),
 //! `fork` (the node-wide `fork-<source>` snapshot flight of fork-from) and `kube_writes`
 //! (status / annotation patches, drift). A new transition touches its operation's file and,
-//! for a new step, the step enum in `state`.
+//! for a new step, the step enum in `ops`.
 //!
 //! An op starts, hands over and ends only through `Slot`'s functions (`start_op`,
-//! `replace_op`, `finish_op`, `drop_op`, `clear_op`): what an ending forgets is chosen there.
-//! Each op kind has its own step enum, paired with it once (`OpStep` in `state`), so `advance`
-//! can only set a step on the op of its kind. A step function only routes an answer to the
-//! function of its stage; a stage that grows gets a function of its own.
+//! `replace_op`, `finish_op`, `drop_op`, `clear_op`; `Provider::set_op`): what an ending
+//! forgets is chosen there. Each op kind has its own state struct (`OpKind` in `ops`: it
+//! starts from that struct and is read back only as that kind, `op_of`) and its own step enum
+//! (`OpStep`), so `advance` can only set a step on the op of its kind. `answers` holds the one
+//! match on the op kind for answers and for timers: each op's step and timer functions take
+//! their own op struct. A step function only routes an answer to the function of its stage; a
+//! stage that grows gets a function of its own.
 //!
 //! UpdatePod lives in `update` (the decision table and the op retry), hibernating a VM in
 //! `hibernate`, waking one (and CreatePod's restore) in `wake`; `confirm_hibernated` is the
@@ -77,7 +81,9 @@ mod hibernate;
 mod isolation;
 mod kube_writes;
 mod ledger;
+mod machine;
 mod macos;
+mod ops;
 mod post_clone;
 mod read_facts;
 mod reclaim;
@@ -91,6 +97,8 @@ mod wake;
 
 use self::answers::Res;
 use self::ledger::{Deferred, RecordFor};
+use self::machine::{Cx, Next};
+use self::ops::*;
 use self::state::*;
 
 const DRIFT_FIRST: Duration = Duration::from_secs(10);
@@ -244,6 +252,17 @@ fn changed(a: &Pod, b: &Pod) -> bool {
         || sa.tolerations != sb.tolerations
         || a.metadata.labels != b.metadata.labels
         || !input_annotations(a).eq(input_annotations(b))
+}
+
+/// A Kubernetes event about incarnation `uid` of `key` (its message cut to 512 bytes).
+fn event_effect(key: &PodKey, uid: &str, t: EventType, reason: &'static str, msg: &str) -> Effect {
+    Effect::Event {
+        key: key.clone(),
+        uid: uid.to_string(),
+        type_: t,
+        reason,
+        message: truncate_bytes(msg, 512),
+    }
 }
 
 fn with_op(effect: &Effect, op: OpId) -> Effect {
@@ -466,13 +485,7 @@ impl Provider {
     }
 
     fn event(&mut self, key: &PodKey, uid: &str, t: EventType, reason: &'static str, msg: &str) {
-        self.out.push(Effect::Event {
-            key: key.clone(),
-            uid: uid.to_string(),
-            type_: t,
-            reason,
-            message: truncate_bytes(msg, 512),
-        });
+        self.out.push(event_effect(key, uid, t, reason, msg));
     }
 
     /// Issue a cocoon call the pod's op waits for.
@@ -726,9 +739,26 @@ impl Provider {
         }
     }
 
-    /// Starts `op` on the pod (see `Slot::start_op`).
-    fn start_op(&mut self, key: &PodKey, op: Op) {
+    /// Starts `op` on the pod (see `Slot::start_op`): the one setter of every op kind.
+    fn set_op(&mut self, key: &PodKey, op: impl Into<Op>) {
         self.slot(key).start_op(op);
+    }
+
+    /// The pod's tracked incarnation when it is `uid`: an op's answer concerns only the
+    /// incarnation it runs for.
+    fn tracked_as(&self, key: &PodKey, uid: &str) -> Option<Tracked> {
+        let t = self.slots.get(key)?.tracked.as_ref()?;
+        (t.uid == uid).then(|| t.clone())
+    }
+
+    /// The pod's running op when it is of kind `K`.
+    fn op_of<K: OpKind>(&self, key: &PodKey) -> Option<&K> {
+        self.slots.get(key)?.op().and_then(K::of)
+    }
+
+    /// The pod's running op when it is of kind `K`, to move it on.
+    fn op_of_mut<K: OpKind>(&mut self, key: &PodKey) -> Option<&mut K> {
+        self.slots.get_mut(key)?.op_mut().and_then(K::of_mut)
     }
 
     /// End the current op (if any) and re-evaluate.
@@ -853,8 +883,10 @@ impl Provider {
                             || (vm.id.is_empty() && v.name == vm.name && !vm.name.is_empty())
                     })
                     .unwrap_or(false);
-                let creating = matches!(s.op(), Some(Op::Create(c))
-                    if !vm.name.is_empty() && c.spec.vm_name == vm.name);
+                let creating = s
+                    .op()
+                    .and_then(CreateOp::of)
+                    .is_some_and(|c| !vm.name.is_empty() && c.spec.vm_name == vm.name);
                 tracked || creating
             })
             .map(|(k, _)| k.clone())

@@ -92,9 +92,9 @@ impl Provider {
         if mode == PostCloneMode::Wake || marked {
             self.write_post_clone_state(key, &uid, "running", BTreeMap::new());
         }
-        self.start_op(
+        self.set_op(
             key,
-            Op::PostClone(Box::new(PostCloneOp {
+            PostCloneOp {
                 uid,
                 vm_id: vm.id.clone(),
                 mode,
@@ -105,7 +105,7 @@ impl Provider {
                 sac,
                 sac_only: false,
                 until: self.now + BUDGET,
-            })),
+            },
         );
         self.push_status(key, false);
         self.post_clone_attempt(key);
@@ -133,9 +133,9 @@ impl Provider {
                 return self.sac_failed(key, &uid, mode, &err);
             }
         };
-        self.start_op(
+        self.set_op(
             key,
-            Op::PostClone(Box::new(PostCloneOp {
+            PostCloneOp {
                 uid,
                 vm_id: vm.id.clone(),
                 mode,
@@ -150,7 +150,7 @@ impl Provider {
                 sac: None,
                 sac_only: true,
                 until: self.now + BUDGET,
-            })),
+            },
         );
         self.push_status(key, false);
         let vm_id = vm.id.clone();
@@ -158,16 +158,9 @@ impl Provider {
         self.advance(key, PostCloneStep::Sac, ask);
     }
 
-    fn post_clone_op(&self, key: &PodKey) -> Option<&PostCloneOp> {
-        match self.slots.get(key)?.op()? {
-            Op::PostClone(p) => Some(p),
-            _ => None,
-        }
-    }
-
     /// Start the next attempt, or give up when the budget is spent.
     fn post_clone_attempt(&mut self, key: &PodKey) {
-        let Some(p) = self.post_clone_op(key) else {
+        let Some(p) = self.op_of::<PostCloneOp>(key) else {
             return;
         };
         if self.now >= p.until {
@@ -178,15 +171,15 @@ impl Provider {
             command: p.fixup.command.clone(),
             deadline: p.until.saturating_duration_since(self.now),
         };
-        if let Some(Op::PostClone(p)) = self.slot(key).op_mut() {
+        if let Some(p) = self.op_of_mut::<PostCloneOp>(key) {
             p.attempts += 1;
         }
         self.advance(key, PostCloneStep::Exec, Ask::Cocoon(cmd));
     }
 
     /// The pause between attempts is over.
-    pub(super) fn post_clone_timer(&mut self, key: &PodKey) {
-        if matches!(self.post_clone_op(key), Some(p) if p.step == PostCloneStep::Pause) {
+    pub(super) fn post_clone_timer(&mut self, key: &PodKey, p: &PostCloneOp) {
+        if p.step == PostCloneStep::Pause {
             self.post_clone_attempt(key);
         }
     }
@@ -222,7 +215,7 @@ impl Provider {
 
     /// One attempt failed: Warning, then the next one after the pause (within the budget).
     pub(super) fn post_clone_attempt_failed(&mut self, key: &PodKey, err: String) {
-        let Some(p) = self.post_clone_op(key) else {
+        let Some(p) = self.op_of::<PostCloneOp>(key) else {
             return;
         };
         let (uid, n, until) = (p.uid.clone(), p.attempts, p.until);
@@ -233,7 +226,7 @@ impl Provider {
             "PostCloneExecAttemptFailed",
             &format!("attempt {n}: {err}"),
         );
-        if let Some(Op::PostClone(p)) = self.slot(key).op_mut() {
+        if let Some(p) = self.op_of_mut::<PostCloneOp>(key) {
             p.errors.push(format!("attempt {n}: {err}"));
         }
         if self.now >= until {
@@ -244,7 +237,7 @@ impl Provider {
     }
 
     fn post_clone_succeeded(&mut self, key: &PodKey) {
-        let Some(p) = self.post_clone_op(key).cloned() else {
+        let Some(p) = self.op_of::<PostCloneOp>(key).cloned() else {
             return;
         };
         if p.sac_only {
@@ -273,7 +266,7 @@ impl Provider {
     /// The SAC pass's outcome: `postclone_total{sac,..}`, then on with the fix-up's success, or
     /// its failure.
     fn sac_result(&mut self, key: &PodKey, r: Result<(), SacError>) {
-        let Some(p) = self.post_clone_op(key).cloned() else {
+        let Some(p) = self.op_of::<PostCloneOp>(key).cloned() else {
             return;
         };
         match r {
@@ -312,7 +305,7 @@ impl Provider {
     }
 
     fn post_clone_exhausted(&mut self, key: &PodKey) {
-        let Some(p) = self.post_clone_op(key).cloned() else {
+        let Some(p) = self.op_of::<PostCloneOp>(key).cloned() else {
             return;
         };
         self.post_clone_failed(key, &p.uid, p.mode, &p.fixup, p.attempts, &p.errors);
@@ -446,40 +439,37 @@ impl Provider {
             .is_some_and(|t| t.spec.os == Os::Windows);
         let until = self.now + IP_WAIT;
         let nudge_at = windows.then(|| (self.now + RENEW_NUDGE_AFTER).min(until));
-        self.start_op(
-            key,
-            Op::ReadyWait {
-                uid,
-                vm_id,
-                until,
-                nudge_at,
-                mode,
-            },
-        );
+        let w = ReadyWaitOp {
+            uid,
+            vm_id,
+            until,
+            nudge_at,
+            mode,
+        };
+        self.set_op(key, w.clone());
         self.push_status(key, false);
-        self.ready_wait_poll(key);
+        self.ready_wait_poll(key, w);
     }
 
     /// The IP wait's renew nudge is due: `cmd /c ipconfig /renew` in the guest, within what is
     /// left of the wait. Returns false when none is due.
-    pub(super) fn maybe_renew_nudge(&mut self, key: &PodKey) -> bool {
-        let Some(Op::ReadyWait {
+    pub(super) fn maybe_renew_nudge(&mut self, key: &PodKey, w: &ReadyWaitOp) -> bool {
+        let ReadyWaitOp {
             nudge_at: Some(at),
             until,
-            vm_id,
             ..
-        }) = self.slots.get(key).and_then(|s| s.op().cloned())
+        } = *w
         else {
             return false;
         };
         if self.now < at || self.now >= until {
             return false;
         }
-        if let Some(Op::ReadyWait { nudge_at, .. }) = self.slot(key).op_mut() {
-            *nudge_at = None;
+        if let Some(w) = self.op_of_mut::<ReadyWaitOp>(key) {
+            w.nudge_at = None;
         }
         let cmd = CocoonCmd::VmExec {
-            id: vm_id,
+            id: w.vm_id.clone(),
             command: ["cmd", "/c", "ipconfig", "/renew"]
                 .map(String::from)
                 .to_vec(),
@@ -490,10 +480,10 @@ impl Provider {
     }
 
     /// The nudge's answer: count it, then look at the lease again.
-    pub(super) fn renew_nudge_result(&mut self, key: &PodKey, r: &Answer) {
+    pub(super) fn renew_nudge_result(&mut self, key: &PodKey, w: ReadyWaitOp, r: &Answer) {
         let result = if r.succeeded() { "ok" } else { "failed" };
         self.metric(MetricUpdate::WakeRenewNudge { result });
-        self.ready_wait_poll(key);
+        self.ready_wait_poll(key, w);
     }
 }
 

@@ -58,7 +58,7 @@ impl Provider {
                     used.insert(spec::local_snapshot_name(&t.spec.image));
                 }
             }
-            if let Some(Op::Create(c)) = slot.op() {
+            if let Some(c) = slot.op().and_then(CreateOp::of) {
                 used.insert(c.spec.vm_name.clone());
                 used.insert(c.local_snapshot.clone());
             }

@@ -29,11 +29,8 @@ impl Provider {
         let Some(t) = self.slots.get(key).and_then(|s| s.tracked.clone()) else {
             return;
         };
-        let started = match self.slots.get(key).and_then(|s| s.op()) {
-            Some(Op::Create(c)) => c.started,
-            _ => self.now,
-        };
-        self.slot(key).replace_op(Op::Wake(Box::new(WakeOp {
+        let started = self.op_of::<CreateOp>(key).map_or(self.now, |c| c.started);
+        self.slot(key).replace_op(WakeOp {
             uid: t.uid.clone(),
             spec: t.spec.clone(),
             step: WakeStep::LocalInspect,
@@ -41,7 +38,7 @@ impl Provider {
             restore,
             tag: None,
             source_label: String::new(),
-        })));
+        });
         self.set_lifecycle(key, State::Creating, "");
         if !restore {
             // Stale id / ip of the VM that was removed at hibernate.
@@ -71,18 +68,18 @@ impl Provider {
         self.advance(key, WakeStep::LocalInspect, ask)
     }
 
+    /// The running wake as it stands now, while its incarnation is tracked.
     fn wake_op(&self, key: &PodKey) -> Option<WakeOp> {
-        let slot = self.slots.get(key)?;
-        match (slot.op(), &slot.tracked) {
-            (Some(Op::Wake(w)), Some(t)) if t.uid == w.uid => Some((**w).clone()),
-            _ => None,
-        }
+        let w = self.op_of::<WakeOp>(key)?;
+        self.tracked_as(key, &w.uid)?;
+        Some(w.clone())
     }
 
-    pub(super) fn wake_step(&mut self, key: &PodKey, res: Res) {
-        let Some(w) = self.wake_op(key) else {
+    /// An answer to the wake `w`.
+    pub(super) fn wake_step(&mut self, key: &PodKey, w: WakeOp, res: Res) {
+        if self.tracked_as(key, &w.uid).is_none() {
             return self.end_op(key);
-        };
+        }
         let superseded = self.slots.get(key).is_some_and(|s| {
             s.latest
                 .as_ref()
@@ -353,7 +350,7 @@ impl Provider {
     }
 
     fn wake_set_tag(&mut self, key: &PodKey, tag: Option<HibernateTag>) {
-        if let Some(Some(Op::Wake(w))) = self.slots.get_mut(key).map(|s| s.op_mut()) {
+        if let Some(w) = self.op_of_mut::<WakeOp>(key) {
             w.tag = tag;
         }
     }
@@ -439,7 +436,7 @@ impl Provider {
             // The NIC was dropped before the save: the clone brings one back.
             args.nics = Some(1);
         }
-        if let Some(Op::Wake(w)) = self.slot(key).op_mut() {
+        if let Some(w) = self.op_of_mut::<WakeOp>(key) {
             w.source_label = label;
         }
         self.advance(

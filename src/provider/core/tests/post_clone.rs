@@ -1,7 +1,7 @@
 //! Post-clone fix-up transitions: classification, `vm exec` attempts within the budget, the
 //! post-clone annotations, exhaustion, the Windows renew nudge and resumption after a restart.
 
-use super::super::state::PostCloneMode;
+use super::super::ops::PostCloneMode;
 use super::*;
 use base64::Engine;
 
