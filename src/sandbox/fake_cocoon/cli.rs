@@ -81,6 +81,14 @@ impl Parsed {
         self.values.contains_key(long)
     }
 
+    /// The one positional argument a verb takes, or the framework's arity error.
+    pub fn one_positional(&self) -> Result<&String, String> {
+        match self.positionals.as_slice() {
+            [one] => Ok(one),
+            other => Err(format!("accepts 1 arg(s), received {}", other.len())),
+        }
+    }
+
     /// A numeric flag; a bad number is the framework's `invalid argument` error.
     pub fn num(&self, long: &str) -> Result<Option<u64>, String> {
         match self.get(long) {

@@ -113,6 +113,21 @@ use store::Store;
 /// Result of a command: an exit status, or an error message printed as `Error: <msg>` (exit 1).
 pub(crate) type CmdResult = Result<i32, String>;
 
+/// An I/O error as a command error: `<what>: <error>`.
+fn io_err(what: &str) -> impl Fn(std::io::Error) -> String + '_ {
+    move |e| format!("{what}: {e}")
+}
+
+/// Prints `v` as cocoon's `--output json` does (pretty, one document).
+fn print_json<T: serde::Serialize>(v: &T) -> CmdResult {
+    use std::io::Write;
+    let text = serde_json::to_string_pretty(v).map_err(|e| e.to_string())?;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{text}");
+    let _ = out.flush();
+    Ok(0)
+}
+
 const VM_HELP: &str = "Manage virtual machines\n\nUsage:\n  cocoon vm [command]\n\nAvailable Commands:\n  clone, create, exec, inspect, list, logs, net, reconcile-stale-create, rm, run, start, status, stop\n";
 const SNAPSHOT_HELP: &str = "Manage snapshots\n\nUsage:\n  cocoon snapshot [command]\n\nAvailable Commands:\n  export, import, inspect, list, rm, save\n";
 const IMAGE_HELP: &str = "Manage images\n\nUsage:\n  cocoon image [command]\n\nAvailable Commands:\n  import, inspect, list, pull, rm\n";

@@ -388,12 +388,7 @@ pub(super) fn default_run_name(image: &str) -> String {
 
 pub(super) fn run(store: &Store, args: &[String], fault: &VerbFault, start: bool) -> CmdResult {
     let p = cli::parse(args, RUN_FLAGS)?;
-    let [image_ref] = p.positionals.as_slice() else {
-        return Err(format!(
-            "accepts 1 arg(s), received {}",
-            p.positionals.len()
-        ));
-    };
+    let image_ref = p.one_positional()?;
     let image = store
         .resolve_image(image_ref)
         .ok_or_else(|| format!("image \"{image_ref}\": not found in any backend"))?;

@@ -155,12 +155,7 @@ pub(super) fn guest_command(
 
 pub(super) fn logs(store: &Store, args: &[String]) -> CmdResult {
     let p = cli::parse(args, &[val("tail"), flag_s("follow", 'f')])?;
-    let [r] = p.positionals.as_slice() else {
-        return Err(format!(
-            "accepts 1 arg(s), received {}",
-            p.positionals.len()
-        ));
-    };
+    let r = p.one_positional()?;
     let sv = resolve(store, r)?;
     let path = store.console_log(&sv.vm);
     let mut file = fs::File::open(&path).map_err(|_| {
@@ -208,12 +203,7 @@ pub(super) fn logs(store: &Store, args: &[String]) -> CmdResult {
 
 pub(super) fn net(store: &Store, args: &[String]) -> CmdResult {
     let p = cli::parse(args, &[val("nics"), val_s("output", 'o')])?;
-    let [r] = p.positionals.as_slice() else {
-        return Err(format!(
-            "accepts 1 arg(s), received {}",
-            p.positionals.len()
-        ));
-    };
+    let r = p.one_positional()?;
     let want = p.num("nics")?.ok_or("--nics is required")?;
     let mut sv = resolve(store, r)?;
     if sv.vm.is_firecracker() {

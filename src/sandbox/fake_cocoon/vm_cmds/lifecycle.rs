@@ -24,12 +24,7 @@ pub(super) fn shown(store: &Store, sv: &StoredVm, reconcile: bool) -> Vm {
 
 pub(super) fn inspect(store: &Store, args: &[String]) -> CmdResult {
     let p = cli::parse(args, &[val_s("output", 'o'), val("format")])?;
-    let [r] = p.positionals.as_slice() else {
-        return Err(format!(
-            "accepts 1 arg(s), received {}",
-            p.positionals.len()
-        ));
-    };
+    let r = p.one_positional()?;
     let sv = store.resolve_vm(r).map_err(|e| match e {
         RefError::NotFound => format!("inspect: {}", not_found_text(store, r)),
         RefError::Ambiguous => format!("inspect: ambiguous ref \"{r}\": multiple matches"),
@@ -200,12 +195,7 @@ pub(super) fn is_running_alive(vm: &Vm) -> bool {
 
 pub(super) fn reconcile_stale_create(store: &Store, args: &[String]) -> CmdResult {
     let p = cli::parse(args, &[val_s("output", 'o')])?;
-    let [r] = p.positionals.as_slice() else {
-        return Err(format!(
-            "accepts 1 arg(s), received {}",
-            p.positionals.len()
-        ));
-    };
+    let r = p.one_positional()?;
     let (id, outcome) = {
         let _guard = store.lock().map_err(io_err("lock"))?;
         match store.resolve_vm(r) {

@@ -6,8 +6,8 @@
 
 use super::cli::{self, flag, Parsed};
 use super::store::{kill_pid, now_rfc3339, pid_alive, RefError, Store, StoredVm, VerbFault};
-use super::CmdResult;
-use std::io::{self, Write};
+use super::{io_err, print_json, CmdResult};
+
 use std::time::Duration;
 
 mod create;
@@ -55,18 +55,6 @@ pub fn dispatch(store: &Store, verb: &str, args: &[String], fault: &VerbFault) -
 
 fn json_out(p: &Parsed, key: &str) -> bool {
     p.get(key) == Some("json")
-}
-
-fn print_json<T: serde::Serialize>(v: &T) -> CmdResult {
-    let text = serde_json::to_string_pretty(v).map_err(|e| e.to_string())?;
-    let mut out = io::stdout().lock();
-    let _ = writeln!(out, "{text}");
-    let _ = out.flush();
-    Ok(0)
-}
-
-fn io_err(what: &str) -> impl Fn(io::Error) -> String + '_ {
-    move |e| format!("{what}: {e}")
 }
 
 /// `^[a-zA-Z0-9][a-zA-Z0-9._-]{0,62}$`
