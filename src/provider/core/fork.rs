@@ -528,7 +528,7 @@ impl Provider {
             return self.fail_create(key, &c.uid, &msg, false);
         }
         // The source runs on this node, so its base image is here: no `--pull`.
-        let args = self.clone_args(&c.spec, CloneSource::Snapshot(name), false);
+        let args = create::clone_args(&self.cfg, &c.spec, CloneSource::Snapshot(name), false);
         self.boot(key, CocoonCmd::VmClone(args))
     }
 }

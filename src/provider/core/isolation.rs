@@ -100,6 +100,27 @@ pub(super) fn tag_of_another(key: &PodKey, tag: &HibernateTag) -> bool {
     !tag.owner_namespace.is_empty() && tag.owner_namespace != key.namespace
 }
 
+/// The reads of the ledger a machine op's step makes for its own pod (as `Provider`'s below).
+impl Cx<'_> {
+    /// Whether this pod owns local snapshot `name`, made from VM `vm_name`.
+    pub(super) fn owns_snapshot(&self, name: &str, vm_name: &str) -> bool {
+        let record = self.owners.get(Owned::Snapshot, name);
+        owned_by(record.map(|o| o.namespace.as_str()), vm_name, self.key)
+    }
+
+    /// Whether the record of local snapshot `name` names another namespace than this pod's.
+    pub(super) fn snapshot_of_another(&self, name: &str) -> bool {
+        self.owners
+            .get(Owned::Snapshot, name)
+            .is_some_and(|o| o.namespace != self.key.namespace)
+    }
+
+    /// Whether this pod may read the snapshot a registry tag of repository `repo` holds.
+    pub(super) fn tag_readable(&self, repo: &str, tag: &HibernateTag) -> bool {
+        owned_by(Some(&tag.owner_namespace), repo, self.key)
+    }
+}
+
 impl Provider {
     /// Whether pod `key` owns local snapshot `name`, made from VM `vm_name`: may read it, and
     /// may have it removed (nothing is removed on a pod's behalf that it does not own).

@@ -1,10 +1,12 @@
 //! An op as a machine: its step reads only what `Cx` lends it (the time, the config, the pod's
-//! tracked incarnation), may emit events and metrics, and says what follows as a `Next`.
+//! tracked incarnation and latest copy, the ownership ledger), may emit events and metrics, and
+//! says what follows as a `Next`.
 //!
 //! A step of this shape cannot reach another op's state or the provider's tables: what it may
-//! change is its own struct, and every effect, hand-over or ending goes through `Next`. The
-//! small ops take it first (`classify`, `confirm_hibernated`); the others still step on
-//! `Provider` directly.
+//! change is its own struct, and every effect, hand-over or ending goes through `Next` (the
+//! index upkeep and detached calls an answer calls for as `Chore`s in the op's own follow-up).
+//! Machines so far: `classify`, `confirm_hibernated`, `wake`, `hibernate`; the others still
+//! step on `Provider` directly.
 
 use super::*;
 
@@ -17,6 +19,10 @@ pub(super) struct Cx<'a> {
     pub(super) tracked: Option<&'a Tracked>,
     /// The effects of this input so far: a step adds only events and metrics here.
     out: &'a mut Vec<Effect>,
+    /// The pod's latest API copy, if any (a step looks whether it is still wanted).
+    pub(super) latest: Option<&'a Pod>,
+    /// The ownership ledger, read-only (whose namespace a VM or snapshot name is recorded for).
+    pub(super) owners: &'a crate::provider::owners::Owners,
 }
 
 impl Cx<'_> {
@@ -54,6 +60,8 @@ impl Provider {
             key,
             tracked: self.slots.get(key).and_then(|s| s.tracked.as_ref()),
             out: &mut self.out,
+            latest: self.slots.get(key).and_then(|s| s.latest.as_deref()),
+            owners: &self.owners,
         }
     }
 
@@ -81,6 +89,35 @@ impl Provider {
                 None
             }
             Next::Then(f) => Some((op, f)),
+        }
+    }
+}
+
+/// What an op's answer calls for beyond events and metrics that is not the op's own state: the
+/// upkeep of the provider's shared indexes and detached calls. The op names it in its follow-up;
+/// the provider carries it out (`Provider::chore`) before what the step decided next.
+pub(super) enum Chore {
+    /// A `snapshot rm` of this name answered (`Provider::snapshot_removed`).
+    SnapshotRemoved(String, Answer),
+    /// The source VM of a fork-snapshot flight changed: the flight's snapshot is stale.
+    ForkInvalidated(String),
+    /// The VM or snapshot of this name is gone: its ownership record goes too.
+    ForgetOwner(Owned, String),
+    /// A snapshot no op waits on is removed in the background.
+    RemoveSnapshot(String),
+    /// A cocoon call whose answer no one waits for (a best-effort guest nudge).
+    Detached(CocoonCmd),
+}
+
+impl Provider {
+    /// Carries out the chore `c` an op's step named.
+    pub(super) fn chore(&mut self, c: Chore) {
+        match c {
+            Chore::SnapshotRemoved(name, r) => self.snapshot_removed(&name, &r),
+            Chore::ForkInvalidated(vm) => self.fork_invalidate(&vm),
+            Chore::ForgetOwner(kind, name) => self.forget_owner(kind, &name),
+            Chore::RemoveSnapshot(name) => self.remove_snapshot_detached(&name),
+            Chore::Detached(cmd) => self.fire_and_forget_cocoon(cmd),
         }
     }
 }

@@ -2,6 +2,7 @@
 //! registry tag, else a pull of the tag), clone the VM back under its name, then the follow-up.
 
 use super::hibernate::{drops_nic, HIBERNATE_TAG};
+use super::machine::Chore;
 use super::*;
 
 fn fail(reason: &'static str, message: String) -> OpFailure {
@@ -68,382 +69,37 @@ impl Provider {
         self.advance(key, WakeStep::LocalInspect, ask)
     }
 
-    /// The running wake as it stands now, while its incarnation is tracked.
-    fn wake_op(&self, key: &PodKey) -> Option<WakeOp> {
-        let w = self.op_of::<WakeOp>(key)?;
-        self.tracked_as(key, &w.uid)?;
-        Some(w.clone())
-    }
-
     /// An answer to the wake `w`.
-    pub(super) fn wake_step(&mut self, key: &PodKey, w: WakeOp, res: Res) {
-        if self.tracked_as(key, &w.uid).is_none() {
-            return self.end_op(key);
-        }
-        let superseded = self.slots.get(key).is_some_and(|s| {
-            s.latest
-                .as_ref()
-                .is_none_or(|p| pod_uid(p) != w.uid || deleting(p))
-        });
-        if superseded {
-            // Deleted (or replaced) meanwhile: the delete that follows looks the VM up by
-            // name, so a clone this very answer reports is removed before the object goes.
-            log::info!("provider: {key}: wake stopped, the pod is being deleted");
-            return self.end_op(key);
-        }
-        let vm = w.spec.vm_name.clone();
-        match (w.step.clone(), res) {
-            (WakeStep::LocalInspect, Res::Cocoon(r)) => self.wake_local_inspected(key, &w, r),
-            (
-                WakeStep::Verify {
-                    local_id,
-                    local_image,
-                },
-                Res::Evidence(found),
-            ) => self.wake_local_verified(key, &w, &local_id, &local_image, found),
-            (WakeStep::RmStale, Res::Cocoon(r)) => {
-                if !r.succeeded() && !r.snapshot_not_found() {
-                    log::warn!(
-                        "provider: {key}: remove stale snapshot {vm}: {}",
-                        r.error_text()
-                    );
-                }
-                self.snapshot_removed(&vm, &r);
-                self.fork_invalidate(&vm);
-                let name = spec::fork_snapshot_name(&vm);
-                let ask = Ask::Cocoon(CocoonCmd::SnapshotRm { name });
-                self.advance(key, WakeStep::RmStaleFork, ask)
-            }
-            (WakeStep::RmStaleFork, Res::Cocoon(r)) => {
-                self.snapshot_removed(&spec::fork_snapshot_name(&vm), &r);
-                self.wake_from_tag(key, &w)
-            }
-            (WakeStep::Tag, Res::Evidence(found)) => match found {
-                Ok(tag) => {
-                    self.wake_set_tag(key, tag);
-                    match self.wake_op(key) {
-                        Some(w) => self.wake_from_tag(key, &w),
-                        None => self.end_op(key),
-                    }
-                }
-                Err(e) => {
-                    let msg = format!("look up {vm}:{HIBERNATE_TAG}: {e}");
-                    self.wake_failed(key, fail("WakePullFailed", msg))
-                }
-            },
-            (WakeStep::Peer, Res::Transfer(r)) => match r {
-                Ok(dir) => {
-                    let label = format!("peer {}", w.tag.as_ref().map_or("", |t| &t.from_node));
-                    self.wake_clone(key, &w, CloneSource::FromDir(dir.clone()), false, label);
-                    self.own_staging(key, Some(dir))
-                }
-                Err(e) => {
-                    log::warn!(
-                        "provider: {key}: peer restore of {vm}: {e}; pulling from the registry"
-                    );
-                    self.wake_pull(key, &vm)
-                }
-            },
-            (WakeStep::Pull, Res::Transfer(r)) => match r {
-                Ok(_) => {
-                    self.metric(MetricUpdate::SnapshotPull { result: "ok" });
-                    let name = import_name(&vm);
-                    let ask = Ask::Cocoon(CocoonCmd::SnapshotInspect { name });
-                    self.advance(key, WakeStep::ImportInspect, ask)
-                }
-                Err(e) => {
-                    self.metric(MetricUpdate::SnapshotPull { result: "failed" });
-                    let msg = format!("pull {vm}:{HIBERNATE_TAG}: {e}");
-                    self.wake_failed(key, fail("WakePullFailed", msg))
-                }
-            },
-            (WakeStep::ImportInspect, Res::Cocoon(r)) => {
-                let import = import_name(&vm);
-                let found = r
-                    .succeeded()
-                    .then(|| isolation::inspected_snapshot(&r, &import));
-                match found {
-                    Some(Ok(Some(snap))) => {
-                        let label = format!("registry {vm}:{HIBERNATE_TAG}");
-                        let from = CloneSource::Snapshot(import);
-                        self.wake_clone(key, &w, from, !snap.image.is_empty(), label)
-                    }
-                    _ => {
-                        let msg =
-                            format!("snapshot {import} missing after pull: {}", r.error_text());
-                        self.wake_failed(key, fail("WakePullFailed", msg))
-                    }
-                }
-            }
-            (WakeStep::Clone { source }, Res::Cocoon(r)) => self.wake_cloned(key, &w, source, r),
-            (WakeStep::CloneFailedInspect { source, error }, Res::Cocoon(r)) => {
-                self.wake_clone_failed_inspected(key, &w, &source, error, r)
-            }
-            (WakeStep::CloneFailedRm { error }, Res::Cocoon(r)) => {
-                if !r.succeeded() && !r.vm_not_found() {
-                    log::warn!(
-                        "provider: {key}: remove leftover of failed wake clone: {}",
-                        r.error_text()
-                    );
-                } else {
-                    self.forget_owner(Owned::Vm, &vm);
-                }
-                self.wake_failed(key, fail("WakeCloneFailed", error))
-            }
-            (step, res) => self.unexpected_answer(key, &step, &res),
-        }
+    pub(super) fn wake_step(&mut self, key: &PodKey, mut w: WakeOp, res: Res) {
+        let next = w.on_answer(&mut self.cx(key), res);
+        self.wake_next(key, w, next)
     }
 
-    /// The local snapshot named after the VM: cloned without a registry, verified against
-    /// the registry's tag with one, passed over for the tag when absent or not the pod's.
-    fn wake_local_inspected(&mut self, key: &PodKey, w: &WakeOp, r: Answer) {
-        let vm = w.spec.vm_name.clone();
-        let evidence =
-            |vm_name: String| Ask::effect(move |op| Effect::CheckHibernateEvidence { op, vm_name });
-        // Another snapshot than `<vm>` (an ID-prefix match) is none.
-        let local = match r.succeeded() {
-            true => match isolation::inspected_snapshot(&r, &vm) {
-                Ok(s) => s,
-                Err(e) => return self.wake_failed(key, fail("WakePullFailed", e.to_string())),
-            },
-            false => None,
-        };
-        // A local copy recorded for another namespace is never read; one that no
-        // record or name ties to the pod's is passed over for the registry's tag.
-        if local.is_some() && self.snapshot_of_another(key, &vm) {
-            let msg = format!(
-                "the local snapshot {vm} is not recorded for namespace {}",
-                key.namespace
-            );
-            return self.wake_refused(key, &w.uid, w.restore, msg);
-        }
-        let owned = self.owns_snapshot(key, &vm, &vm);
-        if local.is_some() && !owned && !self.cfg.registry {
-            let msg = format!(
-                "the local snapshot {vm} is not recorded for namespace {} and its name \
-                     does not prove it",
-                key.namespace
-            );
-            return self.wake_refused(key, &w.uid, w.restore, msg);
-        }
-        if let Some(snap) = local.filter(|_| owned) {
-            if !self.cfg.registry {
-                // Without a registry the local copy is the only one, and trusted.
-                let label = format!("local snapshot {vm}");
-                return self.wake_clone(
-                    key,
-                    w,
-                    CloneSource::Snapshot(vm.clone()),
-                    !snap.image.is_empty(),
-                    label,
-                );
-            }
-            let step = WakeStep::Verify {
-                local_id: snap.id,
-                local_image: snap.image,
-            };
-            return self.advance(key, step, evidence(vm));
-        }
-        if !r.succeeded() && !r.snapshot_not_found() {
-            let msg = format!("inspect local snapshot {vm}: {}", r.error_text());
-            return self.wake_failed(key, fail("WakePullFailed", msg));
-        }
-        if !self.cfg.registry {
-            return self.no_wake_source(key, w, "no local snapshot and no registry configured");
-        }
-        self.advance(key, WakeStep::Tag, evidence(vm))
-    }
-
-    /// The registry's tag read to verify the local copy: the same snapshot is cloned, another
-    /// (or none) makes the local copy stale.
-    fn wake_local_verified(
-        &mut self,
-        key: &PodKey,
-        w: &WakeOp,
-        local_id: &str,
-        local_image: &str,
-        found: Result<Option<HibernateTag>, TransferError>,
-    ) {
-        let vm = w.spec.vm_name.clone();
-        match found {
-            Ok(Some(tag)) if !self.tag_readable(key, &vm, &tag) => {
-                let msg = tag_refusal(&vm, &key.namespace);
-                self.wake_refused(key, &w.uid, w.restore, msg)
-            }
-            Ok(Some(tag)) if !tag.snapshot_id.is_empty() && tag.snapshot_id == local_id => {
-                self.metric(MetricUpdate::SnapshotVerify { result: "ok" });
-                let label = format!("local snapshot {vm}");
-                self.wake_clone(
-                    key,
-                    w,
-                    CloneSource::Snapshot(vm.clone()),
-                    !local_image.is_empty(),
-                    label,
-                )
-            }
-            Ok(tag) => {
-                // The registry holds another hibernation (or none): the local copy is stale.
-                self.metric(MetricUpdate::SnapshotVerify { result: "stale" });
-                self.wake_set_tag(key, tag);
-                let ask = Ask::Cocoon(CocoonCmd::SnapshotRm { name: vm });
-                self.advance(key, WakeStep::RmStale, ask)
-            }
-            Err(e) => {
-                // Never trust an unverified copy.
-                self.metric(MetricUpdate::SnapshotVerify { result: "error" });
-                let msg = format!("verify local snapshot {vm} against {vm}:{HIBERNATE_TAG}: {e}");
-                self.wake_failed(key, fail("WakePullFailed", msg))
-            }
-        }
-    }
-
-    /// The clone of the wake answered: woken, or the leftover of a failed clone is looked for.
-    fn wake_cloned(&mut self, key: &PodKey, w: &WakeOp, source: String, r: Answer) {
-        let vm = w.spec.vm_name.clone();
-        if source == import_name(&vm) {
-            // The import served its clone (or failed it); a retry pulls afresh.
-            self.remove_snapshot_detached(&source);
-        }
-        if !r.succeeded() {
-            // A clone killed at its deadline (or failing half-way) can leave a VM
-            // record under the name: the retry's clone would then fail on the taken
-            // name, and a delete before it would not know of the record. Look first.
-            let error = format!("vm clone {vm} from {source}: {}", r.error_text());
-            let ask = Ask::Cocoon(CocoonCmd::VmInspect {
-                reference: vm.clone(),
-            });
-            return self.advance(key, WakeStep::CloneFailedInspect { source, error }, ask);
-        }
-        match r.vm() {
-            Ok(v) => self.woken(key, w, v, &source),
-            Err(e) => self.wake_failed(key, fail("WakeCloneFailed", e.to_string())),
-        }
-    }
-
-    /// What a failed wake clone left under the VM name: a running VM is the clone finished
-    /// after all, a stopped one is removed before the failure is reported.
-    fn wake_clone_failed_inspected(
-        &mut self,
-        key: &PodKey,
-        w: &WakeOp,
-        source: &str,
-        error: String,
-        r: Answer,
-    ) {
-        let vm = w.spec.vm_name.clone();
-        // Only a VM of this very name is the clone's (not one its name ID-prefixes).
-        let found = r.vm().ok();
-        match found.filter(|v| r.succeeded() && isolation::vm_named(v, &vm)) {
-            // The clone finished after all (a slow clone past its deadline).
-            Some(v) if v.running() => self.woken(key, w, v, source),
-            Some(v) => {
-                let ask = Ask::Cocoon(CocoonCmd::VmRm { id: v.id });
-                self.advance(key, WakeStep::CloneFailedRm { error }, ask)
-            }
-            None => {
-                if r.vm_not_found() {
-                    self.forget_owner(Owned::Vm, &vm);
-                }
-                self.wake_failed(key, fail("WakeCloneFailed", error))
-            }
-        }
-    }
-
-    fn wake_set_tag(&mut self, key: &PodKey, tag: Option<HibernateTag>) {
-        if let Some(w) = self.op_of_mut::<WakeOp>(key) {
-            w.tag = tag;
-        }
-    }
-
-    /// No trusted local copy: the registry tag is the source.
-    fn wake_from_tag(&mut self, key: &PodKey, w: &WakeOp) {
-        let vm = w.spec.vm_name.clone();
-        let Some(tag) = w.tag.as_ref() else {
-            let why = format!("no local snapshot and no {vm}:{HIBERNATE_TAG} in the registry");
-            return self.no_wake_source(key, w, &why);
-        };
-        // Whose hibernation the tag holds, before a peer or the registry serves any of it.
-        if !self.tag_readable(key, &vm, tag) {
-            let msg = tag_refusal(&vm, &key.namespace);
-            return self.wake_refused(key, &w.uid, w.restore, msg);
-        }
-        // Peer restore first: the raw snapshot files straight from the node that pushed the
-        // tag (its from-node), checked against the tag's snapshot id. Any failure falls
-        // through to the registry pull.
-        if !tag.from_node.is_empty() && tag.from_node != self.cfg.node_name {
-            let (namespace, vm_name) = (key.namespace.clone(), vm.clone());
-            let (from_node, local_name) = (tag.from_node.clone(), import_name(&vm));
-            let ask = Ask::effect(move |op| Effect::PeerRestore {
-                op,
-                namespace,
-                vm_name,
-                from_node,
-                local_name,
-            });
-            self.advance(key, WakeStep::Peer, ask);
-            return self.own_staging(key, None);
-        }
-        self.wake_pull(key, &vm)
-    }
-
-    /// The step just asked (the peer restore, or the clone from its staged copy) answers
-    /// through a waiter that removes the staged copy once it is spent.
-    fn own_staging(&mut self, key: &PodKey, dir: Option<String>) {
-        if let Some(op) = self.slots.get(key).and_then(|s| s.awaiting) {
-            let key = key.clone();
-            self.waiters.insert(op, Waiter::Staged { key, dir });
-        }
-    }
-
-    /// The registry pull of the hibernate tag into the import snapshot, once the import's
-    /// owner (the pod's namespace) is on record.
-    fn wake_pull(&mut self, key: &PodKey, vm: &str) {
-        let Some(w) = self.wake_op(key) else {
+    /// Carries out what a step of the wake `w` decided.
+    fn wake_next(&mut self, key: &PodKey, w: WakeOp, next: Next<WakeStep, WakeThen>) {
+        let Some((w, then)) = self.apply(key, w, next) else {
             return;
         };
-        let (repo, local_name) = (vm.to_string(), import_name(vm));
-        // Exactly the manifest whose owner was checked, by its digest.
-        let tag = w
-            .tag
-            .as_ref()
-            .map(|t| t.digest.clone())
-            .filter(|d| !d.is_empty())
-            .unwrap_or_else(|| HIBERNATE_TAG.into());
-        let pull = Effect::PullSnapshot {
-            op: 0,
-            repo,
-            tag,
-            local_name: local_name.clone(),
-        };
-        let owner = Owner::new(&key.namespace, &w.uid);
-        let ask = Self::owned_then(Owned::Snapshot, &local_name, owner, Deferred::Effect(pull));
-        self.advance(key, WakeStep::Pull, ask)
-    }
-
-    fn wake_clone(
-        &mut self,
-        key: &PodKey,
-        w: &WakeOp,
-        from: CloneSource,
-        pull: bool,
-        label: String,
-    ) {
-        let source = match &from {
-            CloneSource::Snapshot(s) | CloneSource::FromDir(s) => s.clone(),
-        };
-        let mut args = self.clone_args(&w.spec, from, pull);
-        if drops_nic(&w.spec) {
-            // The NIC was dropped before the save: the clone brings one back.
-            args.nics = Some(1);
+        match then {
+            WakeThen::Chore(chores, next) => {
+                chores.into_iter().for_each(|c| self.chore(c));
+                self.wake_next(key, w, *next)
+            }
+            WakeThen::Staged(step, ask, dir) => {
+                self.set_op(key, w);
+                self.advance(key, step, ask);
+                // The step just asked (the peer restore, or the clone from its staged copy)
+                // answers through a waiter that removes the staged copy once it is spent.
+                if let Some(op) = self.slots.get(key).and_then(|s| s.awaiting) {
+                    let key = key.clone();
+                    self.waiters.insert(op, Waiter::Staged { key, dir });
+                }
+            }
+            WakeThen::Refused(msg) => self.wake_refused(key, &w.uid, w.restore, msg),
+            WakeThen::Failed(failure) => self.wake_failed(key, &w, failure),
+            WakeThen::NoSource(why) => self.no_wake_source(key, &w, &why),
+            WakeThen::Woken(vm, source) => self.woken(key, &w, vm, &source),
         }
-        if let Some(w) = self.op_of_mut::<WakeOp>(key) {
-            w.source_label = label;
-        }
-        self.advance(
-            key,
-            WakeStep::Clone { source },
-            Ask::Cocoon(CocoonCmd::VmClone(args)),
-        )
     }
 
     /// Nothing to wake from, authoritatively (no local snapshot, the tag absent): a restore
@@ -452,7 +108,7 @@ impl Provider {
     fn no_wake_source(&mut self, key: &PodKey, w: &WakeOp, why: &str) {
         let msg = format!("no wake source for vm {}: {why}", w.spec.vm_name);
         if w.restore {
-            return self.wake_failed(key, fail("WakePullFailed", msg));
+            return self.wake_failed(key, w, fail("WakePullFailed", msg));
         }
         self.metric(MetricUpdate::Wake { result: "failed" });
         self.event(
@@ -549,20 +205,396 @@ impl Provider {
 
     /// An answer no wake step expects: the wake fails and is retried.
     pub(super) fn wake_unexpected(&mut self, key: &PodKey, msg: &str) {
-        self.wake_failed(key, fail("UnexpectedAnswer", msg.to_string()))
+        let Some(w) = self.op_of::<WakeOp>(key).cloned() else {
+            return;
+        };
+        if self.tracked_as(key, &w.uid).is_some() {
+            self.wake_failed(key, &w, fail("UnexpectedAnswer", msg.to_string()))
+        }
     }
 
     /// A wake or restore failed before a VM existed. A restore fails its create (retried with
     /// the pod's backoff); a wake fails the update (retried on the op schedule).
-    fn wake_failed(&mut self, key: &PodKey, failure: OpFailure) {
-        let Some(w) = self.wake_op(key) else {
-            return;
-        };
+    fn wake_failed(&mut self, key: &PodKey, w: &WakeOp, failure: OpFailure) {
         self.metric(MetricUpdate::Wake { result: "failed" });
         if w.restore {
             return self.fail_create_as(key, &w.uid, failure.reason, &failure.message, true);
         }
         let err = format!("wake: {}", failure.message);
         self.update_failed(key, &w.uid, failure.reason, &err);
+    }
+}
+
+/// What a wake's step leaves to the provider: the index upkeep its answers call for, its
+/// hand-overs and its endings.
+pub(super) enum WakeThen {
+    /// Index upkeep, then what follows.
+    Chore(Vec<Chore>, Box<Next<WakeStep, WakeThen>>),
+    /// Ask the step, whose answer comes through a waiter that removes the staged copy (the
+    /// peer restore's directory, once it is known).
+    Staged(WakeStep, Ask, Option<String>),
+    /// The snapshot or tag is not the pod's namespace's: the wake is refused.
+    Refused(String),
+    /// The wake failed before a VM existed.
+    Failed(OpFailure),
+    /// Nothing to wake from, authoritatively: why.
+    NoSource(String),
+    /// The VM is back under its name, cloned from this source.
+    Woken(VmInfo, String),
+}
+
+type WakeNext = Next<WakeStep, WakeThen>;
+
+impl WakeOp {
+    fn failed(reason: &'static str, message: String) -> WakeNext {
+        Next::Then(WakeThen::Failed(fail(reason, message)))
+    }
+
+    fn chore_then(chores: Vec<Chore>, next: WakeNext) -> WakeNext {
+        Next::Then(WakeThen::Chore(chores, Box::new(next)))
+    }
+
+    /// An answer to this wake.
+    fn on_answer(&mut self, cx: &mut Cx, res: Res) -> WakeNext {
+        if cx.tracked.is_none_or(|t| t.uid != self.uid) {
+            return Next::End;
+        }
+        let superseded = cx
+            .latest
+            .is_none_or(|p| pod_uid(p) != self.uid || deleting(p));
+        if superseded {
+            // Deleted (or replaced) meanwhile: the delete that follows looks the VM up by
+            // name, so a clone this very answer reports is removed before the object goes.
+            log::info!(
+                "provider: {}: wake stopped, the pod is being deleted",
+                cx.key
+            );
+            return Next::End;
+        }
+        let vm = self.spec.vm_name.clone();
+        match (self.step.clone(), res) {
+            (WakeStep::LocalInspect, Res::Cocoon(r)) => self.local_inspected(cx, r),
+            (
+                WakeStep::Verify {
+                    local_id,
+                    local_image,
+                },
+                Res::Evidence(found),
+            ) => self.local_verified(cx, &local_id, &local_image, found),
+            (WakeStep::RmStale, Res::Cocoon(r)) => {
+                if !r.succeeded() && !r.snapshot_not_found() {
+                    let key = cx.key;
+                    log::warn!(
+                        "provider: {key}: remove stale snapshot {vm}: {}",
+                        r.error_text()
+                    );
+                }
+                let name = spec::fork_snapshot_name(&vm);
+                let ask = Ask::Cocoon(CocoonCmd::SnapshotRm { name });
+                let chores = vec![
+                    Chore::SnapshotRemoved(vm.clone(), r),
+                    Chore::ForkInvalidated(vm),
+                ];
+                Self::chore_then(chores, Next::Ask(WakeStep::RmStaleFork, ask))
+            }
+            (WakeStep::RmStaleFork, Res::Cocoon(r)) => {
+                let chores = vec![Chore::SnapshotRemoved(spec::fork_snapshot_name(&vm), r)];
+                Self::chore_then(chores, self.from_tag(cx))
+            }
+            (WakeStep::Tag, Res::Evidence(found)) => match found {
+                Ok(tag) => {
+                    self.tag = tag;
+                    self.from_tag(cx)
+                }
+                Err(e) => {
+                    let msg = format!("look up {vm}:{HIBERNATE_TAG}: {e}");
+                    Self::failed("WakePullFailed", msg)
+                }
+            },
+            (WakeStep::Peer, Res::Transfer(r)) => match r {
+                Ok(dir) => {
+                    let label = format!("peer {}", self.tag.as_ref().map_or("", |t| &t.from_node));
+                    let from = CloneSource::FromDir(dir.clone());
+                    let (step, ask) = self.clone_from(cx, from, false, label);
+                    Next::Then(WakeThen::Staged(step, ask, Some(dir)))
+                }
+                Err(e) => {
+                    let key = cx.key;
+                    log::warn!(
+                        "provider: {key}: peer restore of {vm}: {e}; pulling from the registry"
+                    );
+                    self.pull(cx)
+                }
+            },
+            (WakeStep::Pull, Res::Transfer(r)) => match r {
+                Ok(_) => {
+                    cx.metric(MetricUpdate::SnapshotPull { result: "ok" });
+                    let name = import_name(&vm);
+                    let ask = Ask::Cocoon(CocoonCmd::SnapshotInspect { name });
+                    Next::Ask(WakeStep::ImportInspect, ask)
+                }
+                Err(e) => {
+                    cx.metric(MetricUpdate::SnapshotPull { result: "failed" });
+                    let msg = format!("pull {vm}:{HIBERNATE_TAG}: {e}");
+                    Self::failed("WakePullFailed", msg)
+                }
+            },
+            (WakeStep::ImportInspect, Res::Cocoon(r)) => self.import_inspected(cx, r),
+            (WakeStep::Clone { source }, Res::Cocoon(r)) => self.cloned(source, r),
+            (WakeStep::CloneFailedInspect { source, error }, Res::Cocoon(r)) => {
+                self.clone_failed_inspected(source, error, r)
+            }
+            (WakeStep::CloneFailedRm { error }, Res::Cocoon(r)) => {
+                let failed = Self::failed("WakeCloneFailed", error);
+                if !r.succeeded() && !r.vm_not_found() {
+                    let key = cx.key;
+                    log::warn!(
+                        "provider: {key}: remove leftover of failed wake clone: {}",
+                        r.error_text()
+                    );
+                    return failed;
+                }
+                Self::chore_then(vec![Chore::ForgetOwner(Owned::Vm, vm)], failed)
+            }
+            (step, res) => Next::Unexpected(step, res),
+        }
+    }
+
+    /// The local snapshot named after the VM: cloned without a registry, verified against
+    /// the registry's tag with one, passed over for the tag when absent or not the pod's.
+    fn local_inspected(&mut self, cx: &Cx, r: Answer) -> WakeNext {
+        let vm = self.spec.vm_name.clone();
+        let evidence =
+            |vm_name: String| Ask::effect(move |op| Effect::CheckHibernateEvidence { op, vm_name });
+        // Another snapshot than `<vm>` (an ID-prefix match) is none.
+        let local = match r.succeeded() {
+            true => match isolation::inspected_snapshot(&r, &vm) {
+                Ok(s) => s,
+                Err(e) => return Self::failed("WakePullFailed", e.to_string()),
+            },
+            false => None,
+        };
+        let ns = &cx.key.namespace;
+        // A local copy recorded for another namespace is never read; one that no
+        // record or name ties to the pod's is passed over for the registry's tag.
+        if local.is_some() && cx.snapshot_of_another(&vm) {
+            let msg = format!("the local snapshot {vm} is not recorded for namespace {ns}");
+            return Next::Then(WakeThen::Refused(msg));
+        }
+        let owned = cx.owns_snapshot(&vm, &vm);
+        if local.is_some() && !owned && !cx.cfg.registry {
+            let msg = format!(
+                "the local snapshot {vm} is not recorded for namespace {ns} and its name \
+                     does not prove it",
+            );
+            return Next::Then(WakeThen::Refused(msg));
+        }
+        if let Some(snap) = local.filter(|_| owned) {
+            if !cx.cfg.registry {
+                // Without a registry the local copy is the only one, and trusted.
+                let label = format!("local snapshot {vm}");
+                let from = CloneSource::Snapshot(vm.clone());
+                let (step, ask) = self.clone_from(cx, from, !snap.image.is_empty(), label);
+                return Next::Ask(step, ask);
+            }
+            let step = WakeStep::Verify {
+                local_id: snap.id,
+                local_image: snap.image,
+            };
+            return Next::Ask(step, evidence(vm));
+        }
+        if !r.succeeded() && !r.snapshot_not_found() {
+            let msg = format!("inspect local snapshot {vm}: {}", r.error_text());
+            return Self::failed("WakePullFailed", msg);
+        }
+        if !cx.cfg.registry {
+            let why = "no local snapshot and no registry configured".to_string();
+            return Next::Then(WakeThen::NoSource(why));
+        }
+        Next::Ask(WakeStep::Tag, evidence(vm))
+    }
+
+    /// The registry's tag read to verify the local copy: the same snapshot is cloned, another
+    /// (or none) makes the local copy stale.
+    fn local_verified(
+        &mut self,
+        cx: &mut Cx,
+        local_id: &str,
+        local_image: &str,
+        found: Result<Option<HibernateTag>, TransferError>,
+    ) -> WakeNext {
+        let vm = self.spec.vm_name.clone();
+        match found {
+            Ok(Some(tag)) if !cx.tag_readable(&vm, &tag) => {
+                let msg = tag_refusal(&vm, &cx.key.namespace);
+                Next::Then(WakeThen::Refused(msg))
+            }
+            Ok(Some(tag)) if !tag.snapshot_id.is_empty() && tag.snapshot_id == local_id => {
+                cx.metric(MetricUpdate::SnapshotVerify { result: "ok" });
+                let label = format!("local snapshot {vm}");
+                let from = CloneSource::Snapshot(vm.clone());
+                let (step, ask) = self.clone_from(cx, from, !local_image.is_empty(), label);
+                Next::Ask(step, ask)
+            }
+            Ok(tag) => {
+                // The registry holds another hibernation (or none): the local copy is stale.
+                cx.metric(MetricUpdate::SnapshotVerify { result: "stale" });
+                self.tag = tag;
+                let ask = Ask::Cocoon(CocoonCmd::SnapshotRm { name: vm });
+                Next::Ask(WakeStep::RmStale, ask)
+            }
+            Err(e) => {
+                // Never trust an unverified copy.
+                cx.metric(MetricUpdate::SnapshotVerify { result: "error" });
+                let msg = format!("verify local snapshot {vm} against {vm}:{HIBERNATE_TAG}: {e}");
+                Self::failed("WakePullFailed", msg)
+            }
+        }
+    }
+
+    /// The import a registry pull landed: cloned from, its base image pulled with it.
+    fn import_inspected(&mut self, cx: &Cx, r: Answer) -> WakeNext {
+        let vm = self.spec.vm_name.clone();
+        let import = import_name(&vm);
+        let found = r
+            .succeeded()
+            .then(|| isolation::inspected_snapshot(&r, &import));
+        match found {
+            Some(Ok(Some(snap))) => {
+                let label = format!("registry {vm}:{HIBERNATE_TAG}");
+                let from = CloneSource::Snapshot(import);
+                let (step, ask) = self.clone_from(cx, from, !snap.image.is_empty(), label);
+                Next::Ask(step, ask)
+            }
+            _ => {
+                let msg = format!("snapshot {import} missing after pull: {}", r.error_text());
+                Self::failed("WakePullFailed", msg)
+            }
+        }
+    }
+
+    /// The clone of the wake answered: woken, or the leftover of a failed clone is looked for.
+    fn cloned(&self, source: String, r: Answer) -> WakeNext {
+        let vm = self.spec.vm_name.clone();
+        // The import served its clone (or failed it); a retry pulls afresh.
+        let chores = match source == import_name(&vm) {
+            true => vec![Chore::RemoveSnapshot(source.clone())],
+            false => vec![],
+        };
+        let next = if !r.succeeded() {
+            // A clone killed at its deadline (or failing half-way) can leave a VM
+            // record under the name: the retry's clone would then fail on the taken
+            // name, and a delete before it would not know of the record. Look first.
+            let error = format!("vm clone {vm} from {source}: {}", r.error_text());
+            let ask = Ask::Cocoon(CocoonCmd::VmInspect { reference: vm });
+            Next::Ask(WakeStep::CloneFailedInspect { source, error }, ask)
+        } else {
+            match r.vm() {
+                Ok(v) => Next::Then(WakeThen::Woken(v, source)),
+                Err(e) => Self::failed("WakeCloneFailed", e.to_string()),
+            }
+        };
+        match chores.is_empty() {
+            true => next,
+            false => Self::chore_then(chores, next),
+        }
+    }
+
+    /// What a failed wake clone left under the VM name: a running VM is the clone finished
+    /// after all, a stopped one is removed before the failure is reported.
+    fn clone_failed_inspected(&self, source: String, error: String, r: Answer) -> WakeNext {
+        let vm = self.spec.vm_name.clone();
+        // Only a VM of this very name is the clone's (not one its name ID-prefixes).
+        let found = r.vm().ok();
+        match found.filter(|v| r.succeeded() && isolation::vm_named(v, &vm)) {
+            // The clone finished after all (a slow clone past its deadline).
+            Some(v) if v.running() => Next::Then(WakeThen::Woken(v, source)),
+            Some(v) => {
+                let ask = Ask::Cocoon(CocoonCmd::VmRm { id: v.id });
+                Next::Ask(WakeStep::CloneFailedRm { error }, ask)
+            }
+            None => {
+                let failed = Self::failed("WakeCloneFailed", error);
+                match r.vm_not_found() {
+                    true => Self::chore_then(vec![Chore::ForgetOwner(Owned::Vm, vm)], failed),
+                    false => failed,
+                }
+            }
+        }
+    }
+
+    /// No trusted local copy: the registry tag is the source.
+    fn from_tag(&self, cx: &Cx) -> WakeNext {
+        let vm = self.spec.vm_name.clone();
+        let Some(tag) = self.tag.as_ref() else {
+            let why = format!("no local snapshot and no {vm}:{HIBERNATE_TAG} in the registry");
+            return Next::Then(WakeThen::NoSource(why));
+        };
+        // Whose hibernation the tag holds, before a peer or the registry serves any of it.
+        if !cx.tag_readable(&vm, tag) {
+            return Next::Then(WakeThen::Refused(tag_refusal(&vm, &cx.key.namespace)));
+        }
+        // Peer restore first: the raw snapshot files straight from the node that pushed the
+        // tag (its from-node), checked against the tag's snapshot id. Any failure falls
+        // through to the registry pull.
+        if !tag.from_node.is_empty() && tag.from_node != cx.cfg.node_name {
+            let (namespace, vm_name) = (cx.key.namespace.clone(), vm.clone());
+            let (from_node, local_name) = (tag.from_node.clone(), import_name(&vm));
+            let ask = Ask::effect(move |op| Effect::PeerRestore {
+                op,
+                namespace,
+                vm_name,
+                from_node,
+                local_name,
+            });
+            return Next::Then(WakeThen::Staged(WakeStep::Peer, ask, None));
+        }
+        self.pull(cx)
+    }
+
+    /// The registry pull of the hibernate tag into the import snapshot, once the import's
+    /// owner (the pod's namespace) is on record.
+    fn pull(&self, cx: &Cx) -> WakeNext {
+        let vm = &self.spec.vm_name;
+        let (repo, local_name) = (vm.to_string(), import_name(vm));
+        // Exactly the manifest whose owner was checked, by its digest.
+        let tag = self
+            .tag
+            .as_ref()
+            .map(|t| t.digest.clone())
+            .filter(|d| !d.is_empty())
+            .unwrap_or_else(|| HIBERNATE_TAG.into());
+        let pull = Effect::PullSnapshot {
+            op: 0,
+            repo,
+            tag,
+            local_name: local_name.clone(),
+        };
+        let owner = Owner::new(&cx.key.namespace, &self.uid);
+        let ask = Provider::owned_then(Owned::Snapshot, &local_name, owner, Deferred::Effect(pull));
+        Next::Ask(WakeStep::Pull, ask)
+    }
+
+    /// The clone of the VM from `from`; `label` names the source in the `Woken` event.
+    fn clone_from(
+        &mut self,
+        cx: &Cx,
+        from: CloneSource,
+        pull: bool,
+        label: String,
+    ) -> (WakeStep, Ask) {
+        let source = match &from {
+            CloneSource::Snapshot(s) | CloneSource::FromDir(s) => s.clone(),
+        };
+        let mut args = create::clone_args(cx.cfg, &self.spec, from, pull);
+        if drops_nic(&self.spec) {
+            // The NIC was dropped before the save: the clone brings one back.
+            args.nics = Some(1);
+        }
+        self.source_label = label;
+        (
+            WakeStep::Clone { source },
+            Ask::Cocoon(CocoonCmd::VmClone(args)),
+        )
     }
 }

@@ -114,33 +114,6 @@ impl Provider {
         }
     }
 
-    pub(in crate::provider::core) fn clone_args(
-        &self,
-        spec: &VmSpec,
-        source: CloneSource,
-        pull: bool,
-    ) -> CloneOptions {
-        CloneOptions {
-            name: spec.vm_name.clone(),
-            network: spec.network.clone(),
-            no_direct_io: spec.no_direct_io,
-            pull,
-            // Windows guests are restored by copy whatever VK_RESTORE_MODE says (the
-            // contract's clone rule for them).
-            restore_mode: if spec.firecracker() {
-                None
-            } else if spec.os == Os::Windows {
-                Some(crate::vm::RestoreMode::Copy)
-            } else {
-                Some(self.cfg.restore_mode)
-            },
-            nics: None,
-            cpu: spec.resources.cpu_policy(),
-            backend: spec.backend_kind(),
-            source,
-        }
-    }
-
     pub(in crate::provider::core) fn do_clone(&mut self, key: &PodKey) {
         let Some(c) = self.op_of_mut::<CreateOp>(key) else {
             return;
@@ -150,7 +123,12 @@ impl Provider {
             c.local_snapshot.clone(),
             c.snapshot_image.clone(),
         );
-        let args = self.clone_args(&spec, CloneSource::Snapshot(local), !img.is_empty());
+        let args = clone_args(
+            &self.cfg,
+            &spec,
+            CloneSource::Snapshot(local),
+            !img.is_empty(),
+        );
         self.boot(key, CocoonCmd::VmClone(args));
     }
 
@@ -171,5 +149,33 @@ impl Provider {
         }
         let ask = Self::owned_then(Owned::Vm, &name, owner, Deferred::Cocoon(cmd));
         self.advance(key, CreateStep::Boot, ask)
+    }
+}
+
+/// The `vm clone` of `spec` from `source` (`pull`: the snapshot's base image is pulled too).
+pub(in crate::provider::core) fn clone_args(
+    cfg: &ProviderConfig,
+    spec: &VmSpec,
+    source: CloneSource,
+    pull: bool,
+) -> CloneOptions {
+    CloneOptions {
+        name: spec.vm_name.clone(),
+        network: spec.network.clone(),
+        no_direct_io: spec.no_direct_io,
+        pull,
+        // Windows guests are restored by copy whatever VK_RESTORE_MODE says (the
+        // contract's clone rule for them).
+        restore_mode: if spec.firecracker() {
+            None
+        } else if spec.os == Os::Windows {
+            Some(crate::vm::RestoreMode::Copy)
+        } else {
+            Some(cfg.restore_mode)
+        },
+        nics: None,
+        cpu: spec.resources.cpu_policy(),
+        backend: spec.backend_kind(),
+        source,
     }
 }

@@ -14,6 +14,8 @@ mod failures;
 mod lookup;
 mod source;
 
+pub(super) use boot::clone_args;
+
 /// Metric reason of a create refused because another live pod holds the VM.
 const REASON_VM_OWNED: &str = "vm_owned_by_another_pod";
 /// Metric reason of a pod refused by the snapshot CPU-class gate (create, update, startup).

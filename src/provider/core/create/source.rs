@@ -16,7 +16,7 @@ impl Provider {
     pub(in crate::provider::core) fn bring_up_from_source(&mut self, key: &PodKey, c: &CreateOp) {
         let spec = &c.spec;
         if let Some(dir) = spec.clone_from_dir.clone() {
-            let args = self.clone_args(spec, CloneSource::FromDir(dir), true);
+            let args = clone_args(&self.cfg, spec, CloneSource::FromDir(dir), true);
             self.boot(key, CocoonCmd::VmClone(args))
         } else if !spec.fork_from.is_empty() {
             self.fork_begin(key, &spec.fork_from)
