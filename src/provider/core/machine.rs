@@ -17,6 +17,8 @@ pub(super) struct Cx<'a> {
     pub(super) tracked: Option<&'a Tracked>,
     /// The effects of this input so far: a step adds only events and metrics here.
     out: &'a mut Vec<Effect>,
+    /// The pod's latest API object, if any (read-only; evict's grace, delete's checks).
+    pub(super) latest: Option<&'a Pod>,
 }
 
 impl Cx<'_> {
@@ -54,6 +56,7 @@ impl Provider {
             key,
             tracked: self.slots.get(key).and_then(|s| s.tracked.as_ref()),
             out: &mut self.out,
+            latest: self.slots.get(key).and_then(|s| s.latest.as_deref()),
         }
     }
 
