@@ -8,154 +8,171 @@ impl Provider {
         let Some(t) = self.slot(key).tracked.clone() else {
             return self.end_op(key);
         };
-        let vm = t.vm.clone().unwrap_or_default();
-        self.set_op(
-            key,
-            EvictOp {
-                uid: t.uid.clone(),
-                cause,
-                step: EvictStep::Remove,
-                attempts: 0,
-                grace0: false,
-            },
-        );
-        if remove {
-            return self.pod_cocoon(key, CocoonCmd::VmRm { id: vm.id });
-        }
-        self.release_leases(&vm);
-        self.evict_status(key);
-    }
-
-    pub(super) fn evict_status(&mut self, key: &PodKey) {
-        let slot = self.slot(key);
-        let (Some(e), Some(t)) = (
-            slot.op().and_then(EvictOp::of).cloned(),
-            slot.tracked.clone(),
-        ) else {
-            return;
+        let e = EvictOp {
+            uid: t.uid.clone(),
+            cause,
+            step: EvictStep::Remove,
+            attempts: 0,
+            grace0: false,
         };
-        let st = status::evicted(
-            e.cause.reason().as_str(),
-            &e.cause.to_string(),
-            t.start_time.as_ref(),
-            &self.wall,
-        );
-        let st = Arc::new(st);
-        let slot = self.slot(key);
-        slot.last_pushed = Some(status::summary(&st));
-        slot.shown = Some((e.uid.clone(), st.clone()));
-        let (uid, k) = (e.uid.clone(), key.clone());
-        let ask = Ask::effect(move |op| Effect::PatchPodStatus {
-            op,
-            key: k,
-            uid,
-            status: st,
-        });
-        self.advance(key, EvictStep::Status, ask);
-    }
-
-    /// The pod timer of an eviction: its DELETE is retried.
-    pub(super) fn evict_timer(&mut self, key: &PodKey, e: EvictOp) {
-        if e.step == EvictStep::Delete {
-            self.evict_delete(key, e)
-        }
-    }
-
-    pub(super) fn evict_delete(&mut self, key: &PodKey, e: EvictOp) {
-        let grace0 = self
-            .slot(key)
-            .latest
-            .as_deref()
-            .is_some_and(|p| pod_uid(p) == e.uid && deleting(p));
-        if let Some(x) = self.op_of_mut::<EvictOp>(key) {
-            x.attempts += 1;
-            x.grace0 = grace0;
-        }
-        // A pod already being deleted (its delete waited on a push when the VM went) ends
-        // with grace 0, as any delete of ours does: a DELETE with no grace only restates the
-        // deletion it is in, and the object would stay terminating.
-        let grace = grace0.then_some(0);
-        let (uid, k) = (e.uid.clone(), key.clone());
-        let ask = Ask::effect(move |op| Effect::DeletePod {
-            op,
-            key: k,
-            uid,
-            grace,
-        });
-        self.advance(key, EvictStep::Delete, ask);
+        let next = if remove {
+            let id = t.vm.map(|v| v.id).unwrap_or_default();
+            Next::Ask(EvictStep::Remove, Ask::Cocoon(CocoonCmd::VmRm { id }))
+        } else {
+            Next::Then(Evicting::Removed { by_us: false })
+        };
+        self.set_op(key, e.clone());
+        self.evict_next(key, e, next)
     }
 
     /// An answer to the running eviction `e`.
-    pub(super) fn evict_step(&mut self, key: &PodKey, e: EvictOp, res: Res) {
-        match (e.step, res) {
+    pub(super) fn evict_step(&mut self, key: &PodKey, mut e: EvictOp, res: Res) {
+        let next = e.on_answer(&mut self.cx(key), res);
+        self.evict_next(key, e, next)
+    }
+
+    /// The pod timer of an eviction: its DELETE is retried.
+    pub(super) fn evict_timer(&mut self, key: &PodKey, mut e: EvictOp) {
+        let next = e.on_timer(&self.cx(key));
+        self.evict_next(key, e, next)
+    }
+
+    /// Carries out what a step of the eviction `e` decided.
+    fn evict_next(&mut self, key: &PodKey, e: EvictOp, next: Next<EvictStep, Evicting>) {
+        let Some((e, then)) = self.apply(key, e, next) else {
+            return;
+        };
+        let vm = || {
+            let t = self.slots.get(key).and_then(|s| s.tracked.as_ref());
+            t.and_then(|t| t.vm.clone()).unwrap_or_default()
+        };
+        match then {
+            // Remove-then-evict keeps it; the Go daemon then never looks again and the pod
+            // stays Running on a dead VM. Re-check it on the deferred schedule instead: a
+            // later round restarts or removes it.
+            Evicting::Recheck => {
+                let vm_id = vm_id_of(self.slot(key));
+                self.defer_check(key, e.uid, vm_id)
+            }
+            Evicting::Removed { by_us } => {
+                let vm = vm();
+                self.release_leases(&vm);
+                if by_us && !vm.name.is_empty() {
+                    self.forget_owner(Owned::Vm, &vm.name);
+                }
+                let Some(t) = self.slot(key).tracked.clone() else {
+                    return;
+                };
+                let st = status::evicted(
+                    e.cause.reason().as_str(),
+                    &e.cause.to_string(),
+                    t.start_time.as_ref(),
+                    &self.wall,
+                );
+                let st = Arc::new(st);
+                let slot = self.slot(key);
+                slot.last_pushed = Some(status::summary(&st));
+                slot.shown = Some((e.uid.clone(), st.clone()));
+                let (uid, k) = (e.uid.clone(), key.clone());
+                let ask = Ask::effect(move |op| Effect::PatchPodStatus {
+                    op,
+                    key: k,
+                    uid,
+                    status: st,
+                });
+                self.advance(key, EvictStep::Status, ask);
+            }
+            Evicting::Deleted => {
+                let vm = vm();
+                if self.by_name.get(&vm.name).is_some_and(|v| v.id == vm.id) {
+                    self.by_name.remove(&vm.name);
+                }
+                // The VM is gone with its pod: so is its restart cooldown.
+                self.last_restart.remove(&vm.id);
+                // A pod that was being deleted went with grace 0: like any grace-0 delete of
+                // ours, only its DELETED is owed (no second delete of it).
+                self.slot(key).idle = if e.grace0 {
+                    Idle::ApiDeleted(e.uid)
+                } else {
+                    Idle::Evicted(e.uid)
+                };
+                self.forget(key, true);
+                self.end_op(key);
+            }
+        }
+    }
+}
+
+/// What an eviction's step leaves to the provider.
+enum Evicting {
+    /// `vm rm` failed: the VM is rechecked on the deferred schedule instead.
+    Recheck,
+    /// The VM is gone (`by_us`: this eviction removed it, so its name's owner goes too): its
+    /// leases are released and the Failed status is written.
+    Removed { by_us: bool },
+    /// The pod's DELETE landed: the VM's indexes and the pod are forgotten.
+    Deleted,
+}
+
+impl EvictOp {
+    fn on_answer(&mut self, cx: &mut Cx, res: Res) -> Next<EvictStep, Evicting> {
+        let key = cx.key;
+        match (self.step, res) {
             (EvictStep::Remove, Res::Cocoon(r)) => {
                 if !r.succeeded() && !r.vm_not_found() {
-                    // Remove-then-evict keeps it; the Go daemon then never looks again and the pod
-                    // stays Running on a dead VM. Re-check it on the deferred schedule instead:
-                    // a later round restarts or removes it.
                     log::warn!(
                         "provider: {key}: vm rm before eviction failed (rechecking): {}",
                         r.error_text()
                     );
-                    let vm_id = vm_id_of(self.slot(key));
-                    return self.defer_check(key, e.uid, vm_id);
+                    return Next::Then(Evicting::Recheck);
                 }
-                let vm = self
-                    .slot(key)
-                    .tracked
-                    .as_ref()
-                    .and_then(|t| t.vm.clone())
-                    .unwrap_or_default();
-                self.release_leases(&vm);
-                if !vm.name.is_empty() {
-                    self.forget_owner(Owned::Vm, &vm.name);
-                }
-                self.evict_status(key)
+                Next::Then(Evicting::Removed { by_us: true })
             }
-            (EvictStep::Status, Res::Kube(_)) => self.evict_delete(key, e),
+            (EvictStep::Status, Res::Kube(_)) => self.ask_delete(cx),
             (EvictStep::Delete, Res::Kube(r)) => match r {
                 Ok(()) | Err(KubeError::NotFound) | Err(KubeError::Conflict) => {
-                    let vm = self
-                        .slot(key)
-                        .tracked
-                        .as_ref()
-                        .and_then(|t| t.vm.clone())
-                        .unwrap_or_default();
-                    if self
-                        .by_name
-                        .get(&vm.name)
-                        .map(|v| v.id == vm.id)
-                        .unwrap_or(false)
-                    {
-                        self.by_name.remove(&vm.name);
-                    }
-                    // The VM is gone with its pod: so is its restart cooldown.
-                    self.last_restart.remove(&vm.id);
-                    let uid = e.uid.clone();
-                    // A pod that was being deleted went with grace 0: like any grace-0
-                    // delete of ours, only its DELETED is owed (no second delete of it).
-                    self.slot(key).idle = if e.grace0 {
-                        Idle::ApiDeleted(uid)
-                    } else {
-                        Idle::Evicted(uid)
-                    };
-                    self.forget(key, true);
-                    self.end_op(key);
+                    Next::Then(Evicting::Deleted)
                 }
                 Err(_) => {
-                    self.metric(MetricUpdate::PodEvictFailure);
-                    let delay = if e.attempts < 2 {
-                        Duration::from_millis(200 * e.attempts as u64)
+                    cx.metric(MetricUpdate::PodEvictFailure);
+                    let delay = if self.attempts < 2 {
+                        Duration::from_millis(200 * self.attempts as u64)
                     } else {
-                        pod_backoff(e.attempts + 6)
+                        pod_backoff(self.attempts + 6)
                     };
-                    let at = self.now + delay;
-                    self.slot(key).awaiting = None;
-                    self.set_pod_timer(key, at);
+                    Next::Ask(EvictStep::Delete, Ask::Timer(cx.now + delay))
                 }
             },
-            (step, res) => self.unexpected_answer(key, &step, &res),
+            (step, res) => Next::Unexpected(step, res),
         }
+    }
+
+    fn on_timer(&mut self, cx: &Cx) -> Next<EvictStep, Evicting> {
+        if self.step == EvictStep::Delete {
+            return self.ask_delete(cx);
+        }
+        Next::Wait
+    }
+
+    /// The pod's DELETE (again).
+    fn ask_delete(&mut self, cx: &Cx) -> Next<EvictStep, Evicting> {
+        let grace0 = cx
+            .latest
+            .is_some_and(|p| pod_uid(p) == self.uid && deleting(p));
+        self.attempts += 1;
+        self.grace0 = grace0;
+        // A pod already being deleted (its delete waited on a push when the VM went) ends
+        // with grace 0, as any delete of ours does: a DELETE with no grace only restates the
+        // deletion it is in, and the object would stay terminating.
+        let grace = grace0.then_some(0);
+        let (uid, key) = (self.uid.clone(), cx.key.clone());
+        let ask = Ask::effect(move |op| Effect::DeletePod {
+            op,
+            key,
+            uid,
+            grace,
+        });
+        Next::Ask(EvictStep::Delete, ask)
     }
 }
 

@@ -5,8 +5,8 @@
 //! A step of this shape cannot reach another op's state or the provider's tables: what it may
 //! change is its own struct, and every effect, hand-over or ending goes through `Next` (the
 //! index upkeep and detached calls an answer calls for as `Chore`s in the op's own follow-up).
-//! Machines so far: `classify`, `confirm_hibernated`, `wake`, `hibernate`; the others still
-//! step on `Provider` directly.
+//! Machines so far: `classify`, `confirm_hibernated`, `wake`, `hibernate`, `evict`; the
+//! others still step on `Provider` directly.
 
 use super::*;
 
@@ -19,7 +19,8 @@ pub(super) struct Cx<'a> {
     pub(super) tracked: Option<&'a Tracked>,
     /// The effects of this input so far: a step adds only events and metrics here.
     out: &'a mut Vec<Effect>,
-    /// The pod's latest API copy, if any (a step looks whether it is still wanted).
+    /// The pod's latest API object, if any (read-only: whether it is still wanted, evict's
+    /// grace, delete's checks).
     pub(super) latest: Option<&'a Pod>,
     /// The ownership ledger, read-only (whose namespace a VM or snapshot name is recorded for).
     pub(super) owners: &'a crate::provider::owners::Owners,
