@@ -1,6 +1,7 @@
 //! fork-from: the node-wide flight that ensures snapshot `fork-<source>` (reuse it, else find
 //! the source VM and save it) once for every pod forking that source, and the clone from it.
 
+use super::create::CreateNext;
 use super::*;
 
 /// Whose VM a fork source is, for the pod forking it.
@@ -505,31 +506,33 @@ impl Provider {
             }
         }
     }
+}
 
+impl CreateOp {
     /// A waiting pod's answer from the flight: clone from `fork-<source>`.
-    pub(super) fn fork_landed(&mut self, key: &PodKey, c: &CreateOp, r: Result<String, ForkError>) {
+    pub(super) fn fork_landed(&self, cx: &Cx, r: Result<String, ForkError>) -> CreateNext {
         let hypervisor = match r {
             Ok(hv) => hv,
-            Err(e) => return self.fail_create(key, &c.uid, &e.to_string(), true),
+            Err(e) => return Self::failed(e.to_string(), true),
         };
-        let name = spec::fork_snapshot_name(&c.spec.fork_from);
+        let name = spec::fork_snapshot_name(&self.spec.fork_from);
         // The clone's flags follow the pod's backend (a Firecracker clone takes no restore
         // mode), so a source of another hypervisor is refused rather than cloned with the
         // wrong ones. No backend means cloud-hypervisor.
-        let want = if c.spec.backend.is_empty() {
+        let want = if self.spec.backend.is_empty() {
             spec::BACKEND_CH
         } else {
-            c.spec.backend.as_str()
+            self.spec.backend.as_str()
         };
         if !hypervisor.is_empty() && hypervisor != want {
             let msg = format!(
                 "snapshot {name} was taken with {hypervisor} but CocoonSet requests {want}"
             );
-            return self.fail_create(key, &c.uid, &msg, false);
+            return Self::failed(msg, false);
         }
         // The source runs on this node, so its base image is here: no `--pull`.
-        let args = create::clone_args(&self.cfg, &c.spec, CloneSource::Snapshot(name), false);
-        self.boot(key, CocoonCmd::VmClone(args))
+        let args = create::clone_args(cx.cfg, &self.spec, CloneSource::Snapshot(name), false);
+        self.boot(cx, CocoonCmd::VmClone(args))
     }
 }
 

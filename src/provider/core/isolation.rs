@@ -100,6 +100,40 @@ pub(super) fn tag_of_another(key: &PodKey, tag: &HibernateTag) -> bool {
     !tag.owner_namespace.is_empty() && tag.owner_namespace != key.namespace
 }
 
+/// `Provider::vm_adoptable` over the ledger and the last holders' namespaces.
+fn adoptable(
+    owners: &crate::provider::owners::Owners,
+    last_holder_ns: &BTreeMap<String, String>,
+    key: &PodKey,
+    vm_id: &str,
+    vm: &VmInfo,
+) -> bool {
+    match owners.get(Owned::Vm, &vm.name) {
+        Some(o) => o.namespace == key.namespace,
+        None => {
+            naming::owner(&vm.name, &[&key.name]).proves(&key.namespace)
+                || last_holder_ns.get(&vm.name) == Some(&key.namespace)
+                || (!vm_id.is_empty() && vm.id == vm_id)
+        }
+    }
+}
+
+/// `Provider::vm_record_refusal` over the ledger.
+fn record_refusal(
+    owners: &crate::provider::owners::Owners,
+    key: &PodKey,
+    vm_name: &str,
+) -> Option<String> {
+    let o = owners.get(Owned::Vm, vm_name)?;
+    (o.namespace != key.namespace).then(|| {
+        format!(
+            "pod {key}: vm {vm_name} is recorded for another namespace; it is neither made \
+             nor taken over for namespace {}",
+            key.namespace
+        )
+    })
+}
+
 /// The reads of the ledger a machine op's step makes for its own pod (as `Provider`'s below).
 impl Cx<'_> {
     /// Whether this pod owns local snapshot `name`, made from VM `vm_name`.
@@ -119,6 +153,22 @@ impl Cx<'_> {
     pub(super) fn tag_readable(&self, repo: &str, tag: &HibernateTag) -> bool {
         owned_by(Some(&tag.owner_namespace), repo, self.key)
     }
+
+    /// Whether this pod (giving id annotation `vm_id`) may take VM `vm`, which no live pod
+    /// holds (`Provider::vm_adoptable`).
+    pub(super) fn vm_adoptable(&self, vm_id: &str, vm: &VmInfo) -> bool {
+        adoptable(self.owners, self.last_holder_ns, self.key, vm_id, vm)
+    }
+
+    /// Why this pod may not make VM `vm_name`, if it may not (`Provider::vm_record_refusal`).
+    pub(super) fn vm_record_refusal(&self, vm_name: &str) -> Option<String> {
+        record_refusal(self.owners, self.key, vm_name)
+    }
+
+    /// Whether local snapshot `name` may exist on the node (`Provider::snapshot_may_exist`).
+    pub(super) fn snapshot_may_exist(&self, name: &str) -> bool {
+        self.local_snapshots.may_hold(name)
+    }
 }
 
 impl Provider {
@@ -135,24 +185,12 @@ impl Provider {
             .is_some_and(|o| o.namespace != key.namespace)
     }
 
-    /// Whether pod `key` may read the snapshot a registry tag of repository `repo` holds.
-    pub(super) fn tag_readable(&self, key: &PodKey, repo: &str, tag: &HibernateTag) -> bool {
-        owned_by(Some(&tag.owner_namespace), repo, key)
-    }
-
     /// Whether pod `key` (giving id annotation `vm_id`) may take VM `vm`, which no live pod
     /// holds: its record names the pod's namespace; with none, its name proves it, the last
     /// pod that held it was of that namespace, or (an earlier daemon's VM) the pod's id
     /// annotation is its exact ID.
     pub(super) fn vm_adoptable(&self, key: &PodKey, vm_id: &str, vm: &VmInfo) -> bool {
-        match self.owner_of(Owned::Vm, &vm.name) {
-            Some(o) => o.namespace == key.namespace,
-            None => {
-                naming::owner(&vm.name, &[&key.name]).proves(&key.namespace)
-                    || self.last_holder_ns.get(&vm.name) == Some(&key.namespace)
-                    || (!vm_id.is_empty() && vm.id == vm_id)
-            }
-        }
+        adoptable(&self.owners, &self.last_holder_ns, key, vm_id, vm)
     }
 
     /// Why pod `key` may not make VM `vm_name`, if it may not: the ledger records a VM of that
@@ -160,14 +198,7 @@ impl Provider {
     /// to the pod at its next lookup by name (a clone that fails on the taken name, then the
     /// adoption of what the lookup finds).
     pub(super) fn vm_record_refusal(&self, key: &PodKey, vm_name: &str) -> Option<String> {
-        let o = self.owner_of(Owned::Vm, vm_name)?;
-        (o.namespace != key.namespace).then(|| {
-            format!(
-                "pod {key}: vm {vm_name} is recorded for another namespace; it is neither made \
-                 nor taken over for namespace {}",
-                key.namespace
-            )
-        })
+        record_refusal(&self.owners, key, vm_name)
     }
 
     /// Why pod `key` may not take the VM of its name that no live pod holds (kept at

@@ -5,8 +5,8 @@
 //! A step of this shape cannot reach another op's state or the provider's tables: what it may
 //! change is its own struct, and every effect, hand-over or ending goes through `Next` (the
 //! index upkeep and detached calls an answer calls for as `Chore`s in the op's own follow-up).
-//! Machines so far: `classify`, `confirm_hibernated`, `wake`, `hibernate`, `evict`; the
-//! others still step on `Provider` directly.
+//! Machines so far: `classify`, `confirm_hibernated`, `create` (but its macOS steps), `wake`,
+//! `hibernate`, `evict`; the others still step on `Provider` directly.
 
 use super::*;
 
@@ -24,6 +24,12 @@ pub(super) struct Cx<'a> {
     pub(super) latest: Option<&'a Pod>,
     /// The ownership ledger, read-only (whose namespace a VM or snapshot name is recorded for).
     pub(super) owners: &'a crate::provider::owners::Owners,
+    /// The local snapshots that may exist on the node, read-only (`reclaim`).
+    pub(super) local_snapshots: &'a LocalSnapshots,
+    /// The namespace of the last pod that held each kept VM, read-only (`isolation`).
+    pub(super) last_holder_ns: &'a BTreeMap<String, String>,
+    /// When each local snapshot was last pulled, read-only (a `force-pull` create's freshness).
+    pub(super) pulled_at: &'a BTreeMap<String, Instant>,
 }
 
 impl Cx<'_> {
@@ -63,6 +69,9 @@ impl Provider {
             out: &mut self.out,
             latest: self.slots.get(key).and_then(|s| s.latest.as_deref()),
             owners: &self.owners,
+            local_snapshots: &self.local_snapshots,
+            last_holder_ns: &self.last_holder_ns,
+            pulled_at: &self.pulled_at,
         }
     }
 
@@ -108,6 +117,15 @@ pub(super) enum Chore {
     RemoveSnapshot(String),
     /// A cocoon call whose answer no one waits for (a best-effort guest nudge).
     Detached(CocoonCmd),
+    /// The VM of this name is known (the VM-name index).
+    VmNamed(String, VmInfo),
+    /// A bring-up failed: what the shared read facts say about snapshots or images may be
+    /// stale (`read_facts`).
+    ReadFactsStale,
+    /// The pull of this local snapshot by this pod answered: the next puller may go.
+    PullReleased(String, PodKey),
+    /// This local snapshot was just pulled (now).
+    Pulled(String),
 }
 
 impl Provider {
@@ -119,6 +137,18 @@ impl Provider {
             Chore::ForgetOwner(kind, name) => self.forget_owner(kind, &name),
             Chore::RemoveSnapshot(name) => self.remove_snapshot_detached(&name),
             Chore::Detached(cmd) => self.fire_and_forget_cocoon(cmd),
+            Chore::VmNamed(name, vm) => {
+                self.by_name.insert(name, vm);
+            }
+            Chore::ReadFactsStale => self.read_facts.forget_all(),
+            Chore::PullReleased(name, key) => {
+                if self.pulls.get(&name) == Some(&key) {
+                    self.pulls.remove(&name);
+                }
+            }
+            Chore::Pulled(name) => {
+                self.pulled_at.insert(name, self.now);
+            }
         }
     }
 }

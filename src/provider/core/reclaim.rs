@@ -170,7 +170,7 @@ impl Provider {
 
     /// Whether local snapshot `name` may exist: always before the first listing answered.
     pub(super) fn snapshot_may_exist(&self, name: &str) -> bool {
-        !self.local_snapshots.listed || self.local_snapshots.may_exist.contains(name)
+        self.local_snapshots.may_hold(name)
     }
 
     /// Records the names of the snapshots this input's effects may create (saves, pulls, peer

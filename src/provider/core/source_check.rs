@@ -6,6 +6,7 @@
 //! counter with the rule's reason) before anything fetches from the source; an answer the host
 //! could not give (a resolver error) fails the create with a retry, as other bring-up errors do.
 
+use super::create::{CreateNext, CreateThen};
 use super::*;
 use crate::provider::sources::{self, ImageUrl};
 
@@ -34,48 +35,45 @@ impl SourceRule {
     }
 }
 
-impl Provider {
-    /// Whether the bring-up may start now. When the source needs the host's look first, the
-    /// create waits for it in `CreateStep::SourceCheck`; a refused source has failed the pod.
-    pub(super) fn source_gate(&mut self, key: &PodKey, c: &CreateOp) -> bool {
-        let spec = &c.spec;
+impl CreateOp {
+    /// The gate of the fresh bring-up: `None` when it may start now; otherwise the wait for
+    /// the host's look at the source (`CreateStep::SourceCheck`), or the refusal.
+    pub(super) fn source_gate(&self, cx: &Cx) -> Option<CreateNext> {
+        let spec = &self.spec;
+        let refused = |msg: String, rule: SourceRule| {
+            Some(Next::Then(CreateThen::Failed(msg, rule.failure())))
+        };
         if let Some(dir) = &spec.clone_from_dir {
             let rule = SourceRule::CloneDir;
-            let root = self.cfg.clone_from_dir_root.clone();
+            let root = cx.cfg.clone_from_dir_root.clone();
             if let Err(msg) = sources::check_clone_dir(dir, root.as_deref()) {
-                self.fail_create_with(key, &c.uid, &msg, rule.failure());
-                return false;
+                return refused(msg, rule);
             }
             let check = SourceCheck::CloneDir {
                 dir: dir.clone(),
                 root: root.unwrap_or_default(),
             };
             let ask = Ask::effect(|op| Effect::CheckSource { op, check });
-            self.advance(key, CreateStep::SourceCheck { rule }, ask);
-            return false;
+            return Some(Next::Ask(CreateStep::SourceCheck { rule }, ask));
         }
         let runs_url = spec.mode == Mode::Run
             && spec.clone_from_dir.is_none()
             && spec.fork_from.is_empty()
             && spec::is_http_url(&spec.image);
         if !runs_url {
-            return true;
+            return None;
         }
         let rule = SourceRule::ImageUrl;
-        match sources::check_image_url(&spec.image, &self.cfg.image_url_allow_hosts) {
-            ImageUrl::Allowed => true,
-            ImageUrl::Refused(msg) => {
-                self.fail_create_with(key, &c.uid, &msg, rule.failure());
-                false
-            }
+        match sources::check_image_url(&spec.image, &cx.cfg.image_url_allow_hosts) {
+            ImageUrl::Allowed => None,
+            ImageUrl::Refused(msg) => refused(msg, rule),
             ImageUrl::Resolve { host } => {
                 let check = SourceCheck::ImageHost {
                     url: spec.image.clone(),
                     host,
                 };
                 let ask = Ask::effect(|op| Effect::CheckSource { op, check });
-                self.advance(key, CreateStep::SourceCheck { rule }, ask);
-                false
+                Some(Next::Ask(CreateStep::SourceCheck { rule }, ask))
             }
         }
     }
@@ -83,15 +81,14 @@ impl Provider {
     /// The host's verdict on the source: the bring-up goes on, or the pod fails.
     pub(super) fn source_checked(
         &mut self,
-        key: &PodKey,
-        c: &CreateOp,
+        cx: &Cx,
         rule: SourceRule,
         verdict: SourceVerdict,
-    ) {
+    ) -> CreateNext {
         match verdict {
-            SourceVerdict::Allowed => self.bring_up_from_source(key, c),
-            SourceVerdict::Refused(msg) => self.fail_create_with(key, &c.uid, &msg, rule.failure()),
-            SourceVerdict::Unavailable(msg) => self.fail_create(key, &c.uid, &msg, true),
+            SourceVerdict::Allowed => self.bring_up_from_source(cx),
+            SourceVerdict::Refused(msg) => Next::Then(CreateThen::Failed(msg, rule.failure())),
+            SourceVerdict::Unavailable(msg) => Self::failed(msg, true),
         }
     }
 }

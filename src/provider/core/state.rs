@@ -70,6 +70,13 @@ pub(super) struct LocalSnapshots {
     pub(super) may_exist: std::collections::HashSet<String>,
 }
 
+impl LocalSnapshots {
+    /// Whether local snapshot `name` may exist (every name does until a listing answered).
+    pub(super) fn may_hold(&self, name: &str) -> bool {
+        !self.listed || self.may_exist.contains(name)
+    }
+}
+
 /// The idle sub-state of a pod: what the core settled about one of its incarnations, which
 /// decides what the next reconcile may do with it.
 #[derive(Debug, Clone, Default)]

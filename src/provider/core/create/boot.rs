@@ -3,45 +3,39 @@
 
 use super::*;
 
-impl Provider {
+impl CreateOp {
     /// Asks cocoon for the VM just booted (its state, its PID); `vm` stands if it cannot say.
-    pub(super) fn run_inspect(&mut self, key: &PodKey, vm: VmInfo) {
+    pub(super) fn run_inspect(&mut self, vm: VmInfo) -> CreateNext {
         let reference = vm.id.clone();
-        if let Some(c) = self.op_of_mut::<CreateOp>(key) {
-            c.vm = Some(vm);
-        }
+        self.vm = Some(vm);
         let ask = Ask::Cocoon(CocoonCmd::VmInspect { reference });
-        self.advance(key, CreateStep::RunInspect, ask)
+        Next::Ask(CreateStep::RunInspect, ask)
     }
 
     /// The clone or run answered: the VM is up (its PID read when the answer has none), or
     /// the failure's leftover is looked for.
-    pub(super) fn booted(&mut self, key: &PodKey, c: &CreateOp, r: Answer) {
-        let spec = &c.spec;
-        if spec.clone_from_dir.is_some() {
-            self.metric(MetricUpdate::CloneFromDir {
+    pub(super) fn booted(&mut self, cx: &mut Cx, r: Answer) -> CreateNext {
+        let vm_name = self.spec.vm_name.clone();
+        if self.spec.clone_from_dir.is_some() {
+            cx.metric(MetricUpdate::CloneFromDir {
                 result: if r.succeeded() { "ok" } else { "failed" },
             });
         }
-        let what = if spec.fresh_boot() {
-            "vm run"
-        } else {
-            "vm clone"
+        let fresh_run = self.spec.fresh_boot();
+        let what = if fresh_run { "vm run" } else { "vm clone" };
+        let look = |error: String| {
+            let ask = Ask::Cocoon(CocoonCmd::VmInspect {
+                reference: vm_name.clone(),
+            });
+            Next::Ask(CreateStep::BootFailedInspect { error }, ask)
         };
         if !r.succeeded() {
-            // The snapshot or image the shared facts said was there may be gone.
-            self.read_facts.forget_all();
             // A clone killed at its deadline (or failing half-way) can leave a VM
             // record behind; if the pod is deleted before the retry, nothing would
             // ever remove it. Look before reporting the failure.
-            let error = format!("{what} {}: {}", spec.vm_name, r.error_text());
-            return self.advance(
-                key,
-                CreateStep::BootFailedInspect { error },
-                Ask::Cocoon(CocoonCmd::VmInspect {
-                    reference: spec.vm_name.clone(),
-                }),
-            );
+            let error = format!("{what} {vm_name}: {}", r.error_text());
+            // The snapshot or image the shared facts said was there may be gone.
+            return Self::chore_then(vec![Chore::ReadFactsStale], look(error));
         }
         let vm = match r.vm() {
             Ok(v) => v,
@@ -49,106 +43,81 @@ impl Provider {
             // lookup by name says what it made, as after a failed bring-up (a running VM of
             // this name is the pod's; anything else is removed and the create retried).
             Err(e) => {
-                let error = format!("{what} {} answered without a VM record: {e}", spec.vm_name);
-                return self.advance(
-                    key,
-                    CreateStep::BootFailedInspect { error },
-                    Ask::Cocoon(CocoonCmd::VmInspect {
-                        reference: spec.vm_name.clone(),
-                    }),
-                );
+                return look(format!(
+                    "{what} {vm_name} answered without a VM record: {e}"
+                ))
             }
         };
-        self.by_name.insert(spec.vm_name.clone(), vm.clone());
-        let fresh_run = spec.fresh_boot();
-        if fresh_run && !vm.running() {
-            return self.run_inspect(key, vm);
-        }
-        // A clone answers with pid 0 (cocoon reads the PID back only later); without
-        // one the VM has no stats until a restart re-adopts it (stats skip pid-0 VMs).
-        // The hypervisor's pid file tells it without another cocoon process.
-        if vm.pid == 0 {
-            if let Some(c) = self.op_of_mut::<CreateOp>(key) {
-                c.vm = Some(vm.clone());
-            }
+        let named = vec![Chore::VmNamed(vm_name.clone(), vm.clone())];
+        let next = if fresh_run && !vm.running() {
+            self.run_inspect(vm)
+        } else if vm.pid == 0 {
+            // A clone answers with pid 0 (cocoon reads the PID back only later); without
+            // one the VM has no stats until a restart re-adopts it (stats skip pid-0 VMs).
+            // The hypervisor's pid file tells it without another cocoon process.
+            self.vm = Some(vm.clone());
             let (vm_id, firecracker) = (vm.id.clone(), vm.hypervisor == "firecracker");
             let ask = Ask::effect(move |op| Effect::ReadVmPid {
                 op,
                 vm_id,
                 firecracker,
             });
-            return self.advance(key, CreateStep::PidFile, ask);
-        }
-        self.vm_up(key, vm, false)
+            Next::Ask(CreateStep::PidFile, ask)
+        } else {
+            Next::Then(CreateThen::Up(vm, false))
+        };
+        Self::chore_then(named, next)
     }
 
     /// What a failed bring-up left under the VM name: a running VM is the bring-up finished
     /// after all, a stopped one is removed before the failure is reported.
-    pub(super) fn boot_failed_inspected(
-        &mut self,
-        key: &PodKey,
-        c: &CreateOp,
-        error: String,
-        r: Answer,
-    ) {
-        let spec = &c.spec;
+    pub(super) fn boot_failed_inspected(&self, error: String, r: Answer) -> CreateNext {
+        let vm_name = self.spec.vm_name.clone();
         // Only a VM of this very name is the bring-up's: cocoon may answer a lookup by
         // name with a VM whose ID starts with it, which is left alone.
         let vm = r.vm().ok();
-        match vm.filter(|v| r.succeeded() && isolation::vm_named(v, &spec.vm_name)) {
+        match vm.filter(|v| r.succeeded() && isolation::vm_named(v, &vm_name)) {
             // The bring-up finished after all (a slow clone past its deadline).
             Some(vm) if vm.running() => {
-                self.by_name.insert(spec.vm_name.clone(), vm.clone());
-                self.vm_up(key, vm, false)
+                let named = vec![Chore::VmNamed(vm_name, vm.clone())];
+                Self::chore_then(named, Next::Then(CreateThen::Up(vm, false)))
             }
             Some(vm) => {
                 let ask = Ask::Cocoon(CocoonCmd::VmRm { id: vm.id });
-                self.advance(key, CreateStep::BootFailedRm { error }, ask)
+                Next::Ask(CreateStep::BootFailedRm { error }, ask)
             }
-            None => {
-                if r.vm_not_found() {
-                    self.forget_owner(Owned::Vm, &spec.vm_name);
-                }
-                self.fail_create(key, &c.uid, &error, true)
+            None if r.vm_not_found() => {
+                let forget = vec![Chore::ForgetOwner(Owned::Vm, vm_name)];
+                Self::chore_then(forget, Self::failed(error, true))
             }
+            None => Self::failed(error, true),
         }
     }
+}
 
-    pub(in crate::provider::core) fn do_clone(&mut self, key: &PodKey) {
-        let Some(c) = self.op_of_mut::<CreateOp>(key) else {
-            return;
-        };
-        let (spec, local, img) = (
-            c.spec.clone(),
-            c.local_snapshot.clone(),
-            c.snapshot_image.clone(),
-        );
-        let args = clone_args(
-            &self.cfg,
-            &spec,
-            CloneSource::Snapshot(local),
-            !img.is_empty(),
-        );
-        self.boot(key, CocoonCmd::VmClone(args));
+impl CreateOp {
+    /// The clone of the image's local snapshot (its base image pulled with it if it has one).
+    pub(super) fn clone_snapshot(&self, cx: &Cx) -> CreateNext {
+        let from = CloneSource::Snapshot(self.local_snapshot.clone());
+        let pull = !self.snapshot_image.is_empty();
+        let args = clone_args(cx.cfg, &self.spec, from, pull);
+        self.boot(cx, CocoonCmd::VmClone(args))
     }
 
     /// The bring-up call (`vm clone` / `vm run`), once the VM's owner (the pod's namespace) is
     /// on record: a crash after it leaves the VM owned, never ownerless.
-    pub(in crate::provider::core) fn boot(&mut self, key: &PodKey, cmd: CocoonCmd) {
-        let Some(c) = self.op_of_mut::<CreateOp>(key) else {
-            return;
-        };
-        let owner = Owner::new(&key.namespace, &c.uid);
-        let name = c.spec.vm_name.clone();
-        if let Some(msg) = self.vm_record_refusal(key, &name) {
+    pub(in crate::provider::core) fn boot(&self, cx: &Cx, cmd: CocoonCmd) -> CreateNext {
+        let name = self.spec.vm_name.clone();
+        if let Some(msg) = cx.vm_record_refusal(&name) {
             let (event, reason) = (
                 isolation::EVENT_VM_NOT_IN_NS,
                 isolation::REASON_VM_NOT_IN_NS,
             );
-            return self.refuse_create(key, event, reason, msg);
+            return Next::Then(CreateThen::Refused(event, reason, msg));
         }
-        let ask = Self::owned_then(Owned::Vm, &name, owner, Deferred::Cocoon(cmd));
-        self.advance(key, CreateStep::Boot, ask)
+        let owner = Owner::new(&cx.key.namespace, &self.uid);
+        let ask = Provider::owned_then(Owned::Vm, &name, owner, Deferred::Cocoon(cmd));
+        Next::Ask(CreateStep::Boot, ask)
     }
 }
 

@@ -3,85 +3,72 @@
 
 use super::*;
 
-impl Provider {
-    /// Hibernate evidence: was the VM hibernated before booting it fresh. With a registry the
-    /// evidence is the tag `<vm>:hibernate`; without one, a local snapshot named after the VM.
-    pub(in crate::provider::core) fn check_evidence(&mut self, key: &PodKey, vm_name: &str) {
-        let vm_name = vm_name.to_string();
-        let ask = if self.cfg.registry {
-            Ask::effect(|op| Effect::CheckHibernateEvidence { op, vm_name })
-        } else {
-            Ask::Cocoon(CocoonCmd::SnapshotInspect { name: vm_name })
-        };
-        self.advance(key, CreateStep::Evidence, ask)
-    }
-
+impl CreateOp {
     /// The verdict on the hibernate evidence. No evidence: the fresh bring-up starts (with
-    /// the `fork-<vm>` removal that opens it when that snapshot may exist), unless the pod itself asks for a restore. Evidence
-    /// restores the VM from its hibernate snapshot; a conflicting clone source or image fails
-    /// the create (retried with backoff, so removing the tag lets the pod boot): that is the
-    /// user's to settle, and a fresh boot would silently lose the hibernated state. An
-    /// unreadable registry fails closed.
-    pub(in crate::provider::core) fn evidence_verdict(
+    /// the `fork-<vm>` removal that opens it when that snapshot may exist), unless the pod
+    /// itself asks for a restore. Evidence restores the VM from its hibernate snapshot; a
+    /// conflicting clone source or image fails the create (retried with backoff, so removing
+    /// the tag lets the pod boot): that is the user's to settle, and a fresh boot would
+    /// silently lose the hibernated state. An unreadable registry fails closed.
+    pub(super) fn evidence_verdict(
         &mut self,
-        key: &PodKey,
-        c: &CreateOp,
+        cx: &mut Cx,
         found: Result<Option<HibernateTag>, TransferError>,
-    ) {
-        let vm = &c.spec.vm_name;
-        let (place, remedy) = if self.cfg.registry {
-            (
-                format!("registry tag {vm}:hibernate"),
-                format!("delete the tag {vm}:hibernate"),
-            )
-        } else {
-            (
-                format!("local snapshot {vm}"),
-                format!("remove the local snapshot {vm}"),
-            )
+    ) -> CreateNext {
+        let vm = self.spec.vm_name.clone();
+        let place = match cx.cfg.registry {
+            true => format!("registry tag {vm}:hibernate"),
+            false => format!("local snapshot {vm}"),
         };
-        let tag = match found {
-            Ok(None) if c.spec.restore_from_hibernate => {
-                // Asked for explicitly: the wake source resolution says what is missing.
-                return self.start_wake(key, true);
+        match found {
+            // Asked for explicitly: the wake source resolution says what is missing.
+            Ok(None) if self.spec.restore_from_hibernate => {
+                Next::Then(CreateThen::Restore { mark: false })
             }
             Ok(None) => {
-                self.fork_invalidate(vm);
-                let name = spec::fork_snapshot_name(vm);
+                let name = spec::fork_snapshot_name(&vm);
                 // A fork snapshot recorded for another namespace is left (and never handed
                 // out: the fork flight checks its owner); an unrecorded one is only a cache.
-                if !self.snapshot_may_exist(&name) || self.snapshot_of_another(key, &name) {
-                    return self.fresh_bring_up(key, c);
-                }
-                return self.advance(
-                    key,
-                    CreateStep::RmFork,
-                    Ask::Cocoon(CocoonCmd::SnapshotRm { name }),
-                );
+                let next = if !cx.snapshot_may_exist(&name) || cx.snapshot_of_another(&name) {
+                    self.fresh_bring_up(cx)
+                } else {
+                    let ask = Ask::Cocoon(CocoonCmd::SnapshotRm { name });
+                    Next::Ask(CreateStep::RmFork, ask)
+                };
+                Self::chore_then(vec![Chore::ForkInvalidated(vm)], next)
             }
             Err(e) => {
-                self.metric(MetricUpdate::HibernateEvidence {
+                cx.metric(MetricUpdate::HibernateEvidence {
                     verdict: "unavailable",
                 });
                 let msg = format!("hibernate evidence for vm {vm} unavailable ({place}): {e}");
-                self.event(
-                    key,
-                    &c.uid,
+                let uid = self.uid.clone();
+                cx.event(
+                    &uid,
                     EventType::Warning,
                     "HibernateEvidenceUnavailable",
                     &msg,
                 );
-                return self.fail_create_as(key, &c.uid, "HibernateEvidenceFailed", &msg, true);
+                Self::failed_as("HibernateEvidenceFailed", msg, true)
             }
-            Ok(Some(tag)) => tag,
+            Ok(Some(tag)) => self.evidence_found(cx, tag, &place),
+        }
+    }
+
+    /// Hibernate evidence exists: restored when it is the pod's namespace's and nothing the
+    /// pod asks for conflicts with it.
+    fn evidence_found(&mut self, cx: &mut Cx, tag: HibernateTag, place: &str) -> CreateNext {
+        let (key, vm) = (cx.key, self.spec.vm_name.clone());
+        let remedy = match cx.cfg.registry {
+            true => format!("delete the tag {vm}:hibernate"),
+            false => format!("remove the local snapshot {vm}"),
         };
-        let ours = if self.cfg.registry {
-            self.tag_readable(key, vm, &tag)
-        } else {
-            self.owns_snapshot(key, vm, vm)
+        let ours = match cx.cfg.registry {
+            true => cx.tag_readable(&vm, &tag),
+            false => cx.owns_snapshot(&vm, &vm),
         };
         let base = tag.base_image;
-        let explicit_source = c.spec.clone_from_dir.is_some() || !c.spec.fork_from.is_empty();
+        let explicit_source = self.spec.clone_from_dir.is_some() || !self.spec.fork_from.is_empty();
         let (verdict, msg) = if explicit_source {
             (
                 "source_conflict",
@@ -90,13 +77,13 @@ impl Provider {
                      clone source; {remedy} to boot from that source"
                 ),
             )
-        } else if !base.is_empty() && base != c.spec.image {
+        } else if !base.is_empty() && base != self.spec.image {
             (
                 "image_conflict",
                 format!(
                     "vm {vm} has a hibernate snapshot ({place}) of image {base} but the pod asks \
                      for {}; {remedy} to boot the new image",
-                    c.spec.image
+                    self.spec.image
                 ),
             )
         } else if !ours {
@@ -107,77 +94,68 @@ impl Provider {
                  for namespace {}; it is not restored",
                 key.namespace
             );
-            return self.refuse_create(
-                key,
+            return Next::Then(CreateThen::Refused(
                 isolation::EVENT_SNAPSHOT_NOT_IN_NS,
                 isolation::REASON_SNAPSHOT_NOT_IN_NS,
                 msg,
-            );
+            ));
         } else {
-            self.metric(MetricUpdate::HibernateEvidence {
+            cx.metric(MetricUpdate::HibernateEvidence {
                 verdict: "restored",
             });
             let msg =
                 format!("restoring vm {vm} from its hibernate snapshot instead of fresh-booting");
-            self.event(
-                key,
-                &c.uid,
-                EventType::Warning,
-                "HibernateSnapshotExists",
-                &msg,
-            );
-            if let Some(t) = self.slot(key).tracked.as_mut() {
-                t.spec.restore_from_hibernate = true;
-            }
-            return self.start_wake(key, true);
+            let uid = self.uid.clone();
+            cx.event(&uid, EventType::Warning, "HibernateSnapshotExists", &msg);
+            return Next::Then(CreateThen::Restore { mark: true });
         };
-        self.metric(MetricUpdate::HibernateEvidence { verdict });
-        self.fail_create_as(key, &c.uid, "HibernateEvidenceFailed", &msg, true)
+        cx.metric(MetricUpdate::HibernateEvidence { verdict });
+        Self::failed_as("HibernateEvidenceFailed", msg, true)
     }
 
     /// A retry's lookup of a VM an earlier attempt may have left under the pod's VM name:
     /// adopted when running and the pod's namespace's, removed when stopped.
-    pub(super) fn create_inspected_by_name(&mut self, key: &PodKey, c: &CreateOp, r: Answer) {
-        let spec = &c.spec;
-        if r.succeeded() {
-            // Only a VM of this very name (not one whose ID it prefixes).
-            let vm = r.vm().ok();
-            if let Some(vm) = vm.filter(|v| isolation::vm_named(v, &spec.vm_name)) {
-                // A VM no live pod holds: only the namespace that owns it takes it
-                // (or removes it as a leftover).
-                if !self.vm_adoptable(key, &spec.vm_id, &vm) {
-                    let msg = format!(
-                        "pod {key}: vm {} exists and is not recorded for namespace {}; \
-                             it is not adopted",
-                        spec.vm_name, key.namespace
-                    );
-                    let (event, reason) = (
-                        isolation::EVENT_VM_NOT_IN_NS,
-                        isolation::REASON_VM_NOT_IN_NS,
-                    );
-                    return self.refuse_create(key, event, reason, msg);
-                }
-                if vm.running() {
-                    self.lifecycle_metric("create", "ok", "adopted");
-                    return self.vm_up(key, vm, true);
-                }
-                return self.advance(
-                    key,
-                    CreateStep::RmStaleByName,
-                    Ask::Cocoon(CocoonCmd::VmRm { id: vm.id }),
-                );
-            }
+    pub(super) fn inspected_by_name(&self, cx: &mut Cx, r: Answer) -> CreateNext {
+        let (key, spec) = (cx.key, &self.spec);
+        // Only a VM of this very name (not one whose ID it prefixes).
+        let vm = r.vm().ok().filter(|_| r.succeeded());
+        let Some(vm) = vm.filter(|v| isolation::vm_named(v, &spec.vm_name)) else {
+            let ask = evidence_ask(cx.cfg.registry, &spec.vm_name);
+            return Next::Ask(CreateStep::Evidence, ask);
+        };
+        // A VM no live pod holds: only the namespace that owns it takes it (or removes it
+        // as a leftover).
+        if !cx.vm_adoptable(&spec.vm_id, &vm) {
+            let msg = format!(
+                "pod {key}: vm {} exists and is not recorded for namespace {}; it is not \
+                 adopted",
+                spec.vm_name, key.namespace
+            );
+            let (event, reason) = (
+                isolation::EVENT_VM_NOT_IN_NS,
+                isolation::REASON_VM_NOT_IN_NS,
+            );
+            return Next::Then(CreateThen::Refused(event, reason, msg));
         }
-        self.check_evidence(key, &spec.vm_name)
+        if vm.running() {
+            cx.metric(MetricUpdate::PodLifecycle {
+                op: "create",
+                result: "ok",
+                reason: "adopted",
+            });
+            return Next::Then(CreateThen::Up(vm, true));
+        }
+        let ask = Ask::Cocoon(CocoonCmd::VmRm { id: vm.id });
+        Next::Ask(CreateStep::RmStaleByName, ask)
     }
 
     /// The hibernate evidence without a registry: the local snapshot named after the VM.
-    pub(super) fn local_evidence(&mut self, key: &PodKey, c: &CreateOp, r: Answer) {
-        let spec = &c.spec;
+    pub(super) fn local_evidence(&mut self, cx: &mut Cx, r: Answer) -> CreateNext {
+        let vm_name = &self.spec.vm_name;
         // No registry: a local snapshot named after the VM is the evidence. A failed
         // inspect means there is none; one that hung says nothing, so fail closed.
         let found = if r.succeeded() {
-            isolation::inspected_snapshot(&r, &spec.vm_name)
+            isolation::inspected_snapshot(&r, vm_name)
                 .map(|s| {
                     s.map(|s| HibernateTag {
                         base_image: s.image,
@@ -187,22 +165,21 @@ impl Provider {
                 })
                 .map_err(|e| TransferError::Cocoon(e.to_string()))
         } else if r.timed_out() {
+            let e = r.error_text();
             Err(TransferError::Cocoon(format!(
-                "snapshot inspect {}: {}",
-                spec.vm_name,
-                r.error_text()
+                "snapshot inspect {vm_name}: {e}"
             )))
         } else {
             Ok(None)
         };
-        self.evidence_verdict(key, c, found)
+        self.evidence_verdict(cx, found)
     }
 
     /// The lookup of an unmanaged pod's VM by its id annotation: adopted only when cocoon
     /// answers with that exact ID and the pod's VM name (an ID prefix, or another VM's ID,
     /// fails the pod for good); not found, or no answer, fails the create and is retried.
-    pub(super) fn unmanaged_found(&mut self, key: &PodKey, c: &CreateOp, r: Answer) {
-        let spec = &c.spec;
+    pub(super) fn unmanaged_found(&self, cx: &Cx, r: Answer) -> CreateNext {
+        let (key, spec) = (cx.key, &self.spec);
         if r.vm_not_found() || !r.succeeded() {
             let msg = format!(
                 "unmanaged vm {} ({}) not found: {}",
@@ -210,11 +187,16 @@ impl Provider {
                 spec.vm_id,
                 r.error_text()
             );
-            return self.fail_create(key, &c.uid, &msg, true);
+            return Self::failed(msg, true);
         }
         match r.vm() {
             Ok(vm) if isolation::vm_is(&vm, &spec.vm_id, &spec.vm_name) => {
-                self.finish_create(key, vm, false, "")
+                let ip = String::new();
+                Next::Then(CreateThen::Finished {
+                    vm,
+                    cloned: false,
+                    ip,
+                })
             }
             Ok(_) => {
                 // Nothing of the VM found goes into the message: it may be another tenant's.
@@ -223,14 +205,13 @@ impl Provider {
                      gives its VM's full ID",
                     spec.vm_id, spec.vm_name
                 );
-                self.refuse_create(
-                    key,
+                Next::Then(CreateThen::Refused(
                     isolation::EVENT_VM_REFERENCE,
                     isolation::REASON_VM_REFERENCE,
                     msg,
-                )
+                ))
             }
-            Err(e) => self.fail_create(key, &c.uid, &e.to_string(), true),
+            Err(e) => Self::failed(e.to_string(), true),
         }
     }
 }

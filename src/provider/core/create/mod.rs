@@ -1,11 +1,16 @@
 //! Create: spec checks, hibernate evidence, snapshot / image inspection and pulls, up to the
 //! clone or run. The bring-up after the VM exists is in `bring_up`.
 //!
-//! This file starts a create and routes its answers and timer (`create_step`) to the
-//! function of the phase: `lookup` (a VM already there, adopted; the hibernate evidence),
-//! `source` (the image's snapshot or the image a fresh bring-up starts from), `boot` (the
-//! clone or run call and its answer) and `failures` (a create refused or failed).
+//! This file starts a create (on the provider: its gates read every pod's state) and steps it
+//! as a machine: `CreateOp::on_answer` and `on_timer` read only `Cx` and hand the phase's
+//! function a step of its own, `lookup` (a VM already there, adopted; the hibernate
+//! evidence), `source` (the image's snapshot or the image a fresh bring-up starts from; with
+//! `fork` and `source_check`) and `boot` (the clone or run call and its answer). What needs
+//! the provider comes back as a `CreateThen` carried out by `create_next`: the restore, the
+//! fork flight, a pull shared across pods, the VM up, the ending (`failures`). macOS guests
+//! (`macos`) still step on the provider.
 
+use super::machine::Chore;
 use super::*;
 use crate::vm::PidFile;
 
@@ -114,7 +119,10 @@ impl Provider {
                     reference: spec.vm_name.clone(),
                 }),
             ),
-            _ => self.check_evidence(key, &spec.vm_name),
+            _ => {
+                let ask = evidence_ask(self.cfg.registry, &spec.vm_name);
+                self.advance(key, CreateStep::Evidence, ask)
+            }
         }
     }
 
@@ -150,134 +158,219 @@ impl Provider {
         self.advance(key, CreateStep::UnmanagedInspect, ask)
     }
 
-    /// The poll timer of a pod waiting for another pod's pull: look at the snapshot again.
+    /// The poll timer of a pod waiting for another pod's pull.
     pub(super) fn create_timer(&mut self, key: &PodKey, c: CreateOp) {
-        if !matches!(c.step, CreateStep::PullWait) {
-            return;
-        }
-        let name = c.local_snapshot.clone();
-        self.advance(
-            key,
-            CreateStep::SnapInspect { pulled: false },
-            Ask::SharedRead(CocoonCmd::SnapshotInspect { name }),
-        )
+        let next = c.on_timer();
+        self.create_next(key, c, next)
     }
 
-    /// An answer to the running create `c` (the op as it stands in the slot).
-    pub(super) fn create_step(&mut self, key: &PodKey, c: CreateOp, res: Res) {
-        let spec = &c.spec;
-        let superseded = self.slots.get(key).is_some_and(|s| {
-            s.latest
-                .as_ref()
-                .is_none_or(|p| pod_uid(p) == c.uid && deleting(p))
-        });
-        if superseded {
+    /// An answer to the running create `c` (the op as it stands in the slot): its machine's,
+    /// except for macOS guests (`macos`), which still step on the provider.
+    pub(super) fn create_step(&mut self, key: &PodKey, mut c: CreateOp, res: Res) {
+        if c.superseded(&self.cx(key)) {
             // The pod is being deleted (or gone): building its VM further only makes more to
             // undo. The delete that follows looks the VM up by name, so whatever this create
             // made (even the VM this very answer reports) is removed before the object goes.
             log::info!("provider: {key}: create stopped, the pod is being deleted");
             return self.end_op(key);
         }
-        if macos::is_macos(spec) {
-            return self.macos_create_step(key, c.clone(), res);
+        if macos::is_macos(&c.spec) {
+            return self.macos_create_step(key, c, res);
         }
-        match (c.step.clone(), res) {
-            (CreateStep::InspectByName, Res::Cocoon(r)) => {
-                self.create_inspected_by_name(key, &c, r)
+        let next = c.on_answer(&mut self.cx(key), res);
+        self.create_next(key, c, next)
+    }
+
+    /// Carries out what a step of the create `c` decided.
+    fn create_next(&mut self, key: &PodKey, c: CreateOp, next: CreateNext) {
+        let Some((c, then)) = self.apply(key, c, next) else {
+            return;
+        };
+        if let CreateThen::Chore(chores, next) = then {
+            chores.into_iter().for_each(|ch| self.chore(ch));
+            return self.create_next(key, c, *next);
+        }
+        // The follow-ups below read the create as the step left it.
+        self.set_op(key, c.clone());
+        match then {
+            // Carried out above.
+            CreateThen::Chore(..) => {}
+            CreateThen::Restore { mark } => {
+                if let Some(t) = self.slot(key).tracked.as_mut().filter(|_| mark) {
+                    t.spec.restore_from_hibernate = true;
+                }
+                self.start_wake(key, true)
             }
-            (CreateStep::UnmanagedInspect, Res::Cocoon(r)) => self.unmanaged_found(key, &c, r),
+            CreateThen::Fork(source) => self.fork_begin(key, &source),
+            CreateThen::Pull => self.create_pull(key, &c),
+            CreateThen::Up(vm, adopted) => self.vm_up(key, vm, adopted),
+            CreateThen::Finished { vm, cloned, ip } => self.finish_create(key, vm, cloned, &ip),
+            CreateThen::Refused(event, reason, msg) => self.refuse_create(key, event, reason, msg),
+            CreateThen::Failed(msg, how) => self.fail_create_with(key, &c.uid, &msg, how),
+        }
+    }
+}
+
+/// The ask of the hibernate evidence: with a registry the tag `<vm>:hibernate`; without one,
+/// a local snapshot named after the VM.
+fn evidence_ask(registry: bool, vm_name: &str) -> Ask {
+    let vm_name = vm_name.to_string();
+    if registry {
+        Ask::effect(|op| Effect::CheckHibernateEvidence { op, vm_name })
+    } else {
+        Ask::Cocoon(CocoonCmd::SnapshotInspect { name: vm_name })
+    }
+}
+
+/// What a create's step leaves to the provider: the chores its answers call for, its
+/// hand-overs (the restore, the fresh bring-up, the VM up) and its endings.
+pub(super) enum CreateThen {
+    /// Chores, then what follows.
+    Chore(Vec<Chore>, Box<CreateNext>),
+    /// Restore the VM from its hibernate snapshot (`mark`: the pod's record says so first).
+    Restore { mark: bool },
+    /// `fork-from`: the node's fork-snapshot flight of this source VM (`fork`).
+    Fork(String),
+    /// The image's snapshot is missing: pulled, once no other pod pulls it (`source`).
+    Pull,
+    /// The VM is up (`true`: adopted, not booted by this create).
+    Up(VmInfo, bool),
+    /// The create is done: the VM (cloned or not) and the IP known so far.
+    Finished {
+        vm: VmInfo,
+        cloned: bool,
+        ip: String,
+    },
+    /// Refused for good: Warning event, metric reason, message.
+    Refused(&'static str, &'static str, String),
+    /// Failed with this message, as `CreateFailure` says.
+    Failed(String, CreateFailure),
+}
+
+pub(super) type CreateNext = Next<CreateStep, CreateThen>;
+
+impl CreateStep {
+    /// The steps of the source phase (`source`, `fork`, `source_check`).
+    fn source_phase(&self) -> bool {
+        matches!(
+            self,
+            CreateStep::SnapInspect { .. }
+                | CreateStep::ImageTag
+                | CreateStep::PullSnapshot
+                | CreateStep::PullWait
+                | CreateStep::ForkWait { .. }
+                | CreateStep::SourceCheck { .. }
+                | CreateStep::ImageInspect
+                | CreateStep::MaterialiseBase
+                | CreateStep::MaterialiseRun
+        )
+    }
+}
+
+impl CreateOp {
+    /// Whether the pod of this create is being deleted (or gone from the API).
+    pub(super) fn superseded(&self, cx: &Cx) -> bool {
+        cx.latest
+            .is_none_or(|p| pod_uid(p) == self.uid && deleting(p))
+    }
+
+    /// A failed bring-up (`CreateBringUpFailed`), retried or not.
+    pub(super) fn failed(msg: String, retry: bool) -> CreateNext {
+        Self::failed_as("CreateBringUpFailed", msg, retry)
+    }
+
+    /// A failed create with Warning `reason`, retried or not.
+    pub(super) fn failed_as(reason: &'static str, msg: String, retry: bool) -> CreateNext {
+        let how = CreateFailure {
+            reason,
+            metric_reason: "",
+            retry,
+            terminal: false,
+        };
+        Next::Then(CreateThen::Failed(msg, how))
+    }
+
+    pub(super) fn chore_then(chores: Vec<Chore>, next: CreateNext) -> CreateNext {
+        Next::Then(CreateThen::Chore(chores, Box::new(next)))
+    }
+
+    /// An answer to this create in its lookup or boot phase.
+    fn on_answer(&mut self, cx: &mut Cx, res: Res) -> CreateNext {
+        if self.step.source_phase() {
+            return self.on_source_answer(cx, res);
+        }
+        let key = cx.key;
+        let vm_name = self.spec.vm_name.clone();
+        match (self.step.clone(), res) {
+            (CreateStep::InspectByName, Res::Cocoon(r)) => self.inspected_by_name(cx, r),
+            (CreateStep::UnmanagedInspect, Res::Cocoon(r)) => self.unmanaged_found(cx, r),
             (CreateStep::RmStaleByName, Res::Cocoon(r)) => {
                 if !r.succeeded() && !r.vm_not_found() {
-                    let msg = format!("remove leftover vm {}: {}", spec.vm_name, r.error_text());
-                    return self.fail_create(key, &c.uid, &msg, true);
+                    let msg = format!("remove leftover vm {vm_name}: {}", r.error_text());
+                    return Self::failed(msg, true);
                 }
-                self.forget_owner(Owned::Vm, &spec.vm_name);
-                self.check_evidence(key, &spec.vm_name)
+                let ask = evidence_ask(cx.cfg.registry, &vm_name);
+                let chores = vec![Chore::ForgetOwner(Owned::Vm, vm_name)];
+                Self::chore_then(chores, Next::Ask(CreateStep::Evidence, ask))
             }
-            (CreateStep::Evidence, Res::Evidence(found)) => self.evidence_verdict(key, &c, found),
-            (CreateStep::Evidence, Res::Cocoon(r)) => self.local_evidence(key, &c, r),
+            (CreateStep::Evidence, Res::Evidence(found)) => self.evidence_verdict(cx, found),
+            (CreateStep::Evidence, Res::Cocoon(r)) => self.local_evidence(cx, r),
             (CreateStep::RmFork, Res::Cocoon(r)) => {
                 // Failure only logged, as the create contract says.
-                let name = spec::fork_snapshot_name(&spec.vm_name);
+                let name = spec::fork_snapshot_name(&vm_name);
                 if !r.succeeded() && !r.snapshot_not_found() {
                     log::warn!("provider: {key}: remove {name}: {}", r.error_text());
                 }
-                self.snapshot_removed(&name, &r);
-                self.fresh_bring_up(key, &c)
+                let chores = vec![Chore::SnapshotRemoved(name, r)];
+                Self::chore_then(chores, self.fresh_bring_up(cx))
             }
-            (CreateStep::SnapInspect { pulled }, Res::Cocoon(r)) => {
-                self.image_snapshot_inspected(key, &c, pulled, r)
-            }
-            (CreateStep::ForkWait { .. }, Res::Fork(r)) => self.fork_landed(key, &c, r),
-            (CreateStep::ImageTag, Res::Evidence(r)) => self.image_tag_read(key, &c, r),
-            (CreateStep::SourceCheck { rule }, Res::Source(v)) => {
-                self.source_checked(key, &c, rule, v)
-            }
-            (CreateStep::PullSnapshot, Res::Transfer(r)) => self.snapshot_pulled(key, &c, r),
-            (CreateStep::ImageInspect, Res::Cocoon(r)) => {
-                if r.succeeded() {
-                    return self.do_clone(key);
-                }
-                let ask = self.materialise(&c.snapshot_image, false);
-                self.advance(key, CreateStep::MaterialiseBase, ask)
-            }
-            (CreateStep::MaterialiseBase, res) => match res.transfer_or_cocoon() {
-                Ok(_) => self.do_clone(key),
-                Err(e) => {
-                    let msg = format!("make base image {} available: {e}", c.snapshot_image);
-                    self.fail_create(key, &c.uid, &msg, true)
-                }
-            },
-            (CreateStep::MaterialiseRun, res) => self.run_image_ready(key, &c, res),
-            (CreateStep::Boot, Res::Cocoon(r)) => self.booted(key, &c, r),
+            (CreateStep::Boot, Res::Cocoon(r)) => self.booted(cx, r),
             (CreateStep::PidFile, Res::VmPid(pid)) => {
-                let mut vm = c.vm.clone().unwrap_or_default();
+                let mut vm = self.vm.clone().unwrap_or_default();
                 match pid {
                     PidFile::Live(pid) => {
                         vm.pid = pid;
-                        self.by_name.insert(spec.vm_name.clone(), vm.clone());
-                        self.vm_up(key, vm, false)
+                        let chores = vec![Chore::VmNamed(vm_name, vm.clone())];
+                        Self::chore_then(chores, Next::Then(CreateThen::Up(vm, false)))
                     }
                     // cocoon's own `pid` comes from this very file: with the VM's run
                     // directory where we look and no file in it, an inspect would answer
                     // pid 0 too. The VM is up as the bring-up's answer says.
-                    PidFile::NoFile => self.vm_up(key, vm, false),
+                    PidFile::NoFile => Next::Then(CreateThen::Up(vm, false)),
                     // A PID that is not alive (the hypervisor may have died), or a run
                     // directory elsewhere (another cocoon layout): cocoon answers, once.
-                    PidFile::Dead | PidFile::NoRunDir => self.run_inspect(key, vm),
+                    PidFile::Dead | PidFile::NoRunDir => self.run_inspect(vm),
                 }
             }
             (CreateStep::BootFailedInspect { error }, Res::Cocoon(r)) => {
-                self.boot_failed_inspected(key, &c, error, r)
+                self.boot_failed_inspected(error, r)
             }
             (CreateStep::BootFailedRm { error }, Res::Cocoon(r)) => {
                 if !r.succeeded() && !r.vm_not_found() {
-                    log::warn!(
-                        "provider: {key}: remove leftover of failed bring-up: {}",
-                        r.error_text()
-                    );
-                } else {
-                    self.forget_owner(Owned::Vm, &spec.vm_name);
+                    let e = r.error_text();
+                    log::warn!("provider: {key}: remove leftover of failed bring-up: {e}");
+                    return Self::failed(error, true);
                 }
-                self.fail_create(key, &c.uid, &error, true)
+                let chores = vec![Chore::ForgetOwner(Owned::Vm, vm_name)];
+                Self::chore_then(chores, Self::failed(error, true))
             }
             (CreateStep::RunInspect, Res::Cocoon(r)) => {
                 let vm = match (r.succeeded(), r.vm()) {
                     (true, Ok(v)) => v,
-                    _ => c.vm.clone().unwrap_or_default(),
+                    _ => self.vm.clone().unwrap_or_default(),
                 };
-                self.vm_up(key, vm, false)
+                Next::Then(CreateThen::Up(vm, false))
             }
             (CreateStep::Lease, Res::Lease(r)) => {
                 let ip = match r {
                     Ok(Some(ip)) => ip,
                     _ => String::new(),
                 };
-                let vm = c.vm.clone().unwrap_or_default();
-                let cloned = !spec.fresh_boot();
-                self.finish_create(key, vm, cloned, &ip)
+                let vm = self.vm.clone().unwrap_or_default();
+                let cloned = !self.spec.fresh_boot();
+                Next::Then(CreateThen::Finished { vm, cloned, ip })
             }
-            (step, res) => self.unexpected_answer(key, &step, &res),
+            (step, res) => Next::Unexpected(step, res),
         }
     }
 }
