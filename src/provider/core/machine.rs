@@ -2,9 +2,9 @@
 //! tracked incarnation), may emit events and metrics, and says what follows as a `Next`.
 //!
 //! A step of this shape cannot reach another op's state or the provider's tables: what it may
-//! change is its own struct, and every effect, hand-over or ending goes through `Next`. The
-//! small ops take it first (`classify`, `confirm_hibernated`); the others still step on
-//! `Provider` directly.
+//! change is its own struct, and every effect, hand-over or ending goes through `Next`.
+//! Machines so far: `classify`, `confirm_hibernated`, `evict`, `check`, `macos` (the watch),
+//! `ready_wait`; the others still step on `Provider` directly.
 
 use super::*;
 

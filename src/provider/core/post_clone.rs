@@ -15,8 +15,6 @@ use crate::provider::fixup::{self, Fixup, FixupKind};
 const BUDGET: Duration = Duration::from_secs(180);
 /// Pause between a failed attempt and the next.
 const ATTEMPT_PAUSE: Duration = Duration::from_secs(3);
-/// Windows guests get one `ipconfig /renew` this long into the IP wait.
-const RENEW_NUDGE_AFTER: Duration = Duration::from_secs(30);
 /// The post-clone-errors annotation is cut to this many bytes.
 const ERRORS_MAX: usize = 4096;
 
@@ -422,68 +420,6 @@ impl Provider {
         let mut owed = BTreeMap::new();
         owed.insert(spec::ANN_POST_CLONE_STATE.to_string(), Some("done".into()));
         self.owe_annotations(key, uid, owed);
-    }
-
-    /// Wait for the guest IP, then publish Ready; Windows guests get a renew nudge at 30 s.
-    pub(super) fn start_ready_wait_as(
-        &mut self,
-        key: &PodKey,
-        uid: String,
-        vm_id: String,
-        mode: PostCloneMode,
-    ) {
-        let windows = self
-            .slots
-            .get(key)
-            .and_then(|s| s.tracked.as_ref())
-            .is_some_and(|t| t.spec.os == Os::Windows);
-        let until = self.now + IP_WAIT;
-        let nudge_at = windows.then(|| (self.now + RENEW_NUDGE_AFTER).min(until));
-        let w = ReadyWaitOp {
-            uid,
-            vm_id,
-            until,
-            nudge_at,
-            mode,
-        };
-        self.set_op(key, w.clone());
-        self.push_status(key, false);
-        self.ready_wait_poll(key, w);
-    }
-
-    /// The IP wait's renew nudge is due: `cmd /c ipconfig /renew` in the guest, within what is
-    /// left of the wait. Returns false when none is due.
-    pub(super) fn maybe_renew_nudge(&mut self, key: &PodKey, w: &ReadyWaitOp) -> bool {
-        let ReadyWaitOp {
-            nudge_at: Some(at),
-            until,
-            ..
-        } = *w
-        else {
-            return false;
-        };
-        if self.now < at || self.now >= until {
-            return false;
-        }
-        if let Some(w) = self.op_of_mut::<ReadyWaitOp>(key) {
-            w.nudge_at = None;
-        }
-        let cmd = CocoonCmd::VmExec {
-            id: w.vm_id.clone(),
-            command: ["cmd", "/c", "ipconfig", "/renew"]
-                .map(String::from)
-                .to_vec(),
-            deadline: until.saturating_duration_since(self.now),
-        };
-        self.pod_cocoon(key, cmd);
-        true
-    }
-
-    /// The nudge's answer: count it, then look at the lease again.
-    pub(super) fn renew_nudge_result(&mut self, key: &PodKey, w: ReadyWaitOp, r: &Answer) {
-        let result = if r.succeeded() { "ok" } else { "failed" };
-        self.metric(MetricUpdate::WakeRenewNudge { result });
-        self.ready_wait_poll(key, w);
     }
 }
 
