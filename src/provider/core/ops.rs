@@ -503,10 +503,17 @@ pub(super) struct ReadyWaitOp {
     pub(super) mode: PostCloneMode,
 }
 
+/// The one step of an API delete: its DELETE runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ApiDeleteStep {
+    Delete,
+}
+
 /// The grace-0 DELETE of the API object of an incarnation `uid` we do not track.
 #[derive(Debug, Clone)]
 pub(super) struct ApiDeleteOp {
     pub(super) uid: String,
+    pub(super) step: ApiDeleteStep,
 }
 
 /// The state struct of one op kind, held by exactly one `Op` variant: an op starts from its
@@ -615,4 +622,5 @@ op_steps! {
     MacosWatch => MacosWatchStep,
     Classify => ClassifyStep,
     ReadyWait => ReadyWaitStep,
+    ApiDelete => ApiDeleteStep,
 }
