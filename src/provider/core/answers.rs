@@ -54,7 +54,7 @@ impl Provider {
             }
             Op::PostClone(p) => {
                 warn(self, &p.uid);
-                self.post_clone_attempt_failed(key, msg)
+                self.post_clone_attempt_failed(key, *p, msg)
             }
             // The next watch round looks again.
             Op::MacosWatch(w) => {

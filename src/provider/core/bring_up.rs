@@ -139,6 +139,7 @@ impl Provider {
                     ReadyWaitOp {
                         uid,
                         vm_id: vm.id.clone(),
+                        step: ReadyWaitStep::Pause,
                         until: self.now + IP_WAIT,
                         nudge_at: None,
                         mode: PostCloneMode::Clone,
@@ -158,91 +159,6 @@ impl Provider {
         self.slot(key).finish_op();
         self.publish_ready(key);
         self.reconcile_slot(key);
-    }
-
-    /// An answer to the wait for Ready `w`: a lease lookup, or the renew nudge.
-    pub(super) fn ready_wait_step(&mut self, key: &PodKey, w: ReadyWaitOp, res: Res) {
-        match res {
-            Res::Lease(r) => self.ready_wait_result(key, w, r),
-            Res::Cocoon(r) => self.renew_nudge_result(key, w, &r),
-            other => self.unexpected_answer(key, &"ReadyWait", &other),
-        }
-    }
-
-    /// The wait for Ready `w` looks again (its timer, or an IP learned meanwhile).
-    pub(super) fn ready_wait_poll(&mut self, key: &PodKey, w: ReadyWaitOp) {
-        let Some(t) = self.slots.get(key).and_then(|s| s.tracked.as_ref()) else {
-            return;
-        };
-        let ReadyWaitOp {
-            until,
-            ref uid,
-            ref vm_id,
-            mode,
-            ..
-        } = w;
-        let vm = t.vm.clone().unwrap_or_default();
-        // Only while the pod still tracks the same incarnation and VM.
-        if *uid != t.uid || *vm_id != vm.id || t.spec.hibernate {
-            return self.end_op(key);
-        }
-        if !t.ip.is_empty() {
-            self.metric(MetricUpdate::WakeIpWait {
-                namespace: key.namespace.clone(),
-                result: "ok",
-            });
-            if mode == PostCloneMode::Wake {
-                self.metric(MetricUpdate::Wake { result: "ok" });
-            }
-            self.slot(key).finish_op();
-            self.publish_ready(key);
-            return self.reconcile_slot(key);
-        }
-        if self.now >= until {
-            let (uid, name) = (t.uid.clone(), t.spec.vm_name.clone());
-            self.metric(MetricUpdate::WakeIpWait {
-                namespace: key.namespace.clone(),
-                result: "timeout",
-            });
-            let msg = format!("{} {name}: dhcp lease not observed within 45s", mode.word());
-            let reason = match mode {
-                PostCloneMode::Clone => "PostCloneIPWaitTimeout",
-                PostCloneMode::Wake => {
-                    self.metric(MetricUpdate::Wake { result: "failed" });
-                    "WakeIPWaitTimeout"
-                }
-            };
-            self.event(key, &uid, EventType::Warning, reason, &msg);
-            self.set_lifecycle(key, State::Failed, &msg);
-            self.slot(key).finish_op();
-            self.push_status(key, false);
-            return self.reconcile_slot(key);
-        }
-        if self.maybe_renew_nudge(key, &w) {
-            return;
-        }
-        let mac = vm.primary_mac();
-        if mac.is_empty() {
-            let at = self.now + IP_POLL;
-            return self.set_pod_timer(key, at.min(until));
-        }
-        self.pod_effect(key, |op| Effect::LookupLease { op, mac });
-    }
-
-    fn ready_wait_result(
-        &mut self,
-        key: &PodKey,
-        w: ReadyWaitOp,
-        r: Result<Option<String>, LeaseError>,
-    ) {
-        if let Ok(Some(ip)) = r {
-            if !ip.is_empty() {
-                self.set_ip(key, &ip);
-                return self.ready_wait_poll(key, w);
-            }
-        }
-        let at = (self.now + IP_POLL).min(w.until);
-        self.set_pod_timer(key, at);
     }
 
     /// A newly learned IP: remember it, re-write the ip annotation, refresh the probe default.
@@ -276,11 +192,6 @@ impl Provider {
             }
             self.send_annotations(key, &uid, ann, false);
         }
-    }
-
-    /// Wait for the guest IP of a clone, then publish Ready.
-    pub(super) fn start_ready_wait(&mut self, key: &PodKey, uid: String, vm_id: String) {
-        self.start_ready_wait_as(key, uid, vm_id, PostCloneMode::Clone)
     }
 
     // ----- readiness ------------------------------------------------------------------------

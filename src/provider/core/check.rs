@@ -103,170 +103,61 @@ impl Provider {
         self.set_pod_timer(key, at);
     }
 
-    /// An answer to the running check `c`.
     /// The pod timer of a check: its inspect retry, or the deferred recheck's next round.
     pub(super) fn check_timer(&mut self, key: &PodKey, c: CheckOp) {
-        match c.step {
-            CheckStep::Inspect { .. } => {
-                self.pod_cocoon(key, CocoonCmd::VmInspect { reference: c.vm_id })
-            }
-            CheckStep::Deferred { delay, until } => {
-                // Stop if no pod tracks the ID any more.
-                let tracked = self
-                    .slots
-                    .get(key)
-                    .and_then(|s| s.tracked.as_ref())
-                    .filter(|t| t.uid == c.uid)
-                    .and_then(|t| t.vm.as_ref())
-                    .map(|v| v.id == c.vm_id)
-                    .unwrap_or(false);
-                if !tracked {
-                    return self.end_op(key);
-                }
-                self.advance(
-                    key,
-                    CheckStep::DeferredInspect { delay, until },
-                    Ask::Cocoon(CocoonCmd::VmInspect { reference: c.vm_id }),
-                )
-            }
-            _ => {}
-        }
+        let next = c.on_timer(&self.cx(key));
+        self.check_next(key, c, next)
     }
 
-    pub(super) fn check_step(&mut self, key: &PodKey, c: CheckOp, res: Res) {
-        let r = match res {
-            Res::Cocoon(r) => r,
-            other => return self.unexpected_answer(key, &c.step, &other),
+    /// An answer to the running check `c`.
+    pub(super) fn check_step(&mut self, key: &PodKey, mut c: CheckOp, res: Res) {
+        let next = c.on_answer(&mut self.cx(key), res);
+        self.check_next(key, c, next)
+    }
+
+    /// Carries out what a step of the check `c` decided.
+    fn check_next(&mut self, key: &PodKey, c: CheckOp, next: Next<CheckStep, Checked>) {
+        let Some((c, then)) = self.apply(key, c, next) else {
+            return;
         };
-        match c.step.clone() {
-            CheckStep::Inspect { attempt } => self.check_inspected(key, c, r, attempt),
-            CheckStep::DeferredInspect { delay, until } => {
-                self.check_deferred_inspected(key, c, r, delay, until)
-            }
-            CheckStep::Start => self.check_started(key, c, r),
-            CheckStep::StartUnanswered { error } => self.check_start_unanswered(key, c, r, error),
-            CheckStep::Refresh => self.check_refreshed(key, c, r),
-            // Waiting on the timer, not on an answer.
-            CheckStep::Deferred { .. } => self.unexpected_answer(key, &c.step, &Res::Cocoon(r)),
-        }
-    }
-
-    /// `Inspect`: the VM an event said was gone or stopped, as cocoon sees it.
-    fn check_inspected(&mut self, key: &PodKey, c: CheckOp, r: Answer, attempt: u32) {
-        if r.vm_not_found() {
-            return self.start_evict(key, EvictCause::VmGone, false);
-        }
-        let vm = if r.succeeded() { r.vm().ok() } else { None };
-        match vm {
-            None if attempt < 2 => {
-                let at = self.now + INSPECT_RETRY * attempt;
-                let step = CheckStep::Inspect {
-                    attempt: attempt + 1,
+        match then {
+            Checked::Evict(cause, remove) => self.start_evict(key, cause, remove),
+            Checked::Stopped => {
+                let recent = self
+                    .last_restart
+                    .get(&c.vm_id)
+                    .is_some_and(|t| self.now.saturating_duration_since(*t) < RESTART_COOLDOWN);
+                if recent {
+                    return self.start_evict(key, EvictCause::RestartCooldown, true);
+                }
+                self.note_restart(&c.vm_id);
+                self.metric(MetricUpdate::VmRestart {
+                    namespace: key.namespace.clone(),
+                    pod: key.name.clone(),
+                });
+                let start = CocoonCmd::VmStart {
+                    id: c.vm_id.clone(),
                 };
-                self.advance(key, step, Ask::Timer(at));
+                self.set_op(key, c);
+                self.advance(key, CheckStep::Start, Ask::Cocoon(start));
             }
-            None => {
-                self.metric(MetricUpdate::VmInspectTransientFail);
-                self.defer_check(key, c.uid, c.vm_id);
-            }
-            Some(vm) if !self.checked_vm_is_ours(key, &c, &vm) => {
-                self.start_evict(key, EvictCause::VmGone, false)
-            }
-            Some(vm) => self.check_state(key, &c, vm),
-        }
-    }
-
-    /// `DeferredInspect`: one look of the deferred recheck.
-    fn check_deferred_inspected(
-        &mut self,
-        key: &PodKey,
-        c: CheckOp,
-        r: Answer,
-        delay: Duration,
-        until: Instant,
-    ) {
-        if r.vm_not_found() {
-            return self.start_evict(key, EvictCause::VmGone, false);
-        }
-        match if r.succeeded() { r.vm().ok() } else { None } {
-            None if self.now >= until => self.start_evict(key, EvictCause::InspectTimeout, true),
-            None => {
-                let delay = (delay * 2).min(RECHECK_MAX);
-                let at = self.now + delay;
-                self.advance(key, CheckStep::Deferred { delay, until }, Ask::Timer(at));
-            }
-            Some(vm) if !self.checked_vm_is_ours(key, &c, &vm) => {
-                self.start_evict(key, EvictCause::VmGone, false)
-            }
-            Some(vm) => self.check_state(key, &c, vm),
-        }
-    }
-
-    /// `Start`: the restart's `vm start` answered.
-    fn check_started(&mut self, key: &PodKey, c: CheckOp, r: Answer) {
-        if r.timed_out() {
-            let step = CheckStep::StartUnanswered {
-                error: r.error_text(),
-            };
-            let inspect = CocoonCmd::VmInspect {
-                reference: c.vm_id.clone(),
-            };
-            return self.advance(key, step, Ask::Cocoon(inspect));
-        }
-        if !r.succeeded() {
-            let msg = r.error_text();
-            return self.start_evict(key, EvictCause::RestartFailed(msg), true);
-        }
-        self.advance(
-            key,
-            CheckStep::Refresh,
-            Ask::Cocoon(CocoonCmd::VmInspect {
-                reference: c.vm_id.clone(),
-            }),
-        );
-    }
-
-    /// `StartUnanswered`: the look after a `vm start` that timed out.
-    fn check_start_unanswered(&mut self, key: &PodKey, c: CheckOp, r: Answer, error: String) {
-        if r.vm_not_found() {
-            return self.start_evict(key, EvictCause::VmGone, false);
-        }
-        match if r.succeeded() { r.vm().ok() } else { None } {
-            // The start went through after all: the restart succeeded.
-            Some(vm) if vm.running() && self.checked_vm_is_ours(key, &c, &vm) => {
-                if let Some(v) = self.slot(key).tracked.as_mut().and_then(|t| t.vm.as_mut()) {
-                    v.pid = vm.pid;
-                    v.nics = vm.nics;
-                    v.state = vm.state;
+            Checked::Runs(seen) => {
+                let tracked_vm = self.slot(key).tracked.as_mut().and_then(|t| t.vm.as_mut());
+                if let (Some(v), Some(seen)) = (tracked_vm, seen) {
+                    v.pid = seen.vm.pid;
+                    v.state = seen.vm.state;
+                    if seen.nics {
+                        v.nics = seen.vm.nics;
+                    }
                 }
                 self.check_done(key, &c)
             }
-            _ => self.start_evict(key, EvictCause::RestartFailed(error), true),
         }
-    }
-
-    /// `Refresh`: the restarted VM, as cocoon sees it.
-    fn check_refreshed(&mut self, key: &PodKey, c: CheckOp, r: Answer) {
-        if r.vm_not_found() {
-            // Removed between its restart and this look.
-            return self.start_evict(key, EvictCause::VmGone, false);
-        }
-        let vm = r.vm().ok();
-        if let Some(vm) = vm.filter(|v| r.succeeded() && self.checked_vm_is_ours(key, &c, v)) {
-            if let Some(t) = self.slot(key).tracked.as_mut() {
-                if let Some(v) = t.vm.as_mut() {
-                    v.pid = vm.pid;
-                    v.nics = vm.nics;
-                    v.state = vm.state;
-                }
-            }
-        }
-        self.check_done(key, &c);
     }
 
     /// The VM runs (false alarm or restarted). A check may have preempted the wait for Ready
     /// of a fresh create; the intent still says `creating` then, so the wait resumes.
-    pub(super) fn check_done(&mut self, key: &PodKey, c: &CheckOp) {
+    fn check_done(&mut self, key: &PodKey, c: &CheckOp) {
         // `c` is the op as its answer found it; an event may have marked the live one since.
         let gone_meanwhile = self.op_of::<CheckOp>(key).is_some_and(|c| c.gone_meanwhile);
         if gone_meanwhile {
@@ -305,18 +196,6 @@ impl Provider {
             .retain(|_, t| now.saturating_duration_since(*t) < RESTART_COOLDOWN_GC_AGE);
     }
 
-    /// Whether an answer to the check's `vm inspect <vm_id>` is the pod's VM: of that exact
-    /// ID, or of the pod's VM name. The reference may be an ID the pod gave (a VM that vanished
-    /// across a restart), which cocoon would also resolve as a prefix of another VM's ID.
-    fn checked_vm_is_ours(&self, key: &PodKey, c: &CheckOp, vm: &VmInfo) -> bool {
-        let name = self
-            .slots
-            .get(key)
-            .and_then(|s| s.tracked.as_ref())
-            .map_or("", |t| t.spec.vm_name.as_str());
-        (!c.vm_id.is_empty() && vm.id == c.vm_id) || isolation::vm_named(vm, name)
-    }
-
     /// Records a restart of `vm_id` now. Restarts older than the GC age go at the same time:
     /// a VM restarted once and gone since (evicted, removed by hand) leaves no record behind
     /// for long, event-stream restarts or not.
@@ -324,36 +203,186 @@ impl Provider {
         self.cooldown_gc();
         self.last_restart.insert(vm_id.to_string(), self.now);
     }
+}
 
-    pub(super) fn check_state(&mut self, key: &PodKey, c: &CheckOp, vm: VmInfo) {
-        if vm.running() {
-            if let Some(t) = self.slot(key).tracked.as_mut() {
-                if let Some(v) = t.vm.as_mut() {
-                    v.state = vm.state;
-                    v.pid = vm.pid;
+/// What a check's step leaves to the provider.
+enum Checked {
+    /// The pod is evicted for this cause (`true`: its VM is removed first).
+    Evict(EvictCause, bool),
+    /// The VM is stopped: restarted, unless it was within the restart cooldown.
+    Stopped,
+    /// The VM runs; what cocoon saw of it, if anything, refreshes the tracked VM.
+    Runs(Option<Seen>),
+}
+
+/// The VM as the check saw it: its pid and state refresh the tracked VM, its NICs too when
+/// `nics` (a VM looked at after a restart).
+struct Seen {
+    vm: VmInfo,
+    nics: bool,
+}
+
+impl CheckOp {
+    fn on_timer(&self, cx: &Cx) -> Next<CheckStep, Checked> {
+        let reference = self.vm_id.clone();
+        match self.step {
+            CheckStep::Inspect { .. } => Next::Ask(
+                self.step.clone(),
+                Ask::Cocoon(CocoonCmd::VmInspect { reference }),
+            ),
+            CheckStep::Deferred { delay, until } => {
+                // Stop if no pod tracks the ID any more.
+                let tracked = cx
+                    .tracked
+                    .filter(|t| t.uid == self.uid)
+                    .and_then(|t| t.vm.as_ref())
+                    .is_some_and(|v| v.id == self.vm_id);
+                if !tracked {
+                    return Next::End;
                 }
+                let ask = Ask::Cocoon(CocoonCmd::VmInspect { reference });
+                Next::Ask(CheckStep::DeferredInspect { delay, until }, ask)
             }
-            return self.check_done(key, c);
+            _ => Next::Wait,
         }
-        let recent = self
-            .last_restart
-            .get(&c.vm_id)
-            .map(|t| self.now.saturating_duration_since(*t) < RESTART_COOLDOWN)
-            .unwrap_or(false);
-        if recent {
-            return self.start_evict(key, EvictCause::RestartCooldown, true);
+    }
+
+    fn on_answer(&mut self, cx: &mut Cx, res: Res) -> Next<CheckStep, Checked> {
+        let r = match res {
+            Res::Cocoon(r) => r,
+            other => return Next::Unexpected(self.step.clone(), other),
+        };
+        match self.step.clone() {
+            CheckStep::Inspect { attempt } => self.inspected(cx, r, attempt),
+            CheckStep::DeferredInspect { delay, until } => {
+                self.deferred_inspected(cx, r, delay, until)
+            }
+            CheckStep::Start => self.started(r),
+            CheckStep::StartUnanswered { error } => self.start_unanswered(cx, r, error),
+            CheckStep::Refresh => self.refreshed(cx, r),
+            // Waiting on the timer, not on an answer.
+            CheckStep::Deferred { .. } => Next::Unexpected(self.step.clone(), Res::Cocoon(r)),
         }
-        self.note_restart(&c.vm_id);
-        self.metric(MetricUpdate::VmRestart {
-            namespace: key.namespace.clone(),
-            pod: key.name.clone(),
-        });
-        self.advance(
-            key,
-            CheckStep::Start,
-            Ask::Cocoon(CocoonCmd::VmStart {
-                id: c.vm_id.clone(),
-            }),
-        );
+    }
+
+    /// `Inspect`: the VM an event said was gone or stopped, as cocoon sees it.
+    fn inspected(&mut self, cx: &mut Cx, r: Answer, attempt: u32) -> Next<CheckStep, Checked> {
+        if r.vm_not_found() {
+            return Next::Then(Checked::Evict(EvictCause::VmGone, false));
+        }
+        let vm = if r.succeeded() { r.vm().ok() } else { None };
+        match vm {
+            None if attempt < 2 => {
+                let at = cx.now + INSPECT_RETRY * attempt;
+                let step = CheckStep::Inspect {
+                    attempt: attempt + 1,
+                };
+                Next::Ask(step, Ask::Timer(at))
+            }
+            None => {
+                cx.metric(MetricUpdate::VmInspectTransientFail);
+                self.defer(cx)
+            }
+            Some(vm) if !self.is_ours(cx, &vm) => {
+                Next::Then(Checked::Evict(EvictCause::VmGone, false))
+            }
+            Some(vm) => self.state(vm),
+        }
+    }
+
+    /// Start the deferred VM recheck (1 s doubling to 30 s, 30 min budget), as
+    /// `Provider::defer_check` does.
+    fn defer(&mut self, cx: &Cx) -> Next<CheckStep, Checked> {
+        self.gone_meanwhile = false;
+        let step = CheckStep::Deferred {
+            delay: RECHECK_FIRST,
+            until: cx.now + RECHECK_BUDGET,
+        };
+        Next::Ask(step, Ask::Timer(cx.now + RECHECK_FIRST))
+    }
+
+    /// `DeferredInspect`: one look of the deferred recheck.
+    fn deferred_inspected(
+        &mut self,
+        cx: &Cx,
+        r: Answer,
+        delay: Duration,
+        until: Instant,
+    ) -> Next<CheckStep, Checked> {
+        if r.vm_not_found() {
+            return Next::Then(Checked::Evict(EvictCause::VmGone, false));
+        }
+        match if r.succeeded() { r.vm().ok() } else { None } {
+            None if cx.now >= until => Next::Then(Checked::Evict(EvictCause::InspectTimeout, true)),
+            None => {
+                let delay = (delay * 2).min(RECHECK_MAX);
+                let at = cx.now + delay;
+                Next::Ask(CheckStep::Deferred { delay, until }, Ask::Timer(at))
+            }
+            Some(vm) if !self.is_ours(cx, &vm) => {
+                Next::Then(Checked::Evict(EvictCause::VmGone, false))
+            }
+            Some(vm) => self.state(vm),
+        }
+    }
+
+    /// `Start`: the restart's `vm start` answered.
+    fn started(&self, r: Answer) -> Next<CheckStep, Checked> {
+        let reference = self.vm_id.clone();
+        if r.timed_out() {
+            let step = CheckStep::StartUnanswered {
+                error: r.error_text(),
+            };
+            return Next::Ask(step, Ask::Cocoon(CocoonCmd::VmInspect { reference }));
+        }
+        if !r.succeeded() {
+            let msg = r.error_text();
+            return Next::Then(Checked::Evict(EvictCause::RestartFailed(msg), true));
+        }
+        let ask = Ask::Cocoon(CocoonCmd::VmInspect { reference });
+        Next::Ask(CheckStep::Refresh, ask)
+    }
+
+    /// `StartUnanswered`: the look after a `vm start` that timed out.
+    fn start_unanswered(&self, cx: &Cx, r: Answer, error: String) -> Next<CheckStep, Checked> {
+        if r.vm_not_found() {
+            return Next::Then(Checked::Evict(EvictCause::VmGone, false));
+        }
+        match if r.succeeded() { r.vm().ok() } else { None } {
+            // The start went through after all: the restart succeeded.
+            Some(vm) if vm.running() && self.is_ours(cx, &vm) => {
+                Next::Then(Checked::Runs(Some(Seen { vm, nics: true })))
+            }
+            _ => Next::Then(Checked::Evict(EvictCause::RestartFailed(error), true)),
+        }
+    }
+
+    /// `Refresh`: the restarted VM, as cocoon sees it.
+    fn refreshed(&self, cx: &Cx, r: Answer) -> Next<CheckStep, Checked> {
+        if r.vm_not_found() {
+            // Removed between its restart and this look.
+            return Next::Then(Checked::Evict(EvictCause::VmGone, false));
+        }
+        let vm = r.vm().ok();
+        let seen = vm
+            .filter(|v| r.succeeded() && self.is_ours(cx, v))
+            .map(|vm| Seen { vm, nics: true });
+        Next::Then(Checked::Runs(seen))
+    }
+
+    /// The inspected VM of the pod: running, or stopped (to restart).
+    fn state(&self, vm: VmInfo) -> Next<CheckStep, Checked> {
+        if vm.running() {
+            return Next::Then(Checked::Runs(Some(Seen { vm, nics: false })));
+        }
+        Next::Then(Checked::Stopped)
+    }
+
+    /// Whether an answer to the check's `vm inspect <vm_id>` is the pod's VM: of that exact
+    /// ID, or of the pod's VM name. The reference may be an ID the pod gave (a VM that vanished
+    /// across a restart), which cocoon would also resolve as a prefix of another VM's ID.
+    fn is_ours(&self, cx: &Cx, vm: &VmInfo) -> bool {
+        let name = cx.tracked.map_or("", |t| t.spec.vm_name.as_str());
+        (!self.vm_id.is_empty() && vm.id == self.vm_id) || isolation::vm_named(vm, name)
     }
 }

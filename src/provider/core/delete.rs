@@ -56,14 +56,12 @@ impl Provider {
     // ----- delete ---------------------------------------------------------------------------
 
     pub(super) fn start_api_delete(&mut self, key: &PodKey, uid: &str) {
-        let uid = uid.to_string();
-        self.set_op(key, ApiDeleteOp { uid: uid.clone() });
-        self.pod_effect(key, |op| Effect::DeletePod {
-            op,
-            key: key.clone(),
-            uid,
-            grace: Some(0),
-        });
+        let a = ApiDeleteOp {
+            uid: uid.to_string(),
+            step: ApiDeleteStep::Delete,
+        };
+        let next = a.ask_delete(key);
+        self.api_delete_next(key, a, next)
     }
 
     pub(super) fn start_delete(&mut self, key: &PodKey) {
@@ -583,9 +581,14 @@ impl Provider {
     /// in which case it is retried with the pod's backoff.
     /// An answer to the API delete `a`: only the Kubernetes API's is expected.
     pub(super) fn api_delete_step(&mut self, key: &PodKey, a: ApiDeleteOp, res: Res) {
-        match res {
-            Res::Kube(_) => self.api_delete_result(key, a.uid, res),
-            other => self.unexpected_answer(key, &"ApiDelete", &other),
+        let next = a.on_answer(res);
+        self.api_delete_next(key, a, next)
+    }
+
+    /// Carries out what a step of the API delete `a` decided: its answer ends it.
+    fn api_delete_next(&mut self, key: &PodKey, a: ApiDeleteOp, next: Next<ApiDeleteStep, Res>) {
+        if let Some((a, res)) = self.apply(key, a, next) {
+            self.api_delete_result(key, a.uid, res)
         }
     }
 
@@ -641,6 +644,28 @@ impl Provider {
         let macs = vm.lease_macs();
         if !macs.is_empty() {
             self.out.push(Effect::ReleaseLeases { macs });
+        }
+    }
+}
+
+impl ApiDeleteOp {
+    /// The grace-0 DELETE of the incarnation's API object.
+    fn ask_delete(&self, key: &PodKey) -> Next<ApiDeleteStep, Res> {
+        let (uid, key) = (self.uid.clone(), key.clone());
+        let ask = Ask::effect(move |op| Effect::DeletePod {
+            op,
+            key,
+            uid,
+            grace: Some(0),
+        });
+        Next::Ask(ApiDeleteStep::Delete, ask)
+    }
+
+    /// Only the Kubernetes API's answer is expected; it is the op's outcome.
+    fn on_answer(&self, res: Res) -> Next<ApiDeleteStep, Res> {
+        match res {
+            Res::Kube(_) => Next::Then(res),
+            other => Next::Unexpected(self.step, other),
         }
     }
 }

@@ -6,7 +6,8 @@
 //! change is its own struct, and every effect, hand-over or ending goes through `Next` (the
 //! index upkeep and detached calls an answer calls for as `Chore`s in the op's own follow-up).
 //! Machines so far: `classify`, `confirm_hibernated`, `create` (but its macOS steps), `wake`,
-//! `hibernate`, `evict`; the others still step on `Provider` directly.
+//! `hibernate`, `evict`, `check`, `macos` (the watch), `ready_wait`, `post_clone`,
+//! `api_delete`; the others still step on `Provider` directly.
 
 use super::*;
 

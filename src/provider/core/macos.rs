@@ -524,52 +524,108 @@ impl Provider {
 
     /// An answer to the watch round `w`.
     pub(super) fn macos_watch_step(&mut self, key: &PodKey, w: MacosWatchOp, res: Res) {
-        let Some(t) = self.slots.get(key).and_then(|s| s.tracked.clone()) else {
+        let next = w.on_answer(&self.cx(key), res);
+        let Some((_, then)) = self.apply(key, w, next) else {
             return;
         };
-        let Some(vm) = t.vm.clone().filter(|_| t.uid == w.uid) else {
-            return self.end_op(key);
+        match then {
+            // A fresher record of the running guest: new pid, backfilled MAC, disk. The probe
+            // is restarted when the MAC changed (it looks the guest's address up by MAC).
+            Watched::Refresh(m) => {
+                let tracked_vm = self.slot(key).tracked.as_mut().and_then(|t| t.vm.as_mut());
+                if let Some(vm) = tracked_vm {
+                    let fresh = vm_info(&m);
+                    let mac_changed =
+                        !fresh.primary_mac().is_empty() && fresh.primary_mac() != vm.primary_mac();
+                    vm.pid = fresh.pid;
+                    vm.disk = fresh.disk;
+                    if mac_changed {
+                        vm.nics = fresh.nics;
+                        self.macos_start_probe(key);
+                    }
+                }
+                self.end_op(key)
+            }
+            // `vm start` of a dead QEMU, at most once per 10 s per VM.
+            Watched::Restart(vm) => {
+                let recent = self
+                    .last_restart
+                    .get(&vm.id)
+                    .is_some_and(|at| self.now.saturating_duration_since(*at) < MACOS_WATCH_EVERY);
+                if recent {
+                    return self.end_op(key);
+                }
+                self.note_restart(&vm.id);
+                self.metric(MetricUpdate::VmRestart {
+                    namespace: key.namespace.clone(),
+                    pod: key.name.clone(),
+                });
+                log::warn!("provider: {key}: QEMU of {} is dead; starting it", vm.name);
+                let vnc_display = self
+                    .vnc_ports
+                    .iter()
+                    .find(|(_, k)| *k == key)
+                    .and_then(|(p, _)| contract::display_of_port(*p));
+                let name = vm.name;
+                let start = macos(MacosCmd::Start { name, vnc_display });
+                self.advance(key, MacosWatchStep::Start, start)
+            }
+        }
+    }
+}
+
+/// What a watch round's step leaves to the provider.
+enum Watched {
+    /// The guest runs: this fresher record refreshes the tracked VM, and the round ends.
+    Refresh(MacosVm),
+    /// The guest's QEMU is dead: it is started (unless it was just restarted).
+    Restart(VmInfo),
+}
+
+impl MacosWatchOp {
+    fn on_answer(&self, cx: &Cx, res: Res) -> Next<MacosWatchStep, Watched> {
+        let Some(t) = cx.tracked else {
+            return Next::Wait;
         };
-        let name = t.spec.vm_name.clone();
-        match (w.step, res) {
+        let Some(vm) = t.vm.clone().filter(|_| t.uid == self.uid) else {
+            return Next::End;
+        };
+        let (key, name) = (cx.key, t.spec.vm_name.clone());
+        let inspected = |r: &Answer| {
+            contract::parse_inspect(&r.stdout)
+                .ok()
+                .filter(|_| r.succeeded())
+        };
+        match (self.step.clone(), res) {
             (MacosWatchStep::Alive, Res::Pid(alive)) => {
                 if alive && !vm.primary_mac().is_empty() {
-                    return self.end_op(key);
+                    return Next::End;
                 }
                 let step = MacosWatchStep::Inspect { dead: !alive };
-                self.advance(key, step, macos(MacosCmd::Inspect { name }))
+                Next::Ask(step, macos(MacosCmd::Inspect { name }))
             }
-            (MacosWatchStep::Inspect { dead }, Res::Cocoon(r)) => {
-                match contract::parse_inspect(&r.stdout)
-                    .ok()
-                    .filter(|_| r.succeeded())
-                {
-                    // A record with a new pid may be a QEMU started meanwhile: check that one.
-                    Some(m) if dead && m.pid != vm.pid => {
-                        let pid = m.pid;
-                        let ask = Ask::effect(move |op| Effect::CheckPid { op, pid });
-                        self.advance(key, MacosWatchStep::InspectAlive { vm: m }, ask)
-                    }
-                    Some(_) if dead => self.macos_restart(key, &vm),
-                    Some(m) => {
-                        self.macos_refresh(key, &m);
-                        self.end_op(key)
-                    }
-                    None => {
-                        log::warn!(
-                            "provider: {key}: cocoon-macos vm inspect {name}: {}",
-                            r.error_text()
-                        );
-                        self.end_op(key)
-                    }
+            (MacosWatchStep::Inspect { dead }, Res::Cocoon(r)) => match inspected(&r) {
+                // A record with a new pid may be a QEMU started meanwhile: check that one.
+                Some(m) if dead && m.pid != vm.pid => {
+                    let pid = m.pid;
+                    let ask = Ask::effect(move |op| Effect::CheckPid { op, pid });
+                    Next::Ask(MacosWatchStep::InspectAlive { vm: m }, ask)
                 }
-            }
+                Some(_) if dead => Next::Then(Watched::Restart(vm)),
+                Some(m) => Next::Then(Watched::Refresh(m)),
+                None => {
+                    log::warn!(
+                        "provider: {key}: cocoon-macos vm inspect {name}: {}",
+                        r.error_text()
+                    );
+                    Next::End
+                }
+            },
             (MacosWatchStep::InspectAlive { vm: m }, Res::Pid(alive)) => {
                 if alive {
-                    self.macos_refresh(key, &m);
-                    return self.end_op(key);
+                    return Next::Then(Watched::Refresh(m));
                 }
-                self.macos_restart(key, &vm)
+                Next::Then(Watched::Restart(vm))
             }
             (MacosWatchStep::Start, Res::Cocoon(r)) => {
                 if !r.succeeded() {
@@ -578,72 +634,15 @@ impl Provider {
                         "provider: {key}: restart dead QEMU of {name}: {}",
                         r.error_text()
                     );
-                    return self.end_op(key);
+                    return Next::End;
                 }
-                self.advance(
-                    key,
-                    MacosWatchStep::Refresh,
-                    macos(MacosCmd::Inspect { name }),
-                )
+                Next::Ask(MacosWatchStep::Refresh, macos(MacosCmd::Inspect { name }))
             }
-            (MacosWatchStep::Refresh, Res::Cocoon(r)) => {
-                if let Some(m) = contract::parse_inspect(&r.stdout)
-                    .ok()
-                    .filter(|_| r.succeeded())
-                {
-                    self.macos_refresh(key, &m);
-                }
-                self.end_op(key)
-            }
-            (step, res) => self.unexpected_answer(key, &step, &res),
-        }
-    }
-
-    /// `vm start` of a dead QEMU, at most once per 10 s per VM.
-    fn macos_restart(&mut self, key: &PodKey, vm: &VmInfo) {
-        let recent = self
-            .last_restart
-            .get(&vm.id)
-            .is_some_and(|at| self.now.saturating_duration_since(*at) < MACOS_WATCH_EVERY);
-        if recent {
-            return self.end_op(key);
-        }
-        self.note_restart(&vm.id);
-        self.metric(MetricUpdate::VmRestart {
-            namespace: key.namespace.clone(),
-            pod: key.name.clone(),
-        });
-        log::warn!("provider: {key}: QEMU of {} is dead; starting it", vm.name);
-        let vnc_display = self
-            .vnc_ports
-            .iter()
-            .find(|(_, k)| *k == key)
-            .and_then(|(p, _)| contract::display_of_port(*p));
-        let name = vm.name.clone();
-        self.advance(
-            key,
-            MacosWatchStep::Start,
-            macos(MacosCmd::Start { name, vnc_display }),
-        )
-    }
-
-    /// A fresher record of the running guest: new pid, backfilled MAC, disk. The probe is
-    /// restarted when the MAC changed (it looks the guest's address up by MAC).
-    fn macos_refresh(&mut self, key: &PodKey, m: &MacosVm) {
-        let Some(t) = self.slot(key).tracked.as_mut() else {
-            return;
-        };
-        let Some(vm) = t.vm.as_mut() else {
-            return;
-        };
-        let fresh = vm_info(m);
-        let mac_changed =
-            !fresh.primary_mac().is_empty() && fresh.primary_mac() != vm.primary_mac();
-        vm.pid = fresh.pid;
-        vm.disk = fresh.disk;
-        if mac_changed {
-            vm.nics = fresh.nics;
-            self.macos_start_probe(key);
+            (MacosWatchStep::Refresh, Res::Cocoon(r)) => match inspected(&r) {
+                Some(m) => Next::Then(Watched::Refresh(m)),
+                None => Next::End,
+            },
+            (step, res) => Next::Unexpected(step, res),
         }
     }
 }

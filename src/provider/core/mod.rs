@@ -86,6 +86,7 @@ mod macos;
 mod ops;
 mod post_clone;
 mod read_facts;
+mod ready_wait;
 mod reclaim;
 mod source_check;
 mod startup;

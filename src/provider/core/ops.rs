@@ -479,22 +479,41 @@ pub(super) enum Op {
     ApiDelete(ApiDeleteOp),
 }
 
+/// What the wait for a guest IP waits on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ReadyWaitStep {
+    /// A lease lookup of the VM's MAC.
+    Lease,
+    /// The pod timer: the next look.
+    Pause,
+    /// The Windows renew nudge (`ipconfig /renew` in the guest).
+    Nudge,
+}
+
 /// The wait for a clone's guest IP, then Ready. `mode` Wake: the follow-up of a wake or
 /// restore, whose outcome counts `wake_total`.
 #[derive(Debug, Clone)]
 pub(super) struct ReadyWaitOp {
     pub(super) uid: String,
     pub(super) vm_id: String,
+    pub(super) step: ReadyWaitStep,
     pub(super) until: Instant,
     /// Windows guests: when to send the one `ipconfig /renew` nudge (None = not owed).
     pub(super) nudge_at: Option<Instant>,
     pub(super) mode: PostCloneMode,
 }
 
+/// The one step of an API delete: its DELETE runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ApiDeleteStep {
+    Delete,
+}
+
 /// The grace-0 DELETE of the API object of an incarnation `uid` we do not track.
 #[derive(Debug, Clone)]
 pub(super) struct ApiDeleteOp {
     pub(super) uid: String,
+    pub(super) step: ApiDeleteStep,
 }
 
 /// The state struct of one op kind, held by exactly one `Op` variant: an op starts from its
@@ -602,4 +621,6 @@ op_steps! {
     PostClone => PostCloneStep,
     MacosWatch => MacosWatchStep,
     Classify => ClassifyStep,
+    ReadyWait => ReadyWaitStep,
+    ApiDelete => ApiDeleteStep,
 }

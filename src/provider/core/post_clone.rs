@@ -15,8 +15,6 @@ use crate::provider::fixup::{self, Fixup, FixupKind};
 const BUDGET: Duration = Duration::from_secs(180);
 /// Pause between a failed attempt and the next.
 const ATTEMPT_PAUSE: Duration = Duration::from_secs(3);
-/// Windows guests get one `ipconfig /renew` this long into the IP wait.
-const RENEW_NUDGE_AFTER: Duration = Duration::from_secs(30);
 /// The post-clone-errors annotation is cut to this many bytes.
 const ERRORS_MAX: usize = 4096;
 
@@ -92,23 +90,22 @@ impl Provider {
         if mode == PostCloneMode::Wake || marked {
             self.write_post_clone_state(key, &uid, "running", BTreeMap::new());
         }
-        self.set_op(
-            key,
-            PostCloneOp {
-                uid,
-                vm_id: vm.id.clone(),
-                mode,
-                fixup: fix,
-                step: PostCloneStep::Exec,
-                attempts: 0,
-                errors: Vec::new(),
-                sac,
-                sac_only: false,
-                until: self.now + BUDGET,
-            },
-        );
+        let mut p = PostCloneOp {
+            uid,
+            vm_id: vm.id.clone(),
+            mode,
+            fixup: fix,
+            step: PostCloneStep::Exec,
+            attempts: 0,
+            errors: Vec::new(),
+            sac,
+            sac_only: false,
+            until: self.now + BUDGET,
+        };
+        self.set_op(key, p.clone());
         self.push_status(key, false);
-        self.post_clone_attempt(key);
+        let next = p.attempt(&self.cx(key));
+        self.post_clone_next(key, p, next)
     }
 
     /// A Windows guest with a static NIC that needs no NIC reset (booted from an image, or
@@ -158,126 +155,62 @@ impl Provider {
         self.advance(key, PostCloneStep::Sac, ask);
     }
 
-    /// Start the next attempt, or give up when the budget is spent.
-    fn post_clone_attempt(&mut self, key: &PodKey) {
-        let Some(p) = self.op_of::<PostCloneOp>(key) else {
-            return;
-        };
-        if self.now >= p.until {
-            return self.post_clone_exhausted(key);
-        }
-        let cmd = CocoonCmd::VmExec {
-            id: p.vm_id.clone(),
-            command: p.fixup.command.clone(),
-            deadline: p.until.saturating_duration_since(self.now),
-        };
-        if let Some(p) = self.op_of_mut::<PostCloneOp>(key) {
-            p.attempts += 1;
-        }
-        self.advance(key, PostCloneStep::Exec, Ask::Cocoon(cmd));
-    }
-
     /// The pause between attempts is over.
     pub(super) fn post_clone_timer(&mut self, key: &PodKey, p: &PostCloneOp) {
-        if p.step == PostCloneStep::Pause {
-            self.post_clone_attempt(key);
-        }
+        let mut p = p.clone();
+        let next = p.on_timer(&self.cx(key));
+        self.post_clone_next(key, p, next)
     }
 
-    /// The answer of an attempt.
+    /// The answer of an attempt (or of the SAC pass).
     pub(super) fn post_clone_step(&mut self, key: &PodKey, p: &PostCloneOp, res: Res) {
-        let step = p.step;
-        if step == PostCloneStep::Sac {
-            return match res {
-                Res::Sac(r) => self.sac_result(key, r),
-                other => self.unexpected_answer(key, &step, &other),
-            };
-        }
-        let Res::Cocoon(r) = res else {
-            return self.unexpected_answer(key, &step, &res);
-        };
-        if r.succeeded() {
-            if let Some(plan) = p.sac.clone() {
-                // The NIC reset worked; the static addresses go in over the console.
-                let vm_id = p.vm_id.clone();
-                let ask = Ask::effect(move |op| Effect::SacPass { op, vm_id, plan });
-                return self.advance(key, PostCloneStep::Sac, ask);
-            }
-            return self.post_clone_succeeded(key);
-        }
-        let err = if r.timed_out() {
-            "vm exec did not finish within the fix-up's budget".to_string()
-        } else {
-            r.error_text()
-        };
-        self.post_clone_attempt_failed(key, err);
+        let mut p = p.clone();
+        let next = p.on_answer(&mut self.cx(key), res);
+        self.post_clone_next(key, p, next)
     }
 
-    /// One attempt failed: Warning, then the next one after the pause (within the budget).
-    pub(super) fn post_clone_attempt_failed(&mut self, key: &PodKey, err: String) {
-        let Some(p) = self.op_of::<PostCloneOp>(key) else {
-            return;
-        };
-        let (uid, n, until) = (p.uid.clone(), p.attempts, p.until);
-        self.event(
-            key,
-            &uid,
-            EventType::Warning,
-            "PostCloneExecAttemptFailed",
-            &format!("attempt {n}: {err}"),
-        );
-        if let Some(p) = self.op_of_mut::<PostCloneOp>(key) {
-            p.errors.push(format!("attempt {n}: {err}"));
-        }
-        if self.now >= until {
-            return self.post_clone_exhausted(key);
-        }
-        let at = (self.now + ATTEMPT_PAUSE).min(until);
-        self.advance(key, PostCloneStep::Pause, Ask::Timer(at));
+    /// One attempt of the fix-up `p` failed (or got an answer it did not expect).
+    pub(super) fn post_clone_attempt_failed(
+        &mut self,
+        key: &PodKey,
+        mut p: PostCloneOp,
+        err: String,
+    ) {
+        let next = p.attempt_failed(&mut self.cx(key), err);
+        self.post_clone_next(key, p, next)
     }
 
-    fn post_clone_succeeded(&mut self, key: &PodKey) {
-        let Some(p) = self.op_of::<PostCloneOp>(key).cloned() else {
+    /// Carries out what a step of the fix-up `p` decided.
+    fn post_clone_next(&mut self, key: &PodKey, p: PostCloneOp, next: Next<PostCloneStep, Fixed>) {
+        let Some((p, then)) = self.apply(key, p, next) else {
             return;
         };
-        if p.sac_only {
-            return self.start_ready_wait_as(key, p.uid, p.vm_id, p.mode);
-        }
-        let kind = p.fixup.kind;
-        self.metric(MetricUpdate::PostClone {
-            kind: kind.label(),
-            result: "ok",
-        });
-        self.metric(MetricUpdate::PostCloneAttempts {
-            result: "ok",
-            attempts: p.attempts,
-        });
-        self.owe_post_clone_done(key, &p.uid);
-        self.event(
-            key,
-            &p.uid,
-            EventType::Normal,
-            "PostCloneSucceeded",
-            &format!("kind={} attempts={}", kind.label(), p.attempts),
-        );
-        self.start_ready_wait_as(key, p.uid, p.vm_id, p.mode);
-    }
-
-    /// The SAC pass's outcome: `postclone_total{sac,..}`, then on with the fix-up's success, or
-    /// its failure.
-    fn sac_result(&mut self, key: &PodKey, r: Result<(), SacError>) {
-        let Some(p) = self.op_of::<PostCloneOp>(key).cloned() else {
-            return;
-        };
-        match r {
-            Ok(()) => {
+        match then {
+            Fixed::Succeeded if p.sac_only => self.start_ready_wait_as(key, p.uid, p.vm_id, p.mode),
+            Fixed::Succeeded => {
+                let kind = p.fixup.kind;
                 self.metric(MetricUpdate::PostClone {
-                    kind: "sac",
+                    kind: kind.label(),
                     result: "ok",
                 });
-                self.post_clone_succeeded(key)
+                self.metric(MetricUpdate::PostCloneAttempts {
+                    result: "ok",
+                    attempts: p.attempts,
+                });
+                self.owe_post_clone_done(key, &p.uid);
+                self.event(
+                    key,
+                    &p.uid,
+                    EventType::Normal,
+                    "PostCloneSucceeded",
+                    &format!("kind={} attempts={}", kind.label(), p.attempts),
+                );
+                self.start_ready_wait_as(key, p.uid, p.vm_id, p.mode);
             }
-            Err(e) => self.sac_failed(key, &p.uid, p.mode, &e),
+            Fixed::SacFailed(e) => self.sac_failed(key, &p.uid, p.mode, &e),
+            Fixed::Exhausted => {
+                self.post_clone_failed(key, &p.uid, p.mode, &p.fixup, p.attempts, &p.errors)
+            }
         }
     }
 
@@ -302,13 +235,6 @@ impl Provider {
         self.slot(key).finish_op();
         self.push_status(key, false);
         self.reconcile_slot(key);
-    }
-
-    fn post_clone_exhausted(&mut self, key: &PodKey) {
-        let Some(p) = self.op_of::<PostCloneOp>(key).cloned() else {
-            return;
-        };
-        self.post_clone_failed(key, &p.uid, p.mode, &p.fixup, p.attempts, &p.errors);
     }
 
     /// The fix-up failed for good: counters, post-clone-state `failed` with the hint and the
@@ -423,67 +349,94 @@ impl Provider {
         owed.insert(spec::ANN_POST_CLONE_STATE.to_string(), Some("done".into()));
         self.owe_annotations(key, uid, owed);
     }
+}
 
-    /// Wait for the guest IP, then publish Ready; Windows guests get a renew nudge at 30 s.
-    pub(super) fn start_ready_wait_as(
-        &mut self,
-        key: &PodKey,
-        uid: String,
-        vm_id: String,
-        mode: PostCloneMode,
-    ) {
-        let windows = self
-            .slots
-            .get(key)
-            .and_then(|s| s.tracked.as_ref())
-            .is_some_and(|t| t.spec.os == Os::Windows);
-        let until = self.now + IP_WAIT;
-        let nudge_at = windows.then(|| (self.now + RENEW_NUDGE_AFTER).min(until));
-        let w = ReadyWaitOp {
-            uid,
-            vm_id,
-            until,
-            nudge_at,
-            mode,
-        };
-        self.set_op(key, w.clone());
-        self.push_status(key, false);
-        self.ready_wait_poll(key, w);
-    }
+/// What a step of the fix-up leaves to the provider.
+enum Fixed {
+    /// The fix-up (and its SAC pass) succeeded: post-clone-state `done` is owed (not after a
+    /// SAC pass alone), then the IP wait.
+    Succeeded,
+    /// The SAC pass could not set the static addresses.
+    SacFailed(SacError),
+    /// The budget is spent: the fix-up failed for good.
+    Exhausted,
+}
 
-    /// The IP wait's renew nudge is due: `cmd /c ipconfig /renew` in the guest, within what is
-    /// left of the wait. Returns false when none is due.
-    pub(super) fn maybe_renew_nudge(&mut self, key: &PodKey, w: &ReadyWaitOp) -> bool {
-        let ReadyWaitOp {
-            nudge_at: Some(at),
-            until,
-            ..
-        } = *w
-        else {
-            return false;
-        };
-        if self.now < at || self.now >= until {
-            return false;
-        }
-        if let Some(w) = self.op_of_mut::<ReadyWaitOp>(key) {
-            w.nudge_at = None;
+impl PostCloneOp {
+    /// Start the next attempt, or give up when the budget is spent.
+    fn attempt(&mut self, cx: &Cx) -> Next<PostCloneStep, Fixed> {
+        if cx.now >= self.until {
+            return Next::Then(Fixed::Exhausted);
         }
         let cmd = CocoonCmd::VmExec {
-            id: w.vm_id.clone(),
-            command: ["cmd", "/c", "ipconfig", "/renew"]
-                .map(String::from)
-                .to_vec(),
-            deadline: until.saturating_duration_since(self.now),
+            id: self.vm_id.clone(),
+            command: self.fixup.command.clone(),
+            deadline: self.until.saturating_duration_since(cx.now),
         };
-        self.pod_cocoon(key, cmd);
-        true
+        self.attempts += 1;
+        Next::Ask(PostCloneStep::Exec, Ask::Cocoon(cmd))
     }
 
-    /// The nudge's answer: count it, then look at the lease again.
-    pub(super) fn renew_nudge_result(&mut self, key: &PodKey, w: ReadyWaitOp, r: &Answer) {
-        let result = if r.succeeded() { "ok" } else { "failed" };
-        self.metric(MetricUpdate::WakeRenewNudge { result });
-        self.ready_wait_poll(key, w);
+    fn on_timer(&mut self, cx: &Cx) -> Next<PostCloneStep, Fixed> {
+        if self.step == PostCloneStep::Pause {
+            return self.attempt(cx);
+        }
+        Next::Wait
+    }
+
+    fn on_answer(&mut self, cx: &mut Cx, res: Res) -> Next<PostCloneStep, Fixed> {
+        let step = self.step;
+        if step == PostCloneStep::Sac {
+            // The SAC pass's outcome: `postclone_total{sac,..}`, then on with the fix-up's
+            // success, or its failure.
+            return match res {
+                Res::Sac(Ok(())) => {
+                    cx.metric(MetricUpdate::PostClone {
+                        kind: "sac",
+                        result: "ok",
+                    });
+                    Next::Then(Fixed::Succeeded)
+                }
+                Res::Sac(Err(e)) => Next::Then(Fixed::SacFailed(e)),
+                other => Next::Unexpected(step, other),
+            };
+        }
+        let Res::Cocoon(r) = res else {
+            return Next::Unexpected(step, res);
+        };
+        if r.succeeded() {
+            if let Some(plan) = self.sac.clone() {
+                // The NIC reset worked; the static addresses go in over the console.
+                let vm_id = self.vm_id.clone();
+                let ask = Ask::effect(move |op| Effect::SacPass { op, vm_id, plan });
+                return Next::Ask(PostCloneStep::Sac, ask);
+            }
+            return Next::Then(Fixed::Succeeded);
+        }
+        let err = if r.timed_out() {
+            "vm exec did not finish within the fix-up's budget".to_string()
+        } else {
+            r.error_text()
+        };
+        self.attempt_failed(cx, err)
+    }
+
+    /// One attempt failed: Warning, then the next one after the pause (within the budget).
+    fn attempt_failed(&mut self, cx: &mut Cx, err: String) -> Next<PostCloneStep, Fixed> {
+        let n = self.attempts;
+        let msg = format!("attempt {n}: {err}");
+        cx.event(
+            &self.uid,
+            EventType::Warning,
+            "PostCloneExecAttemptFailed",
+            &msg,
+        );
+        self.errors.push(msg);
+        if cx.now >= self.until {
+            return Next::Then(Fixed::Exhausted);
+        }
+        let at = (cx.now + ATTEMPT_PAUSE).min(self.until);
+        Next::Ask(PostCloneStep::Pause, Ask::Timer(at))
     }
 }
 
