@@ -4,7 +4,8 @@
 //! A step of this shape cannot reach another op's state or the provider's tables: what it may
 //! change is its own struct, and every effect, hand-over or ending goes through `Next`.
 //! Machines so far: `classify`, `confirm_hibernated`, `evict`, `check`, `macos` (the watch),
-//! `ready_wait`; the others still step on `Provider` directly.
+//! `ready_wait`, `delete` (the delete and the API delete), `post_clone`; the others still step
+//! on `Provider` directly.
 
 use super::*;
 
