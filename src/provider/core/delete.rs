@@ -132,23 +132,16 @@ impl Provider {
         true
     }
 
-    /// Look up the VM of a delete that knows none (by name, else by the ID annotation).
-    fn find_vm_for_delete(&mut self, key: &PodKey, t: &Tracked, by_id: bool) {
-        let reference = if by_id {
-            t.spec.vm_id.clone()
-        } else {
-            t.spec.vm_name.clone()
-        };
-        self.advance(
-            key,
-            DeleteStep::FindVm { by_id },
-            Ask::Cocoon(CocoonCmd::VmInspect { reference }),
-        )
-    }
-
     /// The answer of that lookup: a VM found is removed as the tracked one would be; one still
     /// being created is looked at again shortly; none lets the delete finish.
-    fn found_vm_for_delete(&mut self, key: &PodKey, t: &Tracked, by_id: bool, r: Answer) {
+    fn found_vm_for_delete(
+        &mut self,
+        key: &PodKey,
+        t: &Tracked,
+        d: DeleteOp,
+        by_id: bool,
+        r: Answer,
+    ) {
         let found = if r.succeeded() { r.vm().ok() } else { None };
         // The pod's own VM only: of its name exactly, and by ID only with that name. An answer
         // for another VM (its ID prefixed by the value looked up) is as good as none.
@@ -166,7 +159,8 @@ impl Provider {
         });
         if r.vm_not_found() || other {
             if !by_id && t.spec.vm_id != t.spec.vm_name && lookup_reference_ok(&t.spec.vm_id) {
-                return self.find_vm_for_delete(key, t, true);
+                let next = DeleteOp::find_vm(t, true);
+                return self.delete_next(key, d, next);
             }
             if let Some(d) = self.op_of_mut::<DeleteOp>(key) {
                 d.looked_up = true;
@@ -204,12 +198,8 @@ impl Provider {
 
     /// The pod timer of a delete waiting for a VM still being created.
     pub(super) fn delete_timer(&mut self, key: &PodKey, d: DeleteOp) {
-        let Some(t) = self.slots.get(key).and_then(|s| s.tracked.clone()) else {
-            return;
-        };
-        if let DeleteStep::FindVmWait { by_id } = d.step {
-            self.find_vm_for_delete(key, &t, by_id);
-        }
+        let next = d.on_timer(&self.cx(key));
+        self.delete_next(key, d, next)
     }
 
     pub(super) fn delete_after_api_first(&mut self, key: &PodKey) {
@@ -230,7 +220,8 @@ impl Provider {
         }
         let Some(vm) = t.vm.clone() else {
             if !d.looked_up {
-                return self.find_vm_for_delete(key, &t, false);
+                let next = DeleteOp::find_vm(&t, false);
+                return self.delete_next(key, d, next);
             }
             if d.keep {
                 self.lifecycle_metric("delete", "skipped", "seat_release");
@@ -258,61 +249,32 @@ impl Provider {
 
     /// An answer to the delete `d`.
     pub(super) fn delete_step(&mut self, key: &PodKey, d: DeleteOp, res: Res) {
-        let Some(t) = self.slots.get(key).and_then(|s| s.tracked.clone()) else {
-            // Tracking vanished (forgotten): only ApiLast can remain.
-            return self.api_delete_result(key, d.uid, res);
+        let next = d.on_answer(&mut self.cx(key), res);
+        self.delete_next(key, d, next)
+    }
+
+    /// Carries out what a step of the delete `d` decided.
+    fn delete_next(&mut self, key: &PodKey, d: DeleteOp, next: Next<DeleteStep, Deleting>) {
+        let Some((d, then)) = self.apply(key, d, next) else {
+            return;
         };
-        let vm = t.vm.clone().unwrap_or_default();
-        match (d.step, res) {
-            (DeleteStep::FindVm { by_id }, Res::Cocoon(r)) => {
-                self.found_vm_for_delete(key, &t, by_id, r)
-            }
-            (DeleteStep::SettleCreating { by_id }, Res::Cocoon(r)) => {
-                self.delete_settled_creating(key, &t, by_id, r)
-            }
-            (DeleteStep::Inspect, Res::Cocoon(r)) => self.delete_inspected(key, &t, &d, r),
-            (DeleteStep::Save { retried, started }, Res::Cocoon(r)) => {
-                self.metric(MetricUpdate::SnapshotSaveDuration {
-                    namespace: key.namespace.clone(),
-                    seconds: self.now.saturating_duration_since(started).as_secs_f64(),
-                });
-                self.delete_saved(key, &d, retried, r)
-            }
-            (DeleteStep::RmHolder, Res::Cocoon(_)) => self.delete_save(key, &t, &d, true),
-            (DeleteStep::PushCheck, Res::Evidence(r)) => self.delete_push_checked(key, &t, &d, r),
-            (DeleteStep::Push, Res::Transfer(r)) => match r {
-                Ok(_) => {
-                    self.metric(MetricUpdate::SnapshotPush { result: "ok" });
-                    self.advance(
-                        key,
-                        DeleteStep::Rm,
-                        Ask::Cocoon(CocoonCmd::VmRm { id: vm.id }),
-                    )
-                }
-                Err(e) => {
-                    self.metric(MetricUpdate::SnapshotPush { result: "failed" });
-                    self.delete_failed(
-                        key,
-                        DeleteError::Push {
-                            vm_name: d.vm_name.clone(),
-                            error: e.to_string(),
-                        },
-                    )
-                }
-            },
-            (DeleteStep::Rm, Res::Cocoon(r)) => {
-                if !r.succeeded() && !r.vm_not_found() {
-                    let (vm_id, error) = (vm.id.clone(), r.error_text());
-                    return self.delete_failed(key, DeleteError::Rm { vm_id, error });
-                }
+        let then = match then {
+            Deleting::ApiAnswered(res) => return self.api_delete_result(key, d.uid, res),
+            Deleting::Failed(e) => return self.delete_failed(key, e),
+            then => then,
+        };
+        let Some(t) = self.slots.get(key).and_then(|s| s.tracked.clone()) else {
+            return;
+        };
+        match then {
+            Deleting::ApiAnswered(_) | Deleting::Failed(_) => {}
+            Deleting::Found { by_id, r } => self.found_vm_for_delete(key, &t, d, by_id, r),
+            Deleting::Save { retried } => self.delete_save(key, &t, &d, retried),
+            Deleting::VmRemoved => {
+                let vm = t.vm.clone().unwrap_or_default();
                 self.release_leases(&vm);
                 self.forget_owner(Owned::Vm, &d.vm_name);
-                if self
-                    .by_name
-                    .get(&d.vm_name)
-                    .map(|v| v.id == vm.id)
-                    .unwrap_or(false)
-                {
+                if self.by_name.get(&d.vm_name).is_some_and(|v| v.id == vm.id) {
                     self.by_name.remove(&d.vm_name);
                 }
                 self.last_restart.remove(&vm.id);
@@ -321,155 +283,16 @@ impl Provider {
                 }
                 self.delete_rm_snapshots(key, &t, &d)
             }
-            (DeleteStep::RmSnapshot, Res::Cocoon(r)) => {
+            Deleting::SnapshotRemoved { fork: false, r } => {
                 self.snapshot_removed(&d.vm_name, &r);
                 self.delete_rm_fork_snapshot(key, &t, &d)
             }
-            (DeleteStep::RmForkSnapshot, Res::Cocoon(r)) => {
+            Deleting::SnapshotRemoved { fork: true, r } => {
                 self.snapshot_removed(&spec::fork_snapshot_name(&d.vm_name), &r);
                 self.delete_snapshots_gone(key, &t, &d)
             }
-            (DeleteStep::ApiLast, res @ Res::Kube(_)) => self.api_delete_result(key, d.uid, res),
-            (DeleteStep::MacosRm, Res::Cocoon(r)) => self.macos_removed(key, &t, &d, r),
-            (step, res) => self.unexpected_answer(key, &step, &res),
+            Deleting::MacosRemoved => self.macos_removed(key, &t, &d),
         }
-    }
-
-    /// cocoon's answer to settling a VM found still being created: looked up again, or
-    /// waited for while a create still runs it.
-    fn delete_settled_creating(&mut self, key: &PodKey, t: &Tracked, by_id: bool, r: Answer) {
-        let outcome = if r.succeeded() {
-            r.stale_outcome().ok()
-        } else {
-            None
-        };
-        match outcome {
-            // The record is gone or became a VM: look again (and remove what landed).
-            Some(
-                StaleCreateOutcome::Collected
-                | StaleCreateOutcome::NotFound
-                | StaleCreateOutcome::NotCreating,
-            ) => self.find_vm_for_delete(key, t, by_id),
-            // A create still runs (or cocoon could not say): wait for it.
-            _ => {
-                let at = self.now + INSPECT_RETRY;
-                self.advance(key, DeleteStep::FindVmWait { by_id }, Ask::Timer(at))
-            }
-        }
-    }
-
-    /// The VM inspected before its delete: a running one is saved first, a stopped or gone
-    /// one removed.
-    fn delete_inspected(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp, r: Answer) {
-        let vm = t.vm.clone().unwrap_or_default();
-        if r.vm_not_found() {
-            return self.advance(
-                key,
-                DeleteStep::Rm,
-                Ask::Cocoon(CocoonCmd::VmRm { id: vm.id }),
-            );
-        }
-        let parsed = if r.succeeded() { r.vm().ok() } else { None };
-        match parsed {
-            None => self.delete_failed(
-                key,
-                DeleteError::Inspect {
-                    vm_id: vm.id.clone(),
-                    error: r.error_text(),
-                },
-            ),
-            Some(v) if v.running() => self.delete_save(key, t, d, false),
-            Some(_) => self.advance(
-                key,
-                DeleteStep::Rm,
-                Ask::Cocoon(CocoonCmd::VmRm { id: vm.id }),
-            ),
-        }
-    }
-
-    /// The `snapshot save` before the delete answered: its push follows (after a look at
-    /// whose `<vm>:latest` it replaces), the name's holder is removed once, or the delete fails.
-    fn delete_saved(&mut self, key: &PodKey, d: &DeleteOp, retried: bool, r: Answer) {
-        if r.succeeded() {
-            self.metric(MetricUpdate::SnapshotSave { result: "ok" });
-            // Whose `<vm>:latest` the push would replace, first.
-            let (repo, tag) = (d.vm_name.clone(), "latest".to_string());
-            let ask = Ask::effect(|op| Effect::ReadSnapshotTag { op, repo, tag });
-            return self.advance(key, DeleteStep::PushCheck, ask);
-        }
-        if r.name_taken() && !retried {
-            return self.advance(
-                key,
-                DeleteStep::RmHolder,
-                Ask::Cocoon(CocoonCmd::SnapshotRm {
-                    name: d.vm_name.clone(),
-                }),
-            );
-        }
-        self.metric(MetricUpdate::SnapshotSave { result: "failed" });
-        self.delete_failed(
-            key,
-            DeleteError::Save {
-                vm_name: d.vm_name.clone(),
-                error: r.error_text(),
-            },
-        )
-    }
-
-    /// The registry's `<vm>:latest`, read before the push: another namespace's is never
-    /// pushed over.
-    fn delete_push_checked(
-        &mut self,
-        key: &PodKey,
-        t: &Tracked,
-        d: &DeleteOp,
-        r: Result<Option<HibernateTag>, TransferError>,
-    ) {
-        match r {
-            Ok(Some(tag)) if isolation::tag_of_another(key, &tag) => {
-                let msg = format!(
-                    "{}:latest in the registry is not recorded for namespace {}; the \
-                         snapshot before delete is not pushed over it",
-                    d.vm_name, key.namespace
-                );
-                self.push_refused_at_delete(key, t, &msg)
-            }
-            Ok(_) => {
-                let (name, image) = (d.vm_name.clone(), t.spec.image.clone());
-                let owner = Owner::new(&key.namespace, &t.uid);
-                let ask = Ask::effect(|op| Effect::PushSnapshot {
-                    op,
-                    local_name: name.clone(),
-                    repo: name,
-                    tag: "latest".into(),
-                    base_image: image,
-                    owner,
-                });
-                self.advance(key, DeleteStep::Push, ask)
-            }
-            Err(e) => {
-                self.metric(MetricUpdate::SnapshotPush { result: "failed" });
-                let (vm_name, error) = (d.vm_name.clone(), e.to_string());
-                self.delete_failed(key, DeleteError::ReadLatest { vm_name, error })
-            }
-        }
-    }
-
-    /// The snapshot before delete would replace another namespace's snapshot (local or in the
-    /// registry): it is not taken or not pushed (Warning, counter); the VM is removed all the
-    /// same, as the pod is gone.
-    fn push_refused_at_delete(&mut self, key: &PodKey, t: &Tracked, msg: &str) {
-        self.metric(MetricUpdate::SnapshotPush { result: "failed" });
-        self.lifecycle_metric("delete", "skipped", isolation::REASON_SNAPSHOT_NOT_IN_NS);
-        self.event(
-            key,
-            &t.uid,
-            EventType::Warning,
-            isolation::EVENT_SNAPSHOT_NOT_IN_NS,
-            msg,
-        );
-        let id = t.vm.as_ref().map(|v| v.id.clone()).unwrap_or_default();
-        self.advance(key, DeleteStep::Rm, Ask::Cocoon(CocoonCmd::VmRm { id }))
     }
 
     /// The snapshot-before-delete's save of `<vm>`, once its owner is on record.
@@ -480,7 +303,8 @@ impl Provider {
                  delete is taken",
                 d.vm_name, key.namespace
             );
-            return self.push_refused_at_delete(key, t, &msg);
+            let next = d.refused(&mut self.cx(key), t, &msg);
+            return self.delete_next(key, d.clone(), next);
         }
         let vm_id = t.vm.as_ref().map(|v| v.id.clone()).unwrap_or_default();
         let save = CocoonCmd::SnapshotSave {
@@ -645,6 +469,241 @@ impl Provider {
         if !macs.is_empty() {
             self.out.push(Effect::ReleaseLeases { macs });
         }
+    }
+}
+
+/// What a step of the delete leaves to the provider.
+enum Deleting {
+    /// The API's answer to the pod's DELETE (`ApiLast`, or any answer once the pod's
+    /// tracking vanished): the API delete's outcome.
+    ApiAnswered(Res),
+    /// The delete fails: the VM is kept and the delete retried on the pod's backoff.
+    Failed(DeleteError),
+    /// The lookup of a VM not known answered: is it the pod's own (the ownership record
+    /// too)?
+    Found { by_id: bool, r: Answer },
+    /// The running VM is saved before its removal (unless its name's snapshot is another
+    /// namespace's).
+    Save { retried: bool },
+    /// `vm rm` went through: the VM's leases and indexes go, then its snapshots unless kept.
+    VmRemoved,
+    /// A local snapshot's removal answered (`fork`: `fork-<vm>`, else `<vm>`).
+    SnapshotRemoved { fork: bool, r: Answer },
+    /// `cocoon-macos vm rm` went through (or found no VM).
+    MacosRemoved,
+}
+
+impl DeleteOp {
+    /// Look up the VM of a delete that knows none (by name, else by the ID annotation).
+    fn find_vm(t: &Tracked, by_id: bool) -> Next<DeleteStep, Deleting> {
+        let reference = if by_id {
+            t.spec.vm_id.clone()
+        } else {
+            t.spec.vm_name.clone()
+        };
+        let ask = Ask::Cocoon(CocoonCmd::VmInspect { reference });
+        Next::Ask(DeleteStep::FindVm { by_id }, ask)
+    }
+
+    /// The pod timer of a delete waiting for a VM still being created.
+    fn on_timer(&self, cx: &Cx) -> Next<DeleteStep, Deleting> {
+        let Some(t) = cx.tracked else {
+            return Next::Wait;
+        };
+        match self.step {
+            DeleteStep::FindVmWait { by_id } => Self::find_vm(t, by_id),
+            _ => Next::Wait,
+        }
+    }
+
+    fn on_answer(&self, cx: &mut Cx, res: Res) -> Next<DeleteStep, Deleting> {
+        let Some(t) = cx.tracked else {
+            // Tracking vanished (forgotten): only ApiLast can remain.
+            return Next::Then(Deleting::ApiAnswered(res));
+        };
+        let vm_id = t.vm.as_ref().map(|v| v.id.clone()).unwrap_or_default();
+        match (self.step, res) {
+            (DeleteStep::FindVm { by_id }, Res::Cocoon(r)) => {
+                Next::Then(Deleting::Found { by_id, r })
+            }
+            (DeleteStep::SettleCreating { by_id }, Res::Cocoon(r)) => {
+                Self::settled_creating(cx, t, by_id, r)
+            }
+            (DeleteStep::Inspect, Res::Cocoon(r)) => Self::inspected(vm_id, r),
+            (DeleteStep::Save { retried, started }, Res::Cocoon(r)) => {
+                cx.metric(MetricUpdate::SnapshotSaveDuration {
+                    namespace: cx.key.namespace.clone(),
+                    seconds: cx.now.saturating_duration_since(started).as_secs_f64(),
+                });
+                self.saved(cx, retried, r)
+            }
+            (DeleteStep::RmHolder, Res::Cocoon(_)) => Next::Then(Deleting::Save { retried: true }),
+            (DeleteStep::PushCheck, Res::Evidence(r)) => self.push_checked(cx, t, r),
+            (DeleteStep::Push, Res::Transfer(r)) => match r {
+                Ok(_) => {
+                    cx.metric(MetricUpdate::SnapshotPush { result: "ok" });
+                    let ask = Ask::Cocoon(CocoonCmd::VmRm { id: vm_id });
+                    Next::Ask(DeleteStep::Rm, ask)
+                }
+                Err(e) => {
+                    cx.metric(MetricUpdate::SnapshotPush { result: "failed" });
+                    Next::Then(Deleting::Failed(DeleteError::Push {
+                        vm_name: self.vm_name.clone(),
+                        error: e.to_string(),
+                    }))
+                }
+            },
+            (DeleteStep::Rm, Res::Cocoon(r)) => {
+                if !r.succeeded() && !r.vm_not_found() {
+                    let error = r.error_text();
+                    return Next::Then(Deleting::Failed(DeleteError::Rm { vm_id, error }));
+                }
+                Next::Then(Deleting::VmRemoved)
+            }
+            (DeleteStep::RmSnapshot, Res::Cocoon(r)) => {
+                Next::Then(Deleting::SnapshotRemoved { fork: false, r })
+            }
+            (DeleteStep::RmForkSnapshot, Res::Cocoon(r)) => {
+                Next::Then(Deleting::SnapshotRemoved { fork: true, r })
+            }
+            (DeleteStep::ApiLast, res @ Res::Kube(_)) => Next::Then(Deleting::ApiAnswered(res)),
+            // `vm rm` answered: a missing VM counts as removed; anything else keeps the pod.
+            (DeleteStep::MacosRm, Res::Cocoon(r)) => {
+                if !r.succeeded() && !r.vm_not_found() {
+                    let (vm_name, error) = (self.vm_name.clone(), r.error_text());
+                    return Next::Then(Deleting::Failed(DeleteError::MacosRm { vm_name, error }));
+                }
+                Next::Then(Deleting::MacosRemoved)
+            }
+            (step, res) => Next::Unexpected(step, res),
+        }
+    }
+
+    /// cocoon's answer to settling a VM found still being created: looked up again, or
+    /// waited for while a create still runs it.
+    fn settled_creating(
+        cx: &Cx,
+        t: &Tracked,
+        by_id: bool,
+        r: Answer,
+    ) -> Next<DeleteStep, Deleting> {
+        let outcome = if r.succeeded() {
+            r.stale_outcome().ok()
+        } else {
+            None
+        };
+        match outcome {
+            // The record is gone or became a VM: look again (and remove what landed).
+            Some(
+                StaleCreateOutcome::Collected
+                | StaleCreateOutcome::NotFound
+                | StaleCreateOutcome::NotCreating,
+            ) => Self::find_vm(t, by_id),
+            // A create still runs (or cocoon could not say): wait for it.
+            _ => {
+                let at = cx.now + INSPECT_RETRY;
+                Next::Ask(DeleteStep::FindVmWait { by_id }, Ask::Timer(at))
+            }
+        }
+    }
+
+    /// The VM inspected before its delete: a running one is saved first, a stopped or gone
+    /// one removed.
+    fn inspected(vm_id: String, r: Answer) -> Next<DeleteStep, Deleting> {
+        let rm = |id| Next::Ask(DeleteStep::Rm, Ask::Cocoon(CocoonCmd::VmRm { id }));
+        if r.vm_not_found() {
+            return rm(vm_id);
+        }
+        let parsed = if r.succeeded() { r.vm().ok() } else { None };
+        match parsed {
+            None => Next::Then(Deleting::Failed(DeleteError::Inspect {
+                vm_id,
+                error: r.error_text(),
+            })),
+            Some(v) if v.running() => Next::Then(Deleting::Save { retried: false }),
+            Some(_) => rm(vm_id),
+        }
+    }
+
+    /// The `snapshot save` before the delete answered: its push follows (after a look at
+    /// whose `<vm>:latest` it replaces), the name's holder is removed once, or the delete fails.
+    fn saved(&self, cx: &mut Cx, retried: bool, r: Answer) -> Next<DeleteStep, Deleting> {
+        if r.succeeded() {
+            cx.metric(MetricUpdate::SnapshotSave { result: "ok" });
+            // Whose `<vm>:latest` the push would replace, first.
+            let (repo, tag) = (self.vm_name.clone(), "latest".to_string());
+            let ask = Ask::effect(|op| Effect::ReadSnapshotTag { op, repo, tag });
+            return Next::Ask(DeleteStep::PushCheck, ask);
+        }
+        if r.name_taken() && !retried {
+            let name = self.vm_name.clone();
+            let ask = Ask::Cocoon(CocoonCmd::SnapshotRm { name });
+            return Next::Ask(DeleteStep::RmHolder, ask);
+        }
+        cx.metric(MetricUpdate::SnapshotSave { result: "failed" });
+        Next::Then(Deleting::Failed(DeleteError::Save {
+            vm_name: self.vm_name.clone(),
+            error: r.error_text(),
+        }))
+    }
+
+    /// The registry's `<vm>:latest`, read before the push: another namespace's is never
+    /// pushed over.
+    fn push_checked(
+        &self,
+        cx: &mut Cx,
+        t: &Tracked,
+        r: Result<Option<HibernateTag>, TransferError>,
+    ) -> Next<DeleteStep, Deleting> {
+        let key = cx.key;
+        match r {
+            Ok(Some(tag)) if isolation::tag_of_another(key, &tag) => {
+                let msg = format!(
+                    "{}:latest in the registry is not recorded for namespace {}; the \
+                         snapshot before delete is not pushed over it",
+                    self.vm_name, key.namespace
+                );
+                self.refused(cx, t, &msg)
+            }
+            Ok(_) => {
+                let (name, image) = (self.vm_name.clone(), t.spec.image.clone());
+                let owner = Owner::new(&key.namespace, &t.uid);
+                let ask = Ask::effect(|op| Effect::PushSnapshot {
+                    op,
+                    local_name: name.clone(),
+                    repo: name,
+                    tag: "latest".into(),
+                    base_image: image,
+                    owner,
+                });
+                Next::Ask(DeleteStep::Push, ask)
+            }
+            Err(e) => {
+                cx.metric(MetricUpdate::SnapshotPush { result: "failed" });
+                let (vm_name, error) = (self.vm_name.clone(), e.to_string());
+                Next::Then(Deleting::Failed(DeleteError::ReadLatest { vm_name, error }))
+            }
+        }
+    }
+
+    /// The snapshot before delete would replace another namespace's snapshot (local or in the
+    /// registry): it is not taken or not pushed (Warning, counter); the VM is removed all the
+    /// same, as the pod is gone.
+    fn refused(&self, cx: &mut Cx, t: &Tracked, msg: &str) -> Next<DeleteStep, Deleting> {
+        cx.metric(MetricUpdate::SnapshotPush { result: "failed" });
+        cx.metric(MetricUpdate::PodLifecycle {
+            op: "delete",
+            result: "skipped",
+            reason: isolation::REASON_SNAPSHOT_NOT_IN_NS,
+        });
+        cx.event(
+            &t.uid,
+            EventType::Warning,
+            isolation::EVENT_SNAPSHOT_NOT_IN_NS,
+            msg,
+        );
+        let id = t.vm.as_ref().map(|v| v.id.clone()).unwrap_or_default();
+        Next::Ask(DeleteStep::Rm, Ask::Cocoon(CocoonCmd::VmRm { id }))
     }
 }
 

@@ -465,12 +465,8 @@ impl Provider {
         self.advance(key, DeleteStep::MacosRm, macos(MacosCmd::Rm { name }))
     }
 
-    /// `vm rm` answered: a missing VM counts as removed; anything else keeps the pod.
-    pub(super) fn macos_removed(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp, r: Answer) {
-        if !r.succeeded() && !r.vm_not_found() {
-            let (vm_name, error) = (d.vm_name.clone(), r.error_text());
-            return self.delete_failed(key, delete::DeleteError::MacosRm { vm_name, error });
-        }
+    /// `vm rm` removed the VM (or found none): its leases and restart record go with it.
+    pub(super) fn macos_removed(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp) {
         if let Some(vm) = t.vm.as_ref() {
             self.release_leases(vm);
             self.last_restart.remove(&vm.id);

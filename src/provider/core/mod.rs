@@ -13,7 +13,8 @@
 //! state struct and step enum; `answers` routes each effect's answer
 //! to the op that waits and handles answers no step expects. One file per operation holds its
 //! transitions: `create` (up to clone / run), `bring_up` (the VM exists: settle, IP, Ready),
-//! `delete`, `check` (VM events and rechecks), `evict`, `startup` (reconcile and adoption),
+//! `ready_wait` (the wait for a guest IP before Ready), `delete`, `check` (VM events and
+//! rechecks), `evict`, `startup` (reconcile and adoption),
 //! `fork` (the node-wide `fork-<source>` snapshot flight of fork-from) and `kube_writes`
 //! (status / annotation patches, drift). A new transition touches its operation's file and,
 //! for a new step, the step enum in `ops`.
