@@ -10,11 +10,12 @@
 //! Files: this one holds the provider's tables, the input dispatch, the per-pod helpers
 //! (`advance` sets a step with the effect it waits on) and the slot reconcile; `state` the
 //! per-pod slot (tracked incarnation, idle sub-state, waiters, timers); `ops` each op kind's
-//! state struct and step enum; `answers` routes each effect's answer
-//! to the op that waits and handles answers no step expects. One file per operation holds its
-//! transitions: `create` (up to clone / run), `bring_up` (the VM exists: settle, IP, Ready),
-//! `ready_wait` (the wait for a guest IP before Ready), `delete`, `check` (VM events and
-//! rechecks), `evict`, `startup` (reconcile and adoption),
+//! state struct and step enum; `machine` the narrow context (`Cx`) and outcome (`Next`) of an
+//! op's step; `answers` routes each effect's answer to the op that waits and handles answers
+//! no step expects. One file per operation holds its transitions: `create` (up to clone /
+//! run), `bring_up` (the VM exists: settle, IP, Ready), `ready_wait` (the wait for a guest IP
+//! before Ready), `delete`, `check` (VM events and rechecks), `evict`, `startup` (reconcile
+//! and adoption), `stale_creates` (the `creating` records startup finds),
 //! `fork` (the node-wide `fork-<source>` snapshot flight of fork-from) and `kube_writes`
 //! (status / annotation patches, drift). A new transition touches its operation's file and,
 //! for a new step, the step enum in `ops`.
@@ -90,6 +91,7 @@ mod read_facts;
 mod ready_wait;
 mod reclaim;
 mod source_check;
+mod stale_creates;
 mod startup;
 mod state;
 #[cfg(test)]
