@@ -299,12 +299,12 @@ impl WakeOp {
             }
             (WakeStep::RmStaleFork, Res::Cocoon(r)) => {
                 let chores = vec![Chore::SnapshotRemoved(spec::fork_snapshot_name(&vm), r)];
-                Self::chore_then(chores, self.from_tag(cx))
+                Self::chore_then(chores, self.tag_source(cx))
             }
             (WakeStep::Tag, Res::Evidence(found)) => match found {
                 Ok(tag) => {
                     self.tag = tag;
-                    self.from_tag(cx)
+                    self.tag_source(cx)
                 }
                 Err(e) => {
                     let msg = format!("look up {vm}:{HIBERNATE_TAG}: {e}");
@@ -524,7 +524,7 @@ impl WakeOp {
     }
 
     /// No trusted local copy: the registry tag is the source.
-    fn from_tag(&self, cx: &Cx) -> WakeNext {
+    fn tag_source(&self, cx: &Cx) -> WakeNext {
         let vm = self.spec.vm_name.clone();
         let Some(tag) = self.tag.as_ref() else {
             let why = format!("no local snapshot and no {vm}:{HIBERNATE_TAG} in the registry");
