@@ -2,7 +2,7 @@
 //! after a turn that changed something.
 
 use super::Daemon;
-use crate::kubelet::{KubeletView, PodInfo, VmInfo};
+use crate::kubelet::{KubeletView, PodInfo, PodVm};
 use crate::provider::PodKey;
 
 impl Daemon {
@@ -13,7 +13,7 @@ impl Daemon {
             .into_iter()
             .map(|(pod, status)| {
                 let key = PodKey::of(&pod);
-                let vm = self.provider.pod_vm(&key).map(|vm| VmInfo {
+                let vm = self.provider.pod_vm(&key).map(|vm| PodVm {
                     id: vm.id.clone(),
                     name: vm.name.clone(),
                     pid: u32::try_from(vm.pid).unwrap_or(0),
@@ -76,7 +76,7 @@ mod tests {
             namespace: ns.into(),
             name: name.into(),
             uid: name.into(),
-            vm: Some(VmInfo {
+            vm: Some(PodVm {
                 id: vm_id.into(),
                 name: format!("vk-{ns}-{name}"),
                 pid: 0,

@@ -141,9 +141,10 @@ pub fn stats_paths(c: &crate::config::Config) -> crate::metrics::stats::StatsPat
     }
 }
 
-/// The VM behind a pod.
+/// The VM behind a pod, as the kubelet API needs it (the core's reading of a cocoon record
+/// is `vm::VmInfo`).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct VmInfo {
+pub struct PodVm {
     pub id: String,
     pub name: String,
     /// Hypervisor PID (0 = not running).
@@ -162,7 +163,7 @@ pub struct PodInfo {
     pub name: String,
     pub uid: String,
     /// None when the pod has no live VM (hibernated, not yet created, failed).
-    pub vm: Option<VmInfo>,
+    pub vm: Option<PodVm>,
     /// The pod object (serialised on demand by /pods and /runningpods/: a JSON tree per pod
     /// would cost several times the struct's memory on a dense node). Shared with the
     /// provider; its own status is the API's copy.

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kubelet_support::{Harness, Options};
-use vk_cocoon::kubelet::{PodInfo, VmInfo};
+use vk_cocoon::kubelet::{PodInfo, PodVm};
 use vk_cocoon::metrics::collectors::VmCollector;
 use vk_cocoon::metrics::http::MetricsServer;
 use vk_cocoon::metrics::stats::{read_sample, StatsHub, TrackedVm};
@@ -38,7 +38,7 @@ fn pods(n: usize) -> Vec<PodInfo> {
     (0..n)
         .map(|i| {
             let mut p = kubelet_support::pod(&format!("ns{}", i % 20), &format!("pod-{i}"), None);
-            p.vm = Some(VmInfo {
+            p.vm = Some(PodVm {
                 id: format!("vm{i:04}"),
                 name: format!("vk-pod-{i}"),
                 pid,

@@ -23,7 +23,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, Serve
 use vk_cocoon::kubelet::server::ServedMetrics;
 use vk_cocoon::kubelet::tls::{TlsSettings, TlsState};
 use vk_cocoon::kubelet::{
-    AuthAnswer, AuthRequest, KubeletConfig, KubeletServer, KubeletView, PodInfo, UserInfo, VmInfo,
+    AuthAnswer, AuthRequest, KubeletConfig, KubeletServer, KubeletView, PodInfo, PodVm, UserInfo,
 };
 use vk_cocoon::metrics::probes::ProbeCounts;
 use vk_cocoon::metrics::stats::{StatsHub, StatsPaths};
@@ -247,7 +247,7 @@ pub fn pod(ns: &str, name: &str, vm: Option<(&str, u32)>) -> PodInfo {
         namespace: ns.into(),
         name: name.into(),
         uid: format!("uid-{name}"),
-        vm: vm.map(|(id, pid)| VmInfo {
+        vm: vm.map(|(id, pid)| PodVm {
             id: id.into(),
             name: format!("vk-{ns}-{name}"),
             pid,

@@ -420,7 +420,7 @@ impl KubeletServer {
 }
 
 /// A macOS guest runs under cocoon-macos, which has no exec, attach or console-log command.
-fn is_macos(vm: &crate::kubelet::VmInfo) -> bool {
+fn is_macos(vm: &crate::kubelet::PodVm) -> bool {
     vm.backend == crate::guest::macos::HYPERVISOR
 }
 
