@@ -16,7 +16,7 @@ use rustls::pki_types::ServerName;
 use rustls::{ClientConfig, ClientConnection, StreamOwned};
 use ureq::config::ConfigBuilder;
 use ureq::typestate::AgentScope;
-use ureq::unversioned::resolver::DefaultResolver;
+use ureq::unversioned::resolver::{DefaultResolver, ResolvedSocketAddrs, Resolver};
 use ureq::unversioned::transport::{
     Buffers, ConnectionDetails, Connector, Either, LazyBuffers, NextTimeout, TcpConnector,
     Transport, TransportAdapter,
@@ -78,7 +78,62 @@ pub fn config() -> ConfigBuilder<AgentScope> {
 /// fails to connect (the caller only reaches plain `http` servers).
 pub fn agent(config: ureq::config::Config, tls: Option<Arc<ClientConfig>>) -> ureq::Agent {
     let connector = ().chain(TcpConnector::default()).chain(RustlsOver { tls });
-    ureq::Agent::with_parts(config, connector, DefaultResolver::default())
+    ureq::Agent::with_parts(config, connector, LiteralFirst::default())
+}
+
+/// ureq's resolver, except that a host written as an IP address is its own answer.
+///
+/// Why: with a timeout set (every client here sets one), ureq's resolver starts a thread for
+/// each request, pooled connection or not, to look the host up; for `127.0.0.1` or an API
+/// server's service IP that thread was a large share of a pod write's CPU. Names still go to
+/// ureq's resolver, so what a name resolves to is unchanged.
+#[derive(Debug, Default)]
+struct LiteralFirst {
+    names: DefaultResolver,
+}
+
+impl Resolver for LiteralFirst {
+    fn resolve(
+        &self,
+        uri: &ureq::http::Uri,
+        config: &ureq::config::Config,
+        timeout: NextTimeout,
+    ) -> Result<ResolvedSocketAddrs, ureq::Error> {
+        match literal_address(uri) {
+            Some(addr)
+                if config
+                    .ip_family()
+                    .keep_wanted(std::iter::once(addr))
+                    .count()
+                    == 1 =>
+            {
+                let mut found = self.empty();
+                found.push(addr);
+                Ok(found)
+            }
+            // A literal of the family the agent does not want fails as ureq fails it.
+            _ => self.names.resolve(uri, config, timeout),
+        }
+    }
+}
+
+/// The socket address of `uri` when its host is an IP address (`[..]` around IPv6), with the
+/// scheme's default port when it names none. None for a host name or an unknown scheme.
+fn literal_address(uri: &ureq::http::Uri) -> Option<std::net::SocketAddr> {
+    let authority = uri.authority()?;
+    let host = authority.host();
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    let ip: std::net::IpAddr = host.parse().ok()?;
+    let port = match (authority.port_u16(), uri.scheme_str()) {
+        (Some(port), _) => port,
+        (None, Some("https")) => 443,
+        (None, Some("http")) => 80,
+        _ => return None,
+    };
+    Some(std::net::SocketAddr::new(ip, port))
 }
 
 /// A request of any method to `url` with `headers`, for [`ureq::Agent::run`]. A header named
@@ -231,6 +286,26 @@ mod tests {
         assert_eq!(lens, ["2"]);
         assert_eq!(req.headers()["accept"], "a/b");
         assert_eq!(req.method(), "PATCH");
+    }
+
+    #[test]
+    fn a_literal_host_is_its_own_address_and_a_name_is_not() {
+        let addr = |u: &str| literal_address(&u.parse().expect("uri"));
+        assert_eq!(
+            addr("https://127.0.0.1:6443/api"),
+            Some("127.0.0.1:6443".parse().unwrap())
+        );
+        assert_eq!(
+            addr("https://10.0.0.1/api"),
+            Some("10.0.0.1:443".parse().unwrap())
+        );
+        assert_eq!(addr("http://[::1]/x"), Some("[::1]:80".parse().unwrap()));
+        assert_eq!(
+            addr("https://[fd00::1]:8443/"),
+            Some("[fd00::1]:8443".parse().unwrap())
+        );
+        assert_eq!(addr("https://localhost:6443/"), None);
+        assert_eq!(addr("https://kubernetes.default.svc/"), None);
     }
 
     #[test]

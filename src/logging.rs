@@ -5,6 +5,8 @@
 //! (`<3>` for errors ...) so journald records the right priority, and carries no timestamp
 //! (journald adds its own). Elsewhere lines start with a UTC timestamp.
 //! Newlines inside a message are escaped so one record is always one line.
+//! `debug` is the daemon's own debug: the libraries' debug records (ureq's request and response
+//! dumps, one set per API call) are written at `trace` only.
 
 use std::fmt;
 use std::io::Write;
@@ -45,6 +47,19 @@ struct StderrLogger {
     journald: bool,
 }
 
+/// Whether a record of `level` from `target` is written at `max`: the daemon's own records up
+/// to `max`; a library's up to `info` unless `max` is `trace` (at `debug`, ureq alone wrote
+/// three Debug-formatted lines per API call, a third of the kube workers' CPU in the bench).
+pub fn wanted(level: Level, target: &str, max: LevelFilter) -> bool {
+    if level > max {
+        return false;
+    }
+    // The library and its two binaries (`vk_cocoon::…`, `vk_cocoon_sandbox`).
+    let krate = target.split("::").next().unwrap_or(target);
+    let ours = krate == "vk_cocoon" || krate == "vk_cocoon_sandbox";
+    ours || level <= Level::Info || max == LevelFilter::Trace
+}
+
 /// Formats one record as a single line (without the trailing newline).
 pub fn format_line(
     level: Level,
@@ -54,6 +69,28 @@ pub fn format_line(
     now: SystemTime,
 ) -> String {
     let mut line = String::with_capacity(64 + message.len());
+    write_line(
+        &mut line,
+        level,
+        target,
+        format_args!("{message}"),
+        journald,
+        now,
+    );
+    line
+}
+
+/// Appends one record's line (without the trailing newline) to `line`: the message is
+/// formatted straight into it, with newlines escaped as they come.
+fn write_line(
+    line: &mut String,
+    level: Level,
+    target: &str,
+    message: fmt::Arguments<'_>,
+    journald: bool,
+    now: SystemTime,
+) {
+    use fmt::Write as _;
     if journald {
         let prio = match level {
             Level::Error => 3,
@@ -61,35 +98,52 @@ pub fn format_line(
             Level::Info => 6,
             Level::Debug | Level::Trace => 7,
         };
-        line.push_str(&format!("<{prio}>"));
+        let _ = write!(line, "<{prio}>");
     } else {
         line.push_str(&crate::rfc3339::millis(now));
         line.push(' ');
     }
-    line.push_str(&format!("{level:<5} {target}: "));
-    for c in message.chars() {
-        match c {
-            '\n' => line.push_str("\\n"),
-            '\r' => line.push_str("\\r"),
-            c => line.push(c),
+    let _ = write!(line, "{level:<5} {target}: ");
+    let _ = OneLine(line).write_fmt(message);
+}
+
+/// Writes text with `\n` and `\r` escaped, so a message stays on its line.
+struct OneLine<'a>(&'a mut String);
+
+impl fmt::Write for OneLine<'_> {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        for part in s.split_inclusive(['\n', '\r']) {
+            match part.as_bytes().last() {
+                Some(b'\n') => {
+                    self.0.push_str(&part[..part.len() - 1]);
+                    self.0.push_str("\\n");
+                }
+                Some(b'\r') => {
+                    self.0.push_str(&part[..part.len() - 1]);
+                    self.0.push_str("\\r");
+                }
+                _ => self.0.push_str(part),
+            }
         }
+        Ok(())
     }
-    line
 }
 
 impl Log for StderrLogger {
     fn enabled(&self, metadata: &Metadata) -> bool {
-        metadata.level() <= self.level
+        wanted(metadata.level(), metadata.target(), self.level)
     }
 
     fn log(&self, record: &Record) {
         if !self.enabled(record.metadata()) {
             return;
         }
-        let mut line = format_line(
+        let mut line = String::with_capacity(160);
+        write_line(
+            &mut line,
             record.level(),
             record.target(),
-            &record.args().to_string(),
+            *record.args(),
             self.journald,
             crate::wall_clock::now(),
         );
@@ -143,5 +197,22 @@ mod tests {
         );
         let line = format_line(Level::Error, "m", "boom", true, UNIX_EPOCH);
         assert_eq!(line, "<3>ERROR m: boom");
+        let line = format_line(Level::Info, "m", "\r\n\nx\n", false, UNIX_EPOCH);
+        assert_eq!(line, "1970-01-01T00:00:00.000Z INFO  m: \\r\\n\\nx\\n");
+    }
+
+    #[test]
+    fn a_librarys_debug_records_are_written_at_trace_only() {
+        use LevelFilter as F;
+        for target in ["vk_cocoon", "vk_cocoon::kube::client", "vk_cocoon_sandbox"] {
+            assert!(wanted(Level::Debug, target, F::Debug), "{target}");
+            assert!(!wanted(Level::Trace, target, F::Debug), "{target}");
+        }
+        assert!(!wanted(Level::Debug, "ureq::run", F::Debug));
+        assert!(!wanted(Level::Debug, "vk_cocoonish", F::Debug));
+        assert!(wanted(Level::Debug, "ureq::run", F::Trace));
+        assert!(wanted(Level::Info, "ureq::run", F::Debug));
+        assert!(wanted(Level::Warn, "rustls::conn", F::Warn));
+        assert!(!wanted(Level::Info, "ureq::run", F::Warn));
     }
 }
