@@ -13,6 +13,7 @@
 //! leaves their pods untracked and the create that follows adopts them before any VNC port is
 //! handed to a new guest of the same pod.
 
+use super::delete::Deleting;
 use super::*;
 use crate::guest::macos::{self as contract, MacosCmd, MacosRun, MacosVm};
 use crate::vm::NicInfo;
@@ -365,18 +366,6 @@ impl Provider {
         owed
     }
 
-    /// The delete of a managed macOS guest: `cocoon-macos vm rm <name>`, no snapshot work.
-    pub(super) fn macos_delete(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp) {
-        if !contract::argument_ok(&t.spec.vm_name) {
-            // Nothing of ours can carry such a name: there is no VM to remove.
-            self.lifecycle_metric("delete", "skipped", "no_vm");
-            self.forget(key, true);
-            return self.delete_done(key, t, d);
-        }
-        let name = t.spec.vm_name.clone();
-        self.advance(key, DeleteStep::MacosRm, macos(MacosCmd::Rm { name }))
-    }
-
     /// `vm rm` removed the VM (or found none): its leases and restart record go with it.
     pub(super) fn macos_removed(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp) {
         if let Some(vm) = t.vm.as_ref() {
@@ -578,31 +567,7 @@ impl CreateOp {
         let name = self.spec.vm_name.clone();
         let failed = |msg: String| Next::Then(MacosThen::Failed(msg));
         match (self.step.clone(), res) {
-            (CreateStep::MacosInspect, Res::Cocoon(r)) => {
-                if r.succeeded() {
-                    return match contract::parse_inspect(&r.stdout) {
-                        // Only the guest of this very name is adopted.
-                        Ok(vm) if vm.name != name => failed(format!(
-                            "cocoon-macos vm inspect {name} answered for another guest"
-                        )),
-                        Ok(vm) => {
-                            let pid = vm.pid;
-                            let ask = Ask::effect(move |op| Effect::CheckPid { op, pid });
-                            Next::Ask(CreateStep::MacosAlive { vm }, ask)
-                        }
-                        Err(e) => failed(e.to_string()),
-                    };
-                }
-                if !r.vm_not_found() {
-                    return failed(format!(
-                        "cocoon-macos vm inspect {name}: {}",
-                        r.error_text()
-                    ));
-                }
-                let image = self.spec.image.clone();
-                let ask = shared(MacosCmd::ImageInspect { image });
-                Next::Ask(CreateStep::MacosImageInspect, ask)
-            }
+            (CreateStep::MacosInspect, Res::Cocoon(r)) => self.macos_inspected(r),
             (CreateStep::MacosAlive { vm }, Res::Pid(alive)) => {
                 if alive {
                     cx.metric(MetricUpdate::PodLifecycle {
@@ -661,5 +626,52 @@ impl CreateOp {
             }
             (step, res) => Next::Unexpected(step, res),
         }
+    }
+
+    /// The look for the guest of this name before anything is made: one running is adopted
+    /// (once its liveness is checked); with none, the image comes first.
+    fn macos_inspected(&self, r: Answer) -> MacosCreateNext {
+        let name = &self.spec.vm_name;
+        let failed = |msg: String| Next::Then(MacosThen::Failed(msg));
+        if r.succeeded() {
+            return match contract::parse_inspect(&r.stdout) {
+                // Only the guest of this very name is adopted.
+                Ok(vm) if vm.name != *name => failed(format!(
+                    "cocoon-macos vm inspect {name} answered for another guest"
+                )),
+                Ok(vm) => {
+                    let pid = vm.pid;
+                    let ask = Ask::effect(move |op| Effect::CheckPid { op, pid });
+                    Next::Ask(CreateStep::MacosAlive { vm }, ask)
+                }
+                Err(e) => failed(e.to_string()),
+            };
+        }
+        if !r.vm_not_found() {
+            return failed(format!(
+                "cocoon-macos vm inspect {name}: {}",
+                r.error_text()
+            ));
+        }
+        let image = self.spec.image.clone();
+        let ask = shared(MacosCmd::ImageInspect { image });
+        Next::Ask(CreateStep::MacosImageInspect, ask)
+    }
+}
+
+impl DeleteOp {
+    /// The delete of a managed macOS guest: `cocoon-macos vm rm <name>`, no snapshot work.
+    pub(super) fn macos_rm(&self, cx: &mut Cx, t: &Tracked) -> Next<DeleteStep, Deleting> {
+        if !contract::argument_ok(&t.spec.vm_name) {
+            // Nothing of ours can carry such a name: there is no VM to remove.
+            cx.metric(MetricUpdate::PodLifecycle {
+                op: "delete",
+                result: "skipped",
+                reason: "no_vm",
+            });
+            return Next::Then(Deleting::Forgotten);
+        }
+        let name = t.spec.vm_name.clone();
+        Next::Ask(DeleteStep::MacosRm, macos(MacosCmd::Rm { name }))
     }
 }
