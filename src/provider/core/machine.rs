@@ -7,7 +7,8 @@
 //! index upkeep and detached calls an answer calls for as `Chore`s in the op's own follow-up).
 //! Machines so far: `classify`, `confirm_hibernated`, `create` (with its macOS steps), `wake`,
 //! `hibernate`, `evict`, `check`, `macos` (the watch), `ready_wait`, `post_clone`,
-//! `api_delete`, `delete` (with its start-up routing and macOS step); the others still step on `Provider` directly.
+//! `api_delete`, `delete` (with its start-up routing and macOS step); the others still step
+//! on `Provider` directly.
 
 use super::*;
 
