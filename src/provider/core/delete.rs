@@ -1,6 +1,7 @@
 //! Delete: the API-first / snapshot save, push, rm / API-last steps of a pod's deletion, and
 //! the DELETE of API objects the core no longer tracks.
 
+use super::machine::Chore;
 use super::*;
 
 /// Why a delete failed: the pod's VM is kept and the delete retried on the pod's backoff.
@@ -87,14 +88,16 @@ impl Provider {
         // record that a VM is owed removal; a crash after a force-delete and before `vm rm`
         // would leave the VM for good (with the alert orphan policy) or to an orphan sweep
         // that may not run. A terminating pod waiting for its VM costs only time.
-        slot.start_op(DeleteOp {
+        let d = DeleteOp {
             uid: t.uid.clone(),
             step: DeleteStep::ApiFirst,
             vm_name: t.spec.vm_name.clone(),
             keep,
             looked_up: false,
-        });
-        self.delete_after_api_first(key);
+        };
+        slot.start_op(d.clone());
+        let next = d.route(&mut self.cx(key));
+        self.delete_next(key, d, next)
     }
 
     /// A pod being deleted that we do not track: when it names a VM we may own, track it with
@@ -132,123 +135,14 @@ impl Provider {
         true
     }
 
-    /// The answer of that lookup: a VM found is removed as the tracked one would be; one still
-    /// being created is looked at again shortly; none lets the delete finish.
-    fn found_vm_for_delete(
-        &mut self,
-        key: &PodKey,
-        t: &Tracked,
-        d: DeleteOp,
-        by_id: bool,
-        r: Answer,
-    ) {
-        let found = if r.succeeded() { r.vm().ok() } else { None };
-        // The pod's own VM only: of its name exactly, and by ID only with that name. An answer
-        // for another VM (its ID prefixed by the value looked up) is as good as none.
-        let other = found.as_ref().is_some_and(|v| {
-            let exact = if by_id {
-                isolation::vm_is(v, &t.spec.vm_id, &t.spec.vm_name)
-            } else {
-                isolation::vm_named(v, &t.spec.vm_name)
-            };
-            // A VM of the name recorded for another namespace is not this pod's either.
-            !exact
-                || self
-                    .owner_of(Owned::Vm, &v.name)
-                    .is_some_and(|o| o.namespace != key.namespace)
-        });
-        if r.vm_not_found() || other {
-            if !by_id && t.spec.vm_id != t.spec.vm_name && lookup_reference_ok(&t.spec.vm_id) {
-                let next = DeleteOp::find_vm(t, true);
-                return self.delete_next(key, d, next);
-            }
-            if let Some(d) = self.op_of_mut::<DeleteOp>(key) {
-                d.looked_up = true;
-            }
-            // No VM of the pod's name: none is owned under it either.
-            self.forget_owner(Owned::Vm, &t.spec.vm_name);
-            return self.delete_after_api_first(key);
-        }
-        let reference = if by_id {
-            &t.spec.vm_id
-        } else {
-            &t.spec.vm_name
-        };
-        match found {
-            None => self.delete_failed(
-                key,
-                DeleteError::Lookup {
-                    reference: reference.clone(),
-                    error: r.error_text(),
-                },
-            ),
-            Some(v) if matches!(v.state, VmState::Creating) => self.advance(
-                key,
-                DeleteStep::SettleCreating { by_id },
-                Ask::Cocoon(CocoonCmd::ReconcileStaleCreate { id: v.id }),
-            ),
-            Some(v) => {
-                if let Some(t) = self.slot(key).tracked.as_mut() {
-                    t.vm = Some(v);
-                }
-                self.delete_after_api_first(key)
-            }
-        }
-    }
-
     /// The pod timer of a delete waiting for a VM still being created.
     pub(super) fn delete_timer(&mut self, key: &PodKey, d: DeleteOp) {
         let next = d.on_timer(&self.cx(key));
         self.delete_next(key, d, next)
     }
 
-    pub(super) fn delete_after_api_first(&mut self, key: &PodKey) {
-        let slot = self.slot(key);
-        let Some(t) = slot.tracked.clone() else {
-            return;
-        };
-        let Some(d) = slot.op().and_then(DeleteOp::of).cloned() else {
-            return;
-        };
-        if !t.spec.managed {
-            self.forget(key, true);
-            self.lifecycle_metric("delete", "ok", "");
-            return self.delete_done(key, &t, &d);
-        }
-        if macos::is_macos(&t.spec) {
-            return self.macos_delete(key, &t, &d);
-        }
-        let Some(vm) = t.vm.clone() else {
-            if !d.looked_up {
-                let next = DeleteOp::find_vm(&t, false);
-                return self.delete_next(key, d, next);
-            }
-            if d.keep {
-                self.lifecycle_metric("delete", "skipped", "seat_release");
-                self.forget(key, true);
-                return self.delete_done(key, &t, &d);
-            }
-            self.lifecycle_metric("delete", "skipped", "no_vm");
-            return self.delete_rm_snapshots(key, &t, &d);
-        };
-        let role =
-            crate::provider::naming::role(&key.namespace, &t.spec.owner_cocoonset, &t.spec.vm_name);
-        if self.cfg.registry && spec::should_snapshot(&t.spec.snapshot_policy, role) {
-            return self.advance(
-                key,
-                DeleteStep::Inspect,
-                Ask::Cocoon(CocoonCmd::VmInspect { reference: vm.id }),
-            );
-        }
-        self.advance(
-            key,
-            DeleteStep::Rm,
-            Ask::Cocoon(CocoonCmd::VmRm { id: vm.id }),
-        )
-    }
-
     /// An answer to the delete `d`.
-    pub(super) fn delete_step(&mut self, key: &PodKey, d: DeleteOp, res: Res) {
+    pub(super) fn delete_step(&mut self, key: &PodKey, mut d: DeleteOp, res: Res) {
         let next = d.on_answer(&mut self.cx(key), res);
         self.delete_next(key, d, next)
     }
@@ -261,14 +155,35 @@ impl Provider {
         let then = match then {
             Deleting::ApiAnswered(res) => return self.api_delete_result(key, d.uid, res),
             Deleting::Failed(e) => return self.delete_failed(key, e),
+            Deleting::Chore(chores, next) => {
+                chores.into_iter().for_each(|ch| self.chore(ch));
+                return self.delete_next(key, d, *next);
+            }
             then => then,
         };
         let Some(t) = self.slots.get(key).and_then(|s| s.tracked.clone()) else {
             return;
         };
         match then {
-            Deleting::ApiAnswered(_) | Deleting::Failed(_) => {}
-            Deleting::Found { by_id, r } => self.found_vm_for_delete(key, &t, d, by_id, r),
+            Deleting::ApiAnswered(_) | Deleting::Failed(_) | Deleting::Chore(..) => {}
+            Deleting::Found(vm) => {
+                if let Some(t) = self.slot(key).tracked.as_mut() {
+                    t.vm = Some(vm);
+                }
+                let next = d.route(&mut self.cx(key));
+                self.delete_next(key, d, next)
+            }
+            Deleting::Route => {
+                // The route reads the delete as the step left it (its lookup done).
+                self.set_op(key, d.clone());
+                let next = d.route(&mut self.cx(key));
+                self.delete_next(key, d, next)
+            }
+            Deleting::Forgotten => {
+                self.forget(key, true);
+                self.delete_done(key, &t, &d)
+            }
+            Deleting::VmGone => self.delete_vm_gone(key, &t, &d),
             Deleting::Save { retried } => self.delete_save(key, &t, &d, retried),
             Deleting::VmRemoved => {
                 let vm = t.vm.clone().unwrap_or_default();
@@ -281,15 +196,18 @@ impl Provider {
                 if d.keep {
                     return self.delete_vm_gone(key, &t, &d);
                 }
-                self.delete_rm_snapshots(key, &t, &d)
+                let next = d.rm_snapshots(&self.cx(key));
+                self.delete_next(key, d, next)
             }
             Deleting::SnapshotRemoved { fork: false, r } => {
                 self.snapshot_removed(&d.vm_name, &r);
-                self.delete_rm_fork_snapshot(key, &t, &d)
+                let next = d.rm_fork_snapshot(&self.cx(key), &t);
+                self.delete_next(key, d, next)
             }
             Deleting::SnapshotRemoved { fork: true, r } => {
                 self.snapshot_removed(&spec::fork_snapshot_name(&d.vm_name), &r);
-                self.delete_snapshots_gone(key, &t, &d)
+                let next = DeleteOp::snapshots_gone(&t);
+                self.delete_next(key, d, next)
             }
             Deleting::MacosRemoved => self.macos_removed(key, &t, &d),
         }
@@ -316,47 +234,6 @@ impl Provider {
         let ask = Self::owned_then(Owned::Snapshot, &d.vm_name, owner, Deferred::Cocoon(save));
         let started = self.now;
         self.advance(key, DeleteStep::Save { retried, started }, ask)
-    }
-
-    /// Unless kept, the VM's local snapshots go with it: `<vm>` (its hibernate snapshot when
-    /// there is no registry), then `fork-<vm>`; each removal only when that snapshot may exist.
-    /// `<vm>` is removed only when the pod's namespace owns it (by record, or unrecorded and
-    /// proved by the name): it may be the only copy of a hibernation, and another's, or an
-    /// earlier daemon's the name does not tie to the namespace, is left to the reclaimer.
-    /// `fork-<vm>` (a cache) is removed unless recorded for another namespace.
-    fn delete_rm_snapshots(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp) {
-        if !self.snapshot_may_exist(&d.vm_name) || !self.owns_snapshot(key, &d.vm_name, &d.vm_name)
-        {
-            return self.delete_rm_fork_snapshot(key, t, d);
-        }
-        let name = d.vm_name.clone();
-        self.advance(
-            key,
-            DeleteStep::RmSnapshot,
-            Ask::Cocoon(CocoonCmd::SnapshotRm { name }),
-        )
-    }
-
-    fn delete_rm_fork_snapshot(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp) {
-        // A flight saving it meanwhile must not hand out what it lands.
-        self.fork_invalidate(&d.vm_name);
-        let name = spec::fork_snapshot_name(&d.vm_name);
-        if !self.snapshot_may_exist(&name) || self.snapshot_of_another(key, &name) {
-            return self.delete_snapshots_gone(key, t, d);
-        }
-        self.advance(
-            key,
-            DeleteStep::RmForkSnapshot,
-            Ask::Cocoon(CocoonCmd::SnapshotRm { name }),
-        )
-    }
-
-    fn delete_snapshots_gone(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp) {
-        if t.vm.is_none() {
-            self.forget(key, true);
-            return self.delete_done(key, t, d);
-        }
-        self.delete_vm_gone(key, t, d)
     }
 
     /// VM removed: forget, report Succeeded, count, then delete the API object.
@@ -473,15 +350,23 @@ impl Provider {
 }
 
 /// What a step of the delete leaves to the provider.
-enum Deleting {
+pub(super) enum Deleting {
+    /// Chores, then what follows.
+    Chore(Vec<Chore>, Box<Next<DeleteStep, Deleting>>),
     /// The API's answer to the pod's DELETE (`ApiLast`, or any answer once the pod's
     /// tracking vanished): the API delete's outcome.
     ApiAnswered(Res),
     /// The delete fails: the VM is kept and the delete retried on the pod's backoff.
     Failed(DeleteError),
-    /// The lookup of a VM not known answered: is it the pod's own (the ownership record
-    /// too)?
-    Found { by_id: bool, r: Answer },
+    /// The lookup of a VM not known found the pod's own: it is tracked, then the delete is
+    /// routed again (`DeleteOp::route`).
+    Found(VmInfo),
+    /// The delete is routed again as its step left it (its lookup done, nothing found).
+    Route,
+    /// Nothing (more) to remove: the pod is forgotten and its delete done (`delete_done`).
+    Forgotten,
+    /// The pod's VM is gone: forgotten, counted, done (`delete_vm_gone`).
+    VmGone,
     /// The running VM is saved before its removal (unless its name's snapshot is another
     /// namespace's).
     Save { retried: bool },
@@ -494,6 +379,149 @@ enum Deleting {
 }
 
 impl DeleteOp {
+    /// Where the delete goes from its start, or once the pod's VM is known (or known to be
+    /// none): an unmanaged pod's VM is not ours to remove; a macOS guest is removed by
+    /// `cocoon-macos`; a VM not known is looked up first; a running one is inspected for the
+    /// snapshot before delete, else removed.
+    fn route(&self, cx: &mut Cx) -> Next<DeleteStep, Deleting> {
+        let Some(t) = cx.tracked else {
+            return Next::Wait;
+        };
+        if !t.spec.managed {
+            return Next::Then(Deleting::VmGone);
+        }
+        if macos::is_macos(&t.spec) {
+            return self.macos_rm(cx, t);
+        }
+        let Some(vm) = t.vm.as_ref() else {
+            if !self.looked_up {
+                return Self::find_vm(t, false);
+            }
+            if self.keep {
+                cx.metric(MetricUpdate::PodLifecycle {
+                    op: "delete",
+                    result: "skipped",
+                    reason: "seat_release",
+                });
+                return Next::Then(Deleting::Forgotten);
+            }
+            cx.metric(MetricUpdate::PodLifecycle {
+                op: "delete",
+                result: "skipped",
+                reason: "no_vm",
+            });
+            return self.rm_snapshots(cx);
+        };
+        let key = cx.key;
+        let role =
+            crate::provider::naming::role(&key.namespace, &t.spec.owner_cocoonset, &t.spec.vm_name);
+        let id = vm.id.clone();
+        if cx.cfg.registry && spec::should_snapshot(&t.spec.snapshot_policy, role) {
+            let ask = Ask::Cocoon(CocoonCmd::VmInspect { reference: id });
+            return Next::Ask(DeleteStep::Inspect, ask);
+        }
+        Next::Ask(DeleteStep::Rm, Ask::Cocoon(CocoonCmd::VmRm { id }))
+    }
+
+    /// The answer of the lookup of a VM the delete knows none of: a VM found is removed as the
+    /// tracked one would be; one still being created is looked at again shortly; none lets the
+    /// delete finish.
+    fn found(
+        &mut self,
+        cx: &Cx,
+        t: &Tracked,
+        by_id: bool,
+        r: Answer,
+    ) -> Next<DeleteStep, Deleting> {
+        let found = if r.succeeded() { r.vm().ok() } else { None };
+        // The pod's own VM only: of its name exactly, and by ID only with that name. An answer
+        // for another VM (its ID prefixed by the value looked up) is as good as none.
+        let other = found.as_ref().is_some_and(|v| {
+            let exact = if by_id {
+                isolation::vm_is(v, &t.spec.vm_id, &t.spec.vm_name)
+            } else {
+                isolation::vm_named(v, &t.spec.vm_name)
+            };
+            // A VM of the name recorded for another namespace is not this pod's either.
+            !exact
+                || cx
+                    .owners
+                    .get(Owned::Vm, &v.name)
+                    .is_some_and(|o| o.namespace != cx.key.namespace)
+        });
+        if r.vm_not_found() || other {
+            if !by_id && t.spec.vm_id != t.spec.vm_name && lookup_reference_ok(&t.spec.vm_id) {
+                return Self::find_vm(t, true);
+            }
+            self.looked_up = true;
+            // No VM of the pod's name: none is owned under it either.
+            let chores = vec![Chore::ForgetOwner(Owned::Vm, t.spec.vm_name.clone())];
+            return Next::Then(Deleting::Chore(
+                chores,
+                Box::new(Next::Then(Deleting::Route)),
+            ));
+        }
+        let reference = if by_id {
+            &t.spec.vm_id
+        } else {
+            &t.spec.vm_name
+        };
+        match found {
+            None => Next::Then(Deleting::Failed(DeleteError::Lookup {
+                reference: reference.clone(),
+                error: r.error_text(),
+            })),
+            Some(v) if matches!(v.state, VmState::Creating) => {
+                let ask = Ask::Cocoon(CocoonCmd::ReconcileStaleCreate { id: v.id });
+                Next::Ask(DeleteStep::SettleCreating { by_id }, ask)
+            }
+            Some(v) => Next::Then(Deleting::Found(v)),
+        }
+    }
+
+    /// Unless kept, the VM's local snapshots go with it: `<vm>` (its hibernate snapshot when
+    /// there is no registry), then `fork-<vm>`; each removal only when that snapshot may exist.
+    /// `<vm>` is removed only when the pod's namespace owns it (by record, or unrecorded and
+    /// proved by the name): it may be the only copy of a hibernation, and another's, or an
+    /// earlier daemon's the name does not tie to the namespace, is left to the reclaimer.
+    /// `fork-<vm>` (a cache) is removed unless recorded for another namespace.
+    fn rm_snapshots(&self, cx: &Cx) -> Next<DeleteStep, Deleting> {
+        let Some(t) = cx.tracked else {
+            return Next::Wait;
+        };
+        if !cx.snapshot_may_exist(&self.vm_name) || !cx.owns_snapshot(&self.vm_name, &self.vm_name)
+        {
+            return self.rm_fork_snapshot(cx, t);
+        }
+        let name = self.vm_name.clone();
+        let ask = Ask::Cocoon(CocoonCmd::SnapshotRm { name });
+        Next::Ask(DeleteStep::RmSnapshot, ask)
+    }
+
+    fn rm_fork_snapshot(&self, cx: &Cx, t: &Tracked) -> Next<DeleteStep, Deleting> {
+        let name = spec::fork_snapshot_name(&self.vm_name);
+        let next = if !cx.snapshot_may_exist(&name) || cx.snapshot_of_another(&name) {
+            Self::snapshots_gone(t)
+        } else {
+            Next::Ask(
+                DeleteStep::RmForkSnapshot,
+                Ask::Cocoon(CocoonCmd::SnapshotRm { name }),
+            )
+        };
+        // A flight saving it meanwhile must not hand out what it lands.
+        let chores = vec![Chore::ForkInvalidated(self.vm_name.clone())];
+        Next::Then(Deleting::Chore(chores, Box::new(next)))
+    }
+
+    /// The snapshots are dealt with: a pod with no VM is done, one whose VM was removed is
+    /// counted as deleted.
+    fn snapshots_gone(t: &Tracked) -> Next<DeleteStep, Deleting> {
+        if t.vm.is_none() {
+            return Next::Then(Deleting::Forgotten);
+        }
+        Next::Then(Deleting::VmGone)
+    }
+
     /// Look up the VM of a delete that knows none (by name, else by the ID annotation).
     fn find_vm(t: &Tracked, by_id: bool) -> Next<DeleteStep, Deleting> {
         let reference = if by_id {
@@ -516,16 +544,14 @@ impl DeleteOp {
         }
     }
 
-    fn on_answer(&self, cx: &mut Cx, res: Res) -> Next<DeleteStep, Deleting> {
+    fn on_answer(&mut self, cx: &mut Cx, res: Res) -> Next<DeleteStep, Deleting> {
         let Some(t) = cx.tracked else {
             // Tracking vanished (forgotten): only ApiLast can remain.
             return Next::Then(Deleting::ApiAnswered(res));
         };
         let vm_id = t.vm.as_ref().map(|v| v.id.clone()).unwrap_or_default();
         match (self.step, res) {
-            (DeleteStep::FindVm { by_id }, Res::Cocoon(r)) => {
-                Next::Then(Deleting::Found { by_id, r })
-            }
+            (DeleteStep::FindVm { by_id }, Res::Cocoon(r)) => self.found(cx, t, by_id, r),
             (DeleteStep::SettleCreating { by_id }, Res::Cocoon(r)) => {
                 Self::settled_creating(cx, t, by_id, r)
             }

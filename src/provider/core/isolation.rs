@@ -136,7 +136,8 @@ fn record_refusal(
 
 /// The reads of the ledger a machine op's step makes for its own pod (as `Provider`'s below).
 impl Cx<'_> {
-    /// Whether this pod owns local snapshot `name`, made from VM `vm_name`.
+    /// Whether this pod owns local snapshot `name`, made from VM `vm_name`: may read it, and
+    /// may have it removed (nothing is removed on a pod's behalf that it does not own).
     pub(super) fn owns_snapshot(&self, name: &str, vm_name: &str) -> bool {
         let record = self.owners.get(Owned::Snapshot, name);
         owned_by(record.map(|o| o.namespace.as_str()), vm_name, self.key)
@@ -165,20 +166,14 @@ impl Cx<'_> {
         record_refusal(self.owners, self.key, vm_name)
     }
 
-    /// Whether local snapshot `name` may exist on the node (`Provider::snapshot_may_exist`).
+    /// Whether local snapshot `name` may exist on the node: always before the first listing
+    /// answered.
     pub(super) fn snapshot_may_exist(&self, name: &str) -> bool {
         self.local_snapshots.may_hold(name)
     }
 }
 
 impl Provider {
-    /// Whether pod `key` owns local snapshot `name`, made from VM `vm_name`: may read it, and
-    /// may have it removed (nothing is removed on a pod's behalf that it does not own).
-    pub(super) fn owns_snapshot(&self, key: &PodKey, name: &str, vm_name: &str) -> bool {
-        let record = self.owner_of(Owned::Snapshot, name);
-        owned_by(record.map(|o| o.namespace.as_str()), vm_name, key)
-    }
-
     /// Whether the record of local snapshot `name` names another namespace than `key`'s.
     pub(super) fn snapshot_of_another(&self, key: &PodKey, name: &str) -> bool {
         self.owner_of(Owned::Snapshot, name)

@@ -5,9 +5,10 @@
 //! A step of this shape cannot reach another op's state or the provider's tables: what it may
 //! change is its own struct, and every effect, hand-over or ending goes through `Next` (the
 //! index upkeep and detached calls an answer calls for as `Chore`s in the op's own follow-up).
-//! Machines so far: `classify`, `confirm_hibernated`, `create` (but its macOS steps), `wake`,
+//! Machines so far: `classify`, `confirm_hibernated`, `create` (with its macOS steps), `wake`,
 //! `hibernate`, `evict`, `check`, `macos` (the watch), `ready_wait`, `post_clone`,
-//! `api_delete`, `delete`; the others still step on `Provider` directly.
+//! `api_delete`, `delete` (with its start-up routing and macOS step); the others still step
+//! on `Provider` directly.
 
 use super::*;
 

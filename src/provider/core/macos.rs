@@ -5,13 +5,15 @@
 //! the same per-pod lifecycle (tracking, lifecycle triple, failure and backoff, delete fence,
 //! preemption by a delete) as any other; only the commands differ. A second state machine would
 //! duplicate all of that and drift from it. So `start_create` hands a managed macOS pod to
-//! [`Provider::macos_create`], whose steps (`CreateStep::Macos*`) end in the shared
+//! [`Provider::macos_create`], whose steps (`CreateStep::Macos*`, a machine:
+//! `CreateOp::on_macos_answer`, carried out by `macos_create_next`) end in the shared
 //! `fail_create` or in [`Provider::macos_up`]; the delete op takes one `MacosRm` step instead of
 //! its snapshot steps. Adopting a running guest after a restart is the create's first step
 //! (`vm inspect` + liveness): macOS VMs are never in `cocoon vm list`, so the startup reconcile
 //! leaves their pods untracked and the create that follows adopts them before any VNC port is
 //! handed to a new guest of the same pod.
 
+use super::delete::Deleting;
 use super::*;
 use crate::guest::macos::{self as contract, MacosCmd, MacosRun, MacosVm};
 use crate::vm::NicInfo;
@@ -183,128 +185,39 @@ impl Provider {
         }
     }
 
-    /// Answers of the macOS create steps.
-    pub(super) fn macos_create_step(&mut self, key: &PodKey, c: CreateOp, res: Res) {
-        let name = c.spec.vm_name.clone();
-        match (c.step.clone(), res) {
-            (CreateStep::MacosInspect, Res::Cocoon(r)) => {
-                if r.succeeded() {
-                    return match contract::parse_inspect(&r.stdout) {
-                        // Only the guest of this very name is adopted.
-                        Ok(vm) if vm.name != name => {
-                            let msg = format!(
-                                "cocoon-macos vm inspect {name} answered for another guest"
-                            );
-                            self.fail_create(key, &c.uid, &msg, true)
-                        }
-                        Ok(vm) => {
-                            let pid = vm.pid;
-                            let ask = Ask::effect(move |op| Effect::CheckPid { op, pid });
-                            self.advance(key, CreateStep::MacosAlive { vm }, ask)
-                        }
-                        Err(e) => self.fail_create(key, &c.uid, &e.to_string(), true),
-                    };
-                }
-                if !r.vm_not_found() {
-                    let msg = format!("cocoon-macos vm inspect {name}: {}", r.error_text());
-                    return self.fail_create(key, &c.uid, &msg, true);
-                }
-                let image = c.spec.image.clone();
-                self.advance(
-                    key,
-                    CreateStep::MacosImageInspect,
-                    shared(MacosCmd::ImageInspect { image }),
-                )
-            }
-            (CreateStep::MacosAlive { vm }, Res::Pid(alive)) => {
-                if alive {
-                    self.lifecycle_metric("create", "ok", "adopted");
-                    return self.macos_up(key, &vm, true);
-                }
-                let Some(vnc_display) = self.vnc_display_or_fail(
-                    key,
-                    &c,
-                    vm.vnc_display.and_then(contract::port_of_display),
-                ) else {
-                    return;
-                };
-                self.advance(
-                    key,
-                    CreateStep::MacosStart,
-                    macos(MacosCmd::Start { name, vnc_display }),
-                )
-            }
-            (CreateStep::MacosImageInspect, Res::Cocoon(r)) => {
-                if r.succeeded() {
-                    return self.macos_run(key, &c);
-                }
-                let image = c.spec.image.clone();
-                self.advance(
-                    key,
-                    CreateStep::MacosImagePull,
-                    shared(MacosCmd::ImagePull { image }),
-                )
-            }
-            (CreateStep::MacosImagePull, Res::Cocoon(r)) => {
-                if r.succeeded() {
-                    return self.macos_run(key, &c);
-                }
-                let msg = format!(
-                    "cocoon-macos image pull {}: {}",
-                    c.spec.image,
-                    r.error_text()
-                );
-                self.fail_create(key, &c.uid, &msg, true)
-            }
-            (CreateStep::MacosStart | CreateStep::MacosRun, Res::Cocoon(r)) => {
-                if !r.succeeded() {
-                    let verb = if matches!(c.step, CreateStep::MacosRun) {
-                        "run"
-                    } else {
-                        "start"
-                    };
-                    let msg = format!("cocoon-macos vm {verb} {name}: {}", r.error_text());
-                    return self.fail_create(key, &c.uid, &msg, true);
-                }
-                self.advance(
-                    key,
-                    CreateStep::MacosLaunched,
-                    macos(MacosCmd::Inspect { name }),
-                )
-            }
-            (CreateStep::MacosLaunched, Res::Cocoon(r)) => {
-                let parsed = if r.succeeded() {
-                    contract::parse_inspect(&r.stdout).map_err(|e| e.to_string())
-                } else {
-                    Err(format!(
-                        "cocoon-macos vm inspect {name} after launch: {}",
-                        r.error_text()
-                    ))
-                };
-                match parsed {
-                    Ok(vm) => self.macos_up(key, &vm, false),
-                    Err(e) => self.fail_create(key, &c.uid, &e, true),
-                }
-            }
-            (step, res) => self.unexpected_answer(key, &step, &res),
-        }
-    }
-
-    /// `vm run` of a new guest: the pod's VNC port, even vCPUs, whole MiB.
-    fn macos_run(&mut self, key: &PodKey, c: &CreateOp) {
-        let Some(vnc_display) = self.vnc_display_or_fail(key, c, None) else {
+    /// Carries out what a step of the macOS create `c` decided.
+    pub(super) fn macos_create_next(&mut self, key: &PodKey, c: CreateOp, next: MacosCreateNext) {
+        let Some((c, then)) = self.apply(key, c, next) else {
             return;
         };
-        let r = &c.spec.resources;
-        let run = MacosRun {
-            name: c.spec.vm_name.clone(),
-            cpus: contract::even_cpus(r.vcpus()),
-            memory_mib: contract::memory_mib(r.memory_bytes()),
-            vnc_display,
-            storage_bytes: c.spec.storage_bytes,
-            image: c.spec.image.clone(),
-        };
-        self.advance(key, CreateStep::MacosRun, macos(MacosCmd::Run(run)))
+        match then {
+            MacosThen::Up(vm, adopted) => self.macos_up(key, &vm, adopted),
+            MacosThen::Start { hint } => {
+                let Some(vnc_display) = self.vnc_display_or_fail(key, &c, hint) else {
+                    return;
+                };
+                let name = c.spec.vm_name.clone();
+                let start = macos(MacosCmd::Start { name, vnc_display });
+                self.advance(key, CreateStep::MacosStart, start)
+            }
+            // `vm run` of a new guest: the pod's VNC port, even vCPUs, whole MiB.
+            MacosThen::Run => {
+                let Some(vnc_display) = self.vnc_display_or_fail(key, &c, None) else {
+                    return;
+                };
+                let r = &c.spec.resources;
+                let run = MacosRun {
+                    name: c.spec.vm_name.clone(),
+                    cpus: contract::even_cpus(r.vcpus()),
+                    memory_mib: contract::memory_mib(r.memory_bytes()),
+                    vnc_display,
+                    storage_bytes: c.spec.storage_bytes,
+                    image: c.spec.image.clone(),
+                };
+                self.advance(key, CreateStep::MacosRun, macos(MacosCmd::Run(run)))
+            }
+            MacosThen::Failed(msg) => self.fail_create(key, &c.uid, &msg, true),
+        }
     }
 
     /// The guest runs (launched or adopted): id / ip / vnc-port annotations, track, probe,
@@ -451,18 +364,6 @@ impl Provider {
             self.publish_ready(key);
         }
         owed
-    }
-
-    /// The delete of a managed macOS guest: `cocoon-macos vm rm <name>`, no snapshot work.
-    pub(super) fn macos_delete(&mut self, key: &PodKey, t: &Tracked, d: &DeleteOp) {
-        if !contract::argument_ok(&t.spec.vm_name) {
-            // Nothing of ours can carry such a name: there is no VM to remove.
-            self.lifecycle_metric("delete", "skipped", "no_vm");
-            self.forget(key, true);
-            return self.delete_done(key, t, d);
-        }
-        let name = t.spec.vm_name.clone();
-        self.advance(key, DeleteStep::MacosRm, macos(MacosCmd::Rm { name }))
     }
 
     /// `vm rm` removed the VM (or found none): its leases and restart record go with it.
@@ -640,5 +541,137 @@ impl MacosWatchOp {
             },
             (step, res) => Next::Unexpected(step, res),
         }
+    }
+}
+
+/// What a macOS create's step leaves to the provider: the VNC port reservation the launch
+/// needs, the guest up, the failure.
+pub(super) enum MacosThen {
+    /// The guest runs (`true`: adopted, not launched by this create): `macos_up`.
+    Up(MacosVm, bool),
+    /// `vm start` of the pod's guest found dead, on the pod's VNC port (`hint`: the port the
+    /// guest served).
+    Start { hint: Option<u16> },
+    /// `vm run` of a new guest on the pod's VNC port.
+    Run,
+    /// The create failed with this message and is retried (`fail_create`).
+    Failed(String),
+}
+
+pub(super) type MacosCreateNext = Next<CreateStep, MacosThen>;
+
+impl CreateOp {
+    /// An answer to the create of a macOS guest: adoption of the guest already running, else
+    /// the image (inspected, pulled when missing), the launch and the inspect of what runs.
+    pub(super) fn on_macos_answer(&mut self, cx: &mut Cx, res: Res) -> MacosCreateNext {
+        let name = self.spec.vm_name.clone();
+        let failed = |msg: String| Next::Then(MacosThen::Failed(msg));
+        match (self.step.clone(), res) {
+            (CreateStep::MacosInspect, Res::Cocoon(r)) => self.macos_inspected(r),
+            (CreateStep::MacosAlive { vm }, Res::Pid(alive)) => {
+                if alive {
+                    cx.metric(MetricUpdate::PodLifecycle {
+                        op: "create",
+                        result: "ok",
+                        reason: "adopted",
+                    });
+                    return Next::Then(MacosThen::Up(vm, true));
+                }
+                let hint = vm.vnc_display.and_then(contract::port_of_display);
+                Next::Then(MacosThen::Start { hint })
+            }
+            (CreateStep::MacosImageInspect, Res::Cocoon(r)) => {
+                if r.succeeded() {
+                    return Next::Then(MacosThen::Run);
+                }
+                let image = self.spec.image.clone();
+                let ask = shared(MacosCmd::ImagePull { image });
+                Next::Ask(CreateStep::MacosImagePull, ask)
+            }
+            (CreateStep::MacosImagePull, Res::Cocoon(r)) => {
+                if r.succeeded() {
+                    return Next::Then(MacosThen::Run);
+                }
+                let image = &self.spec.image;
+                failed(format!(
+                    "cocoon-macos image pull {image}: {}",
+                    r.error_text()
+                ))
+            }
+            (CreateStep::MacosStart | CreateStep::MacosRun, Res::Cocoon(r)) => {
+                if !r.succeeded() {
+                    let verb = if matches!(self.step, CreateStep::MacosRun) {
+                        "run"
+                    } else {
+                        "start"
+                    };
+                    return failed(format!("cocoon-macos vm {verb} {name}: {}", r.error_text()));
+                }
+                let ask = macos(MacosCmd::Inspect { name });
+                Next::Ask(CreateStep::MacosLaunched, ask)
+            }
+            (CreateStep::MacosLaunched, Res::Cocoon(r)) => {
+                let parsed = if r.succeeded() {
+                    contract::parse_inspect(&r.stdout).map_err(|e| e.to_string())
+                } else {
+                    Err(format!(
+                        "cocoon-macos vm inspect {name} after launch: {}",
+                        r.error_text()
+                    ))
+                };
+                match parsed {
+                    Ok(vm) => Next::Then(MacosThen::Up(vm, false)),
+                    Err(e) => failed(e),
+                }
+            }
+            (step, res) => Next::Unexpected(step, res),
+        }
+    }
+
+    /// The look for the guest of this name before anything is made: one running is adopted
+    /// (once its liveness is checked); with none, the image comes first.
+    fn macos_inspected(&self, r: Answer) -> MacosCreateNext {
+        let name = &self.spec.vm_name;
+        let failed = |msg: String| Next::Then(MacosThen::Failed(msg));
+        if r.succeeded() {
+            return match contract::parse_inspect(&r.stdout) {
+                // Only the guest of this very name is adopted.
+                Ok(vm) if vm.name != *name => failed(format!(
+                    "cocoon-macos vm inspect {name} answered for another guest"
+                )),
+                Ok(vm) => {
+                    let pid = vm.pid;
+                    let ask = Ask::effect(move |op| Effect::CheckPid { op, pid });
+                    Next::Ask(CreateStep::MacosAlive { vm }, ask)
+                }
+                Err(e) => failed(e.to_string()),
+            };
+        }
+        if !r.vm_not_found() {
+            return failed(format!(
+                "cocoon-macos vm inspect {name}: {}",
+                r.error_text()
+            ));
+        }
+        let image = self.spec.image.clone();
+        let ask = shared(MacosCmd::ImageInspect { image });
+        Next::Ask(CreateStep::MacosImageInspect, ask)
+    }
+}
+
+impl DeleteOp {
+    /// The delete of a managed macOS guest: `cocoon-macos vm rm <name>`, no snapshot work.
+    pub(super) fn macos_rm(&self, cx: &mut Cx, t: &Tracked) -> Next<DeleteStep, Deleting> {
+        if !contract::argument_ok(&t.spec.vm_name) {
+            // Nothing of ours can carry such a name: there is no VM to remove.
+            cx.metric(MetricUpdate::PodLifecycle {
+                op: "delete",
+                result: "skipped",
+                reason: "no_vm",
+            });
+            return Next::Then(Deleting::Forgotten);
+        }
+        let name = t.spec.vm_name.clone();
+        Next::Ask(DeleteStep::MacosRm, macos(MacosCmd::Rm { name }))
     }
 }

@@ -168,11 +168,6 @@ impl Provider {
         }
     }
 
-    /// Whether local snapshot `name` may exist: always before the first listing answered.
-    pub(super) fn snapshot_may_exist(&self, name: &str) -> bool {
-        self.local_snapshots.may_hold(name)
-    }
-
     /// Records the names of the snapshots this input's effects may create (saves, pulls, peer
     /// restores, and the ownership records written just before those), the moment they are
     /// started: a listing running meanwhile may miss them, and must not trim their owners.

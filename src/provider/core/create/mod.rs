@@ -7,8 +7,8 @@
 //! evidence), `source` (the image's snapshot or the image a fresh bring-up starts from; with
 //! `fork` and `source_check`) and `boot` (the clone or run call and its answer). What needs
 //! the provider comes back as a `CreateThen` carried out by `create_next`: the restore, the
-//! fork flight, a pull shared across pods, the VM up, the ending (`failures`). macOS guests
-//! (`macos`) still step on the provider.
+//! fork flight, a pull shared across pods, the VM up, the ending (`failures`). A macOS guest's
+//! steps are `CreateOp::on_macos_answer` in `macos`, carried out by `macos_create_next`.
 
 use super::machine::Chore;
 use super::*;
@@ -165,7 +165,7 @@ impl Provider {
     }
 
     /// An answer to the running create `c` (the op as it stands in the slot): its machine's,
-    /// except for macOS guests (`macos`), which still step on the provider.
+    /// the macOS guest's steps for a macOS guest (`macos`).
     pub(super) fn create_step(&mut self, key: &PodKey, mut c: CreateOp, res: Res) {
         if c.superseded(&self.cx(key)) {
             // The pod is being deleted (or gone): building its VM further only makes more to
@@ -175,7 +175,8 @@ impl Provider {
             return self.end_op(key);
         }
         if macos::is_macos(&c.spec) {
-            return self.macos_create_step(key, c, res);
+            let next = c.on_macos_answer(&mut self.cx(key), res);
+            return self.macos_create_next(key, c, next);
         }
         let next = c.on_answer(&mut self.cx(key), res);
         self.create_next(key, c, next)
