@@ -5,10 +5,10 @@
 //! A step of this shape cannot reach another op's state or the provider's tables: what it may
 //! change is its own struct, and every effect, hand-over or ending goes through `Next` (the
 //! index upkeep and detached calls an answer calls for as `Chore`s in the op's own follow-up).
-//! Machines so far: `classify`, `confirm_hibernated`, `create` (with its macOS steps), `wake`,
-//! `hibernate`, `evict`, `check`, `macos` (the watch), `ready_wait`, `post_clone`,
-//! `api_delete`, `delete` (with its start-up routing and macOS step); the others still step
-//! on `Provider` directly.
+//! Every op kind steps this way: `create` (with its macOS steps), `delete` (with its start-up
+//! routing), `evict`, `check`, `ready_wait`, `hibernate`, `wake`, `confirm_hibernated`,
+//! `post_clone`, `macos` (the guest watch), `classify` and `api_delete`. What stays on
+//! `Provider` is the routing and the follow-ups that touch its tables (`*_next` in each file).
 
 use super::*;
 
