@@ -144,24 +144,9 @@ impl Encoder<'_> {
 }
 
 fn line(out: &mut Vec<u8>, event: &Value) {
-    let mut data = event_bytes(event);
+    let mut data = serde_json::to_vec(event).unwrap_or_default();
     data.push(b'\n');
     http::encode_chunk(out, &data);
-}
-
-/// One watch event as the API server writes it: `type` before `object` (the field order of
-/// its WatchEvent), which a JSON map here would sort the other way round. Clients that read
-/// the type first can decode the object in one pass, as against the real server.
-fn event_bytes(event: &Value) -> Vec<u8> {
-    let (Some(ty), Some(object)) = (event.get("type"), event.get("object")) else {
-        return serde_json::to_vec(event).unwrap_or_default();
-    };
-    let mut data = b"{\"type\":".to_vec();
-    let _ = serde_json::to_writer(&mut data, ty);
-    data.extend_from_slice(b",\"object\":");
-    let _ = serde_json::to_writer(&mut data, object);
-    data.push(b'}');
-    data
 }
 
 fn gone_event(asked: u64, oldest: u64) -> Value {
@@ -308,25 +293,5 @@ pub fn injected(spec: &mut WatchSpec, fault: Fault) -> Option<ApiError> {
             None
         }
         other => Some(other.error(spec.def.plural)),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_event_is_written_type_first_and_reads_back_whole() {
-        let event = json!({"type": "ADDED", "object": {"kind": "Pod", "metadata": {"name": "a"}}});
-        let bytes = event_bytes(&event);
-        assert!(bytes.starts_with(b"{\"type\":\"ADDED\",\"object\":{"));
-        let back: Value = serde_json::from_slice(&bytes).expect("valid JSON");
-        assert_eq!(back, event);
-        // Anything else (a bare object) is written as it is.
-        let other = json!({"kind": "Status"});
-        assert_eq!(
-            event_bytes(&other),
-            serde_json::to_vec(&other).expect("json")
-        );
     }
 }
