@@ -7,8 +7,9 @@ use std::time::{Duration, SystemTime};
 use super::super::http::Request;
 use super::super::meta::{self, ApiError};
 use super::super::resources::ResourceDef;
-use super::super::store::{self, metadata_mut, Mutation};
+use super::super::store::{metadata_mut, Mutation};
 use super::super::Shared;
+use super::update::preconditions_hold;
 
 /// DeleteOptions from the body and query (the body wins, as on the real server).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -58,22 +59,12 @@ pub fn delete_object(
     opts: &DeleteOptions,
 ) -> Result<Value, ApiError> {
     let out = shared.store.mutate(def, namespace, name, |cur| {
-        if let Some(uid) = opts.uid.as_deref() {
-            if uid != store::obj_uid(cur) {
-                return Err(ApiError::conflict_uid(
-                    def.group,
-                    def.plural,
-                    name,
-                    uid,
-                    store::obj_uid(cur),
-                ));
-            }
-        }
-        if let Some(rv) = opts.resource_version.as_deref() {
-            if rv != store::obj_rv(cur) {
-                return Err(ApiError::conflict_modified(def.group, def.plural, name));
-            }
-        }
+        preconditions_hold(
+            def,
+            cur,
+            opts.uid.as_deref(),
+            opts.resource_version.as_deref(),
+        )?;
         let has_finalizers = cur
             .pointer("/metadata/finalizers")
             .and_then(Value::as_array)

@@ -139,18 +139,35 @@ pub(super) fn update_rules(
     Ok(Mutation::Replace(new))
 }
 
-/// `metadata.uid` / `metadata.resourceVersion` in a write body are preconditions.
+/// `metadata.uid` / `metadata.resourceVersion` in a write body are preconditions (empty: unset).
 pub(super) fn check_preconditions(
     def: &ResourceDef,
     cur: &Value,
     body: &Value,
 ) -> Result<(), ApiError> {
+    let set = |ptr: &str| {
+        body.pointer(ptr)
+            .and_then(Value::as_str)
+            .filter(|s| !s.is_empty())
+    };
+    preconditions_hold(
+        def,
+        cur,
+        set("/metadata/uid"),
+        set("/metadata/resourceVersion"),
+    )
+}
+
+/// A write's uid and resourceVersion preconditions against the stored object `cur`: a
+/// mismatch is the API server's 409 (the uid one names both uids).
+pub(super) fn preconditions_hold(
+    def: &ResourceDef,
+    cur: &Value,
+    uid: Option<&str>,
+    rv: Option<&str>,
+) -> Result<(), ApiError> {
     let name = store::obj_name(cur);
-    let uid = body
-        .pointer("/metadata/uid")
-        .and_then(Value::as_str)
-        .unwrap_or("");
-    if !uid.is_empty() && uid != store::obj_uid(cur) {
+    if let Some(uid) = uid.filter(|u| *u != store::obj_uid(cur)) {
         return Err(ApiError::conflict_uid(
             def.group,
             def.plural,
@@ -159,11 +176,7 @@ pub(super) fn check_preconditions(
             store::obj_uid(cur),
         ));
     }
-    let rv = body
-        .pointer("/metadata/resourceVersion")
-        .and_then(Value::as_str)
-        .unwrap_or("");
-    if !rv.is_empty() && rv != store::obj_rv(cur) {
+    if rv.is_some_and(|rv| rv != store::obj_rv(cur)) {
         return Err(ApiError::conflict_modified(def.group, def.plural, name));
     }
     Ok(())
