@@ -135,6 +135,10 @@ fn serve_connection(shared: &Shared, tcp: TcpStream) -> io::Result<()> {
             Reply::Watch(spec) => {
                 let sock = tls.sock.try_clone()?;
                 match watch::serve(shared, &mut tls, &sock, spec)? {
+                    // The body is complete, so the connection is reusable, as with the API
+                    // server's HTTP stack; the client pooled it (the head did not say close),
+                    // and closing it here would fail the client's next request on it.
+                    WatchEnd::Clean if keep_alive => {}
                     WatchEnd::Clean => break,
                     WatchEnd::Abrupt => return Ok(()),
                 }

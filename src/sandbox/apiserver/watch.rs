@@ -113,7 +113,7 @@ impl WatchSpec {
 
 /// How a watch ended, which decides how the connection is closed.
 pub enum WatchEnd {
-    /// Finished the chunked body properly (timeout, 410): close politely.
+    /// Finished the chunked body properly (timeout, 410): the connection serves on.
     Clean,
     /// Cut (drop fault, stop, peer gone): close the socket without finishing the body.
     Abrupt,
