@@ -203,8 +203,29 @@ impl PortForward {
 }
 
 impl Sandbox {
-    /// Starts `kubectl port-forward pod/POD LOCAL:GUEST` and waits until it listens.
+    /// Starts `kubectl port-forward pod/POD LOCAL:GUEST` and waits until it listens. The free
+    /// port can be taken by a parallel test before kubectl binds it: then another is tried.
     fn port_forward(&self, pod: &str, guest_port: u16, websockets: &str) -> (PortForward, u16) {
+        for _ in 0..5 {
+            match self.try_port_forward(pod, guest_port, websockets) {
+                Ok(started) => return started,
+                Err(stderr) if stderr.contains("address already in use") => continue,
+                Err(stderr) => panic!(
+                    "kubectl port-forward never listened: {stderr}\n{}",
+                    self.log()
+                ),
+            }
+        }
+        panic!("kubectl port-forward found no free port in 5 tries");
+    }
+
+    /// One `port_forward` attempt; Err is kubectl's stderr when it did not listen.
+    fn try_port_forward(
+        &self,
+        pod: &str,
+        guest_port: u16,
+        websockets: &str,
+    ) -> Result<(PortForward, u16), String> {
         let local = free_port();
         let stderr = self.dir.join(format!("port-forward-{local}.err"));
         let mut child = Command::new(KUBECTL)
@@ -232,13 +253,10 @@ impl Sandbox {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match rx.recv_timeout(left) {
-                Ok(line) if line.contains(&want) => return (pf, local),
+                Ok(line) if line.contains(&want) => return Ok((pf, local)),
                 Ok(_) => {}
-                Err(_) => panic!(
-                    "kubectl port-forward never listened: {}\n{}",
-                    pf.stderr(),
-                    self.log()
-                ),
+                // Exited (its stdout closed) or the deadline passed.
+                Err(_) => return Err(pf.stderr()),
             }
         }
     }
