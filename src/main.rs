@@ -68,10 +68,6 @@ fn main() {
 }
 
 fn real_main() -> i32 {
-    // The daemon's children start as this binary (see `exec_trampoline`): before anything else.
-    if let Some(code) = vk_cocoon::reactor::exec_trampoline::run_if_asked() {
-        return code;
-    }
     // Arguments that are not UTF-8 are passed on lossily rather than panicking.
     let args: Vec<String> = std::env::args_os()
         .map(|a| a.to_string_lossy().into_owned())
@@ -202,10 +198,6 @@ fn run_daemon() -> i32 {
     // The VNC secret stays in the daemon: no child (cocoon, hypervisors, exec sessions)
     // inherits it. Still one thread here, so changing the environment races with nothing.
     std::env::remove_var("COCOON_MACOS_VNC_PASSWORD");
-    // /proc/self/exe names this binary even after a package upgrade replaced the file.
-    if !vk_cocoon::reactor::exec_trampoline::enable("/proc/self/exe".into()) {
-        log::warn!("/proc/self/exe cannot be executed; cocoon calls are forked from the daemon");
-    }
     daemon::run(config)
 }
 

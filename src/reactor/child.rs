@@ -5,12 +5,13 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::io::{self, Read, Write};
 use std::os::fd::OwnedFd;
-use std::process::{Child, ExitStatus};
+use std::process::ExitStatus;
 use std::time::Duration;
 
 use mio::unix::pipe::{Receiver, Sender};
 use mio::Token;
 
+use super::process::Process;
 use super::timers::TimerId;
 
 /// Identifies one spawned child for its whole life (never reused).
@@ -113,47 +114,6 @@ impl ChildSpec {
     pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.env.push((key.into(), value.into()));
         self
-    }
-}
-
-/// Makes the child get SIGKILL when the thread that spawned it dies (PR_SET_PDEATHSIG), so a
-/// crashed or killed daemon leaves no `vm exec` / `vm logs` / cocoon call running unsupervised.
-///
-/// Why SIGKILL: nobody is left to read the child's pipes or reap it, and every cocoon operation
-/// is recoverable by the restarted daemon's reconcile. Hypervisors are not affected: the setting
-/// is not inherited by the grandchildren cocoon forks.
-///
-/// Why a `pre_exec` hook: the standard library offers no parent-death setting, and no safe
-/// crate API sets it in the child. The hook makes `Command` fork and exec instead of using
-/// posix_spawn (vfork-like), which costs a busy daemon dearly, so the daemon spawns through
-/// `exec_trampoline` instead and this hook serves only processes that enabled none. The spawn
-/// and the wait for the exec happen on the reactor's spawner threads, which live as long as
-/// the thread that owns the reactor (see `spawner`), so that thread's end still kills the
-/// children.
-pub(crate) fn die_with_parent(cmd: &mut std::process::Command) {
-    use std::os::unix::process::CommandExt;
-    let parent = std::process::id();
-    // SAFETY: the closure runs in the forked child before exec, where only async-signal-safe
-    // calls are allowed: it makes two raw system calls (prctl, getppid), allocates nothing and
-    // takes no lock. Returning an error makes spawn fail cleanly.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::prctl(
-                libc::PR_SET_PDEATHSIG,
-                libc::SIGKILL as libc::c_ulong,
-                0,
-                0,
-                0,
-            ) != 0
-            {
-                return Err(io::Error::last_os_error());
-            }
-            // The parent may have died between fork and prctl: then no signal would ever come.
-            if u32::try_from(libc::getppid()).ok() != Some(parent) {
-                return Err(io::Error::from_raw_os_error(libc::ESRCH));
-            }
-            Ok(())
-        });
     }
 }
 
@@ -343,7 +303,7 @@ pub(crate) struct Starting {
 }
 
 pub(crate) struct ChildState {
-    pub(crate) child: Child,
+    pub(crate) child: Process,
     pub(crate) pid: u32,
     /// pidfd registered for exit readiness; None in SIGCHLD-fallback mode.
     pub(crate) pidfd: Option<(OwnedFd, Token)>,

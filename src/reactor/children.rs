@@ -4,7 +4,6 @@
 use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use mio::unix::pipe::{Receiver, Sender};
@@ -12,6 +11,7 @@ use mio::unix::SourceFd;
 use mio::Interest;
 
 use super::child::{ChildPart, ChildState, InPipe, OutPipe, ReadOutcome, Starting};
+use super::process::{ProcessSpec, Stdio};
 use super::spawner::{Request, Started};
 use super::*;
 
@@ -27,8 +27,8 @@ impl<M: Send + 'static> Reactor<M> {
         self.children.len() + self.starting.len()
     }
 
-    /// Starts a child process without waiting for it: a spawner thread forks and execs it, and
-    /// its pipes are registered when it comes back. Until then the child is "starting": `kill`,
+    /// Starts a child process without waiting for it: a spawner thread starts it (see
+    /// `process`), and its pipes are registered when it comes back. Until then the child is "starting": `kill`,
     /// stdin writes, `close_stdin` and `pause_output` are remembered and applied once it runs,
     /// and its deadline already counts. A child that could not be started (no such program,
     /// resource limits) is reported as a `ChildExit` with `spawn_error`. The only immediate
@@ -37,33 +37,17 @@ impl<M: Send + 'static> Reactor<M> {
         if spec.argv.is_empty() {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty argv"));
         }
-        let trampoline = exec_trampoline::wrap(&spec.argv, &spec.env);
-        let argv = trampoline.as_deref().unwrap_or(&spec.argv);
-        let mut cmd = Command::new(&argv[0]);
-        cmd.args(&argv[1..]);
-        for (k, v) in &spec.env {
-            cmd.env(k, v);
-        }
-        cmd.stdin(match spec.stdin {
-            StdinMode::Null => Stdio::null(),
-            _ => Stdio::piped(),
-        });
-        for (mode, is_out) in [(&spec.stdout, true), (&spec.stderr, false)] {
-            let stdio = match mode {
-                OutputMode::Null => Stdio::null(),
-                _ => Stdio::piped(),
-            };
-            if is_out {
-                cmd.stdout(stdio);
-            } else {
-                cmd.stderr(stdio);
-            }
-        }
-        if trampoline.is_none() {
-            child::die_with_parent(&mut cmd);
-        }
+        let piped_unless_null = |null: bool| if null { Stdio::Null } else { Stdio::Piped };
+        let process = ProcessSpec {
+            argv: spec.argv.clone(),
+            env: spec.env.clone(),
+            stdin: piped_unless_null(spec.stdin == StdinMode::Null),
+            stdout: piped_unless_null(spec.stdout == OutputMode::Null),
+            stderr: piped_unless_null(spec.stderr == OutputMode::Null),
+            own_group: false,
+        };
         let id = ChildId(self.next_child);
-        self.spawner.request(Request { id, cmd })?;
+        self.spawner.request(Request { id, process })?;
         self.next_child += 1;
         let deadline_timer = spec.deadline.map(|d| {
             self.timers

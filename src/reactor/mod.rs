@@ -14,7 +14,7 @@
 //! reactor.cancel_timer(id)                   arming a new one. A cancelled timer never fires; a timer
 //!                                            never fires before its instant; equal instants fire
 //!                                            in arming order.
-//! reactor.spawn(ChildSpec)                   child with non-blocking registered pipes, forked by a
+//! reactor.spawn(ChildSpec)                   child with non-blocking registered pipes, started by a
 //!                                            spawner thread (spawn never waits for the exec; a
 //!                                            child that cannot start exits with spawn_error); output is
 //!                                            captured (bounded) or streamed (Event::ChildOutput);
@@ -46,9 +46,9 @@
 
 pub(crate) mod child;
 mod children;
-pub mod exec_trampoline;
 mod pool;
 pub mod priority;
+pub(crate) mod process;
 mod ranges;
 pub mod sd_notify;
 mod signals;

@@ -7,7 +7,7 @@
 //! dozen lane workers runnable at nice 0 a loop turn of 5 ms of CPU took 150-350 ms on a
 //! loaded 2-core host. A lower nice value on this thread only (Linux keeps nice per thread)
 //! lets it run as soon as it is runnable; threads and children started elsewhere keep the
-//! default, and so do the VMs cocoon starts (they are forked by the spawner threads).
+//! default, and so do the VMs cocoon starts (cocoon is started by the spawner threads).
 
 /// The loop thread's nice value: weight about 9x a default thread's.
 pub const LOOP_NICE: i32 = -10;

@@ -1,13 +1,12 @@
-//! The spawner threads: they fork and exec the reactor's children so the loop never waits for
+//! The spawner threads: they start the reactor's children so the loop never waits for
 //! an exec, and hand each started child (with its pidfd) back through the loop's waker.
 //!
-//! Why threads: `Command::spawn` returns only once the child has exec'd (it reads the exec
-//! error pipe), and a fork+exec child needs its own CPU time before that: 10-50 ms on a loaded
-//! host, which the loop thread must not spend waiting.
+//! Why threads: a spawn returns only once the child has exec'd (the spawning thread is
+//! suspended until then), and the exec needs the child's own CPU time: up to tens of ms on a
+//! loaded host, which the loop thread must not spend waiting.
 //!
-//! Parent death: every child is spawned with PR_SET_PDEATHSIG (set by `exec_trampoline` in the
-//! daemon, by `child::die_with_parent` elsewhere), which fires when the *thread* that spawned
-//! it ends. The spawner threads therefore live exactly
+//! Parent death: every child is spawned with PR_SET_PDEATHSIG (see `process::spawn`), which
+//! fires when the *thread* that spawned it ends. The spawner threads therefore live exactly
 //! as long as the thread that first spawned through the reactor (the daemon's loop thread): a
 //! thread-local guard of that thread closes the request line when the thread ends, the spawner
 //! threads then end too, and the kernel kills the children as before. Dropping the reactor also
@@ -17,26 +16,26 @@ use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{FromRawFd, OwnedFd};
-use std::process::{Child, Command};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::thread;
 
 use super::child::ChildId;
+use super::process::{self, Process, ProcessSpec};
 
-/// Threads forking children at once: a burst's execs overlap instead of queueing behind one.
+/// Threads starting children at once: a burst's execs overlap instead of queueing behind one.
 const SPAWNER_THREADS: usize = 4;
 
-/// A child the loop asked for, built on the loop thread (building a `Command` is cheap).
+/// A child the loop asked for.
 pub(crate) struct Request {
     pub(crate) id: ChildId,
-    pub(crate) cmd: Command,
+    pub(crate) process: ProcessSpec,
 }
 
 /// What a spawner thread hands back: the running child and its pidfd, or why it did not start.
 pub(crate) struct Started {
     pub(crate) id: ChildId,
-    pub(crate) result: io::Result<(Child, io::Result<OwnedFd>)>,
+    pub(crate) result: io::Result<(Process, io::Result<OwnedFd>)>,
 }
 
 /// Started children waiting for the loop. `closed` once the reactor is gone: a spawner thread
@@ -151,8 +150,8 @@ fn spawner(receiver: &Mutex<Receiver<Request>>, done: &Mutex<Done>, waker: &mio:
             Ok(req) => req,
             Err(_) => return,
         };
-        let Request { id, mut cmd } = req;
-        let result = cmd.spawn().map(|child| {
+        let Request { id, process } = req;
+        let result = process::spawn(&process).map(|child| {
             let pidfd = pidfd_open(child.id());
             (child, pidfd)
         });

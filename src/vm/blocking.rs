@@ -6,9 +6,8 @@
 //! the child reaped, and the caller gets an [`ErrorKind::TimedOut`] answer, never a hang.
 
 use std::io::Read;
-use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Child, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
+use std::process::{ChildStdin, ChildStdout, ExitStatus};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
@@ -17,6 +16,7 @@ use std::time::Duration;
 use super::argv;
 use super::call::{CallMode, CallOutcome, CocoonCall, ExitKind};
 use super::error::{CocoonError, ErrorKind};
+use crate::reactor::process::{self, Process, ProcessSpec, Stdio};
 
 /// Widened size of the streaming pipes: fewer wake-ups per GiB.
 const PIPE_SIZE: usize = 8 << 20;
@@ -55,7 +55,7 @@ impl Watchdog {
 /// A running cocoon call on a worker thread, its stderr drained in the background.
 pub struct CocoonChild {
     call: CocoonCall,
-    child: Child,
+    child: Process,
     stderr: Option<JoinHandle<(Vec<u8>, bool)>>,
     watchdog: Option<Watchdog>,
     timed_out: Arc<AtomicBool>,
@@ -70,25 +70,19 @@ impl CocoonChild {
         let refused = |why: String| CocoonError::new(&call.command_text(), ErrorKind::Spawn(why));
         argv::check(&call.argv).map_err(|e| refused(format!("not run: {e}")))?;
         let full = call.full_argv(&bin.to_string_lossy());
-        // The daemon's children go through its exec trampoline, which sets the parent-death
-        // signal: a daemon killed while this call hangs leaves no cocoon child behind.
-        let trampoline = crate::reactor::exec_trampoline::wrap(&full, &[]);
-        let argv = trampoline.as_deref().unwrap_or(&full);
-        let mut cmd = Command::new(&argv[0]);
-        cmd.args(&argv[1..]);
-        if trampoline.is_none() {
-            crate::reactor::child::die_with_parent(&mut cmd);
-        }
         let stdout_piped = !(call.mode == CallMode::Streaming && call.stdin_pipe);
-        let piped = |yes: bool| if yes { Stdio::piped() } else { Stdio::null() };
-        let mut child = cmd
+        let piped = |yes: bool| if yes { Stdio::Piped } else { Stdio::Null };
+        // Spawned with the parent-death signal: a daemon killed while this call hangs leaves
+        // no cocoon child behind.
+        let mut child = process::spawn(&ProcessSpec {
+            stdin: piped(call.stdin_pipe),
+            stdout: piped(stdout_piped),
+            stderr: Stdio::Piped,
             // Own process group: a wrapper (sudo, a script) and its children die together.
-            .process_group(0)
-            .stdin(piped(call.stdin_pipe))
-            .stdout(piped(stdout_piped))
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| refused(format!("{}: {e}", bin.display())))?;
+            own_group: true,
+            ..ProcessSpec::new(full)
+        })
+        .map_err(|e| refused(format!("{}: {e}", bin.display())))?;
         // Widen the streaming pipes where the kernel permits. Failure (e.g. over
         // /proc/sys/fs/pipe-max-size) is harmless.
         if let Some(s) = child.stdin.as_ref() {
@@ -156,7 +150,8 @@ impl CocoonChild {
     /// kill can never reach a recycled process group.
     fn reap(&mut self) -> std::io::Result<ExitStatus> {
         use rustix::process::{waitid, Pid, WaitId, WaitIdOptions};
-        let pid = Pid::from_child(&self.child);
+        let pid = Pid::from_raw(self.child.id() as i32)
+            .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::InvalidData))?;
         while let Err(rustix::io::Errno::INTR) = waitid(
             WaitId::Pid(pid),
             WaitIdOptions::EXITED | WaitIdOptions::NOWAIT,

@@ -598,7 +598,7 @@ pub fn execs(w: &World) -> Vec<(String, Vec<String>)> {
 }
 
 /// PIDs of this world's cocoon children running `cocoon <group> <verb> ...` (read from
-/// /proc; the trampoline's argv before its exec counts too).
+/// /proc).
 pub fn cocoon_children(w: &World, group: &str, verb: &str) -> Vec<u32> {
     let bin = w.path("bin/cocoon").display().to_string();
     let mut pids = Vec::new();
