@@ -509,4 +509,180 @@ mod tests {
         assert!(t.len() <= 512 && t.len() >= 511);
         assert!(m.starts_with(&t));
     }
+
+    fn counts(r: &EventRecorder) -> Vec<(String, i32)> {
+        r.queue
+            .iter()
+            .map(|p| (p.key.message.clone(), p.event.count.unwrap_or(0)))
+            .collect()
+    }
+
+    /// An event that left the queue, dropped when it was full or taken to be written, is not
+    /// aggregated into any more: the next identical one is queued anew.
+    #[test]
+    fn a_duplicate_of_an_event_no_longer_queued_is_queued_anew() {
+        let mut r = EventRecorder::new("n", 2);
+        let (t, w) = (Instant::now(), SystemTime::now());
+        let p = pod("p", "u1");
+        for m in ["a", "b", "c", "d", "a", "b"] {
+            r.record(&p, EventType::Normal, "R", m, t, w);
+        }
+        // a and b were dropped for c and d, then c and d for a and b again.
+        assert_eq!(r.stats.dropped, 4);
+        assert_eq!(counts(&r), [("a".into(), 1), ("b".into(), 1)]);
+        r.record(&p, EventType::Normal, "R", "b", t, w);
+        assert_eq!(counts(&r), [("a".into(), 1), ("b".into(), 2)]);
+
+        let q = r.take_next().expect("queued");
+        r.record(&p, EventType::Normal, "R", "a", t, w);
+        assert_eq!(
+            q.pending.event.count,
+            Some(1),
+            "the taken one is left alone"
+        );
+        assert_eq!(counts(&r), [("b".into(), 2), ("a".into(), 1)]);
+        r.record(&p, EventType::Normal, "R", "a", t, w);
+        assert_eq!(counts(&r), [("b".into(), 2), ("a".into(), 2)]);
+    }
+
+    /// An event put back after a failed write, while a newer one of its key is queued, is the
+    /// one aggregated into until it is taken again; then the newer one is.
+    #[test]
+    fn an_event_put_back_is_aggregated_into_before_a_newer_duplicate() {
+        let mut r = EventRecorder::new("n", 10);
+        let (t, w) = (Instant::now(), SystemTime::now());
+        let p = pod("p", "u1");
+        r.record(&p, EventType::Normal, "R", "a", t, w);
+        let q = r.take_next().expect("queued");
+        r.record(&p, EventType::Normal, "R", "b", t, w);
+        r.record(&p, EventType::Normal, "R", "a", t, w);
+        let down = Err(KubeError::Transport("down".into()));
+        assert_eq!(r.written(q, down, t), Written::Retry);
+        assert_eq!(
+            counts(&r),
+            [("a".into(), 1), ("b".into(), 1), ("a".into(), 1)]
+        );
+        r.record(&p, EventType::Normal, "R", "a", t, w);
+        assert_eq!(
+            counts(&r),
+            [("a".into(), 2), ("b".into(), 1), ("a".into(), 1)]
+        );
+        let q = r.take_next().expect("queued");
+        r.record(&p, EventType::Normal, "R", "a", t, w);
+        assert_eq!(counts(&r), [("b".into(), 1), ("a".into(), 2)]);
+        let result = created(&q);
+        assert_eq!(r.written(q, result, t), Written::Ok);
+        // Still queued: aggregated in the queue rather than into the written one.
+        r.record(&p, EventType::Normal, "R", "a", t, w);
+        assert_eq!(counts(&r), [("b".into(), 1), ("a".into(), 3)]);
+    }
+
+    /// A written event older than the window is not aggregated into, whether or not the
+    /// remembered events were swept since it expired.
+    #[test]
+    fn an_expired_event_is_not_aggregated_into_before_a_sweep() {
+        let mut r = EventRecorder::new("n", 10);
+        let (t, w) = (Instant::now(), SystemTime::now());
+        let (p, other) = (pod("p", "u1"), pod("q", "u2"));
+        r.record(&p, EventType::Normal, "R", "a", t, w);
+        let q = r.take_next().expect("queued");
+        let result = created(&q);
+        assert_eq!(r.written(q, result, t), Written::Ok);
+        // Another pod's event half a second before `a` expires: the sweep, if any, is then.
+        let before = t + AGGREGATE_WINDOW - Duration::from_millis(500);
+        r.record(&other, EventType::Normal, "R", "x", before, w);
+        assert_eq!(r.remembered().0, 1);
+        // Right at the window's end `a` has expired.
+        r.record(&p, EventType::Normal, "R", "a", t + AGGREGATE_WINDOW, w);
+        let e = &r.queue[1];
+        assert_eq!(e.key.message, "a");
+        assert_eq!((e.existing.as_deref(), e.event.count), (None, Some(1)));
+        assert_eq!(r.remembered().0, 0);
+    }
+
+    /// Expired events do not count toward the bound on remembered ones: a full map of them
+    /// does not push out a live one.
+    #[test]
+    fn expired_events_do_not_fill_the_bound() {
+        let mut r = EventRecorder::new("n", 10);
+        let (t, w) = (Instant::now(), SystemTime::now());
+        let write = |r: &mut EventRecorder, now: Instant| {
+            let q = r.take_next().expect("queued");
+            let result = created(&q);
+            let name = result.as_ref().unwrap().metadata.name.clone();
+            assert_eq!(r.written(q, result, now), Written::Ok);
+            name
+        };
+        for i in 0..MAX_TRACKED - 1 {
+            r.record(
+                &pod("p", &format!("u{i}")),
+                EventType::Normal,
+                "R",
+                "old",
+                t,
+                w,
+            );
+            write(&mut r, t);
+        }
+        let live = pod("l", "live");
+        let before = t + AGGREGATE_WINDOW - Duration::from_millis(500);
+        r.record(&live, EventType::Normal, "R", "live", before, w);
+        let live_event = write(&mut r, before);
+        assert_eq!(r.remembered().0, MAX_TRACKED);
+        // The old ones expire; within a second of the last sweep, one more event is written.
+        let after = t + AGGREGATE_WINDOW + Duration::from_millis(100);
+        r.record(&pod("y", "y"), EventType::Normal, "R", "y", after, w);
+        write(&mut r, after);
+        assert_eq!(r.remembered().0, 2);
+        r.record(&live, EventType::Normal, "R", "live", after, w);
+        let e = &r.queue[0];
+        assert_eq!(e.existing, live_event);
+        assert_eq!(e.event.count, Some(2));
+    }
+
+    /// The measured part of `record_cost`, apart so a profiler can read its cost alone.
+    #[inline(never)]
+    fn record_burst(r: &mut EventRecorder, pods: &[Pod], t: Instant, w: SystemTime) {
+        for p in pods {
+            r.record(p, EventType::Normal, "Burst", "new", t, w);
+        }
+        for p in pods {
+            r.forget_pod(p.metadata.uid.as_deref().unwrap_or_default());
+        }
+    }
+
+    /// Cost of a burst on a full recorder: 1,000 records on 1,000 pods with the queue full and
+    /// about 4,000 events remembered, then the pods go. Not a check: run it by hand
+    /// (`--ignored --nocapture`, or under callgrind) to compare implementations.
+    #[test]
+    #[ignore]
+    fn record_cost() {
+        let (t, w) = (Instant::now(), SystemTime::now());
+        let pods: Vec<Pod> = (0..1000)
+            .map(|i| pod(&format!("p{i}"), &format!("u{i}")))
+            .collect();
+        let rounds = 20;
+        let mut spent = Duration::ZERO;
+        for _ in 0..rounds {
+            let mut r = EventRecorder::new("n", 1000);
+            for m in 0..4 {
+                for p in &pods {
+                    r.record(p, EventType::Normal, "Sent", &format!("m{m}"), t, w);
+                    let q = r.take_next().expect("queued");
+                    let result = created(&q);
+                    r.written(q, result, t);
+                }
+            }
+            for p in &pods {
+                r.record(p, EventType::Normal, "Queued", "q", t, w);
+            }
+            assert_eq!(r.pending(), 1000);
+            let start = Instant::now();
+            record_burst(&mut r, &pods, t, w);
+            spent += start.elapsed();
+            assert_eq!(r.pending(), 1000);
+            assert_eq!(r.stats.dropped, 1000);
+        }
+        println!("record_burst: {:?} per round", spent / rounds);
+    }
 }
