@@ -67,10 +67,19 @@ pub struct EventStats {
 }
 
 /// The recorder. `record` is cheap and never does I/O; `flush` performs the API calls.
+///
+/// `record` runs for every event of a pod burst, so it finds a queued event through `queued`
+/// rather than by walking the queue.
 pub struct EventRecorder {
     node: String,
     capacity: usize,
     queue: VecDeque<Pending>,
+    /// Position number of `queue[0]`; `queue[i]` is number `head + i` (wrapping). Numbers stay
+    /// put as the queue pops from the front or gets an event put back in front of it.
+    head: u64,
+    /// The numbers of the queued events of each key, front first. Mostly one: a second is queued
+    /// only when an event put back after a failed write finds a newer one of its key queued.
+    queued: HashMap<AggKey, VecDeque<u64>>,
     sent: HashMap<AggKey, Sent>,
     buckets: HashMap<String, TokenBucket>,
     /// UIDs of the pods most recently gone (oldest first), at most `GONE_REMEMBERED`.
@@ -102,6 +111,8 @@ impl EventRecorder {
             node: node.to_string(),
             capacity: capacity.max(1),
             queue: VecDeque::new(),
+            head: 0,
+            queued: HashMap::new(),
             sent: HashMap::new(),
             buckets: HashMap::new(),
             gone: VecDeque::new(),
@@ -141,8 +152,9 @@ impl EventRecorder {
             message: message.clone(),
         };
         let ts = time(wall);
-        // Same event still queued: bump it in place, no extra API call.
-        if let Some(p) = self.queue.iter_mut().find(|p| p.key == key) {
+        // Same event still queued: bump it in place (the frontmost, should there be two), no
+        // extra API call.
+        if let Some(p) = self.queued_mut(&key) {
             p.event.count = Some(p.event.count.unwrap_or(1) + 1);
             p.event.last_timestamp = Some(ts);
             return;
@@ -210,7 +222,7 @@ impl EventRecorder {
             ..Default::default()
         };
         if self.queue.len() >= self.capacity {
-            if let Some(old) = self.queue.pop_front() {
+            if let Some(old) = self.pop_front() {
                 self.stats.dropped += 1;
                 log::warn!(
                     "event queue full: dropping {} on {}",
@@ -219,11 +231,53 @@ impl EventRecorder {
                 );
             }
         }
-        self.queue.push_back(Pending {
+        self.push_back(Pending {
             key,
             event,
             existing,
         });
+    }
+
+    /// The frontmost queued event of `key`.
+    fn queued_mut(&mut self, key: &AggKey) -> Option<&mut Pending> {
+        let number = *self.queued.get(key)?.front()?;
+        let i = usize::try_from(number.wrapping_sub(self.head)).ok()?;
+        let p = self.queue.get_mut(i)?;
+        debug_assert!(p.key == *key, "queue index out of step");
+        Some(p)
+    }
+
+    // Every change to `queue` goes through these three, which keep `queued` and `head` with it.
+
+    fn push_back(&mut self, p: Pending) {
+        let number = self.head.wrapping_add(self.queue.len() as u64);
+        self.queued
+            .entry(p.key.clone())
+            .or_default()
+            .push_back(number);
+        self.queue.push_back(p);
+    }
+
+    fn push_front(&mut self, p: Pending) {
+        self.head = self.head.wrapping_sub(1);
+        self.queued
+            .entry(p.key.clone())
+            .or_default()
+            .push_front(self.head);
+        self.queue.push_front(p);
+    }
+
+    fn pop_front(&mut self) -> Option<Pending> {
+        let p = self.queue.pop_front()?;
+        // The front of the queue is the front of its key's numbers.
+        if let Some(numbers) = self.queued.get_mut(&p.key) {
+            numbers.pop_front();
+            if numbers.is_empty() {
+                self.queued.remove(&p.key);
+            }
+        }
+        self.head = self.head.wrapping_add(1);
+        Some(p)
     }
 
     /// The pod of `uid` is gone: forget its aggregation keys and its rate-limit bucket, so what
@@ -266,7 +320,7 @@ impl EventRecorder {
     /// The oldest queued event, to write off the loop with [`QueuedEvent::write`] and hand back
     /// to [`EventRecorder::written`].
     pub fn take_next(&mut self) -> Option<QueuedEvent> {
-        let p = self.queue.pop_front()?;
+        let p = self.pop_front()?;
         self.seq += 1;
         Some(QueuedEvent {
             pending: p,
@@ -321,7 +375,7 @@ impl EventRecorder {
                     self.stats.dropped += 1;
                     return Written::Dropped;
                 }
-                self.queue.push_front(p);
+                self.push_front(p);
                 Written::Retry
             }
             Err(e) => {
