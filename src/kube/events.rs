@@ -1,7 +1,7 @@
 //! Kubernetes Events on pods: build core/v1 Events, aggregate identical ones (count, lastTimestamp),
 //! rate-limit per pod, and queue them (bounded, oldest dropped) for the daemon to write off the loop.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant, SystemTime};
 
 use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference, Pod};
@@ -24,6 +24,9 @@ const MAX_TRACKED: usize = 4096;
 /// How many gone pods' UIDs are remembered, so that an event recorded for a pod after it went
 /// (the end of an op that was running) is written but leaves nothing behind.
 const GONE_REMEMBERED: usize = 1024;
+/// Expired aggregation keys are swept at most this often: a lookup already ignores them, so the
+/// sweep only bounds memory and must not cost every record a pass over the map.
+const PRUNE_EVERY: Duration = Duration::from_secs(1);
 
 /// The Event type is the core's: its Event effects carry it and the recorder writes it as is,
 /// so one type goes from the decision to the wire.
@@ -68,8 +71,9 @@ pub struct EventStats {
 
 /// The recorder. `record` is cheap and never does I/O; `flush` performs the API calls.
 ///
-/// `record` runs for every event of a pod burst, so it finds a queued event through `queued`
-/// rather than by walking the queue.
+/// `record` runs for every event of a pod burst, so nothing it does walks the queue or the maps:
+/// queued events are found through `queued`, expired aggregation keys are skipped at lookup and
+/// swept now and then, and a gone pod's keys are dropped with its entry in `sent`.
 pub struct EventRecorder {
     node: String,
     capacity: usize,
@@ -80,12 +84,28 @@ pub struct EventRecorder {
     /// The numbers of the queued events of each key, front first. Mostly one: a second is queued
     /// only when an event put back after a failed write finds a newer one of its key queued.
     queued: HashMap<AggKey, VecDeque<u64>>,
-    sent: HashMap<AggKey, Sent>,
+    /// Written events to aggregate into, by pod UID, so that a gone pod's keys go in one removal.
+    /// May hold expired ones until the next sweep; `sent_live` tells them apart.
+    sent: HashMap<String, HashMap<AggKey, Sent>>,
+    /// Number of entries in `sent`, bounded by `MAX_TRACKED`.
+    sent_len: usize,
+    /// `now` of the latest record that looked up `sent`: entries older than the window then are
+    /// as good as gone (the bound and `remembered` count without them).
+    looked_up: Option<Instant>,
+    /// The instant `sent` was last swept as of.
+    swept: Option<Instant>,
     buckets: HashMap<String, TokenBucket>,
     /// UIDs of the pods most recently gone (oldest first), at most `GONE_REMEMBERED`.
     gone: VecDeque<String>,
+    /// The same UIDs, to look one up without a scan.
+    gone_set: HashSet<String>,
     seq: u64,
     pub stats: EventStats,
+}
+
+/// Whether a written event, as of `now`, is still recent enough to aggregate into.
+fn sent_live(s: &Sent, now: Instant) -> bool {
+    now.saturating_duration_since(s.at) < AGGREGATE_WINDOW
 }
 
 /// Cut a message to at most `MAX_MESSAGE` bytes on a character boundary.
@@ -114,8 +134,12 @@ impl EventRecorder {
             head: 0,
             queued: HashMap::new(),
             sent: HashMap::new(),
+            sent_len: 0,
+            looked_up: None,
+            swept: None,
             buckets: HashMap::new(),
             gone: VecDeque::new(),
+            gone_set: HashSet::new(),
             seq: 0,
             stats: EventStats::default(),
         }
@@ -161,7 +185,7 @@ impl EventRecorder {
         }
         // A gone pod's last events are written, but neither rate-limited nor remembered: its
         // bucket and keys would outlive it.
-        let gone = self.gone.contains(&uid);
+        let gone = self.gone_set.contains(&uid);
         if !gone {
             if self.buckets.len() >= MAX_TRACKED {
                 self.buckets.clear();
@@ -176,9 +200,19 @@ impl EventRecorder {
                 return;
             }
         }
-        self.sent
-            .retain(|_, s| now.saturating_duration_since(s.at) < AGGREGATE_WINDOW);
-        let (existing, count, first) = match self.sent.get(&key) {
+        self.looked_up = Some(now);
+        if self
+            .swept
+            .is_none_or(|s| now.saturating_duration_since(s) >= PRUNE_EVERY)
+        {
+            self.sweep(now);
+        }
+        let found = self
+            .sent
+            .get(&key.uid)
+            .and_then(|m| m.get(&key))
+            .filter(|s| sent_live(s, now));
+        let (existing, count, first) = match found {
             Some(s) => (Some(s.name.clone()), s.count + 1, s.first.clone()),
             None => (None, 1, ts.clone()),
         };
@@ -280,23 +314,50 @@ impl EventRecorder {
         Some(p)
     }
 
+    /// Drop the entries of `sent` that expired as of `now`.
+    fn sweep(&mut self, now: Instant) {
+        let mut len = 0;
+        self.sent.retain(|_, m| {
+            m.retain(|_, s| sent_live(s, now));
+            len += m.len();
+            !m.is_empty()
+        });
+        self.sent_len = len;
+        self.swept = Some(now);
+    }
+
     /// The pod of `uid` is gone: forget its aggregation keys and its rate-limit bucket, so what
     /// is remembered follows the pods alive, not every pod ever seen. Its events still queued
     /// are written, and not remembered after (see `written`).
     pub fn forget_pod(&mut self, uid: &str) {
-        self.sent.retain(|k, _| k.uid != uid);
+        if let Some(m) = self.sent.remove(uid) {
+            self.sent_len -= m.len();
+        }
         self.buckets.remove(uid);
-        if !self.gone.iter().any(|g| g == uid) {
+        if !self.gone_set.contains(uid) {
             if self.gone.len() >= GONE_REMEMBERED {
-                self.gone.pop_front();
+                if let Some(old) = self.gone.pop_front() {
+                    self.gone_set.remove(&old);
+                }
             }
             self.gone.push_back(uid.to_string());
+            self.gone_set.insert(uid.to_string());
         }
     }
 
     /// Aggregation keys and rate-limit buckets remembered (for tests and the soak's checks).
+    /// Keys expired as of the latest lookup are not counted, swept or not. Walks the keys.
     pub fn remembered(&self) -> (usize, usize) {
-        (self.sent.len(), self.buckets.len())
+        let live = match self.looked_up {
+            Some(now) => self
+                .sent
+                .values()
+                .flat_map(|m| m.values())
+                .filter(|s| sent_live(s, now))
+                .count(),
+            None => self.sent_len,
+        };
+        (live, self.buckets.len())
     }
 
     /// Write up to `max` queued events (blocking calls bounded by the client's timeout).
@@ -350,10 +411,20 @@ impl EventRecorder {
                 if !self.buckets.contains_key(&p.key.uid) {
                     return Written::Ok;
                 }
-                if self.sent.len() >= MAX_TRACKED {
-                    self.sent.clear();
+                if self.sent_len >= MAX_TRACKED {
+                    // Keys expired as of the latest lookup count as gone: sweep them before
+                    // deciding the map is full, or expired keys would push out live ones.
+                    if let Some(then) = self.looked_up {
+                        if self.swept != Some(then) {
+                            self.sweep(then);
+                        }
+                    }
                 }
-                self.sent.insert(
+                if self.sent_len >= MAX_TRACKED {
+                    self.sent.clear();
+                    self.sent_len = 0;
+                }
+                let previous = self.sent.entry(p.key.uid.clone()).or_default().insert(
                     p.key.clone(),
                     Sent {
                         name: ev.metadata.name.unwrap_or_default(),
@@ -366,6 +437,9 @@ impl EventRecorder {
                         at: now,
                     },
                 );
+                if previous.is_none() {
+                    self.sent_len += 1;
+                }
                 Written::Ok
             }
             Err(e) if e.is_transient() => {
