@@ -75,6 +75,12 @@ pub struct ChildSpec {
     /// With a deadline: the child gets SIGTERM at the deadline and SIGKILL only this long
     /// after, for programs that must tidy up (cocoon-macos stopping its QEMU).
     pub term_grace: Option<Duration>,
+    /// Started ahead of the children waiting for a spawner thread, and at the loop thread's
+    /// priority (`priority::LOOP_NICE`) where the daemon may raise it: for short calls a pod's
+    /// status waits on, such as checking whether a VM is gone while a burst's creates keep
+    /// the CPUs busy. Never for a call that leaves processes behind (a VM start): they would
+    /// inherit the priority.
+    pub urgent: bool,
 }
 
 impl ChildSpec {
@@ -93,6 +99,11 @@ impl ChildSpec {
 
     pub fn term_grace(mut self, grace: Duration) -> Self {
         self.term_grace = Some(grace);
+        self
+    }
+
+    pub fn urgent(mut self) -> Self {
+        self.urgent = true;
         self
     }
 

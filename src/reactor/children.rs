@@ -45,9 +45,14 @@ impl<M: Send + 'static> Reactor<M> {
             stdout: piped_unless_null(spec.stdout == OutputMode::Null),
             stderr: piped_unless_null(spec.stderr == OutputMode::Null),
             own_group: false,
+            nice: spec.urgent.then_some(super::priority::LOOP_NICE),
         };
         let id = ChildId(self.next_child);
-        self.spawner.request(Request { id, process })?;
+        self.spawner.request(Request {
+            id,
+            process,
+            urgent: spec.urgent,
+        })?;
         self.next_child += 1;
         let deadline_timer = spec.deadline.map(|d| {
             self.timers

@@ -42,6 +42,9 @@ pub(crate) struct ProcessSpec {
     /// In a process group of its own (group id = its pid), so that a wrapper and what it
     /// starts can be killed together.
     pub(crate) own_group: bool,
+    /// The child's nice value, where the daemon may set it (raising the priority takes
+    /// CAP_SYS_NICE; without it the child keeps the spawning thread's).
+    pub(crate) nice: Option<i32>,
 }
 
 impl ProcessSpec {
@@ -53,6 +56,7 @@ impl ProcessSpec {
             stdout: Stdio::Null,
             stderr: Stdio::Null,
             own_group: false,
+            nice: None,
         }
     }
 }
@@ -173,6 +177,7 @@ pub(crate) fn spawn(spec: &ProcessSpec) -> io::Result<Process> {
         envp: envp_ptrs.as_ptr(),
         stdio: [stdin_fd, stdout_fd, stderr_fd],
         own_group: spec.own_group,
+        nice: spec.nice,
         parent: rustix::process::getpid().as_raw_nonzero().get(),
         error: AtomicI32::new(0),
     };
@@ -209,6 +214,7 @@ struct ChildArgs {
     /// The descriptors that become the child's 0, 1 and 2; each is 3 or more.
     stdio: [RawFd; 3],
     own_group: bool,
+    nice: Option<i32>,
     /// The daemon's pid: the child's parent unless the daemon died before the signal was set.
     parent: libc::pid_t,
     /// The errno of the step that failed in the child, 0 when it exec'd.
@@ -313,6 +319,10 @@ unsafe fn child_steps(args: &ChildArgs) -> libc::c_int {
     }
     if args.own_group && libc::setpgid(0, 0) != 0 {
         return errno();
+    }
+    if let Some(nice) = args.nice {
+        // Best effort: a daemon without CAP_SYS_NICE runs the child at the default.
+        libc::setpriority(libc::PRIO_PROCESS, 0, nice);
     }
     if libc::prctl(
         libc::PR_SET_PDEATHSIG,
@@ -536,6 +546,24 @@ mod tests {
             .unwrap();
         child.wait().unwrap();
         assert_eq!(pgrp(&out), child.id());
+    }
+
+    /// The nice value in a /proc/<pid>/stat line.
+    fn nice(stat: &str) -> i32 {
+        let after = &stat[stat.rfind(')').unwrap() + 2..];
+        after.split(' ').nth(16).unwrap().parse().unwrap()
+    }
+
+    #[test]
+    fn a_nice_value_applies_to_the_child_only() {
+        let ours = nice(&std::fs::read_to_string("/proc/thread-self/stat").unwrap());
+        let mut lower = spec(&["cat", "/proc/self/stat"]);
+        // Raising the value (lowering the priority) needs no privilege.
+        lower.nice = Some(ours + 3);
+        assert_eq!(nice(&run(&lower).0), ours + 3);
+        let after = nice(&std::fs::read_to_string("/proc/thread-self/stat").unwrap());
+        assert_eq!(after, ours, "the spawning thread keeps its own");
+        assert_eq!(nice(&run(&spec(&["cat", "/proc/self/stat"])).0), ours);
     }
 
     #[test]

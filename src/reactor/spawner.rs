@@ -16,8 +16,7 @@ use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{FromRawFd, OwnedFd};
-use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread;
 
 use super::child::ChildId;
@@ -30,6 +29,8 @@ const SPAWNER_THREADS: usize = 4;
 pub(crate) struct Request {
     pub(crate) id: ChildId,
     pub(crate) process: ProcessSpec,
+    /// Goes ahead of the requests waiting (behind earlier urgent ones): see `ChildSpec::urgent`.
+    pub(crate) urgent: bool,
 }
 
 /// What a spawner thread hands back: the running child and its pidfd, or why it did not start.
@@ -46,7 +47,60 @@ pub(crate) struct Done {
     pub(crate) closed: bool,
 }
 
-type Line = Arc<Mutex<Option<Sender<Request>>>>;
+/// The requests waiting for a spawner thread, urgent ones first; `open` until the reactor or
+/// the thread that owns it is gone, after which the threads spawn what waits and end.
+#[derive(Default)]
+struct Waiting {
+    requests: VecDeque<Request>,
+    urgent: usize,
+    open: bool,
+}
+
+impl Waiting {
+    /// Urgent requests behind the urgent ones waiting, the rest at the back.
+    fn push(&mut self, req: Request) {
+        if req.urgent {
+            self.requests.insert(self.urgent, req);
+            self.urgent += 1;
+        } else {
+            self.requests.push_back(req);
+        }
+    }
+}
+
+/// The request line: the waiting requests and the signal that one arrived (or the line closed).
+#[derive(Default)]
+struct Queue {
+    waiting: Mutex<Waiting>,
+    arrived: Condvar,
+}
+
+impl Queue {
+    fn close(&self) {
+        lock(&self.waiting).open = false;
+        self.arrived.notify_all();
+    }
+
+    /// The next request, waiting for one; None once the line is closed and drained.
+    fn next(&self) -> Option<Request> {
+        let mut waiting = lock(&self.waiting);
+        loop {
+            if let Some(req) = waiting.requests.pop_front() {
+                waiting.urgent = waiting.urgent.saturating_sub(1);
+                return Some(req);
+            }
+            if !waiting.open {
+                return None;
+            }
+            waiting = match self.arrived.wait(waiting) {
+                Ok(w) => w,
+                Err(poisoned) => poisoned.into_inner(),
+            };
+        }
+    }
+}
+
+type Line = Arc<Queue>;
 
 thread_local! {
     /// The request lines of the reactors whose spawner threads this thread owns; closed when
@@ -54,12 +108,12 @@ thread_local! {
     static OWNED_LINES: RefCell<LineGuard> = const { RefCell::new(LineGuard(Vec::new())) };
 }
 
-struct LineGuard(Vec<Weak<Mutex<Option<Sender<Request>>>>>);
+struct LineGuard(Vec<Weak<Queue>>);
 
 impl Drop for LineGuard {
     fn drop(&mut self) {
         for line in self.0.drain(..).filter_map(|w| w.upgrade()) {
-            lock(&line).take();
+            line.close();
         }
     }
 }
@@ -98,31 +152,31 @@ impl Spawner {
                 line
             }
         };
-        let guard = lock(&line);
-        let sender = guard.as_ref().ok_or_else(|| {
-            io::Error::new(
+        let mut waiting = lock(&line.waiting);
+        if !waiting.open {
+            return Err(io::Error::new(
                 io::ErrorKind::BrokenPipe,
                 "the thread that owns the reactor's spawner threads has ended",
-            )
-        })?;
-        sender
-            .send(req)
-            .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "spawner threads are gone"))
+            ));
+        }
+        waiting.push(req);
+        drop(waiting);
+        line.arrived.notify_one();
+        Ok(())
     }
 
     /// Starts the threads and ties their life to the calling thread.
     fn start(&self) -> io::Result<Line> {
-        let (sender, receiver) = channel::<Request>();
-        let receiver = Arc::new(Mutex::new(receiver));
+        let line: Line = Arc::new(Queue::default());
+        lock(&line.waiting).open = true;
         for n in 0..SPAWNER_THREADS {
-            let receiver = Arc::clone(&receiver);
+            let line = Arc::clone(&line);
             let done = Arc::clone(&self.done);
             let waker = Arc::clone(&self.waker);
             thread::Builder::new()
                 .name(format!("vk-spawn-{n}"))
-                .spawn(move || spawner(&receiver, &done, &waker))?;
+                .spawn(move || spawner(&line, &done, &waker))?;
         }
-        let line: Line = Arc::new(Mutex::new(Some(sender)));
         OWNED_LINES.with(|owned| owned.borrow_mut().0.push(Arc::downgrade(&line)));
         Ok(line)
     }
@@ -136,7 +190,7 @@ impl Spawner {
     /// their spawner thread, and those already handed back but not taken are returned.
     pub(crate) fn close(&mut self) -> VecDeque<Started> {
         if let Some(line) = self.line.take() {
-            lock(&line).take();
+            line.close();
         }
         let mut done = lock(&self.done);
         done.closed = true;
@@ -144,13 +198,9 @@ impl Spawner {
     }
 }
 
-fn spawner(receiver: &Mutex<Receiver<Request>>, done: &Mutex<Done>, waker: &mio::Waker) {
-    loop {
-        let req = match lock(receiver).recv() {
-            Ok(req) => req,
-            Err(_) => return,
-        };
-        let Request { id, process } = req;
+fn spawner(line: &Queue, done: &Mutex<Done>, waker: &mio::Waker) {
+    while let Some(req) = line.next() {
+        let Request { id, process, .. } = req;
         let result = process::spawn(&process).map(|child| {
             let pidfd = pidfd_open(child.id());
             (child, pidfd)
@@ -181,4 +231,39 @@ fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
     let fd = i32::try_from(fd).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
     // SAFETY: the syscall just returned this fd to us; nothing else owns it.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urgent_requests_go_ahead_of_the_others_in_their_own_order() {
+        let mut waiting = Waiting::default();
+        for (id, urgent) in [(1, false), (2, false), (3, true), (4, false), (5, true)] {
+            waiting.push(Request {
+                id: ChildId(id),
+                process: ProcessSpec::new(vec!["true".into()]),
+                urgent,
+            });
+        }
+        let order: Vec<u64> = waiting.requests.iter().map(|r| r.id.0).collect();
+        assert_eq!(order, [3, 5, 1, 2, 4]);
+        waiting.open = true;
+        let line = Queue {
+            waiting: Mutex::new(waiting),
+            arrived: Condvar::new(),
+        };
+        assert_eq!(line.next().map(|r| r.id.0), Some(3));
+        assert_eq!(line.next().map(|r| r.id.0), Some(5));
+        // The urgent count followed the two taken: the next urgent one leads again.
+        lock(&line.waiting).push(Request {
+            id: ChildId(6),
+            process: ProcessSpec::new(vec!["true".into()]),
+            urgent: true,
+        });
+        line.close();
+        let rest: Vec<u64> = std::iter::from_fn(|| line.next()).map(|r| r.id.0).collect();
+        assert_eq!(rest, [6, 1, 2, 4], "a closed line is drained, then ends");
+    }
 }

@@ -168,6 +168,21 @@ mod tests {
     use super::*;
     use crate::vm::{Backend, CloneSource, CpuPolicy};
 
+    /// Only a VM check is started ahead of other children and at the loop's priority: a VM
+    /// start or a clone leaves a hypervisor behind, which would inherit it.
+    #[test]
+    fn only_a_vm_check_is_an_urgent_child() {
+        let urgent = |cmd: CocoonCmd| cmd.call().child_spec("/usr/bin/cocoon").urgent;
+        assert!(urgent(CocoonCmd::VmInspect {
+            reference: "vk-a-b".into()
+        }));
+        assert!(!urgent(CocoonCmd::VmStart { id: "x".into() }));
+        assert!(!urgent(CocoonCmd::VmRm { id: "x".into() }));
+        assert!(!urgent(CocoonCmd::VmClone(CloneOptions::from_snapshot(
+            "img"
+        ))));
+    }
+
     #[test]
     fn clone_argv_follows_the_n_generation_order() {
         let cmd = CocoonCmd::VmClone(CloneOptions {

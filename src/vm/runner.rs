@@ -6,6 +6,7 @@ use super::events::{
     parse_event_line, EventLineError, EventStreamSupervisor, LineSplitter, SplitItem, StreamAction,
 };
 use super::types::VmEvent;
+use super::Verb;
 use crate::reactor::{
     ChildExit, ChildId, ChildSpec, Event, OutputMode, Reactor, StdinMode, Stream, TimerId,
 };
@@ -38,6 +39,9 @@ impl CocoonCall {
             },
             deadline: self.deadline,
             term_grace: None,
+            // A VM check is short, starts nothing, and a pod's status waits on it (is the VM
+            // gone?): ahead of a burst's clones and at the loop's priority.
+            urgent: self.verb == Verb::VmInspect,
         }
     }
 
@@ -157,6 +161,7 @@ impl EventStream {
                     },
                     deadline: None,
                     term_grace: None,
+                    urgent: false,
                 };
                 match reactor.spawn(spec) {
                     Ok(id) => {
