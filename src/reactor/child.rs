@@ -102,11 +102,6 @@ impl ChildSpec {
         self
     }
 
-    pub fn urgent(mut self) -> Self {
-        self.urgent = true;
-        self
-    }
-
     pub fn stdin(mut self, stdin: StdinMode) -> Self {
         self.stdin = stdin;
         self

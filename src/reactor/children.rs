@@ -28,9 +28,9 @@ impl<M: Send + 'static> Reactor<M> {
     }
 
     /// Starts a child process without waiting for it: a spawner thread starts it (see
-    /// `process`), and its pipes are registered when it comes back. Until then the child is "starting": `kill`,
-    /// stdin writes, `close_stdin` and `pause_output` are remembered and applied once it runs,
-    /// and its deadline already counts. A child that could not be started (no such program,
+    /// `process`), and its pipes are registered when it comes back. Until then the child is
+    /// "starting": `kill`, stdin writes, `close_stdin` and `pause_output` are remembered and
+    /// applied once it runs, and its deadline already counts. A child that could not be started (no such program,
     /// resource limits) is reported as a `ChildExit` with `spawn_error`. The only immediate
     /// errors are an empty argv and spawner threads that are gone.
     pub fn spawn(&mut self, spec: ChildSpec) -> io::Result<ChildId> {

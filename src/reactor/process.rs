@@ -77,6 +77,10 @@ impl Process {
         self.pid.as_raw_nonzero().get().unsigned_abs()
     }
 
+    pub(crate) fn pid(&self) -> Pid {
+        self.pid
+    }
+
     /// SIGKILL, unless it was reaped already (its pid may be another process's by then).
     pub(crate) fn kill(&mut self) -> io::Result<()> {
         if self.status.is_some() {

@@ -149,9 +149,8 @@ impl CocoonChild {
     /// Waits for the exit without reaping, stops the watchdog, then reaps: the watchdog's
     /// kill can never reach a recycled process group.
     fn reap(&mut self) -> std::io::Result<ExitStatus> {
-        use rustix::process::{waitid, Pid, WaitId, WaitIdOptions};
-        let pid = Pid::from_raw(self.child.id() as i32)
-            .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::InvalidData))?;
+        use rustix::process::{waitid, WaitId, WaitIdOptions};
+        let pid = self.child.pid();
         while let Err(rustix::io::Errno::INTR) = waitid(
             WaitId::Pid(pid),
             WaitIdOptions::EXITED | WaitIdOptions::NOWAIT,
