@@ -283,6 +283,9 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
 
 /// Prepares the child and execs; returns only on failure, with the errno. Each call here is a
 /// thin system-call wrapper (async-signal-safe); see `child_main` for what may not happen here.
+///
+/// # Safety
+/// Only in the child `clone_and_exec` started, whose memory is the daemon's until the exec.
 unsafe fn child_steps(args: &ChildArgs) -> libc::c_int {
     let errno = || {
         io::Error::last_os_error()
