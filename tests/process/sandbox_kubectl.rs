@@ -203,37 +203,19 @@ impl PortForward {
 }
 
 impl Sandbox {
-    /// Starts `kubectl port-forward pod/POD LOCAL:GUEST` and waits until it listens. The free
-    /// port can be taken by a parallel test before kubectl binds it: then another is tried.
+    /// Starts `kubectl port-forward pod/POD :GUEST` and waits until it listens. kubectl picks
+    /// the local port itself and names it: a port chosen here could be taken by a parallel
+    /// test before kubectl binds it.
     fn port_forward(&self, pod: &str, guest_port: u16, websockets: &str) -> (PortForward, u16) {
-        for _ in 0..5 {
-            match self.try_port_forward(pod, guest_port, websockets) {
-                Ok(started) => return started,
-                Err(stderr) if stderr.contains("address already in use") => continue,
-                Err(stderr) => panic!(
-                    "kubectl port-forward never listened: {stderr}\n{}",
-                    self.log()
-                ),
-            }
-        }
-        panic!("kubectl port-forward found no free port in 5 tries");
-    }
-
-    /// One `port_forward` attempt; Err is kubectl's stderr when it did not listen.
-    fn try_port_forward(
-        &self,
-        pod: &str,
-        guest_port: u16,
-        websockets: &str,
-    ) -> Result<(PortForward, u16), String> {
-        let local = free_port();
-        let stderr = self.dir.join(format!("port-forward-{local}.err"));
+        let stderr = self
+            .dir
+            .join(format!("port-forward-{pod}-{guest_port}-{websockets}.err"));
         let mut child = Command::new(KUBECTL)
             .arg("--kubeconfig")
             .arg(self.dir.join("kubeconfig"))
             .args(["port-forward", "--address", "127.0.0.1"])
             .arg(format!("pod/{pod}"))
-            .arg(format!("{local}:{guest_port}"))
+            .arg(format!(":{guest_port}"))
             .env("KUBECTL_PORT_FORWARD_WEBSOCKETS", websockets)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -248,15 +230,24 @@ impl Sandbox {
             }
         });
         let pf = PortForward { child, stderr };
-        let want = format!("Forwarding from 127.0.0.1:{local}");
         let deadline = Instant::now() + DEADLINE;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match rx.recv_timeout(left) {
-                Ok(line) if line.contains(&want) => return Ok((pf, local)),
-                Ok(_) => {}
-                // Exited (its stdout closed) or the deadline passed.
-                Err(_) => return Err(pf.stderr()),
+                Ok(line) => {
+                    let local = line
+                        .strip_prefix("Forwarding from 127.0.0.1:")
+                        .and_then(|rest| rest.split(' ').next())
+                        .and_then(|port| port.parse().ok());
+                    if let Some(local) = local {
+                        return (pf, local);
+                    }
+                }
+                Err(_) => panic!(
+                    "kubectl port-forward never listened: {}\n{}",
+                    pf.stderr(),
+                    self.log()
+                ),
             }
         }
     }
