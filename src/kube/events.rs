@@ -591,6 +591,15 @@ mod tests {
         Ok(e)
     }
 
+    /// Takes the next queued event and writes it successfully at `now`; its name.
+    fn write_next(r: &mut EventRecorder, now: Instant) -> Option<String> {
+        let q = r.take_next().expect("queued");
+        let result = created(&q);
+        let name = result.as_ref().ok().and_then(|e| e.metadata.name.clone());
+        assert_eq!(r.written(q, result, now), Written::Ok);
+        name
+    }
+
     /// What the recorder remembers of a pod (aggregation keys, its bucket) goes with the pod,
     /// including an event of it written after it was forgotten.
     #[test]
@@ -600,10 +609,7 @@ mod tests {
         let mut u2_event = String::new();
         for (name, uid) in [("p", "u1"), ("q", "u2")] {
             r.record(&pod(name, uid), EventType::Normal, "Started", "ok", t, w);
-            let q = r.take_next().expect("queued");
-            let result = created(&q);
-            u2_event = result.as_ref().unwrap().metadata.name.clone().unwrap();
-            assert_eq!(r.written(q, result, t), Written::Ok);
+            u2_event = write_next(&mut r, t).unwrap();
         }
         assert_eq!(r.remembered(), (2, 2));
         // u1 goes with an event still queued, and records one more after it went; both are
@@ -613,9 +619,7 @@ mod tests {
         assert_eq!(r.remembered(), (1, 1), "u2's key and bucket stay");
         r.record(&pod("p", "u1"), EventType::Normal, "Stopped", "after", t, w);
         for _ in 0..2 {
-            let q = r.take_next().expect("queued");
-            let result = created(&q);
-            assert_eq!(r.written(q, result, t), Written::Ok);
+            write_next(&mut r, t);
         }
         assert_eq!(
             r.remembered(),
@@ -713,9 +717,7 @@ mod tests {
         let (t, w) = (Instant::now(), SystemTime::now());
         let (p, other) = (pod("p", "u1"), pod("q", "u2"));
         r.record(&p, EventType::Normal, "R", "a", t, w);
-        let q = r.take_next().expect("queued");
-        let result = created(&q);
-        assert_eq!(r.written(q, result, t), Written::Ok);
+        write_next(&mut r, t);
         // Another pod's event half a second before `a` expires: the sweep, if any, is then.
         let before = t + AGGREGATE_WINDOW - Duration::from_millis(500);
         r.record(&other, EventType::Normal, "R", "x", before, w);
@@ -734,13 +736,6 @@ mod tests {
     fn expired_events_do_not_fill_the_bound() {
         let mut r = EventRecorder::new("n", 10);
         let (t, w) = (Instant::now(), SystemTime::now());
-        let write = |r: &mut EventRecorder, now: Instant| {
-            let q = r.take_next().expect("queued");
-            let result = created(&q);
-            let name = result.as_ref().unwrap().metadata.name.clone();
-            assert_eq!(r.written(q, result, now), Written::Ok);
-            name
-        };
         for i in 0..MAX_TRACKED - 1 {
             r.record(
                 &pod("p", &format!("u{i}")),
@@ -750,17 +745,17 @@ mod tests {
                 t,
                 w,
             );
-            write(&mut r, t);
+            write_next(&mut r, t);
         }
         let live = pod("l", "live");
         let before = t + AGGREGATE_WINDOW - Duration::from_millis(500);
         r.record(&live, EventType::Normal, "R", "live", before, w);
-        let live_event = write(&mut r, before);
+        let live_event = write_next(&mut r, before);
         assert_eq!(r.remembered().0, MAX_TRACKED);
         // The old ones expire; within a second of the last sweep, one more event is written.
         let after = t + AGGREGATE_WINDOW + Duration::from_millis(100);
         r.record(&pod("y", "y"), EventType::Normal, "R", "y", after, w);
-        write(&mut r, after);
+        write_next(&mut r, after);
         assert_eq!(r.remembered().0, 2);
         r.record(&live, EventType::Normal, "R", "live", after, w);
         let e = &r.queue[0];

@@ -522,55 +522,45 @@ mod tests {
         assert_eq!(mask(&out, "SigIgn:") & sigpipe, 0, "{out}");
     }
 
-    /// The process group id in a /proc/<pid>/stat line.
-    fn pgrp(stat: &str) -> u32 {
+    /// Field `n` of a /proc/<pid>/stat line, counting from the state after the command name
+    /// (0: state, 2: process group, 16: nice).
+    fn stat_field(stat: &str, n: usize) -> i64 {
         let after = &stat[stat.rfind(')').unwrap() + 2..];
-        after.split(' ').nth(2).unwrap().parse().unwrap()
+        after.split(' ').nth(n).unwrap().parse().unwrap()
+    }
+
+    const PGRP: usize = 2;
+    const NICE: usize = 16;
+
+    fn own_stat(field: usize) -> i64 {
+        stat_field(
+            &std::fs::read_to_string("/proc/thread-self/stat").unwrap(),
+            field,
+        )
     }
 
     #[test]
     fn a_child_gets_its_own_process_group_only_when_asked() {
-        let ours = pgrp(&std::fs::read_to_string("/proc/self/stat").unwrap());
         let mut own = spec(&["cat", "/proc/self/stat"]);
-        let mut child = spawn(&own).unwrap();
-        let mut out = String::new();
-        child
-            .stdout
-            .take()
-            .unwrap()
-            .read_to_string(&mut out)
-            .unwrap();
-        child.wait().unwrap();
-        assert_eq!(pgrp(&out), ours);
+        assert_eq!(stat_field(&run(&own).0, PGRP), own_stat(PGRP));
         own.own_group = true;
-        let mut child = spawn(&own).unwrap();
-        let mut out = String::new();
-        child
-            .stdout
-            .take()
-            .unwrap()
-            .read_to_string(&mut out)
-            .unwrap();
-        child.wait().unwrap();
-        assert_eq!(pgrp(&out), child.id());
-    }
-
-    /// The nice value in a /proc/<pid>/stat line.
-    fn nice(stat: &str) -> i32 {
-        let after = &stat[stat.rfind(')').unwrap() + 2..];
-        after.split(' ').nth(16).unwrap().parse().unwrap()
+        let (stat, _) = run(&own);
+        let pid: i64 = stat.split(' ').next().unwrap().parse().unwrap();
+        assert_eq!(stat_field(&stat, PGRP), pid);
     }
 
     #[test]
     fn a_nice_value_applies_to_the_child_only() {
-        let ours = nice(&std::fs::read_to_string("/proc/thread-self/stat").unwrap());
+        let ours = own_stat(NICE);
         let mut lower = spec(&["cat", "/proc/self/stat"]);
         // Raising the value (lowering the priority) needs no privilege.
-        lower.nice = Some(ours + 3);
-        assert_eq!(nice(&run(&lower).0), ours + 3);
-        let after = nice(&std::fs::read_to_string("/proc/thread-self/stat").unwrap());
-        assert_eq!(after, ours, "the spawning thread keeps its own");
-        assert_eq!(nice(&run(&spec(&["cat", "/proc/self/stat"])).0), ours);
+        lower.nice = Some(ours as i32 + 3);
+        assert_eq!(stat_field(&run(&lower).0, NICE), ours + 3);
+        assert_eq!(own_stat(NICE), ours, "the spawning thread keeps its own");
+        assert_eq!(
+            stat_field(&run(&spec(&["cat", "/proc/self/stat"])).0, NICE),
+            ours
+        );
     }
 
     #[test]
