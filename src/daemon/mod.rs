@@ -210,9 +210,8 @@ pub struct Daemon {
     timers: HashMap<OwnTimer, (TimerId, Instant)>,
     watchdog: Option<Duration>,
     view_dirty: bool,
-    /// pidfds of the running VMs' hypervisors, checked after every turn that fed the core.
+    /// pidfds of the running VMs' hypervisors, checked for the pods each turn's inputs changed.
     hypervisors: hypervisors::HypervisorWatch,
-    hypervisors_dirty: bool,
     /// When the kubelet view was last rebuilt (see `VIEW_REFRESH`).
     view_built: Option<Instant>,
     stopping: bool,

@@ -120,9 +120,6 @@ impl Daemon {
             let core_at = Instant::now();
             let effects = self.provider.handle(input, now, crate::wall_clock::now());
             self.profile.lap(kind, core_at);
-            // Any input may change a tracked VM or its PID, effects or not (an inspect that
-            // learns a new PID answers with none): the watch is checked after every such turn.
-            self.hypervisors_dirty = true;
             if !effects.is_empty() {
                 self.view_dirty = true;
             }
@@ -131,11 +128,15 @@ impl Daemon {
         if let Some(at) = self.provider.poll_timeout() {
             self.arm(OwnTimer::Provider, at);
         }
-        if self.hypervisors_dirty {
-            self.hypervisors_dirty = false;
+        // Any input may change a tracked VM or its PID, effects or not (an inspect that learns
+        // a new PID answers with none): the pods the inputs touched get their watch checked.
+        let changed = self.provider.take_changed_pods();
+        if !changed.is_empty() {
             let sync_at = Instant::now();
-            self.hypervisors
-                .sync(&mut self.reactor, || self.provider.tracked_vms());
+            for pod in &changed {
+                self.hypervisors
+                    .sync(&mut self.reactor, pod, self.provider.pod_vm(pod));
+            }
             self.profile.lap("hypervisor-sync", sync_at);
         }
     }

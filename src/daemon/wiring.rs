@@ -136,7 +136,6 @@ impl Daemon {
             watchdog,
             view_dirty: true,
             hypervisors: Default::default(),
-            hypervisors_dirty: true,
             view_built: None,
             stopping: false,
             longest_turn,

@@ -90,6 +90,7 @@ mod post_clone;
 mod read_facts;
 mod ready_wait;
 mod reclaim;
+mod slots;
 mod source_check;
 mod stale_creates;
 mod startup;
@@ -145,7 +146,7 @@ pub struct Provider {
     /// The startup reconcile's adoption, while it runs chunk by chunk.
     adoption: Option<Box<Adoption>>,
     buffered: Vec<Input>,
-    slots: BTreeMap<PodKey, Slot>,
+    slots: slots::Slots,
     waiters: BTreeMap<OpId, Waiter>,
     /// Running shared reads (`pod_cocoon_read`), by argv.
     shared_reads: BTreeMap<Vec<String>, OpId>,
@@ -293,7 +294,7 @@ impl Provider {
             startup: None,
             adoption: None,
             buffered: Vec::new(),
-            slots: BTreeMap::new(),
+            slots: slots::Slots::default(),
             waiters: BTreeMap::new(),
             shared_reads: BTreeMap::new(),
             read_facts: Default::default(),
@@ -375,6 +376,12 @@ impl Provider {
             .filter_map(|s| s.tracked.as_ref()?.vm.as_ref())
     }
 
+    /// The pods whose slot (and so tracked VM) may have changed since the last call: the edge
+    /// re-checks these pods' hypervisor watches instead of every tracked VM after each input.
+    pub fn take_changed_pods(&mut self) -> std::collections::BTreeSet<PodKey> {
+        self.slots.take_changed()
+    }
+
     /// The VM of a tracked pod (logs, exec, stats).
     pub fn pod_vm(&self, key: &PodKey) -> Option<&VmInfo> {
         self.slots.get(key)?.tracked.as_ref()?.vm.as_ref()
@@ -409,7 +416,7 @@ impl Provider {
     /// `vm_table_size{namespace}`: tracked VMs per namespace.
     pub fn vm_table_sizes(&self) -> BTreeMap<String, usize> {
         let mut m = BTreeMap::new();
-        for (k, s) in &self.slots {
+        for (k, s) in self.slots.iter() {
             if s.tracked.as_ref().and_then(|t| t.vm.as_ref()).is_some() {
                 *m.entry(k.namespace.clone()).or_insert(0) += 1;
             }
@@ -477,7 +484,7 @@ impl Provider {
     }
 
     fn slot(&mut self, key: &PodKey) -> &mut Slot {
-        self.slots.entry(key.clone()).or_default()
+        self.slots.slot(key)
     }
 
     fn metric(&mut self, m: MetricUpdate) {
