@@ -301,16 +301,12 @@ impl Daemon {
 fn write_pod(kube: &Arc<Client>, w: &PodWrite) -> Result<(), ApiError> {
     let (ns, name) = (&w.key.namespace, &w.key.name);
     match &w.kind {
-        WriteKind::Status { uid, status } => kube
-            .patch_pod_status(ns, name, Some(uid), status)
-            .map(|_| ()),
-        WriteKind::Annotations { uid, annotations } => kube
-            .patch_pod(
-                ns,
-                name,
-                &annotation_patch(uid.clone(), annotations.clone()),
-            )
-            .map(|_| ()),
+        WriteKind::Status { uid, status } => kube.patch_pod_status(ns, name, Some(uid), status),
+        WriteKind::Annotations { uid, annotations } => kube.patch_pod(
+            ns,
+            name,
+            &annotation_patch(uid.clone(), annotations.clone()),
+        ),
         WriteKind::Delete { uid, grace } => kube.delete_pod(ns, name, *grace, Some(uid)),
     }
 }

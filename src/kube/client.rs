@@ -497,41 +497,45 @@ impl Client {
     }
 
     /// Strategic-merge patch of a pod (annotations, labels). Put `metadata.uid` in `patch`
-    /// to make it apply only to that incarnation.
+    /// to make it apply only to that incarnation. The answer's pod is not decoded (a few KB
+    /// of JSON per write): the new copy comes back through the watch.
     pub fn patch_pod(
         &self,
         ns: &str,
         name: &str,
         patch: &serde_json::Value,
-    ) -> Result<Pod, KubeError> {
+    ) -> Result<(), KubeError> {
         let body = encode(patch)?;
-        self.call_json(
+        self.request(
             "PATCH",
             &pod_path(ns, name),
             &[],
             Some((CT_STRATEGIC_MERGE_PATCH, &body)),
         )
+        .map(drop)
     }
 
-    /// Merge patch of pods/status with body `{"metadata":{"uid":..},"status":..}`.
+    /// Merge patch of pods/status with body `{"metadata":{"uid":..},"status":..}`; the answer's
+    /// pod is not decoded either.
     pub fn patch_pod_status(
         &self,
         ns: &str,
         name: &str,
         uid: Option<&str>,
         status: &PodStatus,
-    ) -> Result<Pod, KubeError> {
+    ) -> Result<(), KubeError> {
         let mut body = serde_json::json!({ "status": status });
         if let Some(uid) = uid {
             body["metadata"] = serde_json::json!({ "uid": uid });
         }
         let body = encode(&body)?;
-        self.call_json(
+        self.request(
             "PATCH",
             &format!("{}/status", pod_path(ns, name)),
             &[],
             Some((CT_MERGE_PATCH, &body)),
         )
+        .map(drop)
     }
 
     /// PUT pods/status with the pod's resourceVersion.

@@ -341,14 +341,18 @@ fn pod_calls() {
     );
 
     // Strategic-merge annotations patch, guarded by UID.
-    let p = c
-        .patch_pod(
-            "default",
-            "p1",
-            &serde_json::json!({"metadata": {"uid": uid, "annotations": {"b": "2"}}}),
-        )
-        .unwrap();
-    let ann = p.metadata.annotations.unwrap_or_default();
+    c.patch_pod(
+        "default",
+        "p1",
+        &serde_json::json!({"metadata": {"uid": uid, "annotations": {"b": "2"}}}),
+    )
+    .unwrap();
+    let ann = c
+        .get_pod("default", "p1")
+        .unwrap()
+        .metadata
+        .annotations
+        .unwrap_or_default();
     assert_eq!(
         (
             ann.get("a").map(String::as_str),
@@ -372,9 +376,9 @@ fn pod_calls() {
         pod_ip: Some("10.1.0.9".into()),
         ..Default::default()
     };
-    let p = c
-        .patch_pod_status("default", "p1", Some(&uid), &status)
+    c.patch_pod_status("default", "p1", Some(&uid), &status)
         .unwrap();
+    let p = c.get_pod("default", "p1").unwrap();
     assert_eq!(
         p.status.as_ref().and_then(|s| s.phase.as_deref()),
         Some("Running")
