@@ -5,7 +5,10 @@
 //!
 //! BENCH_PODS (default 1000) sets the pod count; BENCH_QPS the client rate limit
 //! (COCOON_K8S_QPS; default the shipped 50, 0 = off); BENCH_KILLS (default 20) how many
-//! hypervisors are killed during the burst; BENCH_DIR where the fake cocoon's state
+//! hypervisors are killed during the burst; BENCH_DEATH_GAP_MS the pause between two VM deaths
+//! (vanishes, kills) during the burst (default: with the limit on, five token intervals, so
+//! deaths come at a fifth of the client rate and each measures one death's latency; 0 = back to
+//! back, where deaths beyond the lane's credit are written at the client's rate by design); BENCH_DIR where the fake cocoon's state
 //! lives (default /dev/shm); BENCH_BIN_DIR a directory holding the `vk-cocoon` and
 //! `vk-cocoon-sandbox` binaries to run instead of these (e.g. the static musl build). The
 //! lifecycle's figures are printed, not asserted; the soak (`SOAK_*`, see its doc) fails when
@@ -78,6 +81,20 @@ fn running_in(api: &ApiServerHandle) -> BTreeMap<String, String> {
 
 /// Pods created one at a time before the burst.
 const SEQUENTIAL: usize = 100;
+
+/// The pause between two VM deaths during the burst (see the module doc).
+fn death_gap() -> Duration {
+    let qps: f64 = std::env::var("BENCH_QPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(50.0);
+    let default = if qps > 0.0 { 5000.0 / qps } else { 0.0 };
+    let ms = std::env::var("BENCH_DEATH_GAP_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default);
+    Duration::from_secs_f64(ms / 1000.0)
+}
 
 /// Where a bench world lives: `BENCH_DIR`, else /dev/shm (the fake cocoon keeps its records in
 /// files; on tmpfs they cost what cocoon's own index would, not ext4 inode allocation, which was
@@ -213,7 +230,8 @@ fn bench_pod_lifecycle() {
     });
     println!(
         "VM vanish -> Failed/evicted during the burst ({queued_at_vanish} pod writes queued at \
-         the first): p50 {:?} p99 {:?}",
+         the first, {:?} between deaths): p50 {:?} p99 {:?}",
+        death_gap(),
         percentile(&mut vanish.clone(), 0.5),
         percentile(&mut vanish.clone(), 0.99)
     );
@@ -263,6 +281,7 @@ fn vanish_during_burst(
     let mut gone_to_failed = Vec::new();
     let mut slowest = None;
     for (name, id) in ids.iter().filter(|(k, _)| k.starts_with("seq-")) {
+        std::thread::sleep(death_gap());
         let t = Instant::now();
         assert!(w.cocoon(&["fake", "vanish", id]).0);
         let gone = Instant::now();
@@ -350,6 +369,7 @@ fn kill_during_burst(w: &World, killed: &BTreeMap<String, String>) {
     let mut took = Vec::new();
     for (name, id) in killed {
         let uid = w.pod(name).and_then(|p| p.metadata.uid).unwrap_or_default();
+        std::thread::sleep(death_gap());
         let t = Instant::now();
         kill_hypervisor(w, id);
         loop {
@@ -368,8 +388,10 @@ fn kill_during_burst(w: &World, killed: &BTreeMap<String, String>) {
     }
     println!(
         "hypervisor killed (vm start failing) -> pod Failed during the burst ({queued} pod \
-         writes queued at the first kill, {} kills): p50 {:?} p99 {:?} max {:?}",
+         writes queued at the first kill, {} kills, {:?} between deaths): p50 {:?} p99 {:?} \
+         max {:?}",
         took.len(),
+        death_gap(),
         percentile(&mut took.clone(), 0.5),
         percentile(&mut took.clone(), 0.99),
         took.iter().max().copied().unwrap_or_default()
