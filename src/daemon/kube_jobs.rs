@@ -125,6 +125,20 @@ impl Daemon {
     }
 
     fn submit_write(&mut self, write: PodWrite) {
+        if let WriteKind::Status { status, .. } = &write.kind {
+            if log::log_enabled!(log::Level::Debug) {
+                let s = crate::provider::status::summary(status);
+                log::debug!(
+                    "kube lane: status of {} (ops {:?}): phase {:?}, ready {:?} {:?}, ip {:?}",
+                    write.key,
+                    write.ops,
+                    s.phase,
+                    s.ready,
+                    s.ready_message,
+                    s.pod_ip
+                );
+            }
+        }
         let kube = self.lane_kube.clone();
         let submitted = self.lane_pool.submit(move || {
             let result = write_pod(&kube, &write);

@@ -459,14 +459,36 @@ impl Provider {
     }
 
     /// Lifecycle reconciler: re-flush unflushed intents; `ready` redoes status first.
+    /// An intent whose lifecycle patch is still queued, in flight or due for a retry is left
+    /// to that write: re-flushing a `ready` would write the pod's status a second time.
     pub(super) fn lifecycle_reflush(&mut self) {
         let at = self.now + LIFECYCLE_EVERY;
         self.arm(at, TimerEntry::Lifecycle);
+        let retrying = self.timers.values().filter_map(|e| match e {
+            TimerEntry::Reissue { waiter } => Some(waiter),
+            _ => None,
+        });
+        let writing: std::collections::BTreeSet<(&PodKey, &str)> = self
+            .waiters
+            .values()
+            .chain(retrying)
+            .filter_map(|w| match w {
+                Waiter::Annotations {
+                    key,
+                    uid,
+                    lifecycle: true,
+                    ..
+                } => Some((key, uid.as_str())),
+                _ => None,
+            })
+            .collect();
         let keys: Vec<PodKey> = self
             .slots
             .iter()
-            .filter(|(_, s)| {
-                s.intent.as_ref().map(|i| !i.flushed).unwrap_or(false)
+            .filter(|(k, s)| {
+                s.intent
+                    .as_ref()
+                    .is_some_and(|i| !i.flushed && !writing.contains(&(*k, i.uid.as_str())))
                     && s.tracked
                         .as_ref()
                         .map(|t| Some(&t.uid) == s.intent.as_ref().map(|i| &i.uid))

@@ -160,3 +160,54 @@ fn a_status_retry_never_overwrites_a_newer_status() {
         "the stale Ready status was retried over the newer one: {e:?}"
     );
 }
+
+/// The lifecycle re-flush (every 15 s) leaves a `ready` whose patch is still queued or in
+/// flight to that write: re-flushing it would write the pod's status a second time (a backlog
+/// at the client's rate easily holds a write that long). A `ready` whose write failed for good
+/// is re-flushed, status first.
+#[test]
+fn the_lifecycle_reflush_leaves_a_ready_whose_patch_is_still_being_written() {
+    let mut h = H::new(ProviderConfig::default());
+    let p = mk("a", "u1", &managed("a", "vk-ns-demo-0"));
+    let e = create_clone(&mut h, p.clone(), "VM1");
+    let (sop, st) = statuses(&e)
+        .into_iter()
+        .rev()
+        .find(|(_, s)| published(s))
+        .expect("ready status");
+    let e = h.kube_ok(sop);
+    let (rop, a) = annotation_patches(&e)[0].clone();
+    assert_eq!(a[ANN_LIFECYCLE_STATE].as_deref(), Some("ready"));
+    // The API copy shows the status and the id / ip, not yet the lifecycle state.
+    let mut q = p;
+    q.status = Some(st);
+    let ann = q.metadata.annotations.get_or_insert_with(Default::default);
+    for (k, v) in [(ANN_VM_ID, "VM1"), (ANN_VM_IP, "10.0.0.9")] {
+        ann.insert(k.into(), v.into());
+    }
+    h.feed(Input::PodUpserted(Box::new(q)));
+    // The `ready` patch waits in the lane past a re-flush tick: nothing is written again.
+    let e = h.advance(Duration::from_secs(16));
+    assert!(statuses(&e).is_empty(), "{e:?}");
+    assert!(annotation_patches(&e).is_empty(), "{e:?}");
+    // Its write fails on every attempt: the next tick re-flushes, status first.
+    let mut op = rop;
+    let mut e = Vec::new();
+    for _ in 0..10 {
+        h.feed(Input::KubeDone {
+            op,
+            result: Err(KubeError::Other("500".into())),
+        });
+        e = h.advance(Duration::from_secs(1));
+        match annotation_patches(&e).first() {
+            Some((retry, _)) => op = *retry,
+            None => break,
+        }
+    }
+    assert!(
+        annotation_patches(&e).is_empty(),
+        "the retries ran out: {e:?}"
+    );
+    let e = h.advance(Duration::from_secs(15));
+    assert_eq!(statuses(&e).len(), 1, "a failed ready is re-flushed: {e:?}");
+}
