@@ -24,10 +24,8 @@ use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 
-use serde::{Deserialize, Serialize};
-
 use super::Work;
-use crate::provider::owners::{Owned, Owner, OwnerChange, Owners};
+use crate::provider::owners::{OwnerChange, Owners};
 use crate::provider::OpId;
 use crate::reactor::Notifier;
 
@@ -114,9 +112,9 @@ fn load(dir: &Path) -> Owners {
     let (mut applied, mut lines) = (0, bytes.split_inclusive(|b| *b == b'\n').peekable());
     while let Some(line) = lines.next() {
         let torn = !line.ends_with(b"\n");
-        match serde_json::from_slice::<Line>(line) {
+        match serde_json::from_slice::<OwnerChange>(line) {
             Ok(l) if !torn => {
-                owners.apply(&l.change());
+                owners.apply(&l);
                 applied += 1;
             }
             // A crash mid-append: the change was never answered, so nothing relied on it.
@@ -236,7 +234,7 @@ impl Disk {
         }
         let mut text = Vec::new();
         for c in changes {
-            serde_json::to_writer(&mut text, &Line::of(c)).map_err(std::io::Error::other)?;
+            serde_json::to_writer(&mut text, c).map_err(std::io::Error::other)?;
             text.push(b'\n');
         }
         let written = journal.write_all(&text).and_then(|()| journal.sync_data());
@@ -266,71 +264,6 @@ impl Disk {
     }
 }
 
-/// One journal line: a change, as `{"set":{"kind":"vm","name":..,"owner":{..}}}` or
-/// `{"remove":{"kind":"snapshot","name":..}}`.
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-enum Line {
-    Set {
-        kind: Kind,
-        name: String,
-        owner: Owner,
-    },
-    Remove {
-        kind: Kind,
-        name: String,
-    },
-}
-
-#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-enum Kind {
-    Vm,
-    Snapshot,
-}
-
-impl Line {
-    fn of(change: &OwnerChange) -> Line {
-        let kind = |k: &Owned| match k {
-            Owned::Vm => Kind::Vm,
-            Owned::Snapshot => Kind::Snapshot,
-        };
-        match change {
-            OwnerChange::Set {
-                kind: k,
-                name,
-                owner,
-            } => Line::Set {
-                kind: kind(k),
-                name: name.clone(),
-                owner: owner.clone(),
-            },
-            OwnerChange::Remove { kind: k, name } => Line::Remove {
-                kind: kind(k),
-                name: name.clone(),
-            },
-        }
-    }
-
-    fn change(self) -> OwnerChange {
-        let owned = |k: Kind| match k {
-            Kind::Vm => Owned::Vm,
-            Kind::Snapshot => Owned::Snapshot,
-        };
-        match self {
-            Line::Set { kind, name, owner } => OwnerChange::Set {
-                kind: owned(kind),
-                name,
-                owner,
-            },
-            Line::Remove { kind, name } => OwnerChange::Remove {
-                kind: owned(kind),
-                name,
-            },
-        }
-    }
-}
-
 /// The whole ledger into a temporary file (0600), synced, renamed over the ledger, and the
 /// directory synced: a crash leaves the old ledger or the new one, never half of one.
 fn write_atomic(dir: &Path, owners: &Owners) -> std::io::Result<()> {
@@ -351,6 +284,7 @@ fn write_atomic(dir: &Path, owners: &Owners) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::provider::owners::{Owned, Owner};
 
     fn set(kind: Owned, name: &str, ns: &str) -> OwnerChange {
         OwnerChange::Set {
@@ -404,6 +338,14 @@ mod tests {
             ],
         );
         assert_eq!(journal_lines(state), 3, "appended, the file not rewritten");
+        let text = fs::read_to_string(state.join(JOURNAL)).unwrap();
+        assert_eq!(
+            text.lines().take(2).collect::<Vec<_>>(),
+            [
+                r#"{"set":{"kind":"vm","name":"vk-a-b","owner":{"namespace":"a","pod_uid":"u"}}}"#,
+                r#"{"set":{"kind":"snapshot","name":"vk-a-b","owner":{"namespace":"a","pod_uid":"u"}}}"#
+            ]
+        );
         assert_eq!(load_file(state), Owners::default());
         assert_eq!(load(state), owners);
         for file in [FILE, JOURNAL] {
@@ -488,7 +430,7 @@ mod tests {
         bad.extend_from_slice(
             format!(
                 "{}\n",
-                serde_json::to_string(&Line::of(&set(Owned::Vm, "vk-a-d", "a"))).unwrap()
+                serde_json::to_string(&set(Owned::Vm, "vk-a-d", "a")).unwrap()
             )
             .as_bytes(),
         );

@@ -31,14 +31,17 @@ impl Owner {
 
 /// What a ledger entry names: a cocoon VM or a local snapshot (separate name spaces: a VM and
 /// its hibernate snapshot share a name).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Owned {
     Vm,
     Snapshot,
 }
 
-/// One change to the ledger.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One change to the ledger; the daemon's journal holds one per line, as
+/// `{"set":{"kind":"vm","name":..,"owner":{..}}}` or `{"remove":{"kind":"snapshot","name":..}}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum OwnerChange {
     Set {
         kind: Owned,
